@@ -1,0 +1,161 @@
+//! The qgZ kernels: the fused dequantize–sum–requantize step between the two
+//! hops of the gradient all-to-all, and the swizzled quantize that orders the
+//! W chunks of a gradient by destination (local rank, node) so each hop sends
+//! contiguous bytes.
+
+use crate::QuantError;
+use crate::element::Element;
+use crate::format::{QuantFormat, Rounding};
+use crate::kernels::{dequantize_range, quantize_block};
+use crate::tensor::{QuantizedMut, QuantizedRef};
+
+/// Dequantizes `k` inputs of the same length, sums them in f32 and quantizes
+/// the sum into `out`, block by block in one pass (each block of the sum lives
+/// only in `scratch`, which grows once to the output block size).
+///
+/// The sum of an element starts at +0 and adds the inputs in slice order; the
+/// CUDA kernel adds in the same order. Inputs may use different formats; the
+/// output format is `out`'s.
+pub fn sum_requantize(
+    inputs: &[QuantizedRef<'_>],
+    rounding: Rounding,
+    out: QuantizedMut<'_>,
+    scratch: &mut Vec<f32>,
+) -> Result<(), QuantError> {
+    for q in inputs {
+        out.check_len(q.len)?;
+    }
+    let QuantizedMut {
+        format,
+        len,
+        codes,
+        block_max,
+        block_min,
+    } = out;
+    if scratch.len() < format.block.min(len) {
+        scratch.resize(format.block.min(len), 0.0);
+    }
+    let per_block_bytes = format.code_bytes(format.block);
+    for (b, max_out) in block_max.iter_mut().enumerate() {
+        let start = b * format.block;
+        let block_len = format.block.min(len - start);
+        let sum = &mut scratch[..block_len];
+        sum.fill(0.0);
+        for q in inputs {
+            dequantize_range(q, start, sum, |o, v| *o += v)?;
+        }
+        let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(block_len)];
+        quantize_block(
+            sum,
+            &format,
+            rounding,
+            b,
+            start,
+            code_out,
+            max_out,
+            block_min.get_mut(b),
+        )?;
+    }
+    Ok(())
+}
+
+/// Which rank's chunk sits at `position` of the swizzled order: positions are
+/// ordered by (destination local rank g, destination node n), so position
+/// `g·N + n` holds the chunk of rank `n·G + g`.
+pub fn swizzled_rank(position: usize, nodes: usize, ranks_per_node: usize) -> usize {
+    let (g, n) = (position / nodes, position % nodes);
+    n * ranks_per_node + g
+}
+
+/// W = N·G quantized chunks of equal length, stored back to back: chunk `p`'s
+/// codes, block maxima and minima are contiguous, and so is any run of chunks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct QuantizedChunks {
+    pub format: QuantFormat,
+    pub chunk_len: usize,
+    pub count: usize,
+    pub codes: Vec<u8>,
+    pub block_max: Vec<f32>,
+    pub block_min: Vec<f32>,
+}
+
+impl QuantizedChunks {
+    /// Zeroed storage for `count` chunks of `chunk_len` values each.
+    pub fn zeroed(format: QuantFormat, chunk_len: usize, count: usize) -> Self {
+        QuantizedChunks {
+            format,
+            chunk_len,
+            count,
+            codes: vec![0; count * format.code_bytes(chunk_len)],
+            block_max: vec![0.0; count * format.num_blocks(chunk_len)],
+            block_min: vec![0.0; count * format.num_block_mins(chunk_len)],
+        }
+    }
+
+    /// The chunk at `position`.
+    pub fn chunk(&self, position: usize) -> QuantizedRef<'_> {
+        let (c, s, m) = self.strides();
+        QuantizedRef {
+            format: self.format,
+            len: self.chunk_len,
+            codes: &self.codes[position * c..][..c],
+            block_max: &self.block_max[position * s..][..s],
+            block_min: &self.block_min[position * m..][..m],
+        }
+    }
+
+    fn chunk_mut(&mut self, position: usize) -> QuantizedMut<'_> {
+        let (c, s, m) = self.strides();
+        QuantizedMut {
+            format: self.format,
+            len: self.chunk_len,
+            codes: &mut self.codes[position * c..][..c],
+            block_max: &mut self.block_max[position * s..][..s],
+            block_min: &mut self.block_min[position * m..][..m],
+        }
+    }
+
+    /// Code bytes, block maxima and minima per chunk.
+    pub fn strides(&self) -> (usize, usize, usize) {
+        (
+            self.format.code_bytes(self.chunk_len),
+            self.format.num_blocks(self.chunk_len),
+            self.format.num_block_mins(self.chunk_len),
+        )
+    }
+}
+
+/// Splits `input` into W = `nodes`·`ranks_per_node` equal chunks (chunk r for
+/// rank r) and quantizes each into `out` at its swizzled position (see
+/// [`swizzled_rank`]). Each chunk is quantized as a tensor of its own, with
+/// the rounding [`Rounding::for_part`] of its rank.
+pub fn quantize_swizzled<T: Element>(
+    input: &[T],
+    nodes: usize,
+    ranks_per_node: usize,
+    rounding: Rounding,
+    out: &mut QuantizedChunks,
+) -> Result<(), QuantError> {
+    let world = nodes * ranks_per_node;
+    if world == 0 || !input.len().is_multiple_of(world) {
+        return Err(QuantError::InvalidFormat(format!(
+            "cannot split {} values into {nodes} nodes x {ranks_per_node} ranks of equal \
+             chunks; pad the tensor to a multiple of the world size",
+            input.len()
+        )));
+    }
+    let chunk_len = input.len() / world;
+    if out.count != world || out.chunk_len != chunk_len {
+        return Err(QuantError::SizeMismatch {
+            what: "swizzled chunks (count x length)",
+            expected: world * chunk_len,
+            found: out.count * out.chunk_len,
+        });
+    }
+    for position in 0..world {
+        let rank = swizzled_rank(position, nodes, ranks_per_node);
+        let chunk = &input[rank * chunk_len..][..chunk_len];
+        crate::kernels::quantize(chunk, rounding.for_part(rank), out.chunk_mut(position))?;
+    }
+    Ok(())
+}

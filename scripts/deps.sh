@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs the system packages zeropp needs to build and test, on Debian or
+# Ubuntu, when they are missing. Sourced by scripts/main.sh and scripts/test.sh.
+set -euo pipefail
+
+zeropp_apt_packages=(build-essential pkg-config)
+
+zeropp_install_deps() {
+  local missing=()
+  for p in "${zeropp_apt_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -eq 0 ]; then
+    return 0
+  fi
+  local sudo=""
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { echo "need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+    sudo="sudo"
+  fi
+  echo "installing system packages: ${missing[*]}" >&2
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+}
+
+if ! command -v cargo >/dev/null; then
+  echo "cargo not found: install Rust from https://rustup.rs first" >&2
+  exit 1
+fi
+zeropp_install_deps

@@ -1,0 +1,8 @@
+//! zeropp: fully sharded data-parallel training (ZeRO-3) with ZeRO++
+//! communication for clusters with slow links between nodes.
+//!
+//! This crate holds the engine, collectives, transports and the command-line
+//! tools; the quantization formats live in `zeropp-quant`.
+
+pub mod example_weights;
+pub mod quant_error;

@@ -1,0 +1,242 @@
+//! `zeropp quant-error`: quantizes every floating tensor of a safetensors file
+//! and reports what it costs in accuracy and saves in bytes, so users can pick
+//! bits and block size for their own weights.
+
+use std::fs::File;
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use half::{bf16, f16};
+use safetensors::{Dtype, SafeTensors};
+use serde::Serialize;
+use zeropp_quant::{ErrorStats, QuantFormat, QuantizedTensor, Rounding, Scheme};
+
+/// Values converted and quantized at a time, so memory stays bounded on
+/// tensors of billions of values (a multiple of every block size).
+const SEGMENT: usize = 1 << 22;
+
+/// Error figures of one tensor, or of all of them together.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Figures {
+    pub elements: usize,
+    pub absmax: f64,
+    pub rmse: f64,
+    pub max_abs_error: f64,
+    pub rel_l2_error: f64,
+    /// `null` in JSON when the round trip is exact (infinite SNR).
+    pub snr_db: Option<f64>,
+    pub bytes_in: usize,
+    pub bytes_out: usize,
+}
+
+impl Figures {
+    fn new(stats: &ErrorStats, bytes_in: usize, bytes_out: usize) -> Self {
+        let snr = stats.snr_db();
+        Figures {
+            elements: stats.elements,
+            absmax: stats.absmax,
+            rmse: stats.rmse(),
+            max_abs_error: stats.max_abs_error,
+            rel_l2_error: stats.rel_l2_error(),
+            snr_db: snr.is_finite().then_some(snr),
+            bytes_in,
+            bytes_out,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct TensorReport {
+    pub name: String,
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    #[serde(flatten)]
+    pub figures: Figures,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Skipped {
+    pub name: String,
+    pub dtype: String,
+    pub reason: String,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Report {
+    pub file: String,
+    pub format: String,
+    pub bits: u32,
+    pub block: usize,
+    pub scheme: String,
+    pub tensors: Vec<TensorReport>,
+    pub skipped: Vec<Skipped>,
+    pub total: Figures,
+}
+
+fn widen(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
+    out.clear();
+    match dtype {
+        Dtype::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        Dtype::BF16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+        Dtype::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+        other => unreachable!("dtype {other:?} is filtered out before widening"),
+    }
+}
+
+/// Quantizes and measures every f32/bf16/f16 tensor of the file at `path`.
+pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<Report> {
+    let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    // SAFETY: the map is read-only and lives for this function; a file changed
+    // underneath us by another process is the one hazard, as with any reader.
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .with_context(|| format!("cannot map {}", path.display()))?;
+    let st = SafeTensors::deserialize(&map).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not a valid safetensors file ({e}); it may be truncated or corrupt — \
+             re-download or re-export it",
+            path.display()
+        )
+    })?;
+    let mut names: Vec<&str> = st.names();
+    names.sort_unstable();
+
+    let mut tensors = Vec::new();
+    let mut skipped = Vec::new();
+    let mut total_stats = ErrorStats::default();
+    let (mut total_in, mut total_out) = (0, 0);
+    let mut wide = Vec::new();
+    for name in names {
+        let view = st.tensor(name)?;
+        let dtype = view.dtype();
+        if !matches!(dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
+            let reason = if matches!(dtype, Dtype::F64) || format!("{dtype:?}").starts_with('F') {
+                "floating dtype zeropp does not quantize (f32, bf16 and f16 only)"
+            } else {
+                "not a floating-point tensor"
+            };
+            skipped.push(Skipped {
+                name: name.to_string(),
+                dtype: format!("{dtype:?}"),
+                reason: reason.into(),
+            });
+            continue;
+        }
+        let width = dtype.bitsize() / 8;
+        let mut stats = ErrorStats::default();
+        for (s, segment) in view.data().chunks(SEGMENT * width).enumerate() {
+            widen(dtype, segment, &mut wide);
+            let q = QuantizedTensor::quantize(&wide, format, rounding.for_part(s)).map_err(
+                |e| match e {
+                    zeropp_quant::QuantError::NonFinite { index, value, .. } => anyhow::anyhow!(
+                        "tensor '{name}': element {} is {value}; a checkpoint with NaN or \
+                         Inf weights cannot be quantized — check the run that wrote it",
+                        s * SEGMENT + index
+                    ),
+                    other => anyhow::anyhow!("tensor '{name}': {other}"),
+                },
+            )?;
+            let back: Vec<f32> = q.dequantize()?;
+            stats.merge(&ErrorStats::measure(&wide, &back));
+        }
+        let elements: usize = view.shape().iter().product();
+        let bytes_out = format.total_bytes(elements);
+        total_stats.merge(&stats);
+        total_in += view.data().len();
+        total_out += bytes_out;
+        tensors.push(TensorReport {
+            name: name.to_string(),
+            dtype: format!("{dtype:?}"),
+            shape: view.shape().to_vec(),
+            figures: Figures::new(&stats, view.data().len(), bytes_out),
+        });
+    }
+    if tensors.is_empty() {
+        bail!(
+            "{} holds no f32, bf16 or f16 tensor ({} skipped); nothing to measure",
+            path.display(),
+            skipped.len()
+        );
+    }
+    Ok(Report {
+        file: path.display().to_string(),
+        format: format.to_string(),
+        bits: format.bits.count(),
+        block: format.block,
+        scheme: match format.scheme {
+            Scheme::Symmetric => "symmetric".into(),
+            Scheme::Asymmetric => "asymmetric".into(),
+        },
+        tensors,
+        skipped,
+        total: Figures::new(&total_stats, total_in, total_out),
+    })
+}
+
+/// The report as an aligned table for a terminal.
+pub fn render_table(r: &Report) -> String {
+    let mut out = format!(
+        "{}: {} ({}-bit {}, block {})\n",
+        r.file, r.format, r.bits, r.scheme, r.block
+    );
+    let width = r
+        .tensors
+        .iter()
+        .map(|t| t.name.len())
+        .max()
+        .unwrap_or(0)
+        .max(5);
+    out.push_str(&format!(
+        "{:<width$} {:>5} {:>10} {:>10} {:>10} {:>11} {:>9} {:>8} {:>12} {:>12}\n",
+        "name",
+        "dtype",
+        "elements",
+        "absmax",
+        "rmse",
+        "max_abs_err",
+        "rel_l2",
+        "snr_db",
+        "bytes_in",
+        "bytes_out"
+    ));
+    let row = |name: &str, dtype: &str, f: &Figures| {
+        format!(
+            "{:<width$} {:>5} {:>10} {:>10.4e} {:>10.3e} {:>11.3e} {:>9.3e} {:>8} {:>12} {:>12}\n",
+            name,
+            dtype,
+            f.elements,
+            f.absmax,
+            f.rmse,
+            f.max_abs_error,
+            f.rel_l2_error,
+            f.snr_db.map_or("exact".into(), |s| format!("{s:.2}")),
+            f.bytes_in,
+            f.bytes_out
+        )
+    };
+    for t in &r.tensors {
+        out.push_str(&row(&t.name, &t.dtype, &t.figures));
+    }
+    out.push_str(&row("TOTAL", "", &r.total));
+    out.push_str(&format!(
+        "compression {:.2}x ({} -> {} bytes, block parameters included)\n",
+        r.total.bytes_in as f64 / r.total.bytes_out.max(1) as f64,
+        r.total.bytes_in,
+        r.total.bytes_out
+    ));
+    for s in &r.skipped {
+        out.push_str(&format!("skipped {} ({}): {}\n", s.name, s.dtype, s.reason));
+    }
+    out
+}
