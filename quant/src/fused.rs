@@ -6,7 +6,8 @@
 use crate::QuantError;
 use crate::element::Element;
 use crate::format::{QuantFormat, Rounding};
-use crate::kernels::{dequantize_range, quantize_block};
+use crate::isa::Isa;
+use crate::kernels::{BlockOut, dequantize_range_on, quantize_block_on};
 use crate::tensor::{QuantizedMut, QuantizedRef};
 
 /// Dequantizes `k` inputs of the same length, sums them in f32 and quantizes
@@ -17,6 +18,17 @@ use crate::tensor::{QuantizedMut, QuantizedRef};
 /// CUDA kernel adds in the same order. Inputs may use different formats; the
 /// output format is `out`'s.
 pub fn sum_requantize(
+    inputs: &[QuantizedRef<'_>],
+    rounding: Rounding,
+    out: QuantizedMut<'_>,
+    scratch: &mut Vec<f32>,
+) -> Result<(), QuantError> {
+    sum_requantize_on(Isa::detect(), inputs, rounding, out, scratch)
+}
+
+/// [`sum_requantize`] with a chosen instruction set.
+pub fn sum_requantize_on(
+    isa: Isa,
     inputs: &[QuantizedRef<'_>],
     rounding: Rounding,
     out: QuantizedMut<'_>,
@@ -42,19 +54,17 @@ pub fn sum_requantize(
         let sum = &mut scratch[..block_len];
         sum.fill(0.0);
         for q in inputs {
-            dequantize_range(q, start, sum, |o, v| *o += v)?;
+            dequantize_range_on(isa, q, start, sum, |o, v| *o += v)?;
         }
         let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(block_len)];
-        quantize_block(
-            sum,
-            &format,
-            rounding,
-            b,
+        let block = BlockOut {
+            index: b,
             start,
-            code_out,
-            max_out,
-            block_min.get_mut(b),
-        )?;
+            codes: code_out,
+            max: max_out,
+            min: block_min.get_mut(b),
+        };
+        quantize_block_on(isa, sum, &format, rounding, block)?;
     }
     Ok(())
 }

@@ -8,6 +8,7 @@ use rand::{Rng, SeedableRng};
 use crate::QuantError;
 use crate::element::Element;
 use crate::format::{Bits, QuantFormat, Rounding, Scheme};
+use crate::isa::Isa;
 use crate::tensor::{QuantizedMut, QuantizedRef};
 
 /// Adding then subtracting 1.5·2^23 rounds an f32 of magnitude below 2^22 to
@@ -20,6 +21,15 @@ fn round_half_even(v: f32) -> f32 {
     (v + ROUND_MAGIC) - ROUND_MAGIC
 }
 
+/// The integer nearest to `v` (ties to even), for `|v| < 2^22`: after adding
+/// the magic number the integer sits in the low mantissa bits. Plain float
+/// add and integer subtract, so the code loops vectorise (a float-to-int
+/// conversion with Rust's saturating semantics does not).
+#[inline(always)]
+fn nearest_int(v: f32) -> i32 {
+    ((v + ROUND_MAGIC).to_bits() as i32).wrapping_sub(ROUND_MAGIC.to_bits() as i32)
+}
+
 /// `floor(v + u)` for `u` in `[0, 1)`, written with compare and select.
 #[inline(always)]
 fn round_stochastic(v: f32, u: f32) -> f32 {
@@ -28,10 +38,19 @@ fn round_stochastic(v: f32, u: f32) -> f32 {
     if r > t { r - 1.0 } else { r }
 }
 
-/// A uniform draw in `[0, 1)` with 24 random bits (exact in f32).
+/// Fills `draws` with uniform values in `[0, 1)` of 24 random bits each
+/// (exact in f32): two per `u64` of the generator, from bits 63..40 and
+/// 31..8, in element order.
 #[inline(always)]
-fn uniform(rng: &mut SmallRng) -> f32 {
-    (rng.next_u32() >> 8) as f32 * (1.0 / 16_777_216.0)
+fn fill_uniform(rng: &mut SmallRng, draws: &mut [f32]) {
+    const SCALE: f32 = 1.0 / 16_777_216.0;
+    for pair in draws.chunks_mut(2) {
+        let r = rng.next_u64();
+        pair[0] = (r >> 40) as f32 * SCALE;
+        if let Some(second) = pair.get_mut(1) {
+            *second = ((r >> 8) & 0x00ff_ffff) as f32 * SCALE;
+        }
+    }
 }
 
 /// The generator for one block of a stochastic rounding: seeded from the
@@ -53,8 +72,6 @@ fn from_order_key(k: i32) -> f32 {
     f32::from_bits((k ^ (((k >> 31) as u32) >> 1) as i32) as u32)
 }
 
-const LANES: usize = 8;
-
 fn first_non_finite<T: Element>(x: &[T], block: usize, block_start: usize) -> QuantError {
     let (offset, value) = x
         .iter()
@@ -70,19 +87,11 @@ fn first_non_finite<T: Element>(x: &[T], block: usize, block_start: usize) -> Qu
 }
 
 /// `max |x|` of a block, or the first non-finite value as an error.
+#[inline(always)]
 fn block_absmax<T: Element>(x: &[T], block: usize, block_start: usize) -> Result<f32, QuantError> {
-    // Magnitude bits compare like the magnitudes; NaN and inf sit at the top.
-    let mut lanes = [0u32; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for k in 0..LANES {
-            lanes[k] = lanes[k].max(c[k].to_f32().to_bits() & 0x7fff_ffff);
-        }
-    }
-    let mut m = lanes.into_iter().max().unwrap_or(0);
-    for v in chunks.remainder() {
-        m = m.max(v.to_f32().to_bits() & 0x7fff_ffff);
-    }
+    // Magnitude bits compare like the magnitudes, with inf and NaN on top; an
+    // integer max is associative, so the compiler vectorises the reduction.
+    let m = T::max_magnitude_bits(x);
     if m >= 0x7f80_0000 {
         return Err(first_non_finite(x, block, block_start));
     }
@@ -90,28 +99,16 @@ fn block_absmax<T: Element>(x: &[T], block: usize, block_start: usize) -> Result
 }
 
 /// `(min, max)` of a block, or the first non-finite value as an error.
+#[inline(always)]
 fn block_min_max<T: Element>(
     x: &[T],
     block: usize,
     block_start: usize,
 ) -> Result<(f32, f32), QuantError> {
-    let mut lo = [i32::MAX; LANES];
-    let mut hi = [i32::MIN; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for k in 0..LANES {
-            let key = order_key(c[k].to_f32());
-            lo[k] = lo[k].min(key);
-            hi[k] = hi[k].max(key);
-        }
-    }
-    let mut min_key = lo.into_iter().min().unwrap_or(i32::MAX);
-    let mut max_key = hi.into_iter().max().unwrap_or(i32::MIN);
-    for v in chunks.remainder() {
-        let key = order_key(v.to_f32());
-        min_key = min_key.min(key);
-        max_key = max_key.max(key);
-    }
+    let (min_key, max_key) = x
+        .iter()
+        .map(|v| order_key(v.to_f32()))
+        .fold((i32::MAX, i32::MIN), |(lo, hi), k| (lo.min(k), hi.max(k)));
     if max_key >= order_key(f32::INFINITY) || min_key <= order_key(f32::NEG_INFINITY) {
         return Err(first_non_finite(x, block, block_start));
     }
@@ -119,29 +116,33 @@ fn block_min_max<T: Element>(
 }
 
 /// Writes the codes of one block, `PER` codes per byte, low bits first.
-/// `code` maps a value (and its index in the block) to its integer code.
+/// `code` maps a value and its companion from `extra` (a uniform draw for
+/// stochastic rounding, `()` otherwise) to its integer code.
 #[inline(always)]
-fn write_codes<T: Element, const PER: usize>(
+fn write_codes<T: Element, U: Copy, const PER: usize>(
     x: &[T],
+    extra: &[U],
     out: &mut [u8],
-    mut code: impl FnMut(f32) -> i32,
+    mut code: impl FnMut(f32, U) -> i32,
 ) {
+    debug_assert_eq!(x.len(), extra.len());
     let bits = 8 / PER;
     let mask = (1u32 << bits) - 1;
     let mut chunks = x.chunks_exact(PER);
+    let mut extra_chunks = extra.chunks_exact(PER);
     let mut out_iter = out.iter_mut();
-    for (c, o) in (&mut chunks).zip(&mut out_iter) {
+    for ((c, e), o) in (&mut chunks).zip(&mut extra_chunks).zip(&mut out_iter) {
         let mut byte = 0u32;
-        for (k, v) in c.iter().enumerate() {
-            byte |= ((code(v.to_f32()) as u32) & mask) << (k * bits);
+        for (k, (v, u)) in c.iter().zip(e).enumerate() {
+            byte |= ((code(v.to_f32(), *u) as u32) & mask) << (k * bits);
         }
         *o = byte as u8;
     }
     let rem = chunks.remainder();
     if !rem.is_empty() {
         let mut byte = 0u32;
-        for (k, v) in rem.iter().enumerate() {
-            byte |= ((code(v.to_f32()) as u32) & mask) << (k * bits);
+        for (k, (v, u)) in rem.iter().zip(extra_chunks.remainder()).enumerate() {
+            byte |= ((code(v.to_f32(), *u) as u32) & mask) << (k * bits);
         }
         if let Some(o) = out_iter.next() {
             *o = byte as u8;
@@ -149,16 +150,47 @@ fn write_codes<T: Element, const PER: usize>(
     }
 }
 
-fn write_block_codes<T: Element>(
+#[inline(always)]
+fn write_block_codes<T: Element, U: Copy>(
+    bits: Bits,
+    x: &[T],
+    extra: &[U],
+    out: &mut [u8],
+    code: impl FnMut(f32, U) -> i32,
+) {
+    match bits {
+        Bits::Eight => write_codes::<T, U, 1>(x, extra, out, code),
+        Bits::Four => write_codes::<T, U, 2>(x, extra, out, code),
+        Bits::Two => write_codes::<T, U, 4>(x, extra, out, code),
+    }
+}
+
+/// Values whose uniform draws are made ahead of their codes, so that the
+/// code loop vectorises (a multiple of every codes-per-byte).
+const NOISE_CHUNK: usize = 128;
+
+/// Writes a block's codes with round-to-nearest (`code` gets no draw) or
+/// stochastic rounding (`code` gets `u`, drawn in element order from `rng`).
+#[inline(always)]
+fn write_rounded_codes<T: Element>(
     bits: Bits,
     x: &[T],
     out: &mut [u8],
-    code: impl FnMut(f32) -> i32,
+    rng: Option<&mut SmallRng>,
+    code: impl Fn(f32, f32) -> i32 + Copy,
 ) {
-    match bits {
-        Bits::Eight => write_codes::<T, 1>(x, out, code),
-        Bits::Four => write_codes::<T, 2>(x, out, code),
-        Bits::Two => write_codes::<T, 4>(x, out, code),
+    static NO_DRAWS: [(); crate::format::MAX_BLOCK] = [(); crate::format::MAX_BLOCK];
+    match rng {
+        None => write_block_codes(bits, x, &NO_DRAWS[..x.len()], out, |v, ()| code(v, 0.0)),
+        Some(rng) => {
+            let mut noise = [0f32; NOISE_CHUNK];
+            let bytes_per_chunk = NOISE_CHUNK / bits.codes_per_byte();
+            for (xc, oc) in x.chunks(NOISE_CHUNK).zip(out.chunks_mut(bytes_per_chunk)) {
+                let draws = &mut noise[..xc.len()];
+                fill_uniform(rng, draws);
+                write_block_codes(bits, xc, draws, oc, code);
+            }
+        }
     }
 }
 
@@ -167,6 +199,16 @@ fn write_block_codes<T: Element>(
 /// Errors: a non-finite input value (named by block and index), a block whose
 /// range overflows f32 (asymmetric only), or buffers of the wrong size.
 pub fn quantize<T: Element>(
+    input: &[T],
+    rounding: Rounding,
+    out: QuantizedMut<'_>,
+) -> Result<(), QuantError> {
+    quantize_on(Isa::detect(), input, rounding, out)
+}
+
+/// [`quantize`] with a chosen instruction set (same results on every one).
+pub fn quantize_on<T: Element>(
+    isa: Isa,
     input: &[T],
     rounding: Rounding,
     out: QuantizedMut<'_>,
@@ -183,32 +225,106 @@ pub fn quantize<T: Element>(
     for (b, x) in input.chunks(format.block).enumerate() {
         let start = b * format.block;
         let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(x.len())];
-        quantize_block(
-            x,
-            &format,
-            rounding,
-            b,
+        let block = BlockOut {
+            index: b,
             start,
-            code_out,
-            &mut block_max[b],
-            block_min.get_mut(b),
-        )?;
+            codes: code_out,
+            max: &mut block_max[b],
+            min: block_min.get_mut(b),
+        };
+        quantize_block_on(isa, x, &format, rounding, block)?;
     }
     Ok(())
 }
 
-/// Quantizes one block; `min_out` is `None` for the symmetric scheme.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn quantize_block<T: Element>(
+/// Where one block's quantization goes.
+pub(crate) struct BlockOut<'a> {
+    /// Block number within its tensor (names errors, seeds stochastic rounding).
+    pub index: usize,
+    /// Index of the block's first value within its tensor.
+    pub start: usize,
+    pub codes: &'a mut [u8],
+    pub max: &'a mut f32,
+    /// `None` for the symmetric scheme.
+    pub min: Option<&'a mut f32>,
+}
+
+/// Quantizes one block with the chosen instruction set.
+pub(crate) fn quantize_block_on<T: Element>(
+    isa: Isa,
     x: &[T],
     format: &QuantFormat,
     rounding: Rounding,
-    block: usize,
-    block_start: usize,
-    codes: &mut [u8],
-    max_out: &mut f32,
-    min_out: Option<&mut f32>,
+    out: BlockOut<'_>,
 ) -> Result<(), QuantError> {
+    match isa {
+        Isa::Portable => quantize_block(x, format, rounding, out),
+        // SAFETY: `Isa::Avx2` is only ever produced where the CPU has AVX2
+        // (`Isa::detect`/`Isa::available`).
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::quantize_block(x, format, rounding, out) },
+    }
+}
+
+/// Dequantizes a range (see [`dequantize_range`]) with the chosen
+/// instruction set.
+pub(crate) fn dequantize_range_on<O>(
+    isa: Isa,
+    q: &QuantizedRef<'_>,
+    start: usize,
+    out: &mut [O],
+    put: impl FnMut(&mut O, f32) + Copy,
+) -> Result<(), QuantError> {
+    match isa {
+        Isa::Portable => dequantize_range(q, start, out, put),
+        // SAFETY: as in `quantize_block_on`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::dequantize_range(q, start, out, put) },
+    }
+}
+
+/// The kernels compiled with AVX2 enabled: the same generic code, inlined
+/// into functions that carry the target feature.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn quantize_block<T: Element>(
+        x: &[T],
+        format: &QuantFormat,
+        rounding: Rounding,
+        out: BlockOut<'_>,
+    ) -> Result<(), QuantError> {
+        super::quantize_block(x, format, rounding, out)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dequantize_range<O>(
+        q: &QuantizedRef<'_>,
+        start: usize,
+        out: &mut [O],
+        put: impl FnMut(&mut O, f32) + Copy,
+    ) -> Result<(), QuantError> {
+        super::dequantize_range(q, start, out, put)
+    }
+}
+
+/// Quantizes one block.
+#[inline(always)]
+fn quantize_block<T: Element>(
+    x: &[T],
+    format: &QuantFormat,
+    rounding: Rounding,
+    out: BlockOut<'_>,
+) -> Result<(), QuantError> {
+    let BlockOut {
+        index: block,
+        start: block_start,
+        codes,
+        max: max_out,
+        min: min_out,
+    } = out;
     let qmax = format.qmax();
     match format.scheme {
         Scheme::Symmetric => {
@@ -220,13 +336,16 @@ pub(crate) fn quantize_block<T: Element>(
                 return Ok(());
             }
             match rounding {
-                Rounding::NearestEven => write_block_codes(format.bits, x, codes, |v| {
-                    round_half_even(v / scale).clamp(-qmax, qmax) as i32
-                }),
+                Rounding::NearestEven => {
+                    write_rounded_codes(format.bits, x, codes, None, |v, _| {
+                        // Clamping to integer bounds commutes with rounding.
+                        nearest_int((v / scale).clamp(-qmax, qmax))
+                    })
+                }
                 Rounding::Stochastic { seed } => {
                     let mut rng = block_rng(seed, block);
-                    write_block_codes(format.bits, x, codes, |v| {
-                        round_stochastic(v / scale, uniform(&mut rng)).clamp(-qmax, qmax) as i32
+                    write_rounded_codes(format.bits, x, codes, Some(&mut rng), |v, u| {
+                        nearest_int(round_stochastic(v / scale, u).clamp(-qmax, qmax))
                     })
                 }
             }
@@ -246,14 +365,15 @@ pub(crate) fn quantize_block<T: Element>(
                 return Ok(());
             }
             match rounding {
-                Rounding::NearestEven => write_block_codes(format.bits, x, codes, |v| {
-                    round_half_even((v - min) / scale).clamp(0.0, qmax) as i32
-                }),
+                Rounding::NearestEven => {
+                    write_rounded_codes(format.bits, x, codes, None, |v, _| {
+                        nearest_int(((v - min) / scale).clamp(0.0, qmax))
+                    })
+                }
                 Rounding::Stochastic { seed } => {
                     let mut rng = block_rng(seed, block);
-                    write_block_codes(format.bits, x, codes, |v| {
-                        round_stochastic((v - min) / scale, uniform(&mut rng)).clamp(0.0, qmax)
-                            as i32
+                    write_rounded_codes(format.bits, x, codes, Some(&mut rng), |v, u| {
+                        nearest_int(round_stochastic((v - min) / scale, u).clamp(0.0, qmax))
                     })
                 }
             }
@@ -305,7 +425,8 @@ fn read_codes<O, const PER: usize, const SIGNED: bool>(
 /// Dequantizes the values `[start, start + out.len())` of `q` through `put`.
 /// `start` must be a multiple of the format's codes per byte (every block
 /// boundary is).
-pub(crate) fn dequantize_range<O>(
+#[inline(always)]
+fn dequantize_range<O>(
     q: &QuantizedRef<'_>,
     start: usize,
     out: &mut [O],
@@ -360,14 +481,32 @@ pub(crate) fn dequantize_range<O>(
 
 /// Dequantizes all of `q` into `out` (`out.len()` must equal `q.len`).
 pub fn dequantize<T: Element>(q: QuantizedRef<'_>, out: &mut [T]) -> Result<(), QuantError> {
+    dequantize_on(Isa::detect(), q, out)
+}
+
+/// [`dequantize`] with a chosen instruction set.
+pub fn dequantize_on<T: Element>(
+    isa: Isa,
+    q: QuantizedRef<'_>,
+    out: &mut [T],
+) -> Result<(), QuantError> {
     q.check_out_len(out.len())?;
-    dequantize_range(&q, 0, out, |o, v| *o = T::from_f32(v))
+    dequantize_range_on(isa, &q, 0, out, |o, v| *o = T::from_f32(v))
 }
 
 /// Adds the dequantized values of `q` to `acc` (in f32).
 pub fn dequantize_accumulate(q: QuantizedRef<'_>, acc: &mut [f32]) -> Result<(), QuantError> {
+    dequantize_accumulate_on(Isa::detect(), q, acc)
+}
+
+/// [`dequantize_accumulate`] with a chosen instruction set.
+pub fn dequantize_accumulate_on(
+    isa: Isa,
+    q: QuantizedRef<'_>,
+    acc: &mut [f32],
+) -> Result<(), QuantError> {
     q.check_out_len(acc.len())?;
-    dequantize_range(&q, 0, acc, |o, v| *o += v)
+    dequantize_range_on(isa, &q, 0, acc, |o, v| *o += v)
 }
 
 #[cfg(test)]
@@ -382,6 +521,14 @@ mod tests {
         }
         for v in [0.5f32, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.49999] {
             assert_eq!(round_half_even(v), v.round_ties_even(), "{v}");
+        }
+    }
+
+    #[test]
+    fn nearest_int_matches_rint() {
+        for i in -4_000_000..4_000_000 {
+            let v = i as f32 * 0.0625 + 0.03125 * (i % 2) as f32;
+            assert_eq!(nearest_int(v), v.round_ties_even() as i32, "{v}");
         }
     }
 

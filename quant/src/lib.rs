@@ -56,10 +56,12 @@
 //!
 //! ## Rounding
 //! - [`Rounding::NearestEven`]: ties to even (`rintf` in CUDA).
-//! - [`Rounding::Stochastic`]: `q = floor(v + u)`, `u = (r >> 8) · 2^−24`,
-//!   `r` the next `u32` of a [`rand::rngs::SmallRng`] seeded per block with
-//!   `seed_from_u64(seed ^ (block · 0x9E3779B97F4A7C15))`; unbiased, and
-//!   reproducible for a seed whatever order blocks are processed in.
+//! - [`Rounding::Stochastic`]: `q = floor(v + u)` with `u` uniform in
+//!   `[0, 1)` and 24 bits: for the values `2j` and `2j + 1` of a block, bits
+//!   63..40 and 31..8 of the `j`-th `u64` of a [`rand::rngs::SmallRng`]
+//!   seeded per block with `seed_from_u64(seed ^ (block · 0x9E3779B97F4A7C15))`,
+//!   times `2^−24`; unbiased, and reproducible for a seed whatever order the
+//!   blocks are processed in.
 //!
 //! ## Error contract
 //! With `u = 2^−24`, for round-to-nearest and a block whose scale is a normal
@@ -82,14 +84,21 @@
 pub mod element;
 pub mod format;
 pub mod fused;
+pub mod isa;
 pub mod kernels;
 pub mod stats;
 pub mod tensor;
 
 pub use element::Element;
 pub use format::{Bits, MAX_BLOCK, MIN_BLOCK, QuantFormat, Rounding, Scheme};
-pub use fused::{QuantizedChunks, quantize_swizzled, sum_requantize, swizzled_rank};
-pub use kernels::{dequantize, dequantize_accumulate, quantize};
+pub use fused::{
+    QuantizedChunks, quantize_swizzled, sum_requantize, sum_requantize_on, swizzled_rank,
+};
+pub use isa::Isa;
+pub use kernels::{
+    dequantize, dequantize_accumulate, dequantize_accumulate_on, dequantize_on, quantize,
+    quantize_on,
+};
 pub use stats::ErrorStats;
 pub use tensor::{QuantizedMut, QuantizedRef, QuantizedTensor};
 

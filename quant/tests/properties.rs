@@ -217,6 +217,30 @@ proptest! {
     }
 
     #[test]
+    fn every_instruction_set_gives_identical_results(format in formats(), x in tensors(), seed in any::<u64>()) {
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let results: Vec<_> = Isa::available()
+            .into_iter()
+            .map(|isa| {
+                let mut q = QuantizedTensor::zeroed(format, x.len());
+                quantize_on(isa, &x, Rounding::NearestEven, q.as_mut()).unwrap();
+                let mut qs = QuantizedTensor::zeroed(format, x.len());
+                quantize_on(isa, &xb, Rounding::Stochastic { seed }, qs.as_mut()).unwrap();
+                let mut y = vec![bf16::ZERO; x.len()];
+                dequantize_on(isa, qs.as_ref(), &mut y).unwrap();
+                let mut acc = x.clone();
+                dequantize_accumulate_on(isa, q.as_ref(), &mut acc).unwrap();
+                let mut fused = QuantizedTensor::zeroed(format, x.len());
+                sum_requantize_on(isa, &[q.as_ref(), qs.as_ref()], Rounding::NearestEven, fused.as_mut(), &mut Vec::new()).unwrap();
+                (q, qs, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), acc.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), fused)
+            })
+            .collect();
+        for r in &results[1..] {
+            prop_assert_eq!(r, &results[0]);
+        }
+    }
+
+    #[test]
     fn a_non_finite_value_is_named(format in formats(), len in 1usize..2000, pos_seed in any::<usize>(), which in 0usize..3) {
         let mut x: Vec<f32> = (0..len).map(|i| (i as f32).sin()).collect();
         let pos = pos_seed % len;
