@@ -4,5 +4,6 @@
 //! This crate holds the engine, collectives, transports and the command-line
 //! tools; the quantization formats live in `zeropp-quant`.
 
+pub mod comm;
 pub mod example_weights;
 pub mod quant_error;

@@ -1,0 +1,622 @@
+//! Collectives written once over any [`Transport`], for any group of ranks
+//! (a subset, in any order): ring all-gather, ring reduce-scatter with a
+//! pluggable reduction, pairwise all-to-all with per-peer sizes, all-reduce,
+//! broadcast and barrier. Every wait has the communicator's timeout.
+//!
+//! Tags: each call on a group takes the group's next sequence number, and a
+//! message's tag is (group id, sequence, step). Every member must call the
+//! group's collectives in the same order, from one thread at a time — the
+//! rule of every collective library.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+
+use super::{CommError, SendHandle, Tag, Transport};
+
+/// An ordered set of global ranks that run collectives together.
+#[derive(Debug)]
+pub struct Group {
+    id: u16,
+    ranks: Vec<usize>,
+    seq: AtomicU32,
+}
+
+impl Group {
+    /// A group with a job-unique `id` (the same on every member) over
+    /// `ranks` (global ranks, in group order, no repeats).
+    pub fn new(id: u16, ranks: Vec<usize>) -> Result<Self, CommError> {
+        let mut sorted = ranks.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        if sorted.len() != ranks.len() || ranks.is_empty() {
+            return Err(CommError::Invalid(format!(
+                "group {id} must list distinct ranks, got {ranks:?}"
+            )));
+        }
+        Ok(Group {
+            id,
+            ranks,
+            seq: AtomicU32::new(0),
+        })
+    }
+
+    pub fn ranks(&self) -> &[usize] {
+        &self.ranks
+    }
+
+    pub fn size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    pub fn id(&self) -> u16 {
+        self.id
+    }
+
+    fn next_call(&self) -> u32 {
+        self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+}
+
+fn tag(group: &Group, call: u32, step: usize) -> Tag {
+    ((group.id as u64) << 48) | ((call as u64) << 16) | (step as u64 & 0xffff)
+}
+
+/// Splits `len` items into `parts` contiguous ranges whose sizes differ by
+/// at most one (the first `len % parts` get one more).
+pub fn balanced_bounds(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    let (base, extra) = (len / parts, len % parts);
+    let mut start = 0;
+    (0..parts)
+        .map(|i| {
+            let n = base + usize::from(i < extra);
+            let r = start..start + n;
+            start += n;
+            r
+        })
+        .collect()
+}
+
+/// How a reduce-scatter combines an incoming partial result into the local
+/// one (`acc` and `incoming` have the same length).
+pub trait Reduce: Sync {
+    fn reduce(&self, acc: &mut [u8], incoming: &[u8]) -> Result<(), CommError>;
+}
+
+/// Element-wise f32 sum (little-endian f32 buffers).
+pub struct SumF32;
+
+impl Reduce for SumF32 {
+    fn reduce(&self, acc: &mut [u8], incoming: &[u8]) -> Result<(), CommError> {
+        if acc.len() != incoming.len() || !acc.len().is_multiple_of(4) {
+            return Err(CommError::Malformed(format!(
+                "f32 sum of {} and {} bytes",
+                acc.len(),
+                incoming.len()
+            )));
+        }
+        for (a, b) in acc.chunks_exact_mut(4).zip(incoming.chunks_exact(4)) {
+            let s = f32::from_le_bytes([a[0], a[1], a[2], a[3]])
+                + f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            a.copy_from_slice(&s.to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+/// f32 slice to little-endian bytes.
+pub fn f32_bytes(x: &[f32]) -> Bytes {
+    let mut b = BytesMut::with_capacity(x.len() * 4);
+    for v in x {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b.freeze()
+}
+
+/// Little-endian bytes to f32 (the length must be a multiple of 4).
+pub fn bytes_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
+    if !b.len().is_multiple_of(4) {
+        return Err(CommError::Malformed(format!(
+            "{} bytes is not a whole number of f32",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+/// Runs collectives for one rank over a transport.
+pub struct Communicator {
+    transport: Arc<dyn Transport>,
+    timeout: Duration,
+}
+
+impl Communicator {
+    pub fn new(transport: Arc<dyn Transport>, timeout: Duration) -> Self {
+        Communicator { transport, timeout }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.transport.world_size()
+    }
+
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The group of every rank, id 0.
+    pub fn world_group(&self) -> Group {
+        Group::new(0, (0..self.world_size()).collect()).expect("0..n is distinct and non-empty")
+    }
+
+    /// This rank's index in `group`.
+    fn index_in(&self, group: &Group) -> Result<usize, CommError> {
+        group
+            .ranks
+            .iter()
+            .position(|&r| r == self.rank())
+            .ok_or_else(|| {
+                CommError::Invalid(format!(
+                    "rank {} is not a member of group {} ({:?})",
+                    self.rank(),
+                    group.id,
+                    group.ranks
+                ))
+            })
+    }
+
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
+        self.transport.send(peer, tag, data)
+    }
+
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Bytes, CommError> {
+        self.transport.recv(peer, tag, self.timeout)
+    }
+
+    fn wait_all(&self, sends: Vec<(usize, SendHandle)>) -> Result<(), CommError> {
+        for (peer, h) in sends {
+            h.wait(peer, self.timeout)?;
+        }
+        Ok(())
+    }
+
+    /// Ring all-gather of one block per member (blocks may differ in size):
+    /// returns every member's block, in group order.
+    pub fn all_gather_v(&self, group: &Group, mine: Bytes) -> Result<Vec<Bytes>, CommError> {
+        let me = self.index_in(group)?;
+        let call = group.next_call();
+        let p = group.size();
+        let next = group.ranks[(me + 1) % p];
+        let prev = group.ranks[(me + p - 1) % p];
+        let mut blocks: Vec<Option<Bytes>> = vec![None; p];
+        blocks[me] = Some(mine);
+        let mut sends = Vec::with_capacity(p);
+        for step in 0..p.saturating_sub(1) {
+            let send_idx = (me + p - step) % p;
+            let recv_idx = (me + p - step - 1) % p;
+            let block = blocks[send_idx]
+                .clone()
+                .expect("received in the previous step");
+            sends.push((next, self.send(next, tag(group, call, step), block)?));
+            blocks[recv_idx] = Some(self.recv(prev, tag(group, call, step))?);
+        }
+        self.wait_all(sends)?;
+        Ok(blocks
+            .into_iter()
+            .map(|b| b.expect("all blocks arrived"))
+            .collect())
+    }
+
+    /// Ring all-gather of equal blocks, concatenated in group order.
+    pub fn all_gather(&self, group: &Group, mine: Bytes) -> Result<Vec<u8>, CommError> {
+        let len = mine.len();
+        let blocks = self.all_gather_v(group, mine)?;
+        let mut out = Vec::with_capacity(len * blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            if b.len() != len {
+                return Err(CommError::Invalid(format!(
+                    "all-gather expects equal blocks: this rank has {len} bytes, member {i} \
+                     (rank {}) has {}",
+                    group.ranks[i],
+                    b.len()
+                )));
+            }
+            out.extend_from_slice(b);
+        }
+        Ok(out)
+    }
+
+    /// Ring reduce-scatter: `data` is this member's full buffer, cut at
+    /// `bounds` (one byte range per member, covering `data`); returns member
+    /// `me`'s range reduced over all members with `reduce`.
+    pub fn reduce_scatter(
+        &self,
+        group: &Group,
+        data: &[u8],
+        bounds: &[std::ops::Range<usize>],
+        reduce: &dyn Reduce,
+    ) -> Result<Vec<u8>, CommError> {
+        let me = self.index_in(group)?;
+        let call = group.next_call();
+        let p = group.size();
+        if bounds.len() != p || bounds.iter().any(|r| r.end > data.len() || r.start > r.end) {
+            return Err(CommError::Invalid(format!(
+                "reduce-scatter needs {p} ranges inside {} bytes, got {bounds:?}",
+                data.len()
+            )));
+        }
+        let next = group.ranks[(me + 1) % p];
+        let prev = group.ranks[(me + p - 1) % p];
+        // At step s this member sends its partial of chunk (me - s - 1) and
+        // receives the partial of chunk (me - s - 2), adding its own share;
+        // after p - 1 steps it holds chunk `me` reduced over everyone.
+        let mut partial = Bytes::copy_from_slice(&data[bounds[(me + p - 1) % p].clone()]);
+        let mut sends = Vec::with_capacity(p);
+        for step in 0..p.saturating_sub(1) {
+            sends.push((next, self.send(next, tag(group, call, step), partial)?));
+            let chunk = (me + 2 * p - step - 2) % p;
+            let incoming = self.recv(prev, tag(group, call, step))?;
+            let mut acc = data[bounds[chunk].clone()].to_vec();
+            if incoming.len() != acc.len() {
+                return Err(CommError::Malformed(format!(
+                    "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte chunk; \
+                     every member must pass the same sizes",
+                    incoming.len(),
+                    acc.len()
+                )));
+            }
+            reduce.reduce(&mut acc, &incoming)?;
+            partial = Bytes::from(acc);
+        }
+        self.wait_all(sends)?;
+        Ok(partial.to_vec())
+    }
+
+    /// Reduce-scatter of an f32 buffer cut into balanced chunks.
+    pub fn reduce_scatter_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
+        let bounds: Vec<_> = balanced_bounds(data.len(), group.size())
+            .into_iter()
+            .map(|r| r.start * 4..r.end * 4)
+            .collect();
+        bytes_f32(&self.reduce_scatter(group, &f32_bytes(data), &bounds, &SumF32)?)
+    }
+
+    /// All-reduce (sum) of an f32 buffer: reduce-scatter, then all-gather.
+    pub fn all_reduce_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
+        let mine = self.reduce_scatter_f32(group, data)?;
+        let blocks = self.all_gather_v(group, f32_bytes(&mine))?;
+        let mut out = Vec::with_capacity(data.len());
+        for b in blocks {
+            out.extend(bytes_f32(&b)?);
+        }
+        if out.len() != data.len() {
+            return Err(CommError::Malformed(format!(
+                "all-reduce gathered {} values for a buffer of {}; members passed different sizes",
+                out.len(),
+                data.len()
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Pairwise all-to-all: `to_each[i]` goes to member `i` (sizes may
+    /// differ); returns what each member sent to this one, in group order.
+    pub fn all_to_all_v(
+        &self,
+        group: &Group,
+        to_each: Vec<Bytes>,
+    ) -> Result<Vec<Bytes>, CommError> {
+        let me = self.index_in(group)?;
+        let call = group.next_call();
+        let p = group.size();
+        if to_each.len() != p {
+            return Err(CommError::Invalid(format!(
+                "all-to-all needs one buffer per member ({p}), got {}",
+                to_each.len()
+            )));
+        }
+        let mut received: Vec<Option<Bytes>> = vec![None; p];
+        let mut outgoing: Vec<Option<Bytes>> = to_each.into_iter().map(Some).collect();
+        received[me] = outgoing[me].take();
+        let mut sends = Vec::with_capacity(p);
+        for step in 1..p {
+            let dst = (me + step) % p;
+            let data = outgoing[dst].take().expect("each destination once");
+            sends.push((
+                group.ranks[dst],
+                self.send(group.ranks[dst], tag(group, call, 0), data)?,
+            ));
+        }
+        for step in 1..p {
+            let src = (me + p - step) % p;
+            received[src] = Some(self.recv(group.ranks[src], tag(group, call, 0))?);
+        }
+        self.wait_all(sends)?;
+        Ok(received
+            .into_iter()
+            .map(|b| b.expect("all arrived"))
+            .collect())
+    }
+
+    /// Broadcast from member `root`: returns the root's buffer everywhere
+    /// (`data` is ignored on the others).
+    pub fn broadcast(&self, group: &Group, root: usize, data: Bytes) -> Result<Bytes, CommError> {
+        let me = self.index_in(group)?;
+        let call = group.next_call();
+        if root >= group.size() {
+            return Err(CommError::Invalid(format!(
+                "broadcast root {root} outside a group of {}",
+                group.size()
+            )));
+        }
+        if me == root {
+            let mut sends = Vec::new();
+            for (i, &r) in group.ranks.iter().enumerate() {
+                if i != root {
+                    sends.push((r, self.send(r, tag(group, call, 0), data.clone())?));
+                }
+            }
+            self.wait_all(sends)?;
+            Ok(data)
+        } else {
+            self.recv(group.ranks[root], tag(group, call, 0))
+        }
+    }
+
+    /// Returns once every member has entered (dissemination barrier).
+    pub fn barrier(&self, group: &Group) -> Result<(), CommError> {
+        let me = self.index_in(group)?;
+        let call = group.next_call();
+        let p = group.size();
+        let mut k = 1;
+        let mut step = 0;
+        let mut sends = Vec::new();
+        while k < p {
+            let to = group.ranks[(me + k) % p];
+            let from = group.ranks[(me + p - k) % p];
+            sends.push((to, self.send(to, tag(group, call, step), Bytes::new())?));
+            self.recv(from, tag(group, call, step))?;
+            k *= 2;
+            step += 1;
+        }
+        self.wait_all(sends)
+    }
+}
+
+/// A result that a communication thread is computing.
+pub struct Pending<T> {
+    rx: mpsc::Receiver<Result<T, CommError>>,
+}
+
+impl<T> Pending<T> {
+    /// Waits for the result (the collective inside has its own timeouts).
+    pub fn wait(self) -> Result<T, CommError> {
+        self.rx.recv().unwrap_or(Err(CommError::Closed))
+    }
+
+    /// The result if it is ready.
+    pub fn try_take(&self) -> Option<Result<T, CommError>> {
+        self.rx.try_recv().ok()
+    }
+}
+
+type Job = Box<dyn FnOnce(&Communicator) + Send>;
+
+/// A thread that runs collectives in submission order, so the caller can
+/// start the next gather and compute while it runs.
+pub struct CommThread {
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CommThread {
+    pub fn new(comm: Arc<Communicator>) -> Self {
+        let (jobs, rx) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("zeropp-comm".into())
+            .spawn(move || {
+                for job in rx {
+                    job(&comm);
+                }
+            })
+            .expect("spawning the communication thread");
+        CommThread {
+            jobs: Some(jobs),
+            thread: Some(thread),
+        }
+    }
+
+    /// Queues `f` to run on the communication thread.
+    pub fn submit<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Communicator) -> Result<T, CommError> + Send + 'static,
+    ) -> Pending<T> {
+        let (tx, rx) = mpsc::channel();
+        let job: Job = Box::new(move |c| {
+            let _ = tx.send(f(c));
+        });
+        if let Some(jobs) = &self.jobs {
+            // If the thread is gone the receiver reports `Closed`.
+            let _ = jobs.send(job);
+        }
+        Pending { rx }
+    }
+}
+
+impl Drop for CommThread {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::inproc::InProcess;
+
+    /// Runs `f(comm)` on `n` in-process ranks and returns their results.
+    fn on_ranks<T: Send + 'static>(
+        n: usize,
+        f: impl Fn(&Communicator) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        let f = Arc::new(f);
+        let handles: Vec<_> = InProcess::world(n)
+            .into_iter()
+            .map(|t| {
+                let f = f.clone();
+                std::thread::spawn(move || {
+                    let comm = Communicator::new(Arc::new(t), Duration::from_secs(10));
+                    f(&comm)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn block(rank: usize, len: usize) -> Vec<u8> {
+        (0..len).map(|i| (rank * 31 + i * 7) as u8).collect()
+    }
+
+    #[test]
+    fn all_gather_returns_every_block_in_group_order() {
+        for n in [1, 2, 3, 4, 5] {
+            for len in [0, 1, 1000] {
+                let out = on_ranks(n, move |c| {
+                    let g = c.world_group();
+                    c.all_gather(&g, Bytes::from(block(c.rank(), len))).unwrap()
+                });
+                let expect: Vec<u8> = (0..n).flat_map(|r| block(r, len)).collect();
+                assert!(out.iter().all(|o| *o == expect), "n={n} len={len}");
+            }
+        }
+    }
+
+    #[test]
+    fn reduce_scatter_and_all_reduce_sum_exactly() {
+        for n in [1, 2, 3, 4] {
+            for len in [0, 1, 7, 1001] {
+                // Integer-valued floats: sums are exact in any order.
+                let data = move |r: usize| -> Vec<f32> {
+                    (0..len).map(|i| ((r + 1) * (i % 13)) as f32).collect()
+                };
+                let total: Vec<f32> = (0..len)
+                    .map(|i| (0..n).map(|r| ((r + 1) * (i % 13)) as f32).sum())
+                    .collect();
+                let out = on_ranks(n, move |c| {
+                    let g = c.world_group();
+                    let mine = c.reduce_scatter_f32(&g, &data(c.rank())).unwrap();
+                    let all = c.all_reduce_f32(&g, &data(c.rank())).unwrap();
+                    (mine, all)
+                });
+                let bounds = balanced_bounds(len, n);
+                for (r, (mine, all)) in out.iter().enumerate() {
+                    assert_eq!(
+                        mine[..],
+                        total[bounds[r].clone()],
+                        "n={n} len={len} rank {r}"
+                    );
+                    assert_eq!(all, &total, "n={n} len={len} rank {r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn subgroups_in_any_order_run_side_by_side() {
+        // Ranks 0..6 as two groups of three listed out of order, plus the world.
+        let out = on_ranks(6, |c| {
+            let a = Group::new(1, vec![4, 0, 2]).unwrap();
+            let b = Group::new(2, vec![5, 3, 1]).unwrap();
+            let g = if c.rank() % 2 == 0 { a } else { b };
+            let gathered = c
+                .all_gather(&g, Bytes::from(vec![c.rank() as u8; 2]))
+                .unwrap();
+            let world = c.world_group();
+            c.barrier(&world).unwrap();
+            let root_says = c
+                .broadcast(&g, 1, Bytes::from(vec![c.rank() as u8]))
+                .unwrap();
+            (gathered, root_says.to_vec())
+        });
+        assert_eq!(out[0].0, vec![4, 4, 0, 0, 2, 2]);
+        assert_eq!(out[3].0, vec![5, 5, 3, 3, 1, 1]);
+        assert_eq!(out[4].1, vec![0]); // member 1 of group a is rank 0
+        assert_eq!(out[5].1, vec![3]);
+    }
+
+    #[test]
+    fn all_to_all_delivers_each_peer_its_own_sized_buffer() {
+        for n in [1, 2, 3, 4] {
+            let out = on_ranks(n, move |c| {
+                let g = c.world_group();
+                let me = c.rank();
+                let to_each = (0..n)
+                    .map(|d| Bytes::from(vec![(me * 10 + d) as u8; me + d]))
+                    .collect();
+                c.all_to_all_v(&g, to_each).unwrap()
+            });
+            for (me, got) in out.iter().enumerate() {
+                for (src, b) in got.iter().enumerate() {
+                    assert_eq!(b.to_vec(), vec![(src * 10 + me) as u8; src + me]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_dead_rank_is_named_not_waited_for() {
+        let out = on_ranks(3, |c| {
+            if c.rank() == 2 {
+                return Ok(()); // leaves without joining: its transport drops
+            }
+            let g = c.world_group();
+            c.all_gather(&g, Bytes::from_static(b"x")).map(|_| ())
+        });
+        // Rank 0 waits on rank 2 and names it; rank 1 waits on rank 0, which
+        // then gives up: both end with an error, neither hangs.
+        let err = out[0].as_ref().unwrap_err().to_string();
+        assert!(err.contains("rank 2"), "rank 0: {err}");
+        assert!(out[1].is_err());
+    }
+
+    #[test]
+    fn a_missing_message_times_out_with_the_peer_named() {
+        let mut world = InProcess::world(2);
+        let t1 = world.pop().unwrap();
+        let t0 = world.pop().unwrap();
+        let c0 = Communicator::new(Arc::new(t0), Duration::from_millis(100));
+        let err = c0.barrier(&c0.world_group()).unwrap_err();
+        assert!(matches!(err, CommError::Timeout { peer: 1, .. }), "{err}");
+        drop(t1);
+    }
+
+    #[test]
+    fn the_comm_thread_overlaps_with_the_caller() {
+        let out = on_ranks(3, |c| {
+            let comm = Arc::new(Communicator::new(c.transport().clone(), c.timeout()));
+            let thread = CommThread::new(comm);
+            let g = Arc::new(Group::new(7, vec![0, 1, 2]).unwrap());
+            let rank = c.rank();
+            let gg = g.clone();
+            let pending = thread.submit(move |c| c.all_gather(&gg, Bytes::from(vec![rank as u8])));
+            let busy: u64 = (0..100_000u64).sum(); // the caller computes meanwhile
+            (pending.wait().unwrap(), busy)
+        });
+        assert!(out.iter().all(|(g, _)| *g == vec![0, 1, 2]));
+    }
+}

@@ -1,0 +1,79 @@
+//! The in-process transport: ranks are threads of one process and a send is a
+//! move into the receiver's mailbox. For unit tests and one-process runs.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::mailbox::Mailbox;
+use bytes::Bytes;
+
+use super::{CommError, SendHandle, Tag, Transport};
+
+/// One rank's end of an in-process world.
+pub struct InProcess {
+    rank: usize,
+    mailboxes: Arc<Vec<Mailbox>>,
+}
+
+impl InProcess {
+    /// A world of `n` ranks; hand element `r` to the thread that is rank `r`.
+    pub fn world(n: usize) -> Vec<InProcess> {
+        let mailboxes: Arc<Vec<Mailbox>> = Arc::new((0..n).map(|_| Mailbox::default()).collect());
+        (0..n)
+            .map(|rank| InProcess {
+                rank,
+                mailboxes: mailboxes.clone(),
+            })
+            .collect()
+    }
+
+    fn check_peer(&self, peer: usize) -> Result<(), CommError> {
+        if peer >= self.mailboxes.len() {
+            return Err(CommError::Invalid(format!(
+                "rank {peer} does not exist in a world of {}",
+                self.mailboxes.len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        // Peers waiting on this rank learn at once that it is gone.
+        for (peer, mailbox) in self.mailboxes.iter().enumerate() {
+            if peer != self.rank {
+                mailbox.peer_left(self.rank, "its thread ended".into());
+            }
+        }
+    }
+}
+
+impl Transport for InProcess {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.mailboxes.len()
+    }
+
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
+        self.check_peer(peer)?;
+        self.mailboxes[peer].deliver(self.rank, tag, data);
+        Ok(SendHandle::done())
+    }
+
+    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
+        self.check_peer(peer)?;
+        self.mailboxes[self.rank].take(peer, tag, timeout)
+    }
+
+    fn probe(&self, peer: usize, tag: Tag) -> bool {
+        peer < self.mailboxes.len() && self.mailboxes[self.rank].has(peer, tag)
+    }
+
+    fn name(&self) -> &'static str {
+        "inproc"
+    }
+}

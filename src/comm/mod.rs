@@ -1,0 +1,127 @@
+//! Communication: transports move tagged byte buffers between two ranks;
+//! collectives are written once on top of any transport, for any group.
+
+pub mod collectives;
+pub mod inproc;
+pub mod mailbox;
+pub mod tcp;
+pub mod wire;
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+pub use collectives::{Communicator, Group};
+
+/// Identifies a message between two ranks; collectives derive tags from the
+/// group and the call's sequence number so concurrent operations never mix.
+pub type Tag = u64;
+
+/// What can go wrong moving bytes.
+#[derive(Debug, thiserror::Error)]
+pub enum CommError {
+    #[error(
+        "rank {peer} failed: {reason}; the job cannot continue without it — \
+         check that rank's own log for the cause"
+    )]
+    PeerFailed { peer: usize, reason: String },
+    #[error(
+        "timed out after {waited:?} waiting for rank {peer} (message tag {tag:#x}); \
+         the rank is hung, overloaded or unreachable — raise the timeout \
+         (ZEROPP_TIMEOUT_S) only if it is just slow"
+    )]
+    Timeout {
+        peer: usize,
+        tag: Tag,
+        waited: Duration,
+    },
+    #[error("the transport was shut down")]
+    Closed,
+    #[error("invalid call: {0}")]
+    Invalid(String),
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    #[error("network error talking to {what}: {source}")]
+    Io {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// How a send ended: `Err` holds the reason it failed.
+type SendOutcome = Option<Result<(), String>>;
+
+/// Completion of a posted send.
+#[derive(Clone, Default)]
+pub struct SendHandle {
+    cell: Arc<(Mutex<SendOutcome>, Condvar)>,
+}
+
+impl SendHandle {
+    /// A send that is already complete.
+    pub fn done() -> Self {
+        let h = SendHandle::default();
+        h.complete(Ok(()));
+        h
+    }
+
+    /// Marks the send finished (by the transport).
+    pub fn complete(&self, result: Result<(), String>) {
+        let (m, c) = &*self.cell;
+        *m.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
+        c.notify_all();
+    }
+
+    /// Whether the send has finished (successfully or not).
+    pub fn test(&self) -> bool {
+        self.cell
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Waits until the bytes are handed to the network (or the send failed).
+    pub fn wait(&self, peer: usize, timeout: Duration) -> Result<(), CommError> {
+        let (m, c) = &*self.cell;
+        let guard = m.lock().unwrap_or_else(|e| e.into_inner());
+        let (guard, _) = c
+            .wait_timeout_while(guard, timeout, |r| r.is_none())
+            .unwrap_or_else(|e| e.into_inner());
+        match &*guard {
+            Some(Ok(())) => Ok(()),
+            Some(Err(reason)) => Err(CommError::PeerFailed {
+                peer,
+                reason: reason.clone(),
+            }),
+            None => Err(CommError::Timeout {
+                peer,
+                tag: 0,
+                waited: timeout,
+            }),
+        }
+    }
+}
+
+/// Moves tagged byte buffers between this rank and the others. Sends are
+/// posted and complete in the background (the transport keeps a reference to
+/// the buffer); receives wait up to a timeout, and messages that arrive before
+/// their receive is called are kept. Messages with the same (peer, tag) arrive
+/// in the order they were sent.
+pub trait Transport: Send + Sync {
+    /// This rank's number, `0..world_size`.
+    fn rank(&self) -> usize;
+    /// Ranks in the job.
+    fn world_size(&self) -> usize;
+    /// Posts `data` to `peer` under `tag`.
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError>;
+    /// Waits up to `timeout` for the next message from `peer` under `tag`.
+    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError>;
+    /// Whether a message from `peer` under `tag` has arrived (a receive
+    /// would not wait).
+    fn probe(&self, peer: usize, tag: Tag) -> bool;
+    /// A short name for logs and benchmarks ("inproc", "tcp", "ucx").
+    fn name(&self) -> &'static str;
+}
