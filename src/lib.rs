@@ -4,6 +4,9 @@
 //! This crate holds the engine, collectives, transports and the command-line
 //! tools; the quantization formats live in `zeropp-quant`.
 
+pub mod bench_collectives;
 pub mod comm;
+pub mod comm_check;
 pub mod example_weights;
+pub mod launch;
 pub mod quant_error;

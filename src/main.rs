@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
-use zeropp::{example_weights, quant_error};
+use zeropp::{bench_collectives, comm_check, example_weights, launch, quant_error};
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
 
 /// zeropp: ZeRO-3 sharded training with ZeRO++ communication (quantized
@@ -53,6 +53,55 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Start the ranks of a job on this machine.
+    ///
+    /// Without --node-rank, starts all NODES x RANKS_PER_NODE ranks here as
+    /// logical nodes (for development: hierarchical groups work on one
+    /// machine). With --node-rank K and --master-addr, starts node K's ranks
+    /// of a multi-host job; run it once per host with the same ZEROPP_TOKEN.
+    /// Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    /// NODE_RANK, MASTER_ADDR, MASTER_PORT and ZEROPP_TOKEN; its output lines
+    /// are prefixed with `[rank R]`. When a rank fails the others are stopped
+    /// and the launcher exits non-zero naming it.
+    ///
+    /// Example: zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp comm-check
+    Launch {
+        #[arg(long, default_value_t = 1)]
+        nodes: usize,
+        #[arg(long, default_value_t = 1)]
+        ranks_per_node: usize,
+        /// Start only this node's ranks (multi-host).
+        #[arg(long)]
+        node_rank: Option<usize>,
+        /// HOST[:PORT] of rank 0's rendezvous (multi-host; default port 29500).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// Timeout of every network wait, in seconds (default 60).
+        #[arg(long)]
+        timeout: Option<f64>,
+        /// Seconds the other ranks get to report and exit after one fails.
+        #[arg(long, default_value_t = 3.0)]
+        grace: f64,
+        /// The command every rank runs.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Check every collective on this job's network (run under a launcher).
+    ///
+    /// Runs all-gather, reduce-scatter, all-reduce, all-to-all, broadcast and
+    /// barrier on the world, node and cross-node groups at several sizes
+    /// (including zero) against a reference, and prints one line per rank.
+    CommCheck {
+        /// Sizes in bytes to check.
+        #[arg(long, value_delimiter = ',', default_value = "0,1,13,4099,1048576")]
+        sizes: Vec<usize>,
+        /// Afterwards, keep all-gathering 1 MiB blocks for this many seconds.
+        #[arg(long)]
+        loop_seconds: Option<f64>,
+    },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
     /// Write a synthetic GPT-shaped checkpoint to try quant-error on.
     ///
     /// Embeddings, layer norms, attention (with outliers) and MLP matrices in
@@ -68,6 +117,27 @@ enum Command {
         dim: usize,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCommand {
+    /// Bandwidth of every collective against the transport's raw bandwidth.
+    ///
+    /// Run it under a launcher, e.g.
+    /// `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp bench collectives`.
+    /// Rank 0 prints one row per size: the raw point-to-point bandwidth with
+    /// every rank sending to its ring successor, and for all-gather,
+    /// reduce-scatter, all-reduce and all-to-all the bus bandwidth and its
+    /// ratio to the raw figure.
+    Collectives {
+        /// Sizes of one rank's full buffer, e.g. 4K,64K,1M,16M.
+        #[arg(long, value_delimiter = ',', value_parser = bench_collectives::parse_size,
+              default_value = "4K,64K,1M,16M,64M")]
+        sizes: Vec<usize>,
+        /// Timed repetitions per size (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        iters: usize,
     },
 }
 
@@ -106,6 +176,30 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 print!("{}", quant_error::render_table(&report));
             }
+        }
+        Command::Launch {
+            nodes,
+            ranks_per_node,
+            node_rank,
+            master_addr,
+            timeout,
+            grace,
+            command,
+        } => launch::launch(&launch::LaunchOptions {
+            nodes,
+            ranks_per_node,
+            node_rank,
+            master: master_addr,
+            timeout_s: timeout,
+            grace: std::time::Duration::from_secs_f64(grace.max(0.0)),
+            command,
+        })?,
+        Command::CommCheck {
+            sizes,
+            loop_seconds,
+        } => comm_check::run(&sizes, loop_seconds.map(std::time::Duration::from_secs_f64))?,
+        Command::Bench(BenchCommand::Collectives { sizes, iters }) => {
+            bench_collectives::run(&sizes, iters.max(1))?
         }
         Command::ExampleWeights {
             out,

@@ -2,8 +2,11 @@
 //! collectives are written once on top of any transport, for any group.
 
 pub mod collectives;
+pub mod env;
 pub mod inproc;
+pub mod job;
 pub mod mailbox;
+pub mod rendezvous;
 pub mod tcp;
 pub mod wire;
 

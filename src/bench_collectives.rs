@@ -1,0 +1,140 @@
+//! `zeropp bench collectives`: like nccl-tests, the algorithm and bus
+//! bandwidth of each collective per size, next to the transport's raw
+//! point-to-point bandwidth measured in the same run with the same traffic
+//! pattern as a ring (every rank sends to its successor while receiving from
+//! its predecessor). Run under `zeropp launch`; rank 0 prints.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use bytes::Bytes;
+
+use crate::comm::collectives::{balanced_bounds, bytes_f32, f32_bytes};
+use crate::comm::job::Job;
+use crate::comm::{Communicator, Group};
+
+/// Seconds the slowest rank took for `iters` runs of `f`.
+fn timed(
+    c: &Communicator,
+    g: &Group,
+    iters: usize,
+    mut f: impl FnMut() -> Result<()>,
+) -> Result<f64> {
+    f()?; // warm up: connections, allocations
+    c.barrier(g)?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    let mine = t.elapsed().as_secs_f64() / iters as f64;
+    let all = c.all_gather(g, f32_bytes(&[mine as f32]))?;
+    Ok(bytes_f32(&all)?.into_iter().fold(0f32, f32::max) as f64)
+}
+
+/// Parses sizes like `4K`, `16M`, `1G`, `1000`.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("{s:?} is not a size like 4K, 16M or 1G"))
+}
+
+fn human(bytes: usize) -> String {
+    match bytes {
+        b if b >= 1 << 30 && b % (1 << 30) == 0 => format!("{}G", b >> 30),
+        b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{}M", b >> 20),
+        b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{}K", b >> 10),
+        b => format!("{b}"),
+    }
+}
+
+/// Runs the benchmark over `sizes` (bytes of one rank's full buffer).
+pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
+    let job = Job::join_from_env(serde_json::Value::Null)?;
+    let c = &job.comm;
+    let g = job.world_group();
+    let p = g.size();
+    let me = c.rank();
+    let next = (me + 1) % p;
+    let prev = (me + p - 1) % p;
+    if me == 0 {
+        println!(
+            "zeropp bench collectives: {p} ranks, transport {}, {iters} iterations per size; \
+             busbw in GB/s, ratio = busbw / raw ring point-to-point bandwidth",
+            c.transport().name()
+        );
+        println!(
+            "{:>8} {:>10} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
+            "size",
+            "raw p2p",
+            "allgather",
+            "ratio",
+            "red-scat",
+            "ratio",
+            "allreduce",
+            "ratio",
+            "alltoall",
+            "ratio"
+        );
+    }
+    let mut raw_tag = 1u64 << 63;
+    for &size in sizes {
+        let size = size.max(4 * p) / (4 * p) * (4 * p); // whole f32 per rank
+        let moved = size as f64 * (p - 1) as f64 / p as f64;
+        // Raw: every rank streams (p-1)/p of the buffer to its successor.
+        let payload = Bytes::from(vec![1u8; moved as usize]);
+        let raw = timed(c, &g, iters, || {
+            raw_tag += 1;
+            let h = c.transport().send(next, raw_tag, payload.clone())?;
+            c.transport().recv(prev, raw_tag, c.timeout())?;
+            h.wait(next, c.timeout())?;
+            Ok(())
+        })?;
+        let block = Bytes::from(vec![me as u8; size / p]);
+        let ag = timed(c, &g, iters, || {
+            c.all_gather(&g, block.clone())
+                .map(|_| ())
+                .map_err(Into::into)
+        })?;
+        let data: Vec<f32> = (0..size / 4).map(|i| (i % 7) as f32).collect();
+        let rs = timed(c, &g, iters, || {
+            c.reduce_scatter_f32(&g, &data)
+                .map(|_| ())
+                .map_err(Into::into)
+        })?;
+        let ar = timed(c, &g, iters, || {
+            c.all_reduce_f32(&g, &data).map(|_| ()).map_err(Into::into)
+        })?;
+        let bounds = balanced_bounds(size, p);
+        let a2a = timed(c, &g, iters, || {
+            let to_each = bounds
+                .iter()
+                .map(|r| Bytes::from(vec![0u8; r.len()]))
+                .collect();
+            c.all_to_all_v(&g, to_each).map(|_| ()).map_err(Into::into)
+        })?;
+        if me == 0 {
+            let gbs = |bytes: f64, t: f64| bytes / t / 1e9;
+            let raw_bw = gbs(moved, raw);
+            let row = [
+                gbs(moved, ag),
+                gbs(moved, rs),
+                gbs(2.0 * moved, ar),
+                gbs(moved, a2a),
+            ];
+            print!("{:>8} {:>10.3}", human(size), raw_bw);
+            for bw in row {
+                print!(" | {:>9.3} {:>5.2}x", bw, bw / raw_bw);
+            }
+            println!();
+        }
+    }
+    c.barrier(&g)?;
+    Ok(())
+}

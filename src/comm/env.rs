@@ -1,0 +1,345 @@
+//! Rank facts from the environment a launcher set: torchrun style (`RANK`,
+//! `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+//! `MASTER_PORT`), Slurm (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`,
+//! `SLURM_NODEID`) or Open MPI (`OMPI_COMM_WORLD_*`); plus `ZEROPP_TOKEN`,
+//! the job's shared secret, and `ZEROPP_TIMEOUT_S`.
+
+use std::time::Duration;
+
+/// The default rendezvous port, as torchrun's.
+pub const DEFAULT_PORT: u16 = 29500;
+/// The default timeout of every network wait.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Who this process is in the job.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RankFacts {
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    /// The node (host, or logical node of `zeropp launch`) this rank is on.
+    pub node_rank: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    pub token: String,
+    pub timeout: Duration,
+    /// Which launcher's variables these came from.
+    pub launcher: &'static str,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EnvError {
+    #[error(
+        "no rank facts in the environment: start this command with `zeropp launch`, \
+         torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, \
+         MASTER_ADDR, MASTER_PORT), srun or mpirun"
+    )]
+    Missing,
+    #[error("{name}={value:?} is not a valid {what}")]
+    Invalid {
+        name: String,
+        value: String,
+        what: &'static str,
+    },
+    #[error("{0}")]
+    Inconsistent(String),
+}
+
+fn parse<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    what: &'static str,
+) -> Result<Option<T>, EnvError> {
+    match get(name) {
+        None => Ok(None),
+        Some(v) => v.trim().parse().map(Some).map_err(|_| EnvError::Invalid {
+            name: name.into(),
+            value: v,
+            what,
+        }),
+    }
+}
+
+fn need<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &str,
+    what: &'static str,
+    launcher: &str,
+) -> Result<T, EnvError> {
+    parse(get, name, what)?.ok_or_else(|| {
+        EnvError::Inconsistent(format!(
+            "{launcher} variables are set but {name} is missing"
+        ))
+    })
+}
+
+/// Slurm's `SLURM_TASKS_PER_NODE` looks like `4(x2),3`: the first count.
+fn slurm_tasks_per_node(v: &str) -> Option<usize> {
+    v.split([',', '(']).next()?.trim().parse().ok()
+}
+
+impl RankFacts {
+    /// Reads the facts from the process environment.
+    pub fn from_env() -> Result<RankFacts, EnvError> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads the facts through `get` (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<RankFacts, EnvError> {
+        let (launcher, rank, world_size, local_rank, local_world_size, node_rank) =
+            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+                let l = "torchrun-style";
+                let rank = need(get, "RANK", "rank", l)?;
+                let world: usize = need(get, "WORLD_SIZE", "world size", l)?;
+                let local_rank = parse(get, "LOCAL_RANK", "local rank")?.unwrap_or(rank);
+                let local_world =
+                    parse(get, "LOCAL_WORLD_SIZE", "local world size")?.unwrap_or(world);
+                let node = match parse(get, "NODE_RANK", "node rank")? {
+                    Some(n) => Some(n),
+                    None => parse(get, "GROUP_RANK", "node rank")?,
+                };
+                (l, rank, world, local_rank, local_world, node)
+            } else if get("SLURM_PROCID").is_some() {
+                let l = "Slurm";
+                let rank = need(get, "SLURM_PROCID", "rank", l)?;
+                let world = need(get, "SLURM_NTASKS", "task count", l)?;
+                let local_rank = need(get, "SLURM_LOCALID", "local rank", l)?;
+                let local_world = match parse(get, "SLURM_NTASKS_PER_NODE", "tasks per node")? {
+                    Some(n) => n,
+                    None => get("SLURM_TASKS_PER_NODE")
+                        .as_deref()
+                        .and_then(slurm_tasks_per_node)
+                        .unwrap_or(world),
+                };
+                let node = parse(get, "SLURM_NODEID", "node id")?;
+                (l, rank, world, local_rank, local_world, node)
+            } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+                let l = "Open MPI";
+                let rank = need(get, "OMPI_COMM_WORLD_RANK", "rank", l)?;
+                let world = need(get, "OMPI_COMM_WORLD_SIZE", "world size", l)?;
+                let local_rank = need(get, "OMPI_COMM_WORLD_LOCAL_RANK", "local rank", l)?;
+                let local_world = need(get, "OMPI_COMM_WORLD_LOCAL_SIZE", "local size", l)?;
+                let node = parse(get, "OMPI_COMM_WORLD_NODE_RANK", "node rank")?;
+                (l, rank, world, local_rank, local_world, node)
+            } else {
+                return Err(EnvError::Missing);
+            };
+
+        if world_size == 0 || rank >= world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "rank {rank} is outside the world size {world_size} ({launcher} variables)"
+            )));
+        }
+        if local_world_size == 0 || local_rank >= local_world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "local rank {local_rank} is outside the local world size {local_world_size} \
+                 ({launcher} variables)"
+            )));
+        }
+        if !world_size.is_multiple_of(local_world_size) {
+            return Err(EnvError::Inconsistent(format!(
+                "world size {world_size} is not a multiple of {local_world_size} ranks per node; \
+                 zeropp needs the same number of ranks on every node"
+            )));
+        }
+        let node_rank = match parse(get, "ZEROPP_NODE_RANK", "node rank")? {
+            Some(n) => n,
+            None => node_rank.unwrap_or(rank / local_world_size),
+        };
+        if node_rank >= world_size / local_world_size {
+            return Err(EnvError::Inconsistent(format!(
+                "node rank {node_rank} is outside the {} nodes of {world_size} ranks / \
+                 {local_world_size} per node",
+                world_size / local_world_size
+            )));
+        }
+
+        let master = get("MASTER_ADDR")
+            .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
+            .unwrap_or_else(|| "127.0.0.1".into());
+        if world_size / local_world_size > 1 && get("MASTER_ADDR").is_none() && launcher != "Slurm"
+        {
+            return Err(EnvError::Inconsistent(
+                "MASTER_ADDR is not set, and this job spans several nodes: set it to the host \
+                 of rank 0 on every rank"
+                    .into(),
+            ));
+        }
+        let (master_addr, port_in_addr) = split_host_port(&master)?;
+        let master_port = match parse(get, "MASTER_PORT", "port")? {
+            Some(p) => p,
+            None => port_in_addr.unwrap_or(DEFAULT_PORT),
+        };
+        let token = match get("ZEROPP_TOKEN") {
+            Some(t) if !t.is_empty() => t,
+            _ if world_size == 1 => String::new(),
+            _ => {
+                return Err(EnvError::Inconsistent(
+                    "ZEROPP_TOKEN is not set: set it to the same secret on every rank \
+                     (for example `export ZEROPP_TOKEN=$(openssl rand -hex 16)` before srun or \
+                     mpirun); `zeropp launch` sets it for you"
+                        .into(),
+                ));
+            }
+        };
+        let timeout = match parse::<f64>(get, "ZEROPP_TIMEOUT_S", "number of seconds")? {
+            Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
+            Some(s) => {
+                return Err(EnvError::Invalid {
+                    name: "ZEROPP_TIMEOUT_S".into(),
+                    value: s.to_string(),
+                    what: "positive number of seconds",
+                });
+            }
+            None => DEFAULT_TIMEOUT,
+        };
+        Ok(RankFacts {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank,
+            master_addr,
+            master_port,
+            token,
+            timeout,
+            launcher,
+        })
+    }
+
+    /// Nodes in the job.
+    pub fn nodes(&self) -> usize {
+        self.world_size / self.local_world_size
+    }
+}
+
+/// `host`, `host:port`, `[v6]:port` → host and optional port.
+pub fn split_host_port(s: &str) -> Result<(String, Option<u16>), EnvError> {
+    let bad = || EnvError::Invalid {
+        name: "MASTER_ADDR".into(),
+        value: s.into(),
+        what: "host or host:port",
+    };
+    if let Some(rest) = s.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']').ok_or_else(bad)?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => Some(p.parse().map_err(|_| bad())?),
+            None if tail.is_empty() => None,
+            None => return Err(bad()),
+        };
+        return Ok((host.into(), port));
+    }
+    match s.matches(':').count() {
+        0 if !s.is_empty() => Ok((s.into(), None)),
+        1 => {
+            let (h, p) = s.split_once(':').ok_or_else(bad)?;
+            if h.is_empty() {
+                return Err(bad());
+            }
+            Ok((h.into(), Some(p.parse().map_err(|_| bad())?)))
+        }
+        _ if s.parse::<std::net::Ipv6Addr>().is_ok() => Ok((s.into(), None)),
+        _ => Err(bad()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn facts(vars: &[(&str, &str)]) -> Result<RankFacts, EnvError> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        RankFacts::from_lookup(&move |k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_slurm_and_open_mpi_variables() {
+        let t = facts(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("ZEROPP_TOKEN", "s3cret"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (t.rank, t.world_size, t.local_rank, t.node_rank, t.nodes()),
+            (5, 8, 1, 1, 2)
+        );
+        assert_eq!((t.master_addr.as_str(), t.master_port), ("10.0.0.1", 1234));
+
+        let s = facts(&[
+            ("SLURM_PROCID", "3"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("MASTER_ADDR", "node01:4000"),
+            ("ZEROPP_TOKEN", "x"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (s.rank, s.local_world_size, s.node_rank, s.master_port),
+            (3, 2, 1, 4000)
+        );
+        assert_eq!(s.launcher, "Slurm");
+
+        let o = facts(&[
+            ("OMPI_COMM_WORLD_RANK", "2"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "[fe80::1]:99"),
+            ("ZEROPP_TOKEN", "x"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (o.node_rank, o.master_addr.as_str(), o.master_port),
+            (1, "fe80::1", 99)
+        );
+    }
+
+    #[test]
+    fn inconsistent_facts_are_errors_that_say_what_is_wrong() {
+        assert_eq!(facts(&[]), Err(EnvError::Missing));
+        let base = [
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("ZEROPP_TOKEN", "t"),
+        ];
+        let with = |extra: &[(&'static str, &'static str)]| {
+            let mut v = base.to_vec();
+            v.extend_from_slice(extra);
+            facts(&v).unwrap_err().to_string()
+        };
+        assert!(with(&[("RANK", "4")]).contains("outside the world size 4"));
+        assert!(with(&[("RANK", "1"), ("LOCAL_RANK", "2")]).contains("local rank 2"));
+        assert!(with(&[("RANK", "x")]).contains("RANK=\"x\""));
+        assert!(with(&[("RANK", "1"), ("ZEROPP_TIMEOUT_S", "-1")]).contains("ZEROPP_TIMEOUT_S"));
+        let odd = facts(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "6"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("MASTER_ADDR", "h"),
+            ("ZEROPP_TOKEN", "t"),
+        ]);
+        assert!(odd.unwrap_err().to_string().contains("not a multiple"));
+        let no_token = facts(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]);
+        assert!(no_token.unwrap_err().to_string().contains("ZEROPP_TOKEN"));
+        let no_master = facts(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("ZEROPP_TOKEN", "t"),
+        ]);
+        assert!(no_master.unwrap_err().to_string().contains("MASTER_ADDR"));
+    }
+}

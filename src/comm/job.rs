@@ -1,0 +1,105 @@
+//! Joining a job: rank facts from the environment → transport listener →
+//! rendezvous → TCP mesh → a communicator and the standard groups (world,
+//! this node, this local rank across nodes).
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+
+use super::env::RankFacts;
+use super::rendezvous::{self, PeerInfo};
+use super::tcp::{TcpOptions, TcpTransport};
+use super::{CommError, Communicator, Group};
+
+/// Group ids of the standard groups (every member computes the same).
+pub const WORLD_GROUP: u16 = 0;
+const NODE_GROUP_BASE: u16 = 0x100;
+const CROSS_GROUP_BASE: u16 = 0x4000;
+
+/// A joined job.
+pub struct Job {
+    pub facts: RankFacts,
+    pub table: Vec<PeerInfo>,
+    pub comm: Arc<Communicator>,
+}
+
+impl Job {
+    /// Joins the job described by the environment over TCP.
+    pub fn join_from_env(extra_facts: serde_json::Value) -> anyhow::Result<Job> {
+        let facts = RankFacts::from_env()?;
+        Ok(Self::join(facts, extra_facts)?)
+    }
+
+    /// Joins the job described by `facts` over TCP.
+    pub fn join(facts: RankFacts, extra_facts: serde_json::Value) -> Result<Job, CommError> {
+        let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
+        let ip = rendezvous::local_ip_towards(master)?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Io {
+            what: format!("a transport listener on {ip}"),
+            source: e,
+        })?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| CommError::Io {
+                what: "the transport listener".into(),
+                source: e,
+            })?
+            .to_string();
+        let table = rendezvous::rendezvous(&facts, address, extra_facts)?;
+        let addresses = table
+            .iter()
+            .map(|p| {
+                p.address.parse::<SocketAddr>().map_err(|_| {
+                    CommError::Invalid(format!(
+                        "rank {} published a bad address {:?}",
+                        p.rank, p.address
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let options = TcpOptions {
+            token: facts.token.clone(),
+            connect_timeout: facts.timeout,
+            write_timeout: facts.timeout,
+        };
+        let transport = TcpTransport::connect(facts.rank, &addresses, listener, &options)?;
+        tracing::debug!(
+            "rank {} joined: {} ranks on {} nodes over tcp",
+            facts.rank,
+            facts.world_size,
+            facts.nodes()
+        );
+        let comm = Arc::new(Communicator::new(Arc::new(transport), facts.timeout));
+        Ok(Job { facts, table, comm })
+    }
+
+    /// Every rank.
+    pub fn world_group(&self) -> Group {
+        Group::new(WORLD_GROUP, (0..self.facts.world_size).collect()).expect("distinct ranks")
+    }
+
+    /// The ranks on `node`, in local-rank order.
+    pub fn node_group(&self, node: usize) -> Group {
+        let mut ranks: Vec<&PeerInfo> = self.table.iter().filter(|p| p.node_rank == node).collect();
+        ranks.sort_by_key(|p| p.local_rank);
+        Group::new(
+            NODE_GROUP_BASE + node as u16,
+            ranks.iter().map(|p| p.rank).collect(),
+        )
+        .expect("the rendezvous checked the layout")
+    }
+
+    /// The ranks with local rank `local`, one per node, in node order.
+    pub fn cross_node_group(&self, local: usize) -> Group {
+        let mut ranks: Vec<&PeerInfo> = self
+            .table
+            .iter()
+            .filter(|p| p.local_rank == local)
+            .collect();
+        ranks.sort_by_key(|p| p.node_rank);
+        Group::new(
+            CROSS_GROUP_BASE + local as u16,
+            ranks.iter().map(|p| p.rank).collect(),
+        )
+        .expect("the rendezvous checked the layout")
+    }
+}

@@ -1,0 +1,380 @@
+//! The rendezvous: rank 0 runs a small TCP store; every rank (rank 0 too)
+//! connects, presents the job token and its facts (transport address, node,
+//! local rank, free-form facts such as topology or NCCL ids), and receives
+//! everyone's once all have arrived. A caller without the token is refused
+//! and logged; inconsistent facts (two ranks with one id, world sizes that
+//! disagree, uneven nodes) fail the whole job with the ranks named.
+
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs, UdpSocket};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::CommError;
+use super::env::RankFacts;
+use super::wire::{self, Header, Kind, ReadFrame};
+
+/// What one rank tells the others.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct PeerInfo {
+    pub rank: usize,
+    pub world_size: usize,
+    pub node_rank: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub host: String,
+    /// Where this rank's transport listens.
+    pub address: String,
+    /// Anything else to share (topology, NCCL ids, UCX worker address).
+    pub facts: serde_json::Value,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    token: String,
+    peer: PeerInfo,
+}
+
+const REPLY_TABLE: u64 = 0;
+const REPLY_ERROR: u64 = 1;
+/// A hello larger than this is refused (facts are small).
+const MAX_HELLO: u64 = 1 << 20;
+
+fn failure(msg: String) -> CommError {
+    CommError::Invalid(format!("rendezvous failed: {msg}"))
+}
+
+/// This host's name, for logs and the rendezvous table.
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "unknown-host".into())
+}
+
+/// Resolves `host:port`.
+pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, CommError> {
+    (host, port)
+        .to_socket_addrs()
+        .map_err(|e| CommError::Io {
+            what: format!("resolving {host}"),
+            source: e,
+        })?
+        .next()
+        .ok_or_else(|| failure(format!("{host} resolves to no address")))
+}
+
+/// The local IP this host uses to reach `master` (no packet is sent): the
+/// address other ranks can reach this one at.
+pub fn local_ip_towards(master: SocketAddr) -> Result<std::net::IpAddr, CommError> {
+    let any: SocketAddr = if master.is_ipv4() {
+        "0.0.0.0:0".parse().expect("literal")
+    } else {
+        "[::]:0".parse().expect("literal")
+    };
+    let probe = UdpSocket::bind(any).map_err(|e| CommError::Io {
+        what: "a UDP probe socket".into(),
+        source: e,
+    })?;
+    probe.connect(master).map_err(|e| CommError::Io {
+        what: format!("routing towards {master}"),
+        source: e,
+    })?;
+    probe
+        .local_addr()
+        .map(|a| a.ip())
+        .map_err(|e| CommError::Io {
+            what: "a UDP probe socket".into(),
+            source: e,
+        })
+}
+
+fn reply(stream: &mut TcpStream, kind: u64, payload: &[u8]) {
+    let h = Header {
+        kind: Kind::Data,
+        source: 0,
+        tag: kind,
+        len: payload.len() as u64,
+    };
+    if let Err(e) = wire::write_frame(stream, &h, payload) {
+        tracing::debug!("rendezvous reply failed: {e}");
+    }
+}
+
+fn read_hello(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, String> {
+    stream
+        .set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    let mut limited = std::io::Read::take(&mut *stream, wire::HEADER_LEN as u64 + MAX_HELLO);
+    match wire::read_frame(&mut limited).map_err(|e| e.to_string())? {
+        ReadFrame::Frame(h, payload) if h.kind == Kind::Hello && h.len <= MAX_HELLO => {
+            serde_json::from_slice(&payload).map_err(|e| format!("unreadable hello: {e}"))
+        }
+        ReadFrame::Frame(..) => Err("not a rendezvous hello".into()),
+        ReadFrame::End => Err("closed without saying hello".into()),
+    }
+}
+
+/// Runs the store on rank 0 until every rank has arrived (or it fails).
+/// Returns the table it sent.
+pub fn serve(
+    listener: TcpListener,
+    token: &str,
+    world_size: usize,
+    timeout: Duration,
+) -> Result<Vec<PeerInfo>, CommError> {
+    let deadline = Instant::now() + timeout;
+    listener.set_nonblocking(true).map_err(|e| CommError::Io {
+        what: "the rendezvous listener".into(),
+        source: e,
+    })?;
+    let mut arrived: Vec<Option<(PeerInfo, TcpStream, SocketAddr)>> =
+        (0..world_size).map(|_| None).collect();
+    let fail_all = |arrived: &mut Vec<Option<(PeerInfo, TcpStream, SocketAddr)>>, msg: String| {
+        for (_, stream, _) in arrived.iter_mut().flatten() {
+            reply(stream, REPLY_ERROR, msg.as_bytes());
+        }
+        failure(msg)
+    };
+    let mut count = 0;
+    while count < world_size {
+        let (mut stream, from) = match listener.accept() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> =
+                        (0..world_size).filter(|&r| arrived[r].is_none()).collect();
+                    return Err(fail_all(
+                        &mut arrived,
+                        format!(
+                            "ranks {missing:?} did not arrive within {timeout:?}; they failed to \
+                             start, or cannot reach the master address"
+                        ),
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            Err(e) => {
+                return Err(CommError::Io {
+                    what: "the rendezvous listener".into(),
+                    source: e,
+                });
+            }
+        };
+        let _ = stream.set_nonblocking(false);
+        let hello = match read_hello(&mut stream, Duration::from_secs(10).min(timeout)) {
+            Ok(h) => h,
+            Err(reason) => {
+                tracing::warn!("rendezvous: refused a connection from {from}: {reason}");
+                continue;
+            }
+        };
+        if hello.token != token {
+            tracing::warn!("rendezvous: refused a connection from {from}: wrong job token");
+            reply(
+                &mut stream,
+                REPLY_ERROR,
+                b"wrong job token: set ZEROPP_TOKEN to the job's secret",
+            );
+            continue;
+        }
+        let peer = hello.peer;
+        if peer.world_size != world_size {
+            let msg = format!(
+                "rank {} (from {from}) says the world has {} ranks, rank 0 says {world_size}",
+                peer.rank, peer.world_size
+            );
+            reply(&mut stream, REPLY_ERROR, msg.as_bytes());
+            return Err(fail_all(&mut arrived, msg));
+        }
+        if peer.rank >= world_size {
+            let msg = format!(
+                "a process at {from} claims rank {} in a world of {world_size}",
+                peer.rank
+            );
+            reply(&mut stream, REPLY_ERROR, msg.as_bytes());
+            return Err(fail_all(&mut arrived, msg));
+        }
+        if let Some((_, _, first)) = &arrived[peer.rank] {
+            let msg = format!(
+                "two processes claim rank {}: one at {first}, one at {from}",
+                peer.rank
+            );
+            reply(&mut stream, REPLY_ERROR, msg.as_bytes());
+            return Err(fail_all(&mut arrived, msg));
+        }
+        let rank = peer.rank;
+        arrived[rank] = Some((peer, stream, from));
+        count += 1;
+    }
+
+    let table: Vec<PeerInfo> = arrived
+        .iter()
+        .flatten()
+        .map(|(p, _, _)| p.clone())
+        .collect();
+    if let Err(msg) = check_layout(&table) {
+        return Err(fail_all(&mut arrived, msg));
+    }
+    let payload = serde_json::to_vec(&table).map_err(|e| failure(e.to_string()))?;
+    for (_, stream, _) in arrived.iter_mut().flatten() {
+        reply(stream, REPLY_TABLE, &payload);
+    }
+    Ok(table)
+}
+
+/// Every node must hold the same number of ranks, each (node, local rank)
+/// exactly once.
+fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
+    let g = table[0].local_world_size;
+    let nodes = table.len() / g.max(1);
+    let mut seen = vec![None; table.len()];
+    for p in table {
+        if p.local_world_size != g {
+            return Err(format!(
+                "rank {} says {} ranks per node, rank 0 says {g}",
+                p.rank, p.local_world_size
+            ));
+        }
+        if p.node_rank >= nodes || p.local_rank >= g {
+            return Err(format!(
+                "rank {} is local rank {} of node {}, outside {nodes} nodes x {g} ranks",
+                p.rank, p.local_rank, p.node_rank
+            ));
+        }
+        let slot = p.node_rank * g + p.local_rank;
+        if let Some(other) = seen[slot].replace(p.rank) {
+            return Err(format!(
+                "ranks {other} and {} both claim local rank {} of node {}",
+                p.rank, p.local_rank, p.node_rank
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Presents `me` to the store at `master` and returns everyone's facts, in
+/// rank order.
+pub fn join(
+    master: SocketAddr,
+    token: &str,
+    me: &PeerInfo,
+    timeout: Duration,
+) -> Result<Vec<PeerInfo>, CommError> {
+    let deadline = Instant::now() + timeout;
+    let mut stream = loop {
+        match TcpStream::connect_timeout(&master, Duration::from_secs(5)) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() < deadline => {
+                tracing::debug!("rendezvous at {master} not reachable yet: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => {
+                return Err(failure(format!(
+                    "cannot reach rank 0's store at {master} within {timeout:?}: {e}; check \
+                     MASTER_ADDR/MASTER_PORT and that rank 0 started"
+                )));
+            }
+        }
+    };
+    let payload = serde_json::to_vec(&Hello {
+        token: token.into(),
+        peer: me.clone(),
+    })
+    .map_err(|e| failure(e.to_string()))?;
+    let h = Header {
+        kind: Kind::Hello,
+        source: me.rank as u32,
+        tag: 0,
+        len: payload.len() as u64,
+    };
+    wire::write_frame(&mut stream, &h, &payload).map_err(|e| CommError::Io {
+        what: format!("the rendezvous store at {master}"),
+        source: e,
+    })?;
+    let remaining = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(10));
+    stream
+        .set_read_timeout(Some(remaining))
+        .map_err(|e| CommError::Io {
+            what: "a socket".into(),
+            source: e,
+        })?;
+    let frame = wire::read_frame(&mut stream).map_err(|e| match e {
+        CommError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            failure(format!("no answer from the store at {master} within {timeout:?}: other ranks did not arrive"))
+        }
+        other => failure(format!("the store at {master} sent a bad answer: {other}")),
+    })?;
+    match frame {
+        ReadFrame::Frame(h, payload) if h.tag == REPLY_TABLE => {
+            let table: Vec<PeerInfo> = serde_json::from_slice(&payload)
+                .map_err(|e| failure(format!("unreadable table: {e}")))?;
+            if table.len() != me.world_size || table.iter().enumerate().any(|(i, p)| p.rank != i) {
+                return Err(failure(
+                    "the store's table does not list every rank once".into(),
+                ));
+            }
+            Ok(table)
+        }
+        ReadFrame::Frame(_, payload) => {
+            Err(failure(String::from_utf8_lossy(&payload).into_owned()))
+        }
+        ReadFrame::End => Err(failure(format!(
+            "the store at {master} closed the connection: wrong token, or another job owns that port"
+        ))),
+    }
+}
+
+/// Rendezvous from rank facts: rank 0 also serves. `address` is where this
+/// rank's transport listens; `facts` anything else to share.
+pub fn rendezvous(
+    facts: &RankFacts,
+    address: String,
+    extra: serde_json::Value,
+) -> Result<Vec<PeerInfo>, CommError> {
+    let master = resolve(&facts.master_addr, facts.master_port)?;
+    let server = if facts.rank == 0 {
+        let bind: SocketAddr = if master.is_ipv4() {
+            SocketAddr::from(([0, 0, 0, 0], facts.master_port))
+        } else {
+            SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, facts.master_port))
+        };
+        let listener = TcpListener::bind(bind).map_err(|e| {
+            failure(format!(
+                "rank 0 cannot listen on port {}: {e}; pick a free MASTER_PORT",
+                facts.master_port
+            ))
+        })?;
+        let token = facts.token.clone();
+        let (world, timeout) = (facts.world_size, facts.timeout);
+        Some(std::thread::spawn(move || {
+            serve(listener, &token, world, timeout)
+        }))
+    } else {
+        None
+    };
+    let me = PeerInfo {
+        rank: facts.rank,
+        world_size: facts.world_size,
+        node_rank: facts.node_rank,
+        local_rank: facts.local_rank,
+        local_world_size: facts.local_world_size,
+        host: hostname(),
+        address,
+        facts: extra,
+    };
+    let joined = join(master, &facts.token, &me, facts.timeout);
+    if let Some(server) = server {
+        let served = server
+            .join()
+            .map_err(|_| failure("the store thread panicked".into()))?;
+        // The server's own error is the more precise one.
+        served?;
+    }
+    joined
+}

@@ -1,0 +1,199 @@
+//! `zeropp launch`: starts the ranks of a job on this machine — all N×G of
+//! them as logical nodes for development, or the G of one node of a
+//! multi-host job — with the torchrun-style environment, prefixes their output
+//! with the rank, and when one fails stops the others and names it.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rand::RngExt;
+
+use crate::comm::env::{DEFAULT_PORT, split_host_port};
+
+/// What to start.
+#[derive(Clone, Debug)]
+pub struct LaunchOptions {
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    /// `Some(k)`: start only node k's ranks (multi-host); `None`: all nodes.
+    pub node_rank: Option<usize>,
+    /// `HOST[:PORT]` of rank 0 (required with `node_rank`).
+    pub master: Option<String>,
+    /// Seconds every network wait may take (ZEROPP_TIMEOUT_S).
+    pub timeout_s: Option<f64>,
+    /// After a rank fails, how long the others may take to report and exit
+    /// before they are killed.
+    pub grace: Duration,
+    pub command: Vec<String>,
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(s)) => format!("signal {s}"),
+        _ => "an unknown status".into(),
+    }
+}
+
+/// Copies a child's output to ours, a line at a time, with a rank prefix.
+fn forward(
+    rank: usize,
+    stream: impl Read + Send + 'static,
+    to_stderr: bool,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let reader = BufReader::new(stream);
+        for line in reader.split(b'\n') {
+            let Ok(line) = line else { break };
+            let text = String::from_utf8_lossy(&line);
+            if to_stderr {
+                let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+            } else {
+                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+            }
+        }
+    })
+}
+
+struct Rank {
+    rank: usize,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+/// Starts the ranks and waits for them. `Err` names the first rank that
+/// failed.
+pub fn launch(opts: &LaunchOptions) -> Result<()> {
+    if opts.nodes == 0 || opts.ranks_per_node == 0 {
+        bail!("--nodes and --ranks-per-node must be at least 1");
+    }
+    let Some(program) = opts.command.first() else {
+        bail!(
+            "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`"
+        );
+    };
+    let world = opts.nodes * opts.ranks_per_node;
+    let (local_nodes, master_addr, master_port, token) = match opts.node_rank {
+        None => {
+            let port = match &opts.master {
+                Some(m) => split_host_port(m)?.1.unwrap_or(free_port()?),
+                None => free_port()?,
+            };
+            let token = std::env::var("ZEROPP_TOKEN").unwrap_or_else(|_| {
+                let bytes: [u8; 16] = rand::rng().random();
+                bytes.iter().map(|b| format!("{b:02x}")).collect()
+            });
+            (0..opts.nodes, "127.0.0.1".to_string(), port, token)
+        }
+        Some(k) => {
+            if k >= opts.nodes {
+                bail!("--node-rank {k} is outside --nodes {}", opts.nodes);
+            }
+            let Some(master) = &opts.master else {
+                bail!("--node-rank needs --master-addr HOST[:PORT] (the host of node 0)");
+            };
+            let (host, port) = split_host_port(master)?;
+            let Ok(token) = std::env::var("ZEROPP_TOKEN") else {
+                bail!(
+                    "a multi-host launch needs ZEROPP_TOKEN set to the same secret on every host"
+                );
+            };
+            (k..k + 1, host, port.unwrap_or(DEFAULT_PORT), token)
+        }
+    };
+
+    let mut ranks = Vec::new();
+    let mut forwarders = Vec::new();
+    for node in local_nodes {
+        for local in 0..opts.ranks_per_node {
+            let rank = node * opts.ranks_per_node + local;
+            let mut cmd = Command::new(program);
+            cmd.args(&opts.command[1..])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("LOCAL_WORLD_SIZE", opts.ranks_per_node.to_string())
+                .env("NODE_RANK", node.to_string())
+                .env("ZEROPP_NODE_RANK", node.to_string())
+                .env("MASTER_ADDR", &master_addr)
+                .env("MASTER_PORT", master_port.to_string())
+                .env("ZEROPP_TOKEN", &token)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if let Some(t) = opts.timeout_s {
+                cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
+            }
+            // SAFETY: prctl is async-signal-safe; it makes the child die with
+            // the launcher instead of running on as an orphan.
+            unsafe {
+                cmd.pre_exec(|| {
+                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                    Ok(())
+                });
+            }
+            let mut child = cmd
+                .spawn()
+                .with_context(|| format!("cannot start {program:?} for rank {rank}"))?;
+            if let Some(out) = child.stdout.take() {
+                forwarders.push(forward(rank, out, false));
+            }
+            if let Some(err) = child.stderr.take() {
+                forwarders.push(forward(rank, err, true));
+            }
+            ranks.push(Rank {
+                rank,
+                child,
+                status: None,
+            });
+        }
+    }
+
+    let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
+    loop {
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Some(status) = r.child.try_wait()? {
+                r.status = Some(status);
+                if !status.success() && first_failure.is_none() {
+                    tracing::error!(
+                        "rank {} failed with {}; stopping the other ranks",
+                        r.rank,
+                        describe(status)
+                    );
+                    first_failure = Some((r.rank, status, Instant::now()));
+                }
+            }
+        }
+        if ranks.iter().all(|r| r.status.is_some()) {
+            break;
+        }
+        if let Some((_, _, at)) = first_failure
+            && at.elapsed() >= opts.grace
+        {
+            for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+                let _ = r.child.kill();
+                r.status = r.child.wait().ok();
+            }
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for f in forwarders {
+        let _ = f.join();
+    }
+    match first_failure {
+        Some((rank, status, _)) => bail!(
+            "rank {rank} failed with {}; the other ranks were stopped",
+            describe(status)
+        ),
+        None => Ok(()),
+    }
+}
