@@ -132,10 +132,13 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             if let Some(t) = opts.timeout_s {
                 cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
             }
-            // SAFETY: prctl is async-signal-safe; it makes the child die with
-            // the launcher instead of running on as an orphan.
+            // Each rank leads its own process group, so stopping it stops
+            // whatever it started too; and it dies with the launcher instead
+            // of running on as an orphan.
+            // SAFETY: setpgid and prctl are async-signal-safe.
             unsafe {
                 cmd.pre_exec(|| {
+                    libc::setpgid(0, 0);
                     libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
                     Ok(())
                 });
@@ -178,13 +181,20 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         if let Some((_, _, at)) = first_failure
             && at.elapsed() >= opts.grace
         {
-            for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-                let _ = r.child.kill();
-                r.status = r.child.wait().ok();
-            }
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+    // Stop every rank's process group: ranks still running after a failure,
+    // and anything an exited rank left behind holding our output pipes.
+    for r in ranks.iter_mut() {
+        // SAFETY: signalling a process group we created; ESRCH is harmless.
+        unsafe {
+            libc::kill(-(r.child.id() as i32), libc::SIGKILL);
+        }
+        if r.status.is_none() {
+            r.status = r.child.wait().ok();
+        }
     }
     for f in forwarders {
         let _ = f.join();

@@ -1,0 +1,201 @@
+//! The communication layer as real processes over TCP: every collective on
+//! 2, 3 and 4 processes and their groups; a rank killed mid-collective; a
+//! stranger with the wrong token; disagreeing world sizes; the launcher's
+//! handling of a failing rank.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const ZEROPP: &str = env!("CARGO_BIN_EXE_zeropp");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `zeropp args` as rank `rank` of a one-node world of `world`.
+fn rank_process(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
+    Command::new(ZEROPP)
+        .args(args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ZEROPP_TOKEN", token)
+        .env("ZEROPP_TIMEOUT_S", "20")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for `child` up to `limit`; kills it and fails the test if it hangs.
+fn finish(mut child: Child, limit: Duration, what: &str) -> (bool, String, String) {
+    let start = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            return (
+                status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            );
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("{what} did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn every_collective_passes_on_2_3_and_4_processes() {
+    for (nodes, per_node) in [(1, 2), (1, 3), (2, 2), (4, 1)] {
+        let child = Command::new(ZEROPP)
+            .args([
+                "launch",
+                "--nodes",
+                &nodes.to_string(),
+                "--ranks-per-node",
+                &per_node.to_string(),
+            ])
+            .args([
+                "--timeout",
+                "30",
+                "--",
+                ZEROPP,
+                "comm-check",
+                "--sizes",
+                "0,1,13,4099,70000",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let (ok, out, err) = finish(child, Duration::from_secs(120), "comm-check");
+        assert!(ok, "{nodes}x{per_node}: {out}\n{err}");
+        for r in 0..nodes * per_node {
+            assert!(
+                out.contains(&format!(
+                    "[rank {r}] comm-check ok: rank {r} of {}",
+                    nodes * per_node
+                )),
+                "{nodes}x{per_node} rank {r}: {out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_collective_is_named_by_the_others() {
+    let port = free_port();
+    let token = "kill-test";
+    let args = ["comm-check", "--sizes", "0", "--loop-seconds", "60"];
+    let mut ranks: Vec<Child> = (0..3)
+        .map(|r| rank_process(r, 3, port, token, &args))
+        .collect();
+    // Wait until every rank is in the all-gather loop.
+    let (tx, rx) = mpsc::channel();
+    for (r, child) in ranks.iter_mut().enumerate() {
+        let out = child.stdout.take().unwrap();
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if line.contains("comm-check ok") {
+                    let _ = tx.send(r);
+                }
+            }
+        });
+    }
+    for _ in 0..3 {
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("all ranks start looping");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = Instant::now();
+    ranks[1].kill().unwrap();
+    ranks[1].wait().unwrap();
+    for (r, child) in ranks.into_iter().enumerate() {
+        if r == 1 {
+            continue;
+        }
+        let (ok, _, err) = finish(child, Duration::from_secs(30), "a surviving rank");
+        assert!(!ok, "rank {r} must fail once rank 1 is gone");
+        assert!(
+            err.contains("rank 1 failed"),
+            "rank {r} must name rank 1: {err}"
+        );
+    }
+    // Well inside the 20 s timeout: a crash is seen, not waited out.
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        killed_at.elapsed()
+    );
+}
+
+#[test]
+fn a_stranger_with_the_wrong_token_is_refused_and_the_job_goes_on() {
+    let port = free_port();
+    let args = ["comm-check", "--sizes", "0,100"];
+    let rank0 = rank_process(0, 2, port, "right", &args);
+    let stranger = rank_process(1, 2, port, "wrong", &args);
+    let (ok, _, err) = finish(stranger, Duration::from_secs(60), "the stranger");
+    assert!(!ok && err.contains("wrong job token"), "{err}");
+    let rank1 = rank_process(1, 2, port, "right", &args);
+    let (ok1, out1, err1) = finish(rank1, Duration::from_secs(60), "rank 1");
+    let (ok0, _, err0) = finish(rank0, Duration::from_secs(60), "rank 0");
+    assert!(ok0 && ok1, "{err0}\n{err1}");
+    assert!(out1.contains("comm-check ok"));
+    assert!(
+        err0.contains("refused a connection") && err0.contains("wrong job token"),
+        "{err0}"
+    );
+}
+
+#[test]
+fn ranks_that_disagree_on_the_world_size_are_named() {
+    let port = free_port();
+    let args = ["comm-check", "--sizes", "0"];
+    let rank0 = rank_process(0, 2, port, "t", &args);
+    let rank1 = rank_process(1, 3, port, "t", &args);
+    for (name, child) in [("rank 0", rank0), ("rank 1", rank1)] {
+        let (ok, _, err) = finish(child, Duration::from_secs(60), name);
+        assert!(!ok, "{name} must fail");
+        assert!(
+            err.contains("rank 1") && err.contains("3 ranks") && err.contains("rank 0 says 2"),
+            "{name}: {err}"
+        );
+    }
+}
+
+#[test]
+fn the_launcher_prefixes_output_and_names_a_failing_rank() {
+    let child = Command::new(ZEROPP)
+        .args(["launch", "--nodes", "1", "--ranks-per-node", "3", "--grace", "1", "--"])
+        .args(["sh", "-c", "echo hello from $RANK of $WORLD_SIZE on node $NODE_RANK; if [ $RANK = 2 ]; then exit 7; fi; sleep 60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let (ok, out, err) = finish(child, Duration::from_secs(30), "the launcher");
+    assert!(!ok);
+    assert!(err.contains("rank 2 failed with exit code 7"), "{err}");
+    for r in 0..3 {
+        assert!(
+            out.contains(&format!("[rank {r}] hello from {r} of 3 on node 0")),
+            "{out}"
+        );
+    }
+    // The sleeping ranks were stopped after the grace period, not waited for.
+    assert!(start.elapsed() < Duration::from_secs(20));
+}
