@@ -80,10 +80,11 @@ pub fn balanced_bounds(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> 
         .collect()
 }
 
-/// How a reduce-scatter combines an incoming partial result into the local
-/// one (`acc` and `incoming` have the same length).
+/// How a reduce-scatter combines: `acc` holds the partial result received
+/// from the ring predecessor, `mine` this member's share of the same chunk
+/// (same length); the reduction adds `mine` into `acc`.
 pub trait Reduce: Sync {
-    fn reduce(&self, acc: &mut [u8], incoming: &[u8]) -> Result<(), CommError>;
+    fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError>;
 }
 
 /// Element-wise f32 sum (little-endian f32 buffers).
@@ -98,25 +99,38 @@ impl Reduce for SumF32 {
                 incoming.len()
             )));
         }
-        for (a, b) in acc.chunks_exact_mut(4).zip(incoming.chunks_exact(4)) {
-            let s = f32::from_le_bytes([a[0], a[1], a[2], a[3]])
-                + f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-            a.copy_from_slice(&s.to_le_bytes());
+        match bytemuck::try_cast_slice_mut::<u8, f32>(acc) {
+            // The usual case: an allocator-aligned buffer, summed as f32.
+            Ok(acc) => {
+                for (a, b) in acc.iter_mut().zip(incoming.chunks_exact(4)) {
+                    *a += f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            Err(_) => {
+                for (a, b) in acc.chunks_exact_mut(4).zip(incoming.chunks_exact(4)) {
+                    let s = f32::from_ne_bytes([a[0], a[1], a[2], a[3]])
+                        + f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+                    a.copy_from_slice(&s.to_ne_bytes());
+                }
+            }
         }
         Ok(())
     }
 }
 
-/// f32 slice to little-endian bytes.
+// Buffers on the wire hold f32 in the machine's byte order: zeropp runs on
+// little-endian machines only (x86-64, aarch64), checked at compile time.
+const _: () = assert!(
+    cfg!(target_endian = "little"),
+    "zeropp's wire format is little-endian"
+);
+
+/// f32 slice to its bytes (one copy).
 pub fn f32_bytes(x: &[f32]) -> Bytes {
-    let mut b = BytesMut::with_capacity(x.len() * 4);
-    for v in x {
-        b.extend_from_slice(&v.to_le_bytes());
-    }
-    b.freeze()
+    Bytes::copy_from_slice(bytemuck::cast_slice(x))
 }
 
-/// Little-endian bytes to f32 (the length must be a multiple of 4).
+/// Bytes to f32 (the length must be a multiple of 4; one copy).
 pub fn bytes_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
     if !b.len().is_multiple_of(4) {
         return Err(CommError::Malformed(format!(
@@ -124,9 +138,9 @@ pub fn bytes_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
             b.len()
         )));
     }
-    Ok(b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect())
+    let mut out = vec![0f32; b.len() / 4];
+    bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(b);
+    Ok(out)
 }
 
 /// Runs collectives for one rank over a transport.
@@ -267,18 +281,22 @@ impl Communicator {
         for step in 0..p.saturating_sub(1) {
             sends.push((next, self.send(next, tag(group, call, step), partial)?));
             let chunk = (me + 2 * p - step - 2) % p;
+            let mine = &data[bounds[chunk].clone()];
             let incoming = self.recv(prev, tag(group, call, step))?;
-            let mut acc = data[bounds[chunk].clone()].to_vec();
-            if incoming.len() != acc.len() {
+            if incoming.len() != mine.len() {
                 return Err(CommError::Malformed(format!(
                     "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte chunk; \
                      every member must pass the same sizes",
                     incoming.len(),
-                    acc.len()
+                    mine.len()
                 )));
             }
-            reduce.reduce(&mut acc, &incoming)?;
-            partial = Bytes::from(acc);
+            // Reduce into the received buffer itself (it is ours alone).
+            let mut acc = incoming
+                .try_into_mut()
+                .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
+            reduce.reduce(&mut acc, mine)?;
+            partial = acc.freeze();
         }
         self.wait_all(sends)?;
         Ok(partial.to_vec())
@@ -290,16 +308,25 @@ impl Communicator {
             .into_iter()
             .map(|r| r.start * 4..r.end * 4)
             .collect();
-        bytes_f32(&self.reduce_scatter(group, &f32_bytes(data), &bounds, &SumF32)?)
+        bytes_f32(&self.reduce_scatter(group, bytemuck::cast_slice(data), &bounds, &SumF32)?)
     }
 
     /// All-reduce (sum) of an f32 buffer: reduce-scatter, then all-gather.
     pub fn all_reduce_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
         let mine = self.reduce_scatter_f32(group, data)?;
         let blocks = self.all_gather_v(group, f32_bytes(&mine))?;
-        let mut out = Vec::with_capacity(data.len());
+        let mut out: Vec<f32> = Vec::with_capacity(data.len());
         for b in blocks {
-            out.extend(bytes_f32(&b)?);
+            if !b.len().is_multiple_of(4) {
+                return Err(CommError::Malformed(format!(
+                    "{} bytes is not whole f32",
+                    b.len()
+                )));
+            }
+            out.extend(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])),
+            );
         }
         if out.len() != data.len() {
             return Err(CommError::Malformed(format!(
