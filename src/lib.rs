@@ -7,6 +7,8 @@
 pub mod bench_collectives;
 pub mod comm;
 pub mod comm_check;
+pub mod engine;
 pub mod example_weights;
 pub mod launch;
+pub mod model;
 pub mod quant_error;

@@ -1,0 +1,149 @@
+//! The plan: every switch read once, at start, into the wire formats and
+//! groups the engine uses. The hot paths read the plan, never the config.
+
+use serde::{Deserialize, Serialize};
+use zeropp_quant::{Bits, QuantFormat, Scheme};
+
+/// Where this rank sits: `nodes` × `ranks_per_node`, ranks numbered node by
+/// node (rank = node · G + local).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layout {
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    pub rank: usize,
+}
+
+impl Layout {
+    pub fn world(&self) -> usize {
+        self.nodes * self.ranks_per_node
+    }
+    pub fn node(&self) -> usize {
+        self.rank / self.ranks_per_node
+    }
+    pub fn local(&self) -> usize {
+        self.rank % self.ranks_per_node
+    }
+    pub fn node_of(&self, rank: usize) -> usize {
+        rank / self.ranks_per_node
+    }
+}
+
+/// The ZeRO++ switches, each independent.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Switches {
+    /// qwZ: quantize the forward weight all-gather to this many bits (8 or 4).
+    pub qwz_bits: Option<u32>,
+    /// hpZ: keep a node-local secondary shard for the backward gather.
+    pub hpz: bool,
+    /// qgZ: two-hop int4 all-to-all gradient reduce-scatter.
+    pub qgz: bool,
+    /// Error feedback for qgZ: carry what quantization dropped to the next step.
+    pub error_feedback: bool,
+    /// Values per quantization block.
+    pub block: usize,
+}
+
+impl Switches {
+    /// ZeRO-3: plain bf16 gathers over the world, plain bf16 reduce-scatter.
+    pub fn zero3(block: usize) -> Self {
+        Switches {
+            qwz_bits: None,
+            hpz: false,
+            qgz: false,
+            error_feedback: false,
+            block,
+        }
+    }
+
+    /// ZeRO++: qwZ int8 + hpZ + qgZ int4.
+    pub fn zeropp(block: usize) -> Self {
+        Switches {
+            qwz_bits: Some(8),
+            hpz: true,
+            qgz: true,
+            error_feedback: false,
+            block,
+        }
+    }
+}
+
+/// How weights travel in a gather.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum WeightWire {
+    /// bf16, gathered over the world in one ring.
+    Bf16,
+    /// Symmetric blocks, gathered across nodes, then within the node.
+    Quantized(QuantFormat),
+}
+
+/// How gradients are reduce-scattered.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum GradWire {
+    /// bf16 ring reduce-scatter over the world (f32 sums at each step).
+    RingBf16,
+    /// Swizzled int4 all-to-all inside the node, f32 sum, requantize,
+    /// all-to-all across nodes, f32 sum, divide by W.
+    TwoHop {
+        format: QuantFormat,
+        error_feedback: bool,
+    },
+}
+
+/// Everything the engine needs to know about the switches.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    pub layout: Layout,
+    pub weights: WeightWire,
+    pub hpz: bool,
+    pub grads: GradWire,
+    /// Every unit's flat buffer is padded to a multiple of
+    /// `world · granule`, so chunks are whole quantization blocks.
+    pub granule: usize,
+}
+
+impl Plan {
+    pub fn new(layout: Layout, s: &Switches) -> Result<Plan, String> {
+        if layout.world() == 0 || layout.rank >= layout.world() {
+            return Err(format!(
+                "rank {} is outside {} nodes x {} ranks",
+                layout.rank, layout.nodes, layout.ranks_per_node
+            ));
+        }
+        let weights = match s.qwz_bits {
+            None => WeightWire::Bf16,
+            Some(b @ (8 | 4)) => WeightWire::Quantized(
+                QuantFormat::new(
+                    Bits::from_u32(b).map_err(|e| e.to_string())?,
+                    Scheme::Symmetric,
+                    s.block,
+                )
+                .map_err(|e| e.to_string())?,
+            ),
+            Some(b) => return Err(format!("qwZ supports 8 or 4 bits, not {b}")),
+        };
+        let grads = if s.qgz {
+            GradWire::TwoHop {
+                format: QuantFormat::int4(s.block).map_err(|e| e.to_string())?,
+                error_feedback: s.error_feedback,
+            }
+        } else {
+            if s.error_feedback {
+                return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
+            }
+            GradWire::RingBf16
+        };
+        Ok(Plan {
+            layout,
+            weights,
+            hpz: s.hpz,
+            grads,
+            granule: s.block.max(zeropp_quant::MIN_BLOCK),
+        })
+    }
+
+    /// Padded length of a unit of `numel` parameters.
+    pub fn padded_len(&self, numel: usize) -> usize {
+        let quantum = self.layout.world() * self.granule;
+        numel.div_ceil(quantum).max(1) * quantum
+    }
+}

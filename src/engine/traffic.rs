@@ -1,0 +1,169 @@
+//! Byte counters: every byte this rank sends, by phase (forward gather,
+//! backward gather, gradient, other) and hop class (inside the node, across
+//! nodes), payload and block scales separately. Counted in a transport
+//! wrapper, so they are what was actually handed to the network (frame
+//! headers aside).
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Serialize;
+
+use crate::comm::{CommError, SendHandle, Tag, Transport};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    ForwardGather = 0,
+    BackwardGather = 1,
+    Gradient = 2,
+    Other = 3,
+}
+
+/// Bytes sent on one hop class.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct HopBytes {
+    pub intra_node: u64,
+    pub inter_node: u64,
+}
+
+/// Bytes sent in one phase: everything, and the part that was block scales.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct PhaseBytes {
+    pub total: HopBytes,
+    pub scales: HopBytes,
+}
+
+/// All counters.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Traffic {
+    pub forward_gather: PhaseBytes,
+    pub backward_gather: PhaseBytes,
+    pub gradient: PhaseBytes,
+    pub other: PhaseBytes,
+}
+
+impl Traffic {
+    fn phase_mut(&mut self, p: Phase) -> &mut PhaseBytes {
+        match p {
+            Phase::ForwardGather => &mut self.forward_gather,
+            Phase::BackwardGather => &mut self.backward_gather,
+            Phase::Gradient => &mut self.gradient,
+            Phase::Other => &mut self.other,
+        }
+    }
+
+    /// Sum over phases.
+    pub fn total(&self) -> HopBytes {
+        let mut t = HopBytes::default();
+        for p in [
+            self.forward_gather,
+            self.backward_gather,
+            self.gradient,
+            self.other,
+        ] {
+            t.intra_node += p.total.intra_node;
+            t.inter_node += p.total.inter_node;
+        }
+        t
+    }
+
+    /// `self − earlier`, phase by phase.
+    pub fn since(&self, earlier: &Traffic) -> Traffic {
+        let d = |a: HopBytes, b: HopBytes| HopBytes {
+            intra_node: a.intra_node - b.intra_node,
+            inter_node: a.inter_node - b.inter_node,
+        };
+        let p = |a: PhaseBytes, b: PhaseBytes| PhaseBytes {
+            total: d(a.total, b.total),
+            scales: d(a.scales, b.scales),
+        };
+        Traffic {
+            forward_gather: p(self.forward_gather, earlier.forward_gather),
+            backward_gather: p(self.backward_gather, earlier.backward_gather),
+            gradient: p(self.gradient, earlier.gradient),
+            other: p(self.other, earlier.other),
+        }
+    }
+}
+
+struct State {
+    traffic: Traffic,
+    phase: Phase,
+    /// Of each byte sent now, this fraction is block scales.
+    scale_fraction: f64,
+}
+
+/// A transport that counts what it sends.
+pub struct CountingTransport {
+    inner: Box<dyn Transport>,
+    ranks_per_node: usize,
+    state: Mutex<State>,
+}
+
+impl CountingTransport {
+    pub fn new(inner: Box<dyn Transport>, ranks_per_node: usize) -> Self {
+        CountingTransport {
+            inner,
+            ranks_per_node,
+            state: Mutex::new(State {
+                traffic: Traffic::default(),
+                phase: Phase::Other,
+                scale_fraction: 0.0,
+            }),
+        }
+    }
+
+    /// Attributes the following sends to `phase`, `scale_fraction` of each
+    /// being block scales.
+    pub fn set_phase(&self, phase: Phase, scale_fraction: f64) {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        s.phase = phase;
+        s.scale_fraction = scale_fraction;
+    }
+
+    pub fn traffic(&self) -> Traffic {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).traffic
+    }
+}
+
+impl Transport for CountingTransport {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
+        if peer != self.rank() {
+            let n = data.len() as u64;
+            let inter = peer / self.ranks_per_node != self.rank() / self.ranks_per_node;
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let scales = (n as f64 * s.scale_fraction).round() as u64;
+            let phase = s.phase;
+            let pb = s.traffic.phase_mut(phase);
+            let (total, sc) = if inter {
+                (&mut pb.total.inter_node, &mut pb.scales.inter_node)
+            } else {
+                (&mut pb.total.intra_node, &mut pb.scales.intra_node)
+            };
+            *total += n;
+            *sc += scales;
+        }
+        self.inner.send(peer, tag, data)
+    }
+
+    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
+        self.inner.recv(peer, tag, timeout)
+    }
+
+    fn probe(&self, peer: usize, tag: Tag) -> bool {
+        self.inner.probe(peer, tag)
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+}

@@ -1,0 +1,280 @@
+//! A byte-level GPT as a list of *units* — token+position embedding, pre-norm
+//! transformer blocks, final norm + head — each a pure function of its
+//! parameters and its input. The model knows nothing of sharding: the engine
+//! hands a unit its full parameters (as tensors) and calls `forward`.
+
+use candle_core::{D, DType, Device, Result, Tensor};
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+/// Shape of the model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    /// Tokens are bytes.
+    pub vocab: usize,
+    /// Context length (tokens per sequence).
+    pub context: usize,
+    pub width: usize,
+    pub layers: usize,
+    pub heads: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            vocab: 256,
+            context: 64,
+            width: 64,
+            layers: 2,
+            heads: 4,
+        }
+    }
+}
+
+impl ModelConfig {
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.width == 0 || self.heads == 0 || !self.width.is_multiple_of(self.heads) {
+            return Err(format!(
+                "width {} must be a positive multiple of heads {}",
+                self.width, self.heads
+            ));
+        }
+        if self.context == 0 || self.vocab == 0 {
+            return Err("context and vocab must be positive".into());
+        }
+        Ok(())
+    }
+
+    /// The units in forward order.
+    pub fn units(&self) -> Vec<Unit> {
+        let mut units = vec![Unit::Embedding];
+        units.extend((0..self.layers).map(Unit::Block));
+        units.push(Unit::Head);
+        units
+    }
+
+    /// Parameters of the whole model.
+    pub fn parameter_count(&self) -> usize {
+        self.units()
+            .iter()
+            .map(|u| u.params(self).iter().map(|p| p.numel()).sum::<usize>())
+            .sum()
+    }
+}
+
+/// One parameter tensor of a unit.
+#[derive(Clone, Debug)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub init: Init,
+}
+
+impl ParamSpec {
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum Init {
+    Zeros,
+    Ones,
+    Normal(f32),
+}
+
+/// The granularity of gather and release.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Embedding,
+    Block(usize),
+    Head,
+}
+
+fn spec(name: impl Into<String>, shape: &[usize], init: Init) -> ParamSpec {
+    ParamSpec {
+        name: name.into(),
+        shape: shape.to_vec(),
+        init,
+    }
+}
+
+impl Unit {
+    pub fn name(&self) -> String {
+        match self {
+            Unit::Embedding => "embed".into(),
+            Unit::Block(i) => format!("blocks.{i}"),
+            Unit::Head => "head".into(),
+        }
+    }
+
+    /// The unit's parameters, in the order of its flat buffer.
+    pub fn params(&self, c: &ModelConfig) -> Vec<ParamSpec> {
+        let (d, v, t) = (c.width, c.vocab, c.context);
+        let std = 0.02;
+        // GPT-2: residual projections scaled down with depth.
+        let proj_std = std / (2.0 * c.layers.max(1) as f32).sqrt();
+        match self {
+            Unit::Embedding => vec![
+                spec("tokens", &[v, d], Init::Normal(std)),
+                spec("positions", &[t, d], Init::Normal(std / 2.0)),
+            ],
+            Unit::Block(_) => vec![
+                spec("ln1.weight", &[d], Init::Ones),
+                spec("ln1.bias", &[d], Init::Zeros),
+                spec("attn.qkv.weight", &[d, 3 * d], Init::Normal(std)),
+                spec("attn.qkv.bias", &[3 * d], Init::Zeros),
+                spec("attn.proj.weight", &[d, d], Init::Normal(proj_std)),
+                spec("attn.proj.bias", &[d], Init::Zeros),
+                spec("ln2.weight", &[d], Init::Ones),
+                spec("ln2.bias", &[d], Init::Zeros),
+                spec("mlp.up.weight", &[d, 4 * d], Init::Normal(std)),
+                spec("mlp.up.bias", &[4 * d], Init::Zeros),
+                spec("mlp.down.weight", &[4 * d, d], Init::Normal(proj_std)),
+                spec("mlp.down.bias", &[d], Init::Zeros),
+            ],
+            Unit::Head => vec![
+                spec("ln.weight", &[d], Init::Ones),
+                spec("ln.bias", &[d], Init::Zeros),
+                spec("out.weight", &[d, v], Init::Normal(std)),
+            ],
+        }
+    }
+
+    /// Number of parameters (before padding).
+    pub fn numel(&self, c: &ModelConfig) -> usize {
+        self.params(c).iter().map(ParamSpec::numel).sum()
+    }
+
+    /// Initial values of the flat buffer, deterministic for `seed`.
+    pub fn init(&self, c: &ModelConfig, seed: u64, unit_index: usize) -> Vec<f32> {
+        let mut rng = SmallRng::seed_from_u64(
+            seed ^ (unit_index as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
+        let mut out = Vec::with_capacity(self.numel(c));
+        for p in self.params(c) {
+            match p.init {
+                Init::Zeros => out.extend(std::iter::repeat_n(0.0, p.numel())),
+                Init::Ones => out.extend(std::iter::repeat_n(1.0, p.numel())),
+                Init::Normal(std) => out.extend((0..p.numel()).map(|_| {
+                    // Box–Muller
+                    let u1: f32 = rng.random_range(f32::EPSILON..1.0);
+                    let u2: f32 = rng.random_range(0.0..1.0);
+                    std * (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos()
+                })),
+            }
+        }
+        out
+    }
+
+    /// Runs the unit. `params` are this unit's tensors in `params()` order;
+    /// `input` is token ids (u32, `[batch, time]`) for the embedding and
+    /// activations (`[batch, time, width]`) otherwise. The head returns
+    /// logits `[batch, time, vocab]`.
+    pub fn forward(&self, c: &ModelConfig, params: &[Tensor], input: &Tensor) -> Result<Tensor> {
+        match self {
+            Unit::Embedding => {
+                let (b, t) = input.dims2()?;
+                if t > c.context {
+                    candle_core::bail!("sequence of {t} tokens exceeds the context {}", c.context);
+                }
+                let tok = params[0]
+                    .embedding(&input.flatten_all()?)?
+                    .reshape((b, t, c.width))?;
+                let pos = params[1].narrow(0, 0, t)?;
+                tok.broadcast_add(&pos)
+            }
+            Unit::Block(_) => block_forward(c, params, input),
+            Unit::Head => {
+                let x = candle_nn::ops::layer_norm_slow(input, &params[0], &params[1], 1e-5)?;
+                x.broadcast_matmul(&params[2])
+            }
+        }
+    }
+}
+
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
+fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+    let (b, t, d) = x.dims3()?;
+    let h = c.heads;
+    let hd = d / h;
+    // Attention.
+    let a = candle_nn::ops::layer_norm_slow(x, &p[0], &p[1], 1e-5)?;
+    let qkv = a.broadcast_matmul(&p[2])?.broadcast_add(&p[3])?;
+    let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?;
+    let q = qkv.get(0)?.contiguous()?;
+    let k = qkv.get(1)?.contiguous()?;
+    let v = qkv.get(2)?.contiguous()?;
+    let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
+    let scores = scores.broadcast_add(&causal_mask(t, x.device())?)?;
+    let att = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    let y = att
+        .matmul(&v)?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((b, t, d))?;
+    let y = y.broadcast_matmul(&p[4])?.broadcast_add(&p[5])?;
+    let x = (x + y)?;
+    // MLP.
+    let m = candle_nn::ops::layer_norm_slow(&x, &p[6], &p[7], 1e-5)?;
+    let m = m.broadcast_matmul(&p[8])?.broadcast_add(&p[9])?.gelu()?;
+    let m = m.broadcast_matmul(&p[10])?.broadcast_add(&p[11])?;
+    x + m
+}
+
+/// Cuts a flat buffer into the unit's parameter tensors.
+pub fn tensors_from_flat(
+    unit: &Unit,
+    c: &ModelConfig,
+    flat: &[f32],
+    device: &Device,
+) -> Result<Vec<Tensor>> {
+    let mut off = 0;
+    unit.params(c)
+        .iter()
+        .map(|p| {
+            let n = p.numel();
+            let t = Tensor::from_slice(&flat[off..off + n], p.shape.as_slice(), device);
+            off += n;
+            t
+        })
+        .collect()
+}
+
+/// Mean cross-entropy of logits `[b, t, v]` against targets `[b, t]`.
+pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    candle_nn::loss::cross_entropy(
+        &logits.reshape((b * t, v))?,
+        &targets.reshape(b * t)?.to_dtype(DType::U32)?,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_forward_pass_through_all_units_gives_a_loss_near_log_vocab() {
+        let c = ModelConfig::default();
+        let dev = Device::Cpu;
+        let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 % 256) as u32).collect();
+        let ids = Tensor::from_vec(ids, (2, 16), &dev).unwrap();
+        let mut x = ids.clone();
+        for (i, u) in c.units().iter().enumerate() {
+            let flat = u.init(&c, 1, i);
+            assert_eq!(flat.len(), u.numel(&c));
+            let params = tensors_from_flat(u, &c, &flat, &dev).unwrap();
+            x = u.forward(&c, &params, &x).unwrap();
+        }
+        let l = loss(&x, &ids).unwrap().to_scalar::<f32>().unwrap();
+        assert!((l - (256f32).ln()).abs() < 0.3, "initial loss {l}");
+    }
+}
