@@ -7,8 +7,10 @@
 pub mod bench_collectives;
 pub mod comm;
 pub mod comm_check;
+pub mod data;
 pub mod engine;
 pub mod example_weights;
 pub mod launch;
 pub mod model;
 pub mod quant_error;
+pub mod trainer;

@@ -3,10 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
-use zeropp::{bench_collectives, comm_check, example_weights, launch, quant_error};
+use zeropp::trainer::{Mode, TrainConfig};
+use zeropp::{bench_collectives, comm_check, example_weights, launch, quant_error, trainer};
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
 
 /// zeropp: ZeRO-3 sharded training with ZeRO++ communication (quantized
@@ -23,6 +24,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Train the built-in byte-level GPT with ZeRO-3 or ZeRO++ sharding.
+    ///
+    /// Run as is, it launches itself as 2 logical nodes x 2 ranks on this
+    /// machine (TCP between ranks) in ZeRO++ mode on a built-in corpus. Under
+    /// a launcher (zeropp launch, torchrun-style variables, srun, mpirun) it
+    /// runs as one rank of that job. Every flag has a TOML twin in --config
+    /// (flags win); the same seed and data give the same losses on every run.
+    ///
+    /// Example: zeropp train --mode zero3 --steps 100 --summary-json out.json
+    Train(Box<TrainArgs>),
     /// Measure the error block quantization would put on your weights.
     ///
     /// Reads every f32/bf16/f16 tensor of a safetensors file, quantizes it in
@@ -120,6 +131,111 @@ enum Command {
     },
 }
 
+#[derive(clap::Args, Debug)]
+struct TrainArgs {
+    /// A TOML file with any of the settings below (flags override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int8 +
+    /// hpZ + qgZ int4).
+    #[arg(long, value_enum)]
+    mode: Option<Mode>,
+    /// qwZ: bits of the forward weight gather (8, 4; 0 = off).
+    #[arg(long)]
+    qwz_bits: Option<u32>,
+    /// hpZ: node-local secondary shards for the backward gather.
+    #[arg(long)]
+    hpz: Option<bool>,
+    /// qgZ: two-hop int4 gradient reduce-scatter.
+    #[arg(long)]
+    qgz: Option<bool>,
+    /// Error feedback for qgZ.
+    #[arg(long)]
+    error_feedback: Option<bool>,
+    /// Values per quantization block (power of two, 32..65536).
+    #[arg(long)]
+    block: Option<usize>,
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Sequences per rank per step.
+    #[arg(long)]
+    batch: Option<usize>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    lr: Option<f32>,
+    #[arg(long)]
+    warmup_steps: Option<usize>,
+    /// Model width, layers, heads and context length.
+    #[arg(long)]
+    width: Option<usize>,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    context: Option<usize>,
+    /// Train on this UTF-8 text file instead of the built-in corpus.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Logical nodes and ranks per node when launching itself.
+    #[arg(long)]
+    nodes: Option<usize>,
+    #[arg(long)]
+    ranks_per_node: Option<usize>,
+    /// Print a progress line every N steps.
+    #[arg(long)]
+    log_every: Option<usize>,
+    /// Write one JSON object per step here.
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Write the end-of-run summary here as JSON.
+    #[arg(long)]
+    summary_json: Option<PathBuf>,
+    /// Timeout of every network wait, in seconds (default 60).
+    #[arg(long)]
+    timeout: Option<f64>,
+}
+
+impl TrainArgs {
+    fn config(&self) -> Result<TrainConfig> {
+        let mut c = match &self.config {
+            Some(p) => TrainConfig::from_toml_file(p)?,
+            None => TrainConfig::default(),
+        };
+        macro_rules! set {
+            ($($field:ident => $target:expr),* $(,)?) => {
+                $(if let Some(v) = self.$field.clone() { $target = v; })*
+            };
+        }
+        set!(mode => c.mode, block => c.block, steps => c.steps, batch => c.batch, seed => c.seed,
+             lr => c.optim.lr, warmup_steps => c.optim.warmup_steps, width => c.model.width,
+             layers => c.model.layers, heads => c.model.heads, context => c.model.context,
+             nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
+             error_feedback => c.error_feedback);
+        if self.qwz_bits.is_some() {
+            c.qwz_bits = self.qwz_bits;
+        }
+        if self.hpz.is_some() {
+            c.hpz = self.hpz;
+        }
+        if self.qgz.is_some() {
+            c.qgz = self.qgz;
+        }
+        if self.data.is_some() {
+            c.data = self.data.clone();
+        }
+        if self.metrics.is_some() {
+            c.metrics = self.metrics.clone();
+        }
+        if self.summary_json.is_some() {
+            c.summary_json = self.summary_json.clone();
+        }
+        c.validate()?;
+        Ok(c)
+    }
+}
+
 #[derive(Subcommand)]
 enum BenchCommand {
     /// Bandwidth of every collective against the transport's raw bandwidth.
@@ -151,6 +267,30 @@ enum RoundingArg {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
+        Command::Train(args) => {
+            let cfg = args.config()?;
+            match zeropp::comm::env::RankFacts::from_env() {
+                Err(zeropp::comm::env::EnvError::Missing) => {
+                    // No launcher around us: be one, over this machine.
+                    let exe = std::env::current_exe().context("locating the zeropp binary")?;
+                    let mut command = vec![exe.display().to_string()];
+                    command.extend(std::env::args().skip(1));
+                    launch::launch(&launch::LaunchOptions {
+                        nodes: cfg.nodes,
+                        ranks_per_node: cfg.ranks_per_node,
+                        node_rank: None,
+                        master: None,
+                        timeout_s: args.timeout,
+                        grace: std::time::Duration::from_secs(3),
+                        command,
+                    })?;
+                }
+                Err(e) => return Err(e.into()),
+                Ok(_) => {
+                    trainer::run_rank(&cfg)?;
+                }
+            }
+        }
         Command::QuantError {
             file,
             bits,

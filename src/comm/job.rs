@@ -31,6 +31,17 @@ impl Job {
 
     /// Joins the job described by `facts` over TCP.
     pub fn join(facts: RankFacts, extra_facts: serde_json::Value) -> Result<Job, CommError> {
+        let (transport, table) = Self::connect(&facts, extra_facts)?;
+        let comm = Arc::new(Communicator::new(Arc::new(transport), facts.timeout));
+        Ok(Job { facts, table, comm })
+    }
+
+    /// Rendezvous and a TCP mesh for `facts`: the transport and everyone's
+    /// published facts, for callers that build their own communicator.
+    pub fn connect(
+        facts: &RankFacts,
+        extra_facts: serde_json::Value,
+    ) -> Result<(TcpTransport, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
         let ip = rendezvous::local_ip_towards(master)?;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Io {
@@ -44,7 +55,7 @@ impl Job {
                 source: e,
             })?
             .to_string();
-        let table = rendezvous::rendezvous(&facts, address, extra_facts)?;
+        let table = rendezvous::rendezvous(facts, address, extra_facts)?;
         let addresses = table
             .iter()
             .map(|p| {
@@ -68,8 +79,7 @@ impl Job {
             facts.world_size,
             facts.nodes()
         );
-        let comm = Arc::new(Communicator::new(Arc::new(transport), facts.timeout));
-        Ok(Job { facts, table, comm })
+        Ok((transport, table))
     }
 
     /// Every rank.

@@ -442,6 +442,20 @@ impl Engine {
         )?)
     }
 
+    /// Element-wise sum of `values` over all ranks (small vectors: metrics).
+    pub fn sum_over_ranks(&self, values: &[f32]) -> Result<Vec<f32>> {
+        let world = self.groups.world.clone();
+        let counter = self.counter.clone();
+        let v = values.to_vec();
+        Ok(self
+            .thread
+            .submit(move |c| {
+                counter.set_phase(Phase::Other, 0.0);
+                c.all_reduce_f32(&world, &v)
+            })
+            .wait()?)
+    }
+
     /// Forward only (no state change): the mean loss over all ranks of the
     /// given batches. Counted as `Other` traffic.
     pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {

@@ -1,0 +1,319 @@
+//! `zeropp train`: one config (flags, or a TOML file with the same names),
+//! the training loop on each rank, per-step metrics and the end-of-run
+//! summary. Without rank facts in the environment the command launches
+//! itself as `nodes` × `ranks_per_node` local ranks.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::comm::env::RankFacts;
+use crate::comm::job::Job;
+use crate::data::Dataset;
+use crate::engine::optim::OptimConfig;
+use crate::engine::plan::{Layout, Switches};
+use crate::engine::traffic::Traffic;
+use crate::engine::{Engine, EngineConfig};
+use crate::model::ModelConfig;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Plain ZeRO-3: bf16 gathers over the world, bf16 reduce-scatter.
+    Zero3,
+    /// ZeRO++: qwZ int8 + hpZ + qgZ int4.
+    Zeropp,
+}
+
+/// Every setting of a training run; defaults live here and only here.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    pub mode: Mode,
+    /// Override qwZ bits (0 = off, 8, 4).
+    pub qwz_bits: Option<u32>,
+    pub hpz: Option<bool>,
+    pub qgz: Option<bool>,
+    pub error_feedback: bool,
+    /// Values per quantization block.
+    pub block: usize,
+    pub steps: usize,
+    /// Sequences per rank per step.
+    pub batch: usize,
+    pub seed: u64,
+    pub model: ModelConfig,
+    pub optim: OptimConfig,
+    /// A UTF-8 text file; the built-in corpus when absent.
+    pub data: Option<PathBuf>,
+    /// Logical nodes and ranks per node when `zeropp train` launches itself.
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    /// Batches per rank for the validation loss at the end.
+    pub val_batches: usize,
+    /// Print a progress line every this many steps.
+    pub log_every: usize,
+    pub metrics: Option<PathBuf>,
+    pub summary_json: Option<PathBuf>,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        TrainConfig {
+            mode: Mode::Zeropp,
+            qwz_bits: None,
+            hpz: None,
+            qgz: None,
+            error_feedback: false,
+            block: 256,
+            steps: 200,
+            batch: 8,
+            seed: 0,
+            model: ModelConfig::default(),
+            optim: OptimConfig::default(),
+            data: None,
+            nodes: 2,
+            ranks_per_node: 2,
+            val_batches: 4,
+            log_every: 10,
+            metrics: None,
+            summary_json: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a TOML file of the same settings.
+    pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the config {}", path.display()))?;
+        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+    }
+
+    /// The switches: the mode's, then each override.
+    pub fn switches(&self) -> Switches {
+        let mut s = match self.mode {
+            Mode::Zero3 => Switches::zero3(self.block),
+            Mode::Zeropp => Switches::zeropp(self.block),
+        };
+        if let Some(b) = self.qwz_bits {
+            s.qwz_bits = (b != 0).then_some(b);
+        }
+        if let Some(h) = self.hpz {
+            s.hpz = h;
+        }
+        if let Some(q) = self.qgz {
+            s.qgz = q;
+        }
+        s.error_feedback = self.error_feedback;
+        s
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        self.model
+            .validate()
+            .map_err(|e| anyhow::anyhow!("invalid model: {e}"))?;
+        if self.steps == 0 || self.batch == 0 {
+            bail!("steps and batch must be at least 1");
+        }
+        if self.nodes == 0 || self.ranks_per_node == 0 {
+            bail!("nodes and ranks_per_node must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+/// One line of `--metrics`.
+#[derive(Serialize)]
+struct StepMetrics<'a> {
+    step: usize,
+    loss: f32,
+    grad_norm: f32,
+    lr: f32,
+    step_time_s: f64,
+    tokens_per_s: f64,
+    /// Bytes the whole job sent this step.
+    bytes_intra_node: f64,
+    bytes_inter_node: f64,
+    /// Rank 0's own counters by phase, payload and scales.
+    rank0_traffic: &'a Traffic,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct BytesPerStep {
+    pub intra_node: f64,
+    pub inter_node: f64,
+}
+
+/// The end-of-run summary (`--summary-json`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub mode: String,
+    pub switches: String,
+    pub world_size: usize,
+    pub nodes: usize,
+    pub params: usize,
+    pub steps: usize,
+    pub initial_loss: f32,
+    /// Mean of the last 10 steps' losses.
+    pub final_loss: f32,
+    pub val_loss: f32,
+    pub tokens_per_s: f64,
+    pub median_step_time_s: f64,
+    /// Job-wide bytes per step, averaged over the run.
+    pub bytes_per_step: BytesPerStep,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Runs this rank's part of the job described by the environment.
+pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
+    cfg.validate()?;
+    let facts = RankFacts::from_env()?;
+    let layout = Layout {
+        nodes: facts.nodes(),
+        ranks_per_node: facts.local_world_size,
+        rank: facts.rank,
+    };
+    if facts.node_rank * facts.local_world_size + facts.local_rank != facts.rank {
+        bail!(
+            "rank {} is local rank {} of node {}: zeropp needs ranks numbered node by node \
+             (rank = node x ranks-per-node + local rank); use block distribution in your launcher",
+            facts.rank,
+            facts.local_rank,
+            facts.node_rank
+        );
+    }
+    let data = Dataset::load(cfg.data.as_deref(), cfg.seed)?;
+    data.check(layout.world(), cfg.model.context)?;
+    let (transport, _table) = Job::connect(&facts, serde_json::Value::Null)?;
+    let engine_cfg = EngineConfig {
+        model: cfg.model.clone(),
+        switches: cfg.switches(),
+        optim: cfg.optim.clone(),
+        seed: cfg.seed,
+    };
+    let mut engine = Engine::new(Box::new(transport), layout, engine_cfg, facts.timeout)?;
+    let lead = facts.rank == 0;
+    let world = layout.world();
+    let tokens_per_step = (world * cfg.batch * cfg.model.context) as f64;
+    let mut metrics = match (&cfg.metrics, lead) {
+        (Some(p), true) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).with_context(|| format!("cannot create {}", p.display()))?,
+        )),
+        _ => None,
+    };
+    if lead {
+        println!(
+            "training {} parameters, {} nodes x {} ranks, mode {:?} ({:?}), {} steps of {} tokens",
+            engine.parameter_count(),
+            layout.nodes,
+            layout.ranks_per_node,
+            cfg.mode,
+            cfg.switches(),
+            cfg.steps,
+            tokens_per_step
+        );
+    }
+    let (mut losses, mut times) = (Vec::new(), Vec::new());
+    let (mut sum_intra, mut sum_inter) = (0f64, 0f64);
+    for step in 0..cfg.steps {
+        let (x, y) = data.train_batch(
+            facts.rank,
+            world,
+            step,
+            cfg.seed,
+            cfg.batch,
+            cfg.model.context,
+        )?;
+        let lr = cfg.optim.lr_at(step, cfg.steps);
+        let t = Instant::now();
+        let stats = engine.train_step(&x, &y, lr)?;
+        let dt = t.elapsed().as_secs_f64();
+        let mine = stats.traffic.total();
+        let job = engine.sum_over_ranks(&[mine.intra_node as f32, mine.inter_node as f32])?;
+        sum_intra += job[0] as f64;
+        sum_inter += job[1] as f64;
+        losses.push(stats.loss);
+        times.push(dt);
+        if lead {
+            if let Some(m) = metrics.as_mut() {
+                let line = StepMetrics {
+                    step: step + 1,
+                    loss: stats.loss,
+                    grad_norm: stats.grad_norm,
+                    lr,
+                    step_time_s: dt,
+                    tokens_per_s: tokens_per_step / dt,
+                    bytes_intra_node: job[0] as f64,
+                    bytes_inter_node: job[1] as f64,
+                    rank0_traffic: &stats.traffic,
+                };
+                serde_json::to_writer(&mut *m, &line)?;
+                m.write_all(b"\n")?;
+            }
+            if (step + 1) % cfg.log_every.max(1) == 0 || step == 0 || step + 1 == cfg.steps {
+                println!(
+                    "step {:>5}/{} loss {:.4} lr {:.2e} {:>8.0} tok/s {:>8.3} MB across nodes/step",
+                    step + 1,
+                    cfg.steps,
+                    stats.loss,
+                    lr,
+                    tokens_per_step / dt,
+                    job[1] as f64 / 1e6
+                );
+            }
+        }
+    }
+    if let Some(m) = metrics.as_mut() {
+        m.flush()?;
+    }
+    let mut val = 0.0;
+    for i in 0..cfg.val_batches.max(1) {
+        let (x, y) = data.val_batch(facts.rank, i, cfg.batch, cfg.model.context)?;
+        val += engine.evaluate(&x, &y)?;
+    }
+    let val_loss = val / cfg.val_batches.max(1) as f32;
+    let tail = &losses[losses.len().saturating_sub(10)..];
+    let summary = Summary {
+        mode: format!("{:?}", cfg.mode).to_lowercase(),
+        switches: format!("{:?}", cfg.switches()),
+        world_size: world,
+        nodes: layout.nodes,
+        params: engine.parameter_count(),
+        steps: cfg.steps,
+        initial_loss: losses[0],
+        final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+        val_loss,
+        tokens_per_s: tokens_per_step / median(&times),
+        median_step_time_s: median(&times),
+        bytes_per_step: BytesPerStep {
+            intra_node: sum_intra / cfg.steps as f64,
+            inter_node: sum_inter / cfg.steps as f64,
+        },
+    };
+    if !lead {
+        return Ok(None);
+    }
+    println!(
+        "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB across \
+         nodes and {:.3} MB inside nodes per step",
+        summary.initial_loss,
+        summary.final_loss,
+        summary.val_loss,
+        summary.tokens_per_s,
+        summary.bytes_per_step.inter_node / 1e6,
+        summary.bytes_per_step.intra_node / 1e6
+    );
+    if let Some(p) = &cfg.summary_json {
+        std::fs::write(p, serde_json::to_vec_pretty(&summary)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(Some(summary))
+}
