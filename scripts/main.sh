@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The main job: until training lands, measure what block quantization does to
-# a generated GPT-shaped checkpoint, int8 and int4 (no download).
+# The main job: a small ZeRO++ training run on this machine — 2 logical
+# nodes x 2 ranks over TCP, built-in corpus, no download — with a summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
 cargo build --release --bin zeropp
-out="${TMPDIR:-/tmp}/zeropp-example.safetensors"
-./target/release/zeropp example-weights "$out"
-./target/release/zeropp quant-error "$out" --bits 8 --block 256
-./target/release/zeropp quant-error "$out" --bits 4 --block 256
+out="${TMPDIR:-/tmp}/zeropp-main"
+mkdir -p "$out"
+./target/release/zeropp train --mode zeropp --steps 200 \
+  --metrics "$out/metrics.jsonl" --summary-json "$out/summary.json"
+echo "metrics: $out/metrics.jsonl, summary: $out/summary.json"
