@@ -38,6 +38,8 @@ pub struct TrainConfig {
     pub hpz: Option<bool>,
     pub qgz: Option<bool>,
     pub error_feedback: bool,
+    /// qgZ: stochastic rounding of gradients instead of round-to-nearest.
+    pub qgz_stochastic: bool,
     /// Values per quantization block.
     pub block: usize,
     pub steps: usize,
@@ -67,6 +69,7 @@ impl Default for TrainConfig {
             hpz: None,
             qgz: None,
             error_feedback: false,
+            qgz_stochastic: false,
             block: 256,
             steps: 200,
             batch: 8,
@@ -108,6 +111,7 @@ impl TrainConfig {
             s.qgz = q;
         }
         s.error_feedback = self.error_feedback;
+        s.qgz_stochastic = self.qgz_stochastic;
         s
     }
 

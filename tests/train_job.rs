@@ -9,14 +9,44 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
     let summary = dir.join(format!("{tag}-summary.json"));
     let metrics = dir.join(format!("{tag}-metrics.jsonl"));
     let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
-        .args(["train", "--steps", "30", "--width", "32", "--layers", "1", "--heads", "2", "--context", "32"])
-        .args(["--batch", "4", "--block", "64", "--log-every", "10", "--timeout", "60"])
-        .args(["--summary-json", summary.to_str().unwrap(), "--metrics", metrics.to_str().unwrap()])
+        .args([
+            "train",
+            "--steps",
+            "30",
+            "--width",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--context",
+            "32",
+        ])
+        .args([
+            "--batch",
+            "4",
+            "--block",
+            "64",
+            "--log-every",
+            "10",
+            "--timeout",
+            "60",
+        ])
+        .args([
+            "--summary-json",
+            summary.to_str().unwrap(),
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ])
         .args(extra)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("[rank 0] done: loss"), "{stdout}");
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     let m = std::fs::read_to_string(metrics)
@@ -32,27 +62,58 @@ fn zeropp_training_runs_learns_and_reports() {
     let dir = std::env::temp_dir().join(format!("zeropp-train-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (s, m) = train(&dir, "a", &["--mode", "zeropp"]);
-    for key in ["mode", "world_size", "nodes", "params", "steps", "initial_loss", "final_loss", "val_loss", "tokens_per_s"] {
+    for key in [
+        "mode",
+        "world_size",
+        "nodes",
+        "params",
+        "steps",
+        "initial_loss",
+        "final_loss",
+        "val_loss",
+        "tokens_per_s",
+    ] {
         assert!(s.get(key).is_some(), "summary lacks {key}: {s}");
     }
-    assert_eq!((s["world_size"].as_u64(), s["nodes"].as_u64()), (Some(4), Some(2)));
-    let (first, last) = (s["initial_loss"].as_f64().unwrap(), s["final_loss"].as_f64().unwrap());
+    assert_eq!(
+        (s["world_size"].as_u64(), s["nodes"].as_u64()),
+        (Some(4), Some(2))
+    );
+    let (first, last) = (
+        s["initial_loss"].as_f64().unwrap(),
+        s["final_loss"].as_f64().unwrap(),
+    );
     assert!(last < first - 1.0, "loss {first} -> {last}");
     assert!(s["bytes_per_step"]["inter_node"].as_f64().unwrap() > 0.0);
     assert_eq!(m.len(), 30);
-    for key in ["step", "loss", "step_time_s", "bytes_inter_node", "bytes_intra_node"] {
+    for key in [
+        "step",
+        "loss",
+        "step_time_s",
+        "bytes_inter_node",
+        "bytes_intra_node",
+    ] {
         assert!(m[0].get(key).is_some(), "metrics lack {key}");
     }
 
     // Same seed, same data: the same losses, step for step.
     let (_, again) = train(&dir, "b", &["--mode", "zeropp"]);
-    let losses = |m: &[serde_json::Value]| m.iter().map(|l| l["loss"].as_f64().unwrap()).collect::<Vec<_>>();
+    let losses = |m: &[serde_json::Value]| {
+        m.iter()
+            .map(|l| l["loss"].as_f64().unwrap())
+            .collect::<Vec<_>>()
+    };
     assert_eq!(losses(&m), losses(&again));
 
     // ZeRO-3 learns too, and sends more across nodes.
     let (z3, _) = train(&dir, "c", &["--mode", "zero3"]);
     assert!(z3["final_loss"].as_f64().unwrap() < first - 1.0);
     let inter = |s: &serde_json::Value| s["bytes_per_step"]["inter_node"].as_f64().unwrap();
-    assert!(inter(&s) < 0.5 * inter(&z3), "zeropp {} vs zero3 {}", inter(&s), inter(&z3));
+    assert!(
+        inter(&s) < 0.5 * inter(&z3),
+        "zeropp {} vs zero3 {}",
+        inter(&s),
+        inter(&z3)
+    );
     std::fs::remove_dir_all(dir).ok();
 }

@@ -354,6 +354,7 @@ impl Engine {
             GradWire::TwoHop {
                 format,
                 error_feedback,
+                stochastic,
             } => {
                 let (nodes, g) = (layout.nodes, layout.ranks_per_node);
                 // Stochastic rounding, seeded by (seed, step, unit, rank).
@@ -361,7 +362,11 @@ impl Engine {
                     ^ ((self.step as u64) << 32)
                     ^ ((u as u64) << 16)
                     ^ layout.rank as u64;
-                let rounding = Rounding::Stochastic { seed };
+                let rounding = if stochastic {
+                    Rounding::Stochastic { seed }
+                } else {
+                    Rounding::NearestEven
+                };
                 let mut q = QuantizedChunks::zeroed(format, chunk, world_n);
                 if error_feedback {
                     let residual = &mut self.units[u].residual;

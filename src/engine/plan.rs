@@ -39,6 +39,10 @@ pub struct Switches {
     pub qgz: bool,
     /// Error feedback for qgZ: carry what quantization dropped to the next step.
     pub error_feedback: bool,
+    /// qgZ rounds gradients stochastically (unbiased, noisier) instead of
+    /// to nearest.
+    #[serde(default)]
+    pub qgz_stochastic: bool,
     /// Values per quantization block.
     pub block: usize,
 }
@@ -51,6 +55,7 @@ impl Switches {
             hpz: false,
             qgz: false,
             error_feedback: false,
+            qgz_stochastic: false,
             block,
         }
     }
@@ -62,6 +67,7 @@ impl Switches {
             hpz: true,
             qgz: true,
             error_feedback: false,
+            qgz_stochastic: false,
             block,
         }
     }
@@ -86,6 +92,7 @@ pub enum GradWire {
     TwoHop {
         format: QuantFormat,
         error_feedback: bool,
+        stochastic: bool,
     },
 }
 
@@ -125,6 +132,7 @@ impl Plan {
             GradWire::TwoHop {
                 format: QuantFormat::int4(s.block).map_err(|e| e.to_string())?,
                 error_feedback: s.error_feedback,
+                stochastic: s.qgz_stochastic,
             }
         } else {
             if s.error_feedback {
