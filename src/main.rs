@@ -152,12 +152,15 @@ struct TrainArgs {
     /// Error feedback for qgZ.
     #[arg(long)]
     error_feedback: Option<bool>,
-    /// qgZ: round gradients stochastically instead of to nearest.
+    /// qgZ: round gradients stochastically (default) or to nearest (false).
     #[arg(long)]
     qgz_stochastic: Option<bool>,
-    /// Values per quantization block (power of two, 32..65536).
+    /// Values per weight quantization block (qwZ; power of two, 32..65536).
     #[arg(long)]
     block: Option<usize>,
+    /// Values per gradient quantization block (qgZ).
+    #[arg(long)]
+    qgz_block: Option<usize>,
     #[arg(long)]
     steps: Option<usize>,
     /// Sequences per rank per step.
@@ -215,7 +218,8 @@ impl TrainArgs {
              lr => c.optim.lr, warmup_steps => c.optim.warmup_steps, width => c.model.width,
              layers => c.model.layers, heads => c.model.heads, context => c.model.context,
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
-             error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic);
+             error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic,
+             qgz_block => c.qgz_block);
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }

@@ -40,8 +40,10 @@ pub struct TrainConfig {
     pub error_feedback: bool,
     /// qgZ: stochastic rounding of gradients instead of round-to-nearest.
     pub qgz_stochastic: bool,
-    /// Values per quantization block.
+    /// Values per quantization block of the weights (qwZ).
     pub block: usize,
+    /// Values per quantization block of the gradients (qgZ).
+    pub qgz_block: usize,
     pub steps: usize,
     /// Sequences per rank per step.
     pub batch: usize,
@@ -69,8 +71,9 @@ impl Default for TrainConfig {
             hpz: None,
             qgz: None,
             error_feedback: false,
-            qgz_stochastic: false,
+            qgz_stochastic: true,
             block: 256,
+            qgz_block: 64,
             steps: 200,
             batch: 8,
             seed: 0,
@@ -112,6 +115,7 @@ impl TrainConfig {
         }
         s.error_feedback = self.error_feedback;
         s.qgz_stochastic = self.qgz_stochastic;
+        s.qgz_block = self.qgz_block;
         s
     }
 
@@ -166,8 +170,13 @@ pub struct Summary {
     pub val_loss: f32,
     pub tokens_per_s: f64,
     pub median_step_time_s: f64,
-    /// Job-wide bytes per step, averaged over the run.
+    /// Job-wide bytes per step, averaged over the training steps.
     pub bytes_per_step: BytesPerStep,
+    /// Job-wide bytes over the whole run (training and validation), and the
+    /// number of messages that carried them (each adds a 40-byte frame
+    /// header on the wire); rendezvous and connection set-up not included.
+    pub run_bytes: BytesPerStep,
+    pub run_messages: BytesPerStep,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -284,6 +293,14 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         val += engine.evaluate(&x, &y)?;
     }
     let val_loss = val / cfg.val_batches.max(1) as f32;
+    let all = engine.traffic().total();
+    let msgs = engine.traffic().messages;
+    let run = engine.sum_over_ranks(&[
+        all.intra_node as f32,
+        all.inter_node as f32,
+        msgs.intra_node as f32,
+        msgs.inter_node as f32,
+    ])?;
     let tail = &losses[losses.len().saturating_sub(10)..];
     let summary = Summary {
         mode: format!("{:?}", cfg.mode).to_lowercase(),
@@ -300,6 +317,14 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         bytes_per_step: BytesPerStep {
             intra_node: sum_intra / cfg.steps as f64,
             inter_node: sum_inter / cfg.steps as f64,
+        },
+        run_bytes: BytesPerStep {
+            intra_node: run[0] as f64,
+            inter_node: run[1] as f64,
+        },
+        run_messages: BytesPerStep {
+            intra_node: run[2] as f64,
+            inter_node: run[3] as f64,
         },
     };
     if !lead {

@@ -39,12 +39,13 @@ pub struct Switches {
     pub qgz: bool,
     /// Error feedback for qgZ: carry what quantization dropped to the next step.
     pub error_feedback: bool,
-    /// qgZ rounds gradients stochastically (unbiased, noisier) instead of
-    /// to nearest.
-    #[serde(default)]
+    /// qgZ rounds gradients stochastically (unbiased) instead of to nearest.
     pub qgz_stochastic: bool,
-    /// Values per quantization block.
+    /// Values per quantization block of the weights (qwZ).
     pub block: usize,
+    /// Values per quantization block of the gradients (qgZ): smaller than
+    /// the weights' because gradients have heavier tails.
+    pub qgz_block: usize,
 }
 
 impl Switches {
@@ -55,8 +56,9 @@ impl Switches {
             hpz: false,
             qgz: false,
             error_feedback: false,
-            qgz_stochastic: false,
+            qgz_stochastic: true,
             block,
+            qgz_block: 64,
         }
     }
 
@@ -67,8 +69,9 @@ impl Switches {
             hpz: true,
             qgz: true,
             error_feedback: false,
-            qgz_stochastic: false,
+            qgz_stochastic: true,
             block,
+            qgz_block: 64,
         }
     }
 }
@@ -130,7 +133,7 @@ impl Plan {
         };
         let grads = if s.qgz {
             GradWire::TwoHop {
-                format: QuantFormat::int4(s.block).map_err(|e| e.to_string())?,
+                format: QuantFormat::int4(s.qgz_block).map_err(|e| e.to_string())?,
                 error_feedback: s.error_feedback,
                 stochastic: s.qgz_stochastic,
             }
@@ -145,7 +148,9 @@ impl Plan {
             weights,
             hpz: s.hpz,
             grads,
-            granule: s.block.max(zeropp_quant::MIN_BLOCK),
+            // Both block sizes are powers of two: the larger is a multiple
+            // of the smaller, so chunks are whole blocks of each.
+            granule: s.block.max(s.qgz_block).max(zeropp_quant::MIN_BLOCK),
         })
     }
 

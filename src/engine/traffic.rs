@@ -41,6 +41,8 @@ pub struct Traffic {
     pub backward_gather: PhaseBytes,
     pub gradient: PhaseBytes,
     pub other: PhaseBytes,
+    /// Messages sent, by hop class (each travels with a frame header).
+    pub messages: HopBytes,
 }
 
 impl Traffic {
@@ -83,6 +85,7 @@ impl Traffic {
             backward_gather: p(self.backward_gather, earlier.backward_gather),
             gradient: p(self.gradient, earlier.gradient),
             other: p(self.other, earlier.other),
+            messages: d(self.messages, earlier.messages),
         }
     }
 }
@@ -143,6 +146,11 @@ impl Transport for CountingTransport {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let scales = (n as f64 * s.scale_fraction).round() as u64;
             let phase = s.phase;
+            if inter {
+                s.traffic.messages.inter_node += 1;
+            } else {
+                s.traffic.messages.intra_node += 1;
+            }
             let pb = s.traffic.phase_mut(phase);
             let (total, sc) = if inter {
                 (&mut pb.total.inter_node, &mut pb.scales.inter_node)

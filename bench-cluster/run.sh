@@ -1,0 +1,178 @@
+#!/usr/bin/env bash
+# An emulated low-bandwidth cluster on one machine (run as root):
+# N network namespaces ("nodes") joined by a bridge that lives in a switch
+# namespace, each node's egress limited with netem (rate, optional delay);
+# G ranks per node talk over the node's loopback, across nodes over the
+# veth links. For every (mode, rate) it runs `zeropp train` on that cluster
+# and records step time, loss, the engine's count of bytes across nodes and
+# the bytes the veth counters saw, in a CSV (and a PNG when matplotlib is
+# available). Everything it creates is removed on exit, on error or on ^C.
+#
+#   bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates "20mbit 100mbit" \
+#       --modes "zero3 zeropp" --steps 40 --out bench-cluster/results
+#
+# Extra arguments after `--` go to `zeropp train` (model shape, batch, ...).
+set -euo pipefail
+
+NODES=2
+RPN=2
+RATES="50mbit"
+MODES="zero3 zeropp"
+STEPS=40
+DELAY="0ms"
+OUT="bench-cluster/results"
+ZEROPP="${ZEROPP:-target/release/zeropp}"
+EXTRA=()
+
+die() { echo "bench-cluster: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) NODES="$2"; shift 2 ;;
+    --ranks-per-node) RPN="$2"; shift 2 ;;
+    --rates) RATES="$2"; shift 2 ;;
+    --modes) MODES="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --delay) DELAY="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --zeropp) ZEROPP="$2"; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+done
+
+[ "$(id -u)" -eq 0 ] || die "needs root to create network namespaces; run it with sudo"
+command -v ip >/dev/null && command -v tc >/dev/null || die "needs iproute2 (ip, tc): apt-get install iproute2"
+[ -x "$ZEROPP" ] || die "no zeropp binary at $ZEROPP: cargo build --release first (or pass --zeropp PATH)"
+ZEROPP="$(cd "$(dirname "$ZEROPP")" && pwd)/$(basename "$ZEROPP")"
+[ "$NODES" -ge 2 ] && [ "$NODES" -le 200 ] || die "--nodes must be between 2 and 200"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+TAG="zpb$$"
+SW="$TAG-sw"
+node_ns() { echo "$TAG-n$1"; }
+node_ip() { echo "10.77.0.$((10 + $1))"; }
+
+cleanup() {
+  for k in $(seq 0 $((NODES - 1))); do
+    ip netns pids "$(node_ns "$k")" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$(node_ns "$k")" 2>/dev/null || true
+  done
+  ip netns del "$SW" 2>/dev/null || true
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
+burst_bytes() {
+  python3 - "$1" <<'PY'
+import re, sys
+m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
+if not m:
+    sys.exit(f"bench-cluster: rate {sys.argv[1]!r} is not like 100mbit")
+bits = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+print(max(16384, int(bits / 8 / 100)))
+PY
+}
+
+build_cluster() {
+  local rate="$1"
+  cleanup
+  ip netns add "$SW"
+  ip -n "$SW" link add br0 type bridge
+  ip -n "$SW" link set br0 up
+  for k in $(seq 0 $((NODES - 1))); do
+    local ns; ns="$(node_ns "$k")"
+    ip netns add "$ns"
+    ip link add "${TAG}a$k" type veth peer name "${TAG}b$k"
+    ip link set "${TAG}a$k" netns "$ns"
+    ip link set "${TAG}b$k" netns "$SW"
+    ip -n "$ns" link set "${TAG}a$k" name eth0
+    ip -n "$ns" addr add "$(node_ip "$k")/24" dev eth0
+    ip -n "$ns" link set lo up
+    ip -n "$ns" link set eth0 up
+    ip -n "$SW" link set "${TAG}b$k" master br0
+    ip -n "$SW" link set "${TAG}b$k" up
+    # The node's NIC: its egress shaped to the link rate (a token bucket with
+    # 10 ms of burst), or netem when a delay is asked for.
+    if [ "$DELAY" = "0ms" ] || [ "$DELAY" = "0" ]; then
+      tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$(burst_bytes "$rate")" latency 200ms
+    else
+      tc -n "$ns" qdisc add dev eth0 root netem rate "$rate" delay "$DELAY" limit 100000 ||
+        die "this kernel has no netem (sch_netem): run without --delay"
+    fi
+  done
+}
+
+# Sum of a counter of eth0 over the nodes.
+counter() {
+  local total=0
+  for k in $(seq 0 $((NODES - 1))); do
+    total=$((total + $(ip netns exec "$(node_ns "$k")" cat "/sys/class/net/eth0/statistics/$1")))
+  done
+  echo "$total"
+}
+
+CSV="$OUT/results.csv"
+[ -f "$CSV" ] || echo "mode,nodes,ranks_per_node,rate,delay,steps,median_step_s,tokens_per_s,final_loss,val_loss,engine_inter_bytes,wire_inter_bytes,wire_vs_engine" > "$CSV"
+
+for rate in $RATES; do
+  for mode in $MODES; do
+    build_cluster "$rate"
+    name="$mode-${NODES}x$RPN-$rate"
+    token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+    bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
+    pids=()
+    for k in $(seq 0 $((NODES - 1))); do
+      ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
+        --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
+        --timeout 300 -- "$ZEROPP" train --mode "$mode" --steps "$STEPS" --log-every 10 \
+        --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
+        > "$OUT/$name-node$k.log" 2>&1 &
+      pids+=($!)
+    done
+    failed=0
+    for p in "${pids[@]}"; do wait "$p" || failed=1; done
+    [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
+    bytes=$(( $(counter tx_bytes) - bytes0 )); packets=$(( $(counter tx_packets) - packets0 ))
+    # Ethernet (14) + IPv4 (20) + TCP with timestamps (32) per packet.
+    wire=$((bytes - 66 * packets))
+    python3 - "$OUT/$name.json" "$wire" "$mode" "$NODES" "$RPN" "$rate" "$DELAY" "$STEPS" >> "$CSV" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+wire = int(sys.argv[2])
+# What zeropp handed to its transport across nodes, plus its 40-byte frame headers.
+engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
+mode, nodes, rpn, rate, delay, steps = sys.argv[3:9]
+print(f"{mode},{nodes},{rpn},{rate},{delay},{steps},{s['median_step_time_s']:.4f},{s['tokens_per_s']:.1f},"
+      f"{s['final_loss']:.4f},{s['val_loss']:.4f},{engine:.0f},{wire},{wire / engine - 1:+.3%}")
+PY
+    tail -n 1 "$CSV"
+  done
+done
+
+# A plot of step time against link rate, one line per mode.
+if python3 -c "import matplotlib" 2>/dev/null; then
+  python3 - "$CSV" "$OUT/step_time.png" <<'PY'
+import csv, re, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+rows = list(csv.DictReader(open(sys.argv[1])))
+def mbit(r):
+    m = re.match(r"([0-9.]+)([kmg]?)bit", r.lower())
+    return float(m.group(1)) * {"k": 1e-3, "": 1e-6, "m": 1, "g": 1e3}[m.group(2)]
+fig, ax = plt.subplots(figsize=(6, 4))
+for key in sorted({(r["mode"], r["nodes"], r["ranks_per_node"]) for r in rows}):
+    pts = sorted((mbit(r["rate"]), float(r["median_step_s"])) for r in rows if (r["mode"], r["nodes"], r["ranks_per_node"]) == key)
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} {key[1]}x{key[2]}")
+ax.set_xscale("log"); ax.set_xlabel("link rate per node (Mbit/s)"); ax.set_ylabel("median step time (s)")
+ax.legend(); ax.grid(True, alpha=0.3); fig.tight_layout(); fig.savefig(sys.argv[2], dpi=120)
+PY
+  echo "plot: $OUT/step_time.png"
+else
+  echo "no matplotlib: skipped the plot (python3 -m pip install matplotlib)"
+fi
+echo "results: $CSV"
