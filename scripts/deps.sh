@@ -3,7 +3,7 @@
 # Ubuntu, when they are missing. Sourced by scripts/main.sh and scripts/test.sh.
 set -euo pipefail
 
-zeropp_apt_packages=(build-essential pkg-config)
+zeropp_apt_packages=(build-essential pkg-config iproute2 python3)
 
 zeropp_install_deps() {
   local missing=()

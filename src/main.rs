@@ -192,6 +192,9 @@ struct TrainArgs {
     /// Print a progress line every N steps.
     #[arg(long)]
     log_every: Option<usize>,
+    /// Batches per rank for the validation loss at the end.
+    #[arg(long)]
+    val_batches: Option<usize>,
     /// Write one JSON object per step here.
     #[arg(long)]
     metrics: Option<PathBuf>,
@@ -219,7 +222,7 @@ impl TrainArgs {
              layers => c.model.layers, heads => c.model.heads, context => c.model.context,
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic,
-             qgz_block => c.qgz_block);
+             qgz_block => c.qgz_block, val_batches => c.val_batches);
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }

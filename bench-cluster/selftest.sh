@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# A short run of the emulated cluster (root): 2 nodes x 1 rank on a shaped
+# link, one tiny zeropp training run; checks that the engine's byte count
+# and the veth counters agree within 5% and that nothing is left behind.
+# CI runs it after the test suite; run it by hand with sudo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+zeropp="${1:-target/debug/zeropp}"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+bash bench-cluster/run.sh --nodes 2 --ranks-per-node 1 --rates 200mbit --modes zeropp --steps 3 \
+  --zeropp "$zeropp" --out "$out" -- --width 32 --layers 1 --heads 2 --context 32 --batch 2 --val-batches 1 \
+  >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out"/*.log >&2; exit 1; }
+row="$(tail -n 1 "$out/results.csv")"
+echo "bench-cluster selftest: $row"
+python3 - "$row" <<'PY'
+import sys
+f = sys.argv[1].split(",")
+engine, wire = float(f[10]), float(f[11])
+assert engine > 0 and wire > 0, f"no bytes counted: {f}"
+assert abs(wire / engine - 1) < 0.05, f"wire {wire} vs engine {engine} bytes differ by more than 5%"
+PY
+if ip netns list | grep -q '^zpb'; then
+  echo "bench-cluster selftest: namespaces left behind: $(ip netns list | grep '^zpb')" >&2
+  exit 1
+fi
+echo "bench-cluster selftest: ok"
