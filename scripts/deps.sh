@@ -3,7 +3,8 @@
 # Ubuntu, when they are missing. Sourced by scripts/main.sh and scripts/test.sh.
 set -euo pipefail
 
-zeropp_apt_packages=(build-essential pkg-config iproute2 python3)
+# libucx0: the UCX transport (loaded at run time; TCP works without it).
+zeropp_apt_packages=(build-essential pkg-config iproute2 python3 libucx0)
 
 zeropp_install_deps() {
   local missing=()

@@ -212,7 +212,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         optim: cfg.optim.clone(),
         seed: cfg.seed,
     };
-    let mut engine = Engine::new(Box::new(transport), layout, engine_cfg, facts.timeout)?;
+    let mut engine = Engine::new(transport, layout, engine_cfg, facts.timeout)?;
     let lead = facts.rank == 0;
     let world = layout.world();
     let tokens_per_step = (world * cfg.batch * cfg.model.context) as f64;

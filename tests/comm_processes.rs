@@ -20,8 +20,20 @@ fn free_port() -> u16 {
 
 /// Starts `zeropp args` as rank `rank` of a one-node world of `world`.
 fn rank_process(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
+    rank_process_over("tcp", rank, world, port, token, args)
+}
+
+fn rank_process_over(
+    transport: &str,
+    rank: usize,
+    world: usize,
+    port: u16,
+    token: &str,
+    args: &[&str],
+) -> Child {
     Command::new(ZEROPP)
         .args(args)
+        .env("ZEROPP_TRANSPORT", transport)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("LOCAL_RANK", rank.to_string())
@@ -58,8 +70,18 @@ fn finish(mut child: Child, limit: Duration, what: &str) -> (bool, String, Strin
 
 #[test]
 fn every_collective_passes_on_2_3_and_4_processes() {
-    for (nodes, per_node) in [(1, 2), (1, 3), (2, 2), (4, 1)] {
+    every_collective_passes_over("tcp", &[(1, 2), (1, 3), (2, 2), (4, 1)]);
+}
+
+#[test]
+fn every_collective_passes_over_ucx() {
+    every_collective_passes_over("ucx", &[(1, 3), (2, 2)]);
+}
+
+fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) {
+    for &(nodes, per_node) in layouts {
         let child = Command::new(ZEROPP)
+            .env("ZEROPP_TRANSPORT", transport)
             .args([
                 "launch",
                 "--nodes",
@@ -81,7 +103,7 @@ fn every_collective_passes_on_2_3_and_4_processes() {
             .spawn()
             .unwrap();
         let (ok, out, err) = finish(child, Duration::from_secs(120), "comm-check");
-        assert!(ok, "{nodes}x{per_node}: {out}\n{err}");
+        assert!(ok, "{transport} {nodes}x{per_node}: {out}\n{err}");
         for r in 0..nodes * per_node {
             assert!(
                 out.contains(&format!(
@@ -96,11 +118,20 @@ fn every_collective_passes_on_2_3_and_4_processes() {
 
 #[test]
 fn a_rank_killed_mid_collective_is_named_by_the_others() {
+    killed_rank_is_named_over("tcp");
+}
+
+#[test]
+fn a_rank_killed_mid_collective_is_named_by_the_others_over_ucx() {
+    killed_rank_is_named_over("ucx");
+}
+
+fn killed_rank_is_named_over(transport: &str) {
     let port = free_port();
     let token = "kill-test";
     let args = ["comm-check", "--sizes", "0", "--loop-seconds", "60"];
     let mut ranks: Vec<Child> = (0..3)
-        .map(|r| rank_process(r, 3, port, token, &args))
+        .map(|r| rank_process_over(transport, r, 3, port, token, &args))
         .collect();
     // Wait until every rank is in the all-gather loop.
     let (tx, rx) = mpsc::channel();
@@ -128,10 +159,10 @@ fn a_rank_killed_mid_collective_is_named_by_the_others() {
             continue;
         }
         let (ok, _, err) = finish(child, Duration::from_secs(30), "a surviving rank");
-        assert!(!ok, "rank {r} must fail once rank 1 is gone");
+        assert!(!ok, "{transport}: rank {r} must fail once rank 1 is gone");
         assert!(
             err.contains("rank 1 failed"),
-            "rank {r} must name rank 1: {err}"
+            "{transport}: rank {r} must name rank 1: {err}"
         );
     }
     // Well inside the 20 s timeout: a crash is seen, not waited out.

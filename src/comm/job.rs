@@ -5,9 +5,11 @@
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
+use super::Transport;
 use super::env::RankFacts;
 use super::rendezvous::{self, PeerInfo};
 use super::tcp::{TcpOptions, TcpTransport};
+use super::ucx::UcxTransport;
 use super::{CommError, Communicator, Group};
 
 /// Group ids of the standard groups (every member computes the same).
@@ -32,7 +34,7 @@ impl Job {
     /// Joins the job described by `facts` over TCP.
     pub fn join(facts: RankFacts, extra_facts: serde_json::Value) -> Result<Job, CommError> {
         let (transport, table) = Self::connect(&facts, extra_facts)?;
-        let comm = Arc::new(Communicator::new(Arc::new(transport), facts.timeout));
+        let comm = Arc::new(Communicator::new(Arc::from(transport), facts.timeout));
         Ok(Job { facts, table, comm })
     }
 
@@ -41,7 +43,20 @@ impl Job {
     pub fn connect(
         facts: &RankFacts,
         extra_facts: serde_json::Value,
-    ) -> Result<(TcpTransport, Vec<PeerInfo>), CommError> {
+    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
+        match std::env::var("ZEROPP_TRANSPORT").as_deref() {
+            Ok("ucx") => Self::connect_ucx(facts, extra_facts),
+            Ok("tcp") | Err(_) => Self::connect_tcp(facts, extra_facts),
+            Ok(other) => Err(CommError::Invalid(format!(
+                "ZEROPP_TRANSPORT={other:?}: use tcp (the default) or ucx"
+            ))),
+        }
+    }
+
+    fn connect_tcp(
+        facts: &RankFacts,
+        extra_facts: serde_json::Value,
+    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
         let ip = rendezvous::local_ip_towards(master)?;
         let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Io {
@@ -79,7 +94,39 @@ impl Job {
             facts.world_size,
             facts.nodes()
         );
-        Ok((transport, table))
+        Ok((Box::new(transport), table))
+    }
+
+    /// UCX: the worker addresses travel in the rendezvous facts (hex).
+    fn connect_ucx(
+        facts: &RankFacts,
+        extra_facts: serde_json::Value,
+    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
+        let mut table = Vec::new();
+        let transport = UcxTransport::connect(facts.rank, facts.world_size, |address| {
+            let hex: String = address.iter().map(|b| format!("{b:02x}")).collect();
+            let facts_out = serde_json::json!({ "ucx_address": hex, "extra": extra_facts });
+            table = rendezvous::rendezvous(facts, String::new(), facts_out)?;
+            table
+                .iter()
+                .map(|p| {
+                    let hex = p.facts["ucx_address"].as_str().unwrap_or("");
+                    (0..hex.len() / 2)
+                        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+                        .collect::<Result<Vec<u8>, _>>()
+                        .ok()
+                        .filter(|a| !a.is_empty())
+                        .ok_or_else(|| {
+                            CommError::Invalid(format!(
+                                "rank {} published no UCX address; run every rank with ZEROPP_TRANSPORT=ucx",
+                                p.rank
+                            ))
+                        })
+                })
+                .collect()
+        })?;
+        tracing::debug!("rank {} joined over ucx", facts.rank);
+        Ok((Box::new(transport), table))
     }
 
     /// Every rank.

@@ -10,6 +10,9 @@ use bytes::Bytes;
 
 use super::{CommError, Tag};
 
+/// How long a wait on a peer that left cleanly lingers for news of a crash.
+const LEFT_GRACE: Duration = Duration::from_millis(500);
+
 #[derive(Default)]
 struct State {
     queues: HashMap<(usize, Tag), VecDeque<Bytes>>,
@@ -85,10 +88,27 @@ impl Mailbox {
                     reason: reason.clone(),
                 });
             }
-            if let Some(reason) = state.dead.get(&source) {
+            if let Some(reason) = state.dead.get(&source).cloned() {
+                // A peer that left on purpose while we still wait for it
+                // usually left because a third rank died: give that death a
+                // moment to be reported so the error names the real culprit.
+                let grace = Instant::now() + LEFT_GRACE;
+                while state.fatal.is_none() && Instant::now() < grace {
+                    state = self
+                        .arrived
+                        .wait_timeout(state, grace - Instant::now())
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                if let Some((peer, reason)) = &state.fatal {
+                    return Err(CommError::PeerFailed {
+                        peer: *peer,
+                        reason: reason.clone(),
+                    });
+                }
                 return Err(CommError::PeerFailed {
                     peer: source,
-                    reason: reason.clone(),
+                    reason,
                 });
             }
             if state.closed {

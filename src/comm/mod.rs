@@ -8,6 +8,7 @@ pub mod job;
 pub mod mailbox;
 pub mod rendezvous;
 pub mod tcp;
+pub mod ucx;
 pub mod wire;
 
 use std::sync::{Arc, Condvar, Mutex};

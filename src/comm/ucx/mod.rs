@@ -1,0 +1,553 @@
+//! The UCX transport: one UCP worker per rank, driven by a progress thread
+//! that owns it (UCX's single-thread mode: every UCX call happens on that
+//! thread). Messages are tag-matched UCP sends of `[header | payload]` (an
+//! iov, no copy): the 16-byte header carries the kind, the source rank and
+//! zeropp's tag; the progress thread probes for any message, receives it into
+//! a buffer of its exact size and files it in the mailbox, so receives behave
+//! exactly as over TCP. UCX picks shared memory inside a host and TCP or RDMA
+//! across hosts by itself (`UCX_TLS`, `UCX_NET_DEVICES` override it).
+//! A peer that dies is reported by UCX's error handler (peer error mode) and
+//! fails every wait naming it.
+
+pub mod sys;
+
+use std::ffi::c_void;
+use std::ptr;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use super::mailbox::Mailbox;
+use super::{CommError, SendHandle, Tag, Transport};
+use sys::*;
+
+const KIND_DATA: u32 = 0;
+const KIND_GOODBYE: u32 = 2;
+const HEADER: usize = 16;
+
+enum Command {
+    Send {
+        peer: usize,
+        tag: Tag,
+        data: Bytes,
+        done: SendHandle,
+    },
+    Shutdown,
+}
+
+/// What the error handler needs to name a dead peer.
+struct ErrContext {
+    peer: usize,
+    mailbox: Arc<Mailbox>,
+    ucp: *const Ucp,
+}
+
+unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: ucp_ep_h, status: ucs_status_t) {
+    // SAFETY: `arg` is the ErrContext the progress thread keeps alive for as
+    // long as the endpoint exists; called on that thread.
+    let ctx = unsafe { &*(arg as *const ErrContext) };
+    let what = unsafe { &*ctx.ucp }.describe(status);
+    ctx.mailbox.peer_died(
+        ctx.peer,
+        format!("UCX reported its endpoint failed ({what}): the process died or the link broke"),
+    );
+}
+
+/// One rank's end of a UCX world.
+pub struct UcxTransport {
+    rank: usize,
+    world_size: usize,
+    mailbox: Arc<Mailbox>,
+    commands: mpsc::Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+}
+
+fn fail(what: &str, ucp: &Ucp, s: ucs_status_t) -> CommError {
+    CommError::Invalid(format!("UCX {what} failed: {}", ucp.describe(s)))
+}
+
+/// Everything the progress thread owns.
+struct Worker {
+    ucp: Box<Ucp>,
+    context: ucp_context_h,
+    worker: ucp_worker_h,
+    eps: Vec<ucp_ep_h>,
+    // Boxed: UCX holds a pointer to each context, which must not move when
+    // the vector grows.
+    #[allow(clippy::vec_box)]
+    err_contexts: Vec<Box<ErrContext>>,
+}
+
+enum Op {
+    Send {
+        done: SendHandle,
+        _iov: Box<[ucp_dt_iov_t; 2]>,
+        _header: Box<[u8; HEADER]>,
+        _data: Bytes,
+    },
+    Recv {
+        buf: Vec<u8>,
+    },
+}
+
+impl Worker {
+    fn create() -> Result<Worker, CommError> {
+        let ucp = Box::new(Ucp::load().map_err(CommError::Invalid)?);
+        let mut config = ptr::null_mut();
+        // SAFETY: prototypes from ucp.h; out-pointers are valid locals.
+        unsafe {
+            let s = (ucp.config_read)(ptr::null(), ptr::null(), &mut config);
+            if s != UCS_OK {
+                return Err(fail("config_read", &ucp, s));
+            }
+            let mut params = Params::new();
+            params.put_u64(PARAMS_FIELD_MASK, UCP_PARAM_FIELD_FEATURES);
+            params.put_u64(PARAMS_FEATURES, UCP_FEATURE_TAG);
+            let mut context = ptr::null_mut();
+            let s = (ucp.init_version)(
+                UCP_API_MAJOR,
+                UCP_API_MINOR,
+                params.as_ptr(),
+                config,
+                &mut context,
+            );
+            (ucp.config_release)(config);
+            if s != UCS_OK {
+                return Err(fail("init", &ucp, s));
+            }
+            let mut wp = Params::new();
+            wp.put_u64(WORKER_FIELD_MASK, UCP_WORKER_PARAM_FIELD_THREAD_MODE);
+            wp.put_u32(WORKER_THREAD_MODE, UCS_THREAD_MODE_SINGLE);
+            let mut worker = ptr::null_mut();
+            let s = (ucp.worker_create)(context, wp.as_ptr(), &mut worker);
+            if s != UCS_OK {
+                (ucp.cleanup)(context);
+                return Err(fail("worker_create", &ucp, s));
+            }
+            Ok(Worker {
+                ucp,
+                context,
+                worker,
+                eps: Vec::new(),
+                err_contexts: Vec::new(),
+            })
+        }
+    }
+
+    fn address(&self) -> Result<Vec<u8>, CommError> {
+        let (mut addr, mut len) = (ptr::null_mut(), 0usize);
+        // SAFETY: valid worker; the address is copied out, then released.
+        unsafe {
+            let s = (self.ucp.worker_get_address)(self.worker, &mut addr, &mut len);
+            if s != UCS_OK {
+                return Err(fail("worker_get_address", &self.ucp, s));
+            }
+            let bytes = std::slice::from_raw_parts(addr as *const u8, len).to_vec();
+            (self.ucp.worker_release_address)(self.worker, addr);
+            Ok(bytes)
+        }
+    }
+
+    fn connect(
+        &mut self,
+        rank: usize,
+        addresses: &[Vec<u8>],
+        mailbox: &Arc<Mailbox>,
+    ) -> Result<(), CommError> {
+        for (peer, addr) in addresses.iter().enumerate() {
+            let ctx = Box::new(ErrContext {
+                peer,
+                mailbox: mailbox.clone(),
+                ucp: &*self.ucp,
+            });
+            let mut p = Params::new();
+            p.put_u64(
+                EP_FIELD_MASK,
+                UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                    | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                    | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+            );
+            p.put_u64(EP_ADDRESS, addr.as_ptr() as u64);
+            p.put_u32(EP_ERR_MODE, UCP_ERR_HANDLING_MODE_PEER);
+            p.put_u64(EP_ERR_HANDLER_CB, on_endpoint_error as *const () as u64);
+            p.put_u64(EP_ERR_HANDLER_ARG, &*ctx as *const ErrContext as u64);
+            let mut ep = ptr::null_mut();
+            // SAFETY: the address bytes outlive the call (UCX copies them).
+            let s = unsafe { (self.ucp.ep_create)(self.worker, p.as_ptr(), &mut ep) };
+            if s != UCS_OK {
+                return Err(CommError::Invalid(format!(
+                    "UCX could not reach rank {peer} from rank {rank}: {}",
+                    self.ucp.describe(s)
+                )));
+            }
+            self.eps.push(ep);
+            self.err_contexts.push(ctx);
+        }
+        Ok(())
+    }
+
+    fn progress(&self) -> bool {
+        // SAFETY: valid worker, on its owning thread.
+        unsafe { (self.ucp.worker_progress)(self.worker) > 0 }
+    }
+
+    /// Posts a tagged send of header + payload; `None` if it completed at once.
+    fn post_send(
+        &self,
+        peer: usize,
+        kind: u32,
+        source: usize,
+        tag: Tag,
+        data: Bytes,
+        done: SendHandle,
+    ) -> Result<Option<(*mut c_void, Op)>, String> {
+        let mut header = Box::new([0u8; HEADER]);
+        header[0..4].copy_from_slice(&kind.to_le_bytes());
+        header[4..8].copy_from_slice(&(source as u32).to_le_bytes());
+        header[8..16].copy_from_slice(&tag.to_le_bytes());
+        let iov = Box::new([
+            ucp_dt_iov_t {
+                buffer: header.as_ptr().cast(),
+                length: HEADER,
+            },
+            ucp_dt_iov_t {
+                buffer: data.as_ptr().cast(),
+                length: data.len(),
+            },
+        ]);
+        let mut p = Params::new();
+        p.put_u32(REQ_OP_ATTR_MASK, UCP_OP_ATTR_FIELD_DATATYPE);
+        p.put_u64(REQ_DATATYPE, UCP_DATATYPE_IOV);
+        // SAFETY: the iov, header and data stay alive (in `Op::Send`) until
+        // the request completes.
+        let r = unsafe {
+            (self.ucp.tag_send_nbx)(self.eps[peer], iov.as_ptr().cast(), 2, 0, p.as_ptr())
+        };
+        if r.is_null() {
+            done.complete(Ok(()));
+            return Ok(None);
+        }
+        if ptr_is_err(r) {
+            return Err(self.ucp.describe(ptr_status(r)));
+        }
+        Ok(Some((
+            r,
+            Op::Send {
+                done,
+                _iov: iov,
+                _header: header,
+                _data: data,
+            },
+        )))
+    }
+
+    fn free(&self, req: *mut c_void) {
+        // SAFETY: a request UCX handed us and that has completed.
+        unsafe { (self.ucp.request_free)(req) }
+    }
+
+    fn status(&self, req: *mut c_void) -> ucs_status_t {
+        // SAFETY: a live request.
+        unsafe { (self.ucp.request_check_status)(req) }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        // SAFETY: on the owning thread; endpoints closed (forcibly, peers may
+        // be gone) before the worker and the context.
+        unsafe {
+            for &ep in &self.eps {
+                let mut p = Params::new();
+                p.put_u32(REQ_OP_ATTR_MASK, UCP_OP_ATTR_FIELD_FLAGS);
+                p.put_u32(REQ_FLAGS, UCP_EP_CLOSE_FLAG_FORCE);
+                let r = (self.ucp.ep_close_nbx)(ep, p.as_ptr());
+                if !r.is_null() && !ptr_is_err(r) {
+                    let until = Instant::now() + Duration::from_secs(2);
+                    while (self.ucp.request_check_status)(r) == UCS_INPROGRESS
+                        && Instant::now() < until
+                    {
+                        (self.ucp.worker_progress)(self.worker);
+                    }
+                    (self.ucp.request_free)(r);
+                }
+            }
+            (self.ucp.worker_destroy)(self.worker);
+            (self.ucp.cleanup)(self.context);
+        }
+    }
+}
+
+/// Whether libucp can be loaded here.
+pub fn available() -> Result<(), String> {
+    Ucp::load().map(|_| ())
+}
+
+impl UcxTransport {
+    /// Creates this rank's worker, publishes its address through `exchange`
+    /// (which must return every rank's address, in rank order), and connects.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        exchange: impl FnOnce(Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>,
+    ) -> Result<UcxTransport, CommError> {
+        let mailbox = Arc::new(Mailbox::default());
+        let (addr_tx, addr_rx) = mpsc::channel::<Result<Vec<u8>, CommError>>();
+        let (table_tx, table_rx) = mpsc::channel::<Vec<Vec<u8>>>();
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(), CommError>>();
+        let (commands, command_rx) = mpsc::channel::<Command>();
+        let inbox = mailbox.clone();
+        let thread = std::thread::Builder::new()
+            .name("zeropp-ucx".into())
+            .spawn(move || {
+                let mut worker = match Worker::create().and_then(|w| w.address().map(|a| (w, a))) {
+                    Ok((w, a)) => {
+                        let _ = addr_tx.send(Ok(a));
+                        w
+                    }
+                    Err(e) => {
+                        let _ = addr_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let Ok(table) = table_rx.recv() else { return };
+                let connected = worker.connect(rank, &table, &inbox);
+                let ok = connected.is_ok();
+                let _ = ready_tx.send(connected);
+                if ok {
+                    progress_loop(&worker, rank, world_size, &inbox, command_rx);
+                }
+                inbox.close();
+            })
+            .map_err(|e| CommError::Io {
+                what: "the UCX progress thread".into(),
+                source: e,
+            })?;
+        let address = addr_rx.recv().map_err(|_| CommError::Closed)??;
+        let table = exchange(address)?;
+        if table.len() != world_size {
+            return Err(CommError::Invalid(format!(
+                "{} UCX addresses for {world_size} ranks",
+                table.len()
+            )));
+        }
+        let _ = table_tx.send(table);
+        ready_rx.recv().map_err(|_| CommError::Closed)??;
+        Ok(UcxTransport {
+            rank,
+            world_size,
+            mailbox,
+            commands,
+            thread: Some(thread),
+        })
+    }
+}
+
+/// Runs on the progress thread until shutdown: posts sends, progresses the
+/// worker, receives every arriving message into the mailbox.
+fn progress_loop(
+    w: &Worker,
+    rank: usize,
+    world: usize,
+    inbox: &Mailbox,
+    commands: mpsc::Receiver<Command>,
+) {
+    let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
+    let mut idle = 0u32;
+    let mut shutting_down: Option<Instant> = None;
+    loop {
+        let mut busy = false;
+        // 1. New sends.
+        while shutting_down.is_none() {
+            match commands.try_recv() {
+                Ok(Command::Send {
+                    peer,
+                    tag,
+                    data,
+                    done,
+                }) => {
+                    busy = true;
+                    match w.post_send(peer, KIND_DATA, rank, tag, data, done.clone()) {
+                        Ok(Some(p)) => pending.push(p),
+                        Ok(None) => {}
+                        Err(reason) => {
+                            inbox.peer_died(peer, format!("sending to it failed: {reason}"));
+                            done.complete(Err(reason));
+                        }
+                    }
+                }
+                Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
+                    for peer in (0..world).filter(|&p| p != rank) {
+                        if let Ok(Some(p)) = w.post_send(
+                            peer,
+                            KIND_GOODBYE,
+                            rank,
+                            0,
+                            Bytes::new(),
+                            SendHandle::default(),
+                        ) {
+                            pending.push(p);
+                        }
+                    }
+                    shutting_down = Some(Instant::now());
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+            }
+        }
+        // 2. Progress, then take every message that has arrived.
+        busy |= w.progress();
+        loop {
+            let mut info = ucp_tag_recv_info_t::default();
+            // SAFETY: valid worker; `info` is a valid out-pointer.
+            let msg = unsafe { (w.ucp.tag_probe_nb)(w.worker, 0, 0, 1, &mut info) };
+            if msg.is_null() {
+                break;
+            }
+            busy = true;
+            let mut buf = vec![0u8; info.length];
+            let p = Params::new();
+            // SAFETY: `buf` has exactly the message's length and is kept in
+            // `Op::Recv` until the request completes.
+            let r = unsafe {
+                (w.ucp.tag_msg_recv_nbx)(
+                    w.worker,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    msg,
+                    p.as_ptr(),
+                )
+            };
+            if r.is_null() {
+                deliver(inbox, world, buf);
+            } else if ptr_is_err(r) {
+                tracing::warn!("UCX receive failed: {}", w.ucp.describe(ptr_status(r)));
+            } else {
+                pending.push((r, Op::Recv { buf }));
+            }
+        }
+        // 3. Completions.
+        let mut i = 0;
+        while i < pending.len() {
+            let s = w.status(pending[i].0);
+            if s == UCS_INPROGRESS {
+                i += 1;
+                continue;
+            }
+            busy = true;
+            let (req, op) = pending.swap_remove(i);
+            w.free(req);
+            match op {
+                Op::Send { done, .. } if s == UCS_OK => done.complete(Ok(())),
+                Op::Send { done, .. } => done.complete(Err(w.ucp.describe(s))),
+                Op::Recv { buf } if s == UCS_OK => deliver(inbox, world, buf),
+                Op::Recv { .. } => tracing::warn!("UCX receive failed: {}", w.ucp.describe(s)),
+            }
+        }
+        if let Some(since) = shutting_down {
+            // Goodbyes flushed (or given up on): leave.
+            if pending.iter().all(|(_, op)| matches!(op, Op::Recv { .. }))
+                || since.elapsed() > Duration::from_secs(2)
+            {
+                for (req, _) in pending.drain(..) {
+                    w.free(req);
+                }
+                return;
+            }
+        }
+        if busy {
+            idle = 0;
+        } else {
+            idle += 1;
+            // Spin briefly, then yield the core: ranks often share cores.
+            if idle > 64 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+}
+
+/// Files a received `[header | payload]` in the mailbox.
+fn deliver(inbox: &Mailbox, world: usize, buf: Vec<u8>) {
+    if buf.len() < HEADER {
+        tracing::warn!(
+            "dropped a {}-byte UCX message: shorter than the header",
+            buf.len()
+        );
+        return;
+    }
+    let kind = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
+    let source = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
+    let tag = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
+    if source >= world {
+        tracing::warn!("dropped a UCX message claiming to come from rank {source} of {world}");
+        return;
+    }
+    match kind {
+        KIND_DATA => inbox.deliver(source, tag, Bytes::from(buf).slice(HEADER..)),
+        KIND_GOODBYE => inbox.peer_left(
+            source,
+            "it closed its connections (it finished or shut down)".into(),
+        ),
+        other => tracing::warn!("dropped a UCX message of unknown kind {other} from rank {source}"),
+    }
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        self.mailbox.close();
+    }
+}
+
+impl Transport for UcxTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
+        if peer >= self.world_size {
+            return Err(CommError::Invalid(format!(
+                "rank {peer} does not exist in a world of {}",
+                self.world_size
+            )));
+        }
+        let done = SendHandle::default();
+        self.commands
+            .send(Command::Send {
+                peer,
+                tag,
+                data,
+                done: done.clone(),
+            })
+            .map_err(|_| CommError::Closed)?;
+        Ok(done)
+    }
+
+    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
+        if peer >= self.world_size {
+            return Err(CommError::Invalid(format!(
+                "rank {peer} does not exist in a world of {}",
+                self.world_size
+            )));
+        }
+        self.mailbox.take(peer, tag, timeout)
+    }
+
+    fn probe(&self, peer: usize, tag: Tag) -> bool {
+        self.mailbox.has(peer, tag)
+    }
+
+    fn name(&self) -> &'static str {
+        "ucx"
+    }
+}
