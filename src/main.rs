@@ -161,6 +161,9 @@ struct TrainArgs {
     /// Values per gradient quantization block (qgZ).
     #[arg(long)]
     qgz_block: Option<usize>,
+    /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
+    #[arg(long)]
+    qgz_intra_bits: Option<u32>,
     #[arg(long)]
     steps: Option<usize>,
     /// Sequences per rank per step.
@@ -222,7 +225,8 @@ impl TrainArgs {
              layers => c.model.layers, heads => c.model.heads, context => c.model.context,
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic,
-             qgz_block => c.qgz_block, val_batches => c.val_batches);
+             qgz_block => c.qgz_block, val_batches => c.val_batches,
+             qgz_intra_bits => c.qgz_intra_bits);
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }

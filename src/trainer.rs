@@ -44,6 +44,8 @@ pub struct TrainConfig {
     pub block: usize,
     /// Values per quantization block of the gradients (qgZ).
     pub qgz_block: usize,
+    /// Bits of qgZ's first hop, inside the node (8 or 4).
+    pub qgz_intra_bits: u32,
     pub steps: usize,
     /// Sequences per rank per step.
     pub batch: usize,
@@ -74,6 +76,7 @@ impl Default for TrainConfig {
             qgz_stochastic: true,
             block: 256,
             qgz_block: 64,
+            qgz_intra_bits: 4,
             steps: 200,
             batch: 8,
             seed: 0,
@@ -116,6 +119,7 @@ impl TrainConfig {
         s.error_feedback = self.error_feedback;
         s.qgz_stochastic = self.qgz_stochastic;
         s.qgz_block = self.qgz_block;
+        s.qgz_intra_bits = self.qgz_intra_bits;
         s
     }
 

@@ -352,7 +352,8 @@ impl Engine {
                 Ok(out)
             })),
             GradWire::TwoHop {
-                format,
+                intra,
+                inter,
                 error_feedback,
                 stochastic,
             } => {
@@ -367,7 +368,7 @@ impl Engine {
                 } else {
                     Rounding::NearestEven
                 };
-                let mut q = QuantizedChunks::zeroed(format, chunk, world_n);
+                let mut q = QuantizedChunks::zeroed(intra, chunk, world_n);
                 if error_feedback {
                     let residual = &mut self.units[u].residual;
                     grad.iter_mut()
@@ -388,9 +389,12 @@ impl Engine {
                         }
                     }
                 }
-                let frac = format.param_bytes(chunk) as f64 / format.total_bytes(chunk) as f64;
+                let frac = |f: zeropp_quant::QuantFormat| {
+                    f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64
+                };
+                let (intra_frac, inter_frac) = (frac(intra), frac(inter));
                 Ok(self.thread.submit(move |c: &Communicator| {
-                    counter.set_phase(Phase::Gradient, frac);
+                    counter.set_phase(Phase::Gradient, intra_frac);
                     // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N.
                     let to_local = (0..g)
                         .map(|dst| payload::encode_chunks(&q, dst * nodes..(dst + 1) * nodes))
@@ -398,10 +402,10 @@ impl Engine {
                     let from_locals = c.all_to_all_v(&node, to_local)?;
                     let decoded = from_locals
                         .iter()
-                        .map(|b| payload::decode_quantized(b, format, nodes * chunk))
+                        .map(|b| payload::decode_quantized(b, intra, nodes * chunk))
                         .collect::<Result<Vec<_>, _>>()?;
                     let views: Vec<_> = decoded.iter().map(|d| d.view()).collect();
-                    let mut partial = QuantizedTensor::zeroed(format, nodes * chunk);
+                    let mut partial = QuantizedTensor::zeroed(inter, nodes * chunk);
                     sum_requantize(
                         &views,
                         rounding.for_part(1),
@@ -412,8 +416,9 @@ impl Engine {
                         CommError::Malformed(format!("summing the node's gradients: {e}"))
                     })?;
                     // Hop 2, across nodes: node n' gets chunk n'.
+                    counter.set_phase(Phase::Gradient, inter_frac);
                     let partial = QuantizedChunks {
-                        format,
+                        format: inter,
                         chunk_len: chunk,
                         count: nodes,
                         codes: partial.codes,
@@ -426,7 +431,7 @@ impl Engine {
                     let from_nodes = c.all_to_all_v(&cross, to_nodes)?;
                     let mut sum = vec![0f32; chunk];
                     for b in &from_nodes {
-                        let d = payload::decode_quantized(b, format, chunk)?;
+                        let d = payload::decode_quantized(b, inter, chunk)?;
                         zeropp_quant::dequantize_accumulate(d.view(), &mut sum)
                             .map_err(|e| CommError::Malformed(e.to_string()))?;
                     }

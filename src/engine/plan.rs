@@ -46,6 +46,9 @@ pub struct Switches {
     /// Values per quantization block of the gradients (qgZ): smaller than
     /// the weights' because gradients have heavier tails.
     pub qgz_block: usize,
+    /// Bits of the first qgZ hop, inside the node (8 or 4); the hop across
+    /// nodes is always int4.
+    pub qgz_intra_bits: u32,
 }
 
 impl Switches {
@@ -59,6 +62,7 @@ impl Switches {
             qgz_stochastic: true,
             block,
             qgz_block: 64,
+            qgz_intra_bits: 4,
         }
     }
 
@@ -72,6 +76,7 @@ impl Switches {
             qgz_stochastic: true,
             block,
             qgz_block: 64,
+            qgz_intra_bits: 4,
         }
     }
 }
@@ -93,7 +98,10 @@ pub enum GradWire {
     /// Swizzled int4 all-to-all inside the node, f32 sum, requantize,
     /// all-to-all across nodes, f32 sum, divide by W.
     TwoHop {
-        format: QuantFormat,
+        /// Format of the first hop (inside the node).
+        intra: QuantFormat,
+        /// Format of the second hop (across nodes).
+        inter: QuantFormat,
         error_feedback: bool,
         stochastic: bool,
     },
@@ -133,7 +141,13 @@ impl Plan {
         };
         let grads = if s.qgz {
             GradWire::TwoHop {
-                format: QuantFormat::int4(s.qgz_block).map_err(|e| e.to_string())?,
+                intra: QuantFormat::new(
+                    Bits::from_u32(s.qgz_intra_bits).map_err(|e| e.to_string())?,
+                    Scheme::Symmetric,
+                    s.qgz_block,
+                )
+                .map_err(|e| e.to_string())?,
+                inter: QuantFormat::int4(s.qgz_block).map_err(|e| e.to_string())?,
                 error_feedback: s.error_feedback,
                 stochastic: s.qgz_stochastic,
             }

@@ -199,6 +199,11 @@ fn int4_weights_and_single_switches_train() {
             qgz: true,
             ..Switches::zero3(64)
         },
+        Switches {
+            qgz: true,
+            qgz_intra_bits: 8,
+            ..Switches::zero3(64)
+        },
     ] {
         let r = run(1, 2, s.clone(), 6, 2);
         let l = &r[0].losses;
