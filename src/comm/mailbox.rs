@@ -57,6 +57,10 @@ impl Mailbox {
     /// wait of this rank fails naming it, since no collective can finish.
     pub fn peer_died(&self, peer: usize, reason: String) {
         let mut state = self.lock();
+        if state.dead.contains_key(&peer) {
+            // It already said goodbye: its connection closing is expected.
+            return;
+        }
         state.dead.entry(peer).or_insert_with(|| reason.clone());
         state.fatal.get_or_insert((peer, reason));
         self.arrived.notify_all();

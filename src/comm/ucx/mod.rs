@@ -257,23 +257,30 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        // SAFETY: on the owning thread; endpoints closed (forcibly, peers may
-        // be gone) before the worker and the context.
+        // SAFETY: on the owning thread. Endpoints are closed in flush mode,
+        // so what was sent (the goodbyes included) reaches live peers; a dead
+        // peer cannot flush, so after 2 s the close requests are released
+        // and UCX finishes them in the background. Then the worker and the
+        // context go.
         unsafe {
+            let p = Params::new();
+            let mut closing = Vec::new();
             for &ep in &self.eps {
-                let mut p = Params::new();
-                p.put_u32(REQ_OP_ATTR_MASK, UCP_OP_ATTR_FIELD_FLAGS);
-                p.put_u32(REQ_FLAGS, UCP_EP_CLOSE_FLAG_FORCE);
                 let r = (self.ucp.ep_close_nbx)(ep, p.as_ptr());
                 if !r.is_null() && !ptr_is_err(r) {
-                    let until = Instant::now() + Duration::from_secs(2);
-                    while (self.ucp.request_check_status)(r) == UCS_INPROGRESS
-                        && Instant::now() < until
-                    {
-                        (self.ucp.worker_progress)(self.worker);
-                    }
-                    (self.ucp.request_free)(r);
+                    closing.push(r);
                 }
+            }
+            let until = Instant::now() + Duration::from_secs(2);
+            while Instant::now() < until
+                && closing
+                    .iter()
+                    .any(|&r| (self.ucp.request_check_status)(r) == UCS_INPROGRESS)
+            {
+                (self.ucp.worker_progress)(self.worker);
+            }
+            for r in closing {
+                (self.ucp.request_free)(r);
             }
             (self.ucp.worker_destroy)(self.worker);
             (self.ucp.cleanup)(self.context);
