@@ -201,7 +201,21 @@ impl Communicator {
 
     fn wait_all(&self, sends: Vec<(usize, SendHandle)>) -> Result<(), CommError> {
         for (peer, h) in sends {
-            h.wait(peer, self.timeout)?;
+            if let Err(e) = h.wait(peer, self.timeout) {
+                // A failed send is usually a symptom (the peer left because a
+                // third rank died): give that death a moment to be reported,
+                // then name it.
+                let until = std::time::Instant::now() + Duration::from_secs(2);
+                loop {
+                    if let Some((peer, reason)) = self.transport.first_death() {
+                        return Err(CommError::PeerFailed { peer, reason });
+                    }
+                    if std::time::Instant::now() >= until {
+                        return Err(e);
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
         }
         Ok(())
     }

@@ -73,6 +73,10 @@ impl Transport for InProcess {
         peer < self.mailboxes.len() && self.mailboxes[self.rank].has(peer, tag)
     }
 
+    fn first_death(&self) -> Option<(usize, String)> {
+        self.mailboxes[self.rank].first_death()
+    }
+
     fn name(&self) -> &'static str {
         "inproc"
     }

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::{CommError, Tag};
 
 /// How long a wait on a peer that left cleanly lingers for news of a crash.
-const LEFT_GRACE: Duration = Duration::from_millis(500);
+const LEFT_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Default)]
 struct State {
@@ -53,6 +53,23 @@ impl Mailbox {
         self.arrived.notify_all();
     }
 
+    /// Like [`Mailbox::peer_died`], but first waits up to `wait` for a
+    /// goodbye from `peer` that may still be on its way (a write fails as
+    /// soon as the peer closes, before its goodbye has been read).
+    pub fn peer_died_unless_leaving(&self, peer: usize, reason: String, wait: Duration) {
+        let deadline = Instant::now() + wait;
+        let mut state = self.lock();
+        while !state.dead.contains_key(&peer) && Instant::now() < deadline {
+            state = self
+                .arrived
+                .wait_timeout(state, deadline - Instant::now())
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        drop(state);
+        self.peer_died(peer, reason);
+    }
+
     /// Records that `peer` died (crashed, killed, connection lost): every
     /// wait of this rank fails naming it, since no collective can finish.
     pub fn peer_died(&self, peer: usize, reason: String) {
@@ -64,6 +81,11 @@ impl Mailbox {
         state.dead.entry(peer).or_insert_with(|| reason.clone());
         state.fatal.get_or_insert((peer, reason));
         self.arrived.notify_all();
+    }
+
+    /// The first peer that died abnormally, if any, and why.
+    pub fn first_death(&self) -> Option<(usize, String)> {
+        self.lock().fatal.clone()
     }
 
     /// Fails every wait: the transport is shutting down.

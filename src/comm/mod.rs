@@ -128,4 +128,9 @@ pub trait Transport: Send + Sync {
     fn probe(&self, peer: usize, tag: Tag) -> bool;
     /// A short name for logs and benchmarks ("inproc", "tcp", "ucx").
     fn name(&self) -> &'static str;
+    /// The first peer this rank saw die (not leave), and why: the root cause
+    /// to report when some later operation fails because of it.
+    fn first_death(&self) -> Option<(usize, String)> {
+        None
+    }
 }

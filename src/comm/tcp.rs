@@ -294,7 +294,11 @@ impl TcpTransport {
                         Ok(()) => msg.done.complete(Ok(())),
                         Err(e) => {
                             let reason = format!("sending to it failed: {e}");
-                            failures.peer_died(peer, reason.clone());
+                            failures.peer_died_unless_leaving(
+                                peer,
+                                reason.clone(),
+                                Duration::from_millis(500),
+                            );
                             msg.done.complete(Err(reason.clone()));
                             broken = Some(reason);
                         }
@@ -390,6 +394,10 @@ impl Transport for TcpTransport {
 
     fn probe(&self, peer: usize, tag: Tag) -> bool {
         self.mailbox.has(peer, tag)
+    }
+
+    fn first_death(&self) -> Option<(usize, String)> {
+        self.mailbox.first_death()
     }
 
     fn name(&self) -> &'static str {

@@ -174,4 +174,8 @@ impl Transport for CountingTransport {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
+
+    fn first_death(&self) -> Option<(usize, String)> {
+        self.inner.first_death()
+    }
 }

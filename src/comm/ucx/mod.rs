@@ -364,6 +364,7 @@ fn progress_loop(
 ) {
     let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
     let mut idle = 0u32;
+    let mut goodbyes = 0usize;
     let mut shutting_down: Option<Instant> = None;
     loop {
         let mut busy = false;
@@ -428,7 +429,7 @@ fn progress_loop(
                 )
             };
             if r.is_null() {
-                deliver(inbox, world, buf);
+                goodbyes += usize::from(deliver(inbox, world, buf));
             } else if ptr_is_err(r) {
                 tracing::warn!("UCX receive failed: {}", w.ucp.describe(ptr_status(r)));
             } else {
@@ -449,15 +450,17 @@ fn progress_loop(
             match op {
                 Op::Send { done, .. } if s == UCS_OK => done.complete(Ok(())),
                 Op::Send { done, .. } => done.complete(Err(w.ucp.describe(s))),
-                Op::Recv { buf } if s == UCS_OK => deliver(inbox, world, buf),
+                Op::Recv { buf } if s == UCS_OK => {
+                    goodbyes += usize::from(deliver(inbox, world, buf));
+                }
                 Op::Recv { .. } => tracing::warn!("UCX receive failed: {}", w.ucp.describe(s)),
             }
         }
         if let Some(since) = shutting_down {
-            // Goodbyes flushed (or given up on): leave.
-            if pending.iter().all(|(_, op)| matches!(op, Op::Recv { .. }))
-                || since.elapsed() > Duration::from_secs(2)
-            {
+            // Leave once our goodbyes are flushed and every peer's has
+            // arrived (so none is left unmatched in UCX), or after 2 s.
+            let flushed = pending.iter().all(|(_, op)| matches!(op, Op::Recv { .. }));
+            if (flushed && goodbyes + 1 >= world) || since.elapsed() > Duration::from_secs(2) {
                 for (req, _) in pending.drain(..) {
                     w.free(req);
                 }
@@ -476,30 +479,34 @@ fn progress_loop(
     }
 }
 
-/// Files a received `[header | payload]` in the mailbox.
-fn deliver(inbox: &Mailbox, world: usize, buf: Vec<u8>) {
+/// Files a received `[header | payload]` in the mailbox; true for a goodbye.
+fn deliver(inbox: &Mailbox, world: usize, buf: Vec<u8>) -> bool {
     if buf.len() < HEADER {
         tracing::warn!(
             "dropped a {}-byte UCX message: shorter than the header",
             buf.len()
         );
-        return;
+        return false;
     }
     let kind = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     let source = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
     let tag = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
     if source >= world {
         tracing::warn!("dropped a UCX message claiming to come from rank {source} of {world}");
-        return;
+        return false;
     }
     match kind {
         KIND_DATA => inbox.deliver(source, tag, Bytes::from(buf).slice(HEADER..)),
-        KIND_GOODBYE => inbox.peer_left(
-            source,
-            "it closed its connections (it finished or shut down)".into(),
-        ),
+        KIND_GOODBYE => {
+            inbox.peer_left(
+                source,
+                "it closed its connections (it finished or shut down)".into(),
+            );
+            return true;
+        }
         other => tracing::warn!("dropped a UCX message of unknown kind {other} from rank {source}"),
     }
+    false
 }
 
 impl Drop for UcxTransport {
@@ -552,6 +559,10 @@ impl Transport for UcxTransport {
 
     fn probe(&self, peer: usize, tag: Tag) -> bool {
         self.mailbox.has(peer, tag)
+    }
+
+    fn first_death(&self) -> Option<(usize, String)> {
+        self.mailbox.first_death()
     }
 
     fn name(&self) -> &'static str {
