@@ -297,8 +297,8 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         val += engine.evaluate(&x, &y)?;
     }
     let val_loss = val / cfg.val_batches.max(1) as f32;
-    let all = engine.traffic().total();
-    let msgs = engine.traffic().messages;
+    let traffic = engine.traffic();
+    let (all, msgs) = (traffic.total(), traffic.messages);
     let run = engine.sum_over_ranks(&[
         all.intra_node as f32,
         all.inter_node as f32,

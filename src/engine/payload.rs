@@ -37,11 +37,6 @@ pub fn decode_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
     Ok(())
 }
 
-/// Bytes of a quantized chunk of `len` values.
-pub fn quantized_len(format: &QuantFormat, len: usize) -> usize {
-    format.total_bytes(len)
-}
-
 fn put_params(b: &mut BytesMut, codes: &[u8], max: &[f32], min: &[f32]) {
     b.extend_from_slice(codes);
     b.extend_from_slice(bytemuck::cast_slice(max));
@@ -98,7 +93,7 @@ pub fn decode_quantized<'a>(
     format: QuantFormat,
     len: usize,
 ) -> Result<Decoded<'a>, CommError> {
-    let expected = quantized_len(&format, len);
+    let expected = format.total_bytes(len);
     if b.len() != expected {
         return Err(malformed("quantized chunk", expected, b.len()));
     }

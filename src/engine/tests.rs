@@ -1,7 +1,6 @@
 //! Engine tests on in-process worlds (ranks are threads): data-parallel
 //! correctness, every switch, the mean over W, hpZ, and the byte counters.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use candle_core::{Device, Tensor};
@@ -232,5 +231,4 @@ fn a_layout_that_does_not_match_the_transport_is_an_error() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("rank 0 of 2"), "{err}");
-    let _ = Arc::new(0);
 }
