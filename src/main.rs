@@ -164,6 +164,10 @@ struct TrainArgs {
     /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
     #[arg(long)]
     qgz_intra_bits: Option<u32>,
+    /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
+    /// fp32 instead of bf16.
+    #[arg(long)]
+    fp32_comm: Option<bool>,
     #[arg(long)]
     steps: Option<usize>,
     /// Sequences per rank per step.
@@ -184,6 +188,9 @@ struct TrainArgs {
     heads: Option<usize>,
     #[arg(long)]
     context: Option<usize>,
+    /// Tie the head's output matrix to the token embedding.
+    #[arg(long)]
+    tied_head: Option<bool>,
     /// Train on this UTF-8 text file instead of the built-in corpus.
     #[arg(long)]
     data: Option<PathBuf>,
@@ -226,7 +233,7 @@ impl TrainArgs {
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
-             qgz_intra_bits => c.qgz_intra_bits);
+             qgz_intra_bits => c.qgz_intra_bits, fp32_comm => c.fp32_comm, tied_head => c.model.tied_head);
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }

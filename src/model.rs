@@ -18,6 +18,10 @@ pub struct ModelConfig {
     pub width: usize,
     pub layers: usize,
     pub heads: usize,
+    /// The head's output matrix is the token embedding, transposed (GPT-2
+    /// style): `vocab × width` fewer parameters.
+    #[serde(default)]
+    pub tied_head: bool,
 }
 
 impl Default for ModelConfig {
@@ -28,6 +32,7 @@ impl Default for ModelConfig {
             width: 64,
             layers: 2,
             heads: 4,
+            tied_head: false,
         }
     }
 }
@@ -134,6 +139,10 @@ impl Unit {
                 spec("mlp.down.weight", &[4 * d, d], Init::Normal(proj_std)),
                 spec("mlp.down.bias", &[d], Init::Zeros),
             ],
+            Unit::Head if c.tied_head => vec![
+                spec("ln.weight", &[d], Init::Ones),
+                spec("ln.bias", &[d], Init::Zeros),
+            ],
             Unit::Head => vec![
                 spec("ln.weight", &[d], Init::Ones),
                 spec("ln.bias", &[d], Init::Zeros),
@@ -171,7 +180,8 @@ impl Unit {
     /// Runs the unit. `params` are this unit's tensors in `params()` order;
     /// `input` is token ids (u32, `[batch, time]`) for the embedding and
     /// activations (`[batch, time, width]`) otherwise. The head returns
-    /// logits `[batch, time, vocab]`.
+    /// logits `[batch, time, vocab]`; a tied head takes the embedding's
+    /// token matrix (`[vocab, width]`) after its own parameters.
     pub fn forward(&self, c: &ModelConfig, params: &[Tensor], input: &Tensor) -> Result<Tensor> {
         match self {
             Unit::Embedding => {
@@ -188,7 +198,11 @@ impl Unit {
             Unit::Block(_) => block_forward(c, params, input),
             Unit::Head => {
                 let x = candle_nn::ops::layer_norm_slow(input, &params[0], &params[1], 1e-5)?;
-                x.broadcast_matmul(&params[2])
+                if c.tied_head {
+                    x.broadcast_matmul(&params[2].t()?)
+                } else {
+                    x.broadcast_matmul(&params[2])
+                }
             }
         }
     }
@@ -263,18 +277,43 @@ mod tests {
 
     #[test]
     fn a_forward_pass_through_all_units_gives_a_loss_near_log_vocab() {
-        let c = ModelConfig::default();
-        let dev = Device::Cpu;
-        let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 % 256) as u32).collect();
-        let ids = Tensor::from_vec(ids, (2, 16), &dev).unwrap();
-        let mut x = ids.clone();
-        for (i, u) in c.units().iter().enumerate() {
-            let flat = u.init(&c, 1, i);
-            assert_eq!(flat.len(), u.numel(&c));
-            let params = tensors_from_flat(u, &c, &flat, &dev).unwrap();
-            x = u.forward(&c, &params, &x).unwrap();
+        for tied_head in [false, true] {
+            let c = ModelConfig {
+                tied_head,
+                ..ModelConfig::default()
+            };
+            let dev = Device::Cpu;
+            let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 % 256) as u32).collect();
+            let ids = Tensor::from_vec(ids, (2, 16), &dev).unwrap();
+            let mut x = ids.clone();
+            let mut tokens = None;
+            for (i, u) in c.units().iter().enumerate() {
+                let flat = u.init(&c, 1, i);
+                assert_eq!(flat.len(), u.numel(&c));
+                let mut params = tensors_from_flat(u, &c, &flat, &dev).unwrap();
+                if *u == Unit::Embedding {
+                    tokens = Some(params[0].clone());
+                }
+                if *u == Unit::Head && tied_head {
+                    params.push(tokens.clone().unwrap());
+                }
+                x = u.forward(&c, &params, &x).unwrap();
+            }
+            // Targets other than the inputs: a tied head starts out
+            // favouring the input token itself.
+            let next: Vec<u32> = (0..2 * 16).map(|i| (i * 37 % 256 + 101) % 256).collect();
+            let next = Tensor::from_vec(next, (2, 16), &dev).unwrap();
+            let l = loss(&x, &next).unwrap().to_scalar::<f32>().unwrap();
+            assert!((l - (256f32).ln()).abs() < 0.3, "initial loss {l}");
         }
-        let l = loss(&x, &ids).unwrap().to_scalar::<f32>().unwrap();
-        assert!((l - (256f32).ln()).abs() < 0.3, "initial loss {l}");
+        let untied = ModelConfig::default();
+        let tied = ModelConfig {
+            tied_head: true,
+            ..ModelConfig::default()
+        };
+        assert_eq!(
+            untied.parameter_count() - tied.parameter_count(),
+            untied.vocab * untied.width
+        );
     }
 }

@@ -46,6 +46,8 @@ pub struct TrainConfig {
     pub qgz_block: usize,
     /// Bits of qgZ's first hop, inside the node (8 or 4).
     pub qgz_intra_bits: u32,
+    /// Unquantized traffic in fp32 instead of bf16.
+    pub fp32_comm: bool,
     pub steps: usize,
     /// Sequences per rank per step.
     pub batch: usize,
@@ -77,6 +79,7 @@ impl Default for TrainConfig {
             block: 256,
             qgz_block: 64,
             qgz_intra_bits: 4,
+            fp32_comm: false,
             steps: 200,
             batch: 8,
             seed: 0,
@@ -120,6 +123,7 @@ impl TrainConfig {
         s.qgz_stochastic = self.qgz_stochastic;
         s.qgz_block = self.qgz_block;
         s.qgz_intra_bits = self.qgz_intra_bits;
+        s.fp32_comm = self.fp32_comm;
         s
     }
 

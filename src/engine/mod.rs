@@ -10,7 +10,7 @@ pub mod payload;
 pub mod plan;
 pub mod traffic;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
@@ -48,8 +48,13 @@ struct ShardedUnit {
     /// hpZ: the wire payloads of chunks `g·N .. (g+1)·N` of the gathered
     /// weights, valid from this step's forward until its optimizer step.
     secondary: Option<Vec<Bytes>>,
-    /// qgZ error feedback: what quantization dropped last step (padded length).
+    /// qgZ error feedback: what the first quantization dropped last step
+    /// (padded length, rank order).
     residual: Vec<f32>,
+    /// qgZ error feedback of the second hop: what requantizing this rank's
+    /// node-level partial sums dropped last step (N chunks). Used on the
+    /// communication thread.
+    residual_inter: Arc<Mutex<Vec<f32>>>,
 }
 
 /// What one step did.
@@ -124,7 +129,7 @@ pub struct Engine {
 
 fn scale_fraction(plan_weights: WeightWire, chunk: usize) -> f64 {
     match plan_weights {
-        WeightWire::Bf16 => 0.0,
+        WeightWire::Bf16 | WeightWire::F32 => 0.0,
         WeightWire::Quantized(f) => f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64,
     }
 }
@@ -210,6 +215,11 @@ impl Engine {
                     } else {
                         Vec::new()
                     },
+                    residual_inter: Arc::new(Mutex::new(if cfg.switches.error_feedback {
+                        vec![0.0; layout.nodes * chunk]
+                    } else {
+                        Vec::new()
+                    })),
                 }
             })
             .collect();
@@ -247,6 +257,7 @@ impl Engine {
         let su = &self.units[u];
         match self.plan.weights {
             WeightWire::Bf16 => Ok(payload::encode_bf16(&su.master)),
+            WeightWire::F32 => Ok(Bytes::copy_from_slice(bytemuck::cast_slice(&su.master))),
             WeightWire::Quantized(f) => payload::quantize_message(&su.master, f),
         }
     }
@@ -316,6 +327,7 @@ impl Engine {
             let out = &mut full[r * su.chunk..(r + 1) * su.chunk];
             match self.plan.weights {
                 WeightWire::Bf16 => payload::decode_bf16(p, out)?,
+                WeightWire::F32 => payload::decode_f32(p, out)?,
                 WeightWire::Quantized(f) => {
                     let d = payload::decode_quantized(p, f, su.chunk)?;
                     zeropp_quant::dequantize(d.view(), out)
@@ -348,6 +360,12 @@ impl Engine {
                 let mine = c.reduce_scatter(&world, &bytes, &bounds, &SumBf16)?;
                 let mut out = vec![0f32; chunk];
                 payload::decode_bf16(&mine, &mut out)?;
+                out.iter_mut().for_each(|v| *v /= world_n as f32);
+                Ok(out)
+            })),
+            GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
+                counter.set_phase(Phase::Gradient, 0.0);
+                let mut out = c.reduce_scatter_f32(&world, &grad)?;
                 out.iter_mut().for_each(|v| *v /= world_n as f32);
                 Ok(out)
             })),
@@ -393,6 +411,7 @@ impl Engine {
                     f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64
                 };
                 let (intra_frac, inter_frac) = (frac(intra), frac(inter));
+                let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
                     counter.set_phase(Phase::Gradient, intra_frac);
                     // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N.
@@ -405,16 +424,36 @@ impl Engine {
                         .map(|b| payload::decode_quantized(b, intra, nodes * chunk))
                         .collect::<Result<Vec<_>, _>>()?;
                     let views: Vec<_> = decoded.iter().map(|d| d.view()).collect();
-                    let mut partial = QuantizedTensor::zeroed(inter, nodes * chunk);
-                    sum_requantize(
-                        &views,
-                        rounding.for_part(1),
-                        partial.as_mut(),
-                        &mut Vec::new(),
-                    )
-                    .map_err(|e| {
+                    let summing = |e: zeropp_quant::QuantError| {
                         CommError::Malformed(format!("summing the node's gradients: {e}"))
-                    })?;
+                    };
+                    let partial = if error_feedback {
+                        // Sum in f32, add back what this hop dropped last
+                        // step, requantize, and keep what it drops now.
+                        let mut residual = residual_inter.lock().map_err(|_| {
+                            CommError::Invalid("the error-feedback buffer was poisoned".into())
+                        })?;
+                        let mut sum = std::mem::take(&mut *residual);
+                        for v in &views {
+                            zeropp_quant::dequantize_accumulate(*v, &mut sum).map_err(summing)?;
+                        }
+                        let q = QuantizedTensor::quantize(&sum, inter, rounding.for_part(1))
+                            .map_err(summing)?;
+                        let sent: Vec<f32> = q.dequantize().map_err(summing)?;
+                        sum.iter_mut().zip(&sent).for_each(|(r, s)| *r -= s);
+                        *residual = sum;
+                        q
+                    } else {
+                        let mut partial = QuantizedTensor::zeroed(inter, nodes * chunk);
+                        sum_requantize(
+                            &views,
+                            rounding.for_part(1),
+                            partial.as_mut(),
+                            &mut Vec::new(),
+                        )
+                        .map_err(summing)?;
+                        partial
+                    };
                     // Hop 2, across nodes: node n' gets chunk n'.
                     counter.set_phase(Phase::Gradient, inter_frac);
                     let partial = QuantizedChunks {
@@ -452,6 +491,20 @@ impl Engine {
         )?)
     }
 
+    /// With a tied head: remembers the embedding's token matrix when unit
+    /// `u` is the embedding, and hands it to the head after its own
+    /// parameters.
+    fn tie(&self, u: usize, params: &mut Vec<Tensor>, tokens: &mut Option<Tensor>) {
+        if !self.cfg.model.tied_head {
+            return;
+        }
+        match self.units[u].unit {
+            Unit::Embedding => *tokens = params.first().cloned(),
+            Unit::Head => params.extend(tokens.clone()),
+            Unit::Block(_) => {}
+        }
+    }
+
     /// Element-wise sum of `values` over all ranks (small vectors: metrics).
     pub fn sum_over_ranks(&self, values: &[f32]) -> Result<Vec<f32>> {
         let world = self.groups.world.clone();
@@ -471,10 +524,12 @@ impl Engine {
     pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
         let n = self.units.len();
         let mut x = inputs.clone();
+        let mut tied_tokens = None;
         for u in 0..n {
             let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
             let full = self.decode_full(u, &payloads)?;
-            let params = self.full_params(u, &full)?;
+            let mut params = self.full_params(u, &full)?;
+            self.tie(u, &mut params, &mut tied_tokens);
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }
         let l = loss(&x, targets)?.to_scalar::<f32>()?;
@@ -495,7 +550,9 @@ impl Engine {
         let n = self.units.len();
         let (nodes, g) = (self.plan.layout.nodes, self.plan.layout.local());
 
-        // Forward, keeping each unit's input.
+        // Forward, keeping each unit's input (and, for a tied head, the
+        // embedding's token matrix until the head's backward).
+        let mut tied_tokens: Option<Tensor> = None;
         let mut saved = Vec::with_capacity(n);
         let mut x = inputs.clone();
         let mut pending = Some(self.start_primary_gather(0, Phase::ForwardGather)?);
@@ -511,7 +568,8 @@ impl Engine {
                     Some(part.iter().map(|p| Bytes::copy_from_slice(p)).collect());
             }
             let full = self.decode_full(u, &payloads)?;
-            let params = self.full_params(u, &full)?;
+            let mut params = self.full_params(u, &full)?;
+            self.tie(u, &mut params, &mut tied_tokens);
             saved.push(x.clone());
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }
@@ -521,6 +579,7 @@ impl Engine {
         let mut grads_pending: Vec<(usize, Pending<Vec<f32>>)> = Vec::with_capacity(n);
         let mut pending = Some(self.start_backward_gather(n - 1)?);
         let mut step_loss = f32::NAN;
+        let mut tied_grad: Option<Vec<f32>> = None;
         for u in (0..n).rev() {
             let payloads = pending.take().expect("started").wait()?;
             if u > 0 {
@@ -532,7 +591,16 @@ impl Engine {
                 .into_iter()
                 .map(|t| Var::from_tensor(&t))
                 .collect::<candle_core::Result<Vec<_>>>()?;
-            let tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            let mut tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+            // A tied head differentiates the embedding's token matrix too;
+            // that gradient joins the embedding's own in its backward.
+            let tied_var = match (&tied_tokens, self.units[u].unit) {
+                (Some(t), Unit::Head) => Some(Var::from_tensor(t)?),
+                _ => None,
+            };
+            if let Some(tv) = &tied_var {
+                tensors.push(tv.as_tensor().clone());
+            }
             let input_var = if u > 0 {
                 Some(Var::from_tensor(&saved[u])?)
             } else {
@@ -562,6 +630,14 @@ impl Engine {
                 }
             }
             flat.resize(self.units[u].padded, 0.0);
+            if let Some(gt) = tied_var.as_ref().and_then(|tv| grads.get(tv.as_tensor())) {
+                tied_grad = Some(gt.flatten_all()?.to_vec1::<f32>()?);
+            }
+            if self.units[u].unit == Unit::Embedding
+                && let Some(tg) = tied_grad.take()
+            {
+                flat.iter_mut().zip(&tg).for_each(|(f, t)| *f += t);
+            }
             upstream = match &input_var {
                 Some(iv) => Some(grads.get(iv.as_tensor()).cloned().ok_or_else(|| {
                     anyhow!(

@@ -37,6 +37,17 @@ pub fn decode_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
     Ok(())
 }
 
+/// Little-endian f32 bytes → f32, written into `out`.
+pub fn decode_f32(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
+    if b.len() != out.len() * 4 {
+        return Err(malformed("f32 chunk", out.len() * 4, b.len()));
+    }
+    for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+    }
+    Ok(())
+}
+
 fn put_params(b: &mut BytesMut, codes: &[u8], max: &[f32], min: &[f32]) {
     b.extend_from_slice(codes);
     b.extend_from_slice(bytemuck::cast_slice(max));

@@ -49,6 +49,11 @@ pub struct Switches {
     /// Bits of the first qgZ hop, inside the node (8 or 4); the hop across
     /// nodes is always int4.
     pub qgz_intra_bits: u32,
+    /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
+    /// fp32 instead of bf16: exact data parallelism, for checking and for
+    /// fast links.
+    #[serde(default)]
+    pub fp32_comm: bool,
 }
 
 impl Switches {
@@ -63,6 +68,7 @@ impl Switches {
             block,
             qgz_block: 64,
             qgz_intra_bits: 4,
+            fp32_comm: false,
         }
     }
 
@@ -77,6 +83,7 @@ impl Switches {
             block,
             qgz_block: 64,
             qgz_intra_bits: 4,
+            fp32_comm: false,
         }
     }
 }
@@ -86,6 +93,8 @@ impl Switches {
 pub enum WeightWire {
     /// bf16, gathered over the world in one ring.
     Bf16,
+    /// fp32, gathered over the world in one ring.
+    F32,
     /// Symmetric blocks, gathered across nodes, then within the node.
     Quantized(QuantFormat),
 }
@@ -95,6 +104,8 @@ pub enum WeightWire {
 pub enum GradWire {
     /// bf16 ring reduce-scatter over the world (f32 sums at each step).
     RingBf16,
+    /// fp32 ring reduce-scatter over the world.
+    RingF32,
     /// Swizzled int4 all-to-all inside the node, f32 sum, requantize,
     /// all-to-all across nodes, f32 sum, divide by W.
     TwoHop {
@@ -128,6 +139,7 @@ impl Plan {
             ));
         }
         let weights = match s.qwz_bits {
+            None if s.fp32_comm => WeightWire::F32,
             None => WeightWire::Bf16,
             Some(b @ (8 | 4)) => WeightWire::Quantized(
                 QuantFormat::new(
@@ -155,7 +167,11 @@ impl Plan {
             if s.error_feedback {
                 return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
             }
-            GradWire::RingBf16
+            if s.fp32_comm {
+                GradWire::RingF32
+            } else {
+                GradWire::RingBf16
+            }
         };
         Ok(Plan {
             layout,
