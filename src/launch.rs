@@ -27,6 +27,9 @@ pub struct LaunchOptions {
     /// After a rank fails, how long the others may take to report and exit
     /// before they are killed.
     pub grace: Duration,
+    /// Rank 0's stderr is our own (unprefixed), so a progress bar it draws
+    /// reaches the terminal; its stdout is still prefixed.
+    pub rank0_terminal: bool,
     pub command: Vec<String>,
 }
 
@@ -128,7 +131,11 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 .env("ZEROPP_TOKEN", &token)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+                .stderr(if rank == 0 && opts.rank0_terminal {
+                    Stdio::inherit()
+                } else {
+                    Stdio::piped()
+                });
             if let Some(t) = opts.timeout_s {
                 cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
             }

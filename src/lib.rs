@@ -12,5 +12,6 @@ pub mod engine;
 pub mod example_weights;
 pub mod launch;
 pub mod model;
+pub mod plot;
 pub mod quant_error;
 pub mod trainer;

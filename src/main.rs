@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use zeropp::trainer::{Mode, TrainConfig};
@@ -149,10 +149,10 @@ struct TrainArgs {
     /// qgZ: two-hop int4 gradient reduce-scatter.
     #[arg(long)]
     qgz: Option<bool>,
-    /// Error feedback for qgZ.
+    /// Error feedback for qgZ, on both hops (default: on with qgZ).
     #[arg(long)]
     error_feedback: Option<bool>,
-    /// qgZ: round gradients stochastically (default) or to nearest (false).
+    /// qgZ: round gradients stochastically (true) or to nearest (default).
     #[arg(long)]
     qgz_stochastic: Option<bool>,
     /// Values per weight quantization block (qwZ; power of two, 32..65536).
@@ -208,9 +208,16 @@ struct TrainArgs {
     /// Write one JSON object per step here.
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// Write the end-of-run summary here as JSON.
+    /// Write the end-of-run summary here as JSON (with --compare: both).
     #[arg(long)]
     summary_json: Option<PathBuf>,
+    /// Draw the loss curve here as PNG (with --compare: both).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Run zero3, then zeropp, with the same seed and data on this machine
+    /// and print them side by side (switch overrides apply to zeropp).
+    #[arg(long)]
+    compare: bool,
     /// Timeout of every network wait, in seconds (default 60).
     #[arg(long)]
     timeout: Option<f64>,
@@ -231,7 +238,7 @@ impl TrainArgs {
              lr => c.optim.lr, warmup_steps => c.optim.warmup_steps, width => c.model.width,
              layers => c.model.layers, heads => c.model.heads, context => c.model.context,
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
-             error_feedback => c.error_feedback, qgz_stochastic => c.qgz_stochastic,
+             qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
              qgz_intra_bits => c.qgz_intra_bits, fp32_comm => c.fp32_comm, tied_head => c.model.tied_head);
         if self.qwz_bits.is_some() {
@@ -243,6 +250,9 @@ impl TrainArgs {
         if self.qgz.is_some() {
             c.qgz = self.qgz;
         }
+        if self.error_feedback.is_some() {
+            c.error_feedback = self.error_feedback;
+        }
         if self.data.is_some() {
             c.data = self.data.clone();
         }
@@ -251,6 +261,9 @@ impl TrainArgs {
         }
         if self.summary_json.is_some() {
             c.summary_json = self.summary_json.clone();
+        }
+        if self.plot.is_some() {
+            c.plot = self.plot.clone();
         }
         c.validate()?;
         Ok(c)
@@ -291,21 +304,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let cfg = args.config()?;
             match zeropp::comm::env::RankFacts::from_env() {
-                Err(zeropp::comm::env::EnvError::Missing) => {
-                    // No launcher around us: be one, over this machine.
-                    let exe = std::env::current_exe().context("locating the zeropp binary")?;
-                    let mut command = vec![exe.display().to_string()];
-                    command.extend(std::env::args().skip(1));
-                    launch::launch(&launch::LaunchOptions {
-                        nodes: cfg.nodes,
-                        ranks_per_node: cfg.ranks_per_node,
-                        node_rank: None,
-                        master: None,
-                        timeout_s: args.timeout,
-                        grace: std::time::Duration::from_secs(3),
-                        command,
-                    })?;
+                Err(zeropp::comm::env::EnvError::Missing) if args.compare => {
+                    trainer::compare(&cfg, args.timeout)?;
                 }
+                // No launcher around us: be one, over this machine.
+                Err(zeropp::comm::env::EnvError::Missing) => {
+                    trainer::launch_local(&cfg, args.timeout)?
+                }
+                Ok(_) if args.compare => bail!(
+                    "--compare launches its own runs on this machine; run it outside a launcher"
+                ),
                 Err(e) => return Err(e.into()),
                 Ok(_) => {
                     trainer::run_rank(&cfg)?;
@@ -353,6 +361,7 @@ fn run(cli: Cli) -> Result<()> {
             master: master_addr,
             timeout_s: timeout,
             grace: std::time::Duration::from_secs_f64(grace.max(0.0)),
+            rank0_terminal: false,
             command,
         })?,
         Command::CommCheck {

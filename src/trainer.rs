@@ -18,6 +18,8 @@ use crate::engine::plan::{Layout, Switches};
 use crate::engine::traffic::Traffic;
 use crate::engine::{Engine, EngineConfig};
 use crate::model::ModelConfig;
+use crate::plot::{self, Series};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -37,7 +39,8 @@ pub struct TrainConfig {
     pub qwz_bits: Option<u32>,
     pub hpz: Option<bool>,
     pub qgz: Option<bool>,
-    pub error_feedback: bool,
+    /// Error feedback for qgZ (default: on whenever qgZ is).
+    pub error_feedback: Option<bool>,
     /// qgZ: stochastic rounding of gradients instead of round-to-nearest.
     pub qgz_stochastic: bool,
     /// Values per quantization block of the weights (qwZ).
@@ -65,6 +68,8 @@ pub struct TrainConfig {
     pub log_every: usize,
     pub metrics: Option<PathBuf>,
     pub summary_json: Option<PathBuf>,
+    /// Write the loss curve here as PNG.
+    pub plot: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -74,10 +79,10 @@ impl Default for TrainConfig {
             qwz_bits: None,
             hpz: None,
             qgz: None,
-            error_feedback: false,
-            qgz_stochastic: true,
+            error_feedback: None,
+            qgz_stochastic: false,
             block: 256,
-            qgz_block: 64,
+            qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
             steps: 200,
@@ -92,6 +97,7 @@ impl Default for TrainConfig {
             log_every: 10,
             metrics: None,
             summary_json: None,
+            plot: None,
         }
     }
 }
@@ -119,7 +125,7 @@ impl TrainConfig {
         if let Some(q) = self.qgz {
             s.qgz = q;
         }
-        s.error_feedback = self.error_feedback;
+        s.error_feedback = self.error_feedback.unwrap_or(s.qgz);
         s.qgz_stochastic = self.qgz_stochastic;
         s.qgz_block = self.qgz_block;
         s.qgz_intra_bits = self.qgz_intra_bits;
@@ -187,6 +193,14 @@ pub struct Summary {
     pub run_messages: BytesPerStep,
 }
 
+fn step_points(losses: &[f32]) -> Vec<(f64, f64)> {
+    losses
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| ((i + 1) as f64, l as f64))
+        .collect()
+}
+
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -242,6 +256,17 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             tokens_per_step
         );
     }
+    // A bar where rank 0's stderr is a terminal (`zeropp train` hands it
+    // the terminal when it launches itself); progress lines otherwise.
+    let bar = if lead {
+        ProgressBar::with_draw_target(Some(cfg.steps as u64), ProgressDrawTarget::stderr())
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta}]")
+            .expect("a valid template"),
+    );
     let (mut losses, mut times) = (Vec::new(), Vec::new());
     let (mut sum_intra, mut sum_inter) = (0f64, 0f64);
     for step in 0..cfg.steps {
@@ -279,7 +304,15 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
                 serde_json::to_writer(&mut *m, &line)?;
                 m.write_all(b"\n")?;
             }
-            if (step + 1) % cfg.log_every.max(1) == 0 || step == 0 || step + 1 == cfg.steps {
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s | {:.3} MB across nodes/step",
+                stats.loss,
+                tokens_per_step / dt,
+                job[1] as f64 / 1e6
+            ));
+            bar.inc(1);
+            let due = (step + 1) % cfg.log_every.max(1) == 0 || step == 0 || step + 1 == cfg.steps;
+            if due && bar.is_hidden() {
                 println!(
                     "step {:>5}/{} loss {:.4} lr {:.2e} {:>8.0} tok/s {:>8.3} MB across nodes/step",
                     step + 1,
@@ -292,6 +325,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             }
         }
     }
+    bar.finish_and_clear();
     if let Some(m) = metrics.as_mut() {
         m.flush()?;
     }
@@ -348,9 +382,169 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         summary.bytes_per_step.inter_node / 1e6,
         summary.bytes_per_step.intra_node / 1e6
     );
+    if let Some(p) = &cfg.plot {
+        let series = Series {
+            name: format!("{} (validation {:.3})", summary.mode, summary.val_loss),
+            points: step_points(&losses),
+        };
+        let title = format!(
+            "training loss, {} nodes x {} ranks",
+            layout.nodes, layout.ranks_per_node
+        );
+        plot::loss_curves(p, &title, &[series])?;
+    }
     if let Some(p) = &cfg.summary_json {
         std::fs::write(p, serde_json::to_vec_pretty(&summary)?)
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(Some(summary))
+}
+
+/// Runs the whole job on this machine as `nodes` × `ranks_per_node` local
+/// ranks: what `zeropp train` does when no launcher started it. The ranks
+/// read `cfg` from a temporary TOML file. When our stderr is a terminal,
+/// rank 0 gets it directly so its progress bar can draw.
+pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
+    use std::io::IsTerminal;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let exe = std::env::current_exe().context("locating the zeropp binary")?;
+    let file = std::env::temp_dir().join(format!(
+        "zeropp-train-{}-{}.toml",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let text = toml::to_string(cfg).context("writing the run's config")?;
+    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
+    let result = crate::launch::launch(&crate::launch::LaunchOptions {
+        nodes: cfg.nodes,
+        ranks_per_node: cfg.ranks_per_node,
+        node_rank: None,
+        master: None,
+        timeout_s,
+        grace: std::time::Duration::from_secs(3),
+        rank0_terminal: std::io::stderr().is_terminal(),
+        command: vec![
+            exe.display().to_string(),
+            "train".into(),
+            "--config".into(),
+            file.display().to_string(),
+        ],
+    });
+    let _ = std::fs::remove_file(&file);
+    result
+}
+
+/// `--metrics FILE` of one mode of a comparison: FILE with the mode before
+/// its extension (`m.jsonl` → `m.zero3.jsonl`).
+pub fn per_mode_path(path: &Path, mode: &str) -> PathBuf {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("jsonl");
+    path.with_extension(format!("{mode}.{ext}"))
+}
+
+fn read_losses(path: &Path) -> Result<Vec<f32>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    text.lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l)?;
+            v["loss"]
+                .as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| anyhow::anyhow!("{}: a line without a loss", path.display()))
+        })
+        .collect()
+}
+
+/// `zeropp train --compare`: the same seed, data and model under plain
+/// ZeRO-3 and under ZeRO++ (with any switch overrides), one after the
+/// other, then both side by side. The switch overrides apply to the ZeRO++
+/// run only.
+pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Summary)> {
+    let dir = std::env::temp_dir().join(format!("zeropp-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut runs = Vec::new();
+    for mode in [Mode::Zero3, Mode::Zeropp] {
+        let name = format!("{mode:?}").to_lowercase();
+        let mut c = cfg.clone();
+        c.mode = mode;
+        if mode == Mode::Zero3 {
+            (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
+        }
+        let metrics = match &cfg.metrics {
+            Some(p) => per_mode_path(p, &name),
+            None => dir.join(format!("{name}.jsonl")),
+        };
+        c.metrics = Some(metrics.clone());
+        c.summary_json = Some(dir.join(format!("{name}.json")));
+        c.plot = None;
+        println!("== {name} ==");
+        launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
+        let summary: Summary = serde_json::from_slice(
+            &std::fs::read(c.summary_json.as_ref().expect("set above"))
+                .context("reading the run's summary")?,
+        )?;
+        runs.push((summary, read_losses(&metrics)?));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let (z3, zpp) = (&runs[0].0, &runs[1].0);
+    print!("{}", comparison_table(z3, zpp));
+    if let Some(p) = &cfg.summary_json {
+        let both = serde_json::json!({ "zero3": z3, "zeropp": zpp });
+        std::fs::write(p, serde_json::to_vec_pretty(&both)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(p) = &cfg.plot {
+        let series: Vec<Series> = runs
+            .iter()
+            .map(|(s, losses)| Series {
+                name: format!("{} (validation {:.3})", s.mode, s.val_loss),
+                points: step_points(losses),
+            })
+            .collect();
+        let title = format!(
+            "ZeRO-3 vs ZeRO++, {} nodes x {} ranks",
+            z3.nodes,
+            z3.world_size / z3.nodes.max(1)
+        );
+        plot::loss_curves(p, &title, &series)?;
+    }
+    Ok((runs[0].0.clone(), runs[1].0.clone()))
+}
+
+/// The side-by-side table `--compare` prints.
+pub fn comparison_table(z3: &Summary, zpp: &Summary) -> String {
+    let rows: [(&str, f64, f64); 6] = [
+        (
+            "final loss (last 10 steps)",
+            z3.final_loss as f64,
+            zpp.final_loss as f64,
+        ),
+        ("validation loss", z3.val_loss as f64, zpp.val_loss as f64),
+        (
+            "median step time (s)",
+            z3.median_step_time_s,
+            zpp.median_step_time_s,
+        ),
+        ("tokens/s", z3.tokens_per_s, zpp.tokens_per_s),
+        (
+            "MB across nodes per step",
+            z3.bytes_per_step.inter_node / 1e6,
+            zpp.bytes_per_step.inter_node / 1e6,
+        ),
+        (
+            "MB inside nodes per step",
+            z3.bytes_per_step.intra_node / 1e6,
+            zpp.bytes_per_step.intra_node / 1e6,
+        ),
+    ];
+    let mut out = format!(
+        "\n{:<28} {:>12} {:>12} {:>14}\n",
+        "", "zero3", "zeropp", "zeropp/zero3"
+    );
+    for (name, a, b) in rows {
+        let ratio = if a != 0.0 { b / a } else { f64::NAN };
+        out += &format!("{name:<28} {a:>12.4} {b:>12.4} {ratio:>14.3}\n");
+    }
+    out
 }

@@ -64,24 +64,24 @@ impl Switches {
             hpz: false,
             qgz: false,
             error_feedback: false,
-            qgz_stochastic: true,
+            qgz_stochastic: false,
             block,
-            qgz_block: 64,
+            qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
         }
     }
 
-    /// ZeRO++: qwZ int8 + hpZ + qgZ int4.
+    /// ZeRO++: qwZ int8 + hpZ + qgZ int4 (round to nearest, error feedback).
     pub fn zeropp(block: usize) -> Self {
         Switches {
             qwz_bits: Some(8),
             hpz: true,
             qgz: true,
-            error_feedback: false,
-            qgz_stochastic: true,
+            error_feedback: true,
+            qgz_stochastic: false,
             block,
-            qgz_block: 64,
+            qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
         }
