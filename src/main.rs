@@ -194,6 +194,9 @@ struct TrainArgs {
     /// Train on this UTF-8 text file instead of the built-in corpus.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// tcp (default; also ZEROPP_TRANSPORT) or ucx.
+    #[arg(long, value_enum)]
+    transport: Option<zeropp::comm::job::TransportKind>,
     /// Logical nodes and ranks per node when launching itself.
     #[arg(long)]
     nodes: Option<usize>,
@@ -261,6 +264,9 @@ impl TrainArgs {
         }
         if self.summary_json.is_some() {
             c.summary_json = self.summary_json.clone();
+        }
+        if self.transport.is_some() {
+            c.transport = self.transport;
         }
         if self.plot.is_some() {
             c.plot = self.plot.clone();

@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::comm::env::RankFacts;
-use crate::comm::job::Job;
+use crate::comm::job::{Job, TransportKind};
 use crate::data::Dataset;
 use crate::engine::optim::OptimConfig;
 use crate::engine::plan::{Layout, Switches};
@@ -59,6 +59,8 @@ pub struct TrainConfig {
     pub optim: OptimConfig,
     /// A UTF-8 text file; the built-in corpus when absent.
     pub data: Option<PathBuf>,
+    /// tcp or ucx; unset: ZEROPP_TRANSPORT, else tcp.
+    pub transport: Option<TransportKind>,
     /// Logical nodes and ranks per node when `zeropp train` launches itself.
     pub nodes: usize,
     pub ranks_per_node: usize,
@@ -91,6 +93,7 @@ impl Default for TrainConfig {
             model: ModelConfig::default(),
             optim: OptimConfig::default(),
             data: None,
+            transport: None,
             nodes: 2,
             ranks_per_node: 2,
             val_batches: 4,
@@ -227,7 +230,10 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     }
     let data = Dataset::load(cfg.data.as_deref(), cfg.seed)?;
     data.check(layout.world(), cfg.model.context)?;
-    let (transport, _table) = Job::connect(&facts, serde_json::Value::Null)?;
+    let (transport, _table) = match cfg.transport {
+        Some(kind) => Job::connect_over(kind, &facts, serde_json::Value::Null)?,
+        None => Job::connect(&facts, serde_json::Value::Null)?,
+    };
     let engine_cfg = EngineConfig {
         model: cfg.model.clone(),
         switches: cfg.switches(),

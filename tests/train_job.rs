@@ -104,6 +104,9 @@ fn zeropp_training_runs_learns_and_reports() {
             .collect::<Vec<_>>()
     };
     assert_eq!(losses(&m), losses(&again));
+    // The transport carries bytes; it must not change a single loss.
+    let (_, over_ucx) = train(&dir, "u", &["--mode", "zeropp", "--transport", "ucx"]);
+    assert_eq!(losses(&m), losses(&over_ucx));
 
     // ZeRO-3 learns too, and sends more across nodes.
     let (z3, _) = train(&dir, "c", &["--mode", "zero3"]);

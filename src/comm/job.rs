@@ -17,6 +17,19 @@ pub const WORLD_GROUP: u16 = 0;
 const NODE_GROUP_BASE: u16 = 0x100;
 const CROSS_GROUP_BASE: u16 = 0x4000;
 
+/// Which transport carries a job's messages.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// A full TCP mesh (framed, checksummed headers).
+    Tcp,
+    /// UCX tag matching (libucp loaded at run time): shared memory inside a
+    /// host, TCP or RDMA between hosts.
+    Ucx,
+}
+
 /// A joined job.
 pub struct Job {
     pub facts: RankFacts,
@@ -38,18 +51,34 @@ impl Job {
         Ok(Job { facts, table, comm })
     }
 
-    /// Rendezvous and a TCP mesh for `facts`: the transport and everyone's
+    /// Rendezvous and a mesh for `facts` over the transport ZEROPP_TRANSPORT
+    /// names (tcp, the default, or ucx): the transport and everyone's
     /// published facts, for callers that build their own communicator.
     pub fn connect(
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
-        match std::env::var("ZEROPP_TRANSPORT").as_deref() {
-            Ok("ucx") => Self::connect_ucx(facts, extra_facts),
-            Ok("tcp") | Err(_) => Self::connect_tcp(facts, extra_facts),
-            Ok(other) => Err(CommError::Invalid(format!(
-                "ZEROPP_TRANSPORT={other:?}: use tcp (the default) or ucx"
-            ))),
+        let kind = match std::env::var("ZEROPP_TRANSPORT").as_deref() {
+            Ok("ucx") => TransportKind::Ucx,
+            Ok("tcp") | Err(_) => TransportKind::Tcp,
+            Ok(other) => {
+                return Err(CommError::Invalid(format!(
+                    "ZEROPP_TRANSPORT={other:?}: use tcp (the default) or ucx"
+                )));
+            }
+        };
+        Self::connect_over(kind, facts, extra_facts)
+    }
+
+    /// [`Job::connect`] over a transport chosen by the caller.
+    pub fn connect_over(
+        kind: TransportKind,
+        facts: &RankFacts,
+        extra_facts: serde_json::Value,
+    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
+        match kind {
+            TransportKind::Ucx => Self::connect_ucx(facts, extra_facts),
+            TransportKind::Tcp => Self::connect_tcp(facts, extra_facts),
         }
     }
 
