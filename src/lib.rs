@@ -5,6 +5,7 @@
 //! tools; the quantization formats live in `zeropp-quant`.
 
 pub mod bench_collectives;
+pub mod checkpoint;
 pub mod comm;
 pub mod comm_check;
 pub mod data;

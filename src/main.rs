@@ -34,6 +34,9 @@ enum Command {
     ///
     /// Example: zeropp train --mode zero3 --steps 100 --summary-json out.json
     Train(Box<TrainArgs>),
+    /// Inspect, verify or export a checkpoint.
+    #[command(subcommand)]
+    Ckpt(CkptCommand),
     /// Measure the error block quantization would put on your weights.
     ///
     /// Reads every f32/bf16/f16 tensor of a safetensors file, quantizes it in
@@ -217,6 +220,25 @@ struct TrainArgs {
     /// Draw the loss curve here as PNG (with --compare: both).
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// Save sharded checkpoints in this directory (every --save-every steps
+    /// and at the end).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Steps between checkpoints (0: only at the end).
+    #[arg(long)]
+    save_every: Option<usize>,
+    /// Checkpoints to keep (0: all; default 3).
+    #[arg(long)]
+    keep: Option<usize>,
+    /// Continue from a checkpoint (or the latest in a checkpoint directory),
+    /// with its settings unless flags or --config say otherwise. A different
+    /// --nodes/--ranks-per-node re-cuts the shards.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Stop after this step (saving a checkpoint when --checkpoint-dir is
+    /// set); the learning-rate schedule still spans --steps.
+    #[arg(long)]
+    stop_after: Option<usize>,
     /// Run zero3, then zeropp, with the same seed and data on this machine
     /// and print them side by side (switch overrides apply to zeropp).
     #[arg(long)]
@@ -228,9 +250,16 @@ struct TrainArgs {
 
 impl TrainArgs {
     fn config(&self) -> Result<TrainConfig> {
-        let mut c = match &self.config {
-            Some(p) => TrainConfig::from_toml_file(p)?,
-            None => TrainConfig::default(),
+        let mut c = match (&self.config, &self.resume) {
+            (Some(p), _) => TrainConfig::from_toml_file(p)?,
+            // Resuming: the checkpoint's settings, flags override them.
+            (None, Some(r)) => {
+                let dir = zeropp::checkpoint::resolve(r)?;
+                let mut c = zeropp::checkpoint::read_manifest(&dir)?.config;
+                (c.resume, c.stop_after) = (None, None);
+                c
+            }
+            (None, None) => TrainConfig::default(),
         };
         macro_rules! set {
             ($($field:ident => $target:expr),* $(,)?) => {
@@ -265,6 +294,18 @@ impl TrainArgs {
         if self.summary_json.is_some() {
             c.summary_json = self.summary_json.clone();
         }
+        set!(save_every => c.save_every, keep => c.keep);
+        for (flag, field) in [
+            (&self.checkpoint_dir, &mut c.checkpoint_dir),
+            (&self.resume, &mut c.resume),
+        ] {
+            if flag.is_some() {
+                *field = flag.clone();
+            }
+        }
+        if self.stop_after.is_some() {
+            c.stop_after = self.stop_after;
+        }
         if self.transport.is_some() {
             c.transport = self.transport;
         }
@@ -274,6 +315,22 @@ impl TrainArgs {
         c.validate()?;
         Ok(c)
     }
+}
+
+#[derive(Subcommand)]
+enum CkptCommand {
+    /// Print a checkpoint's manifest and verify every shard (size,
+    /// checksum, contents). DIR is a checkpoint or a checkpoint directory
+    /// (its latest). Exits non-zero naming the bad file.
+    Inspect {
+        dir: PathBuf,
+        /// Print the manifest as JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the checkpoint's full model as one safetensors file (fp32,
+    /// tensors named like blocks.0.attn.qkv.weight).
+    Export { dir: PathBuf, out: PathBuf },
 }
 
 #[derive(Subcommand)]
@@ -325,6 +382,25 @@ fn run(cli: Cli) -> Result<()> {
                     trainer::run_rank(&cfg)?;
                 }
             }
+        }
+        Command::Ckpt(CkptCommand::Inspect { dir, json }) => {
+            let dir = zeropp::checkpoint::resolve(&dir)?;
+            let m = zeropp::checkpoint::read_manifest(&dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&m)?);
+            } else {
+                print!("{}", zeropp::checkpoint::describe(&dir, &m));
+            }
+            zeropp::checkpoint::verify(&dir, &m)?;
+            if !json {
+                println!("all {} shards verified", m.shards.len());
+            }
+        }
+        Command::Ckpt(CkptCommand::Export { dir, out }) => {
+            let dir = zeropp::checkpoint::resolve(&dir)?;
+            let m = zeropp::checkpoint::read_manifest(&dir)?;
+            let n = zeropp::checkpoint::export(&dir, &m, &out)?;
+            println!("wrote {n} tensors of step {} to {}", m.step, out.display());
         }
         Command::QuantError {
             file,

@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::checkpoint;
 use crate::comm::env::RankFacts;
 use crate::comm::job::{Job, TransportKind};
 use crate::data::Dataset;
@@ -72,6 +73,16 @@ pub struct TrainConfig {
     pub summary_json: Option<PathBuf>,
     /// Write the loss curve here as PNG.
     pub plot: Option<PathBuf>,
+    /// Save sharded checkpoints here (every `save_every` steps and at the
+    /// end), keeping the newest `keep` (0 = all).
+    pub checkpoint_dir: Option<PathBuf>,
+    pub save_every: usize,
+    pub keep: usize,
+    /// Continue from this checkpoint (or the latest under this directory).
+    pub resume: Option<PathBuf>,
+    /// Stop (and save, with a checkpoint directory) after this step, as if
+    /// the run were preempted; the schedule still spans `steps`.
+    pub stop_after: Option<usize>,
 }
 
 impl Default for TrainConfig {
@@ -101,6 +112,11 @@ impl Default for TrainConfig {
             metrics: None,
             summary_json: None,
             plot: None,
+            checkpoint_dir: None,
+            save_every: 0,
+            keep: 3,
+            resume: None,
+            stop_after: None,
         }
     }
 }
@@ -196,6 +212,31 @@ pub struct Summary {
     pub run_messages: BytesPerStep,
 }
 
+fn save_checkpoint(
+    engine: &Engine,
+    cfg: &TrainConfig,
+    root: &Path,
+    step: usize,
+    rank: usize,
+    bar: &ProgressBar,
+) -> Result<()> {
+    let t = Instant::now();
+    let dir = checkpoint::save(engine, cfg, root, step, rank, cfg.keep)?;
+    if rank == 0 {
+        let line = format!(
+            "saved checkpoint {} ({:.2} s)",
+            dir.display(),
+            t.elapsed().as_secs_f64()
+        );
+        if bar.is_hidden() {
+            println!("{line}");
+        } else {
+            bar.println(line);
+        }
+    }
+    Ok(())
+}
+
 fn step_points(losses: &[f32]) -> Vec<(f64, f64)> {
     losses
         .iter()
@@ -243,6 +284,32 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     let mut engine = Engine::new(transport, layout, engine_cfg, facts.timeout)?;
     let lead = facts.rank == 0;
     let world = layout.world();
+    let start = match &cfg.resume {
+        None => 0,
+        Some(path) => {
+            let dir = checkpoint::resolve(path)?;
+            let m = checkpoint::read_manifest(&dir)?;
+            let state = checkpoint::state_for(&dir, &m, &engine.unit_sizes(), layout.rank, world)?;
+            engine.load_shard_state(state, m.step)?;
+            if lead {
+                println!(
+                    "resumed from {} at step {} (saved on {} ranks, running on {world})",
+                    dir.display(),
+                    m.step,
+                    m.world_size
+                );
+            }
+            m.step
+        }
+    };
+    let end = cfg.stop_after.unwrap_or(cfg.steps).min(cfg.steps);
+    if start >= end {
+        bail!(
+            "the checkpoint is at step {start} and this run would stop at step {end}: raise --steps \
+             (or --stop-after) to train further"
+        );
+    }
+    let mut saved_at = None;
     let tokens_per_step = (world * cfg.batch * cfg.model.context) as f64;
     let mut metrics = match (&cfg.metrics, lead) {
         (Some(p), true) => Some(std::io::BufWriter::new(
@@ -275,7 +342,8 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     );
     let (mut losses, mut times) = (Vec::new(), Vec::new());
     let (mut sum_intra, mut sum_inter) = (0f64, 0f64);
-    for step in 0..cfg.steps {
+    bar.set_position(start as u64);
+    for step in start..end {
         let (x, y) = data.train_batch(
             facts.rank,
             world,
@@ -317,7 +385,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
                 job[1] as f64 / 1e6
             ));
             bar.inc(1);
-            let due = (step + 1) % cfg.log_every.max(1) == 0 || step == 0 || step + 1 == cfg.steps;
+            let due = (step + 1) % cfg.log_every.max(1) == 0 || step == start || step + 1 == end;
             if due && bar.is_hidden() {
                 println!(
                     "step {:>5}/{} loss {:.4} lr {:.2e} {:>8.0} tok/s {:>8.3} MB across nodes/step",
@@ -330,6 +398,18 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
                 );
             }
         }
+        if let Some(root) = &cfg.checkpoint_dir
+            && cfg.save_every > 0
+            && (step + 1) % cfg.save_every == 0
+        {
+            save_checkpoint(&engine, cfg, root, step + 1, layout.rank, &bar)?;
+            saved_at = Some(step + 1);
+        }
+    }
+    if let Some(root) = &cfg.checkpoint_dir
+        && saved_at != Some(end)
+    {
+        save_checkpoint(&engine, cfg, root, end, layout.rank, &bar)?;
     }
     bar.finish_and_clear();
     if let Some(m) = metrics.as_mut() {
@@ -356,15 +436,15 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         world_size: world,
         nodes: layout.nodes,
         params: engine.parameter_count(),
-        steps: cfg.steps,
+        steps: end,
         initial_loss: losses[0],
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
         val_loss,
         tokens_per_s: tokens_per_step / median(&times),
         median_step_time_s: median(&times),
         bytes_per_step: BytesPerStep {
-            intra_node: sum_intra / cfg.steps as f64,
-            inter_node: sum_inter / cfg.steps as f64,
+            intra_node: sum_intra / (end - start) as f64,
+            inter_node: sum_inter / (end - start) as f64,
         },
         run_bytes: BytesPerStep {
             intra_node: run[0] as f64,

@@ -57,6 +57,24 @@ struct ShardedUnit {
     residual_inter: Arc<Mutex<Vec<f32>>>,
 }
 
+/// One unit's primary shard on one rank, as a checkpoint stores it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnitShard {
+    pub name: String,
+    /// Parameters of the unit (unpadded), elements of its padded buffer and
+    /// of one rank's chunk.
+    pub numel: usize,
+    pub padded: usize,
+    pub chunk: usize,
+    /// fp32 master weights and AdamW moments of the chunk.
+    pub master: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    /// qgZ error-feedback residuals (empty without error feedback).
+    pub residual: Vec<f32>,
+    pub residual_inter: Vec<f32>,
+}
+
 /// What one step did.
 #[derive(Clone, Debug)]
 pub struct StepStats {
@@ -503,6 +521,109 @@ impl Engine {
             Unit::Head => params.extend(tokens.clone()),
             Unit::Block(_) => {}
         }
+    }
+
+    /// Every rank's `mine`, in rank order (small messages: checkpoint
+    /// bookkeeping). Counted as `Other` traffic.
+    pub fn all_gather_bytes(&self, mine: Bytes) -> Result<Vec<Bytes>> {
+        let world = self.groups.world.clone();
+        let counter = self.counter.clone();
+        Ok(self
+            .thread
+            .submit(move |c| {
+                counter.set_phase(Phase::Other, 0.0);
+                c.all_gather_v(&world, mine)
+            })
+            .wait()?)
+    }
+
+    /// This rank's primary shard of every unit: what a checkpoint holds.
+    pub fn shard_state(&self) -> Result<Vec<UnitShard>> {
+        self.units
+            .iter()
+            .map(|su| {
+                let residual_inter = su
+                    .residual_inter
+                    .lock()
+                    .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?
+                    .clone();
+                Ok(UnitShard {
+                    name: su.unit.name(),
+                    numel: su.unit.numel(&self.cfg.model),
+                    padded: su.padded,
+                    chunk: su.chunk,
+                    master: su.master.clone(),
+                    m: su.adam.m.clone(),
+                    v: su.adam.v.clone(),
+                    residual: su.residual.clone(),
+                    residual_inter,
+                })
+            })
+            .collect()
+    }
+
+    /// Replaces this rank's primary shards (and error-feedback residuals,
+    /// when they fit this plan; otherwise they restart from zero) and the
+    /// step counter. The hpZ secondary shards are dropped: they are never
+    /// reused across a load.
+    pub fn load_shard_state(&mut self, shards: Vec<UnitShard>, step: usize) -> Result<()> {
+        if shards.len() != self.units.len() {
+            bail!(
+                "the checkpoint has {} units, this model {}",
+                shards.len(),
+                self.units.len()
+            );
+        }
+        for (su, sh) in self.units.iter_mut().zip(shards) {
+            let name = su.unit.name();
+            if sh.name != name || sh.chunk != su.chunk {
+                bail!(
+                    "checkpoint unit {:?} ({} values per rank) does not fit unit {name:?} ({} per rank)",
+                    sh.name,
+                    sh.chunk,
+                    su.chunk
+                );
+            }
+            if sh.m.len() != su.chunk || sh.v.len() != su.chunk || sh.master.len() != su.chunk {
+                bail!("checkpoint unit {name:?}: state of the wrong length");
+            }
+            su.master = sh.master;
+            su.adam.m = sh.m;
+            su.adam.v = sh.v;
+            if sh.residual.len() == su.residual.len() {
+                su.residual = sh.residual;
+            } else {
+                su.residual.iter_mut().for_each(|r| *r = 0.0);
+            }
+            let mut ri = su
+                .residual_inter
+                .lock()
+                .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?;
+            if sh.residual_inter.len() == ri.len() {
+                *ri = sh.residual_inter;
+            } else {
+                ri.iter_mut().for_each(|r| *r = 0.0);
+            }
+            su.secondary = None;
+        }
+        self.step = step;
+        Ok(())
+    }
+
+    /// Elements of each unit's padded buffer and of one rank's chunk, in
+    /// unit order, with the unit's unpadded size.
+    pub fn unit_sizes(&self) -> Vec<(String, usize, usize, usize)> {
+        self.units
+            .iter()
+            .map(|su| {
+                (
+                    su.unit.name(),
+                    su.unit.numel(&self.cfg.model),
+                    su.padded,
+                    su.chunk,
+                )
+            })
+            .collect()
     }
 
     /// Element-wise sum of `values` over all ranks (small vectors: metrics).

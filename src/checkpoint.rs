@@ -1,0 +1,689 @@
+//! Sharded, atomic checkpoints.
+//!
+//! A checkpoint is a directory `step-NNNNNNNN/` under the checkpoint root:
+//! one zstd-compressed shard per rank (`rank-NNNNN.zst`: its fp32 master
+//! weights, AdamW moments and error-feedback residuals for every unit) and a
+//! `manifest.json` written by rank 0 (the run's config, world layout, step,
+//! data position, RNG seeding, unit sizes, and each shard's size and CRC-32).
+//! Everything is written under `.tmp-step-NNNNNNNN/`, synced, and renamed
+//! only when complete, then `latest` names it; a crash or a full disk during
+//! a save leaves the previous checkpoint untouched. Every byte read back is
+//! checked: sizes and checksums against the manifest, lengths against the
+//! manifest's unit sizes, before anything is allocated.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, anyhow, bail};
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::engine::{Engine, UnitShard};
+use crate::trainer::TrainConfig;
+
+/// The manifest's `format` and current `version`.
+pub const FORMAT: &str = "zeropp-checkpoint";
+pub const VERSION: u32 = 1;
+const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnitInfo {
+    pub name: String,
+    pub numel: usize,
+    pub padded: usize,
+    pub chunk: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ShardInfo {
+    pub rank: usize,
+    pub file: String,
+    /// Compressed size and CRC-32 of the file.
+    pub bytes: u64,
+    pub crc32: u32,
+    /// Error-feedback residual lengths per unit (0 without error feedback).
+    pub residual_lens: Vec<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format: String,
+    pub version: u32,
+    /// Optimizer steps taken; training resumes at step `step + 1`.
+    pub step: usize,
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    pub world_size: usize,
+    /// The run's settings (model shape, switches, optimizer, seed, data).
+    pub config: TrainConfig,
+    /// Where the data stands: batch `step` of every rank is next (batches
+    /// are a pure function of seed, rank, world size and step).
+    pub data_next_step: usize,
+    /// How randomness is seeded: nothing else carries RNG state.
+    pub rng: String,
+    pub units: Vec<UnitInfo>,
+    pub shards: Vec<ShardInfo>,
+}
+
+/// The directory name of the checkpoint after `step` steps.
+pub fn step_dir_name(step: usize) -> String {
+    format!("step-{step:08}")
+}
+
+fn shard_file_name(rank: usize) -> String {
+    format!("rank-{rank:05}.zst")
+}
+
+fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
+    out.extend_from_slice(&(v.len() as u64).to_le_bytes());
+    out.extend_from_slice(bytemuck::cast_slice(v));
+}
+
+/// A shard's bytes before compression.
+fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(SHARD_MAGIC);
+    for v in [VERSION, rank as u32, world as u32, units.len() as u32] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+    for u in units {
+        out.extend_from_slice(&(u.name.len() as u32).to_le_bytes());
+        out.extend_from_slice(u.name.as_bytes());
+        for v in [u.numel, u.padded, u.chunk] {
+            out.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        for v in [&u.master, &u.m, &u.v, &u.residual, &u.residual_inter] {
+            put_f32s(&mut out, v);
+        }
+    }
+    out
+}
+
+/// Reads a shard's decompressed bytes, checking every length against the
+/// manifest before using it.
+struct ShardReader<'a> {
+    b: &'a [u8],
+    at: usize,
+    file: &'a str,
+}
+
+impl ShardReader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        if self.b.len() - self.at < n {
+            bail!(
+                "{}: truncated (needed {n} more bytes at offset {}, {} left)",
+                self.file,
+                self.at,
+                self.b.len() - self.at
+            );
+        }
+        let s = &self.b[self.at..self.at + n];
+        self.at += n;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn f32s(&mut self, expected: usize, what: &str) -> Result<Vec<f32>> {
+        let n = self.u64()?;
+        if n != expected as u64 {
+            bail!(
+                "{}: {what} holds {n} values, the manifest says {expected}",
+                self.file
+            );
+        }
+        Ok(self
+            .take(expected * 4)?
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<Vec<UnitShard>> {
+    let mut r = ShardReader { b, at: 0, file };
+    if r.take(8)? != SHARD_MAGIC {
+        bail!("{file}: not a zeropp shard (bad magic)");
+    }
+    let (version, rank, world, n) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+    if version != VERSION {
+        bail!("{file}: shard format version {version}, this build reads {VERSION}");
+    }
+    if rank as usize != info.rank || world as usize != m.world_size {
+        bail!(
+            "{file}: shard of rank {rank} of {world}, the manifest expects rank {} of {}",
+            info.rank,
+            m.world_size
+        );
+    }
+    if n as usize != m.units.len() || info.residual_lens.len() != m.units.len() {
+        bail!("{file}: {n} units, the manifest lists {}", m.units.len());
+    }
+    let mut out = Vec::with_capacity(m.units.len());
+    for (u, &(res, res_inter)) in m.units.iter().zip(&info.residual_lens) {
+        let len = r.u32()? as usize;
+        let name = String::from_utf8_lossy(r.take(len)?).into_owned();
+        let (numel, padded, chunk) = (r.u64()?, r.u64()?, r.u64()?);
+        if name != u.name
+            || (numel, padded, chunk) != (u.numel as u64, u.padded as u64, u.chunk as u64)
+        {
+            bail!(
+                "{file}: unit {name:?} ({numel}/{padded}/{chunk}) differs from the manifest's {:?} ({}/{}/{})",
+                u.name,
+                u.numel,
+                u.padded,
+                u.chunk
+            );
+        }
+        out.push(UnitShard {
+            name,
+            numel: u.numel,
+            padded: u.padded,
+            chunk: u.chunk,
+            master: r.f32s(u.chunk, "master weights")?,
+            m: r.f32s(u.chunk, "Adam m")?,
+            v: r.f32s(u.chunk, "Adam v")?,
+            residual: r.f32s(res, "error-feedback residual")?,
+            residual_inter: r.f32s(res_inter, "second-hop residual")?,
+        });
+    }
+    if r.at != b.len() {
+        bail!(
+            "{file}: {} unexpected bytes after the last unit",
+            b.len() - r.at
+        );
+    }
+    Ok(out)
+}
+
+/// Decompressed size a shard must have: the bound for decompression.
+fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
+    let mut n = 8 + 16;
+    for (u, &(a, b)) in m.units.iter().zip(&info.residual_lens) {
+        n += 4 + u.name.len() + 24 + 5 * 8 + 4 * (3 * u.chunk + a + b);
+    }
+    n
+}
+
+/// Writes `bytes` to `path` and syncs it to disk.
+fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f =
+        std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
+    f.write_all(bytes)
+        .and_then(|_| f.sync_all())
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|d| d.sync_all())
+        .with_context(|| format!("cannot sync the directory {}", path.display()))
+}
+
+/// What each rank reports to the others after writing its shard.
+#[derive(Serialize, Deserialize)]
+enum Written {
+    Ok(ShardInfo),
+    Failed(String),
+}
+
+/// Saves every rank's shards after `step` steps under `root` (a collective:
+/// every rank calls it). Returns the checkpoint's directory. Any rank's
+/// failure is every rank's error, and leaves the previous checkpoint as it
+/// was.
+pub fn save(
+    engine: &Engine,
+    cfg: &TrainConfig,
+    root: &Path,
+    step: usize,
+    rank: usize,
+    keep: usize,
+) -> Result<PathBuf> {
+    let world = engine.plan().layout.world();
+    let name = step_dir_name(step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    let dest = root.join(&name);
+    // Rank 0 prepares an empty temporary directory; a leftover from a crash
+    // is removed. Everyone waits for it.
+    let prepared = if rank == 0 {
+        (|| -> Result<()> {
+            std::fs::create_dir_all(root)
+                .with_context(|| format!("cannot create {}", root.display()))?;
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp)
+                    .with_context(|| format!("cannot remove {}", tmp.display()))?;
+            }
+            std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+        })()
+        .map_err(|e| format!("{e:#}"))
+    } else {
+        Ok(())
+    };
+    let verdicts = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(
+        &prepared.as_ref().map_err(Clone::clone),
+    )?))?;
+    let rank0: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
+    if let Err(e) = rank0 {
+        bail!("saving the checkpoint of step {step}: rank 0: {e}");
+    }
+
+    // Every rank writes and syncs its shard, then all learn how it went.
+    let mine = (|| -> Result<ShardInfo> {
+        let units = engine.shard_state()?;
+        let raw = encode_shard(rank, world, &units);
+        let packed = zstd::encode_all(&raw[..], 3).context("compressing the shard")?;
+        let file = shard_file_name(rank);
+        write_synced(&tmp.join(&file), &packed)?;
+        Ok(ShardInfo {
+            rank,
+            file,
+            bytes: packed.len() as u64,
+            crc32: crc32fast::hash(&packed),
+            residual_lens: units
+                .iter()
+                .map(|u| (u.residual.len(), u.residual_inter.len()))
+                .collect(),
+        })
+    })();
+    let report = match mine {
+        Ok(info) => Written::Ok(info),
+        Err(e) => Written::Failed(format!("{e:#}")),
+    };
+    let reports = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&report)?))?;
+    let mut shards = Vec::with_capacity(world);
+    let mut failures = Vec::new();
+    for (r, b) in reports.iter().enumerate() {
+        match serde_json::from_slice::<Written>(b) {
+            Ok(Written::Ok(info)) => shards.push(info),
+            Ok(Written::Failed(e)) => failures.push(format!("rank {r}: {e}")),
+            Err(e) => failures.push(format!("rank {r}: unreadable report: {e}")),
+        }
+    }
+
+    // Rank 0 completes the checkpoint (or removes the attempt), and tells
+    // everyone how it went.
+    let finished: std::result::Result<(), String> = if rank != 0 {
+        Ok(())
+    } else if !failures.is_empty() {
+        let _ = std::fs::remove_dir_all(&tmp);
+        Err(failures.join("; "))
+    } else {
+        let layout = engine.plan().layout;
+        let manifest = Manifest {
+            format: FORMAT.into(),
+            version: VERSION,
+            step,
+            nodes: layout.nodes,
+            ranks_per_node: layout.ranks_per_node,
+            world_size: world,
+            config: cfg.clone(),
+            data_next_step: step,
+            rng: "stochastic rounding is seeded by (seed, step, unit, rank); \
+                  initial weights by (seed, unit); no other RNG state"
+                .into(),
+            units: engine
+                .unit_sizes()
+                .into_iter()
+                .map(|(name, numel, padded, chunk)| UnitInfo {
+                    name,
+                    numel,
+                    padded,
+                    chunk,
+                })
+                .collect(),
+            shards,
+        };
+        finish(root, &tmp, &dest, &name, &manifest, keep).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&tmp);
+            format!("{e:#}")
+        })
+    };
+    let verdicts = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&finished)?))?;
+    let rank0: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
+    match rank0 {
+        Ok(()) => Ok(dest),
+        Err(e) => bail!(
+            "saving the checkpoint of step {step} failed ({e}); the previous checkpoint in {} is intact",
+            root.display()
+        ),
+    }
+}
+
+/// Rank 0: the manifest, the rename, `latest`, and pruning to `keep`.
+fn finish(
+    root: &Path,
+    tmp: &Path,
+    dest: &Path,
+    name: &str,
+    manifest: &Manifest,
+    keep: usize,
+) -> Result<()> {
+    write_synced(
+        &tmp.join("manifest.json"),
+        &serde_json::to_vec_pretty(manifest)?,
+    )?;
+    sync_dir(tmp)?;
+    if dest.exists() {
+        // Saving a step again (e.g. after resuming from it): the new copy
+        // replaces the old only once complete.
+        let old = root.join(format!(".old-{name}"));
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(dest, &old)
+            .with_context(|| format!("cannot move {} aside", dest.display()))?;
+        std::fs::rename(tmp, dest)
+            .with_context(|| format!("cannot rename to {}", dest.display()))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(tmp, dest)
+            .with_context(|| format!("cannot rename to {}", dest.display()))?;
+    }
+    let latest_tmp = root.join(".latest.tmp");
+    write_synced(&latest_tmp, name.as_bytes())?;
+    std::fs::rename(&latest_tmp, root.join("latest")).context("cannot update latest")?;
+    sync_dir(root)?;
+    if keep > 0 {
+        let mut steps: Vec<String> = std::fs::read_dir(root)?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| e.file_name().into_string().ok())
+            .filter(|n| n.starts_with("step-") && n.len() == 13)
+            .collect();
+        steps.sort();
+        let excess = steps.len().saturating_sub(keep);
+        for old in &steps[..excess] {
+            std::fs::remove_dir_all(root.join(old))
+                .with_context(|| format!("cannot prune {}", root.join(old).display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// The checkpoint directory `path` names: a checkpoint itself (it holds
+/// `manifest.json`) or a checkpoint root (its `latest`).
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join("manifest.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    let latest = path.join("latest");
+    if latest.is_file() {
+        let name = std::fs::read_to_string(&latest)
+            .with_context(|| format!("cannot read {}", latest.display()))?;
+        let name = name.trim();
+        if name.is_empty() || name.contains('/') || name.contains("..") {
+            bail!(
+                "{}: does not name a checkpoint ({name:?})",
+                latest.display()
+            );
+        }
+        let dir = path.join(name);
+        if !dir.join("manifest.json").is_file() {
+            bail!(
+                "{} names {name}, which has no manifest.json",
+                latest.display()
+            );
+        }
+        return Ok(dir);
+    }
+    bail!(
+        "no checkpoint at {}: expected a manifest.json (a checkpoint) or a latest file (a checkpoint directory)",
+        path.display()
+    )
+}
+
+/// Reads and checks a checkpoint's manifest.
+pub fn read_manifest(dir: &Path) -> Result<Manifest> {
+    let path = dir.join("manifest.json");
+    let text = std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    if text.len() > 64 << 20 {
+        bail!("{}: {} bytes is not a manifest", path.display(), text.len());
+    }
+    let m: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| anyhow!("{}: not a zeropp manifest: {e}", path.display()))?;
+    if m.format != FORMAT {
+        bail!(
+            "{}: format {:?}, expected {FORMAT:?}",
+            path.display(),
+            m.format
+        );
+    }
+    if m.version != VERSION {
+        bail!(
+            "{}: checkpoint format version {}, this build reads version {VERSION}",
+            path.display(),
+            m.version
+        );
+    }
+    if m.world_size != m.nodes * m.ranks_per_node || m.shards.len() != m.world_size {
+        bail!(
+            "{}: {} shards for {} nodes x {} ranks (world size {})",
+            path.display(),
+            m.shards.len(),
+            m.nodes,
+            m.ranks_per_node,
+            m.world_size
+        );
+    }
+    for (r, s) in m.shards.iter().enumerate() {
+        if s.rank != r || s.file != shard_file_name(r) {
+            bail!("{}: shard {r} is listed as {:?}", path.display(), s.file);
+        }
+    }
+    Ok(m)
+}
+
+/// Reads rank `rank`'s shard, checking size, checksum and contents.
+pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard>> {
+    let info = m
+        .shards
+        .get(rank)
+        .ok_or_else(|| anyhow!("the checkpoint has no shard for rank {rank}"))?;
+    let path = dir.join(&info.file);
+    let shown = path.display().to_string();
+    let meta =
+        std::fs::metadata(&path).with_context(|| format!("missing shard {shown} (rank {rank})"))?;
+    if meta.len() != info.bytes {
+        bail!(
+            "{shown}: {} bytes, the manifest says {} (truncated or replaced)",
+            meta.len(),
+            info.bytes
+        );
+    }
+    let packed = std::fs::read(&path).with_context(|| format!("cannot read {shown}"))?;
+    let crc = crc32fast::hash(&packed);
+    if crc != info.crc32 {
+        bail!(
+            "{shown}: checksum {crc:08x}, the manifest says {:08x} (the file is corrupt)",
+            info.crc32
+        );
+    }
+    let expected = shard_size(m, info);
+    let mut raw = Vec::with_capacity(expected);
+    zstd::stream::read::Decoder::new(&packed[..])
+        .with_context(|| format!("{shown}: not zstd data"))?
+        .take(expected as u64 + 1)
+        .read_to_end(&mut raw)
+        .with_context(|| format!("{shown}: cannot decompress"))?;
+    if raw.len() != expected {
+        bail!(
+            "{shown}: {} bytes decompressed, the manifest implies {expected}",
+            raw.len()
+        );
+    }
+    decode_shard(&raw, &shown, m, info)
+}
+
+/// Verifies every shard of a checkpoint (`zeropp ckpt inspect`).
+pub fn verify(dir: &Path, m: &Manifest) -> Result<()> {
+    for r in 0..m.world_size {
+        read_shard(dir, m, r)?;
+    }
+    Ok(())
+}
+
+/// Every unit's full (unpadded) master weights, from all shards.
+pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitInfo, Vec<f32>)>> {
+    let all = (0..m.world_size)
+        .map(|r| read_shard(dir, m, r))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(m.units
+        .iter()
+        .enumerate()
+        .map(|(u, info)| {
+            let mut full = Vec::with_capacity(info.padded);
+            for shard in &all {
+                full.extend_from_slice(&shard[u].master);
+            }
+            full.truncate(info.numel);
+            (info.clone(), full)
+        })
+        .collect())
+}
+
+/// This rank's state from a checkpoint, re-cut when the world differs:
+/// each unit's full buffers are assembled from every shard and cut for
+/// `sizes` (this engine's units: name, numel, padded, chunk) at `rank`.
+/// Error-feedback residuals are per-rank and cannot be re-cut: they restart
+/// from zero then.
+pub fn state_for(
+    dir: &Path,
+    m: &Manifest,
+    sizes: &[(String, usize, usize, usize)],
+    rank: usize,
+    world: usize,
+) -> Result<Vec<UnitShard>> {
+    if sizes.len() != m.units.len()
+        || sizes
+            .iter()
+            .zip(&m.units)
+            .any(|((name, numel, ..), u)| *name != u.name || *numel != u.numel)
+    {
+        let mine: Vec<_> = sizes.iter().map(|(n, numel, ..)| (n, numel)).collect();
+        let theirs: Vec<_> = m.units.iter().map(|u| (&u.name, u.numel)).collect();
+        bail!(
+            "the checkpoint's model does not match this one: units {theirs:?} vs {mine:?} \
+             (resume with the checkpoint's model shape)"
+        );
+    }
+    let same_cut = m.world_size == world
+        && sizes
+            .iter()
+            .zip(&m.units)
+            .all(|((_, _, padded, chunk), u)| *padded == u.padded && *chunk == u.chunk);
+    if same_cut {
+        return read_shard(dir, m, rank);
+    }
+    let all = (0..m.world_size)
+        .map(|r| read_shard(dir, m, r))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(sizes
+        .iter()
+        .enumerate()
+        .map(|(u, (name, numel, padded, chunk))| {
+            let cut = |pick: fn(&UnitShard) -> &Vec<f32>| {
+                let mut full = Vec::with_capacity(m.units[u].padded);
+                for shard in &all {
+                    full.extend_from_slice(pick(&shard[u]));
+                }
+                full.truncate(*numel);
+                full.resize(*padded, 0.0);
+                full[rank * chunk..(rank + 1) * chunk].to_vec()
+            };
+            UnitShard {
+                name: name.clone(),
+                numel: *numel,
+                padded: *padded,
+                chunk: *chunk,
+                master: cut(|s| &s.master),
+                m: cut(|s| &s.m),
+                v: cut(|s| &s.v),
+                residual: Vec::new(),
+                residual_inter: Vec::new(),
+            }
+        })
+        .collect())
+}
+
+/// Writes the checkpoint's full model (fp32, named like
+/// `blocks.0.attn.qkv.weight`) as one safetensors file. Returns the number
+/// of tensors.
+pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
+    let model = &m.config.model;
+    let units = model.units();
+    let weights = full_weights(dir, m)?;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (unit, (info, flat)) in units.iter().zip(&weights) {
+        let mut off = 0;
+        for p in unit.params(model) {
+            let n = p.numel();
+            let Some(values) = flat.get(off..off + n) else {
+                bail!(
+                    "unit {}: the checkpoint holds {} values, its parameters need more",
+                    info.name,
+                    flat.len()
+                );
+            };
+            tensors.push((
+                format!("{}.{}", info.name, p.name),
+                p.shape.clone(),
+                bytemuck::cast_slice(values).to_vec(),
+            ));
+            off += n;
+        }
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, bytes)| {
+            Ok((
+                name.clone(),
+                safetensors::tensor::TensorView::new(
+                    safetensors::Dtype::F32,
+                    shape.clone(),
+                    bytes,
+                )?,
+            ))
+        })
+        .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    safetensors::serialize_to_file(views, None, out)
+        .with_context(|| format!("cannot write {}", out.display()))?;
+    Ok(tensors.len())
+}
+
+/// The human view of `zeropp ckpt inspect`.
+pub fn describe(dir: &Path, m: &Manifest) -> String {
+    let mut s = format!(
+        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {:?}, switches {:?}\n  model {:?}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
+        dir.display(),
+        m.format,
+        m.version,
+        m.step,
+        m.nodes,
+        m.ranks_per_node,
+        m.world_size,
+        m.config.mode,
+        m.config.switches(),
+        m.config.model,
+        m.config.seed,
+        m.data_next_step,
+        m.rng
+    );
+    for u in &m.units {
+        s += &format!(
+            "    {:<12} {:>10} params, padded {:>10}, {:>9} per rank\n",
+            u.name, u.numel, u.padded, u.chunk
+        );
+    }
+    s += "  shards:\n";
+    for sh in &m.shards {
+        s += &format!(
+            "    {} {:>12} bytes crc32 {:08x}\n",
+            sh.file, sh.bytes, sh.crc32
+        );
+    }
+    s
+}

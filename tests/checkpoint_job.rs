@@ -1,0 +1,364 @@
+//! Checkpoints as a user relies on them, with real `zeropp train` jobs of
+//! 2 logical nodes x 2 ranks: bit-identical resume, resume on another world
+//! size, corrupt and mismatched checkpoints named, a failed save (full
+//! disk) leaving the previous checkpoint intact, and a rank killed mid-run.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+const MODEL: &[&str] = &[
+    "--width",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--context",
+    "32",
+    "--batch",
+    "4",
+    "--log-every",
+    "10",
+];
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("zeropp-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn zeropp() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_zeropp"))
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn train(args: &[&str]) -> Output {
+    zeropp()
+        .arg("train")
+        .args(MODEL)
+        .args(["--timeout", "60"])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn train_ok(args: &[&str]) -> String {
+    let o = train(args);
+    assert!(o.status.success(), "{}", show(&o));
+    show(&o)
+}
+
+fn losses(path: &Path) -> Vec<f64> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
+                .as_f64()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn resuming_continues_bit_identically_and_on_other_world_sizes() {
+    let d = tmp("resume");
+    let (full, a, b) = (d.join("full.jsonl"), d.join("a.jsonl"), d.join("b.jsonl"));
+    let ck = d.join("ck");
+    // 40 steps in one go, and the same 40 steps stopped at 20 and resumed.
+    train_ok(&["--steps", "40", "--metrics", s(&full)]);
+    let out = train_ok(&[
+        "--steps",
+        "40",
+        "--stop-after",
+        "20",
+        "--checkpoint-dir",
+        s(&ck),
+        "--metrics",
+        s(&a),
+    ]);
+    assert!(out.contains("saved checkpoint"), "{out}");
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap(),
+        "step-00000020"
+    );
+    let out = zeropp()
+        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    assert!(show(&out).contains("resumed from"), "{}", show(&out));
+    let (full, a, b) = (losses(&full), losses(&a), losses(&b));
+    assert_eq!((a.len(), b.len()), (20, 20));
+    assert_eq!(full, [a, b].concat(), "losses differ after resuming");
+
+    // Saved on 4 ranks, resumed on 2 and on 6: the shards are re-cut and
+    // training continues from the same model (not bit-identical: the
+    // batches depend on the world size).
+    let at20 = ck.join("step-00000020");
+    for (nodes, g) in [("1", "2"), ("3", "2")] {
+        let m = d.join(format!("w{nodes}.jsonl"));
+        let out = zeropp()
+            .args(["train", "--resume", s(&at20), "--nodes", nodes])
+            .args(["--ranks-per-node", g, "--metrics", s(&m)])
+            .args(["--checkpoint-dir", s(&d.join(format!("ck{nodes}")))])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", show(&out));
+        let l = losses(&m);
+        assert_eq!(l.len(), 20);
+        // Step 21 of the uninterrupted run was 4.13; a fresh model is at 5.5.
+        assert!(
+            (l[0] - full[20]).abs() < 0.1 * full[20],
+            "first loss after re-cut {} vs {}",
+            l[0],
+            full[20]
+        );
+        assert!(l[19] < l[0], "{l:?}");
+    }
+    std::fs::remove_dir_all(d).ok();
+}
+
+fn inspect(dir: &Path) -> Output {
+    zeropp().args(["ckpt", "inspect", s(dir)]).output().unwrap()
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+#[test]
+fn damaged_or_mismatched_checkpoints_are_named_errors() {
+    let d = tmp("damage");
+    let ck = d.join("ck");
+    train_ok(&["--steps", "10", "--checkpoint-dir", s(&ck)]);
+    let good = ck.join("step-00000010");
+    let o = inspect(&ck);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(show(&o).contains("all 4 shards verified"), "{}", show(&o));
+
+    // Export: the full model, every tensor named.
+    let st = d.join("model.safetensors");
+    let o = zeropp()
+        .args(["ckpt", "export", s(&ck), s(&st)])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", show(&o));
+    let bytes = std::fs::read(&st).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();
+    assert_eq!(
+        header["blocks.0.attn.qkv.weight"]["shape"],
+        serde_json::json!([32, 96])
+    );
+    assert_eq!(header["embed.tokens"]["dtype"], "F32");
+
+    let case = |name: &str, damage: &dyn Fn(&Path), expect: &[&str]| {
+        let c = d.join(name);
+        copy_dir(&good, &c);
+        damage(&c);
+        for o in [inspect(&c), train(&["--steps", "20", "--resume", s(&c)])] {
+            let text = show(&o);
+            assert!(!o.status.success(), "{name}: accepted\n{text}");
+            assert!(!text.contains("panicked"), "{name}: panic\n{text}");
+            for e in expect {
+                assert!(text.contains(e), "{name}: no {e:?} in\n{text}");
+            }
+        }
+    };
+    case(
+        "flipped",
+        &|c| {
+            let p = c.join("rank-00002.zst");
+            let mut b = std::fs::read(&p).unwrap();
+            let mid = b.len() / 2;
+            b[mid] ^= 0x40;
+            std::fs::write(&p, b).unwrap();
+        },
+        &["rank-00002.zst", "checksum"],
+    );
+    case(
+        "truncated",
+        &|c| {
+            let p = c.join("rank-00001.zst");
+            let b = std::fs::read(&p).unwrap();
+            std::fs::write(&p, &b[..b.len() - 100]).unwrap();
+        },
+        &["rank-00001.zst", "truncated"],
+    );
+    case(
+        "missing",
+        &|c| std::fs::remove_file(c.join("rank-00003.zst")).unwrap(),
+        &["missing shard", "rank-00003.zst"],
+    );
+    let edit = |c: &Path, f: &dyn Fn(&mut serde_json::Value)| {
+        let p = c.join("manifest.json");
+        let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        f(&mut m);
+        std::fs::write(&p, serde_json::to_vec(&m).unwrap()).unwrap();
+    };
+    case(
+        "version",
+        &|c| edit(c, &|m| m["version"] = 99.into()),
+        &["manifest.json", "version 99"],
+    );
+    case(
+        "garbage-manifest",
+        &|c| std::fs::write(c.join("manifest.json"), b"{\"format\": \"zeropp-chec").unwrap(),
+        &["manifest.json", "not a zeropp manifest"],
+    );
+    // A shard that checks out but does not hold what the manifest says.
+    case(
+        "wrong-units",
+        &|c| edit(c, &|m| m["units"][1]["chunk"] = 7.into()),
+        &["rank-00000.zst"],
+    );
+
+    // The right checkpoint with the wrong model shape: named, not loaded.
+    let o = zeropp()
+        .args([
+            "train",
+            "--steps",
+            "20",
+            "--resume",
+            s(&good),
+            "--width",
+            "64",
+        ])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(show(&o).contains("does not match"), "{}", show(&o));
+    // Nothing there at all.
+    let o = inspect(&d.join("nothing"));
+    assert!(!o.status.success());
+    assert!(show(&o).contains("no checkpoint at"), "{}", show(&o));
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn a_save_that_fails_for_lack_of_space_leaves_the_previous_checkpoint_usable() {
+    let d = tmp("full");
+    let ck = d.join("ck");
+    train_ok(&[
+        "--steps",
+        "20",
+        "--stop-after",
+        "10",
+        "--checkpoint-dir",
+        s(&ck),
+    ]);
+    // Resume with files limited to 32 KiB (a disk that fills up): every
+    // shard is larger, so the save at step 20 fails.
+    let mut cmd = zeropp();
+    cmd.args(["train", "--resume", s(&ck)]);
+    // SAFETY: setrlimit and signal are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: 32 << 10,
+                rlim_max: 32 << 10,
+            };
+            libc::setrlimit(libc::RLIMIT_FSIZE, &lim);
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let o = cmd.output().unwrap();
+    let text = show(&o);
+    assert!(!o.status.success(), "{text}");
+    assert!(text.contains("previous checkpoint"), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap(),
+        "step-00000010"
+    );
+    assert!(!ck.join("step-00000020").exists());
+    let o = inspect(&ck);
+    assert!(o.status.success(), "{}", show(&o));
+    // And resuming from it still works.
+    train_ok(&["--resume", s(&ck)]);
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap(),
+        "step-00000020"
+    );
+    std::fs::remove_dir_all(d).ok();
+}
+
+fn children(pid: u32) -> Vec<u32> {
+    let path = format!("/proc/{pid}/task/{pid}/children");
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect()
+}
+
+#[test]
+fn a_rank_killed_mid_run_is_named_and_the_last_checkpoint_resumes() {
+    let d = tmp("kill");
+    let ck = d.join("ck");
+    let mut job = zeropp()
+        .arg("train")
+        .args(MODEL)
+        .args(["--steps", "100000", "--save-every", "5", "--timeout", "20"])
+        .args(["--checkpoint-dir", s(&ck)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(t.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    // The launcher starts ranks in order: this is rank 2.
+    unsafe {
+        libc::kill(ranks[2] as i32, libc::SIGKILL);
+    }
+    let t = Instant::now();
+    let o = job.wait_with_output().unwrap();
+    assert!(t.elapsed() < Duration::from_secs(60));
+    let text = show(&o);
+    assert!(!o.status.success(), "{text}");
+    assert!(text.contains("rank 2"), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    // The last complete checkpoint verifies and resumes.
+    let o = inspect(&ck);
+    assert!(o.status.success(), "{}", show(&o));
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let step: usize = latest.trim_start_matches("step-").parse().unwrap();
+    let stop = (step + 5).to_string();
+    let out = zeropp()
+        .args(["train", "--resume", s(&ck), "--stop-after", &stop])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    assert!(
+        show(&out).contains(&format!("at step {step}")),
+        "{}",
+        show(&out)
+    );
+    std::fs::remove_dir_all(d).ok();
+}
