@@ -316,7 +316,7 @@ fn children(pid: u32) -> Vec<u32> {
 fn a_rank_killed_mid_run_is_named_and_the_last_checkpoint_resumes() {
     let d = tmp("kill");
     let ck = d.join("ck");
-    let mut job = zeropp()
+    let job = zeropp()
         .arg("train")
         .args(MODEL)
         .args(["--steps", "100000", "--save-every", "5", "--timeout", "20"])
