@@ -182,6 +182,10 @@ struct TrainArgs {
     lr: Option<f32>,
     #[arg(long)]
     warmup_steps: Option<usize>,
+    /// Skip a step whose loss or gradient is NaN/Inf (no update) instead of
+    /// stopping the run.
+    #[arg(long)]
+    skip_nonfinite: Option<bool>,
     /// Model width, layers, heads and context length.
     #[arg(long)]
     width: Option<usize>,
@@ -267,7 +271,8 @@ impl TrainArgs {
             };
         }
         set!(mode => c.mode, block => c.block, steps => c.steps, batch => c.batch, seed => c.seed,
-             lr => c.optim.lr, warmup_steps => c.optim.warmup_steps, width => c.model.width,
+             lr => c.optim.lr, warmup_steps => c.optim.warmup_steps,
+             skip_nonfinite => c.optim.skip_nonfinite, width => c.model.width,
              layers => c.model.layers, heads => c.model.heads, context => c.model.context,
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              qgz_stochastic => c.qgz_stochastic,

@@ -355,12 +355,26 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         let lr = cfg.optim.lr_at(step, cfg.steps);
         let t = Instant::now();
         let stats = engine.train_step(&x, &y, lr)?;
+        if let (Some(units), true) = (&stats.skipped, lead) {
+            let line = format!(
+                "step {} skipped: non-finite loss ({}) or gradient in units {units:?}",
+                step + 1,
+                stats.loss
+            );
+            if bar.is_hidden() {
+                println!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
         let dt = t.elapsed().as_secs_f64();
         let mine = stats.traffic.total();
         let job = engine.sum_over_ranks(&[mine.intra_node as f32, mine.inter_node as f32])?;
         sum_intra += job[0] as f64;
         sum_inter += job[1] as f64;
-        losses.push(stats.loss);
+        if stats.loss.is_finite() {
+            losses.push(stats.loss);
+        }
         times.push(dt);
         if lead {
             if let Some(m) = metrics.as_mut() {
@@ -437,7 +451,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         nodes: layout.nodes,
         params: engine.parameter_count(),
         steps: end,
-        initial_loss: losses[0],
+        initial_loss: losses.first().copied().unwrap_or(f32::NAN),
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
         val_loss,
         tokens_per_s: tokens_per_step / median(&times),

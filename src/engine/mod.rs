@@ -84,6 +84,9 @@ pub struct StepStats {
     pub grad_norm: f32,
     /// Bytes this rank sent during the step.
     pub traffic: Traffic,
+    /// `Some(units)`: the step saw a non-finite loss or gradient (in these
+    /// units) and was skipped (`skip_nonfinite`).
+    pub skipped: Option<Vec<String>>,
 }
 
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
@@ -143,6 +146,9 @@ pub struct Engine {
     device: Device,
     /// Optimizer steps taken.
     step: usize,
+    /// Tests: a NaN in the gradient of (step, unit, rank).
+    #[cfg(test)]
+    pub(crate) inject_nan: Option<(usize, usize, usize)>,
 }
 
 fn scale_fraction(plan_weights: WeightWire, chunk: usize) -> f64 {
@@ -250,6 +256,8 @@ impl Engine {
             groups,
             device: Device::Cpu,
             step: 0,
+            #[cfg(test)]
+            inject_nan: None,
         })
     }
 
@@ -780,32 +788,64 @@ impl Engine {
             })?;
         }
 
-        // Global norm and mean loss in one all-reduce; a non-finite value
-        // anywhere stops the step on every rank.
-        let sumsq: f32 = chunk_grads.iter().flatten().map(|v| v * v).sum();
+        // Global norm, mean loss and one non-finite flag per unit in one
+        // all-reduce: a NaN or Inf anywhere is seen by every rank on the
+        // step it appears, with the units it is in.
+        #[cfg(test)]
+        if let Some((step, unit, rank)) = self.inject_nan
+            && step == self.step + 1
+        {
+            self.inject_nan = None;
+            if rank == self.plan.layout.rank {
+                chunk_grads[unit][0] = f32::NAN;
+            }
+        }
+        let mut local: Vec<f32> = Vec::with_capacity(2 + n);
+        local.push(chunk_grads.iter().flatten().map(|v| v * v).sum());
+        local.push(step_loss);
+        local.extend(
+            chunk_grads
+                .iter()
+                .map(|gr| f32::from(gr.iter().any(|v| !v.is_finite()))),
+        );
         let world = self.groups.world.clone();
         let counter = self.counter.clone();
         let reduced = self
             .thread
             .submit(move |c| {
                 counter.set_phase(Phase::Other, 0.0);
-                c.all_reduce_f32(&world, &[sumsq, step_loss])
+                c.all_reduce_f32(&world, &local)
             })
             .wait()?;
         let w = self.plan.layout.world() as f32;
         let (grad_norm, mean_loss) = (reduced[0].sqrt(), reduced[1] / w);
-        if !grad_norm.is_finite() || !mean_loss.is_finite() {
-            let local: Vec<String> = chunk_grads
-                .iter()
-                .enumerate()
-                .filter(|(_, gr)| gr.iter().any(|v| !v.is_finite()))
-                .map(|(u, _)| self.units[u].unit.name())
-                .collect();
-            bail!(
-                "step {}: non-finite loss ({mean_loss}) or gradient norm ({grad_norm}); units with \
-                 non-finite gradients on this rank: {local:?} — lower the learning rate or check the data",
-                self.step + 1
-            );
+        let bad: Vec<String> = (0..n)
+            .filter(|&u| reduced[2 + u] != 0.0)
+            .map(|u| self.units[u].unit.name())
+            .collect();
+        if !grad_norm.is_finite() || !mean_loss.is_finite() || !bad.is_empty() {
+            if !self.cfg.optim.skip_nonfinite {
+                bail!(
+                    "step {}: non-finite loss ({mean_loss}) or gradient (norm {grad_norm}; units {bad:?}) \
+                     — lower the learning rate or check the data; --skip-nonfinite true skips such steps",
+                    self.step + 1
+                );
+            }
+            // Skip: no update; residuals that may hold the NaN restart from
+            // zero; the gathered weights are dropped as after any step.
+            for su in &mut self.units {
+                su.residual.iter_mut().for_each(|r| *r = 0.0);
+                if let Ok(mut ri) = su.residual_inter.lock() {
+                    ri.iter_mut().for_each(|r| *r = 0.0);
+                }
+                su.secondary = None;
+            }
+            return Ok(StepStats {
+                loss: mean_loss,
+                grad_norm,
+                traffic: self.traffic().since(&before),
+                skipped: Some(bad),
+            });
         }
         let clip = if self.cfg.optim.max_grad_norm > 0.0 && grad_norm > self.cfg.optim.max_grad_norm
         {
@@ -831,6 +871,7 @@ impl Engine {
             loss: mean_loss,
             grad_norm,
             traffic: self.traffic().since(&before),
+            skipped: None,
         })
     }
 }

@@ -15,6 +15,10 @@ pub struct OptimConfig {
     pub weight_decay: f32,
     /// Clip the global gradient norm to this (0 = no clipping).
     pub max_grad_norm: f32,
+    /// A step with a non-finite loss or gradient is skipped (no update)
+    /// instead of stopping the run.
+    #[serde(default)]
+    pub skip_nonfinite: bool,
 }
 
 impl Default for OptimConfig {
@@ -28,6 +32,7 @@ impl Default for OptimConfig {
             eps: 1e-8,
             weight_decay: 0.1,
             max_grad_norm: 1.0,
+            skip_nonfinite: false,
         }
     }
 }
