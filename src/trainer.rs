@@ -212,6 +212,9 @@ pub struct Summary {
     pub run_messages: BytesPerStep,
 }
 
+/// `skip_nonfinite` gives up after this many skipped steps in a row.
+const MAX_CONSECUTIVE_SKIPS: usize = 10;
+
 fn save_checkpoint(
     engine: &Engine,
     cfg: &TrainConfig,
@@ -310,6 +313,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         );
     }
     let mut saved_at = None;
+    let mut consecutive_skips = 0;
     let tokens_per_step = (world * cfg.batch * cfg.model.context) as f64;
     let mut metrics = match (&cfg.metrics, lead) {
         (Some(p), true) => Some(std::io::BufWriter::new(
@@ -355,6 +359,19 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         let lr = cfg.optim.lr_at(step, cfg.steps);
         let t = Instant::now();
         let stats = engine.train_step(&x, &y, lr)?;
+        consecutive_skips = if stats.skipped.is_some() {
+            consecutive_skips + 1
+        } else {
+            0
+        };
+        if consecutive_skips >= MAX_CONSECUTIVE_SKIPS {
+            bail!(
+                "steps {} to {} were all non-finite and skipped: the model itself has diverged; \
+                 resume from an earlier checkpoint with a lower learning rate",
+                step + 2 - consecutive_skips,
+                step + 1
+            );
+        }
         if let (Some(units), true) = (&stats.skipped, lead) {
             let line = format!(
                 "step {} skipped: non-finite loss ({}) or gradient in units {units:?}",

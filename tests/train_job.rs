@@ -172,3 +172,86 @@ fn compare_gives_the_same_loss_for_far_fewer_bytes_across_nodes() {
     assert_eq!(&std::fs::read(&plot).unwrap()[..4], b"\x89PNG");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Bad input is a clear error naming what is wrong, never a panic or a hang.
+#[test]
+fn bad_input_is_a_named_error() {
+    let dir = std::env::temp_dir().join(format!("zeropp-badinput-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let small = [
+        "--width",
+        "32",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--context",
+        "32",
+        "--batch",
+        "4",
+        "--steps",
+        "20",
+        "--timeout",
+        "30",
+    ];
+    let run = |args: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+            .arg("train")
+            .args(args)
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!o.status.success(), "accepted {args:?}:\n{text}");
+        assert!(!text.contains("panicked"), "{text}");
+        text
+    };
+    let has = |text: String, want: &[&str]| {
+        for w in want {
+            assert!(text.contains(w), "no {w:?} in\n{text}");
+        }
+    };
+    has(
+        run(&["--width", "30", "--heads", "4"]),
+        &["width 30", "heads 4"],
+    );
+    has(run(&["--nodes", "0"]), &["nodes"]);
+    let missing = dir.join("missing.txt");
+    let m = missing.to_str().unwrap();
+    has(
+        run(&[&small[..], &["--data", m]].concat()),
+        &["cannot read", m],
+    );
+    let binary = dir.join("binary.bin");
+    std::fs::write(&binary, b"\xff\xfe\x00\x01not text").unwrap();
+    has(
+        run(&[&small[..], &["--data", binary.to_str().unwrap()]].concat()),
+        &["not UTF-8"],
+    );
+    let tiny = dir.join("tiny.txt");
+    std::fs::write(&tiny, "tiny").unwrap();
+    has(
+        run(&[&small[..], &["--data", tiny.to_str().unwrap()]].concat()),
+        &["too little", "--context"],
+    );
+    let toml = dir.join("bad.toml");
+    std::fs::write(&toml, "stepz = 3\n").unwrap();
+    has(
+        run(&["--config", toml.to_str().unwrap()]),
+        &["bad.toml", "stepz"],
+    );
+    // A diverging run: stopped on the step the NaN appears, units named.
+    has(
+        run(&[&small[..], &["--lr", "1e12"]].concat()),
+        &["non-finite", "step 2", "blocks.0"],
+    );
+    // Skipping cannot hide a model that has diverged for good.
+    has(
+        run(&[&small[..], &["--lr", "1e12", "--skip-nonfinite", "true"]].concat()),
+        &["were all non-finite and skipped", "lower learning rate"],
+    );
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -709,6 +709,7 @@ impl Engine {
         let mut pending = Some(self.start_backward_gather(n - 1)?);
         let mut step_loss = f32::NAN;
         let mut tied_grad: Option<Vec<f32>> = None;
+        let mut local_nonfinite = vec![false; n];
         for u in (0..n).rev() {
             let payloads = pending.take().expect("started").wait()?;
             if u > 0 {
@@ -776,6 +777,13 @@ impl Engine {
                 })?),
                 None => None,
             };
+            // A NaN/Inf must not reach the quantizers or the sums: this
+            // rank sends zeros instead and raises the unit's flag in the
+            // step's all-reduce, so every rank stops (or skips) together.
+            if flat.iter().any(|v| !v.is_finite()) {
+                flat.iter_mut().for_each(|v| *v = 0.0);
+                local_nonfinite[u] = true;
+            }
             grads_pending.push((u, self.start_gradient(u, flat)?));
         }
         let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
@@ -806,7 +814,8 @@ impl Engine {
         local.extend(
             chunk_grads
                 .iter()
-                .map(|gr| f32::from(gr.iter().any(|v| !v.is_finite()))),
+                .zip(&local_nonfinite)
+                .map(|(gr, &bad)| f32::from(bad || gr.iter().any(|v| !v.is_finite()))),
         );
         let world = self.groups.world.clone();
         let counter = self.counter.clone();
