@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use zeropp::trainer::{Mode, TrainConfig};
@@ -34,6 +34,23 @@ enum Command {
     ///
     /// Example: zeropp train --mode zero3 --steps 100 --summary-json out.json
     Train(Box<TrainArgs>),
+    /// What this machine (or a captured one) is made of: NUMA nodes, GPUs
+    /// and the PCIe/NVLink path between each pair, NICs with kind, speed
+    /// and locality (virtual ones marked and not routed).
+    ///
+    /// Examples: zeropp topo; zeropp topo --json;
+    /// zeropp topo --sysfs-root captured/; zeropp topo --nvidia-smi-topo topo.txt
+    Topo {
+        /// Read this captured root (holding sys/ and proc/) instead of /.
+        #[arg(long)]
+        sysfs_root: Option<PathBuf>,
+        /// Parse the text of `nvidia-smi topo -m` instead.
+        #[arg(long, conflicts_with = "sysfs_root")]
+        nvidia_smi_topo: Option<PathBuf>,
+        /// Print JSON instead of the human view.
+        #[arg(long)]
+        json: bool,
+    },
     /// Inspect, verify or export a checkpoint.
     #[command(subcommand)]
     Ckpt(CkptCommand),
@@ -386,6 +403,29 @@ fn run(cli: Cli) -> Result<()> {
                 Ok(_) => {
                     trainer::run_rank(&cfg)?;
                 }
+            }
+        }
+        Command::Topo {
+            sysfs_root,
+            nvidia_smi_topo,
+            json,
+        } => {
+            let topo = match nvidia_smi_topo {
+                Some(f) => {
+                    let text = std::fs::read_to_string(&f)
+                        .with_context(|| format!("cannot read {}", f.display()))?;
+                    zeropp_topology::smi::parse(&text).with_context(|| {
+                        format!("{} is not `nvidia-smi topo -m` output", f.display())
+                    })?
+                }
+                None => zeropp_topology::detect::detect(
+                    sysfs_root.as_deref().unwrap_or(std::path::Path::new("/")),
+                )?,
+            };
+            if json {
+                println!("{}", serde_json::to_string_pretty(&topo)?);
+            } else {
+                print!("{}", topo.render());
             }
         }
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {

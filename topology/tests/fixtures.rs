@@ -1,0 +1,350 @@
+//! Detection on sysfs trees laid out as the kernel lays them out — devices
+//! under `sys/devices/pci<domain>:<bus>/<root port>/.../<function>`, reached
+//! through the `sys/bus/pci/devices`, `sys/class/net` and
+//! `sys/class/infiniband` symlinks — and on `nvidia-smi topo -m` texts.
+//! Each test asserts the facts a plan depends on.
+
+use std::path::{Path, PathBuf};
+
+use zeropp_topology::detect::detect;
+use zeropp_topology::{LinkKind, NicKind, PciePath, Topology, smi};
+
+struct Tree {
+    root: PathBuf,
+}
+
+impl Tree {
+    fn new(name: &str) -> Tree {
+        let root = std::env::temp_dir().join(format!("zeropp-topo-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("sys/devices/virtual/net")).unwrap();
+        std::fs::create_dir_all(root.join("sys/bus/pci/devices")).unwrap();
+        std::fs::create_dir_all(root.join("sys/class/net")).unwrap();
+        Tree { root }
+    }
+
+    fn file(&self, rel: &str, content: &str) {
+        let p = self.root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, format!("{content}\n")).unwrap();
+    }
+
+    /// A relative symlink at `rel` to `target` (relative to `sys/`).
+    fn link(&self, rel: &str, target: &str) {
+        let p = self.root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        let depth = rel.matches('/').count() - 1; // below sys/
+        let up = "../".repeat(depth);
+        std::os::unix::fs::symlink(format!("{up}{target}"), p).unwrap();
+    }
+
+    fn host(&self, name: &str, numa: &[&str]) -> &Self {
+        self.file("proc/sys/kernel/hostname", name);
+        for (i, cpus) in numa.iter().enumerate() {
+            self.file(&format!("sys/devices/system/node/node{i}/cpulist"), cpus);
+        }
+        self
+    }
+
+    /// A PCI function at `path` (`pci0000:00/0000:00:01.0/...`): every
+    /// component along the way gets its own function files and bus link.
+    fn pci(&self, path: &str, vendor: &str, class: &str, numa: i32) {
+        let parts: Vec<&str> = path.split('/').collect();
+        for i in 1..parts.len() {
+            let sub = parts[..=i].join("/");
+            let dir = format!("sys/devices/{sub}");
+            let last = i == parts.len() - 1;
+            if !self.root.join(&dir).join("class").exists() || last {
+                self.file(
+                    &format!("{dir}/vendor"),
+                    if last { vendor } else { "0x8086" },
+                );
+                self.file(
+                    &format!("{dir}/class"),
+                    if last { class } else { "0x060400" },
+                );
+                self.file(&format!("{dir}/numa_node"), &numa.to_string());
+                let bus = format!("sys/bus/pci/devices/{}", parts[i]);
+                if !self.root.join(&bus).exists() {
+                    self.link(&bus, &format!("devices/{sub}"));
+                }
+            }
+        }
+    }
+
+    fn gpu(&self, path: &str, numa: i32) -> &Self {
+        self.pci(path, "0x10de", "0x030200", numa);
+        self.file(
+            &format!("sys/devices/{path}/current_link_speed"),
+            "32.0 GT/s PCIe",
+        );
+        self.file(&format!("sys/devices/{path}/current_link_width"), "16");
+        self
+    }
+
+    fn eth(&self, name: &str, path: &str, numa: i32, mbps: i64) -> &Self {
+        self.pci(path, "0x15b3", "0x020000", numa);
+        let d = format!("sys/devices/{path}/net/{name}");
+        self.file(&format!("{d}/speed"), &mbps.to_string());
+        self.file(&format!("{d}/type"), "1");
+        self.file(&format!("{d}/operstate"), "up");
+        self.link(
+            &format!("sys/class/net/{name}"),
+            &format!("devices/{path}/net/{name}"),
+        );
+        self
+    }
+
+    fn virtual_net(&self, name: &str, bridge: bool) -> &Self {
+        let d = format!("sys/devices/virtual/net/{name}");
+        self.file(&format!("{d}/type"), if name == "lo" { "772" } else { "1" });
+        self.file(&format!("{d}/operstate"), "unknown");
+        if bridge {
+            self.file(&format!("{d}/bridge/forward_delay"), "1500");
+        }
+        self.link(
+            &format!("sys/class/net/{name}"),
+            &format!("devices/virtual/net/{name}"),
+        );
+        self
+    }
+
+    fn ib(&self, name: &str, path: &str, numa: i32, layer: &str, rate: &str) -> &Self {
+        self.pci(path, "0x15b3", "0x020700", numa);
+        let d = format!("sys/devices/{path}/infiniband/{name}");
+        self.file(&format!("{d}/ports/1/link_layer"), layer);
+        self.file(&format!("{d}/ports/1/rate"), rate);
+        self.file(&format!("{d}/ports/1/state"), "4: ACTIVE");
+        self.link(
+            &format!("sys/class/infiniband/{name}"),
+            &format!("devices/{path}/infiniband/{name}"),
+        );
+        self
+    }
+
+    fn detect(&self) -> Topology {
+        detect(&self.root).unwrap()
+    }
+}
+
+impl Drop for Tree {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn path(t: &Topology, a: usize, b: usize) -> PciePath {
+    match t.link(a, b) {
+        Some(LinkKind::Pcie { path }) => *path,
+        other => panic!("GPU{a}-GPU{b}: {other:?}"),
+    }
+}
+
+/// 8 GPUs as on an HGX H100 board: two sockets, two host bridges each, and
+/// behind each host bridge one PCIe switch with two GPUs and two NDR NICs.
+fn hgx(t: &Tree) {
+    t.host("hgx-01", &["0-55,112-167", "56-111,168-223"]);
+    for hb in 0..4 {
+        let numa = hb / 2;
+        let root = format!("pci0000:{:02x}", hb * 0x40 + 0x10);
+        let rp = format!("0000:{:02x}:01.0", hb * 0x40 + 0x10);
+        let up = format!("0000:{:02x}:00.0", hb * 0x40 + 0x11);
+        for k in 0..4 {
+            let dp = format!("0000:{:02x}:{:02x}.0", hb * 0x40 + 0x12, k);
+            let ep = format!("0000:{:02x}:00.0", hb * 0x40 + 0x13 + k);
+            let p = format!("{root}/{rp}/{up}/{dp}/{ep}");
+            if k < 2 {
+                t.gpu(&p, numa);
+            } else {
+                t.ib(
+                    &format!("mlx5_{}", hb * 2 + k - 2),
+                    &p,
+                    numa,
+                    "InfiniBand",
+                    "400 Gb/sec (4X NDR)",
+                );
+            }
+        }
+    }
+    t.eth("eno1", "pci0000:00/0000:00:1c.0/0000:02:00.0", 0, 1000)
+        .virtual_net("lo", false);
+}
+
+#[test]
+fn hgx_h100_with_ndr_infiniband() {
+    let t = Tree::new("hgx");
+    hgx(&t);
+    let topo = t.detect();
+    assert_eq!(topo.hostname, "hgx-01");
+    assert_eq!(topo.numa_nodes.len(), 2);
+    assert_eq!(topo.numa_nodes[0].cpu_count, 112);
+    assert_eq!(topo.gpus.len(), 8);
+    assert_eq!(topo.gpu_links.len(), 28);
+    assert!(topo.gpu_links.iter().all(|l| l.a < l.b));
+    assert_eq!(topo.gpus[0].pci_bus_id, "0000:13:00.0");
+    assert_eq!(topo.gpus[4].numa_node, Some(1));
+    assert_eq!(topo.gpus[0].link_width, Some(16));
+    // Same switch, other host bridge on the same socket, other socket.
+    assert_eq!(path(&topo, 0, 1), PciePath::PIX);
+    assert_eq!(path(&topo, 0, 2), PciePath::NODE);
+    assert_eq!(path(&topo, 0, 7), PciePath::SYS);
+    let ib: Vec<_> = topo
+        .nics
+        .iter()
+        .filter(|n| n.kind == NicKind::Infiniband)
+        .collect();
+    assert_eq!(ib.len(), 8);
+    assert!(
+        ib.iter()
+            .all(|n| n.speed_gbps == Some(400.0) && !n.is_virtual)
+    );
+    assert_eq!(ib[7].numa_node, Some(1));
+    assert_eq!(ib[0].state.as_deref(), Some("ACTIVE"));
+    let routable = topo.routable_nics();
+    assert_eq!(routable.len(), 9);
+    assert_eq!(routable[0].speed_gbps, Some(400.0));
+    let lo = topo.nics.iter().find(|n| n.name == "lo").unwrap();
+    assert!(lo.is_virtual && lo.reason == "loopback");
+    // The JSON a user attaches to a bug report.
+    let j = serde_json::to_value(&topo).unwrap();
+    assert_eq!(j["gpu_links"][0]["kind"], "pcie");
+    assert_eq!(j["gpu_links"][0]["path"], "PIX");
+    assert_eq!(j["nics"][0]["virtual"], false);
+    for key in ["hostname", "numa_nodes", "gpus", "gpu_links", "nics"] {
+        assert!(j.get(key).is_some());
+    }
+    let view = topo.render();
+    assert!(view.contains("GPU0") && view.contains("PIX") && view.contains("SYS"));
+}
+
+#[test]
+fn four_pcie_gpus_over_two_numa_nodes_with_two_25gbe() {
+    let t = Tree::new("pcie4");
+    t.host("ws", &["0-15", "16-31"]);
+    // Two GPUs per socket, each behind its own root port of one host bridge.
+    t.gpu("pci0000:00/0000:00:01.0/0000:01:00.0", 0)
+        .gpu("pci0000:00/0000:00:03.0/0000:02:00.0", 0)
+        .gpu("pci0000:80/0000:80:01.0/0000:81:00.0", 1)
+        .gpu("pci0000:80/0000:80:03.0/0000:82:00.0", 1)
+        .eth("ens1f0", "pci0000:00/0000:00:05.0/0000:03:00.0", 0, 25000)
+        .eth("ens1f1", "pci0000:80/0000:80:05.0/0000:83:00.1", 1, 25000)
+        .virtual_net("lo", false);
+    let topo = t.detect();
+    assert_eq!(topo.gpus.len(), 4);
+    assert_eq!(path(&topo, 0, 1), PciePath::PHB);
+    assert_eq!(path(&topo, 2, 3), PciePath::PHB);
+    assert_eq!(path(&topo, 0, 2), PciePath::SYS);
+    let eth: Vec<_> = topo.routable_nics();
+    assert_eq!(eth.len(), 2);
+    assert!(
+        eth.iter()
+            .all(|n| n.kind == NicKind::Ethernet && n.speed_gbps == Some(25.0))
+    );
+    let f1 = topo.nics.iter().find(|n| n.name == "ens1f1").unwrap();
+    assert_eq!(
+        (f1.numa_node, f1.pci_bus_id.as_deref()),
+        (Some(1), Some("0000:83:00.1"))
+    );
+}
+
+#[test]
+fn a_cpu_only_host_with_10gbe_and_docker() {
+    let t = Tree::new("cpu");
+    t.host("laptop", &["0-7"])
+        .eth("enp3s0", "pci0000:00/0000:00:1c.0/0000:03:00.0", -1, 10000)
+        .virtual_net("lo", false)
+        .virtual_net("docker0", true)
+        .virtual_net("veth12ab", false)
+        .virtual_net("br0", true);
+    let topo = t.detect();
+    assert!(topo.gpus.is_empty() && topo.gpu_links.is_empty());
+    assert_eq!(topo.numa_nodes[0].cpu_count, 8);
+    let r = topo.routable_nics();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].name.as_str(), r[0].speed_gbps),
+        ("enp3s0", Some(10.0))
+    );
+    assert_eq!(r[0].numa_node, None, "numa_node -1 means unknown");
+    let reason = |n: &str| {
+        topo.nics
+            .iter()
+            .find(|x| x.name == n)
+            .map(|x| (x.is_virtual, x.reason.clone()))
+            .unwrap()
+    };
+    assert_eq!(reason("docker0"), (true, "docker bridge".into()));
+    assert_eq!(reason("veth12ab"), (true, "veth pair".into()));
+    assert_eq!(reason("br0"), (true, "bridge".into()));
+    assert!(topo.render().contains("GPUs: none"));
+}
+
+#[test]
+fn not_a_sysfs_tree_is_an_error_that_says_so() {
+    let d = std::env::temp_dir().join(format!("zeropp-topo-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    let e = detect(&d).unwrap_err().to_string();
+    assert!(e.contains("no sysfs here"), "{e}");
+    std::fs::remove_dir_all(d).ok();
+}
+
+fn data(name: &str) -> String {
+    std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/data")
+            .join(name),
+    )
+    .unwrap()
+}
+
+#[test]
+fn nvidia_smi_dgx_a100_matrix_with_nic_legend_and_escape_codes() {
+    let t = smi::parse(&data("dgx_a100.txt")).unwrap();
+    assert_eq!(t.gpus.len(), 8);
+    assert_eq!(t.gpu_links.len(), 28);
+    assert!(
+        t.gpu_links
+            .iter()
+            .all(|l| l.link == LinkKind::Nvlink { count: 12 })
+    );
+    assert_eq!(t.gpus[5].numa_node, Some(1));
+    assert_eq!(t.numa_nodes.len(), 2);
+    assert_eq!(t.numa_nodes[1].cpus, "64-127,192-255");
+    let names: Vec<_> = t.nics.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"]);
+}
+
+#[test]
+fn nvidia_smi_old_pcie_box_with_soc_and_named_nic_columns() {
+    let t = smi::parse(&data("pcie_4gpu_old.txt")).unwrap();
+    assert_eq!(t.gpus.len(), 4);
+    assert_eq!(path(&t, 0, 1), PciePath::PIX);
+    assert_eq!(path(&t, 2, 3), PciePath::PXB);
+    assert_eq!(path(&t, 0, 3), PciePath::SYS);
+    assert_eq!(t.nics[0].name, "mlx5_0");
+    assert_eq!(t.numa_nodes.len(), 0, "no NUMA column in this version");
+}
+
+#[test]
+fn nvidia_smi_two_gpus_on_an_nvlink_bridge_separated_by_spaces() {
+    let t = smi::parse(&data("nvlink_bridge_2gpu.txt")).unwrap();
+    assert_eq!(t.gpu_links.len(), 1);
+    assert_eq!(t.link(0, 1), Some(&LinkKind::Nvlink { count: 4 }));
+    assert_eq!(t.gpus[1].numa_node, Some(0));
+    assert!(t.nics.is_empty());
+}
+
+#[test]
+fn malformed_nvidia_smi_text_names_the_line() {
+    let e = smi::parse(&data("bad_cell.txt")).unwrap_err().to_string();
+    assert!(e.starts_with("line 2:") && e.contains("QQQ"), "{e}");
+    let e = smi::parse("hello\nworld\n").unwrap_err().to_string();
+    assert!(e.contains("GPU0"), "{e}");
+    let e = smi::parse("\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tNV2\t X \n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("line 3:") && e.contains("says otherwise"),
+        "{e}"
+    );
+}
