@@ -41,8 +41,10 @@ enum Command {
     /// Examples: zeropp topo; zeropp topo --json;
     /// zeropp topo --sysfs-root captured/; zeropp topo --nvidia-smi-topo topo.txt
     Topo {
+        #[command(subcommand)]
+        action: Option<TopoAction>,
         /// Read this captured root (holding sys/ and proc/) instead of /.
-        #[arg(long)]
+        #[arg(long, global = true)]
         sysfs_root: Option<PathBuf>,
         /// Parse the text of `nvidia-smi topo -m` instead.
         #[arg(long, conflicts_with = "sysfs_root")]
@@ -340,6 +342,14 @@ impl TrainArgs {
 }
 
 #[derive(Subcommand)]
+enum TopoAction {
+    /// Write exactly the files detection reads to OUT.tar.zst (attach it
+    /// to a bug report; unpack with `tar --zstd -xf OUT.tar.zst -C DIR` and
+    /// read it with `zeropp topo --sysfs-root DIR`).
+    Capture { out: PathBuf },
+}
+
+#[derive(Subcommand)]
 enum CkptCommand {
     /// Print a checkpoint's manifest and verify every shard (size,
     /// checksum, contents). DIR is a checkpoint or a checkpoint directory
@@ -406,6 +416,26 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Topo {
+            action: Some(TopoAction::Capture { out }),
+            sysfs_root,
+            ..
+        } => {
+            let root = sysfs_root.unwrap_or_else(|| PathBuf::from("/"));
+            zeropp_topology::detect::detect(&root)?;
+            let entries = zeropp_topology::capture::capture(&root);
+            let tar = zeropp_topology::capture::to_tar(&entries).map_err(anyhow::Error::msg)?;
+            let packed = zstd::encode_all(&tar[..], 19).context("compressing the capture")?;
+            std::fs::write(&out, &packed)
+                .with_context(|| format!("cannot write {}", out.display()))?;
+            println!(
+                "captured {} entries ({} bytes) to {}",
+                entries.len(),
+                packed.len(),
+                out.display()
+            );
+        }
+        Command::Topo {
+            action: None,
             sysfs_root,
             nvidia_smi_topo,
             json,

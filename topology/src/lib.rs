@@ -8,6 +8,7 @@
 //! (`--sysfs-root`), so a machine can be inspected from another one. Nothing
 //! needs root or a GPU.
 
+pub mod capture;
 pub mod detect;
 pub mod smi;
 

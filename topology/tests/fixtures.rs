@@ -348,3 +348,38 @@ fn malformed_nvidia_smi_text_names_the_line() {
         "{e}"
     );
 }
+
+/// A capture, unpacked by the system's `tar`, detects as the original.
+fn round_trip(root: &Path, name: &str) {
+    use zeropp_topology::capture::{capture, to_tar};
+    let entries = capture(root);
+    let tar = to_tar(&entries).unwrap();
+    assert_eq!(tar.len() % 512, 0);
+    let out = std::env::temp_dir().join(format!("zeropp-capture-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let file = out.with_extension("tar");
+    std::fs::write(&file, &tar).unwrap();
+    let st = std::process::Command::new("tar")
+        .arg("-xf")
+        .arg(&file)
+        .arg("-C")
+        .arg(&out)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let (a, b) = (detect(root).unwrap(), detect(&out).unwrap());
+    assert_eq!(a, b);
+    std::fs::remove_dir_all(&out).ok();
+    std::fs::remove_file(&file).ok();
+}
+
+#[test]
+fn a_capture_holds_everything_detection_reads() {
+    let t = Tree::new("capture");
+    hgx(&t);
+    t.virtual_net("docker0", true);
+    round_trip(&t.root, "hgx");
+    // And this machine's own tree.
+    round_trip(Path::new("/"), "live");
+}

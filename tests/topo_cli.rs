@@ -1,0 +1,40 @@
+//! `zeropp topo` as a user runs it on this machine.
+
+use std::process::Command;
+
+fn zeropp(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn topo_describes_this_machine_captures_it_and_names_bad_input() {
+    let o = zeropp(&["topo", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    for key in ["hostname", "numa_nodes", "gpus", "gpu_links", "nics"] {
+        assert!(j.get(key).is_some(), "no {key} in {j}");
+    }
+    assert!(j["numa_nodes"][0]["cpu_count"].as_u64().unwrap() >= 1);
+
+    let dir = std::env::temp_dir().join(format!("zeropp-topo-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("cap.tar.zst");
+    let o = zeropp(&["topo", "capture", out.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let tar = zstd::decode_all(&std::fs::read(&out).unwrap()[..]).unwrap();
+    assert_eq!(&tar[257..262], b"ustar");
+
+    let bad = dir.join("bad.txt");
+    std::fs::write(&bad, "\tGPU0\tGPU1\nGPU0\t X \tNV4\nGPU1\tZZ\t X \n").unwrap();
+    let o = zeropp(&["topo", "--nvidia-smi-topo", bad.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(err.contains("line 3") && err.contains("ZZ"), "{err}");
+    let o = zeropp(&["topo", "--sysfs-root", dir.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no sysfs here"));
+    std::fs::remove_dir_all(dir).ok();
+}

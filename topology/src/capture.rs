@@ -1,0 +1,227 @@
+//! `zeropp topo capture`: exactly the files (and symlinks) detection reads,
+//! as a tar archive, so a machine can be inspected elsewhere
+//! (`tar -xf` it, then `zeropp topo --sysfs-root DIR`).
+
+use std::path::{Component, Path, PathBuf};
+
+/// One entry of a capture, relative to the root.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Entry {
+    Dir(PathBuf),
+    File(PathBuf, Vec<u8>),
+    /// A symlink and its target as the link says it (relative).
+    Symlink(PathBuf, PathBuf),
+}
+
+const PCI_FILES: &[&str] = &[
+    "vendor",
+    "class",
+    "numa_node",
+    "current_link_speed",
+    "current_link_width",
+    "label",
+];
+const NET_FILES: &[&str] = &["speed", "type", "operstate"];
+const IB_PORT_FILES: &[&str] = &["link_layer", "rate", "state"];
+
+struct Collector<'a> {
+    root: &'a Path,
+    entries: Vec<Entry>,
+}
+
+impl Collector<'_> {
+    fn rel(&self, p: &Path) -> Option<PathBuf> {
+        p.strip_prefix(self.root).ok().map(Path::to_path_buf)
+    }
+
+    fn file(&mut self, p: &Path) {
+        if let (Ok(bytes), Some(rel)) = (std::fs::read(p), self.rel(p)) {
+            self.entries.push(Entry::File(rel, bytes));
+        }
+    }
+
+    fn files(&mut self, dir: &Path, names: &[&str]) {
+        for n in names {
+            self.file(&dir.join(n));
+        }
+    }
+
+    fn dir(&mut self, p: &Path) {
+        if let Some(rel) = self.rel(p) {
+            self.entries.push(Entry::Dir(rel));
+        }
+    }
+
+    /// A symlink under `sys/`, and the directory it points to (relative to
+    /// the root, with every ancestor's PCI files where they are PCI
+    /// functions).
+    fn link(&mut self, link: &Path) -> Option<PathBuf> {
+        let target = std::fs::read_link(link).ok()?;
+        let rel = self.rel(link)?;
+        self.entries.push(Entry::Symlink(rel, target.clone()));
+        let mut real = link.parent()?.to_path_buf();
+        for c in target.components() {
+            match c {
+                Component::ParentDir => {
+                    real.pop();
+                }
+                Component::Normal(n) => real.push(n),
+                _ => return None,
+            }
+        }
+        if !real.starts_with(self.root) {
+            return None;
+        }
+        // Directories from sys/devices down to the target, with the PCI
+        // files of each function along the way.
+        let sys_devices = self.root.join("sys/devices");
+        let mut at = sys_devices.clone();
+        self.dir(&at);
+        for c in real.strip_prefix(&sys_devices).ok()?.components() {
+            at.push(c);
+            self.dir(&at);
+            let a = at.clone();
+            self.files(&a, PCI_FILES);
+        }
+        Some(real)
+    }
+}
+
+fn entries_of(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// Everything detection reads under `root`, in an order a tar extractor can
+/// replay (directories before their contents; duplicates removed).
+pub fn capture(root: &Path) -> Vec<Entry> {
+    let mut c = Collector {
+        root,
+        entries: Vec::new(),
+    };
+    c.file(&root.join("proc/sys/kernel/hostname"));
+    for node in entries_of(&root.join("sys/devices/system/node")) {
+        c.file(&node.join("cpulist"));
+    }
+    c.file(&root.join("sys/devices/system/cpu/online"));
+    for link in entries_of(&root.join("sys/bus/pci/devices")) {
+        c.link(&link);
+    }
+    for link in entries_of(&root.join("sys/class/net")) {
+        if let Some(real) = c.link(&link) {
+            c.files(&real, NET_FILES);
+            if real.join("bridge").is_dir() {
+                c.dir(&real.join("bridge"));
+            }
+        }
+    }
+    for link in entries_of(&root.join("sys/class/infiniband")) {
+        if let Some(real) = c.link(&link) {
+            for port in entries_of(&real.join("ports")) {
+                c.dir(&port);
+                c.files(&port, IB_PORT_FILES);
+            }
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut out: Vec<Entry> = c
+        .entries
+        .into_iter()
+        .filter(|e| {
+            let p = match e {
+                Entry::Dir(p) | Entry::File(p, _) | Entry::Symlink(p, _) => p.clone(),
+            };
+            seen.insert(p)
+        })
+        .collect();
+    // Parents first: every entry's ancestors as directories.
+    let mut dirs: Vec<PathBuf> = Vec::new();
+    for e in &out {
+        let p = match e {
+            Entry::Dir(p) | Entry::File(p, _) | Entry::Symlink(p, _) => p,
+        };
+        let mut a = p.parent();
+        while let Some(d) = a.filter(|d| !d.as_os_str().is_empty()) {
+            dirs.push(d.to_path_buf());
+            a = d.parent();
+        }
+    }
+    dirs.sort();
+    dirs.dedup();
+    let mut all: Vec<Entry> = dirs
+        .into_iter()
+        .filter(|d| !out.iter().any(|e| matches!(e, Entry::Dir(p) if p == d)))
+        .map(Entry::Dir)
+        .collect();
+    all.append(&mut out);
+    all.sort_by_key(|e| match e {
+        Entry::Dir(p) => (p.components().count(), 0, p.clone()),
+        Entry::File(p, _) | Entry::Symlink(p, _) => (p.components().count(), 1, p.clone()),
+    });
+    all
+}
+
+fn octal(field: &mut [u8], value: u64) {
+    let s = format!("{:0width$o}", value, width = field.len() - 1);
+    field[..s.len()].copy_from_slice(s.as_bytes());
+}
+
+fn header(path: &Path, kind: u8, size: u64, link: &Path) -> Result<[u8; 512], String> {
+    let mut h = [0u8; 512];
+    let name = path.to_string_lossy();
+    let name = if kind == b'5' {
+        format!("{name}/")
+    } else {
+        name.into_owned()
+    };
+    // ustar: up to 100 bytes of name, 155 of prefix split at a '/'.
+    if name.len() <= 100 {
+        h[..name.len()].copy_from_slice(name.as_bytes());
+    } else {
+        let split = name[..name.len().min(156)]
+            .rfind('/')
+            .filter(|&i| name.len() - i - 1 <= 100)
+            .ok_or_else(|| format!("{name}: too long for a tar header"))?;
+        h[..name.len() - split - 1].copy_from_slice(&name.as_bytes()[split + 1..]);
+        h[345..345 + split].copy_from_slice(&name.as_bytes()[..split]);
+    }
+    octal(&mut h[100..108], if kind == b'5' { 0o755 } else { 0o644 });
+    octal(&mut h[108..116], 0);
+    octal(&mut h[116..124], 0);
+    octal(&mut h[124..136], size);
+    octal(&mut h[136..148], 0);
+    h[156] = kind;
+    let l = link.to_string_lossy();
+    if l.len() > 100 {
+        return Err(format!("{l}: link target too long for a tar header"));
+    }
+    h[157..157 + l.len()].copy_from_slice(l.as_bytes());
+    h[257..263].copy_from_slice(b"ustar\0");
+    h[263..265].copy_from_slice(b"00");
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|&b| b as u32).sum();
+    let s = format!("{sum:06o}\0 ");
+    h[148..156].copy_from_slice(s.as_bytes());
+    Ok(h)
+}
+
+/// The entries as a ustar archive.
+pub fn to_tar(entries: &[Entry]) -> Result<Vec<u8>, String> {
+    let mut out = Vec::new();
+    for e in entries {
+        match e {
+            Entry::Dir(p) => out.extend_from_slice(&header(p, b'5', 0, Path::new(""))?),
+            Entry::Symlink(p, t) => out.extend_from_slice(&header(p, b'2', 0, t)?),
+            Entry::File(p, bytes) => {
+                out.extend_from_slice(&header(p, b'0', bytes.len() as u64, Path::new(""))?);
+                out.extend_from_slice(bytes);
+                out.resize(out.len().div_ceil(512) * 512, 0);
+            }
+        }
+    }
+    out.resize(out.len() + 1024, 0);
+    Ok(out)
+}
