@@ -47,10 +47,10 @@ enum Command {
         #[arg(long, global = true)]
         sysfs_root: Option<PathBuf>,
         /// Parse the text of `nvidia-smi topo -m` instead.
-        #[arg(long, conflicts_with = "sysfs_root")]
+        #[arg(long, global = true, conflicts_with = "sysfs_root")]
         nvidia_smi_topo: Option<PathBuf>,
         /// Print JSON instead of the human view.
-        #[arg(long)]
+        #[arg(long, global = true)]
         json: bool,
     },
     /// Inspect, verify or export a checkpoint.
@@ -347,6 +347,15 @@ enum TopoAction {
     /// to a bug report; unpack with `tar --zstd -xf OUT.tar.zst -C DIR` and
     /// read it with `zeropp topo --sysfs-root DIR`).
     Capture { out: PathBuf },
+    /// The routing plan for N nodes like this one, G ranks each: hop
+    /// classes with estimated bandwidth, hpZ group, qgZ bits per hop, each
+    /// rank's NIC and the NCCL/UCX environment, with the reason for each.
+    Plan {
+        #[arg(long)]
+        nodes: usize,
+        #[arg(long)]
+        ranks_per_node: usize,
+    },
 }
 
 #[derive(Subcommand)]
@@ -395,6 +404,15 @@ enum RoundingArg {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    if matches!(cli.command, Command::Topo { .. } | Command::Ckpt(_)) {
+        // Report-only commands: a closed pipe (`| head`) ends them quietly,
+        // as it does any Unix tool. (Commands that talk to peers keep Rust's
+        // default, where a closed socket is an error to handle.)
+        // SAFETY: setting a signal disposition before any threads start.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match cli.command {
         Command::Train(args) => {
             let cfg = args.config()?;
@@ -435,7 +453,7 @@ fn run(cli: Cli) -> Result<()> {
             );
         }
         Command::Topo {
-            action: None,
+            action,
             sysfs_root,
             nvidia_smi_topo,
             json,
@@ -452,10 +470,21 @@ fn run(cli: Cli) -> Result<()> {
                     sysfs_root.as_deref().unwrap_or(std::path::Path::new("/")),
                 )?,
             };
-            if json {
-                println!("{}", serde_json::to_string_pretty(&topo)?);
-            } else {
-                print!("{}", topo.render());
+            match action {
+                Some(TopoAction::Plan {
+                    nodes,
+                    ranks_per_node,
+                }) => {
+                    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
+                        .map_err(anyhow::Error::msg)?;
+                    if json {
+                        println!("{}", serde_json::to_string_pretty(&plan)?);
+                    } else {
+                        print!("{}", plan.render());
+                    }
+                }
+                _ if json => println!("{}", serde_json::to_string_pretty(&topo)?),
+                _ => print!("{}", topo.render()),
             }
         }
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {

@@ -19,6 +19,21 @@ fn topo_describes_this_machine_captures_it_and_names_bad_input() {
     }
     assert!(j["numa_nodes"][0]["cpu_count"].as_u64().unwrap() >= 1);
 
+    // The plan for 2 nodes like this one.
+    let o = zeropp(&[
+        "topo",
+        "plan",
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(p["hpz_group"], 2);
+    assert_eq!(p["hops"].as_array().unwrap().len(), 2);
+
     let dir = std::env::temp_dir().join(format!("zeropp-topo-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let out = dir.join("cap.tar.zst");

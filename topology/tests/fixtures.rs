@@ -383,3 +383,89 @@ fn a_capture_holds_everything_detection_reads() {
     // And this machine's own tree.
     round_trip(Path::new("/"), "live");
 }
+
+#[test]
+fn plan_for_hgx_nodes_uses_the_numa_closest_ndr_nic_per_gpu() {
+    use zeropp_topology::plan::plan;
+    let t = Tree::new("plan-hgx");
+    hgx(&t);
+    let p = plan(&t.detect(), 2, 8).unwrap();
+    assert_eq!(p.hops.len(), 2);
+    assert_eq!(p.hops[1].transport, "NCCL over RDMA");
+    // 8 x 400 Gb/s per node = 400 GB/s, shared by 8 ranks.
+    assert!((p.hops[1].gbps_per_rank - 50.0).abs() < 1e-9);
+    assert_eq!(p.hpz_group, 8);
+    assert_eq!(p.qgz_bits, [8, 4], "{}", p.render());
+    let nics: Vec<_> = p.rank_nics.iter().map(|r| r.nic.clone().unwrap()).collect();
+    assert_eq!(
+        nics,
+        [
+            "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3", "mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7"
+        ]
+    );
+    let env: std::collections::HashMap<_, _> = p.env.iter().cloned().collect();
+    assert_eq!(env["NCCL_IB_DISABLE"], "0");
+    assert!(env["UCX_NET_DEVICES"].starts_with("mlx5_0:1,mlx5_1:1"));
+    assert!(p.render().contains("hpZ group: 8 ranks"));
+    // More ranks than GPUs is refused.
+    assert!(
+        plan(&t.detect(), 2, 9)
+            .unwrap_err()
+            .contains("one rank per GPU")
+    );
+}
+
+#[test]
+fn plan_for_cpu_only_nodes_on_ethernet_quantizes_both_hops_to_int4() {
+    use zeropp_topology::plan::plan;
+    let t = Tree::new("plan-cpu");
+    t.host("laptop", &["0-7"])
+        .eth("enp3s0", "pci0000:00/0000:00:1c.0/0000:03:00.0", -1, 10000)
+        .virtual_net("lo", false)
+        .virtual_net("docker0", true);
+    let p = plan(&t.detect(), 4, 2).unwrap();
+    assert_eq!(p.hops[0].transport, "UCX shared memory");
+    assert_eq!(p.hops[1].transport, "UCX over TCP");
+    assert!((p.hops[1].gbps_per_rank - 0.625).abs() < 1e-9);
+    assert_eq!((p.qwz_bits, p.qgz_bits), (8, [4, 4]));
+    assert!(
+        p.rank_nics
+            .iter()
+            .all(|r| r.nic.as_deref() == Some("enp3s0"))
+    );
+    let env: std::collections::HashMap<_, _> = p.env.iter().cloned().collect();
+    assert_eq!(env["NCCL_SOCKET_IFNAME"], "enp3s0");
+    assert_eq!(env["NCCL_IB_DISABLE"], "1");
+    assert_eq!(env["UCX_TLS"], "tcp,sm,self");
+    // One node: nothing crosses a slow link.
+    let one = plan(&t.detect(), 1, 2).unwrap();
+    assert_eq!((one.hops.len(), one.qgz_bits), (1, [8, 8]));
+}
+
+#[test]
+fn plan_on_a_pcie_box_with_nvlink_pairs_keeps_hpz_on_the_pairs() {
+    use zeropp_topology::plan::plan;
+    use zeropp_topology::{GpuLink, LinkKind};
+    let t = Tree::new("plan-pairs");
+    t.host("ws", &["0-15", "16-31"]);
+    t.gpu("pci0000:00/0000:00:01.0/0000:01:00.0", 0)
+        .gpu("pci0000:00/0000:00:03.0/0000:02:00.0", 0)
+        .gpu("pci0000:80/0000:80:01.0/0000:81:00.0", 1)
+        .gpu("pci0000:80/0000:80:03.0/0000:82:00.0", 1)
+        .eth("eno1", "pci0000:00/0000:00:05.0/0000:03:00.0", 0, 1000);
+    let mut topo = t.detect();
+    for l in topo.gpu_links.iter_mut() {
+        if (l.a, l.b) == (0, 1) || (l.a, l.b) == (2, 3) {
+            *l = GpuLink {
+                a: l.a,
+                b: l.b,
+                link: LinkKind::Nvlink { count: 4 },
+            };
+        }
+    }
+    let p = plan(&topo, 2, 4).unwrap();
+    assert_eq!(p.hpz_group, 2, "{}", p.render());
+    assert!(p.hpz_why.contains("NVLink islands of 2"));
+    assert!(p.hops[0].why.contains("PCIe"));
+    assert_eq!(p.qgz_bits, [4, 4]);
+}

@@ -1,0 +1,311 @@
+//! From the facts of every node to the routing plan: the hop classes with
+//! an estimated bandwidth, the hpZ group, the two qgZ hops and their bits,
+//! the transport per group, each rank's NIC, and the NCCL/UCX environment
+//! that follows — each choice with its reason.
+
+use serde::Serialize;
+
+use crate::{LinkKind, Nic, NicKind, Topology};
+
+/// Estimated bandwidths, GB/s per direction. Rough public figures: the
+/// plan needs their ratios, not their decimals.
+pub const NVLINK_GBPS_PER_LINK: f64 = 25.0;
+/// Shared memory between processes on a host without GPUs.
+pub const SHM_GBPS: f64 = 10.0;
+
+/// PCIe bandwidth of a GPU's link from sysfs' speed and width.
+fn pcie_gbps(speed: Option<&str>, width: Option<u32>) -> f64 {
+    let gts: f64 = speed
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16.0);
+    // 128b/130b encoding from 8 GT/s on; about 80% of that in practice.
+    gts * width.unwrap_or(16) as f64 / 8.0 * 0.8
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Hop {
+    pub name: String,
+    /// Ranks in one group of this hop.
+    pub group_size: usize,
+    pub transport: String,
+    /// Estimated bandwidth one rank sees on this hop, GB/s.
+    pub gbps_per_rank: f64,
+    pub why: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RankNic {
+    pub local_rank: usize,
+    pub nic: Option<String>,
+    pub why: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RoutingPlan {
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    pub hops: Vec<Hop>,
+    /// Ranks sharing an hpZ secondary shard.
+    pub hpz_group: usize,
+    pub hpz_why: String,
+    pub qwz_bits: u32,
+    pub qgz_bits: [u32; 2],
+    pub bits_why: String,
+    pub rank_nics: Vec<RankNic>,
+    pub env: Vec<(String, String)>,
+}
+
+/// The size of the NVLink island GPU 0 belongs to (1 without NVLink).
+fn nvlink_island(t: &Topology, g: usize) -> usize {
+    let mut island = vec![0usize];
+    let mut i = 0;
+    while i < island.len() {
+        let a = island[i];
+        for b in 0..g {
+            if !island.contains(&b) && matches!(t.link(a, b), Some(LinkKind::Nvlink { .. })) {
+                island.push(b);
+            }
+        }
+        i += 1;
+    }
+    island.len()
+}
+
+fn nic_for(t: &Topology, local: usize) -> RankNic {
+    let nics: Vec<&Nic> = t.routable_nics();
+    let rdma: Vec<&Nic> = nics
+        .iter()
+        .copied()
+        .filter(|n| matches!(n.kind, NicKind::Infiniband | NicKind::Roce))
+        .collect();
+    let pool = if rdma.is_empty() { nics } else { rdma };
+    if pool.is_empty() {
+        return RankNic {
+            local_rank: local,
+            nic: None,
+            why: "no physical NIC: single-node only".into(),
+        };
+    }
+    let numa = t.gpus.get(local).and_then(|g| g.numa_node);
+    let near: Vec<&Nic> = pool
+        .iter()
+        .copied()
+        .filter(|n| numa.is_some() && n.numa_node == numa)
+        .collect();
+    let (choice, why) = if near.is_empty() {
+        (
+            pool[local % pool.len()],
+            "no NIC on this rank's NUMA node: round-robin over the fastest".to_string(),
+        )
+    } else {
+        // Spread the ranks of one NUMA node over its NICs.
+        let same_numa_rank = t.gpus[..local]
+            .iter()
+            .filter(|g| g.numa_node == numa)
+            .count();
+        (
+            near[same_numa_rank % near.len()],
+            format!("NUMA-closest to GPU{local} (node {})", numa.unwrap_or(0)),
+        )
+    };
+    RankNic {
+        local_rank: local,
+        nic: Some(choice.name.clone()),
+        why,
+    }
+}
+
+/// The plan for `nodes` nodes like `t`, `g` ranks each (one per GPU when
+/// there are GPUs).
+pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String> {
+    if nodes == 0 || g == 0 {
+        return Err("nodes and ranks per node must be at least 1".into());
+    }
+    if !t.gpus.is_empty() && g > t.gpus.len() {
+        return Err(format!(
+            "{g} ranks per node but this node has {} GPUs: use at most one rank per GPU",
+            t.gpus.len()
+        ));
+    }
+    let gpus = !t.gpus.is_empty();
+    let island = if gpus { nvlink_island(t, g) } else { 1 };
+    let intra_gbps = if !gpus {
+        SHM_GBPS
+    } else if island == g && g > 1 {
+        match t.link(0, 1) {
+            Some(LinkKind::Nvlink { count }) => *count as f64 * NVLINK_GBPS_PER_LINK,
+            _ => SHM_GBPS,
+        }
+    } else {
+        let gpu = &t.gpus[0];
+        pcie_gbps(gpu.link_speed.as_deref(), gpu.link_width)
+    };
+    let nics = t.routable_nics();
+    let rdma = nics
+        .iter()
+        .any(|n| matches!(n.kind, NicKind::Infiniband | NicKind::Roce));
+    let pool: Vec<&&Nic> = nics
+        .iter()
+        .filter(|n| !rdma || matches!(n.kind, NicKind::Infiniband | NicKind::Roce))
+        .collect();
+    let node_gbps: f64 = pool
+        .iter()
+        .map(|n| n.speed_gbps.unwrap_or(0.0))
+        .sum::<f64>()
+        / 8.0;
+    let inter_per_rank = node_gbps / g as f64;
+    let transport = if gpus { "NCCL" } else { "UCX" };
+    let mut hops = vec![Hop {
+        name: "inside the node".into(),
+        group_size: g,
+        transport: if gpus {
+            "NCCL".into()
+        } else {
+            "UCX shared memory".into()
+        },
+        gbps_per_rank: intra_gbps,
+        why: if !gpus {
+            "no GPUs: processes share memory".into()
+        } else if island == g {
+            format!("all {g} GPUs in one NVLink island")
+        } else {
+            format!("PCIe between GPUs ({} per NVLink island)", island)
+        },
+    }];
+    if nodes > 1 {
+        hops.push(Hop {
+            name: "across nodes".into(),
+            group_size: nodes,
+            transport: format!("{transport} over {}", if rdma { "RDMA" } else { "TCP" }),
+            gbps_per_rank: inter_per_rank,
+            why: if node_gbps > 0.0 {
+                format!(
+                    "{} NIC(s), {:.1} GB/s per node shared by {g} ranks",
+                    pool.len(),
+                    node_gbps
+                )
+            } else {
+                format!(
+                    "{} NIC(s) whose speed the kernel does not report (virtual NICs often \
+                     do not): assumed slow",
+                    pool.len()
+                )
+            },
+        });
+    }
+    let (hpz_group, hpz_why) = if gpus && island > 1 && island < g {
+        (
+            island,
+            format!(
+                "NVLink islands of {island} on a PCIe box: the secondary shard stays on NVLink"
+            ),
+        )
+    } else {
+        (
+            g,
+            "the node: the backward gather never leaves it".to_string(),
+        )
+    };
+    let ratio = if inter_per_rank > 0.0 {
+        intra_gbps / inter_per_rank
+    } else {
+        f64::INFINITY
+    };
+    let (qwz_bits, qgz_bits, bits_why) = if nodes > 1 && inter_per_rank == 0.0 {
+        (
+            8,
+            [4, 4],
+            "the speed across nodes is unknown: assume a slow link, int8 weights, int4 gradients on both hops"
+                .to_string(),
+        )
+    } else if nodes == 1 {
+        (
+            8,
+            [8, 8],
+            "one node: nothing crosses a slow link; int8 keeps quantization error low".to_string(),
+        )
+    } else if ratio >= 4.0 {
+        (
+            8,
+            [4, 4],
+            format!(
+                "the link across nodes is {ratio:.0}x slower per rank than inside: int8 weights, int4 gradients on both hops"
+            ),
+        )
+    } else {
+        (
+            8,
+            [8, 4],
+            format!(
+                "links inside and across are within {ratio:.1}x: int8 inside the node, int4 only across"
+            ),
+        )
+    };
+    let rank_nics = (0..g).map(|l| nic_for(t, l)).collect::<Vec<_>>();
+    let mut names: Vec<String> = rank_nics.iter().filter_map(|r| r.nic.clone()).collect();
+    names.sort();
+    names.dedup();
+    let mut env = Vec::new();
+    if rdma {
+        env.push(("NCCL_IB_DISABLE".into(), "0".into()));
+        env.push((
+            "UCX_NET_DEVICES".into(),
+            names
+                .iter()
+                .map(|n| format!("{n}:1"))
+                .collect::<Vec<_>>()
+                .join(","),
+        ));
+        env.push(("UCX_TLS".into(), "rc,sm,self".into()));
+    } else {
+        env.push(("NCCL_IB_DISABLE".into(), "1".into()));
+        if !names.is_empty() {
+            env.push(("NCCL_SOCKET_IFNAME".into(), names.join(",")));
+            env.push(("UCX_NET_DEVICES".into(), names.join(",")));
+        }
+        env.push(("UCX_TLS".into(), "tcp,sm,self".into()));
+    }
+    Ok(RoutingPlan {
+        nodes,
+        ranks_per_node: g,
+        hops,
+        hpz_group,
+        hpz_why,
+        qwz_bits,
+        qgz_bits,
+        bits_why,
+        rank_nics,
+        env,
+    })
+}
+
+impl RoutingPlan {
+    pub fn render(&self) -> String {
+        let mut s = format!("{} nodes x {} ranks\n", self.nodes, self.ranks_per_node);
+        for h in &self.hops {
+            s += &format!(
+                "  hop {:<16} groups of {:<3} {:<20} ~{:>7.1} GB/s per rank  ({})\n",
+                h.name, h.group_size, h.transport, h.gbps_per_rank, h.why
+            );
+        }
+        s += &format!("  hpZ group: {} ranks ({})\n", self.hpz_group, self.hpz_why);
+        s += &format!(
+            "  bits: qwZ int{}, qgZ int{} inside / int{} across ({})\n",
+            self.qwz_bits, self.qgz_bits[0], self.qgz_bits[1], self.bits_why
+        );
+        for r in &self.rank_nics {
+            s += &format!(
+                "  local rank {}: NIC {} ({})\n",
+                r.local_rank,
+                r.nic.as_deref().unwrap_or("-"),
+                r.why
+            );
+        }
+        s += "  environment:\n";
+        for (k, v) in &self.env {
+            s += &format!("    {k}={v}\n");
+        }
+        s
+    }
+}
