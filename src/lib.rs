@@ -13,6 +13,7 @@ pub mod engine;
 pub mod example_weights;
 pub mod launch;
 pub mod model;
+pub mod planner;
 pub mod plot;
 pub mod quant_error;
 pub mod trainer;

@@ -53,6 +53,14 @@ enum Command {
         #[arg(long, global = true)]
         json: bool,
     },
+    /// Predict step time and throughput of ZeRO-3 and the ZeRO++ switch
+    /// sets (DESIGN.md §4 cost model), per phase, and recommend one.
+    ///
+    /// Example (a 7B model on 16 nodes of 8 GPUs with one 100 Gbit/s NIC,
+    /// 300 GB/s NVLink, 2 s of compute per step):
+    /// zeropp plan --params 7e9 --nodes 16 --ranks-per-node 8
+    ///   --intra-gbps 300 --nic-gbit 100 --compute-s 2 --quant-gbps 1000
+    Plan(Box<PlanArgs>),
     /// Inspect, verify or export a checkpoint.
     #[command(subcommand)]
     Ckpt(CkptCommand),
@@ -341,6 +349,51 @@ impl TrainArgs {
     }
 }
 
+#[derive(clap::Args, Debug)]
+struct PlanArgs {
+    /// Parameters of the model (default: the built-in model, padded for 4 ranks).
+    #[arg(long, default_value_t = 138_240.0)]
+    params: f64,
+    #[arg(long, default_value_t = 2)]
+    nodes: usize,
+    #[arg(long, default_value_t = 2)]
+    ranks_per_node: usize,
+    /// Bandwidth one rank sees inside a node, GB/s (NVLink, PCIe, memory).
+    #[arg(long, default_value_t = 1.0)]
+    intra_gbps: f64,
+    /// One NIC's bandwidth, Gbit/s.
+    #[arg(long, default_value_t = 1.0)]
+    nic_gbit: f64,
+    #[arg(long, default_value_t = 1)]
+    nics_per_node: usize,
+    /// Latency per message, microseconds.
+    #[arg(long, default_value_t = 100.0)]
+    alpha_us: f64,
+    /// Seconds of compute per step (forward, recomputation, backward), as
+    /// measured on a fast link; or give --tflops and --tokens-per-rank.
+    #[arg(long)]
+    compute_s: Option<f64>,
+    /// Sustained TFLOP/s per rank (compute = 8 x params x tokens / rate).
+    #[arg(long)]
+    tflops: Option<f64>,
+    /// Tokens per rank per step.
+    #[arg(long, default_value_t = 512.0)]
+    tokens_per_rank: f64,
+    /// Quantization kernels' throughput, GB/s of fp32 (CPU here: about 2;
+    /// a GPU: hundreds).
+    #[arg(long, default_value_t = 2.0)]
+    quant_gbps: f64,
+    /// Units the model is gathered in.
+    #[arg(long, default_value_t = 4)]
+    units: usize,
+    #[arg(long, default_value_t = 256.0)]
+    block: f64,
+    #[arg(long, default_value_t = 32.0)]
+    qgz_block: f64,
+    #[arg(long)]
+    json: bool,
+}
+
 #[derive(Subcommand)]
 enum TopoAction {
     /// Write exactly the files detection reads to OUT.tar.zst (attach it
@@ -485,6 +538,38 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 _ if json => println!("{}", serde_json::to_string_pretty(&topo)?),
                 _ => print!("{}", topo.render()),
+            }
+        }
+        Command::Plan(a) => {
+            let compute_s = match (a.compute_s, a.tflops) {
+                (Some(c), _) => c,
+                (None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
+                _ => bail!(
+                    "give the compute per step: --compute-s S, or --tflops T (with --tokens-per-rank)"
+                ),
+            };
+            if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
+                bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
+            }
+            let input = zeropp::planner::PlanInput {
+                params: a.params,
+                nodes: a.nodes,
+                ranks_per_node: a.ranks_per_node,
+                intra_gbps: a.intra_gbps,
+                nic_gbit: a.nic_gbit,
+                nics_per_node: a.nics_per_node.max(1),
+                alpha_s: a.alpha_us * 1e-6,
+                compute_s,
+                quant_gbps: a.quant_gbps,
+                units: a.units,
+                block: a.block,
+                qgz_block: a.qgz_block,
+            };
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&input.compare())?);
+            } else {
+                let tokens = a.tokens_per_rank * (a.nodes * a.ranks_per_node) as f64;
+                print!("{}", zeropp::planner::render(&input, tokens));
             }
         }
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {

@@ -1,0 +1,377 @@
+//! `zeropp plan`: the cost model of DESIGN.md §4 — step time and
+//! throughput of ZeRO-3 and the ZeRO++ switch sets for a model size, N
+//! nodes × G ranks, the links inside and across nodes, a compute time and
+//! the quantization kernels' throughput — with the breakdown per phase and
+//! a recommendation.
+
+use serde::Serialize;
+
+/// What the plan is for.
+#[derive(Clone, Debug, Serialize)]
+pub struct PlanInput {
+    /// Parameters (Ψ).
+    pub params: f64,
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+    /// Bandwidth one rank sees inside the node, GB/s.
+    pub intra_gbps: f64,
+    /// One NIC's bandwidth, Gbit/s, and NICs per node (shared by the
+    /// node's ranks).
+    pub nic_gbit: f64,
+    pub nics_per_node: usize,
+    /// Latency per message, seconds.
+    pub alpha_s: f64,
+    /// Seconds of forward + backward (with recomputation) per step.
+    pub compute_s: f64,
+    /// Quantization kernels' throughput, GB/s of fp32 processed.
+    pub quant_gbps: f64,
+    /// Units the model is gathered in: the first unit's gather (and the
+    /// last unit's gradient) cannot hide behind compute.
+    pub units: usize,
+    /// Values per weight / gradient quantization block.
+    pub block: f64,
+    pub qgz_block: f64,
+}
+
+/// A set of switches the model compares.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Config {
+    pub name: &'static str,
+    /// Weight bits on the wire (16 = bf16).
+    pub weight_bits: u32,
+    pub hpz: bool,
+    pub qgz: bool,
+}
+
+pub const CONFIGS: [Config; 5] = [
+    Config {
+        name: "zero3",
+        weight_bits: 16,
+        hpz: false,
+        qgz: false,
+    },
+    Config {
+        name: "qwz",
+        weight_bits: 8,
+        hpz: false,
+        qgz: false,
+    },
+    Config {
+        name: "qwz+hpz",
+        weight_bits: 8,
+        hpz: true,
+        qgz: false,
+    },
+    Config {
+        name: "zeropp",
+        weight_bits: 8,
+        hpz: true,
+        qgz: true,
+    },
+    Config {
+        name: "zeropp-int4-weights",
+        weight_bits: 4,
+        hpz: true,
+        qgz: true,
+    },
+];
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Prediction {
+    pub config: Config,
+    pub forward_gather_s: f64,
+    pub backward_gather_s: f64,
+    pub gradient_s: f64,
+    pub quantization_s: f64,
+    pub compute_s: f64,
+    /// Communication the compute does not hide.
+    pub exposed_comm_s: f64,
+    pub step_s: f64,
+    /// Bytes each node sends to other nodes per step.
+    pub inter_node_bytes: f64,
+}
+
+impl PlanInput {
+    fn world(&self) -> f64 {
+        (self.nodes * self.ranks_per_node) as f64
+    }
+    /// Bytes per second a node can send to other nodes.
+    fn nic_bps(&self) -> f64 {
+        self.nic_gbit * 1e9 / 8.0 * self.nics_per_node as f64
+    }
+    fn intra_bps(&self) -> f64 {
+        self.intra_gbps * 1e9
+    }
+    /// Bytes of Ψ values at `bits` per value with one f32 per `block`.
+    fn bytes(&self, bits: u32, block: f64) -> f64 {
+        if bits == 16 {
+            2.0 * self.params
+        } else {
+            self.params * (bits as f64 / 8.0 + 4.0 / block)
+        }
+    }
+
+    /// A ring collective over all W ranks, ordered node by node: the link
+    /// leaving each node carries (W−1)/W of `m`. Returns (seconds, bytes
+    /// per node across).
+    fn flat_ring(&self, m: f64) -> (f64, f64) {
+        let w = self.world();
+        let g = self.ranks_per_node as f64;
+        let across = if self.nodes > 1 {
+            (w - 1.0) / w * m
+        } else {
+            0.0
+        };
+        let inside = (w - 1.0) / w * m / self.intra_bps();
+        let t_across = if self.nodes > 1 {
+            across / self.nic_bps()
+        } else {
+            0.0
+        };
+        let _ = g;
+        ((w - 1.0) * self.alpha_s + t_across.max(inside), across)
+    }
+
+    /// A hop among `p` equal-local ranks of different nodes, every rank
+    /// sending (p−1)/p of `m_per_rank`; the node's G ranks share its NICs.
+    fn across_hop(&self, m_per_rank: f64) -> (f64, f64) {
+        let p = self.nodes as f64;
+        if self.nodes == 1 {
+            return (0.0, 0.0);
+        }
+        let per_node = (p - 1.0) / p * m_per_rank * self.ranks_per_node as f64;
+        (
+            (p - 1.0) * self.alpha_s + per_node / self.nic_bps(),
+            per_node,
+        )
+    }
+
+    fn inside_hop(&self, m: f64) -> f64 {
+        let g = self.ranks_per_node as f64;
+        if self.ranks_per_node == 1 {
+            return 0.0;
+        }
+        (g - 1.0) * self.alpha_s + (g - 1.0) / g * m / self.intra_bps()
+    }
+
+    pub fn predict(&self, c: Config) -> Prediction {
+        let g = self.ranks_per_node as f64;
+        let w = self.world();
+        let weights = self.bytes(c.weight_bits, self.block);
+        let (mut inter, mut quant_values) = (0.0, 0.0);
+        // Forward gather.
+        let forward = if c.weight_bits == 16 {
+            let (t, b) = self.flat_ring(weights);
+            inter += b;
+            t
+        } else {
+            // Across among equal local ranks (each holds Ψ/W, gathers
+            // N chunks = Ψ/G), then the bundles within the node.
+            let (t, b) = self.across_hop(weights / g);
+            inter += b;
+            quant_values += self.params / w + self.params; // quantize mine, dequantize all
+            t + self.inside_hop(weights)
+        };
+        // Backward gather: hpZ stays inside the node.
+        let backward = if c.hpz && c.weight_bits != 16 {
+            quant_values += self.params;
+            self.inside_hop(weights)
+        } else if c.weight_bits == 16 {
+            let (t, b) = self.flat_ring(weights);
+            inter += b;
+            t
+        } else {
+            let (t, b) = self.across_hop(weights / g);
+            inter += b;
+            quant_values += self.params;
+            t + self.inside_hop(weights)
+        };
+        // Gradient.
+        let gradient = if c.qgz {
+            let q4 = self.bytes(4, self.qgz_block);
+            // Hop 1 inside: all-to-all of the whole int4 gradient; hop 2
+            // across: each rank's node-level partial (Ψ/G).
+            let (t, b) = self.across_hop(q4 / g);
+            inter += b;
+            quant_values += 2.0 * self.params + self.params / g;
+            self.inside_hop(q4) + t
+        } else {
+            let (t, b) = self.flat_ring(2.0 * self.params);
+            inter += b;
+            t
+        };
+        let quantization = quant_values * 4.0 / (self.quant_gbps * 1e9);
+        let comm = forward + backward + gradient;
+        // Prefetch hides each unit's gather behind the previous unit's
+        // compute, and each gradient behind the next unit's backward: what
+        // is left is the excess over compute, plus one unit's share that
+        // nothing can hide.
+        let u = self.units.max(1) as f64;
+        let exposed = (comm - self.compute_s).max(0.0) + comm.min(self.compute_s) / u;
+        Prediction {
+            config: c,
+            forward_gather_s: forward,
+            backward_gather_s: backward,
+            gradient_s: gradient,
+            quantization_s: quantization,
+            compute_s: self.compute_s,
+            exposed_comm_s: exposed,
+            step_s: self.compute_s + quantization + exposed,
+            inter_node_bytes: inter,
+        }
+    }
+
+    /// Every configuration, fastest first.
+    pub fn compare(&self) -> Vec<Prediction> {
+        let mut v: Vec<Prediction> = CONFIGS.iter().map(|&c| self.predict(c)).collect();
+        v.sort_by(|a, b| a.step_s.total_cmp(&b.step_s));
+        v
+    }
+}
+
+/// The table `zeropp plan` prints, and its recommendation.
+pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
+    let preds = input.compare();
+    let zero3 = input.predict(CONFIGS[0]);
+    let mut s = format!(
+        "{:.3e} parameters, {} nodes x {} ranks, {:.1} GB/s inside, {} x {} Gbit/s per node across, compute {:.3} s/step\n\n",
+        input.params,
+        input.nodes,
+        input.ranks_per_node,
+        input.intra_gbps,
+        input.nics_per_node,
+        input.nic_gbit,
+        input.compute_s
+    );
+    s += &format!(
+        "{:<20} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>9}\n",
+        "config",
+        "fwd-ag s",
+        "bwd-ag s",
+        "grad s",
+        "quant s",
+        "compute",
+        "exposed",
+        "step s",
+        "tokens/s",
+        "vs zero3"
+    );
+    for p in &preds {
+        s += &format!(
+            "{:<20} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>11.0} {:>8.2}x\n",
+            p.config.name,
+            p.forward_gather_s,
+            p.backward_gather_s,
+            p.gradient_s,
+            p.quantization_s,
+            p.compute_s,
+            p.exposed_comm_s,
+            p.step_s,
+            tokens_per_step / p.step_s,
+            zero3.step_s / p.step_s
+        );
+    }
+    let best = &preds[0];
+    let c = best.config;
+    let switches = if c.name == "zero3" {
+        "--mode zero3".to_string()
+    } else {
+        format!(
+            "--mode zeropp --qwz-bits {} --hpz {} --qgz {}",
+            c.weight_bits, c.hpz, c.qgz
+        )
+    };
+    s += &format!(
+        "\nrecommended: {} ({switches}): {:.2}x ZeRO-3's speed; communication left exposed {:.3} s of {:.3} s\n",
+        c.name,
+        zero3.step_s / best.step_s,
+        best.exposed_comm_s,
+        best.step_s
+    );
+    if c.weight_bits == 4 {
+        let int8 = input.predict(CONFIGS[3]);
+        s += &format!(
+            "int4 weights carry about 16x the rounding error of int8 (check yours with `zeropp quant-error FILE --bits 4`); int8 (--mode zeropp) would give {:.2}x\n",
+            zero3.step_s / int8.step_s
+        );
+    }
+    if zero3.exposed_comm_s < 0.05 * zero3.step_s {
+        s += "the links are fast enough that ZeRO-3 is compute-bound here: ZeRO++ saves bytes, not time\n";
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The emulated 2 x 2 cluster of docs/BENCHMARKS.md: the default
+    /// model (138,240 parameters once padded for 4 ranks), TCP on loopback
+    /// inside a node, each node's egress shaped to `rate`.
+    fn emulated(mbit: f64) -> PlanInput {
+        PlanInput {
+            params: 138_240.0,
+            nodes: 2,
+            ranks_per_node: 2,
+            intra_gbps: 1.0,
+            nic_gbit: mbit / 1000.0,
+            nics_per_node: 1,
+            alpha_s: 100e-6,
+            compute_s: 0.60,
+            quant_gbps: 2.0,
+            units: 4,
+            block: 256.0,
+            qgz_block: 32.0,
+        }
+    }
+
+    #[test]
+    fn bytes_across_nodes_match_the_engine_count() {
+        // The engine counted 1,244,160 bytes across nodes per ZeRO-3 step
+        // for this model (both nodes; metrics aside): 3 collectives x 3/4 x
+        // 2 bytes x Ψ per node.
+        let z3 = emulated(1.0).predict(CONFIGS[0]);
+        assert!((2.0 * z3.inter_node_bytes - 1_244_160.0).abs() < 1.0);
+        // ZeRO++: int8 forward gather across nodes (1/2 of the weights per
+        // node, scales included) and the int4 gradient's second hop.
+        let zpp = emulated(1.0).predict(CONFIGS[3]);
+        let psi = 138_240.0;
+        let want = 2.0 * (0.5 * psi * (1.0 + 4.0 / 256.0) + 0.5 * psi * (0.5 + 4.0 / 32.0));
+        assert!((2.0 * zpp.inter_node_bytes - want).abs() < 1.0);
+        assert!(zpp.inter_node_bytes / z3.inter_node_bytes <= 0.27);
+    }
+
+    #[test]
+    fn predictions_are_within_25_percent_of_the_emulated_cluster() {
+        // Median step times measured by bench-cluster/run.sh (docs/BENCHMARKS.md).
+        let measured = [
+            (1.0, 5.3432, 1.1405),
+            (2.0, 2.6480, 0.8114),
+            (5.0, 1.0687, 0.6151),
+            (20.0, 0.6267, 0.6228),
+            (100.0, 0.5791, 0.6353),
+            (1000.0, 0.6236, 0.6475),
+        ];
+        for (mbit, z3, zpp) in measured {
+            let input = emulated(mbit);
+            for (config, want) in [(CONFIGS[0], z3), (CONFIGS[3], zpp)] {
+                let got = input.predict(config).step_s;
+                let err = (got - want) / want;
+                assert!(
+                    err.abs() <= 0.25,
+                    "{} at {mbit} Mbit/s: predicted {got:.3} s, measured {want:.3} s ({:+.0}%)",
+                    config.name,
+                    err * 100.0
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_recommendation_follows_the_link() {
+        let slow = emulated(1.0).compare();
+        assert_eq!(slow[0].config.name, "zeropp-int4-weights");
+        let text = render(&emulated(10_000.0), 2048.0);
+        assert!(text.contains("compute-bound"), "{text}");
+    }
+}
