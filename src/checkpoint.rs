@@ -18,21 +18,13 @@ use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::engine::{Engine, UnitShard};
+use crate::engine::{Engine, UnitLayout, UnitShard};
 use crate::trainer::TrainConfig;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";
 pub const VERSION: u32 = 1;
 const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct UnitInfo {
-    pub name: String,
-    pub numel: usize,
-    pub padded: usize,
-    pub chunk: usize,
-}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ShardInfo {
@@ -61,7 +53,7 @@ pub struct Manifest {
     pub data_next_step: usize,
     /// How randomness is seeded: nothing else carries RNG state.
     pub rng: String,
-    pub units: Vec<UnitInfo>,
+    pub units: Vec<UnitLayout>,
     pub shards: Vec<ShardInfo>,
 }
 
@@ -87,9 +79,10 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
         out.extend_from_slice(&v.to_le_bytes());
     }
     for u in units {
-        out.extend_from_slice(&(u.name.len() as u32).to_le_bytes());
-        out.extend_from_slice(u.name.as_bytes());
-        for v in [u.numel, u.padded, u.chunk] {
+        let l = &u.layout;
+        out.extend_from_slice(&(l.name.len() as u32).to_le_bytes());
+        out.extend_from_slice(l.name.as_bytes());
+        for v in [l.numel, l.padded, l.chunk] {
             out.extend_from_slice(&(v as u64).to_le_bytes());
         }
         for v in [&u.master, &u.m, &u.v, &u.residual, &u.residual_inter] {
@@ -183,10 +176,7 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
             );
         }
         out.push(UnitShard {
-            name,
-            numel: u.numel,
-            padded: u.padded,
-            chunk: u.chunk,
+            layout: u.clone(),
             master: r.f32s(u.chunk, "master weights")?,
             m: r.f32s(u.chunk, "Adam m")?,
             v: r.f32s(u.chunk, "Adam v")?,
@@ -328,16 +318,7 @@ pub fn save(
             rng: "stochastic rounding is seeded by (seed, step, unit, rank); \
                   initial weights by (seed, unit); no other RNG state"
                 .into(),
-            units: engine
-                .unit_sizes()
-                .into_iter()
-                .map(|(name, numel, padded, chunk)| UnitInfo {
-                    name,
-                    numel,
-                    padded,
-                    chunk,
-                })
-                .collect(),
+            units: engine.unit_layouts(),
             shards,
         };
         finish(root, &tmp, &dest, &name, &manifest, keep).map_err(|e| {
@@ -520,85 +501,74 @@ pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard
 
 /// Verifies every shard of a checkpoint (`zeropp ckpt inspect`).
 pub fn verify(dir: &Path, m: &Manifest) -> Result<()> {
-    for r in 0..m.world_size {
-        read_shard(dir, m, r)?;
-    }
-    Ok(())
+    read_all_shards(dir, m).map(drop)
+}
+
+fn read_all_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
+    (0..m.world_size).map(|r| read_shard(dir, m, r)).collect()
+}
+
+/// Unit `u`'s full (unpadded) buffer of one kind of state, from every
+/// rank's shard.
+fn assemble(all: &[Vec<UnitShard>], u: usize, pick: fn(&UnitShard) -> &Vec<f32>) -> Vec<f32> {
+    let mut full: Vec<f32> = all
+        .iter()
+        .flat_map(|shard| pick(&shard[u]))
+        .copied()
+        .collect();
+    full.truncate(all[0][u].layout.numel);
+    full
 }
 
 /// Every unit's full (unpadded) master weights, from all shards.
-pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitInfo, Vec<f32>)>> {
-    let all = (0..m.world_size)
-        .map(|r| read_shard(dir, m, r))
-        .collect::<Result<Vec<_>>>()?;
+pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitLayout, Vec<f32>)>> {
+    let all = read_all_shards(dir, m)?;
     Ok(m.units
         .iter()
         .enumerate()
-        .map(|(u, info)| {
-            let mut full = Vec::with_capacity(info.padded);
-            for shard in &all {
-                full.extend_from_slice(&shard[u].master);
-            }
-            full.truncate(info.numel);
-            (info.clone(), full)
-        })
+        .map(|(u, layout)| (layout.clone(), assemble(&all, u, |s| &s.master)))
         .collect())
 }
 
 /// This rank's state from a checkpoint, re-cut when the world differs:
 /// each unit's full buffers are assembled from every shard and cut for
-/// `sizes` (this engine's units: name, numel, padded, chunk) at `rank`.
-/// Error-feedback residuals are per-rank and cannot be re-cut: they restart
-/// from zero then.
+/// `layouts` (this engine's units) at `rank`. Error-feedback residuals are
+/// per-rank and cannot be re-cut: they restart from zero then.
 pub fn state_for(
     dir: &Path,
     m: &Manifest,
-    sizes: &[(String, usize, usize, usize)],
+    layouts: &[UnitLayout],
     rank: usize,
-    world: usize,
 ) -> Result<Vec<UnitShard>> {
-    if sizes.len() != m.units.len()
-        || sizes
+    let same_model = layouts.len() == m.units.len()
+        && layouts
             .iter()
             .zip(&m.units)
-            .any(|((name, numel, ..), u)| *name != u.name || *numel != u.numel)
-    {
-        let mine: Vec<_> = sizes.iter().map(|(n, numel, ..)| (n, numel)).collect();
+            .all(|(a, b)| a.name == b.name && a.numel == b.numel);
+    if !same_model {
+        let mine: Vec<_> = layouts.iter().map(|u| (&u.name, u.numel)).collect();
         let theirs: Vec<_> = m.units.iter().map(|u| (&u.name, u.numel)).collect();
         bail!(
             "the checkpoint's model does not match this one: units {theirs:?} vs {mine:?} \
              (resume with the checkpoint's model shape)"
         );
     }
-    let same_cut = m.world_size == world
-        && sizes
-            .iter()
-            .zip(&m.units)
-            .all(|((_, _, padded, chunk), u)| *padded == u.padded && *chunk == u.chunk);
-    if same_cut {
+    if layouts == m.units.as_slice() {
+        // Same padding and chunks: the same world size, this rank's shard.
         return read_shard(dir, m, rank);
     }
-    let all = (0..m.world_size)
-        .map(|r| read_shard(dir, m, r))
-        .collect::<Result<Vec<_>>>()?;
-    Ok(sizes
+    let all = read_all_shards(dir, m)?;
+    Ok(layouts
         .iter()
         .enumerate()
-        .map(|(u, (name, numel, padded, chunk))| {
+        .map(|(u, layout)| {
             let cut = |pick: fn(&UnitShard) -> &Vec<f32>| {
-                let mut full = Vec::with_capacity(m.units[u].padded);
-                for shard in &all {
-                    full.extend_from_slice(pick(&shard[u]));
-                }
-                full.truncate(*numel);
-                full.resize(*padded, 0.0);
-                full[rank * chunk..(rank + 1) * chunk].to_vec()
+                let mut full = assemble(&all, u, pick);
+                full.resize(layout.padded, 0.0);
+                full[rank * layout.chunk..(rank + 1) * layout.chunk].to_vec()
             };
             UnitShard {
-                name: name.clone(),
-                numel: *numel,
-                padded: *padded,
-                chunk: *chunk,
+                layout: layout.clone(),
                 master: cut(|s| &s.master),
                 m: cut(|s| &s.m),
                 v: cut(|s| &s.v),

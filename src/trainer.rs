@@ -292,7 +292,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         Some(path) => {
             let dir = checkpoint::resolve(path)?;
             let m = checkpoint::read_manifest(&dir)?;
-            let state = checkpoint::state_for(&dir, &m, &engine.unit_sizes(), layout.rank, world)?;
+            let state = checkpoint::state_for(&dir, &m, &engine.unit_layouts(), layout.rank)?;
             engine.load_shard_state(state, m.step)?;
             if lead {
                 println!(

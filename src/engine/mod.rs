@@ -57,15 +57,31 @@ struct ShardedUnit {
     residual_inter: Arc<Mutex<Vec<f32>>>,
 }
 
-/// One unit's primary shard on one rank, as a checkpoint stores it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct UnitShard {
+impl ShardedUnit {
+    /// Error feedback starts over (after a skipped step, or a load that
+    /// re-cut the shards).
+    fn reset_residuals(&mut self) {
+        self.residual.iter_mut().for_each(|r| *r = 0.0);
+        if let Ok(mut ri) = self.residual_inter.lock() {
+            ri.iter_mut().for_each(|r| *r = 0.0);
+        }
+    }
+}
+
+/// How one unit is cut: its parameters (unpadded), the elements of its
+/// padded flat buffer, and of one rank's chunk.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct UnitLayout {
     pub name: String,
-    /// Parameters of the unit (unpadded), elements of its padded buffer and
-    /// of one rank's chunk.
     pub numel: usize,
     pub padded: usize,
     pub chunk: usize,
+}
+
+/// One unit's primary shard on one rank, as a checkpoint stores it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UnitShard {
+    pub layout: UnitLayout,
     /// fp32 master weights and AdamW moments of the chunk.
     pub master: Vec<f32>,
     pub m: Vec<f32>,
@@ -549,17 +565,15 @@ impl Engine {
     pub fn shard_state(&self) -> Result<Vec<UnitShard>> {
         self.units
             .iter()
-            .map(|su| {
+            .zip(self.unit_layouts())
+            .map(|(su, layout)| {
                 let residual_inter = su
                     .residual_inter
                     .lock()
                     .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?
                     .clone();
                 Ok(UnitShard {
-                    name: su.unit.name(),
-                    numel: su.unit.numel(&self.cfg.model),
-                    padded: su.padded,
-                    chunk: su.chunk,
+                    layout,
                     master: su.master.clone(),
                     m: su.adam.m.clone(),
                     v: su.adam.v.clone(),
@@ -584,11 +598,11 @@ impl Engine {
         }
         for (su, sh) in self.units.iter_mut().zip(shards) {
             let name = su.unit.name();
-            if sh.name != name || sh.chunk != su.chunk {
+            if sh.layout.name != name || sh.layout.chunk != su.chunk {
                 bail!(
                     "checkpoint unit {:?} ({} values per rank) does not fit unit {name:?} ({} per rank)",
-                    sh.name,
-                    sh.chunk,
+                    sh.layout.name,
+                    sh.layout.chunk,
                     su.chunk
                 );
             }
@@ -598,38 +612,34 @@ impl Engine {
             su.master = sh.master;
             su.adam.m = sh.m;
             su.adam.v = sh.v;
-            if sh.residual.len() == su.residual.len() {
-                su.residual = sh.residual;
-            } else {
-                su.residual.iter_mut().for_each(|r| *r = 0.0);
-            }
-            let mut ri = su
-                .residual_inter
-                .lock()
-                .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?;
-            if sh.residual_inter.len() == ri.len() {
-                *ri = sh.residual_inter;
-            } else {
-                ri.iter_mut().for_each(|r| *r = 0.0);
-            }
             su.secondary = None;
+            let fits = sh.residual.len() == su.residual.len()
+                && su
+                    .residual_inter
+                    .lock()
+                    .is_ok_and(|ri| ri.len() == sh.residual_inter.len());
+            if fits {
+                su.residual = sh.residual;
+                if let Ok(mut ri) = su.residual_inter.lock() {
+                    *ri = sh.residual_inter;
+                }
+            } else {
+                su.reset_residuals();
+            }
         }
         self.step = step;
         Ok(())
     }
 
-    /// Elements of each unit's padded buffer and of one rank's chunk, in
-    /// unit order, with the unit's unpadded size.
-    pub fn unit_sizes(&self) -> Vec<(String, usize, usize, usize)> {
+    /// How every unit is cut, in unit order.
+    pub fn unit_layouts(&self) -> Vec<UnitLayout> {
         self.units
             .iter()
-            .map(|su| {
-                (
-                    su.unit.name(),
-                    su.unit.numel(&self.cfg.model),
-                    su.padded,
-                    su.chunk,
-                )
+            .map(|su| UnitLayout {
+                name: su.unit.name(),
+                numel: su.unit.numel(&self.cfg.model),
+                padded: su.padded,
+                chunk: su.chunk,
             })
             .collect()
     }
@@ -808,14 +818,20 @@ impl Engine {
                 chunk_grads[unit][0] = f32::NAN;
             }
         }
+        // One pass per chunk: its sum of squares is non-finite exactly when
+        // the chunk holds a NaN or Inf (or overflows).
+        let unit_sumsq: Vec<f32> = chunk_grads
+            .iter()
+            .map(|gr| gr.iter().map(|v| v * v).sum())
+            .collect();
         let mut local: Vec<f32> = Vec::with_capacity(2 + n);
-        local.push(chunk_grads.iter().flatten().map(|v| v * v).sum());
+        local.push(unit_sumsq.iter().sum());
         local.push(step_loss);
         local.extend(
-            chunk_grads
+            unit_sumsq
                 .iter()
                 .zip(&local_nonfinite)
-                .map(|(gr, &bad)| f32::from(bad || gr.iter().any(|v| !v.is_finite()))),
+                .map(|(sq, &bad)| f32::from(bad || !sq.is_finite())),
         );
         let world = self.groups.world.clone();
         let counter = self.counter.clone();
@@ -843,10 +859,7 @@ impl Engine {
             // Skip: no update; residuals that may hold the NaN restart from
             // zero; the gathered weights are dropped as after any step.
             for su in &mut self.units {
-                su.residual.iter_mut().for_each(|r| *r = 0.0);
-                if let Ok(mut ri) = su.residual_inter.lock() {
-                    ri.iter_mut().for_each(|r| *r = 0.0);
-                }
+                su.reset_residuals();
                 su.secondary = None;
             }
             return Ok(StepStats {
