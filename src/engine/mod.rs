@@ -818,14 +818,23 @@ impl Engine {
                 chunk_grads[unit][0] = f32::NAN;
             }
         }
-        // One pass per chunk: its sum of squares is non-finite exactly when
-        // the chunk holds a NaN or Inf (or overflows).
+        // One pass: the squared norm in rank-chunk order, and each chunk's
+        // own sum of squares, non-finite exactly when the chunk holds a NaN
+        // or Inf (or overflows).
+        let mut total = 0f32;
         let unit_sumsq: Vec<f32> = chunk_grads
             .iter()
-            .map(|gr| gr.iter().map(|v| v * v).sum())
+            .map(|gr| {
+                let mut unit = 0f32;
+                for v in gr {
+                    total += v * v;
+                    unit += v * v;
+                }
+                unit
+            })
             .collect();
         let mut local: Vec<f32> = Vec::with_capacity(2 + n);
-        local.push(unit_sumsq.iter().sum());
+        local.push(total);
         local.push(step_loss);
         local.extend(
             unit_sumsq
