@@ -212,6 +212,16 @@ pub struct Summary {
     pub run_messages: BytesPerStep,
 }
 
+/// A line from rank 0: above the progress bar when it draws, on stdout
+/// otherwise.
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
 /// `skip_nonfinite` gives up after this many skipped steps in a row.
 const MAX_CONSECUTIVE_SKIPS: usize = 10;
 
@@ -226,26 +236,21 @@ fn save_checkpoint(
     let t = Instant::now();
     let dir = checkpoint::save(engine, cfg, root, step, rank, cfg.keep)?;
     if rank == 0 {
-        let line = format!(
-            "saved checkpoint {} ({:.2} s)",
-            dir.display(),
-            t.elapsed().as_secs_f64()
+        say(
+            bar,
+            format!(
+                "saved checkpoint {} ({:.2} s)",
+                dir.display(),
+                t.elapsed().as_secs_f64()
+            ),
         );
-        if bar.is_hidden() {
-            println!("{line}");
-        } else {
-            bar.println(line);
-        }
     }
     Ok(())
 }
 
-fn step_points(losses: &[f32]) -> Vec<(f64, f64)> {
-    losses
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| ((i + 1) as f64, l as f64))
-        .collect()
+/// `(step, loss)` pairs as plot points.
+fn step_points(losses: &[(usize, f32)]) -> Vec<(f64, f64)> {
+    losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect()
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -359,6 +364,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         let lr = cfg.optim.lr_at(step, cfg.steps);
         let t = Instant::now();
         let stats = engine.train_step(&x, &y, lr)?;
+        let dt = t.elapsed().as_secs_f64();
         consecutive_skips = if stats.skipped.is_some() {
             consecutive_skips + 1
         } else {
@@ -373,24 +379,21 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             );
         }
         if let (Some(units), true) = (&stats.skipped, lead) {
-            let line = format!(
-                "step {} skipped: non-finite loss ({}) or gradient in units {units:?}",
-                step + 1,
-                stats.loss
+            say(
+                &bar,
+                format!(
+                    "step {} skipped: non-finite loss ({}) or gradient in units {units:?}",
+                    step + 1,
+                    stats.loss
+                ),
             );
-            if bar.is_hidden() {
-                println!("{line}");
-            } else {
-                bar.println(line);
-            }
         }
-        let dt = t.elapsed().as_secs_f64();
         let mine = stats.traffic.total();
         let job = engine.sum_over_ranks(&[mine.intra_node as f32, mine.inter_node as f32])?;
         sum_intra += job[0] as f64;
         sum_inter += job[1] as f64;
         if stats.loss.is_finite() {
-            losses.push(stats.loss);
+            losses.push((step + 1, stats.loss));
         }
         times.push(dt);
         if lead {
@@ -460,7 +463,10 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         msgs.intra_node as f32,
         msgs.inter_node as f32,
     ])?;
-    let tail = &losses[losses.len().saturating_sub(10)..];
+    let tail: Vec<f32> = losses[losses.len().saturating_sub(10)..]
+        .iter()
+        .map(|&(_, l)| l)
+        .collect();
     let summary = Summary {
         mode: format!("{:?}", cfg.mode).to_lowercase(),
         switches: format!("{:?}", cfg.switches()),
@@ -468,7 +474,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         nodes: layout.nodes,
         params: engine.parameter_count(),
         steps: end,
-        initial_loss: losses.first().copied().unwrap_or(f32::NAN),
+        initial_loss: losses.first().map_or(f32::NAN, |&(_, l)| l),
         final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
         val_loss,
         tokens_per_s: tokens_per_step / median(&times),
@@ -559,18 +565,22 @@ pub fn per_mode_path(path: &Path, mode: &str) -> PathBuf {
     path.with_extension(format!("{mode}.{ext}"))
 }
 
-fn read_losses(path: &Path) -> Result<Vec<f32>> {
+/// `(step, loss)` of every line of a `--metrics` file.
+fn read_losses(path: &Path) -> Result<Vec<(usize, f32)>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    text.lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l)?;
-            v["loss"]
-                .as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| anyhow::anyhow!("{}: a line without a loss", path.display()))
-        })
-        .collect()
+    let mut out = Vec::new();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        let Some(step) = v["step"].as_u64() else {
+            bail!("{}: a line without a step", path.display());
+        };
+        // A skipped non-finite step's loss is null: no point to draw.
+        if let Some(loss) = v["loss"].as_f64() {
+            out.push((step as usize, loss as f32));
+        }
+    }
+    Ok(out)
 }
 
 /// `zeropp train --compare`: the same seed, data and model under plain
@@ -594,6 +604,9 @@ pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Su
         };
         c.metrics = Some(metrics.clone());
         c.summary_json = Some(dir.join(format!("{name}.json")));
+        // Each mode checkpoints (and resumes) in its own directory.
+        c.checkpoint_dir = cfg.checkpoint_dir.as_ref().map(|d| d.join(&name));
+        c.resume = cfg.resume.as_ref().map(|d| d.join(&name));
         c.plot = None;
         println!("== {name} ==");
         launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
