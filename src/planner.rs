@@ -116,20 +116,16 @@ impl PlanInput {
     /// per node across).
     fn flat_ring(&self, m: f64) -> (f64, f64) {
         let w = self.world();
-        let g = self.ranks_per_node as f64;
         let across = if self.nodes > 1 {
             (w - 1.0) / w * m
         } else {
             0.0
         };
         let inside = (w - 1.0) / w * m / self.intra_bps();
-        let t_across = if self.nodes > 1 {
-            across / self.nic_bps()
-        } else {
-            0.0
-        };
-        let _ = g;
-        ((w - 1.0) * self.alpha_s + t_across.max(inside), across)
+        (
+            (w - 1.0) * self.alpha_s + (across / self.nic_bps()).max(inside),
+            across,
+        )
     }
 
     /// A hop among `p` equal-local ranks of different nodes, every rank

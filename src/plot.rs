@@ -3,7 +3,7 @@
 //! DejaVu Sans), so no system fonts or libraries are needed.
 
 use std::path::Path;
-use std::sync::Once;
+use std::sync::OnceLock;
 
 use anyhow::{Result, anyhow, bail};
 use plotters::prelude::*;
@@ -12,10 +12,8 @@ use plotters::style::{FontStyle, register_font};
 static FONT: &[u8] = include_bytes!("../assets/DejaVuSans-ascii.ttf");
 
 fn ensure_font() -> Result<()> {
-    static REGISTER: Once = Once::new();
-    let mut ok = true;
-    REGISTER.call_once(|| ok = register_font("sans-serif", FontStyle::Normal, FONT).is_ok());
-    if ok {
+    static REGISTERED: OnceLock<bool> = OnceLock::new();
+    if *REGISTERED.get_or_init(|| register_font("sans-serif", FontStyle::Normal, FONT).is_ok()) {
         Ok(())
     } else {
         Err(anyhow!("the bundled plot font could not be loaded"))

@@ -237,7 +237,6 @@ fn nics(sys: &Path) -> Vec<Nic> {
         let kind = match read(&d.join("type")).as_deref() {
             Some("1") => NicKind::Ethernet,
             Some("32") => NicKind::Infiniband,
-            Some("772") => NicKind::Other, // loopback
             _ => NicKind::Other,
         };
         out.push(Nic {

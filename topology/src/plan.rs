@@ -72,14 +72,23 @@ fn nvlink_island(t: &Topology, g: usize) -> usize {
     island.len()
 }
 
+fn is_rdma(n: &Nic) -> bool {
+    matches!(n.kind, NicKind::Infiniband | NicKind::Roce)
+}
+
+/// The NICs traffic across nodes uses: the RDMA ones when there are any,
+/// else every routable one; fastest first.
+fn nic_pool(t: &Topology) -> Vec<&Nic> {
+    let nics = t.routable_nics();
+    if nics.iter().any(|n| is_rdma(n)) {
+        nics.into_iter().filter(|n| is_rdma(n)).collect()
+    } else {
+        nics
+    }
+}
+
 fn nic_for(t: &Topology, local: usize) -> RankNic {
-    let nics: Vec<&Nic> = t.routable_nics();
-    let rdma: Vec<&Nic> = nics
-        .iter()
-        .copied()
-        .filter(|n| matches!(n.kind, NicKind::Infiniband | NicKind::Roce))
-        .collect();
-    let pool = if rdma.is_empty() { nics } else { rdma };
+    let pool = nic_pool(t);
     if pool.is_empty() {
         return RankNic {
             local_rank: local,
@@ -141,14 +150,8 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
         let gpu = &t.gpus[0];
         pcie_gbps(gpu.link_speed.as_deref(), gpu.link_width)
     };
-    let nics = t.routable_nics();
-    let rdma = nics
-        .iter()
-        .any(|n| matches!(n.kind, NicKind::Infiniband | NicKind::Roce));
-    let pool: Vec<&&Nic> = nics
-        .iter()
-        .filter(|n| !rdma || matches!(n.kind, NicKind::Infiniband | NicKind::Roce))
-        .collect();
+    let pool = nic_pool(t);
+    let rdma = pool.iter().any(|n| is_rdma(n));
     let node_gbps: f64 = pool
         .iter()
         .map(|n| n.speed_gbps.unwrap_or(0.0))
