@@ -24,6 +24,30 @@ zeropp_install_deps() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 }
 
+# NVRTC and the CUDA headers from PyPI: the tests compile every CUDA kernel
+# with them (no GPU or CUDA installation needed).
+zeropp_install_cuda_wheels() {
+  if python3 - 2>/dev/null <<'PY'
+import os, sys, nvidia
+ok = any(os.path.exists(os.path.join(p, "cu13", "lib", "libnvrtc.so.13"))
+         and os.path.exists(os.path.join(p, "cu13", "include", "cuda_bf16.h"))
+         for p in nvidia.__path__)
+sys.exit(0 if ok else 1)
+PY
+  then
+    return 0
+  fi
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    zeropp_apt_packages+=(python3-pip)
+    zeropp_install_deps
+  fi
+  echo "installing NVRTC and the CUDA headers from PyPI (to compile-check the CUDA kernels)" >&2
+  local wheels=('nvidia-cuda-nvrtc==13.*' 'nvidia-cuda-runtime==13.*')
+  local pip=(python3 -m pip install --quiet --disable-pip-version-check)
+  "${pip[@]}" "${wheels[@]}" 2>/dev/null \
+    || "${pip[@]}" --user --break-system-packages "${wheels[@]}"
+}
+
 if ! command -v cargo >/dev/null; then
   echo "cargo not found: install Rust from https://rustup.rs first" >&2
   exit 1

@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh
+zeropp_install_cuda_wheels
 cargo test --workspace

@@ -8,6 +8,7 @@ pub mod bench_collectives;
 pub mod checkpoint;
 pub mod comm;
 pub mod comm_check;
+pub mod cuda_cli;
 pub mod data;
 pub mod engine;
 pub mod example_weights;

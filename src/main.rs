@@ -64,6 +64,9 @@ enum Command {
     /// Inspect, verify or export a checkpoint.
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// The CUDA kernels: compile-check them (no GPU needed), benchmark them.
+    #[command(subcommand)]
+    Cuda(CudaCommand),
     /// Measure the error block quantization would put on your weights.
     ///
     /// Reads every f32/bf16/f16 tensor of a safetensors file, quantizes it in
@@ -412,6 +415,38 @@ enum TopoAction {
 }
 
 #[derive(Subcommand)]
+enum CudaCommand {
+    /// Compile every kernel with NVRTC for each architecture and print
+    /// registers, shared memory, stack and spills per kernel (ptxas'
+    /// report). Any error or warning fails. Finds NVRTC and the CUDA headers
+    /// in ZEROPP_NVRTC / ZEROPP_CUDA_INCLUDE, CUDA_HOME, /usr/local/cuda, the
+    /// system library path or the nvidia wheels of python3; no GPU needed.
+    ///
+    /// Example: zeropp cuda compile-check --arch sm_80 --arch sm_90
+    CompileCheck {
+        /// Target architectures (sm_80, sm_90, ...).
+        #[arg(long = "arch", default_values_t = ["sm_80".to_string(), "sm_90".to_string()])]
+        archs: Vec<String>,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// GB/s of every kernel on a large input and the ratio to a device-to-
+    /// device copy of the same bytes, measured in the same run. Needs a GPU.
+    Bench {
+        /// MiB of f32 input.
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+        /// Timed runs per kernel (the median is shown).
+        #[arg(long, default_value_t = 10)]
+        reps: usize,
+        /// CUDA device number.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
+}
+
+#[derive(Subcommand)]
 enum CkptCommand {
     /// Print a checkpoint's manifest and verify every shard (size,
     /// checksum, contents). DIR is a checkpoint or a checkpoint directory
@@ -590,6 +625,12 @@ fn run(cli: Cli) -> Result<()> {
             let m = zeropp::checkpoint::read_manifest(&dir)?;
             let n = zeropp::checkpoint::export(&dir, &m, &out)?;
             println!("wrote {n} tensors of step {} to {}", m.step, out.display());
+        }
+        Command::Cuda(CudaCommand::CompileCheck { archs, json }) => {
+            zeropp::cuda_cli::compile_check(&archs, json)?;
+        }
+        Command::Cuda(CudaCommand::Bench { mib, reps, device }) => {
+            zeropp::cuda_cli::bench(device, mib, reps)?;
         }
         Command::QuantError {
             file,

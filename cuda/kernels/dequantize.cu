@@ -1,0 +1,67 @@
+// Dequantize int8 / int4 / int2 blocks (symmetric or asymmetric) to f32,
+// bf16 or f16, and dequantize-and-accumulate into f32 (`acc += x̂`).
+#include "common.cuh"
+
+namespace zq {
+
+// One thread per code byte (grid-stride). Corrupt block parameters are
+// reported in error slot 1 as the smallest bad block.
+template <int BITS, bool ASYM, typename T, bool ACC>
+__device__ __forceinline__ void dequantize_all(const unsigned char* codes, const float* bmax,
+                                               const float* bmin, u64 len, u32 block, T* out,
+                                               u64* err) {
+    typedef Fmt<BITS, ASYM> F;
+    const u64 groups = (len + F::PER - 1) / F::PER;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 g = (u64)blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += stride) {
+        const u64 i0 = g * F::PER;
+        const u64 b = i0 / block;
+        const float mx = bmax[b];
+        const float mn = ASYM ? bmin[b] : 0.0f;
+        if (!params_ok<ASYM>(mx, mn)) {
+            atomicMin(err + 1, b);
+            continue;
+        }
+        const u32 byte = codes[g];
+#pragma unroll
+        for (int k = 0; k < F::PER; ++k) {
+            const u64 i = i0 + k;
+            if (i < len) {
+                const float v = decode<BITS, ASYM>(byte, k, mx, mn);
+                if (ACC) {
+                    store(out, i, __fadd_rn(load(out, i), v));
+                } else {
+                    store(out, i, v);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace zq
+
+#define ZQ_DEQUANTIZE(NAME, BITS, ASYM, T, ACC)                                                  \
+    extern "C" __global__ void __launch_bounds__(zq::THREADS)                                    \
+        NAME(const unsigned char* codes, const float* bmax, const float* bmin, zq::u64 len,       \
+             zq::u32 block, T* out, zq::u64* err) {                                               \
+        zq::dequantize_all<BITS, ASYM, T, ACC>(codes, bmax, bmin, len, block, out, err);          \
+    }
+
+#define ZQ_DEQUANTIZE_TO(E, T)                                                \
+    ZQ_DEQUANTIZE(zq_dequantize_sym8_##E, 8, false, T, false)                 \
+    ZQ_DEQUANTIZE(zq_dequantize_sym4_##E, 4, false, T, false)                 \
+    ZQ_DEQUANTIZE(zq_dequantize_sym2_##E, 2, false, T, false)                 \
+    ZQ_DEQUANTIZE(zq_dequantize_asym8_##E, 8, true, T, false)                 \
+    ZQ_DEQUANTIZE(zq_dequantize_asym4_##E, 4, true, T, false)                 \
+    ZQ_DEQUANTIZE(zq_dequantize_asym2_##E, 2, true, T, false)
+
+ZQ_DEQUANTIZE_TO(f32, float)
+ZQ_DEQUANTIZE_TO(bf16, __nv_bfloat16)
+ZQ_DEQUANTIZE_TO(f16, __half)
+
+ZQ_DEQUANTIZE(zq_dequantize_acc_sym8, 8, false, float, true)
+ZQ_DEQUANTIZE(zq_dequantize_acc_sym4, 4, false, float, true)
+ZQ_DEQUANTIZE(zq_dequantize_acc_sym2, 2, false, float, true)
+ZQ_DEQUANTIZE(zq_dequantize_acc_asym8, 8, true, float, true)
+ZQ_DEQUANTIZE(zq_dequantize_acc_asym4, 4, true, float, true)
+ZQ_DEQUANTIZE(zq_dequantize_acc_asym2, 2, true, float, true)

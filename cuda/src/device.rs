@@ -1,0 +1,669 @@
+//! The GPU: a context and stream on one device, the kernel families compiled
+//! for its architecture, device buffers in zeropp-quant's formats, and the
+//! launchers. Every launcher checks sizes before launching, launches, then
+//! reads the kernel's error slots (which synchronizes the stream) and returns
+//! the first bad input the kernel saw as the same error the CPU library gives.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use half::{bf16, f16};
+use zeropp_quant::{Element, QuantError, QuantFormat, QuantizedChunks, QuantizedTensor, Rounding};
+
+use crate::compile::{Arch, cubin_cached};
+use crate::kernels::{
+    FAMILIES, Fault, THREADS, decode_corrupt_input, decode_fault, dequantize_grid,
+    dequantize_kernel, quantize_grid, quantize_kernel, sum_requantize_kernel,
+};
+use crate::toolkit::Toolkit;
+use crate::{CudaError, DriverContext};
+
+/// An element type the kernels read and write on the device.
+pub trait GpuElement: Element + DeviceRepr + ValidAsZeroBits + Default {
+    /// As kernel names spell it.
+    const TAG: &'static str;
+}
+impl GpuElement for f32 {
+    const TAG: &'static str = "f32";
+}
+impl GpuElement for bf16 {
+    const TAG: &'static str = "bf16";
+}
+impl GpuElement for f16 {
+    const TAG: &'static str = "f16";
+}
+
+/// Whether this machine can load the NVIDIA driver library at all.
+pub fn driver_present() -> bool {
+    // SAFETY: probes for the library; loads nothing else.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices (0 with no driver or no device; never panics).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+/// One device, its stream and its kernels.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: Arch,
+    modules: HashMap<&'static str, Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Two error slots (see common.cuh), reset before each checked launch.
+    err: Mutex<CudaSlice<u64>>,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every
+    /// kernel family for its architecture and loads them.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDriver);
+        }
+        let count = CudaContext::device_count().during(|| "counting devices".into())?;
+        if ordinal >= count.max(0) as usize {
+            return Err(CudaError::NoDevice {
+                ordinal,
+                reason: format!("this machine has {count} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| CudaError::NoDevice {
+            ordinal,
+            reason: e.to_string(),
+        })?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during(|| "reading the compute capability".into())?;
+        let arch = Arch::from_capability(major, minor);
+        let toolkit = Toolkit::find()?;
+        let mut modules = HashMap::new();
+        for family in &FAMILIES {
+            let cubin = cubin_cached(&toolkit, family, arch)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+                .during(|| format!("loading {} for {arch}", family.file))?;
+            modules.insert(family.name, module);
+        }
+        let stream = ctx.default_stream();
+        let err = stream
+            .alloc_zeros::<u64>(2)
+            .during(|| "allocating the error slots".into())?;
+        Ok(Gpu {
+            ctx,
+            stream,
+            arch,
+            modules,
+            functions: Mutex::new(HashMap::new()),
+            err: Mutex::new(err),
+        })
+    }
+
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    pub fn arch(&self) -> Arch {
+        self.arch
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown device".into())
+    }
+
+    /// Copies host values to a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        if host.is_empty() {
+            return self.empty();
+        }
+        self.stream
+            .clone_htod(host)
+            .during(|| format!("copying {} values to the device", host.len()))
+    }
+
+    /// Copies a device buffer back to the host.
+    pub fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaView<'_, T>,
+    ) -> Result<Vec<T>, CudaError> {
+        if dev.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.stream
+            .clone_dtoh(dev)
+            .during(|| format!("copying {} values to the host", dev.len()))
+    }
+
+    /// A zeroed device buffer of `len` values.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<CudaSlice<T>, CudaError> {
+        if len == 0 {
+            return self.empty();
+        }
+        self.stream
+            .alloc_zeros::<T>(len)
+            .during(|| format!("allocating {len} values"))
+    }
+
+    fn empty<T>(&self) -> Result<CudaSlice<T>, CudaError> {
+        self.stream
+            .null::<T>()
+            .during(|| "allocating an empty buffer".into())
+    }
+
+    fn function(&self, family: &'static str, name: &str) -> Result<CudaFunction, CudaError> {
+        let mut cache = self.functions.lock().expect("function cache poisoned");
+        if let Some(f) = cache.get(name) {
+            return Ok(f.clone());
+        }
+        let module = &self.modules[family];
+        let f = module
+            .load_function(name)
+            .during(|| format!("looking up kernel {name}"))?;
+        cache.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    fn reset_err(&self, err: &mut CudaSlice<u64>) -> Result<(), CudaError> {
+        self.stream
+            .memcpy_htod(&[u64::MAX, u64::MAX], err)
+            .during(|| "resetting the error slots".into())
+    }
+
+    fn read_err(&self, err: &CudaSlice<u64>) -> Result<[u64; 2], CudaError> {
+        let v = self
+            .stream
+            .clone_dtoh(err)
+            .during(|| "reading the error slots (the kernel may have faulted)".into())?;
+        Ok([v[0], v[1]])
+    }
+
+    /// Quantizes `input` into `out` (whose format and length say how).
+    pub fn quantize<T: GpuElement>(
+        &self,
+        input: &CudaView<'_, T>,
+        rounding: Rounding,
+        out: &mut DeviceQuantized,
+    ) -> Result<(), CudaError> {
+        size_check("input values", out.len, input.len())?;
+        let format = out.format;
+        self.quantize_chunks(
+            input,
+            QuantizeJob {
+                format,
+                chunk_len: out.len,
+                count: 1,
+                nodes: 1,
+                rpn: 1,
+                rounding,
+                part_seeds: false,
+            },
+            &mut out.codes,
+            &mut out.block_max,
+            &mut out.block_min,
+        )
+    }
+
+    /// Splits `input` into `nodes`·`ranks_per_node` equal chunks and quantizes
+    /// chunk r at its swizzled position (`zeropp_quant::quantize_swizzled`).
+    pub fn quantize_swizzled<T: GpuElement>(
+        &self,
+        input: &CudaView<'_, T>,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut DeviceQuantizedChunks,
+    ) -> Result<(), CudaError> {
+        let world = nodes * ranks_per_node;
+        if world == 0 || !input.len().is_multiple_of(world) {
+            return Err(QuantError::InvalidFormat(format!(
+                "cannot split {} values into {nodes} nodes x {ranks_per_node} ranks of equal \
+                 chunks; pad the tensor to a multiple of the world size",
+                input.len()
+            ))
+            .into());
+        }
+        let chunk_len = input.len() / world;
+        if out.count != world || out.chunk_len != chunk_len {
+            return Err(QuantError::SizeMismatch {
+                what: "swizzled chunks (count x length)",
+                expected: world * chunk_len,
+                found: out.count * out.chunk_len,
+            }
+            .into());
+        }
+        self.quantize_chunks(
+            input,
+            QuantizeJob {
+                format: out.format,
+                chunk_len,
+                count: world,
+                nodes,
+                rpn: ranks_per_node,
+                rounding,
+                part_seeds: true,
+            },
+            &mut out.codes,
+            &mut out.block_max,
+            &mut out.block_min,
+        )
+    }
+
+    fn quantize_chunks<T: GpuElement>(
+        &self,
+        input: &CudaView<'_, T>,
+        job: QuantizeJob,
+        codes: &mut CudaSlice<u8>,
+        bmax: &mut CudaSlice<f32>,
+        bmin: &mut CudaSlice<f32>,
+    ) -> Result<(), CudaError> {
+        let f = job.format;
+        let blocks = (f.num_blocks(job.chunk_len) * job.count) as u64;
+        if blocks == 0 {
+            return Ok(());
+        }
+        let (name, seed) = quantize_kernel(T::TAG, &f, job.rounding);
+        let func = self.function("quantize", &name)?;
+        let cfg = grid_config(quantize_grid(&f, blocks), &name)?;
+        let mut err = self.err.lock().expect("error slots poisoned");
+        self.reset_err(&mut err)?;
+        let (chunk_len, count, nodes, rpn, block, part) = (
+            job.chunk_len as u64,
+            job.count as u32,
+            job.nodes as u32,
+            job.rpn as u32,
+            f.block as u32,
+            u32::from(job.part_seeds),
+        );
+        let mut b = self.stream.launch_builder(&func);
+        b.arg(input)
+            .arg(&chunk_len)
+            .arg(&count)
+            .arg(&nodes)
+            .arg(&rpn)
+            .arg(&block)
+            .arg(&seed)
+            .arg(&part)
+            .arg(codes)
+            .arg(bmax)
+            .arg(bmin)
+            .arg(&mut *err);
+        // SAFETY: the arguments match the kernel's signature (quantize.cu) in
+        // order and type; every buffer was checked to hold what the kernel
+        // writes or reads for these sizes.
+        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        let [key, _] = self.read_err(&err)?;
+        let Some(fault) = decode_fault(key) else {
+            return Ok(());
+        };
+        let nb = f.num_blocks(job.chunk_len) as u64;
+        let gb = match fault {
+            Fault::NonFinite { block, .. } | Fault::RangeOverflow { block } => block,
+        };
+        let (p, block) = ((gb / nb) as usize, (gb % nb) as usize);
+        let rank = (p % job.nodes) * job.rpn + p / job.nodes;
+        let e = match fault {
+            Fault::RangeOverflow { .. } => {
+                let (min, max) = self.block_range(input, rank * job.chunk_len, block, f)?;
+                QuantError::RangeOverflow { block, min, max }
+            }
+            Fault::NonFinite { offset, .. } => {
+                let index = block * f.block + offset as usize;
+                let at = rank * job.chunk_len + index;
+                let value = self.download(&input.slice(at..at + 1))?[0].to_f32();
+                QuantError::NonFinite {
+                    block,
+                    index,
+                    value,
+                }
+            }
+        };
+        Err(if job.count == 1 {
+            e.into()
+        } else {
+            CudaError::Invalid(format!("chunk at swizzled position {p}: {e}"))
+        })
+    }
+
+    /// The min and max of one block (for a range-overflow message).
+    fn block_range<T: GpuElement>(
+        &self,
+        input: &CudaView<'_, T>,
+        chunk_start: usize,
+        block: usize,
+        f: QuantFormat,
+    ) -> Result<(f32, f32), CudaError> {
+        let start = chunk_start + block * f.block;
+        let end = (start + f.block).min(input.len());
+        let vals = self.download(&input.slice(start..end))?;
+        Ok(vals
+            .iter()
+            .map(|v| v.to_f32())
+            .fold((f32::MAX, f32::MIN), |(lo, hi), v| (lo.min(v), hi.max(v))))
+    }
+
+    /// Dequantizes `q` into `out` (f32, bf16 or f16).
+    pub fn dequantize<T: GpuElement>(
+        &self,
+        q: &DeviceQuantized,
+        out: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        self.dequantize_with(q, out, &dequantize_kernel(&q.format, Some(T::TAG)))
+    }
+
+    /// Adds the dequantized values of `q` to `acc`, in f32.
+    pub fn dequantize_accumulate(
+        &self,
+        q: &DeviceQuantized,
+        acc: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        self.dequantize_with(q, acc, &dequantize_kernel(&q.format, None))
+    }
+
+    fn dequantize_with<T: GpuElement>(
+        &self,
+        q: &DeviceQuantized,
+        out: &mut CudaViewMut<'_, T>,
+        name: &str,
+    ) -> Result<(), CudaError> {
+        size_check("output values", q.len, out.len())?;
+        if q.len == 0 {
+            return Ok(());
+        }
+        let func = self.function("dequantize", name)?;
+        let cfg = grid_config(dequantize_grid(&q.format, q.len), name)?;
+        let mut err = self.err.lock().expect("error slots poisoned");
+        self.reset_err(&mut err)?;
+        let (len, block) = (q.len as u64, q.format.block as u32);
+        let mut b = self.stream.launch_builder(&func);
+        b.arg(&q.codes)
+            .arg(&q.block_max)
+            .arg(&q.block_min)
+            .arg(&len)
+            .arg(&block)
+            .arg(out)
+            .arg(&mut *err);
+        // SAFETY: as in `quantize_chunks` (dequantize.cu's signature).
+        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        let [_, bad] = self.read_err(&err)?;
+        if bad != u64::MAX {
+            return Err(self.corrupt_params(q, bad as usize)?.into());
+        }
+        Ok(())
+    }
+
+    fn corrupt_params(&self, q: &DeviceQuantized, block: usize) -> Result<QuantError, CudaError> {
+        let max = self.download(&q.block_max.slice(block..block + 1))?[0];
+        let min = if q.block_min.is_empty() {
+            0.0
+        } else {
+            self.download(&q.block_min.slice(block..block + 1))?[0]
+        };
+        Ok(QuantError::CorruptParams { block, min, max })
+    }
+
+    /// Dequantizes every input, sums in f32 (from +0, in input order) and
+    /// quantizes the sum into `out`: the fused qgZ step. Inputs may differ in
+    /// format; all must hold `out.len` values.
+    pub fn sum_requantize(
+        &self,
+        inputs: &[&DeviceQuantized],
+        rounding: Rounding,
+        out: &mut DeviceQuantized,
+    ) -> Result<(), CudaError> {
+        for q in inputs {
+            size_check("input values", out.len, q.len)?;
+        }
+        let f = out.format;
+        let blocks = f.num_blocks(out.len) as u64;
+        if blocks == 0 {
+            return Ok(());
+        }
+        let descs: Vec<QInput> = inputs.iter().map(|q| QInput::of(q, &self.stream)).collect();
+        let descs_dev = self.upload(&descs)?;
+        let (name, seed) = sum_requantize_kernel(&f, rounding);
+        let func = self.function("qgz", &name)?;
+        let cfg = grid_config(quantize_grid(&f, blocks), &name)?;
+        let mut err = self.err.lock().expect("error slots poisoned");
+        self.reset_err(&mut err)?;
+        let (k, len, block) = (inputs.len() as u32, out.len as u64, f.block as u32);
+        let mut b = self.stream.launch_builder(&func);
+        b.arg(&descs_dev)
+            .arg(&k)
+            .arg(&len)
+            .arg(&block)
+            .arg(&seed)
+            .arg(&mut out.codes)
+            .arg(&mut out.block_max)
+            .arg(&mut out.block_min)
+            .arg(&mut *err);
+        // SAFETY: as in `quantize_chunks` (qgz.cu's signature); the input
+        // descriptors point into buffers borrowed for the whole call.
+        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        let [key, bad] = self.read_err(&err)?;
+        drop(err);
+        if let Some((j, block)) = decode_corrupt_input(bad) {
+            return Err(self.corrupt_params(inputs[j], block)?.into());
+        }
+        if let Some(fault) = decode_fault(key) {
+            let (block, offset) = match fault {
+                Fault::NonFinite { block, offset } => (block as usize, Some(offset as usize)),
+                Fault::RangeOverflow { block } => (block as usize, None),
+            };
+            // The sum is never stored: recompute the offending values on the host.
+            let host: Vec<QuantizedTensor> = inputs
+                .iter()
+                .map(|q| q.to_host(self))
+                .collect::<Result<_, _>>()?;
+            let start = block * f.block;
+            let end = (start + f.block).min(out.len);
+            let mut sum = vec![0f32; end - start];
+            for h in &host {
+                let v = h.dequantize::<f32>()?;
+                for (s, x) in sum.iter_mut().zip(&v[start..end]) {
+                    *s += x;
+                }
+            }
+            let Some(offset) = offset else {
+                let (min, max) = sum
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+                return Err(QuantError::RangeOverflow { block, min, max }.into());
+            };
+            return Err(QuantError::NonFinite {
+                block,
+                index: start + offset,
+                value: sum[offset],
+            }
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Waits for all work queued on the stream.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().during(|| "synchronizing".into())
+    }
+}
+
+struct QuantizeJob {
+    format: QuantFormat,
+    chunk_len: usize,
+    count: usize,
+    nodes: usize,
+    rpn: usize,
+    rounding: Rounding,
+    part_seeds: bool,
+}
+
+fn size_check(what: &'static str, expected: usize, found: usize) -> Result<(), CudaError> {
+    if expected == found {
+        Ok(())
+    } else {
+        Err(QuantError::SizeMismatch {
+            what,
+            expected,
+            found,
+        }
+        .into())
+    }
+}
+
+fn grid_config(grid: u64, name: &str) -> Result<LaunchConfig, CudaError> {
+    if grid == 0 || grid > i32::MAX as u64 {
+        return Err(CudaError::Invalid(format!(
+            "{name}: {grid} CUDA blocks is outside the grid limit; split the tensor"
+        )));
+    }
+    Ok(LaunchConfig {
+        grid_dim: (grid as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+/// `zq::QInput` of qgz.cu: one input of the fused kernel.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct QInput {
+    codes: u64,
+    bmax: u64,
+    bmin: u64,
+    len: u64,
+    bits: u32,
+    asym: u32,
+    block: u32,
+    reserved: u32,
+}
+// SAFETY: plain old data of integers, laid out as the kernel's struct.
+unsafe impl DeviceRepr for QInput {}
+const _: () = assert!(std::mem::size_of::<QInput>() == 48);
+
+impl QInput {
+    fn of(q: &DeviceQuantized, stream: &Arc<CudaStream>) -> QInput {
+        let ptr = |s: &CudaSlice<u8>| s.device_ptr(stream).0;
+        let ptr_f = |s: &CudaSlice<f32>| {
+            if s.is_empty() {
+                0
+            } else {
+                s.device_ptr(stream).0
+            }
+        };
+        QInput {
+            codes: ptr(&q.codes),
+            bmax: ptr_f(&q.block_max),
+            bmin: ptr_f(&q.block_min),
+            len: q.len as u64,
+            bits: q.format.bits.count(),
+            asym: u32::from(q.format.scheme == zeropp_quant::Scheme::Asymmetric),
+            block: q.format.block as u32,
+            reserved: 0,
+        }
+    }
+}
+
+/// A quantized tensor in device memory (the layout of `QuantizedTensor`).
+pub struct DeviceQuantized {
+    pub format: QuantFormat,
+    pub len: usize,
+    pub codes: CudaSlice<u8>,
+    pub block_max: CudaSlice<f32>,
+    /// Empty for the symmetric scheme.
+    pub block_min: CudaSlice<f32>,
+}
+
+impl DeviceQuantized {
+    /// Zeroed buffers for `len` values.
+    pub fn zeroed(gpu: &Gpu, format: QuantFormat, len: usize) -> Result<Self, CudaError> {
+        Ok(DeviceQuantized {
+            format,
+            len,
+            codes: gpu.zeros(format.code_bytes(len))?,
+            block_max: gpu.zeros(format.num_blocks(len))?,
+            block_min: gpu.zeros(format.num_block_mins(len))?,
+        })
+    }
+
+    /// Copies a host tensor to the device.
+    pub fn from_host(gpu: &Gpu, q: &QuantizedTensor) -> Result<Self, CudaError> {
+        Ok(DeviceQuantized {
+            format: q.format,
+            len: q.len,
+            codes: gpu.upload(&q.codes)?,
+            block_max: gpu.upload(&q.block_max)?,
+            block_min: gpu.upload(&q.block_min)?,
+        })
+    }
+
+    /// Copies the tensor back to the host.
+    pub fn to_host(&self, gpu: &Gpu) -> Result<QuantizedTensor, CudaError> {
+        Ok(QuantizedTensor {
+            format: self.format,
+            len: self.len,
+            codes: gpu.download(&self.codes.as_view())?,
+            block_max: gpu.download(&self.block_max.as_view())?,
+            block_min: gpu.download(&self.block_min.as_view())?,
+        })
+    }
+
+    /// Bytes on the wire (codes and block parameters).
+    pub fn bytes(&self) -> usize {
+        self.format.total_bytes(self.len)
+    }
+}
+
+/// W quantized chunks back to back (the layout of `QuantizedChunks`).
+pub struct DeviceQuantizedChunks {
+    pub format: QuantFormat,
+    pub chunk_len: usize,
+    pub count: usize,
+    pub codes: CudaSlice<u8>,
+    pub block_max: CudaSlice<f32>,
+    pub block_min: CudaSlice<f32>,
+}
+
+impl DeviceQuantizedChunks {
+    pub fn zeroed(
+        gpu: &Gpu,
+        format: QuantFormat,
+        chunk_len: usize,
+        count: usize,
+    ) -> Result<Self, CudaError> {
+        Ok(DeviceQuantizedChunks {
+            format,
+            chunk_len,
+            count,
+            codes: gpu.zeros(count * format.code_bytes(chunk_len))?,
+            block_max: gpu.zeros(count * format.num_blocks(chunk_len))?,
+            block_min: gpu.zeros(count * format.num_block_mins(chunk_len))?,
+        })
+    }
+
+    pub fn to_host(&self, gpu: &Gpu) -> Result<QuantizedChunks, CudaError> {
+        Ok(QuantizedChunks {
+            format: self.format,
+            chunk_len: self.chunk_len,
+            count: self.count,
+            codes: gpu.download(&self.codes.as_view())?,
+            block_max: gpu.download(&self.block_max.as_view())?,
+            block_min: gpu.download(&self.block_min.as_view())?,
+        })
+    }
+}

@@ -1,0 +1,86 @@
+//! # zeropp-cuda — the quantization kernels on NVIDIA GPUs
+//!
+//! CUDA C sources live in `cuda/kernels/` (one `.cu` file per family, a
+//! shared `common.cuh`), are compiled at run time by NVRTC for the device's
+//! architecture and cached on disk by source hash ([`compile`]), and are
+//! launched by the wrappers in [`device`], which take and return device
+//! buffers and turn every CUDA error — and every bad input the kernels find —
+//! into a [`CudaError`].
+//!
+//! The formats are zeropp-quant's, and for round-to-nearest the codes and
+//! block parameters equal the CPU library's **bit for bit** (the kernels
+//! round every operation on its own, as `quant/src/lib.rs` specifies).
+//! Stochastic rounding draws from a counter-based stream (any thread can draw
+//! any value), so stochastic codes are unbiased but differ from the CPU's.
+//!
+//! Nothing here needs a GPU or CUDA to build. NVRTC and the CUDA headers are
+//! found at run time ([`toolkit`]); with no driver or no device the device
+//! path returns [`CudaError::NoDriver`] / [`CudaError::NoDevice`] — cudarc
+//! panics on a missing library, so every entry point checks first.
+
+pub mod bench;
+pub mod compile;
+pub mod device;
+pub mod kernels;
+pub mod toolkit;
+
+pub use compile::{Arch, CompiledFamily, KernelResources, compile_family};
+pub use device::{DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement};
+pub use kernels::{FAMILIES, Family};
+pub use toolkit::Toolkit;
+
+/// What can go wrong on the GPU path.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error(
+        "NVRTC (libnvrtc.so) was not found; looked in: {searched}. Install it with \
+         `python3 -m pip install 'nvidia-cuda-nvrtc==13.*' 'nvidia-cuda-runtime==13.*'`, or \
+         install the CUDA toolkit and set CUDA_HOME (or ZEROPP_NVRTC to the library file)"
+    )]
+    NoNvrtc { searched: String },
+    #[error(
+        "the CUDA headers (cuda_fp16.h, cuda_bf16.h) were not found; looked in: {searched}. \
+         Install them with `python3 -m pip install 'nvidia-cuda-runtime==13.*'`, or install the \
+         CUDA toolkit and set CUDA_HOME (or ZEROPP_CUDA_INCLUDE to the include directory)"
+    )]
+    NoHeaders { searched: String },
+    #[error("NVRTC could not load from {path}: {reason}")]
+    NvrtcLoad { path: String, reason: String },
+    #[error("compiling {file} for {arch} failed:\n{log}")]
+    Compile {
+        file: &'static str,
+        arch: String,
+        log: String,
+    },
+    #[error(
+        "no NVIDIA driver: libcuda.so.1 could not be loaded. The GPU path needs an NVIDIA GPU \
+         with its driver installed; on a machine without one, use the CPU library (zeropp-quant)"
+    )]
+    NoDriver,
+    #[error("no CUDA device {ordinal}: {reason}")]
+    NoDevice { ordinal: usize, reason: String },
+    #[error("CUDA error in {what}: {source}")]
+    Driver {
+        what: String,
+        #[source]
+        source: cudarc::driver::DriverError,
+    },
+    #[error(transparent)]
+    Quant(#[from] zeropp_quant::QuantError),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Attaches what was being done to a driver error.
+pub(crate) trait DriverContext<T> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError>;
+}
+
+impl<T> DriverContext<T> for Result<T, cudarc::driver::DriverError> {
+    fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError> {
+        self.map_err(|source| CudaError::Driver {
+            what: what(),
+            source,
+        })
+    }
+}

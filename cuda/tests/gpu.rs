@@ -1,0 +1,276 @@
+//! The kernels against the CPU library, on a GPU.
+//!
+//! Marked `#[ignore]` because they need an NVIDIA GPU: `cuda/check-on-gpu.sh`
+//! runs them with `--ignored`, and there a missing GPU is a failure, not a
+//! skip. `no_gpu_is_a_clear_error` runs everywhere.
+
+use half::{bf16, f16};
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+use zeropp_cuda::device::{device_count, driver_present};
+use zeropp_cuda::{CudaError, DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement};
+use zeropp_quant::{
+    Bits, QuantError, QuantFormat, QuantizedChunks, QuantizedTensor, Rounding, Scheme,
+    quantize_swizzled, sum_requantize,
+};
+
+const FORMATS: [(Bits, Scheme); 6] = [
+    (Bits::Eight, Scheme::Symmetric),
+    (Bits::Four, Scheme::Symmetric),
+    (Bits::Two, Scheme::Symmetric),
+    (Bits::Eight, Scheme::Asymmetric),
+    (Bits::Four, Scheme::Asymmetric),
+    (Bits::Two, Scheme::Asymmetric),
+];
+const BLOCKS: [usize; 5] = [32, 64, 256, 2048, 65536];
+const LENGTHS: [usize; 6] = [1, 31, 33, 1000, 4099, 70001];
+
+fn gpu() -> Gpu {
+    Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
+}
+
+/// Values of mixed magnitudes, with an all-zero stretch and a constant stretch.
+fn values<T: GpuElement>(len: usize, seed: u64) -> Vec<T> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    (0..len)
+        .map(|i| {
+            let v = match (i / 97) % 5 {
+                0 => 0.0,
+                1 => 0.75,
+                2 => rng.random_range(-1.0f32..1.0) * 1e-3,
+                3 => rng.random_range(-1.0f32..1.0) * 40.0,
+                _ => rng.random_range(-1.0f32..1.0),
+            };
+            T::from_f32(v)
+        })
+        .collect()
+}
+
+fn assert_same(gpu_q: &QuantizedTensor, cpu_q: &QuantizedTensor, what: &str) {
+    assert_eq!(gpu_q.codes, cpu_q.codes, "codes differ: {what}");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&gpu_q.block_max),
+        bits(&cpu_q.block_max),
+        "maxima differ: {what}"
+    );
+    assert_eq!(
+        bits(&gpu_q.block_min),
+        bits(&cpu_q.block_min),
+        "minima differ: {what}"
+    );
+}
+
+fn roundtrip_element<T: GpuElement + PartialEq + std::fmt::Debug>(g: &Gpu) {
+    for (bits, scheme) in FORMATS {
+        for block in BLOCKS {
+            let f = QuantFormat::new(bits, scheme, block).unwrap();
+            for (k, len) in LENGTHS.into_iter().enumerate() {
+                let what = format!("{} {f} len {len}", T::TAG);
+                let x: Vec<T> = values(len, k as u64);
+                let cpu = QuantizedTensor::quantize(&x, f, Rounding::NearestEven).unwrap();
+                let dx = g.upload(&x).unwrap();
+                let mut dq = DeviceQuantized::zeroed(g, f, len).unwrap();
+                g.quantize(&dx.as_view(), Rounding::NearestEven, &mut dq)
+                    .unwrap();
+                assert_same(&dq.to_host(g).unwrap(), &cpu, &what);
+
+                // Dequantize to the same type, and accumulate into f32.
+                let want: Vec<T> = cpu.dequantize().unwrap();
+                let mut out = g.zeros::<T>(len).unwrap();
+                g.dequantize(&dq, &mut out.as_view_mut()).unwrap();
+                assert_eq!(
+                    g.download(&out.as_view()).unwrap(),
+                    want,
+                    "dequantize {what}"
+                );
+                let base: Vec<f32> = values(len, 99);
+                let mut acc_cpu = base.clone();
+                zeropp_quant::dequantize_accumulate(cpu.as_ref(), &mut acc_cpu).unwrap();
+                let mut acc = g.upload(&base).unwrap();
+                g.dequantize_accumulate(&dq, &mut acc.as_view_mut())
+                    .unwrap();
+                let got = g.download(&acc.as_view()).unwrap();
+                assert_eq!(
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    acc_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "accumulate {what}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn quantize_and_dequantize_match_the_cpu_bit_for_bit() {
+    let g = gpu();
+    roundtrip_element::<f32>(&g);
+    roundtrip_element::<bf16>(&g);
+    roundtrip_element::<f16>(&g);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn swizzled_quantize_matches_the_cpu() {
+    let g = gpu();
+    for (nodes, rpn) in [(1, 1), (2, 2), (3, 2), (2, 4)] {
+        for (bits, scheme) in FORMATS {
+            let f = QuantFormat::new(bits, scheme, 32).unwrap();
+            let world = nodes * rpn;
+            let chunk = 1000 + 3; // partial last block in every chunk
+            let x: Vec<f32> = values(world * chunk, world as u64);
+            let mut cpu = QuantizedChunks::zeroed(f, chunk, world);
+            quantize_swizzled(&x, nodes, rpn, Rounding::NearestEven, &mut cpu).unwrap();
+            let dx = g.upload(&x).unwrap();
+            let mut dq = DeviceQuantizedChunks::zeroed(&g, f, chunk, world).unwrap();
+            g.quantize_swizzled(&dx.as_view(), nodes, rpn, Rounding::NearestEven, &mut dq)
+                .unwrap();
+            assert_eq!(dq.to_host(&g).unwrap(), cpu, "{nodes}x{rpn} {f}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn fused_sum_requantize_matches_the_cpu() {
+    let g = gpu();
+    let len = 5000 + 17;
+    // Inputs in different formats, as the CPU library allows.
+    let in_formats = [
+        QuantFormat::int4(32).unwrap(),
+        QuantFormat::int8(256).unwrap(),
+        QuantFormat::new(Bits::Four, Scheme::Asymmetric, 64).unwrap(),
+    ];
+    let inputs: Vec<QuantizedTensor> = in_formats
+        .iter()
+        .enumerate()
+        .map(|(k, f)| {
+            QuantizedTensor::quantize(
+                &values::<f32>(len, 10 + k as u64),
+                *f,
+                Rounding::NearestEven,
+            )
+            .unwrap()
+        })
+        .collect();
+    let dev: Vec<DeviceQuantized> = inputs
+        .iter()
+        .map(|q| DeviceQuantized::from_host(&g, q).unwrap())
+        .collect();
+    for (bits, scheme) in FORMATS {
+        for block in [32, 2048] {
+            let f = QuantFormat::new(bits, scheme, block).unwrap();
+            let mut cpu = QuantizedTensor::zeroed(f, len);
+            let refs: Vec<_> = inputs.iter().map(|q| q.as_ref()).collect();
+            sum_requantize(&refs, Rounding::NearestEven, cpu.as_mut(), &mut Vec::new()).unwrap();
+            let mut out = DeviceQuantized::zeroed(&g, f, len).unwrap();
+            let drefs: Vec<&DeviceQuantized> = dev.iter().collect();
+            g.sum_requantize(&drefs, Rounding::NearestEven, &mut out)
+                .unwrap();
+            assert_same(&out.to_host(&g).unwrap(), &cpu, &format!("sum into {f}"));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn stochastic_codes_are_neighbours_and_unbiased() {
+    let g = gpu();
+    let f = QuantFormat::int4(256).unwrap();
+    let len = 256;
+    // One block: absmax 7 makes the scale 1, so x / scale = x.
+    let mut x: Vec<f32> = (0..len).map(|i| (i % 13) as f32 * 0.5 - 3.1).collect();
+    x[0] = 7.0;
+    let dx = g.upload(&x).unwrap();
+    let trials = 400;
+    let mut mean = vec![0f64; len];
+    for t in 0..trials {
+        let mut dq = DeviceQuantized::zeroed(&g, f, len).unwrap();
+        g.quantize(&dx.as_view(), Rounding::Stochastic { seed: t }, &mut dq)
+            .unwrap();
+        let back: Vec<f32> = dq.to_host(&g).unwrap().dequantize().unwrap();
+        for (i, (&v, &b)) in x.iter().zip(&back).enumerate() {
+            assert!(b == v.floor() || b == v.ceil(), "value {v} became {b}");
+            mean[i] += f64::from(b) / trials as f64;
+        }
+    }
+    for (i, (&v, m)) in x.iter().zip(&mean).enumerate() {
+        // Bernoulli with p <= 1: standard error <= 0.5/sqrt(400) = 0.025.
+        assert!(
+            (m - f64::from(v)).abs() < 0.1,
+            "element {i}: {v} averaged {m}"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn bad_input_is_the_cpu_librarys_error() {
+    let g = gpu();
+    let f = QuantFormat::int8(64).unwrap();
+    let mut x: Vec<f32> = values(1000, 3);
+    x[700] = f32::NAN;
+    x[900] = f32::INFINITY;
+    let cpu_err = QuantizedTensor::quantize(&x, f, Rounding::NearestEven).unwrap_err();
+    let dx = g.upload(&x).unwrap();
+    let mut dq = DeviceQuantized::zeroed(&g, f, x.len()).unwrap();
+    match g.quantize(&dx.as_view(), Rounding::NearestEven, &mut dq) {
+        Err(CudaError::Quant(e)) => assert_eq!(e.to_string(), cpu_err.to_string()),
+        other => panic!("expected {cpu_err}, got {other:?}"),
+    }
+
+    // Asymmetric range overflow.
+    let fa = QuantFormat::new(Bits::Eight, Scheme::Asymmetric, 32).unwrap();
+    let mut y = vec![0f32; 64];
+    y[40] = f32::MAX;
+    y[41] = -f32::MAX;
+    let dy = g.upload(&y).unwrap();
+    let mut dqa = DeviceQuantized::zeroed(&g, fa, 64).unwrap();
+    let e = g
+        .quantize(&dy.as_view(), Rounding::NearestEven, &mut dqa)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CudaError::Quant(QuantError::RangeOverflow { block: 1, .. })
+        ),
+        "{e}"
+    );
+
+    // Corrupt block parameters when dequantizing.
+    let mut q =
+        QuantizedTensor::quantize(&values::<f32>(300, 4), f, Rounding::NearestEven).unwrap();
+    q.block_max[3] = -1.0;
+    let dq = DeviceQuantized::from_host(&g, &q).unwrap();
+    let mut out = g.zeros::<f32>(300).unwrap();
+    let e = g.dequantize(&dq, &mut out.as_view_mut()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            CudaError::Quant(QuantError::CorruptParams { block: 3, .. })
+        ),
+        "{e}"
+    );
+
+    // Sizes that do not fit are refused before any launch.
+    let mut small = g.zeros::<f32>(10).unwrap();
+    assert!(g.dequantize(&dq, &mut small.as_view_mut()).is_err());
+}
+
+#[test]
+fn no_gpu_is_a_clear_error() {
+    if driver_present() && device_count() > 0 {
+        // With a GPU, opening works (the ignored tests use it).
+        Gpu::open(0).unwrap();
+        let e = Gpu::open(device_count()).err().expect("no such device");
+        assert!(matches!(e, CudaError::NoDevice { .. }), "{e}");
+    } else {
+        let e = Gpu::open(0).err().expect("no GPU here");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("libcuda.so.1") || msg.contains("CUDA device"),
+            "unclear error: {msg}"
+        );
+    }
+}
