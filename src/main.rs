@@ -39,7 +39,8 @@ enum Command {
     /// and locality (virtual ones marked and not routed).
     ///
     /// Examples: zeropp topo; zeropp topo --json;
-    /// zeropp topo --sysfs-root captured/; zeropp topo --nvidia-smi-topo topo.txt
+    /// zeropp topo --sysfs-root captured/; zeropp topo --nvidia-smi-topo topo.txt;
+    /// zeropp topo --nccl-xml topo.xml
     Topo {
         #[command(subcommand)]
         action: Option<TopoAction>,
@@ -49,6 +50,9 @@ enum Command {
         /// Parse the text of `nvidia-smi topo -m` instead.
         #[arg(long, global = true, conflicts_with = "sysfs_root")]
         nvidia_smi_topo: Option<PathBuf>,
+        /// Read an NCCL topology dump (NCCL_TOPO_DUMP_FILE) instead.
+        #[arg(long, global = true, conflicts_with_all = ["sysfs_root", "nvidia_smi_topo"])]
+        nccl_xml: Option<PathBuf>,
         /// Print JSON instead of the human view.
         #[arg(long, global = true)]
         json: bool,
@@ -544,17 +548,22 @@ fn run(cli: Cli) -> Result<()> {
             action,
             sysfs_root,
             nvidia_smi_topo,
+            nccl_xml,
             json,
         } => {
-            let topo = match nvidia_smi_topo {
-                Some(f) => {
-                    let text = std::fs::read_to_string(&f)
-                        .with_context(|| format!("cannot read {}", f.display()))?;
-                    zeropp_topology::smi::parse(&text).with_context(|| {
-                        format!("{} is not `nvidia-smi topo -m` output", f.display())
-                    })?
+            let read = |f: &PathBuf| {
+                std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))
+            };
+            let topo = match (nvidia_smi_topo, nccl_xml) {
+                (Some(f), _) => zeropp_topology::smi::parse(&read(&f)?).with_context(|| {
+                    format!("{} is not `nvidia-smi topo -m` output", f.display())
+                })?,
+                (_, Some(f)) => {
+                    let host = f.file_stem().map(|s| s.to_string_lossy().into_owned());
+                    zeropp_topology::nccl::parse(&read(&f)?, host.as_deref().unwrap_or("nccl-xml"))
+                        .with_context(|| format!("{} is not an NCCL topology dump", f.display()))?
                 }
-                None => zeropp_topology::detect::detect(
+                (None, None) => zeropp_topology::detect::detect(
                     sysfs_root.as_deref().unwrap_or(std::path::Path::new("/")),
                 )?,
             };

@@ -53,3 +53,51 @@ fn topo_describes_this_machine_captures_it_and_names_bad_input() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("no sysfs here"));
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn topo_reads_an_nccl_dump_and_plans_from_it() {
+    let xml = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/topology/tests/data/nccl_dgx_a100.xml"
+    );
+    let o = zeropp(&["topo", "--nccl-xml", xml, "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["hostname"], "nccl_dgx_a100");
+    assert_eq!(j["gpus"].as_array().unwrap().len(), 8);
+    assert_eq!(j["gpu_links"][0]["kind"], "nvlink");
+    assert_eq!(j["gpu_links"][0]["count"], 12);
+    assert_eq!(j["nics"][0]["kind"], "infiniband");
+    let o = zeropp(&[
+        "topo",
+        "plan",
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "8",
+        "--nccl-xml",
+        xml,
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.contains("mlx5_0") && text.contains("NCCL over RDMA"),
+        "{text}"
+    );
+
+    let dir = std::env::temp_dir().join(format!("zeropp-topo-xml-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.xml");
+    std::fs::write(
+        &bad,
+        "<system>\n  <cpu numaid=\"0\">\n    <pci busid=\"0000:01:00.0\">\n",
+    )
+    .unwrap();
+    let o = zeropp(&["topo", "--nccl-xml", bad.to_str().unwrap()]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("not an NCCL topology dump") && e.contains("line "),
+        "{e}"
+    );
+}

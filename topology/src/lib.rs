@@ -10,6 +10,7 @@
 
 pub mod capture;
 pub mod detect;
+pub mod nccl;
 pub mod plan;
 pub mod smi;
 
