@@ -153,11 +153,11 @@ pub fn parse(text: &str, hostname: &str) -> Result<Topology, TopoError> {
             });
         }
         for d in cpu.descendants() {
+            // Other elements (pci, nic, nvlink, and what newer NCCL
+            // versions add) are read through these two or skipped.
             match d.tag_name().name() {
                 "gpu" => gpus.push(gpu_facts(&doc, d, numa)?),
                 "net" => nics.push(net_facts(&doc, d, numa)?),
-                "pci" | "cpu" | "nic" | "nvlink" | "" | "c2c" | "nvs" => {}
-                // Unknown elements of newer NCCL versions are skipped.
                 _ => {}
             }
         }
@@ -221,7 +221,7 @@ fn gpu_facts(
         let count = number(doc, l, "count", attr(doc, l, "count")?)?;
         let switch = l
             .attribute("tclass")
-            .is_some_and(|c| c.trim().to_ascii_lowercase() == "0x068000");
+            .is_some_and(|c| c.trim().eq_ignore_ascii_case("0x068000"));
         nvlinks.push((target, count, switch));
     }
     Ok(GpuFacts {
