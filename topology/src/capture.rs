@@ -126,6 +126,18 @@ pub fn capture(root: &Path) -> Vec<Entry> {
             }
         }
     }
+    // NVML's facts (names, memory, NVLinks): from the driver when capturing
+    // this machine, copied when re-capturing a capture.
+    let nvml_file = root.join(crate::nvml::CAPTURE_PATH);
+    if nvml_file.is_file() {
+        c.file(&nvml_file);
+    } else if root == Path::new("/")
+        && let Ok(Some(facts)) = crate::nvml::query()
+        && let Ok(json) = serde_json::to_vec_pretty(&facts)
+    {
+        c.entries
+            .push(Entry::File(PathBuf::from(crate::nvml::CAPTURE_PATH), json));
+    }
     let mut seen = std::collections::HashSet::new();
     let mut out: Vec<Entry> = c
         .entries

@@ -183,6 +183,7 @@ fn gpus(sys: &Path) -> Vec<(Gpu, Option<PciPlace>)> {
             name: read(&d.join("label")).filter(|s| !s.is_empty()),
             link_speed: read(&d.join("current_link_speed")),
             link_width: read(&d.join("current_link_width")).and_then(|w| w.parse().ok()),
+            memory_mib: None,
         };
         out.push((gpu, place));
     }
@@ -326,13 +327,36 @@ pub fn detect(root: &Path) -> Result<Topology, TopoError> {
             });
         }
     }
-    Ok(Topology {
+    let mut topo = Topology {
         hostname,
         numa_nodes,
         gpus: found.into_iter().map(|(g, _)| g).collect(),
         gpu_links,
         nics: nics(&sys),
-    })
+    };
+    // The driver's facts: live on this machine, from the capture elsewhere.
+    let captured = root.join(crate::nvml::CAPTURE_PATH);
+    let facts = if captured.is_file() {
+        let text = std::fs::read_to_string(&captured).map_err(|e| TopoError::Read {
+            path: captured.display().to_string(),
+            what: e.to_string(),
+        })?;
+        Some(serde_json::from_str(&text).map_err(|e| TopoError::Read {
+            path: captured.display().to_string(),
+            what: format!("not NVML facts as `zeropp topo capture` writes them: {e}"),
+        })?)
+    } else if root == Path::new("/") && !topo.gpus.is_empty() {
+        crate::nvml::query().map_err(|what| TopoError::Read {
+            path: "NVML (libnvidia-ml.so.1)".into(),
+            what,
+        })?
+    } else {
+        None
+    };
+    if let Some(f) = facts {
+        crate::nvml::apply(&mut topo, &f);
+    }
+    Ok(topo)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@
 pub mod capture;
 pub mod detect;
 pub mod nccl;
+pub mod nvml;
 pub mod plan;
 pub mod smi;
 
@@ -45,6 +46,9 @@ pub struct Gpu {
     /// and width in lanes.
     pub link_speed: Option<String>,
     pub link_width: Option<u32>,
+    /// Memory from NVML, when the driver (or a capture) says.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_mib: Option<u64>,
 }
 
 /// The PCIe path between two devices, in `nvidia-smi topo -m` terms.

@@ -21,8 +21,7 @@
 //! Malformed XML, a missing attribute or a bad number is an error with the
 //! line number.
 
-use std::collections::BTreeMap;
-
+use crate::nvml::{norm_bus_id as norm_busid, nvlink_count};
 use crate::{Gpu, GpuLink, LinkKind, Nic, NicKind, NumaNode, PciePath, TopoError, Topology};
 
 fn err_at(doc: &roxmltree::Document, node: roxmltree::Node, what: impl Into<String>) -> TopoError {
@@ -91,15 +90,6 @@ pub fn affinity_to_cpulist(mask: &str) -> Option<(String, usize)> {
     }
     let count = bits.iter().filter(|b| **b).count();
     Some((ranges.join(","), count))
-}
-
-/// The PCIe busid in sysfs spelling (lower case, 4-digit domain).
-fn norm_busid(b: &str) -> String {
-    let b = b.trim().to_ascii_lowercase();
-    match b.split_once(':') {
-        Some((dom, rest)) if dom.len() > 4 => format!("{}:{rest}", &dom[dom.len() - 4..]),
-        _ => b,
-    }
 }
 
 struct GpuFacts {
@@ -187,6 +177,7 @@ pub fn parse(text: &str, hostname: &str) -> Result<Topology, TopoError> {
                 name: None,
                 link_speed: g.link_speed.clone(),
                 link_width: g.link_width,
+                memory_mib: None,
             })
             .collect(),
         gpu_links: links,
@@ -274,34 +265,31 @@ fn net_facts(
 }
 
 fn gpu_links(gpus: &[GpuFacts]) -> Vec<GpuLink> {
-    let by_bus: BTreeMap<&str, usize> = gpus
+    let buses: Vec<&str> = gpus.iter().map(|g| g.busid.as_str()).collect();
+    // One entry per link, as NVML lists them; switch ends under one name.
+    let ends: Vec<Vec<String>> = gpus
         .iter()
-        .enumerate()
-        .map(|(i, g)| (g.busid.as_str(), i))
+        .map(|g| {
+            g.nvlinks
+                .iter()
+                .flat_map(|(t, c, sw)| {
+                    let end = if *sw {
+                        "nvswitch".to_string()
+                    } else {
+                        t.clone()
+                    };
+                    std::iter::repeat_n(end, *c as usize)
+                })
+                .collect()
+        })
         .collect();
-    // Links to switches per GPU (any target that is not a GPU is a switch).
-    let switch_links = |g: &GpuFacts| -> u32 {
-        g.nvlinks
-            .iter()
-            .filter(|(t, _, sw)| *sw || !by_bus.contains_key(t.as_str()))
-            .map(|(_, c, _)| *c)
-            .sum()
-    };
     let mut out = Vec::new();
     for i in 0..gpus.len() {
         for j in i + 1..gpus.len() {
             let (a, b) = (&gpus[i], &gpus[j]);
-            let direct: u32 = a
-                .nvlinks
-                .iter()
-                .filter(|(t, _, _)| *t == b.busid)
-                .map(|(_, c, _)| *c)
-                .sum();
-            let switched = switch_links(a).min(switch_links(b));
-            let link = if direct + switched > 0 {
-                LinkKind::Nvlink {
-                    count: direct + switched,
-                }
+            let count = nvlink_count(&ends[i], &b.busid, &ends[j], |t| buses.contains(&t));
+            let link = if count > 0 {
+                LinkKind::Nvlink { count }
             } else {
                 LinkKind::Pcie {
                     path: pcie_path(a, b),

@@ -184,6 +184,7 @@ pub fn parse(text: &str) -> Result<Topology, TopoError> {
             name: None,
             link_speed: None,
             link_width: None,
+            memory_mib: None,
         });
     }
     let nics = devices[ngpu..]

@@ -122,6 +122,33 @@ impl Tree {
         self
     }
 
+    /// NVML's facts as `zeropp topo capture` stores them: per GPU (bus id)
+    /// its name, memory and the bus id at the other end of each NVLink.
+    fn nvml(&self, gpus: &[(&str, &str, u64, Vec<String>)]) -> &Self {
+        let facts = zeropp_topology::nvml::NvmlFacts {
+            driver_version: "550.54.15".into(),
+            gpus: gpus
+                .iter()
+                .map(|(bus, name, mib, links)| zeropp_topology::nvml::NvmlGpu {
+                    pci_bus_id: bus.to_string(),
+                    name: name.to_string(),
+                    memory_mib: *mib,
+                    nvlinks: links
+                        .iter()
+                        .map(|l| zeropp_topology::nvml::NvLink {
+                            remote_pci_bus_id: l.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        self.file(
+            zeropp_topology::nvml::CAPTURE_PATH,
+            &serde_json::to_string_pretty(&facts).unwrap(),
+        );
+        self
+    }
+
     fn detect(&self) -> Topology {
         detect(&self.root).unwrap()
     }
@@ -468,4 +495,200 @@ fn plan_on_a_pcie_box_with_nvlink_pairs_keeps_hpz_on_the_pairs() {
     assert!(p.hpz_why.contains("NVLink islands of 2"));
     assert!(p.hops[0].why.contains("PCIe"));
     assert_eq!(p.qgz_bits, [4, 4]);
+}
+
+/// A DGX A100: 2 AMD sockets, 4 PCIe switches, each with 2 GPUs and 2 HDR
+/// InfiniBand NICs; 6 NVSwitches, 12 NVLinks per GPU (2 to each switch), as
+/// NVML reports them (NVML spells bus ids with an 8-digit domain).
+fn dgx_a100(t: &Tree) -> Vec<String> {
+    t.host("dgx-a100-07", &["0-63,128-191", "64-127,192-255"]);
+    let mut buses = Vec::new();
+    for sw in 0..4 {
+        let numa = sw / 2;
+        let root = format!("pci0000:{:02x}", sw * 0x40);
+        let rp = format!("0000:{:02x}:01.1", sw * 0x40);
+        let up = format!("0000:{:02x}:00.0", sw * 0x40 + 1);
+        for k in 0..4 {
+            let dp = format!("0000:{:02x}:{:02x}.0", sw * 0x40 + 2, k * 4);
+            let ep = format!("0000:{:02x}:00.0", sw * 0x40 + 3 + k);
+            let p = format!("{root}/{rp}/{up}/{dp}/{ep}");
+            if k % 2 == 0 {
+                t.gpu(&p, numa);
+                buses.push(ep);
+            } else {
+                let n = sw * 2 + k / 2;
+                t.ib(
+                    &format!("mlx5_{n}"),
+                    &p,
+                    numa,
+                    "InfiniBand",
+                    "200 Gb/sec (4X HDR)",
+                );
+            }
+        }
+    }
+    t.eth(
+        "enp226s0",
+        "pci0000:e0/0000:e0:03.1/0000:e2:00.0",
+        1,
+        100000,
+    )
+    .virtual_net("lo", false)
+    .virtual_net("docker0", true);
+    let switches: Vec<String> = (0..6)
+        .map(|s| format!("00000000:{:02x}:00.0", 0xf0 + s))
+        .collect();
+    let links: Vec<String> = switches
+        .iter()
+        .flat_map(|s| [s.clone(), s.clone()])
+        .collect();
+    let facts: Vec<(&str, &str, u64, Vec<String>)> = buses
+        .iter()
+        .map(|b| (b.as_str(), "NVIDIA A100-SXM4-80GB", 81920, links.clone()))
+        .collect();
+    t.nvml(&facts);
+    buses
+}
+
+#[test]
+fn dgx_a100_nvswitch_links_from_nvml_and_hdr_infiniband() {
+    use zeropp_topology::plan::plan;
+    let t = Tree::new("dgx-a100");
+    let buses = dgx_a100(&t);
+    let topo = t.detect();
+    assert_eq!(topo.gpus.len(), 8);
+    assert_eq!(
+        topo.gpus
+            .iter()
+            .map(|g| g.pci_bus_id.clone())
+            .collect::<Vec<_>>(),
+        buses
+    );
+    assert_eq!(topo.gpus[3].name.as_deref(), Some("NVIDIA A100-SXM4-80GB"));
+    assert_eq!(topo.gpus[3].memory_mib, Some(81920));
+    assert_eq!(topo.gpu_links.len(), 28);
+    for l in &topo.gpu_links {
+        assert_eq!(
+            l.link,
+            LinkKind::Nvlink { count: 12 },
+            "GPU{}-GPU{}",
+            l.a,
+            l.b
+        );
+    }
+    let ib: Vec<_> = topo
+        .nics
+        .iter()
+        .filter(|n| n.kind == NicKind::Infiniband)
+        .collect();
+    assert_eq!(ib.len(), 8);
+    assert!(ib.iter().all(|n| n.speed_gbps == Some(200.0)));
+    assert_eq!(ib[5].numa_node, Some(1));
+    let p = plan(&topo, 16, 8).unwrap();
+    assert_eq!(p.hpz_group, 8, "{}", p.render());
+    assert_eq!(p.hops[0].transport, "NCCL", "{}", p.render());
+    // 12 NVLinks x 25 GB/s inside; 8 x 200 Gb/s = 200 GB/s per node across.
+    assert!(
+        (p.hops[0].gbps_per_rank - 300.0).abs() < 1e-9,
+        "{}",
+        p.render()
+    );
+    assert!(
+        (p.hops[1].gbps_per_rank - 25.0).abs() < 1e-9,
+        "{}",
+        p.render()
+    );
+    assert_eq!(p.qgz_bits, [4, 4], "{}", p.render());
+    let nics: Vec<_> = p.rank_nics.iter().map(|r| r.nic.clone().unwrap()).collect();
+    // Each GPU takes the HDR NIC beside it on its own switch.
+    assert_eq!(
+        nics,
+        (0..8).map(|i| format!("mlx5_{i}")).collect::<Vec<_>>()
+    );
+    let env: std::collections::BTreeMap<_, _> = p.env.iter().cloned().collect();
+    assert_eq!(
+        env.get("NCCL_IB_DISABLE").map(String::as_str),
+        Some("0"),
+        "{:?}",
+        p.env
+    );
+}
+
+#[test]
+fn nvlink_bridge_workstation_with_one_gigabit_ethernet() {
+    use zeropp_topology::plan::plan;
+    let t = Tree::new("bridge");
+    t.host("ws-bridge", &["0-15"]);
+    t.gpu("pci0000:00/0000:00:01.1/0000:01:00.0", 0)
+        .gpu("pci0000:00/0000:00:03.1/0000:2d:00.0", 0)
+        .eth("enp5s0", "pci0000:00/0000:00:02.2/0000:05:00.0", 0, 1000)
+        .virtual_net("lo", false);
+    let to = |b: &str| vec![b.to_string(); 4];
+    t.nvml(&[
+        (
+            "00000000:01:00.0",
+            "NVIDIA RTX A6000",
+            49140,
+            to("00000000:2D:00.0"),
+        ),
+        (
+            "00000000:2D:00.0",
+            "NVIDIA RTX A6000",
+            49140,
+            to("00000000:01:00.0"),
+        ),
+    ]);
+    let topo = t.detect();
+    assert_eq!(topo.gpu_links.len(), 1);
+    assert_eq!(topo.gpu_links[0].link, LinkKind::Nvlink { count: 4 });
+    assert_eq!(topo.gpus[1].name.as_deref(), Some("NVIDIA RTX A6000"));
+    let eth: Vec<_> = topo.routable_nics();
+    assert_eq!(eth.len(), 1);
+    assert_eq!(
+        (eth[0].name.as_str(), eth[0].speed_gbps),
+        ("enp5s0", Some(1.0))
+    );
+    let p = plan(&topo, 2, 2).unwrap();
+    assert_eq!(p.hpz_group, 2, "{}", p.render());
+    assert_eq!(p.hops[1].transport, "NCCL over TCP", "{}", p.render());
+    // 1 Gbit/s shared by two ranks: 62.5 MB/s each; int4 on both hops.
+    assert!(
+        (p.hops[1].gbps_per_rank - 0.0625).abs() < 1e-9,
+        "{}",
+        p.render()
+    );
+    assert_eq!((p.qwz_bits, p.qgz_bits), (8, [4, 4]), "{}", p.render());
+    let env: std::collections::BTreeMap<_, _> = p.env.iter().cloned().collect();
+    assert_eq!(
+        env.get("NCCL_SOCKET_IFNAME").map(String::as_str),
+        Some("enp5s0")
+    );
+}
+
+#[test]
+fn damaged_nvml_facts_in_a_capture_are_named() {
+    let t = Tree::new("bad-nvml");
+    t.host("h", &["0-3"]);
+    t.file(zeropp_topology::nvml::CAPTURE_PATH, "{ not json");
+    let e = detect(&t.root).unwrap_err().to_string();
+    assert!(
+        e.contains("nvml.json") && e.contains("not NVML facts"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_capture_carries_the_nvml_facts() {
+    use zeropp_topology::capture::{Entry, capture};
+    let t = Tree::new("cap-nvml");
+    dgx_a100(&t);
+    let entries = capture(&t.root);
+    let nvml = entries.iter().find_map(|e| match e {
+        Entry::File(p, bytes) if p == Path::new(zeropp_topology::nvml::CAPTURE_PATH) => Some(bytes),
+        _ => None,
+    });
+    let facts: zeropp_topology::nvml::NvmlFacts =
+        serde_json::from_slice(nvml.expect("nvml.json not captured")).unwrap();
+    assert_eq!(facts.gpus.len(), 8);
+    assert_eq!(facts.gpus[0].nvlinks.len(), 12);
 }
