@@ -692,3 +692,41 @@ fn a_capture_carries_the_nvml_facts() {
     assert_eq!(facts.gpus.len(), 8);
     assert_eq!(facts.gpus[0].nvlinks.len(), 12);
 }
+
+#[test]
+fn hgx_h100_nv18_through_four_nvswitches() {
+    use zeropp_topology::plan::plan;
+    let t = Tree::new("hgx-nv18");
+    hgx(&t);
+    let buses: Vec<String> = t
+        .detect()
+        .gpus
+        .iter()
+        .map(|g| g.pci_bus_id.clone())
+        .collect();
+    // 18 links per GPU over 4 NVSwitches (5 + 4 + 4 + 5), as on HGX H100.
+    let links: Vec<String> = [5, 4, 4, 5]
+        .iter()
+        .enumerate()
+        .flat_map(|(s, n)| std::iter::repeat_n(format!("00000000:{:02x}:00.0", 0xf0 + s), *n))
+        .collect();
+    let facts: Vec<(&str, &str, u64, Vec<String>)> = buses
+        .iter()
+        .map(|b| (b.as_str(), "NVIDIA H100 80GB HBM3", 81559, links.clone()))
+        .collect();
+    t.nvml(&facts);
+    let topo = t.detect();
+    assert!(
+        topo.gpu_links
+            .iter()
+            .all(|l| l.link == LinkKind::Nvlink { count: 18 })
+    );
+    let p = plan(&topo, 2, 8).unwrap();
+    // 18 NVLinks x 25 GB/s inside the node.
+    assert!(
+        (p.hops[0].gbps_per_rank - 450.0).abs() < 1e-9,
+        "{}",
+        p.render()
+    );
+    assert_eq!(p.hpz_group, 8);
+}
