@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: a small ZeRO++ training run on this machine — 2 logical
-# nodes x 2 ranks over TCP, built-in corpus, no download — with a summary
+# nodes x 2 ranks over UCX (TCP if UCX is missing), built-in corpus, no download — with a summary
 # and a loss plot.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -27,7 +27,8 @@ enum Command {
     /// Train the built-in byte-level GPT with ZeRO-3 or ZeRO++ sharding.
     ///
     /// Run as is, it launches itself as 2 logical nodes x 2 ranks on this
-    /// machine (TCP between ranks) in ZeRO++ mode on a built-in corpus. Under
+    /// machine (UCX between ranks: shared memory inside a node, TCP across;
+    /// TCP when UCX is not installed) in ZeRO++ mode on a built-in corpus. Under
     /// a launcher (zeropp launch, torchrun-style variables, srun, mpirun) it
     /// runs as one rank of that job. Every flag has a TOML twin in --config
     /// (flags win); the same seed and data give the same losses on every run.
@@ -235,7 +236,8 @@ struct TrainArgs {
     /// Train on this UTF-8 text file instead of the built-in corpus.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// tcp (default; also ZEROPP_TRANSPORT) or ucx.
+    /// ucx or tcp. Unset: ZEROPP_TRANSPORT when set, else UCX when libucp
+    /// loads (a note says when it does not and TCP is used).
     #[arg(long, value_enum)]
     transport: Option<zeropp::comm::job::TransportKind>,
     /// Logical nodes and ranks per node when launching itself.
@@ -295,6 +297,8 @@ impl TrainArgs {
                 let dir = zeropp::checkpoint::resolve(r)?;
                 let mut c = zeropp::checkpoint::read_manifest(&dir)?.config;
                 (c.resume, c.stop_after) = (None, None);
+                // How ranks talk is this machine's choice, not the checkpoint's.
+                c.transport = None;
                 c
             }
             (None, None) => TrainConfig::default(),

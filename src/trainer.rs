@@ -327,11 +327,16 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         _ => None,
     };
     if lead {
+        let transport = match cfg.transport {
+            Some(k) => format!("{k:?}"),
+            None => std::env::var("ZEROPP_TRANSPORT").unwrap_or_else(|_| "tcp".into()),
+        };
         println!(
-            "training {} parameters, {} nodes x {} ranks, mode {:?} ({:?}), {} steps of {} tokens",
+            "training {} parameters, {} nodes x {} ranks over {}, mode {:?} ({:?}), {} steps of {} tokens",
             engine.parameter_count(),
             layout.nodes,
             layout.ranks_per_node,
+            transport.to_uppercase(),
             cfg.mode,
             cfg.switches(),
             cfg.steps,
@@ -537,7 +542,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         std::process::id(),
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
-    let text = toml::to_string(cfg).context("writing the run's config")?;
+    let mut cfg = cfg.clone();
+    cfg.transport = default_transport(cfg.transport);
+    let text = toml::to_string(&cfg).context("writing the run's config")?;
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     let result = crate::launch::launch(&crate::launch::LaunchOptions {
         nodes: cfg.nodes,
@@ -556,6 +563,23 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     });
     let _ = std::fs::remove_file(&file);
     result
+}
+
+/// The transport of a self-launched run: the one asked for (`--transport`,
+/// or `ZEROPP_TRANSPORT`, which the ranks read), else UCX (shared memory
+/// between the ranks of a node, TCP between nodes) when libucp loads, else
+/// TCP with a note saying how to get UCX.
+fn default_transport(asked: Option<TransportKind>) -> Option<TransportKind> {
+    if asked.is_some() || std::env::var_os("ZEROPP_TRANSPORT").is_some() {
+        return asked;
+    }
+    match crate::comm::ucx::sys::Ucp::load() {
+        Ok(_) => Some(TransportKind::Ucx),
+        Err(why) => {
+            eprintln!("note: using TCP between ranks: {why}");
+            Some(TransportKind::Tcp)
+        }
+    }
 }
 
 /// `--metrics FILE` of one mode of a comparison: FILE with the mode before

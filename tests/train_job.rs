@@ -1,5 +1,5 @@
 //! `zeropp train` as a user runs it: it launches itself as 2 logical nodes x
-//! 2 ranks, the loss falls, the summary and metrics files hold what they
+//! 2 ranks over UCX (TCP on request, same losses), the loss falls, the summary and metrics files hold what they
 //! promise, and the same seed gives the same losses.
 
 use std::path::Path;
@@ -48,6 +48,12 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("[rank 0] done: loss"), "{stdout}");
+    // UCX by default (scripts/test.sh installs libucx0), TCP when asked.
+    let over = match extra.iter().position(|a| *a == "--transport") {
+        Some(i) => extra[i + 1].to_uppercase(),
+        None => "UCX".into(),
+    };
+    assert!(stdout.contains(&format!("ranks over {over},")), "{stdout}");
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     let m = std::fs::read_to_string(metrics)
         .unwrap()
@@ -105,8 +111,8 @@ fn zeropp_training_runs_learns_and_reports() {
     };
     assert_eq!(losses(&m), losses(&again));
     // The transport carries bytes; it must not change a single loss.
-    let (_, over_ucx) = train(&dir, "u", &["--mode", "zeropp", "--transport", "ucx"]);
-    assert_eq!(losses(&m), losses(&over_ucx));
+    let (_, over_tcp) = train(&dir, "t", &["--mode", "zeropp", "--transport", "tcp"]);
+    assert_eq!(losses(&m), losses(&over_tcp));
 
     // ZeRO-3 learns too, and sends more across nodes.
     let (z3, _) = train(&dir, "c", &["--mode", "zero3"]);
