@@ -401,6 +401,11 @@ struct PlanArgs {
     block: f64,
     #[arg(long, default_value_t = 32.0)]
     qgz_block: f64,
+    /// Fraction of the hideable communication that overlaps compute: 1 =
+    /// perfect prefetch (zeropp), 0 = none; systems whose gathers stall
+    /// compute sit in between.
+    #[arg(long, default_value_t = 1.0)]
+    overlap: f64,
     #[arg(long)]
     json: bool,
 }
@@ -599,6 +604,9 @@ fn run(cli: Cli) -> Result<()> {
             if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
                 bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
             }
+            if !(0.0..=1.0).contains(&a.overlap) {
+                bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
+            }
             let input = zeropp::planner::PlanInput {
                 params: a.params,
                 nodes: a.nodes,
@@ -612,6 +620,7 @@ fn run(cli: Cli) -> Result<()> {
                 units: a.units,
                 block: a.block,
                 qgz_block: a.qgz_block,
+                overlap: a.overlap,
             };
             if a.json {
                 println!("{}", serde_json::to_string_pretty(&input.compare())?);
