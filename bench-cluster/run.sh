@@ -11,6 +11,9 @@
 #   bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates "20mbit 100mbit" \
 #       --modes "zero3 zeropp" --steps 40 --out bench-cluster/results
 #
+# Modes: zero3, zeropp, or ZeRO-3 with one ZeRO++ switch: qwz (int8 weight
+# gathers), hpz (node-local secondary shards), qgz (int4 two-hop gradients).
+#
 # Extra arguments after `--` go to `zeropp train` (model shape, batch, ...).
 set -euo pipefail
 
@@ -37,7 +40,7 @@ while [ $# -gt 0 ]; do
     --out) OUT="$2"; shift 2 ;;
     --zeropp) ZEROPP="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -64,6 +67,19 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# `zeropp train` flags of a mode: the two presets, or ZeRO-3 with one
+# ZeRO++ switch on.
+mode_args() {
+  case "$1" in
+    zero3|zeropp) echo "--mode $1" ;;
+    qwz) echo "--mode zero3 --qwz-bits 8" ;;
+    hpz) echo "--mode zero3 --hpz true" ;;
+    qgz) echo "--mode zero3 --qgz true" ;;
+    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz or qgz" ;;
+  esac
+}
+for m in $MODES; do mode_args "$m" >/dev/null; done
 
 # Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
 burst_bytes() {
@@ -128,7 +144,7 @@ for rate in $RATES; do
     for k in $(seq 0 $((NODES - 1))); do
       ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
         --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
-        --timeout 300 -- "$ZEROPP" train --mode "$mode" --steps "$STEPS" --log-every 10 \
+        --timeout 300 -- "$ZEROPP" train $(mode_args "$mode") --steps "$STEPS" --log-every 10 \
         --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
         > "$OUT/$name-node$k.log" 2>&1 &
       pids+=($!)
