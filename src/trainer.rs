@@ -279,10 +279,29 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     }
     let data = Dataset::load(cfg.data.as_deref(), cfg.seed)?;
     data.check(layout.world(), cfg.model.context)?;
-    let (transport, _table) = match cfg.transport {
-        Some(kind) => Job::connect_over(kind, &facts, serde_json::Value::Null)?,
-        None => Job::connect(&facts, serde_json::Value::Null)?,
+    // Each node's first rank publishes what the machine is made of; rank 0
+    // merges the nodes' facts and prints the routing plan they lead to.
+    let published = if facts.local_rank == 0 {
+        match zeropp_topology::detect::detect(Path::new("/")) {
+            Ok(t) => serde_json::json!({ "topology": t }),
+            Err(e) => {
+                tracing::debug!("no topology facts: {e}");
+                serde_json::Value::Null
+            }
+        }
+    } else {
+        serde_json::Value::Null
     };
+    let (transport, table) = match cfg.transport {
+        Some(kind) => Job::connect_over(kind, &facts, published)?,
+        None => Job::connect(&facts, published)?,
+    };
+    if facts.rank == 0 {
+        println!(
+            "{}",
+            routing_report(&table, layout.nodes, layout.ranks_per_node)
+        );
+    }
     let engine_cfg = EngineConfig {
         model: cfg.model.clone(),
         switches: cfg.switches(),
@@ -563,6 +582,48 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     });
     let _ = std::fs::remove_file(&file);
     result
+}
+
+/// What rank 0 prints about the cluster: the nodes, how they differ, and
+/// the routing plan for the weakest (`zeropp topo plan` for a whole job).
+fn routing_report(
+    table: &[crate::comm::rendezvous::PeerInfo],
+    nodes: usize,
+    ranks_per_node: usize,
+) -> String {
+    let tops: Option<Vec<zeropp_topology::Topology>> = (0..nodes)
+        .map(|n| {
+            let p = table
+                .iter()
+                .find(|p| p.node_rank == n && p.local_rank == 0)?;
+            serde_json::from_value(p.facts.get("topology")?.clone()).ok()
+        })
+        .collect();
+    let Some(tops) = tops else {
+        return "topology: not every node published its facts; no routing plan".into();
+    };
+    match zeropp_topology::plan::cluster(&tops, ranks_per_node) {
+        Ok(view) => {
+            let mut s = format!(
+                "topology: {} node(s) on {}",
+                view.hosts.len(),
+                view.hosts.join(", ")
+            );
+            if !view.differences.is_empty() {
+                s += &format!(
+                    "; they differ, so the plan is for node {}:",
+                    view.planned_for
+                );
+                for d in &view.differences {
+                    s += &format!("\n  {d}");
+                }
+            }
+            s += "\nrouting plan: ";
+            s += view.plan.render().trim_end();
+            s
+        }
+        Err(e) => format!("topology: no routing plan ({e})"),
+    }
 }
 
 /// The transport of a self-launched run: the one asked for (`--transport`,

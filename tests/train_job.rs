@@ -54,6 +54,11 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
         None => "UCX".into(),
     };
     assert!(stdout.contains(&format!("ranks over {over},")), "{stdout}");
+    // Rank 0 merged the nodes' topology facts into a plan for the job.
+    assert!(
+        stdout.contains("[rank 0] routing plan: 2 nodes x 2 ranks"),
+        "{stdout}"
+    );
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     let m = std::fs::read_to_string(metrics)
         .unwrap()

@@ -155,6 +155,10 @@ impl Job {
                 .collect()
         })?;
         tracing::debug!("rank {} joined over ucx", facts.rank);
+        // Callers see the facts they published, as over TCP.
+        for p in &mut table {
+            p.facts = p.facts["extra"].take();
+        }
         Ok((Box::new(transport), table))
     }
 

@@ -312,3 +312,93 @@ impl RoutingPlan {
         s
     }
 }
+
+/// The cluster as the rendezvous delivers it: one topology per node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ClusterView {
+    /// The node every plan is made for: node 0 when all nodes look alike,
+    /// else the one with the slowest hop across nodes (then inside).
+    pub planned_for: usize,
+    /// Host names by node.
+    pub hosts: Vec<String>,
+    /// How nodes differ, one line each (empty when they are alike).
+    pub differences: Vec<String>,
+    pub plan: RoutingPlan,
+}
+
+/// What matters to a plan about one node, in words.
+fn shape(t: &Topology) -> String {
+    let mut counted: std::collections::BTreeMap<String, usize> = Default::default();
+    for n in t.routable_nics() {
+        let what = format!(
+            "{} {}",
+            format!("{:?}", n.kind).to_lowercase(),
+            n.speed_gbps.map_or("?".into(), |s| format!("{s} Gb/s"))
+        );
+        *counted.entry(what).or_default() += 1;
+    }
+    let nics: Vec<String> = counted
+        .into_iter()
+        .map(|(w, c)| format!("{c} x {w}"))
+        .collect();
+    let nvlink: Vec<u32> = t
+        .gpu_links
+        .iter()
+        .filter_map(|l| match l.link {
+            LinkKind::Nvlink { count } => Some(count),
+            LinkKind::Pcie { .. } => None,
+        })
+        .collect();
+    format!(
+        "{} GPUs, {} NVLink pairs (min NV{}), NICs [{}]",
+        t.gpus.len(),
+        nvlink.len(),
+        nvlink.iter().min().copied().unwrap_or(0),
+        nics.join(", ")
+    )
+}
+
+/// Merges the nodes' facts into one view and plans for the weakest node:
+/// a plan must hold on every node, so when nodes differ, the one whose hop
+/// across (then inside) is slowest decides, and the differences are listed.
+pub fn cluster(nodes: &[Topology], ranks_per_node: usize) -> Result<ClusterView, String> {
+    if nodes.is_empty() {
+        return Err("no node published its topology".into());
+    }
+    let n = nodes.len();
+    let plans = nodes
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            plan(t, n, ranks_per_node).map_err(|e| format!("node {i} ({}): {e}", t.hostname))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let shapes: Vec<String> = nodes.iter().map(shape).collect();
+    let alike = shapes.iter().all(|s| *s == shapes[0]);
+    let hop = |p: &RoutingPlan, k: usize| p.hops.get(k).map_or(f64::INFINITY, |h| h.gbps_per_rank);
+    let weakest = (0..n)
+        .min_by(|&a, &b| {
+            let key = |i: usize| (hop(&plans[i], 1), hop(&plans[i], 0));
+            key(a)
+                .partial_cmp(&key(b))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
+        .unwrap_or(0);
+    let planned_for = if alike { 0 } else { weakest };
+    let differences = if alike {
+        Vec::new()
+    } else {
+        nodes
+            .iter()
+            .zip(&shapes)
+            .enumerate()
+            .map(|(i, (t, s))| format!("node {i} ({}): {s}", t.hostname))
+            .collect()
+    };
+    Ok(ClusterView {
+        planned_for,
+        hosts: nodes.iter().map(|t| t.hostname.clone()).collect(),
+        differences,
+        plan: plans[planned_for].clone(),
+    })
+}

@@ -730,3 +730,36 @@ fn hgx_h100_nv18_through_four_nvswitches() {
     );
     assert_eq!(p.hpz_group, 8);
 }
+
+#[test]
+fn a_cluster_of_unlike_nodes_is_planned_for_the_weakest() {
+    use zeropp_topology::plan::cluster;
+    let (a, b) = (Tree::new("cl-hgx"), Tree::new("cl-dgx"));
+    hgx(&a);
+    dgx_a100(&b);
+    let (hgx_t, dgx_t) = (a.detect(), b.detect());
+    // Alike: node 0's plan, no differences.
+    let same = cluster(&[dgx_t.clone(), dgx_t.clone()], 8).unwrap();
+    assert_eq!((same.planned_for, same.differences.len()), (0, 0));
+    assert_eq!(same.plan.nodes, 2);
+    // Unlike: 8 x 400 Gb/s NDR against 8 x 200 Gb/s HDR per node; the HDR
+    // node decides (25 GB/s per rank across), and both shapes are listed.
+    let mixed = cluster(&[hgx_t, dgx_t], 8).unwrap();
+    assert_eq!(mixed.planned_for, 1);
+    assert_eq!(mixed.hosts, vec!["hgx-01", "dgx-a100-07"]);
+    assert!((mixed.plan.hops[1].gbps_per_rank - 25.0).abs() < 1e-9);
+    assert_eq!(mixed.differences.len(), 2);
+    assert!(
+        mixed.differences[0].contains("8 x infiniband 400 Gb/s"),
+        "{:?}",
+        mixed.differences
+    );
+    assert!(
+        mixed.differences[1].contains("NV12"),
+        "{:?}",
+        mixed.differences
+    );
+    // A node with fewer GPUs than ranks cannot be planned: named.
+    let e = cluster(&[a.detect(), b.detect()], 9).unwrap_err();
+    assert!(e.starts_with("node 0 (hgx-01)"), "{e}");
+}
