@@ -122,6 +122,16 @@ pub fn compile_family(
 /// The CUBIN of a family for `arch`, from the cache when the sources, the
 /// options and the NVRTC version are unchanged, else compiled and cached.
 pub fn cubin_cached(toolkit: &Toolkit, family: &Family, arch: Arch) -> Result<Vec<u8>, CudaError> {
+    cubin_cached_in(cache_dir().as_deref(), toolkit, family, arch)
+}
+
+/// [`cubin_cached`] with the cache in `dir` (`None`: no cache).
+pub fn cubin_cached_in(
+    dir: Option<&std::path::Path>,
+    toolkit: &Toolkit,
+    family: &Family,
+    arch: Arch,
+) -> Result<Vec<u8>, CudaError> {
     let (major, minor) = toolkit.nvrtc_version()?;
     let opts = options(toolkit, arch, false);
     let mut h = Fnv::new();
@@ -135,7 +145,7 @@ pub fn cubin_cached(toolkit: &Toolkit, family: &Family, arch: Arch) -> Result<Ve
         }
     }
     h.write(format!("nvrtc {major}.{minor}").as_bytes());
-    let file = cache_dir().map(|d| d.join(format!("{}-{arch}-{:016x}.cubin", family.name, h.0)));
+    let file = dir.map(|d| d.join(format!("{}-{arch}-{:016x}.cubin", family.name, h.0)));
     if let Some(f) = &file
         && let Ok(bytes) = std::fs::read(f)
         && !bytes.is_empty()

@@ -54,3 +54,34 @@ fn every_kernel_compiles_for_sm80_and_sm90_without_warnings_or_spills() {
         }
     }
 }
+
+#[test]
+fn compiled_kernels_are_cached_by_source_hash_and_architecture() {
+    use zeropp_cuda::compile::cubin_cached_in;
+    let toolkit = Toolkit::find().unwrap();
+    let dir = std::env::temp_dir().join(format!("zeropp-cuda-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let family = &FAMILIES[1];
+    let first = cubin_cached_in(Some(&dir), &toolkit, family, Arch(90)).unwrap();
+    let files: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("dequantize-sm_90-") && name.ends_with(".cubin"),
+        "{name}"
+    );
+    assert_eq!(std::fs::read(&files[0]).unwrap(), first);
+    // The second call reads the cache (a planted file comes back as is).
+    std::fs::write(&files[0], b"cached").unwrap();
+    let again = cubin_cached_in(Some(&dir), &toolkit, family, Arch(90)).unwrap();
+    assert_eq!(again, b"cached");
+    // Another architecture is another entry; no cache means a fresh build.
+    cubin_cached_in(Some(&dir), &toolkit, family, Arch(80)).unwrap();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 2);
+    let fresh = cubin_cached_in(None, &toolkit, family, Arch(90)).unwrap();
+    assert_eq!(fresh, first);
+    std::fs::remove_dir_all(&dir).ok();
+}
