@@ -22,6 +22,7 @@ pub mod bench;
 pub mod compile;
 pub mod device;
 pub mod kernels;
+pub mod nccl;
 pub mod toolkit;
 
 pub use compile::{Arch, CompiledFamily, KernelResources, compile_family};

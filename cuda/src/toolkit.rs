@@ -92,7 +92,7 @@ fn search_roots() -> Roots {
 }
 
 /// The directories of the `nvidia` namespace package of `python3`, if any.
-fn python_nvidia_dirs() -> Vec<PathBuf> {
+pub(crate) fn python_nvidia_dirs() -> Vec<PathBuf> {
     let out = Command::new("python3")
         .args(["-c", "import nvidia\nfor p in nvidia.__path__: print(p)"])
         .stderr(std::process::Stdio::null())

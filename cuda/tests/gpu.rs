@@ -274,3 +274,43 @@ fn no_gpu_is_a_clear_error() {
         );
     }
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn nccl_collectives_on_one_rank_are_identities() {
+    use std::time::Duration;
+    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    let g = gpu();
+    let id = NcclId::new().unwrap_or_else(|e| panic!("{e}"));
+    // The id survives the trip through bytes that the rendezvous makes.
+    let id = NcclId::from_bytes(&id.to_bytes()).unwrap();
+    let comm = NcclComm::init(&g, &id, 0, 1, Duration::from_secs(30)).unwrap();
+    let bytes: Vec<u8> = (0..4099u32).map(|i| (i * 7) as u8).collect();
+    let src = g.upload(&bytes).unwrap();
+    let mut out = g.zeros::<u8>(bytes.len()).unwrap();
+    comm.all_gather_bytes(&src.as_view(), &mut out.as_view_mut())
+        .unwrap();
+    assert_eq!(g.download(&out.as_view()).unwrap(), bytes);
+    let mut out = g.zeros::<u8>(bytes.len()).unwrap();
+    comm.all_to_all_bytes(&src.as_view(), &mut out.as_view_mut())
+        .unwrap();
+    assert_eq!(g.download(&out.as_view()).unwrap(), bytes);
+    let mut b = g.upload(&bytes).unwrap();
+    comm.broadcast_bytes(0, &mut b.as_view_mut()).unwrap();
+    assert_eq!(g.download(&b.as_view()).unwrap(), bytes);
+    let x: Vec<f32> = values(1000, 1);
+    let dx = g.upload(&x).unwrap();
+    let mut y = g.zeros::<f32>(1000).unwrap();
+    comm.reduce_scatter_sum(&dx.as_view(), &mut y.as_view_mut())
+        .unwrap();
+    assert_eq!(g.download(&y.as_view()).unwrap(), x);
+    let mut z = g.upload(&x).unwrap();
+    comm.all_reduce_sum(&mut z.as_view_mut()).unwrap();
+    assert_eq!(g.download(&z.as_view()).unwrap(), x);
+    // Wrong sizes are refused before NCCL sees them.
+    let mut short = g.zeros::<u8>(10).unwrap();
+    assert!(
+        comm.all_gather_bytes(&src.as_view(), &mut short.as_view_mut())
+            .is_err()
+    );
+}
