@@ -215,6 +215,33 @@ impl Gpu {
                 rounding,
                 part_seeds: false,
             },
+            &mut out.codes.as_view_mut(),
+            &mut out.block_max.as_view_mut(),
+            &mut out.block_min.as_view_mut(),
+        )
+    }
+
+    /// [`Gpu::quantize`] into borrowed buffers (parts of a larger one).
+    pub fn quantize_view<T: GpuElement>(
+        &self,
+        input: &CudaView<'_, T>,
+        rounding: Rounding,
+        out: &mut QuantViewMut<'_>,
+    ) -> Result<(), CudaError> {
+        out.check()?;
+        size_check("input values", out.len, input.len())?;
+        let job = QuantizeJob {
+            format: out.format,
+            chunk_len: out.len,
+            count: 1,
+            nodes: 1,
+            rpn: 1,
+            rounding,
+            part_seeds: false,
+        };
+        self.quantize_chunks(
+            input,
+            job,
             &mut out.codes,
             &mut out.block_max,
             &mut out.block_min,
@@ -260,9 +287,9 @@ impl Gpu {
                 rounding,
                 part_seeds: true,
             },
-            &mut out.codes,
-            &mut out.block_max,
-            &mut out.block_min,
+            &mut out.codes.as_view_mut(),
+            &mut out.block_max.as_view_mut(),
+            &mut out.block_min.as_view_mut(),
         )
     }
 
@@ -270,9 +297,9 @@ impl Gpu {
         &self,
         input: &CudaView<'_, T>,
         job: QuantizeJob,
-        codes: &mut CudaSlice<u8>,
-        bmax: &mut CudaSlice<f32>,
-        bmin: &mut CudaSlice<f32>,
+        codes: &mut CudaViewMut<'_, u8>,
+        bmax: &mut CudaViewMut<'_, f32>,
+        bmin: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
         let f = job.format;
         let blocks = (f.num_blocks(job.chunk_len) * job.count) as u64;
@@ -365,6 +392,15 @@ impl Gpu {
         q: &DeviceQuantized,
         out: &mut CudaViewMut<'_, T>,
     ) -> Result<(), CudaError> {
+        self.dequantize_view(&q.view(), out)
+    }
+
+    /// [`Gpu::dequantize`] from borrowed buffers.
+    pub fn dequantize_view<T: GpuElement>(
+        &self,
+        q: &QuantView<'_>,
+        out: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), CudaError> {
         self.dequantize_with(q, out, &dequantize_kernel(&q.format, Some(T::TAG)))
     }
 
@@ -374,15 +410,44 @@ impl Gpu {
         q: &DeviceQuantized,
         acc: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
+        self.dequantize_accumulate_view(&q.view(), acc)
+    }
+
+    /// [`Gpu::dequantize_accumulate`] from borrowed buffers.
+    pub fn dequantize_accumulate_view(
+        &self,
+        q: &QuantView<'_>,
+        acc: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
         self.dequantize_with(q, acc, &dequantize_kernel(&q.format, None))
+    }
+
+    /// `x *= s` on the device.
+    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32) -> Result<(), CudaError> {
+        if x.is_empty() {
+            return Ok(());
+        }
+        let func = self.function("dequantize", "zq_scale_f32")?;
+        let n = x.len() as u64;
+        let cfg = grid_config(
+            n.div_ceil(u64::from(THREADS))
+                .min(crate::kernels::MAX_STRIDE_GRID),
+            "zq_scale_f32",
+        )?;
+        let mut b = self.stream.launch_builder(&func);
+        b.arg(x).arg(&n).arg(&s);
+        // SAFETY: (float*, u64, float) as dequantize.cu declares it.
+        unsafe { b.launch(cfg) }.during(|| "launching zq_scale_f32".into())?;
+        Ok(())
     }
 
     fn dequantize_with<T: GpuElement>(
         &self,
-        q: &DeviceQuantized,
+        q: &QuantView<'_>,
         out: &mut CudaViewMut<'_, T>,
         name: &str,
     ) -> Result<(), CudaError> {
+        q.check()?;
         size_check("output values", q.len, out.len())?;
         if q.len == 0 {
             return Ok(());
@@ -409,7 +474,7 @@ impl Gpu {
         Ok(())
     }
 
-    fn corrupt_params(&self, q: &DeviceQuantized, block: usize) -> Result<QuantError, CudaError> {
+    fn corrupt_params(&self, q: &QuantView<'_>, block: usize) -> Result<QuantError, CudaError> {
         let max = self.download(&q.block_max.slice(block..block + 1))?[0];
         let min = if q.block_min.is_empty() {
             0.0
@@ -428,7 +493,20 @@ impl Gpu {
         rounding: Rounding,
         out: &mut DeviceQuantized,
     ) -> Result<(), CudaError> {
+        let views: Vec<QuantView<'_>> = inputs.iter().map(|q| q.view()).collect();
+        self.sum_requantize_views(&views, rounding, &mut out.view_mut())
+    }
+
+    /// [`Gpu::sum_requantize`] over borrowed buffers.
+    pub fn sum_requantize_views(
+        &self,
+        inputs: &[QuantView<'_>],
+        rounding: Rounding,
+        out: &mut QuantViewMut<'_>,
+    ) -> Result<(), CudaError> {
+        out.check()?;
         for q in inputs {
+            q.check()?;
             size_check("input values", out.len, q.len)?;
         }
         let f = out.format;
@@ -460,7 +538,7 @@ impl Gpu {
         let [key, bad] = self.read_err(&err)?;
         drop(err);
         if let Some((j, block)) = decode_corrupt_input(bad) {
-            return Err(self.corrupt_params(inputs[j], block)?.into());
+            return Err(self.corrupt_params(&inputs[j], block)?.into());
         }
         if let Some(fault) = decode_fault(key) {
             let (block, offset) = match fault {
@@ -557,9 +635,9 @@ unsafe impl DeviceRepr for QInput {}
 const _: () = assert!(std::mem::size_of::<QInput>() == 48);
 
 impl QInput {
-    fn of(q: &DeviceQuantized, stream: &Arc<CudaStream>) -> QInput {
-        let ptr = |s: &CudaSlice<u8>| s.device_ptr(stream).0;
-        let ptr_f = |s: &CudaSlice<f32>| {
+    fn of(q: &QuantView<'_>, stream: &Arc<CudaStream>) -> QInput {
+        let ptr = |s: &CudaView<'_, u8>| s.device_ptr(stream).0;
+        let ptr_f = |s: &CudaView<'_, f32>| {
             if s.is_empty() {
                 0
             } else {
@@ -626,6 +704,84 @@ impl DeviceQuantized {
     /// Bytes on the wire (codes and block parameters).
     pub fn bytes(&self) -> usize {
         self.format.total_bytes(self.len)
+    }
+
+    pub fn view(&self) -> QuantView<'_> {
+        QuantView {
+            format: self.format,
+            len: self.len,
+            codes: self.codes.as_view(),
+            block_max: self.block_max.as_view(),
+            block_min: self.block_min.as_view(),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> QuantViewMut<'_> {
+        QuantViewMut {
+            format: self.format,
+            len: self.len,
+            codes: self.codes.as_view_mut(),
+            block_max: self.block_max.as_view_mut(),
+            block_min: self.block_min.as_view_mut(),
+        }
+    }
+}
+
+/// Borrowed device buffers of a quantized tensor: parts of a larger buffer
+/// (a received all-gather, a packed message) work as well as owned ones.
+pub struct QuantView<'a> {
+    pub format: QuantFormat,
+    pub len: usize,
+    pub codes: CudaView<'a, u8>,
+    pub block_max: CudaView<'a, f32>,
+    /// Empty for the symmetric scheme.
+    pub block_min: CudaView<'a, f32>,
+}
+
+/// Writable [`QuantView`].
+pub struct QuantViewMut<'a> {
+    pub format: QuantFormat,
+    pub len: usize,
+    pub codes: CudaViewMut<'a, u8>,
+    pub block_max: CudaViewMut<'a, f32>,
+    pub block_min: CudaViewMut<'a, f32>,
+}
+
+fn check_parts(f: &QuantFormat, len: usize, sizes: [usize; 3]) -> Result<(), CudaError> {
+    size_check("code bytes", f.code_bytes(len), sizes[0])?;
+    size_check("block maxima", f.num_blocks(len), sizes[1])?;
+    size_check("block minima", f.num_block_mins(len), sizes[2])
+}
+
+impl QuantView<'_> {
+    /// The buffers have exactly the sizes the format gives for `len`.
+    pub fn check(&self) -> Result<(), CudaError> {
+        check_parts(
+            &self.format,
+            self.len,
+            [self.codes.len(), self.block_max.len(), self.block_min.len()],
+        )
+    }
+
+    /// Copies the tensor to the host.
+    pub fn to_host(&self, gpu: &Gpu) -> Result<QuantizedTensor, CudaError> {
+        Ok(QuantizedTensor {
+            format: self.format,
+            len: self.len,
+            codes: gpu.download(&self.codes)?,
+            block_max: gpu.download(&self.block_max)?,
+            block_min: gpu.download(&self.block_min)?,
+        })
+    }
+}
+
+impl QuantViewMut<'_> {
+    pub fn check(&self) -> Result<(), CudaError> {
+        check_parts(
+            &self.format,
+            self.len,
+            [self.codes.len(), self.block_max.len(), self.block_min.len()],
+        )
     }
 }
 

@@ -19,6 +19,7 @@
 //! panics on a missing library, so every entry point checks first.
 
 pub mod bench;
+pub mod collectives;
 pub mod compile;
 pub mod device;
 pub mod kernels;
@@ -26,7 +27,9 @@ pub mod nccl;
 pub mod toolkit;
 
 pub use compile::{Arch, CompiledFamily, KernelResources, compile_family};
-pub use device::{DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement};
+pub use device::{
+    DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement, QuantView, QuantViewMut,
+};
 pub use kernels::{FAMILIES, Family};
 pub use toolkit::Toolkit;
 

@@ -366,3 +366,11 @@ fn bad_input_is_reported_as_the_cpu_reports_it() {
 fn the_kernel_descriptor_matches_the_launcher_layout() {
     assert_eq!(emu::qinput_size(), 48);
 }
+
+#[test]
+fn the_mean_scale_kernel_multiplies_every_value() {
+    let mut x: Vec<f32> = values(70_001, 8);
+    let want: Vec<f32> = x.iter().map(|v| v * 0.25).collect();
+    emu::scale_f32(64, &mut x, 0.25);
+    assert_eq!(bits(&x), bits(&want));
+}

@@ -314,3 +314,67 @@ fn nccl_collectives_on_one_rank_are_identities() {
             .is_err()
     );
 }
+
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
+    use std::time::Duration;
+    use zeropp_cuda::collectives::{QgzGroups, qgz_reduce_scatter, qwz_all_gather};
+    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    let g = gpu();
+    let comm = |g: &Gpu| {
+        NcclComm::init(g, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap()
+    };
+    let (world, node, cross) = (comm(&g), comm(&g), comm(&g));
+    // qwZ: one rank's gather is its own shard, quantized and back.
+    let f8 = QuantFormat::int8(256).unwrap();
+    let shard: Vec<f32> = values(5000, 3);
+    let want: Vec<f32> = QuantizedTensor::quantize(&shard, f8, Rounding::NearestEven)
+        .unwrap()
+        .dequantize()
+        .unwrap();
+    let ds = g.upload(&shard).unwrap();
+    let mut out = g.zeros::<f32>(5000).unwrap();
+    qwz_all_gather(
+        &g,
+        &world,
+        &ds.as_view(),
+        f8,
+        Rounding::NearestEven,
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    assert_eq!(g.download(&out.as_view()).unwrap(), want);
+    // qgZ: int4 inside, int4 across; on one rank the CPU composition is
+    // quantize -> sum-requantize of one input -> dequantize, divided by 1.
+    let f4 = QuantFormat::int4(32).unwrap();
+    let grad: Vec<f32> = values(4096 + 32, 4);
+    let q1 = QuantizedTensor::quantize(&grad, f4, Rounding::NearestEven).unwrap();
+    let mut q2 = QuantizedTensor::zeroed(f4, grad.len());
+    sum_requantize(
+        &[q1.as_ref()],
+        Rounding::NearestEven,
+        q2.as_mut(),
+        &mut Vec::new(),
+    )
+    .unwrap();
+    let want: Vec<f32> = q2.dequantize().unwrap();
+    let dg = g.upload(&grad).unwrap();
+    let mut out = g.zeros::<f32>(grad.len()).unwrap();
+    let groups = QgzGroups {
+        node: &node,
+        cross: &cross,
+        intra: f4,
+        inter: f4,
+        rounding: Rounding::NearestEven,
+    };
+    qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut()).unwrap();
+    let got = g.download(&out.as_view()).unwrap();
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+    // A gradient that does not split into W chunks of the output's size.
+    let mut small = g.zeros::<f32>(10).unwrap();
+    assert!(qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut small.as_view_mut()).is_err());
+}

@@ -53,6 +53,13 @@ unsafe extern "C" {
         err: *mut u64,
     ) -> i32;
     fn zq_emu_qinput_size() -> u32;
+    fn zq_emu_scale_f32(grid: u32, x: *mut f32, n: u64, s: f32);
+}
+
+/// Launches `zq_scale_f32` (x *= s).
+pub fn scale_f32(grid: u32, x: &mut [f32], s: f32) {
+    // SAFETY: the buffer lives across the call and holds `x.len()` values.
+    unsafe { zq_emu_scale_f32(grid, x.as_mut_ptr(), x.len() as u64, s) }
 }
 
 /// The kernels' error slots after a launch (`u64::MAX` = nothing reported).
