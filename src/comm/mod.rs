@@ -6,6 +6,7 @@ pub mod env;
 pub mod inproc;
 pub mod job;
 pub mod mailbox;
+pub mod nccl;
 pub mod rendezvous;
 pub mod tcp;
 pub mod ucx;
