@@ -259,15 +259,7 @@ impl Gpu {
         out: &mut DeviceQuantizedChunks,
     ) -> Result<(), CudaError> {
         let world = nodes * ranks_per_node;
-        if world == 0 || !input.len().is_multiple_of(world) {
-            return Err(QuantError::InvalidFormat(format!(
-                "cannot split {} values into {nodes} nodes x {ranks_per_node} ranks of equal \
-                 chunks; pad the tensor to a multiple of the world size",
-                input.len()
-            ))
-            .into());
-        }
-        let chunk_len = input.len() / world;
+        let chunk_len = zeropp_quant::swizzled_chunk_len(input.len(), nodes, ranks_per_node)?;
         if out.count != world || out.chunk_len != chunk_len {
             return Err(QuantError::SizeMismatch {
                 what: "swizzled chunks (count x length)",

@@ -6,9 +6,10 @@
 //! neighbours; bad input reported in the error slots as the CPU reports it.
 //! Kernel names, grids and error decoding are the launchers' own functions.
 
+mod common;
+
+use common::{FORMATS, assert_same, bits, values};
 use half::{bf16, f16};
-use rand::rngs::SmallRng;
-use rand::{RngExt, SeedableRng};
 use zeropp_cuda::GpuElement;
 use zeropp_cuda::kernels::{
     Fault, decode_corrupt_input, decode_fault, dequantize_grid, dequantize_kernel, quantize_grid,
@@ -19,31 +20,6 @@ use zeropp_quant::{
     Bits, QuantError, QuantFormat, QuantizedChunks, QuantizedTensor, Rounding, Scheme,
     quantize_swizzled, sum_requantize,
 };
-
-const FORMATS: [(Bits, Scheme); 6] = [
-    (Bits::Eight, Scheme::Symmetric),
-    (Bits::Four, Scheme::Symmetric),
-    (Bits::Two, Scheme::Symmetric),
-    (Bits::Eight, Scheme::Asymmetric),
-    (Bits::Four, Scheme::Asymmetric),
-    (Bits::Two, Scheme::Asymmetric),
-];
-
-fn values<T: GpuElement>(len: usize, seed: u64) -> Vec<T> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    (0..len)
-        .map(|i| {
-            let v = match (i / 97) % 5 {
-                0 => 0.0,
-                1 => 0.75,
-                2 => rng.random_range(-1.0f32..1.0) * 1e-3,
-                3 => rng.random_range(-1.0f32..1.0) * 40.0,
-                _ => rng.random_range(-1.0f32..1.0),
-            };
-            T::from_f32(v)
-        })
-        .collect()
-}
 
 /// Quantizes `count` chunks as the launcher does; returns the tensor-shaped
 /// buffers of all chunks and the error slots.
@@ -88,24 +64,6 @@ fn as_tensor(c: QuantizedChunks) -> QuantizedTensor {
         block_max: c.block_max,
         block_min: c.block_min,
     }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_same(got: &QuantizedTensor, want: &QuantizedTensor, what: &str) {
-    assert_eq!(got.codes, want.codes, "codes differ: {what}");
-    assert_eq!(
-        bits(&got.block_max),
-        bits(&want.block_max),
-        "maxima differ: {what}"
-    );
-    assert_eq!(
-        bits(&got.block_min),
-        bits(&want.block_min),
-        "minima differ: {what}"
-    );
 }
 
 fn emu_dequantize<T: GpuElement>(

@@ -4,9 +4,10 @@
 //! runs them with `--ignored`, and there a missing GPU is a failure, not a
 //! skip. `no_gpu_is_a_clear_error` runs everywhere.
 
+mod common;
+
+use common::{FORMATS, assert_same, bits, values};
 use half::{bf16, f16};
-use rand::rngs::SmallRng;
-use rand::{RngExt, SeedableRng};
 use zeropp_cuda::device::{device_count, driver_present};
 use zeropp_cuda::{CudaError, DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement};
 use zeropp_quant::{
@@ -14,14 +15,6 @@ use zeropp_quant::{
     quantize_swizzled, sum_requantize,
 };
 
-const FORMATS: [(Bits, Scheme); 6] = [
-    (Bits::Eight, Scheme::Symmetric),
-    (Bits::Four, Scheme::Symmetric),
-    (Bits::Two, Scheme::Symmetric),
-    (Bits::Eight, Scheme::Asymmetric),
-    (Bits::Four, Scheme::Asymmetric),
-    (Bits::Two, Scheme::Asymmetric),
-];
 const BLOCKS: [usize; 5] = [32, 64, 256, 2048, 65536];
 const LENGTHS: [usize; 6] = [1, 31, 33, 1000, 4099, 70001];
 
@@ -29,42 +22,10 @@ fn gpu() -> Gpu {
     Gpu::open(0).unwrap_or_else(|e| panic!("these tests need a GPU: {e}"))
 }
 
-/// Values of mixed magnitudes, with an all-zero stretch and a constant stretch.
-fn values<T: GpuElement>(len: usize, seed: u64) -> Vec<T> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    (0..len)
-        .map(|i| {
-            let v = match (i / 97) % 5 {
-                0 => 0.0,
-                1 => 0.75,
-                2 => rng.random_range(-1.0f32..1.0) * 1e-3,
-                3 => rng.random_range(-1.0f32..1.0) * 40.0,
-                _ => rng.random_range(-1.0f32..1.0),
-            };
-            T::from_f32(v)
-        })
-        .collect()
-}
-
-fn assert_same(gpu_q: &QuantizedTensor, cpu_q: &QuantizedTensor, what: &str) {
-    assert_eq!(gpu_q.codes, cpu_q.codes, "codes differ: {what}");
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    assert_eq!(
-        bits(&gpu_q.block_max),
-        bits(&cpu_q.block_max),
-        "maxima differ: {what}"
-    );
-    assert_eq!(
-        bits(&gpu_q.block_min),
-        bits(&cpu_q.block_min),
-        "minima differ: {what}"
-    );
-}
-
 fn roundtrip_element<T: GpuElement + PartialEq + std::fmt::Debug>(g: &Gpu) {
-    for (bits, scheme) in FORMATS {
+    for (b, scheme) in FORMATS {
         for block in BLOCKS {
-            let f = QuantFormat::new(bits, scheme, block).unwrap();
+            let f = QuantFormat::new(b, scheme, block).unwrap();
             for (k, len) in LENGTHS.into_iter().enumerate() {
                 let what = format!("{} {f} len {len}", T::TAG);
                 let x: Vec<T> = values(len, k as u64);
@@ -91,11 +52,7 @@ fn roundtrip_element<T: GpuElement + PartialEq + std::fmt::Debug>(g: &Gpu) {
                 g.dequantize_accumulate(&dq, &mut acc.as_view_mut())
                     .unwrap();
                 let got = g.download(&acc.as_view()).unwrap();
-                assert_eq!(
-                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    acc_cpu.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                    "accumulate {what}"
-                );
+                assert_eq!(bits(&got), bits(&acc_cpu), "accumulate {what}");
             }
         }
     }
@@ -370,10 +327,7 @@ fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
     };
     qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut()).unwrap();
     let got = g.download(&out.as_view()).unwrap();
-    assert_eq!(
-        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
-    );
+    assert_eq!(bits(&got), bits(&want));
     // A gradient that does not split into W chunks of the output's size.
     let mut small = g.zeros::<f32>(10).unwrap();
     assert!(qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut small.as_view_mut()).is_err());

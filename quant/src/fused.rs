@@ -135,6 +135,23 @@ impl QuantizedChunks {
     }
 }
 
+/// The length of each of the W = `nodes`·`ranks_per_node` equal chunks of
+/// a tensor of `len` values, or why it does not split.
+pub fn swizzled_chunk_len(
+    len: usize,
+    nodes: usize,
+    ranks_per_node: usize,
+) -> Result<usize, QuantError> {
+    let world = nodes * ranks_per_node;
+    if world == 0 || !len.is_multiple_of(world) {
+        return Err(QuantError::InvalidFormat(format!(
+            "cannot split {len} values into {nodes} nodes x {ranks_per_node} ranks of equal \
+             chunks; pad the tensor to a multiple of the world size"
+        )));
+    }
+    Ok(len / world)
+}
+
 /// Splits `input` into W = `nodes`·`ranks_per_node` equal chunks (chunk r for
 /// rank r) and quantizes each into `out` at its swizzled position (see
 /// [`swizzled_rank`]). Each chunk is quantized as a tensor of its own, with
@@ -147,14 +164,7 @@ pub fn quantize_swizzled<T: Element>(
     out: &mut QuantizedChunks,
 ) -> Result<(), QuantError> {
     let world = nodes * ranks_per_node;
-    if world == 0 || !input.len().is_multiple_of(world) {
-        return Err(QuantError::InvalidFormat(format!(
-            "cannot split {} values into {nodes} nodes x {ranks_per_node} ranks of equal \
-             chunks; pad the tensor to a multiple of the world size",
-            input.len()
-        )));
-    }
-    let chunk_len = input.len() / world;
+    let chunk_len = swizzled_chunk_len(input.len(), nodes, ranks_per_node)?;
     if out.count != world || out.chunk_len != chunk_len {
         return Err(QuantError::SizeMismatch {
             what: "swizzled chunks (count x length)",
