@@ -372,7 +372,9 @@ struct PlanArgs {
     /// Bandwidth one rank sees inside a node, GB/s (NVLink, PCIe, memory).
     #[arg(long, default_value_t = 1.0)]
     intra_gbps: f64,
-    /// One NIC's bandwidth, Gbit/s.
+    /// One NIC's achievable bandwidth, Gbit/s: what iperf3 measures with a
+    /// few flows, not the port's nominal speed (a shaped or shared link can
+    /// deliver much less: 66-78% of a 5 Mbit/s tbf limit in docs/BENCHMARKS.md).
     #[arg(long, default_value_t = 1.0)]
     nic_gbit: f64,
     #[arg(long, default_value_t = 1)]
