@@ -684,13 +684,7 @@ impl DeviceQuantized {
 
     /// Copies the tensor back to the host.
     pub fn to_host(&self, gpu: &Gpu) -> Result<QuantizedTensor, CudaError> {
-        Ok(QuantizedTensor {
-            format: self.format,
-            len: self.len,
-            codes: gpu.download(&self.codes.as_view())?,
-            block_max: gpu.download(&self.block_max.as_view())?,
-            block_min: gpu.download(&self.block_min.as_view())?,
-        })
+        self.view().to_host(gpu)
     }
 
     /// Bytes on the wire (codes and block parameters).

@@ -1,8 +1,9 @@
 //! The kernels against the CPU library, on a GPU.
 //!
-//! Marked `#[ignore]` because they need an NVIDIA GPU: `cuda/check-on-gpu.sh`
-//! runs them with `--ignored`, and there a missing GPU is a failure, not a
-//! skip. `no_gpu_is_a_clear_error` runs everywhere.
+//! Each GPU test is ignored with the reason "needs an NVIDIA GPU" (CI has
+//! none); `cuda/check-on-gpu.sh` runs them with `--include-ignored`, and
+//! there a missing GPU is a failure, not a skip. `no_gpu_is_a_clear_error`
+//! runs everywhere.
 
 mod common;
 
