@@ -20,32 +20,48 @@ fn free_port() -> u16 {
 
 /// Starts `zeropp args` as rank `rank` of a one-node world of `world`.
 fn rank_process(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
-    rank_process_over("tcp", rank, world, port, token, args)
+    rank_process_over("tcp", rank, world, world, port, token, args)
 }
 
+/// Starts `zeropp args` as rank `rank` of `world`, `per_node` ranks per node.
 fn rank_process_over(
     transport: &str,
     rank: usize,
     world: usize,
+    per_node: usize,
     port: u16,
     token: &str,
     args: &[&str],
 ) -> Child {
-    Command::new(ZEROPP)
-        .args(args)
+    rank_command(transport, rank, world, per_node, port, token, args)
+        .spawn()
+        .unwrap()
+}
+
+/// The command [`rank_process_over`] spawns.
+fn rank_command(
+    transport: &str,
+    rank: usize,
+    world: usize,
+    per_node: usize,
+    port: u16,
+    token: &str,
+    args: &[&str],
+) -> Command {
+    let mut c = Command::new(ZEROPP);
+    c.args(args)
         .env("ZEROPP_TRANSPORT", transport)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", (rank % per_node).to_string())
+        .env("LOCAL_WORLD_SIZE", per_node.to_string())
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("ZEROPP_TOKEN", token)
         .env("ZEROPP_TIMEOUT_S", "20")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap()
+        .stderr(Stdio::piped());
+    c
 }
 
 /// Waits for `child` up to `limit`; kills it and fails the test if it hangs.
@@ -118,20 +134,53 @@ fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) {
 
 #[test]
 fn a_rank_killed_mid_collective_is_named_by_the_others() {
-    killed_rank_is_named_over("tcp");
+    killed_rank_is_named_over("tcp", 3);
 }
 
+/// Node-local UCX endpoints (shared memory, the dead process found by the
+/// progress thread's watch) and cross-node ones (UCX's peer error handler).
 #[test]
 fn a_rank_killed_mid_collective_is_named_by_the_others_over_ucx() {
-    killed_rank_is_named_over("ucx");
+    killed_rank_is_named_over("ucx", 3);
+    killed_rank_is_named_over("ucx", 1);
 }
 
-fn killed_rank_is_named_over(transport: &str) {
+/// UCX may use shared memory between ranks of one node, and never between
+/// ranks of different (logical) nodes: with shared memory as the only
+/// transport, one node works and two nodes cannot reach each other.
+#[test]
+fn ucx_shares_memory_inside_a_node_only() {
+    for (per_node, works) in [(2, true), (1, false)] {
+        let port = free_port();
+        let args = ["comm-check", "--sizes", "0,70000"];
+        let ranks: Vec<Child> = (0..2)
+            .map(|r| {
+                let mut c = rank_command("ucx", r, 2, per_node, port, "shm", &args);
+                c.env("UCX_TLS", "posix,self");
+                c.spawn().unwrap()
+            })
+            .collect();
+        for (r, child) in ranks.into_iter().enumerate() {
+            let (ok, out, err) = finish(child, Duration::from_secs(60), "a rank");
+            if works {
+                assert!(ok && out.contains("comm-check ok"), "rank {r}: {err}");
+            } else {
+                assert!(
+                    !ok,
+                    "rank {r} must not reach the other node over shared memory"
+                );
+                assert!(err.contains("UCX could not reach rank"), "rank {r}: {err}");
+            }
+        }
+    }
+}
+
+fn killed_rank_is_named_over(transport: &str, per_node: usize) {
     let port = free_port();
     let token = "kill-test";
     let args = ["comm-check", "--sizes", "0", "--loop-seconds", "60"];
     let mut ranks: Vec<Child> = (0..3)
-        .map(|r| rank_process_over(transport, r, 3, port, token, &args))
+        .map(|r| rank_process_over(transport, r, 3, per_node, port, token, &args))
         .collect();
     // Wait until every rank is in the all-gather loop.
     let (tx, rx) = mpsc::channel();

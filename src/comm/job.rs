@@ -9,7 +9,7 @@ use super::Transport;
 use super::env::RankFacts;
 use super::rendezvous::{self, PeerInfo};
 use super::tcp::{TcpOptions, TcpTransport};
-use super::ucx::UcxTransport;
+use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Communicator, Group};
 
 /// Group ids of the standard groups (every member computes the same).
@@ -28,6 +28,38 @@ pub enum TransportKind {
     /// UCX tag matching (libucp loaded at run time): shared memory inside a
     /// host, TCP or RDMA between hosts.
     Ucx,
+}
+
+/// Which process a rank is, and where: two ranks with the same boot id and
+/// PID namespace see each other's processes in /proc.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+struct ProcessIdentity {
+    pid: u32,
+    boot_id: String,
+    pid_namespace: String,
+}
+
+impl ProcessIdentity {
+    fn of_self() -> Self {
+        ProcessIdentity {
+            pid: std::process::id(),
+            boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+            pid_namespace: std::fs::read_link("/proc/self/ns/pid")
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether `other` runs on this host in this PID namespace (unknown
+    /// facts never match).
+    fn same_host(&self, other: &ProcessIdentity) -> bool {
+        !self.boot_id.is_empty()
+            && !self.pid_namespace.is_empty()
+            && self.boot_id == other.boot_id
+            && self.pid_namespace == other.pid_namespace
+    }
 }
 
 /// A joined job.
@@ -126,21 +158,28 @@ impl Job {
         Ok((Box::new(transport), table))
     }
 
-    /// UCX: the worker addresses travel in the rendezvous facts (hex).
+    /// UCX: the worker addresses travel in the rendezvous facts (hex), with
+    /// what tells a rank that a peer's process is one it can watch (see
+    /// [`crate::comm::ucx`]: only then may their endpoint use shared memory).
     fn connect_ucx(
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let mut table = Vec::new();
+        let me = ProcessIdentity::of_self();
         let transport = UcxTransport::connect(facts.rank, facts.world_size, |address| {
             let hex: String = address.iter().map(|b| format!("{b:02x}")).collect();
-            let facts_out = serde_json::json!({ "ucx_address": hex, "extra": extra_facts });
+            let facts_out = serde_json::json!({
+                "ucx_address": hex,
+                "process": me,
+                "extra": extra_facts,
+            });
             table = rendezvous::rendezvous(facts, String::new(), facts_out)?;
             table
                 .iter()
                 .map(|p| {
                     let hex = p.facts["ucx_address"].as_str().unwrap_or("");
-                    (0..hex.len() / 2)
+                    let worker = (0..hex.len() / 2)
                         .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
                         .collect::<Result<Vec<u8>, _>>()
                         .ok()
@@ -150,7 +189,13 @@ impl Job {
                                 "rank {} published no UCX address; run every rank with ZEROPP_TRANSPORT=ucx",
                                 p.rank
                             ))
-                        })
+                        })?;
+                    let theirs: Option<ProcessIdentity> =
+                        serde_json::from_value(p.facts["process"].clone()).ok();
+                    let local_pid = theirs
+                        .filter(|t| p.node_rank == facts.node_rank && me.same_host(t))
+                        .map(|t| t.pid);
+                    Ok(PeerAddress { worker, local_pid })
                 })
                 .collect()
         })?;

@@ -83,6 +83,11 @@ impl Mailbox {
         self.arrived.notify_all();
     }
 
+    /// Whether `peer` left or died.
+    pub fn is_gone(&self, peer: usize) -> bool {
+        self.lock().dead.contains_key(&peer)
+    }
+
     /// The first peer that died abnormally, if any, and why.
     pub fn first_death(&self) -> Option<(usize, String)> {
         self.lock().fatal.clone()

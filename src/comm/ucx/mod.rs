@@ -6,8 +6,17 @@
 //! a buffer of its exact size and files it in the mailbox, so receives behave
 //! exactly as over TCP. UCX picks shared memory inside a host and TCP or RDMA
 //! across hosts by itself (`UCX_TLS`, `UCX_NET_DEVICES` override it).
-//! A peer that dies is reported by UCX's error handler (peer error mode) and
-//! fails every wait naming it.
+//!
+//! Dead peers: UCX's shared-memory transports cannot report a peer's failure,
+//! so UCX refuses them for endpoints in peer error mode and would carry even
+//! node-local traffic over TCP. Endpoints to ranks of this node whose process
+//! this rank can see (same boot, same PID namespace) are therefore created
+//! without error handling, which lets UCX use shared memory, and the progress
+//! thread watches those processes itself (`/proc/PID/stat`, every 100 ms);
+//! endpoints to every other rank use peer error mode and UCX's error handler.
+//! Either way a dead peer fails every wait naming it. Ranks of other logical
+//! nodes never share memory, so an emulated cluster's traffic crosses its
+//! emulated links.
 
 pub mod sys;
 
@@ -27,6 +36,8 @@ use sys::*;
 const KIND_DATA: u32 = 0;
 const KIND_GOODBYE: u32 = 2;
 const HEADER: usize = 16;
+/// How often node-local peers' processes are checked.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
 
 enum Command {
     Send {
@@ -56,6 +67,40 @@ unsafe extern "C" fn on_endpoint_error(arg: *mut c_void, _ep: ucp_ep_h, status: 
     );
 }
 
+/// How to reach one rank.
+pub struct PeerAddress {
+    /// Its UCP worker address.
+    pub worker: Vec<u8>,
+    /// Its process id when it runs on this rank's node and this rank can
+    /// watch its process (same boot, same PID namespace): the endpoint may
+    /// then use shared memory. `None`: network transports only.
+    pub local_pid: Option<u32>,
+}
+
+/// A node-local peer's process as seen at connect time.
+struct Watched {
+    peer: usize,
+    pid: u32,
+    /// Start time (clock ticks after boot, /proc/PID/stat field 22), so a
+    /// recycled PID is not mistaken for the peer.
+    start: u64,
+    /// Seen gone once; declared dead at the next check unless its goodbye
+    /// arrived in between (shared memory may still hold it).
+    suspect: bool,
+}
+
+/// State and start time of a process, from `/proc/PID/stat`; `None` when it
+/// does not exist.
+fn proc_stat(pid: u32) -> Option<(char, u64)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "pid (comm) S ..." — comm may hold spaces and parentheses.
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let state = fields.first()?.chars().next()?;
+    let start = fields.get(19)?.parse().ok()?;
+    Some((state, start))
+}
+
 /// One rank's end of a UCX world.
 pub struct UcxTransport {
     rank: usize,
@@ -79,10 +124,15 @@ struct Worker {
     // the vector grows.
     #[allow(clippy::vec_box)]
     err_contexts: Vec<Box<ErrContext>>,
+    /// Node-local peers reached without error handling, watched by PID.
+    watched: Vec<Watched>,
+    /// Watched peers found dead: their endpoints are closed by force.
+    dead: Vec<usize>,
 }
 
 enum Op {
     Send {
+        peer: usize,
         done: SendHandle,
         _iov: Box<[ucp_dt_iov_t; 2]>,
         _header: Box<[u8; HEADER]>,
@@ -133,6 +183,8 @@ impl Worker {
                 worker,
                 eps: Vec::new(),
                 err_contexts: Vec::new(),
+                watched: Vec::new(),
+                dead: Vec::new(),
             })
         }
     }
@@ -154,26 +206,42 @@ impl Worker {
     fn connect(
         &mut self,
         rank: usize,
-        addresses: &[Vec<u8>],
+        peers: &[PeerAddress],
         mailbox: &Arc<Mailbox>,
     ) -> Result<(), CommError> {
-        for (peer, addr) in addresses.iter().enumerate() {
+        for (peer, address) in peers.iter().enumerate() {
             let ctx = Box::new(ErrContext {
                 peer,
                 mailbox: mailbox.clone(),
                 ucp: &*self.ucp,
             });
+            // A node-local peer whose process is visible goes without error
+            // handling (shared memory allowed) and is watched by PID.
+            let watch = match address.local_pid {
+                Some(pid) if peer != rank => proc_stat(pid).map(|(_, start)| Watched {
+                    peer,
+                    pid,
+                    start,
+                    suspect: false,
+                }),
+                _ => None,
+            };
+            let unguarded = peer == rank || watch.is_some();
             let mut p = Params::new();
-            p.put_u64(
-                EP_FIELD_MASK,
-                UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
-                    | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
-                    | UCP_EP_PARAM_FIELD_ERR_HANDLER,
-            );
-            p.put_u64(EP_ADDRESS, addr.as_ptr() as u64);
-            p.put_u32(EP_ERR_MODE, UCP_ERR_HANDLING_MODE_PEER);
-            p.put_u64(EP_ERR_HANDLER_CB, on_endpoint_error as *const () as u64);
-            p.put_u64(EP_ERR_HANDLER_ARG, &*ctx as *const ErrContext as u64);
+            p.put_u64(EP_ADDRESS, address.worker.as_ptr() as u64);
+            if unguarded {
+                p.put_u64(EP_FIELD_MASK, UCP_EP_PARAM_FIELD_REMOTE_ADDRESS);
+            } else {
+                p.put_u64(
+                    EP_FIELD_MASK,
+                    UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+                        | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+                        | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+                );
+                p.put_u32(EP_ERR_MODE, UCP_ERR_HANDLING_MODE_PEER);
+                p.put_u64(EP_ERR_HANDLER_CB, on_endpoint_error as *const () as u64);
+                p.put_u64(EP_ERR_HANDLER_ARG, &*ctx as *const ErrContext as u64);
+            }
             let mut ep = ptr::null_mut();
             // SAFETY: the address bytes outlive the call (UCX copies them).
             let s = unsafe { (self.ucp.ep_create)(self.worker, p.as_ptr(), &mut ep) };
@@ -185,8 +253,39 @@ impl Worker {
             }
             self.eps.push(ep);
             self.err_contexts.push(ctx);
+            self.watched.extend(watch);
         }
         Ok(())
+    }
+
+    /// Checks the watched node-local processes; a peer seen gone twice in a
+    /// row (its goodbye did not arrive in between) is reported dead and
+    /// returned.
+    fn check_watched(&mut self, inbox: &Mailbox) -> Vec<usize> {
+        let mut died = Vec::new();
+        for w in &mut self.watched {
+            let alive = matches!(proc_stat(w.pid), Some((state, start))
+                if start == w.start && state != 'Z' && state != 'X');
+            if alive {
+                w.suspect = false;
+            } else if !w.suspect {
+                w.suspect = true;
+            } else {
+                inbox.peer_died(
+                    w.peer,
+                    format!(
+                        "its process (pid {}) is gone: it was killed or crashed",
+                        w.pid
+                    ),
+                );
+                died.push(w.peer);
+            }
+        }
+        self.dead.extend(&died);
+        // A peer reported dead (or gone after its goodbye) needs no more checks.
+        self.watched
+            .retain(|w| !w.suspect || !inbox.is_gone(w.peer));
+        died
     }
 
     fn progress(&self) -> bool {
@@ -236,6 +335,7 @@ impl Worker {
         Ok(Some((
             r,
             Op::Send {
+                peer,
                 done,
                 _iov: iov,
                 _header: header,
@@ -258,14 +358,23 @@ impl Worker {
 impl Drop for Worker {
     fn drop(&mut self) {
         // SAFETY: on the owning thread. Endpoints are closed in flush mode,
-        // so what was sent (the goodbyes included) reaches live peers; a dead
-        // peer cannot flush, so after 2 s the close requests are released
+        // so what was sent (the goodbyes included) reaches live peers, and by
+        // force to peers known dead; a dead peer UCX does not know of cannot
+        // flush, so after 2 s the close requests are released
         // and UCX finishes them in the background. Then the worker and the
         // context go.
         unsafe {
-            let p = Params::new();
+            let flush = Params::new();
+            let mut force = Params::new();
+            force.put_u32(REQ_OP_ATTR_MASK, UCP_OP_ATTR_FIELD_FLAGS);
+            force.put_u32(REQ_FLAGS, UCP_EP_CLOSE_FLAG_FORCE);
             let mut closing = Vec::new();
-            for &ep in &self.eps {
+            for (peer, &ep) in self.eps.iter().enumerate() {
+                let p = if self.dead.contains(&peer) {
+                    &force
+                } else {
+                    &flush
+                };
                 let r = (self.ucp.ep_close_nbx)(ep, p.as_ptr());
                 if !r.is_null() && !ptr_is_err(r) {
                     closing.push(r);
@@ -295,15 +404,16 @@ pub fn available() -> Result<(), String> {
 
 impl UcxTransport {
     /// Creates this rank's worker, publishes its address through `exchange`
-    /// (which must return every rank's address, in rank order), and connects.
+    /// (which must return how to reach every rank, in rank order), and
+    /// connects.
     pub fn connect(
         rank: usize,
         world_size: usize,
-        exchange: impl FnOnce(Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>,
+        exchange: impl FnOnce(Vec<u8>) -> Result<Vec<PeerAddress>, CommError>,
     ) -> Result<UcxTransport, CommError> {
         let mailbox = Arc::new(Mailbox::default());
         let (addr_tx, addr_rx) = mpsc::channel::<Result<Vec<u8>, CommError>>();
-        let (table_tx, table_rx) = mpsc::channel::<Vec<Vec<u8>>>();
+        let (table_tx, table_rx) = mpsc::channel::<Vec<PeerAddress>>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), CommError>>();
         let (commands, command_rx) = mpsc::channel::<Command>();
         let inbox = mailbox.clone();
@@ -325,7 +435,7 @@ impl UcxTransport {
                 let ok = connected.is_ok();
                 let _ = ready_tx.send(connected);
                 if ok {
-                    progress_loop(&worker, rank, world_size, &inbox, command_rx);
+                    progress_loop(&mut worker, rank, world_size, &inbox, command_rx);
                 }
                 inbox.close();
             })
@@ -356,7 +466,7 @@ impl UcxTransport {
 /// Runs on the progress thread until shutdown: posts sends, progresses the
 /// worker, receives every arriving message into the mailbox.
 fn progress_loop(
-    w: &Worker,
+    w: &mut Worker,
     rank: usize,
     world: usize,
     inbox: &Mailbox,
@@ -366,6 +476,7 @@ fn progress_loop(
     let mut idle = 0u32;
     let mut goodbyes = 0usize;
     let mut shutting_down: Option<Instant> = None;
+    let mut next_watch = Instant::now() + WATCH_EVERY;
     loop {
         let mut busy = false;
         // 1. New sends.
@@ -456,11 +567,31 @@ fn progress_loop(
                 Op::Recv { .. } => tracing::warn!("UCX receive failed: {}", w.ucp.describe(s)),
             }
         }
+        if !w.watched.is_empty() && Instant::now() >= next_watch {
+            // Shared memory never fails a send to a dead process: fail the
+            // waits here (the buffers stay with the request until shutdown).
+            for dead in w.check_watched(inbox) {
+                for (_, op) in &pending {
+                    if let Op::Send { peer, done, .. } = op
+                        && *peer == dead
+                    {
+                        done.complete(Err(format!("rank {dead}'s process is gone")));
+                    }
+                }
+            }
+            next_watch = Instant::now() + WATCH_EVERY;
+        }
         if let Some(since) = shutting_down {
             // Leave once our goodbyes are flushed and every peer's has
-            // arrived (so none is left unmatched in UCX), or after 2 s.
-            let flushed = pending.iter().all(|(_, op)| matches!(op, Op::Recv { .. }));
-            if (flushed && goodbyes + 1 >= world) || since.elapsed() > Duration::from_secs(2) {
+            // arrived (so none is left unmatched in UCX), a dead peer
+            // counting as both, or after 2 s.
+            let flushed = pending.iter().all(|(_, op)| match op {
+                Op::Recv { .. } => true,
+                Op::Send { peer, .. } => w.dead.contains(peer),
+            });
+            if (flushed && goodbyes + 1 + w.dead.len() >= world)
+                || since.elapsed() > Duration::from_secs(2)
+            {
                 for (req, _) in pending.drain(..) {
                     w.free(req);
                 }

@@ -39,6 +39,8 @@ pub const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 pub const UCP_EP_PARAM_FIELD_ERR_HANDLER: u64 = 1 << 2;
 pub const UCP_ERR_HANDLING_MODE_PEER: u32 = 1;
 pub const UCP_OP_ATTR_FIELD_DATATYPE: u32 = 1 << 3;
+pub const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+pub const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
 pub const UCP_DATATYPE_IOV: u64 = 2;
 
 /// `ucp_err_handler_cb_t`.
@@ -95,6 +97,7 @@ pub const EP_ERR_MODE: usize = 16;
 pub const EP_ERR_HANDLER_CB: usize = 24;
 pub const EP_ERR_HANDLER_ARG: usize = 32;
 pub const REQ_OP_ATTR_MASK: usize = 0;
+pub const REQ_FLAGS: usize = 4;
 pub const REQ_DATATYPE: usize = 24;
 
 /// `UCS_PTR_IS_ERR`.
