@@ -9,7 +9,7 @@ use std::time::Instant;
 use anyhow::Result;
 use bytes::Bytes;
 
-use crate::comm::collectives::{balanced_bounds, bytes_f32, f32_bytes};
+use crate::comm::collectives::{SumF32, balanced_bounds, bytes_f32, f32_bytes, f32_vec_bytes};
 use crate::comm::job::Job;
 use crate::comm::{Communicator, Group};
 
@@ -105,8 +105,15 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
                 .map_err(Into::into)
         })?;
         let data: Vec<f32> = (0..size / 4).map(|i| (i % 7) as f32).collect();
+        // Handed over like the engine's gradients, built once like the other
+        // collectives' inputs.
+        let owned = f32_vec_bytes(data.clone());
+        let f32_bounds: Vec<_> = balanced_bounds(size / 4, p)
+            .into_iter()
+            .map(|r| r.start * 4..r.end * 4)
+            .collect();
         let rs = timed(c, &g, iters, || {
-            c.reduce_scatter_f32(&g, &data)
+            c.reduce_scatter_bytes(&g, owned.clone(), &f32_bounds, &SumF32)
                 .map(|_| ())
                 .map_err(Into::into)
         })?;

@@ -81,16 +81,37 @@ pub fn balanced_bounds(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> 
 }
 
 /// How a reduce-scatter combines: `acc` holds the partial result received
-/// from the ring predecessor, `mine` this member's share of the same chunk
+/// from the ring predecessor, `mine` this member's share of the same piece
 /// (same length); the reduction adds `mine` into `acc`.
 pub trait Reduce: Sync {
     fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError>;
+
+    /// The byte unit a chunk may be cut at (an element, a quantization
+    /// block): the ring sends chunks in pieces of whole granules.
+    fn granule(&self) -> usize;
+}
+
+/// About how many bytes a ring reduce-scatter sends per message.
+pub const SEGMENT: usize = 1 << 20;
+
+/// `len` bytes cut into at most `parts` ranges of whole `granule`s (the last
+/// may hold a partial granule), as even as the granules allow.
+fn segment_bounds(len: usize, granule: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    let granules = len.div_ceil(granule);
+    balanced_bounds(granules, parts)
+        .into_iter()
+        .map(|r| (r.start * granule).min(len)..(r.end * granule).min(len))
+        .collect()
 }
 
 /// Element-wise f32 sum (little-endian f32 buffers).
 pub struct SumF32;
 
 impl Reduce for SumF32 {
+    fn granule(&self) -> usize {
+        4
+    }
+
     fn reduce(&self, acc: &mut [u8], incoming: &[u8]) -> Result<(), CommError> {
         if acc.len() != incoming.len() || !acc.len().is_multiple_of(4) {
             return Err(CommError::Malformed(format!(
@@ -128,6 +149,17 @@ const _: () = assert!(
 /// f32 slice to its bytes (one copy).
 pub fn f32_bytes(x: &[f32]) -> Bytes {
     Bytes::copy_from_slice(bytemuck::cast_slice(x))
+}
+
+/// An f32 vector as `Bytes`, without a copy.
+pub fn f32_vec_bytes(x: Vec<f32>) -> Bytes {
+    struct Owner(Vec<f32>);
+    impl AsRef<[u8]> for Owner {
+        fn as_ref(&self) -> &[u8] {
+            bytemuck::cast_slice(&self.0)
+        }
+    }
+    Bytes::from_owner(Owner(x))
 }
 
 /// Bytes to f32 (the length must be a multiple of 4; one copy).
@@ -269,6 +301,11 @@ impl Communicator {
     /// Ring reduce-scatter: `data` is this member's full buffer, cut at
     /// `bounds` (one byte range per member, covering `data`); returns member
     /// `me`'s range reduced over all members with `reduce`.
+    ///
+    /// Each chunk travels in segments of about [`SEGMENT`] bytes (whole
+    /// granules of the reduction), and a segment is forwarded as soon as it
+    /// is reduced, so the reduction of one segment overlaps with the transfer
+    /// of the next instead of adding to every ring step.
     pub fn reduce_scatter(
         &self,
         group: &Group,
@@ -277,52 +314,149 @@ impl Communicator {
         reduce: &dyn Reduce,
     ) -> Result<Vec<u8>, CommError> {
         let me = self.index_in(group)?;
+        let mut out = vec![0u8; bounds.get(me).map_or(0, |r| r.len())];
+        self.reduce_scatter_into(group, data, None, bounds, reduce, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Communicator::reduce_scatter`] of a buffer the caller hands over:
+    /// this member's first chunk is sent from it without a copy.
+    pub fn reduce_scatter_bytes(
+        &self,
+        group: &Group,
+        data: Bytes,
+        bounds: &[std::ops::Range<usize>],
+        reduce: &dyn Reduce,
+    ) -> Result<Vec<u8>, CommError> {
+        let me = self.index_in(group)?;
+        let mut out = vec![0u8; bounds.get(me).map_or(0, |r| r.len())];
+        self.reduce_scatter_into(group, &data, Some(&data), bounds, reduce, &mut out)?;
+        Ok(out)
+    }
+
+    /// The reduce-scatter into `out`, which must hold exactly this member's
+    /// range; `owned` is `data` as `Bytes` when the caller handed it over.
+    fn reduce_scatter_into(
+        &self,
+        group: &Group,
+        data: &[u8],
+        owned: Option<&Bytes>,
+        bounds: &[std::ops::Range<usize>],
+        reduce: &dyn Reduce,
+        out: &mut [u8],
+    ) -> Result<(), CommError> {
+        let me = self.index_in(group)?;
         let call = group.next_call();
         let p = group.size();
-        if bounds.len() != p || bounds.iter().any(|r| r.end > data.len() || r.start > r.end) {
+        if bounds.len() != p
+            || bounds.iter().any(|r| r.end > data.len() || r.start > r.end)
+            || out.len() != bounds[me].len()
+        {
             return Err(CommError::Invalid(format!(
                 "reduce-scatter needs {p} ranges inside {} bytes, got {bounds:?}",
                 data.len()
             )));
         }
+        if p == 1 {
+            out.copy_from_slice(&data[bounds[0].clone()]);
+            return Ok(());
+        }
         let next = group.ranks[(me + 1) % p];
         let prev = group.ranks[(me + p - 1) % p];
+        let granule = reduce.granule().max(1);
+        let longest = bounds.iter().map(|r| r.len()).max().unwrap_or(0);
+        // Every member derives the same count from the same bounds; the
+        // tag's 16-bit step field holds (step, segment).
+        let segments = longest
+            .div_ceil(SEGMENT)
+            .clamp(1, (0xffff / (p - 1)).max(1));
+        let pieces = |chunk: usize| {
+            let r = &bounds[chunk];
+            segment_bounds(r.len(), granule, segments)
+                .into_iter()
+                .map(move |s| r.start + s.start..r.start + s.end)
+        };
+        let step_tag = |step: usize, segment: usize| tag(group, call, step * segments + segment);
         // At step s this member sends its partial of chunk (me - s - 1) and
-        // receives the partial of chunk (me - s - 2), adding its own share;
-        // after p - 1 steps it holds chunk `me` reduced over everyone.
-        let mut partial = Bytes::copy_from_slice(&data[bounds[(me + p - 1) % p].clone()]);
-        let mut sends = Vec::with_capacity(p);
-        for step in 0..p.saturating_sub(1) {
-            sends.push((next, self.send(next, tag(group, call, step), partial)?));
+        // receives the partial of chunk (me - s - 2), adding its own share
+        // (which it then sends at step s + 1); after p - 1 steps it holds
+        // chunk `me` reduced over everyone.
+        let mut sends = Vec::with_capacity(p * segments);
+        for (j, r) in pieces((me + p - 1) % p).enumerate() {
+            let first = match owned {
+                Some(b) => b.slice(r),
+                None => Bytes::copy_from_slice(&data[r]),
+            };
+            sends.push((next, self.send(next, step_tag(0, j), first)?));
+        }
+        let mut filled = 0;
+        for step in 0..p - 1 {
             let chunk = (me + 2 * p - step - 2) % p;
-            let mine = &data[bounds[chunk].clone()];
-            let incoming = self.recv(prev, tag(group, call, step))?;
-            if incoming.len() != mine.len() {
-                return Err(CommError::Malformed(format!(
-                    "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte chunk; \
-                     every member must pass the same sizes",
-                    incoming.len(),
-                    mine.len()
-                )));
+            for (j, r) in pieces(chunk).enumerate() {
+                let mine = &data[r];
+                let incoming = self.recv(prev, step_tag(step, j))?;
+                if incoming.len() != mine.len() {
+                    return Err(CommError::Malformed(format!(
+                        "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte \
+                         piece; every member must pass the same sizes",
+                        incoming.len(),
+                        mine.len()
+                    )));
+                }
+                // Reduce into the received buffer itself (it is ours alone).
+                let mut acc = incoming
+                    .try_into_mut()
+                    .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
+                reduce.reduce(&mut acc, mine)?;
+                if step + 2 < p {
+                    sends.push((next, self.send(next, step_tag(step + 1, j), acc.freeze())?));
+                } else {
+                    out[filled..filled + acc.len()].copy_from_slice(&acc);
+                    filled += acc.len();
+                }
             }
-            // Reduce into the received buffer itself (it is ours alone).
-            let mut acc = incoming
-                .try_into_mut()
-                .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
-            reduce.reduce(&mut acc, mine)?;
-            partial = acc.freeze();
         }
         self.wait_all(sends)?;
-        Ok(partial.to_vec())
+        Ok(())
     }
 
     /// Reduce-scatter of an f32 buffer cut into balanced chunks.
     pub fn reduce_scatter_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
-        let bounds: Vec<_> = balanced_bounds(data.len(), group.size())
+        self.reduce_scatter_f32_from(group, bytemuck::cast_slice(data), None)
+    }
+
+    /// [`Communicator::reduce_scatter_f32`] of a buffer the caller hands
+    /// over (no copy of this member's first chunk).
+    pub fn reduce_scatter_f32_vec(
+        &self,
+        group: &Group,
+        data: Vec<f32>,
+    ) -> Result<Vec<f32>, CommError> {
+        let owned = f32_vec_bytes(data);
+        self.reduce_scatter_f32_from(group, &owned, Some(&owned))
+    }
+
+    fn reduce_scatter_f32_from(
+        &self,
+        group: &Group,
+        data: &[u8],
+        owned: Option<&Bytes>,
+    ) -> Result<Vec<f32>, CommError> {
+        let bounds: Vec<_> = balanced_bounds(data.len() / 4, group.size())
             .into_iter()
             .map(|r| r.start * 4..r.end * 4)
             .collect();
-        bytes_f32(&self.reduce_scatter(group, bytemuck::cast_slice(data), &bounds, &SumF32)?)
+        let me = self.index_in(group)?;
+        let mut out = vec![0f32; bounds[me].len() / 4];
+        self.reduce_scatter_into(
+            group,
+            data,
+            owned,
+            &bounds,
+            &SumF32,
+            bytemuck::cast_slice_mut(&mut out),
+        )?;
+        Ok(out)
     }
 
     /// All-reduce (sum) of an f32 buffer: reduce-scatter, then all-gather.
@@ -574,6 +708,83 @@ mod tests {
                     assert_eq!(all, &total, "n={n} len={len} rank {r}");
                 }
             }
+        }
+    }
+
+    /// Chunks longer than a segment travel in pieces: every piece the
+    /// reduction sees is whole granules (but the chunk's tail), and the
+    /// result is exact, with the caller's buffer handed over or borrowed.
+    #[test]
+    fn long_chunks_are_reduced_in_pieces_of_whole_granules() {
+        /// Sums u32 triples (12-byte granules), checking each piece's cut.
+        struct Triples;
+        impl Reduce for Triples {
+            fn granule(&self) -> usize {
+                12
+            }
+            fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError> {
+                assert!(acc.len() <= SEGMENT + 12, "a piece of {} bytes", acc.len());
+                // Whole granules, or the buffer's last piece (8-byte tail).
+                assert!(
+                    matches!(acc.len() % 12, 0 | 8),
+                    "a cut granule: {}",
+                    acc.len()
+                );
+                for (a, b) in acc.chunks_exact_mut(4).zip(mine.chunks_exact(4)) {
+                    let s = u32::from_le_bytes(a.try_into().unwrap())
+                        + u32::from_le_bytes(b.try_into().unwrap());
+                    a.copy_from_slice(&s.to_le_bytes());
+                }
+                Ok(())
+            }
+        }
+        let n = 3;
+        let len = 3 * SEGMENT + 12 * 1001 + 8; // a partial granule at the end
+        let words = move |r: usize| -> Vec<u8> {
+            (0..len / 4)
+                .flat_map(|i| ((r as u32 + 1) * (i as u32 % 1009)).to_le_bytes())
+                .collect()
+        };
+        // Chunk cuts on whole granules, as a caller of a blocked format would.
+        let granules = len.div_ceil(12);
+        let bounds: Vec<_> = balanced_bounds(granules, n)
+            .into_iter()
+            .map(|r| (r.start * 12).min(len)..(r.end * 12).min(len))
+            .collect();
+        let expect: Vec<u8> = (0..len / 4)
+            .flat_map(|i| (6 * (i as u32 % 1009)).to_le_bytes())
+            .collect();
+        let b = bounds.clone();
+        let out = on_ranks(n, move |c| {
+            let g = c.world_group();
+            let borrowed = c
+                .reduce_scatter(&g, &words(c.rank()), &b, &Triples)
+                .unwrap();
+            let owned = c
+                .reduce_scatter_bytes(&g, words(c.rank()).into(), &b, &Triples)
+                .unwrap();
+            (borrowed, owned)
+        });
+        for (r, (borrowed, owned)) in out.iter().enumerate() {
+            assert!(
+                bounds[r].len() > SEGMENT,
+                "the test needs multi-piece chunks"
+            );
+            assert!(borrowed[..] == expect[bounds[r].clone()], "rank {r}");
+            assert_eq!(borrowed, owned, "rank {r}");
+        }
+        // f32, handed over.
+        let out = on_ranks(n, move |c| {
+            let data: Vec<f32> = (0..len / 4).map(|i| (i % 5) as f32).collect();
+            c.reduce_scatter_f32_vec(&c.world_group(), data).unwrap()
+        });
+        let f32_bounds = balanced_bounds(len / 4, n);
+        for (r, mine) in out.iter().enumerate() {
+            let want: Vec<f32> = f32_bounds[r]
+                .clone()
+                .map(|i| 3.0 * (i % 5) as f32)
+                .collect();
+            assert_eq!(mine, &want, "rank {r}");
         }
     }
 

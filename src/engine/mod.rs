@@ -109,6 +109,10 @@ pub struct StepStats {
 struct SumBf16;
 
 impl Reduce for SumBf16 {
+    fn granule(&self) -> usize {
+        2
+    }
+
     fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError> {
         if acc.len() != mine.len() || !acc.len().is_multiple_of(2) {
             return Err(CommError::Malformed(format!(
@@ -399,7 +403,7 @@ impl Engine {
                     .into_iter()
                     .map(|r| r.start * 2..r.end * 2)
                     .collect();
-                let mine = c.reduce_scatter(&world, &bytes, &bounds, &SumBf16)?;
+                let mine = c.reduce_scatter_bytes(&world, bytes, &bounds, &SumBf16)?;
                 let mut out = vec![0f32; chunk];
                 payload::decode_bf16(&mine, &mut out)?;
                 out.iter_mut().for_each(|v| *v /= world_n as f32);
@@ -407,7 +411,7 @@ impl Engine {
             })),
             GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                let mut out = c.reduce_scatter_f32(&world, &grad)?;
+                let mut out = c.reduce_scatter_f32_vec(&world, grad)?;
                 out.iter_mut().for_each(|v| *v /= world_n as f32);
                 Ok(out)
             })),
