@@ -116,6 +116,8 @@ pub struct Ucp {
     pub config_read:
         unsafe extern "C" fn(*const c_char, *const c_char, *mut *mut ucp_config_t) -> ucs_status_t,
     pub config_release: unsafe extern "C" fn(*mut ucp_config_t),
+    pub config_modify:
+        unsafe extern "C" fn(*mut ucp_config_t, *const c_char, *const c_char) -> ucs_status_t,
     pub init_version: unsafe extern "C" fn(
         c_uint,
         c_uint,
@@ -184,6 +186,7 @@ impl Ucp {
         Ok(Ucp {
             config_read: sym!(b"ucp_config_read"),
             config_release: sym!(b"ucp_config_release"),
+            config_modify: sym!(b"ucp_config_modify"),
             init_version: sym!(b"ucp_init_version"),
             cleanup: sym!(b"ucp_cleanup"),
             worker_create: sym!(b"ucp_worker_create"),
