@@ -634,13 +634,11 @@ fn default_transport(asked: Option<TransportKind>) -> Option<TransportKind> {
     if asked.is_some() || std::env::var_os("ZEROPP_TRANSPORT").is_some() {
         return asked;
     }
-    match crate::comm::ucx::sys::Ucp::load() {
-        Ok(_) => Some(TransportKind::Ucx),
-        Err(why) => {
-            eprintln!("note: using TCP between ranks: {why}");
-            Some(TransportKind::Tcp)
-        }
+    let (kind, why_not_ucx) = TransportKind::default_here();
+    if let Some(why) = why_not_ucx {
+        eprintln!("note: using TCP between ranks: {why}");
     }
+    Some(kind)
 }
 
 /// `--metrics FILE` of one mode of a comparison: FILE with the mode before

@@ -242,6 +242,22 @@ fn a_stranger_with_the_wrong_token_is_refused_and_the_job_goes_on() {
 }
 
 #[test]
+fn ranks_on_different_transports_are_told_to_agree() {
+    let port = free_port();
+    let args = ["comm-check", "--sizes", "0"];
+    let rank0 = rank_process_over("tcp", 0, 2, 2, port, "t", &args);
+    let rank1 = rank_process_over("ucx", 1, 2, 2, port, "t", &args);
+    for (name, child) in [("rank 0", rank0), ("rank 1", rank1)] {
+        let (ok, _, err) = finish(child, Duration::from_secs(60), name);
+        assert!(!ok, "{name} must fail");
+        assert!(
+            err.contains("transport") && err.contains("ZEROPP_TRANSPORT to the same value"),
+            "{name}: {err}"
+        );
+    }
+}
+
+#[test]
 fn ranks_that_disagree_on_the_world_size_are_named() {
     let port = free_port();
     let args = ["comm-check", "--sizes", "0"];

@@ -462,19 +462,19 @@ impl Communicator {
     /// All-reduce (sum) of an f32 buffer: reduce-scatter, then all-gather.
     pub fn all_reduce_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
         let mine = self.reduce_scatter_f32(group, data)?;
-        let blocks = self.all_gather_v(group, f32_bytes(&mine))?;
-        let mut out: Vec<f32> = Vec::with_capacity(data.len());
+        let blocks = self.all_gather_v(group, f32_vec_bytes(mine))?;
+        let total: usize = blocks.iter().map(|b| b.len()).sum();
+        if !total.is_multiple_of(4) {
+            return Err(CommError::Malformed(format!(
+                "{total} bytes is not whole f32"
+            )));
+        }
+        let mut out = vec![0f32; total / 4];
+        let mut at = 0;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
         for b in blocks {
-            if !b.len().is_multiple_of(4) {
-                return Err(CommError::Malformed(format!(
-                    "{} bytes is not whole f32",
-                    b.len()
-                )));
-            }
-            out.extend(
-                b.chunks_exact(4)
-                    .map(|c| f32::from_ne_bytes([c[0], c[1], c[2], c[3]])),
-            );
+            bytes[at..at + b.len()].copy_from_slice(&b);
+            at += b.len();
         }
         if out.len() != data.len() {
             return Err(CommError::Malformed(format!(

@@ -30,6 +30,38 @@ pub enum TransportKind {
     Ucx,
 }
 
+impl TransportKind {
+    /// The transport of a rank that was not told one: UCX when libucp loads
+    /// here, else TCP and why not UCX.
+    pub fn default_here() -> (TransportKind, Option<String>) {
+        match super::ucx::available() {
+            Ok(()) => (TransportKind::Ucx, None),
+            Err(why) => (TransportKind::Tcp, Some(why)),
+        }
+    }
+
+    /// `ZEROPP_TRANSPORT` (`tcp` or `ucx`), else [`TransportKind::default_here`].
+    pub fn from_env() -> Result<(TransportKind, Option<String>), CommError> {
+        match std::env::var("ZEROPP_TRANSPORT").as_deref() {
+            Ok("ucx") => Ok((TransportKind::Ucx, None)),
+            Ok("tcp") => Ok((TransportKind::Tcp, None)),
+            Err(_) => Ok(Self::default_here()),
+            Ok(other) => Err(CommError::Invalid(format!(
+                "ZEROPP_TRANSPORT={other:?}: use ucx (the default when libucp loads) or tcp"
+            ))),
+        }
+    }
+}
+
+/// The error of ranks that picked different transports.
+fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
+    CommError::Invalid(format!(
+        "rank {them} uses the {theirs} transport and rank {me} {mine}: set ZEROPP_TRANSPORT \
+         to the same value (ucx or tcp) for every rank (unset, each rank picks UCX when libucp \
+         loads on its host)"
+    ))
+}
+
 /// Which process a rank is, and where: two ranks with the same boot id and
 /// PID namespace see each other's processes in /proc.
 #[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
@@ -84,21 +116,17 @@ impl Job {
     }
 
     /// Rendezvous and a mesh for `facts` over the transport ZEROPP_TRANSPORT
-    /// names (tcp, the default, or ucx): the transport and everyone's
-    /// published facts, for callers that build their own communicator.
+    /// names (ucx or tcp; unset: UCX when libucp loads, else TCP with a
+    /// note): the transport and everyone's published facts, for callers that
+    /// build their own communicator.
     pub fn connect(
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
-        let kind = match std::env::var("ZEROPP_TRANSPORT").as_deref() {
-            Ok("ucx") => TransportKind::Ucx,
-            Ok("tcp") | Err(_) => TransportKind::Tcp,
-            Ok(other) => {
-                return Err(CommError::Invalid(format!(
-                    "ZEROPP_TRANSPORT={other:?}: use tcp (the default) or ucx"
-                )));
-            }
-        };
+        let (kind, why_not_ucx) = TransportKind::from_env()?;
+        if let (Some(why), 0) = (why_not_ucx, facts.rank) {
+            eprintln!("note: using TCP between ranks: {why}");
+        }
         Self::connect_over(kind, facts, extra_facts)
     }
 
@@ -135,6 +163,9 @@ impl Job {
         let addresses = table
             .iter()
             .map(|p| {
+                if p.address.is_empty() {
+                    return Err(mixed_transports(p.rank, "ucx", facts.rank, "tcp"));
+                }
                 p.address.parse::<SocketAddr>().map_err(|_| {
                     CommError::Invalid(format!(
                         "rank {} published a bad address {:?}",
@@ -184,12 +215,7 @@ impl Job {
                         .collect::<Result<Vec<u8>, _>>()
                         .ok()
                         .filter(|a| !a.is_empty())
-                        .ok_or_else(|| {
-                            CommError::Invalid(format!(
-                                "rank {} published no UCX address; run every rank with ZEROPP_TRANSPORT=ucx",
-                                p.rank
-                            ))
-                        })?;
+                        .ok_or_else(|| mixed_transports(p.rank, "tcp", facts.rank, "ucx"))?;
                     let theirs: Option<ProcessIdentity> =
                         serde_json::from_value(p.facts["process"].clone()).ok();
                     let local_pid = theirs

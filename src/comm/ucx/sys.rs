@@ -169,7 +169,7 @@ impl Ucp {
         let lib = unsafe { Library::new("libucp.so.0") }.map_err(|e| {
             format!(
                 "UCX is not installed ({e}): install it with `apt-get install libucx0` \
-                 (Debian/Ubuntu), or use the TCP transport (ZEROPP_TRANSPORT=tcp, the default)"
+                 (Debian/Ubuntu), or use the TCP transport (ZEROPP_TRANSPORT=tcp)"
             )
         })?;
         macro_rules! sym {
