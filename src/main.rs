@@ -184,6 +184,11 @@ struct TrainArgs {
     /// hpZ: node-local secondary shards for the backward gather.
     #[arg(long)]
     hpz: Option<bool>,
+    /// Ranks sharing an hpZ secondary shard, consecutive local ranks of a
+    /// node (a divisor of --ranks-per-node). Default: the routing plan's
+    /// choice — the node, or an NVLink island on a PCIe box.
+    #[arg(long)]
+    hpz_group: Option<usize>,
     /// qgZ: two-hop int4 gradient reduce-scatter.
     #[arg(long)]
     qgz: Option<bool>,
@@ -321,6 +326,9 @@ impl TrainArgs {
         }
         if self.hpz.is_some() {
             c.hpz = self.hpz;
+        }
+        if self.hpz_group.is_some() {
+            c.hpz_group = self.hpz_group;
         }
         if self.qgz.is_some() {
             c.qgz = self.qgz;

@@ -39,6 +39,9 @@ pub struct TrainConfig {
     /// Override qwZ bits (0 = off, 8, 4).
     pub qwz_bits: Option<u32>,
     pub hpz: Option<bool>,
+    /// Ranks sharing an hpZ secondary shard (divides ranks_per_node); unset:
+    /// the routing plan's choice (the node, or an NVLink island).
+    pub hpz_group: Option<usize>,
     pub qgz: Option<bool>,
     /// Error feedback for qgZ (default: on whenever qgZ is).
     pub error_feedback: Option<bool>,
@@ -91,6 +94,7 @@ impl Default for TrainConfig {
             mode: Mode::Zeropp,
             qwz_bits: None,
             hpz: None,
+            hpz_group: None,
             qgz: None,
             error_feedback: None,
             qgz_stochastic: false,
@@ -296,15 +300,22 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         Some(kind) => Job::connect_over(kind, &facts, published)?,
         None => Job::connect(&facts, published)?,
     };
+    // Every rank derives the same plan from the same published facts; the
+    // engine takes its hpZ group from it unless --hpz-group says otherwise.
+    let routing = cluster_plan(&table, layout.nodes, layout.ranks_per_node);
+    let (hpz_group, hpz_why) = hpz_group_for(cfg.hpz_group, &routing, layout.ranks_per_node);
+    let mut switches = cfg.switches();
+    switches.hpz_group = Some(hpz_group);
     if facts.rank == 0 {
-        println!(
-            "{}",
-            routing_report(&table, layout.nodes, layout.ranks_per_node)
-        );
+        println!("{}", routing_report(&routing));
+        if switches.hpz {
+            println!("engine: hpZ secondary shards over groups of {hpz_group} ranks ({hpz_why})");
+        }
     }
+    let transport_name = transport.name();
     let engine_cfg = EngineConfig {
         model: cfg.model.clone(),
-        switches: cfg.switches(),
+        switches: switches.clone(),
         optim: cfg.optim.clone(),
         seed: cfg.seed,
     };
@@ -346,18 +357,14 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         _ => None,
     };
     if lead {
-        let transport = match cfg.transport {
-            Some(k) => format!("{k:?}"),
-            None => std::env::var("ZEROPP_TRANSPORT").unwrap_or_else(|_| "tcp".into()),
-        };
         println!(
             "training {} parameters, {} nodes x {} ranks over {}, mode {:?} ({:?}), {} steps of {} tokens",
             engine.parameter_count(),
             layout.nodes,
             layout.ranks_per_node,
-            transport.to_uppercase(),
+            transport_name.to_uppercase(),
             cfg.mode,
-            cfg.switches(),
+            switches,
             cfg.steps,
             tokens_per_step
         );
@@ -586,11 +593,13 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
 
 /// What rank 0 prints about the cluster: the nodes, how they differ, and
 /// the routing plan for the weakest (`zeropp topo plan` for a whole job).
-fn routing_report(
+/// The cluster view and routing plan from the topology facts each node's
+/// first rank published, or why there is none.
+fn cluster_plan(
     table: &[crate::comm::rendezvous::PeerInfo],
     nodes: usize,
     ranks_per_node: usize,
-) -> String {
+) -> Result<zeropp_topology::plan::ClusterView, String> {
     let tops: Option<Vec<zeropp_topology::Topology>> = (0..nodes)
         .map(|n| {
             let p = table
@@ -599,10 +608,39 @@ fn routing_report(
             serde_json::from_value(p.facts.get("topology")?.clone()).ok()
         })
         .collect();
-    let Some(tops) = tops else {
-        return "topology: not every node published its facts; no routing plan".into();
-    };
-    match zeropp_topology::plan::cluster(&tops, ranks_per_node) {
+    let tops = tops.ok_or("not every node published its facts")?;
+    zeropp_topology::plan::cluster(&tops, ranks_per_node)
+}
+
+/// The hpZ group: `asked` (--hpz-group), else the plan's (the node, or an
+/// NVLink island), else the node; and why.
+fn hpz_group_for(
+    asked: Option<usize>,
+    routing: &Result<zeropp_topology::plan::ClusterView, String>,
+    g: usize,
+) -> (usize, String) {
+    if let Some(h) = asked {
+        return (h, "--hpz-group".into());
+    }
+    match routing {
+        Ok(view) if g.is_multiple_of(view.plan.hpz_group.max(1)) => (
+            view.plan.hpz_group.max(1),
+            format!("routing plan: {}", view.plan.hpz_why),
+        ),
+        Ok(view) => (
+            g,
+            format!(
+                "the node: the plan's group of {} does not divide {g} ranks",
+                view.plan.hpz_group
+            ),
+        ),
+        Err(_) => (g, "the node: no routing plan".into()),
+    }
+}
+
+/// What rank 0 prints about the machines and the plan.
+fn routing_report(routing: &Result<zeropp_topology::plan::ClusterView, String>) -> String {
+    match routing {
         Ok(view) => {
             let mut s = format!(
                 "topology: {} node(s) on {}",

@@ -59,6 +59,13 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
         stdout.contains("[rank 0] routing plan: 2 nodes x 2 ranks"),
         "{stdout}"
     );
+    // ... and the engine took its hpZ group from that plan (no GPUs: the node).
+    if !extra.contains(&"zero3") {
+        assert!(
+            stdout.contains("engine: hpZ secondary shards over groups of 2 ranks (routing plan:"),
+            "{stdout}"
+        );
+    }
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     let m = std::fs::read_to_string(metrics)
         .unwrap()
@@ -233,6 +240,10 @@ fn bad_input_is_a_named_error() {
         &["width 30", "heads 4"],
     );
     has(run(&["--nodes", "0"]), &["nodes"]);
+    has(
+        run(&[&small[..], &["--hpz-group", "3"]].concat()),
+        &["hpZ group of 3 ranks does not divide the 2 ranks"],
+    );
     let missing = dir.join("missing.txt");
     let m = missing.to_str().unwrap();
     has(

@@ -45,8 +45,10 @@ struct ShardedUnit {
     adam: AdamState,
     /// Whether weight decay applies to each element of the chunk.
     decay: Vec<bool>,
-    /// hpZ: the wire payloads of chunks `g·N .. (g+1)·N` of the gathered
-    /// weights, valid from this step's forward until its optimizer step.
+    /// hpZ: the wire payloads of chunks `i·k .. (i+1)·k` of the gathered
+    /// weights (i: this rank's place in its hpZ group of h, k = W / h; for
+    /// the node, i = local rank and k = N), valid from this step's forward
+    /// until its optimizer step.
     secondary: Option<Vec<Bytes>>,
     /// qgZ error feedback: what the first quantization dropped last step
     /// (padded length, rank order).
@@ -136,12 +138,20 @@ struct Groups {
     world: Arc<Group>,
     node: Arc<Group>,
     cross: Arc<Group>,
+    /// The ranks sharing this rank's hpZ secondary shard (the node, or a
+    /// run of its local ranks).
+    hpz: Arc<Group>,
 }
 
 impl Groups {
-    fn new(l: &Layout) -> Result<Groups, CommError> {
+    fn new(l: &Layout, hpz_group: usize) -> Result<Groups, CommError> {
         let g = l.ranks_per_node;
+        let first = l.rank / hpz_group * hpz_group;
         Ok(Groups {
+            hpz: Arc::new(Group::new(
+                0x2000 + (l.rank / hpz_group) as u16,
+                (first..first + hpz_group).collect(),
+            )?),
             world: Arc::new(Group::new(0, (0..l.world()).collect())?),
             node: Arc::new(Group::new(
                 0x100 + l.node() as u16,
@@ -227,7 +237,7 @@ impl Engine {
         let counter = Arc::new(CountingTransport::new(transport, layout.ranks_per_node));
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
-        let groups = Groups::new(&layout)?;
+        let groups = Groups::new(&layout, plan.hpz_group)?;
         let units = cfg
             .model
             .units()
@@ -344,25 +354,30 @@ impl Engine {
     }
 
     /// Starts the backward gather of unit `u`: from the hpZ secondary shards
-    /// inside the node, or again from the primaries.
+    /// inside the hpZ group, or again from the primaries.
     fn start_backward_gather(&self, u: usize) -> Result<Pending<Vec<Bytes>>, CommError> {
         let Some(secondary) = self.units[u].secondary.clone() else {
             return self.start_primary_gather(u, Phase::BackwardGather);
         };
         let counter = self.counter.clone();
         let frac = scale_fraction(self.plan.weights, self.units[u].chunk);
-        let node = self.groups.node.clone();
-        let n = self.plan.layout.nodes;
+        let hpz = self.groups.hpz.clone();
+        let n = self.secondary_chunks();
         Ok(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(Phase::BackwardGather, frac);
-            // Local rank g' holds the chunks of ranks g'·N .. (g'+1)·N.
-            let bundles = c.all_gather_v(&node, concat(&secondary))?;
+            // Member i of the hpZ group holds the chunks of ranks i·n .. (i+1)·n.
+            let bundles = c.all_gather_v(&hpz, concat(&secondary))?;
             let mut by_rank = Vec::with_capacity(bundles.len() * n);
             for bundle in &bundles {
                 by_rank.extend(split_bundle(bundle, n)?);
             }
             Ok(by_rank)
         }))
+    }
+
+    /// Chunks of each unit one hpZ secondary shard holds: W / the group size.
+    fn secondary_chunks(&self) -> usize {
+        self.plan.layout.world() / self.plan.hpz_group
     }
 
     /// Decodes gathered payloads (rank order) into unit `u`'s full weights.
@@ -691,7 +706,7 @@ impl Engine {
     pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, lr: f32) -> Result<StepStats> {
         let before = self.traffic();
         let n = self.units.len();
-        let (nodes, g) = (self.plan.layout.nodes, self.plan.layout.local());
+        let g = self.plan.layout.local();
 
         // Forward, keeping each unit's input (and, for a tied head, the
         // embedding's token matrix until the head's backward).
@@ -706,7 +721,8 @@ impl Engine {
             }
             if self.plan.hpz {
                 // Copies: the gathered buffers themselves are freed below.
-                let part = &payloads[g * nodes..(g + 1) * nodes];
+                let (k, member) = (self.secondary_chunks(), g % self.plan.hpz_group);
+                let part = &payloads[member * k..(member + 1) * k];
                 self.units[u].secondary =
                     Some(part.iter().map(|p| Bytes::copy_from_slice(p)).collect());
             }

@@ -35,6 +35,11 @@ pub struct Switches {
     pub qwz_bits: Option<u32>,
     /// hpZ: keep a node-local secondary shard for the backward gather.
     pub hpz: bool,
+    /// Ranks sharing one hpZ secondary shard: consecutive local ranks of a
+    /// node (an NVLink island on a PCIe box); `None`: the whole node. Must
+    /// divide the ranks per node.
+    #[serde(default)]
+    pub hpz_group: Option<usize>,
     /// qgZ: two-hop int4 all-to-all gradient reduce-scatter.
     pub qgz: bool,
     /// Error feedback for qgZ: carry what quantization dropped to the next step.
@@ -62,6 +67,7 @@ impl Switches {
         Switches {
             qwz_bits: None,
             hpz: false,
+            hpz_group: None,
             qgz: false,
             error_feedback: false,
             qgz_stochastic: false,
@@ -77,6 +83,7 @@ impl Switches {
         Switches {
             qwz_bits: Some(8),
             hpz: true,
+            hpz_group: None,
             qgz: true,
             error_feedback: true,
             qgz_stochastic: false,
@@ -124,6 +131,8 @@ pub struct Plan {
     pub layout: Layout,
     pub weights: WeightWire,
     pub hpz: bool,
+    /// Ranks sharing one hpZ secondary shard (divides the ranks per node).
+    pub hpz_group: usize,
     pub grads: GradWire,
     /// Every unit's flat buffer is padded to a multiple of
     /// `world · granule`, so chunks are whole quantization blocks.
@@ -173,10 +182,19 @@ impl Plan {
                 GradWire::RingBf16
             }
         };
+        let g = layout.ranks_per_node;
+        let hpz_group = s.hpz_group.unwrap_or(g);
+        if hpz_group == 0 || !g.is_multiple_of(hpz_group) {
+            return Err(format!(
+                "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node: \
+                 use a divisor of {g}"
+            ));
+        }
         Ok(Plan {
             layout,
             weights,
             hpz: s.hpz,
+            hpz_group,
             grads,
             // Both block sizes are powers of two: the larger is a multiple
             // of the smaller, so chunks are whole blocks of each.

@@ -272,6 +272,54 @@ fn hpz_gives_identical_numbers_and_keeps_the_backward_gather_inside_the_node() {
     assert!(hpz[0].traffic.backward_gather.total.intra_node > 0);
 }
 
+/// hpZ over groups smaller than the node (NVLink islands on a PCIe box):
+/// the same numbers, the backward gather confined to the group — none at
+/// all for groups of one, half the node's bytes for groups of two of four.
+#[test]
+fn hpz_groups_smaller_than_the_node_give_identical_numbers() {
+    let with_group = |h: Option<usize>| Switches {
+        hpz_group: h,
+        ..Switches::zeropp(32)
+    };
+    let node = run(2, 4, with_group(None), 2, 1);
+    let pairs = run(2, 4, with_group(Some(2)), 2, 1);
+    let alone = run(2, 4, with_group(Some(1)), 2, 1);
+    let backward = |rs: &[RunResult]| -> u64 {
+        rs.iter()
+            .map(|r| r.traffic.backward_gather.total.intra_node)
+            .sum()
+    };
+    for (name, other) in [("pairs", &pairs), ("alone", &alone)] {
+        for (a, b) in node.iter().zip(other.iter()) {
+            assert_eq!(a.losses, b.losses, "{name}");
+            assert_eq!(a.norms, b.norms, "{name}");
+            assert_eq!(b.traffic.backward_gather.total.inter_node, 0, "{name}");
+        }
+    }
+    assert_eq!(backward(&alone), 0);
+    // Each member receives (h-1)/h of the unit per gather: 1/2 against 3/4.
+    let ratio = backward(&pairs) as f64 / backward(&node) as f64;
+    assert!(
+        (ratio - 2.0 / 3.0).abs() < 0.02,
+        "pairs/node backward bytes {ratio}"
+    );
+}
+
+#[test]
+fn an_hpz_group_that_does_not_divide_the_node_is_an_error() {
+    let s = Switches {
+        hpz_group: Some(3),
+        ..Switches::zeropp(32)
+    };
+    let layout = Layout {
+        nodes: 2,
+        ranks_per_node: 4,
+        rank: 0,
+    };
+    let err = Plan::new(layout, &s).unwrap_err();
+    assert!(err.contains("does not divide the 4 ranks"), "{err}");
+}
+
 #[test]
 fn zeropp_sends_far_fewer_bytes_across_nodes_than_zero3() {
     let z3 = run(2, 2, Switches::zero3(256), 1, 1);
