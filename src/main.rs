@@ -205,6 +205,8 @@ struct TrainArgs {
     #[arg(long)]
     qgz_block: Option<usize>,
     /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
+    /// Default: the routing plan's — int8, unless the hop inside the node
+    /// is about as slow per rank as the hop across.
     #[arg(long)]
     qgz_intra_bits: Option<u32>,
     /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
@@ -320,7 +322,7 @@ impl TrainArgs {
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
-             qgz_intra_bits => c.qgz_intra_bits, fp32_comm => c.fp32_comm, tied_head => c.model.tied_head);
+             fp32_comm => c.fp32_comm, tied_head => c.model.tied_head);
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }
@@ -329,6 +331,9 @@ impl TrainArgs {
         }
         if self.hpz_group.is_some() {
             c.hpz_group = self.hpz_group;
+        }
+        if self.qgz_intra_bits.is_some() {
+            c.qgz_intra_bits = self.qgz_intra_bits;
         }
         if self.qgz.is_some() {
             c.qgz = self.qgz;
@@ -411,6 +416,10 @@ struct PlanArgs {
     block: f64,
     #[arg(long, default_value_t = 32.0)]
     qgz_block: f64,
+    /// Bits of qgZ's first hop, inside the node (zeropp train's default on
+    /// a node much faster inside than across: 8).
+    #[arg(long, default_value_t = 8)]
+    qgz_intra_bits: u32,
     /// Fraction of the hideable communication that overlaps compute: 1 =
     /// perfect prefetch (zeropp), 0 = none; systems whose gathers stall
     /// compute sit in between.
@@ -630,6 +639,7 @@ fn run(cli: Cli) -> Result<()> {
                 units: a.units,
                 block: a.block,
                 qgz_block: a.qgz_block,
+                qgz_intra_bits: a.qgz_intra_bits,
                 overlap: a.overlap,
             };
             if a.json {

@@ -31,6 +31,8 @@ pub struct PlanInput {
     /// Values per weight / gradient quantization block.
     pub block: f64,
     pub qgz_block: f64,
+    /// Bits of qgZ's first hop, inside the node (the hop across is int4).
+    pub qgz_intra_bits: u32,
     /// How much of the communication that could hide behind compute does:
     /// 1 = perfect prefetch (zeropp's engine on the emulated cluster), 0 =
     /// none (communication and compute in sequence).
@@ -188,13 +190,14 @@ impl PlanInput {
         };
         // Gradient.
         let gradient = if c.qgz {
+            let q1 = self.bytes(self.qgz_intra_bits, self.qgz_block);
             let q4 = self.bytes(4, self.qgz_block);
-            // Hop 1 inside: all-to-all of the whole int4 gradient; hop 2
-            // across: each rank's node-level partial (Ψ/G).
+            // Hop 1 inside: all-to-all of the whole quantized gradient; hop
+            // 2 across: each rank's int4 node-level partial (Ψ/G).
             let (t, b) = self.across_hop(q4 / g);
             inter += b;
             quant_values += 2.0 * self.params + self.params / g;
-            self.inside_hop(q4) + t
+            self.inside_hop(q1) + t
         } else {
             let (t, b) = self.flat_ring(2.0 * self.params);
             inter += b;
@@ -323,6 +326,8 @@ mod tests {
             units: 4,
             block: 256.0,
             qgz_block: 32.0,
+            // The recorded runs used int4 on both qgZ hops.
+            qgz_intra_bits: 4,
             overlap: 1.0,
         }
     }

@@ -51,8 +51,10 @@ pub struct TrainConfig {
     pub block: usize,
     /// Values per quantization block of the gradients (qgZ).
     pub qgz_block: usize,
-    /// Bits of qgZ's first hop, inside the node (8 or 4).
-    pub qgz_intra_bits: u32,
+    /// Bits of qgZ's first hop, inside the node (8 or 4); unset: the routing
+    /// plan's choice (int8 unless the hop inside is about as slow as the
+    /// hop across).
+    pub qgz_intra_bits: Option<u32>,
     /// Unquantized traffic in fp32 instead of bf16.
     pub fp32_comm: bool,
     pub steps: usize,
@@ -100,7 +102,7 @@ impl Default for TrainConfig {
             qgz_stochastic: false,
             block: 256,
             qgz_block: 32,
-            qgz_intra_bits: 4,
+            qgz_intra_bits: None,
             fp32_comm: false,
             steps: 200,
             batch: 8,
@@ -151,7 +153,9 @@ impl TrainConfig {
         s.error_feedback = self.error_feedback.unwrap_or(s.qgz);
         s.qgz_stochastic = self.qgz_stochastic;
         s.qgz_block = self.qgz_block;
-        s.qgz_intra_bits = self.qgz_intra_bits;
+        if let Some(b) = self.qgz_intra_bits {
+            s.qgz_intra_bits = b;
+        }
         s.fp32_comm = self.fp32_comm;
         s
     }
@@ -306,10 +310,15 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     let (hpz_group, hpz_why) = hpz_group_for(cfg.hpz_group, &routing, layout.ranks_per_node);
     let mut switches = cfg.switches();
     switches.hpz_group = Some(hpz_group);
+    let (intra_bits, bits_why) = qgz_intra_bits_for(cfg.qgz_intra_bits, &routing);
+    switches.qgz_intra_bits = intra_bits;
     if facts.rank == 0 {
         println!("{}", routing_report(&routing));
         if switches.hpz {
             println!("engine: hpZ secondary shards over groups of {hpz_group} ranks ({hpz_why})");
+        }
+        if switches.qgz {
+            println!("engine: qgZ int{intra_bits} inside the node, int4 across ({bits_why})");
         }
     }
     let transport_name = transport.name();
@@ -635,6 +644,22 @@ fn hpz_group_for(
             ),
         ),
         Err(_) => (g, "the node: no routing plan".into()),
+    }
+}
+
+/// Bits of qgZ's first hop: `asked` (--qgz-intra-bits), else the plan's,
+/// else int8 (the plan's choice when the speed across is unknown); and why.
+fn qgz_intra_bits_for(
+    asked: Option<u32>,
+    routing: &Result<zeropp_topology::plan::ClusterView, String>,
+) -> (u32, String) {
+    match (asked, routing) {
+        (Some(b), _) => (b, "--qgz-intra-bits".into()),
+        (None, Ok(view)) => (view.plan.qgz_bits[0], "routing plan".into()),
+        (None, Err(_)) => (
+            8,
+            "no routing plan: int8 inside, cheap next to the hop across".into(),
+        ),
     }
 }
 

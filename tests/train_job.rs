@@ -65,6 +65,10 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
             stdout.contains("engine: hpZ secondary shards over groups of 2 ranks (routing plan:"),
             "{stdout}"
         );
+        assert!(
+            stdout.contains("inside the node, int4 across (routing plan)"),
+            "{stdout}"
+        );
     }
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
     let m = std::fs::read_to_string(metrics)
