@@ -1,7 +1,8 @@
-//! The communication layer as real processes over TCP: every collective on
-//! 2, 3 and 4 processes and their groups; a rank killed mid-collective; a
-//! stranger with the wrong token; disagreeing world sizes; the launcher's
-//! handling of a failing rank.
+//! The communication layer as real processes over TCP and UCX: every
+//! collective on 2, 3 and 4 processes and their groups; a rank killed
+//! mid-collective (UCX: node-local and cross-node endpoints); UCX's shared
+//! memory confined to a node; a stranger with the wrong token; disagreeing
+//! world sizes and transports; the launcher's handling of a failing rank.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -20,25 +21,12 @@ fn free_port() -> u16 {
 
 /// Starts `zeropp args` as rank `rank` of a one-node world of `world`.
 fn rank_process(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
-    rank_process_over("tcp", rank, world, world, port, token, args)
-}
-
-/// Starts `zeropp args` as rank `rank` of `world`, `per_node` ranks per node.
-fn rank_process_over(
-    transport: &str,
-    rank: usize,
-    world: usize,
-    per_node: usize,
-    port: u16,
-    token: &str,
-    args: &[&str],
-) -> Child {
-    rank_command(transport, rank, world, per_node, port, token, args)
+    rank_command("tcp", rank, world, world, port, token, args)
         .spawn()
         .unwrap()
 }
 
-/// The command [`rank_process_over`] spawns.
+/// `zeropp args` as rank `rank` of `world`, `per_node` ranks per node.
 fn rank_command(
     transport: &str,
     rank: usize,
@@ -180,7 +168,11 @@ fn killed_rank_is_named_over(transport: &str, per_node: usize) {
     let token = "kill-test";
     let args = ["comm-check", "--sizes", "0", "--loop-seconds", "60"];
     let mut ranks: Vec<Child> = (0..3)
-        .map(|r| rank_process_over(transport, r, 3, per_node, port, token, &args))
+        .map(|r| {
+            rank_command(transport, r, 3, per_node, port, token, &args)
+                .spawn()
+                .unwrap()
+        })
         .collect();
     // Wait until every rank is in the all-gather loop.
     let (tx, rx) = mpsc::channel();
@@ -245,8 +237,12 @@ fn a_stranger_with_the_wrong_token_is_refused_and_the_job_goes_on() {
 fn ranks_on_different_transports_are_told_to_agree() {
     let port = free_port();
     let args = ["comm-check", "--sizes", "0"];
-    let rank0 = rank_process_over("tcp", 0, 2, 2, port, "t", &args);
-    let rank1 = rank_process_over("ucx", 1, 2, 2, port, "t", &args);
+    let rank0 = rank_command("tcp", 0, 2, 2, port, "t", &args)
+        .spawn()
+        .unwrap();
+    let rank1 = rank_command("ucx", 1, 2, 2, port, "t", &args)
+        .spawn()
+        .unwrap();
     for (name, child) in [("rank 0", rank0), ("rank 1", rank1)] {
         let (ok, _, err) = finish(child, Duration::from_secs(60), name);
         assert!(!ok, "{name} must fail");
