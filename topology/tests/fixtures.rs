@@ -732,6 +732,9 @@ fn hgx_h100_nv18_through_four_nvswitches() {
         p.render()
     );
     assert_eq!(p.hpz_group, 8);
+    // NVLink is 9x the NDR NICs per rank: int8 gradients inside the node
+    // cost little (without NVML facts the same box plans int4 on both).
+    assert_eq!(p.qgz_bits, [8, 4], "{}", p.render());
 }
 
 #[test]
