@@ -507,7 +507,7 @@ enum BenchCommand {
     Collectives {
         /// Sizes of one rank's full buffer, e.g. 4K,64K,1M,16M.
         #[arg(long, value_delimiter = ',', value_parser = bench_collectives::parse_size,
-              default_value = "4K,64K,1M,16M,64M")]
+              default_value = "4K,64K,1M,16M,64M,256M")]
         sizes: Vec<usize>,
         /// Timed repetitions per size (after one warm-up).
         #[arg(long, default_value_t = 5)]
