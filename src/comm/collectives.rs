@@ -746,11 +746,7 @@ mod tests {
                 .collect()
         };
         // Chunk cuts on whole granules, as a caller of a blocked format would.
-        let granules = len.div_ceil(12);
-        let bounds: Vec<_> = balanced_bounds(granules, n)
-            .into_iter()
-            .map(|r| (r.start * 12).min(len)..(r.end * 12).min(len))
-            .collect();
+        let bounds = segment_bounds(len, 12, n);
         let expect: Vec<u8> = (0..len / 4)
             .flat_map(|i| (6 * (i as u32 % 1009)).to_le_bytes())
             .collect();

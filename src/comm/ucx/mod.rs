@@ -39,7 +39,7 @@ const HEADER: usize = 16;
 /// UCX settings zeropp changes from UCX's defaults unless the environment
 /// sets them: (environment variable, `ucp_config_modify` key, value). TCP
 /// segments of 64 KiB instead of 8 KiB carry large messages between hosts
-/// 15–20% faster (docs/BENCHMARKS.md). The key carries no transport prefix:
+/// 14–28% faster (docs/BENCHMARKS.md). The key carries no transport prefix:
 /// UCX matches cached keys against each transport's own option names.
 const TUNED_DEFAULTS: &[(&str, &str, &str)] = &[
     ("UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "64k"),
