@@ -600,10 +600,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     result
 }
 
-/// What rank 0 prints about the cluster: the nodes, how they differ, and
-/// the routing plan for the weakest (`zeropp topo plan` for a whole job).
-/// The cluster view and routing plan from the topology facts each node's
-/// first rank published, or why there is none.
+/// The cluster view and routing plan (for the weakest node, as `zeropp topo
+/// plan` for a whole job) from the topology facts each node's first rank
+/// published, or why there is none.
 fn cluster_plan(
     table: &[crate::comm::rendezvous::PeerInfo],
     nodes: usize,
@@ -663,7 +662,8 @@ fn qgz_intra_bits_for(
     }
 }
 
-/// What rank 0 prints about the machines and the plan.
+/// What rank 0 prints about the cluster: the nodes, how they differ, and
+/// the routing plan.
 fn routing_report(routing: &Result<zeropp_topology::plan::ClusterView, String>) -> String {
     match routing {
         Ok(view) => {
