@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # An emulated low-bandwidth cluster on one machine (run as root):
 # N network namespaces ("nodes") joined by a bridge that lives in a switch
-# namespace, each node's egress limited with netem (rate, optional delay);
-# G ranks per node talk over the node's loopback, across nodes over the
-# veth links. For every (mode, rate) it runs `zeropp train` on that cluster
-# and records step time, loss, the engine's count of bytes across nodes and
-# the bytes the veth counters saw, in a CSV (and a PNG when matplotlib is
-# available). Everything it creates is removed on exit, on error or on ^C.
+# namespace, each node's egress shaped by a token bucket (tc tbf), or by
+# netem when --delay is given; G ranks per node talk over the node's
+# loopback, across nodes over the veth links. For every (mode, rate) it runs
+# `zeropp train` on that cluster and records step time, loss, the engine's
+# count of bytes across nodes and the bytes the veth counters saw, in a CSV
+# (and a PNG when matplotlib is available). With --probe it first measures
+# what plain TCP gets through the shaped links (probe.csv). Everything it
+# creates is removed on exit, on error or on ^C.
 #
 #   bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates "20mbit 100mbit" \
-#       --modes "zero3 zeropp" --steps 40 --out bench-cluster/results
+#       --modes "zero3 zeropp" --steps 40 --probe "ring all" --out bench-cluster/results
 #
 # Modes: zero3, zeropp, or ZeRO-3 with one ZeRO++ switch: qwz (int8 weight
 # gathers), hpz (node-local secondary shards), qgz (int4 two-hop gradients).
+# Probe patterns: ring (each node to the next), all (each node to every
+# other); --probe-flows F connections per peer, --probe-seconds S counted.
 #
 # Extra arguments after `--` go to `zeropp train` (model shape, batch, ...).
 set -euo pipefail
@@ -24,6 +28,9 @@ MODES="zero3 zeropp"
 STEPS=40
 DELAY="0ms"
 OUT="bench-cluster/results"
+PROBE=""
+PROBE_FLOWS=1
+PROBE_SECONDS=8
 ZEROPP="${ZEROPP:-target/release/zeropp}"
 EXTRA=()
 
@@ -39,8 +46,11 @@ while [ $# -gt 0 ]; do
     --delay) DELAY="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --zeropp) ZEROPP="$2"; shift 2 ;;
+    --probe) PROBE="$2"; shift 2 ;;
+    --probe-flows) PROBE_FLOWS="$2"; shift 2 ;;
+    --probe-seconds) PROBE_SECONDS="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -53,6 +63,7 @@ ZEROPP="$(cd "$(dirname "$ZEROPP")" && pwd)/$(basename "$ZEROPP")"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
+HERE="$(cd "$(dirname "$0")" && pwd)"
 TAG="zpb$$"
 SW="$TAG-sw"
 node_ns() { echo "$TAG-n$1"; }
@@ -131,10 +142,59 @@ counter() {
   echo "$total"
 }
 
+# What the shaped links deliver to plain TCP (bench-cluster/probe.py), with
+# the flows of a pattern: ring (each node to the next, like a ring
+# collective's one cross-node hop) or all (each node to every other, like
+# qgZ's all-to-all). Appends a row per pattern to probe.csv and prints it.
+PROBE_CSV="$OUT/probe.csv"
+probe_link() {
+  local rate="$1" pattern="$2" start k to
+  start=$(( $(date +%s) + 2 ))
+  local pids=()
+  for k in $(seq 0 $((NODES - 1))); do
+    case "$pattern" in
+      ring) to="$(node_ip $(((k + 1) % NODES)))" ;;
+      all) to="$(for j in $(seq 0 $((NODES - 1))); do [ "$j" -eq "$k" ] || printf '%s,' "$(node_ip "$j")"; done)" ;;
+      *) die "unknown probe pattern $pattern: use ring or all" ;;
+    esac
+    ip netns exec "$(node_ns "$k")" python3 "$HERE/probe.py" --node "$k" --listen "$(node_ip "$k")" \
+      --to "$to" --flows "$PROBE_FLOWS" --start "$start" --seconds "$PROBE_SECONDS" \
+      > "$OUT/probe-$pattern-${NODES}n-$rate-node$k.json" 2>&1 &
+    pids+=($!)
+  done
+  local failed=0 p
+  for p in "${pids[@]}"; do wait "$p" || failed=1; done
+  [ "$failed" -eq 0 ] || die "link probe failed; see $OUT/probe-$pattern-${NODES}n-$rate-node*.json"
+  python3 - "$rate" "$pattern" "$PROBE_FLOWS" "$NODES" "$OUT/probe-$pattern-${NODES}n-$rate-node"*.json >> "$PROBE_CSV" <<'PY'
+import json, re, sys
+rate, pattern, flows, nodes = sys.argv[1:5]
+runs = [json.load(open(f)) for f in sys.argv[5:]]
+m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.lower())
+nominal = float(m.group(1)) * {"": 1e-6, "k": 1e-3, "m": 1, "g": 1e3}[m.group(2)]
+# A node's egress: what every other node received from its address.
+egress = {}
+for r in runs:
+    for src, b in r["from"].items():
+        egress[src] = egress.get(src, 0) + b
+window = runs[0]["window_s"]
+mbit = sorted(8 * b / window / 1e6 for b in egress.values())
+mean = sum(mbit) / len(mbit)
+print(f"{rate},{nodes},{pattern},{flows},{window:g},{mean:.3f},{mbit[0]:.3f},{mbit[-1]:.3f},{mean / nominal:.3f}")
+PY
+  echo "probe: $(tail -n 1 "$PROBE_CSV")" >&2
+}
+
 CSV="$OUT/results.csv"
 [ -f "$CSV" ] || echo "mode,nodes,ranks_per_node,rate,delay,steps,median_step_s,tokens_per_s,final_loss,val_loss,engine_inter_bytes,wire_inter_bytes,wire_vs_engine" > "$CSV"
 
+[ -f "$PROBE_CSV" ] || [ -z "$PROBE" ] || echo "rate,nodes,pattern,flows_per_peer,window_s,mean_egress_mbit,min_egress_mbit,max_egress_mbit,mean_vs_nominal" > "$PROBE_CSV"
+for p in $PROBE; do case "$p" in ring|all) ;; *) die "unknown probe pattern $p: use ring or all" ;; esac; done
+
 for rate in $RATES; do
+  if [ -n "$PROBE" ]; then
+    build_cluster "$rate"
+    for pattern in $PROBE; do probe_link "$rate" "$pattern"; done
+  fi
   for mode in $MODES; do
     build_cluster "$rate"
     name="$mode-${NODES}x$RPN-$rate"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # A short run of the emulated cluster (root): 2 nodes x 2 ranks on a shaped
-# link, one tiny zeropp training run; checks that the engine's byte count
+# link, a 3-second TCP probe of the shaped link (it must deliver data and
+# no more than the rate it is shaped to, or the shaping is not in place),
+# one tiny zeropp training run; checks that the engine's byte count
 # and the veth counters agree within 5% (10 steps, so UCX's fixed wire-up
 # traffic is under 1%; two ranks per node: node-local
 # shared memory must not carry cross-node traffic) and that nothing is left behind.
@@ -11,6 +13,7 @@ zeropp="${1:-target/debug/zeropp}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 200mbit --modes zeropp --steps 10 \
+  --probe ring --probe-seconds 3 \
   --zeropp "$zeropp" --out "$out" -- --width 32 --layers 1 --heads 2 --context 32 --batch 2 --val-batches 1 \
   >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out"/*.log >&2; exit 1; }
 row="$(tail -n 1 "$out/results.csv")"
@@ -21,6 +24,16 @@ f = sys.argv[1].split(",")
 engine, wire = float(f[10]), float(f[11])
 assert engine > 0 and wire > 0, f"no bytes counted: {f}"
 assert abs(wire / engine - 1) < 0.05, f"wire {wire} vs engine {engine} bytes differ by more than 5%"
+PY
+probe="$(tail -n 1 "$out/probe.csv")"
+echo "bench-cluster selftest: probe $probe"
+python3 - "$probe" <<'PY'
+import sys
+f = sys.argv[1].split(",")
+mean, vs_nominal = float(f[5]), float(f[8])
+assert mean > 0, f"the probe moved no data: {f}"
+# TCP payload can never exceed the shaped rate (headers take ~4% of it).
+assert vs_nominal <= 1.02, f"the link delivered {vs_nominal:.2f}x its shaped rate: tc is not shaping it ({f})"
 PY
 if ip netns list | grep -q '^zpb'; then
   echo "bench-cluster selftest: namespaces left behind: $(ip netns list | grep '^zpb')" >&2

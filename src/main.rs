@@ -385,9 +385,10 @@ struct PlanArgs {
     /// Bandwidth one rank sees inside a node, GB/s (NVLink, PCIe, memory).
     #[arg(long, default_value_t = 1.0)]
     intra_gbps: f64,
-    /// One NIC's achievable bandwidth, Gbit/s: what iperf3 measures with a
-    /// few flows, not the port's nominal speed (a shaped or shared link can
-    /// deliver much less: 66-78% of a 5 Mbit/s tbf limit in docs/BENCHMARKS.md).
+    /// One NIC's achievable bandwidth, Gbit/s: what TCP gets through it
+    /// (iperf3, or `bench-cluster/run.sh --probe` on the emulated cluster),
+    /// not the port's nominal speed: headers alone take 4.4%, and a shaped
+    /// 5 Mbit/s link gave one TCP flow 87-92% of its rate.
     #[arg(long, default_value_t = 1.0)]
     nic_gbit: f64,
     #[arg(long, default_value_t = 1)]
@@ -396,19 +397,25 @@ struct PlanArgs {
     #[arg(long, default_value_t = 100.0)]
     alpha_us: f64,
     /// Seconds of compute per step (forward, recomputation, backward), as
-    /// measured on a fast link; or give --tflops and --tokens-per-rank.
+    /// measured on a fast link; or --compute-from, or --tflops and
+    /// --tokens-per-rank.
     #[arg(long)]
     compute_s: Option<f64>,
+    /// Take the compute per step from a run: the median step time in the
+    /// summary (`zeropp train --summary-json FILE`) of a ZeRO-3 run of the
+    /// same model and ranks on a fast link, where the step is compute.
+    #[arg(long, value_name = "SUMMARY_JSON")]
+    compute_from: Option<PathBuf>,
     /// Sustained TFLOP/s per rank (compute = 8 x params x tokens / rate).
     #[arg(long)]
     tflops: Option<f64>,
     /// Tokens per rank per step.
     #[arg(long, default_value_t = 512.0)]
     tokens_per_rank: f64,
-    /// Quantization kernels' throughput, GB/s of fp32 (CPU here: about 2;
-    /// a GPU: hundreds).
-    #[arg(long, default_value_t = 2.0)]
-    quant_gbps: f64,
+    /// Quantization kernels' throughput, GB/s of fp32 (a GPU: hundreds).
+    /// Default: measured on this CPU (zeropp-quant, one thread, ~0.1 s).
+    #[arg(long)]
+    quant_gbps: Option<f64>,
     /// Units the model is gathered in.
     #[arg(long, default_value_t = 4)]
     units: usize,
@@ -523,6 +530,32 @@ enum RoundingArg {
     Stochastic,
 }
 
+/// The median step time of a `zeropp train --summary-json` file: the
+/// compute per step when that run was ZeRO-3 on a fast link.
+fn compute_from_summary(path: &std::path::Path) -> Result<f64> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the run summary {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
+            path.display()
+        )
+    })?;
+    let Some(step) = v.get("median_step_time_s").and_then(|x| x.as_f64()) else {
+        bail!(
+            "{} has no median_step_time_s: give the JSON `zeropp train --summary-json` writes",
+            path.display()
+        );
+    };
+    if v.get("mode").and_then(|m| m.as_str()) != Some("zero3") {
+        eprintln!(
+            "note: {} is not a ZeRO-3 run; its step includes ZeRO++'s quantization, which the plan adds again",
+            path.display()
+        );
+    }
+    Ok(step)
+}
+
 fn run(cli: Cli) -> Result<()> {
     if matches!(cli.command, Command::Topo { .. } | Command::Ckpt(_)) {
         // Report-only commands: a closed pipe (`| head`) ends them quietly,
@@ -613,12 +646,32 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Plan(a) => {
-            let compute_s = match (a.compute_s, a.tflops) {
-                (Some(c), _) => c,
-                (None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
+            let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
+                (Some(c), None, _) => c,
+                (None, Some(path), _) => compute_from_summary(path)?,
+                (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
+                (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
                 _ => bail!(
-                    "give the compute per step: --compute-s S, or --tflops T (with --tokens-per-rank)"
+                    "give the compute per step: --compute-s S, --compute-from SUMMARY_JSON, or --tflops T (with --tokens-per-rank)"
                 ),
+            };
+            if !(compute_s.is_finite() && compute_s >= 0.0) {
+                bail!(
+                    "the compute per step must be a non-negative number of seconds, not {compute_s}"
+                );
+            }
+            let quant_gbps = match a.quant_gbps {
+                Some(q) if q > 0.0 && q.is_finite() => q,
+                Some(q) => bail!("--quant-gbps must be a positive number of GB/s, not {q}"),
+                None => {
+                    let q = zeropp::planner::measure_quant_gbps()?;
+                    if !a.json {
+                        println!(
+                            "quantization: {q:.2} GB/s of f32 measured on this CPU (one thread; give --quant-gbps for GPU kernels)"
+                        );
+                    }
+                    q
+                }
             };
             if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
                 bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
@@ -635,7 +688,7 @@ fn run(cli: Cli) -> Result<()> {
                 nics_per_node: a.nics_per_node.max(1),
                 alpha_s: a.alpha_us * 1e-6,
                 compute_s,
-                quant_gbps: a.quant_gbps,
+                quant_gbps,
                 units: a.units,
                 block: a.block,
                 qgz_block: a.qgz_block,

@@ -1,0 +1,120 @@
+//! `zeropp plan` as a user runs it: compute from a run's summary, the
+//! quantization rate measured here, and clear errors for bad input.
+
+use std::process::Command;
+
+fn zeropp(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn step_of(out: &std::process::Output, config: &str) -> f64 {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let preds: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    preds
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["config"]["name"] == config)
+        .unwrap_or_else(|| panic!("no {config} in {preds}"))["step_s"]
+        .as_f64()
+        .unwrap()
+}
+
+#[test]
+fn plan_takes_compute_from_a_run_summary_and_measures_quantization() {
+    let dir = std::env::temp_dir().join(format!("zeropp-plan-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let summary = dir.join("run.json");
+    std::fs::write(
+        &summary,
+        r#"{"mode": "zero3", "world_size": 4, "median_step_time_s": 0.75, "final_loss": 3.1}"#,
+    )
+    .unwrap();
+    let base = [
+        "plan",
+        "--params",
+        "3758592",
+        "--nic-gbit",
+        "10",
+        "--quant-gbps",
+        "2",
+        "--json",
+    ];
+    let from_file = zeropp(&[&base[..], &["--compute-from", summary.to_str().unwrap()]].concat());
+    let given = zeropp(&[&base[..], &["--compute-s", "0.75"]].concat());
+    // On a fast link ZeRO-3's step is its compute plus the little the
+    // prefetch cannot hide: the file's 0.75 s is what the plan used.
+    let (a, b) = (step_of(&from_file, "zero3"), step_of(&given, "zero3"));
+    assert_eq!(a, b);
+    assert!((0.75..0.85).contains(&a), "{a}");
+
+    // Without --quant-gbps the rate is measured on this CPU and printed.
+    let o = zeropp(&["plan", "--compute-s", "0.6"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("quantization: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    let gbps: f64 = line["quantization: ".len()..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(gbps > 0.0 && gbps.is_finite(), "{line}");
+    // Every single switch is in the table, with the flags of the best.
+    for name in ["zero3", "qwz", "hpz", "qgz", "qwz+hpz", "zeropp"] {
+        assert!(
+            text.lines().any(|l| l.starts_with(&format!("{name} "))),
+            "{name}: {text}"
+        );
+    }
+    assert!(
+        text.contains("recommended: ") && text.contains("--mode"),
+        "{text}"
+    );
+
+    // Bad input: a file that is not a summary, one that is missing, both
+    // compute flags, a rate that is not positive.
+    let bad = dir.join("bad.json");
+    std::fs::write(&bad, r#"{"mode": "zero3"}"#).unwrap();
+    for (args, want) in [
+        (
+            vec!["plan", "--compute-from", bad.to_str().unwrap()],
+            "no median_step_time_s",
+        ),
+        (
+            vec!["plan", "--compute-from", "/nonexistent/run.json"],
+            "reading the run summary",
+        ),
+        (
+            vec![
+                "plan",
+                "--compute-s",
+                "1",
+                "--compute-from",
+                summary.to_str().unwrap(),
+            ],
+            "not both",
+        ),
+        (
+            vec!["plan", "--compute-s", "1", "--quant-gbps", "0"],
+            "--quant-gbps must be a positive",
+        ),
+        (vec!["plan"], "give the compute per step"),
+    ] {
+        let o = zeropp(&args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} succeeded");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    std::fs::remove_dir_all(dir).ok();
+}
