@@ -388,7 +388,7 @@ struct PlanArgs {
     /// One NIC's achievable bandwidth, Gbit/s: what TCP gets through it
     /// (iperf3, or `bench-cluster/run.sh --probe` on the emulated cluster),
     /// not the port's nominal speed: headers alone take 4.4%, and a shaped
-    /// 5 Mbit/s link gave one TCP flow 87-92% of its rate.
+    /// 5 Mbit/s link gave one TCP flow 86-92% of its rate.
     #[arg(long, default_value_t = 1.0)]
     nic_gbit: f64,
     #[arg(long, default_value_t = 1)]
