@@ -15,6 +15,8 @@
 #
 # Modes: zero3, zeropp, or ZeRO-3 with one ZeRO++ switch: qwz (int8 weight
 # gathers), hpz (node-local secondary shards), qgz (int4 two-hop gradients).
+# --delay D [--jitter J]: netem instead of tbf, each packet delayed D +- J
+# (needs sch_netem; the delay column of the CSV reads D/J).
 # Probe patterns: ring (each node to the next), all (each node to every
 # other); --probe-flows F connections per peer, --probe-seconds S counted.
 #
@@ -27,6 +29,7 @@ RATES="50mbit"
 MODES="zero3 zeropp"
 STEPS=40
 DELAY="0ms"
+JITTER=""
 OUT="bench-cluster/results"
 PROBE=""
 PROBE_FLOWS=1
@@ -44,13 +47,14 @@ while [ $# -gt 0 ]; do
     --modes) MODES="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
     --delay) DELAY="$2"; shift 2 ;;
+    --jitter) JITTER="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --zeropp) ZEROPP="$2"; shift 2 ;;
     --probe) PROBE="$2"; shift 2 ;;
     --probe-flows) PROBE_FLOWS="$2"; shift 2 ;;
     --probe-seconds) PROBE_SECONDS="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -124,11 +128,12 @@ build_cluster() {
     ip -n "$SW" link set "${TAG}b$k" up
     # The node's NIC: its egress shaped to the link rate (a token bucket with
     # 10 ms of burst), or netem when a delay is asked for.
-    if [ "$DELAY" = "0ms" ] || [ "$DELAY" = "0" ]; then
+    if [ -z "$JITTER" ] && { [ "$DELAY" = "0ms" ] || [ "$DELAY" = "0" ]; }; then
       tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$(burst_bytes "$rate")" latency 200ms
     else
-      tc -n "$ns" qdisc add dev eth0 root netem rate "$rate" delay "$DELAY" limit 100000 ||
-        die "this kernel has no netem (sch_netem): run without --delay"
+      # shellcheck disable=SC2086 # JITTER is empty or one word
+      tc -n "$ns" qdisc add dev eth0 root netem rate "$rate" delay "$DELAY" $JITTER limit 100000 ||
+        die "this kernel has no netem (sch_netem; modprobe sch_netem): run without --delay/--jitter"
     fi
   done
 }
@@ -215,7 +220,7 @@ for rate in $RATES; do
     bytes=$(( $(counter tx_bytes) - bytes0 )); packets=$(( $(counter tx_packets) - packets0 ))
     # Ethernet (14) + IPv4 (20) + TCP with timestamps (32) per packet.
     wire=$((bytes - 66 * packets))
-    python3 - "$OUT/$name.json" "$wire" "$mode" "$NODES" "$RPN" "$rate" "$DELAY" "$STEPS" >> "$CSV" <<'PY'
+    python3 - "$OUT/$name.json" "$wire" "$mode" "$NODES" "$RPN" "$rate" "$DELAY${JITTER:+/$JITTER}" "$STEPS" >> "$CSV" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 wire = int(sys.argv[2])
