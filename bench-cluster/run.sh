@@ -96,16 +96,21 @@ mode_args() {
 }
 for m in $MODES; do mode_args "$m" >/dev/null; done
 
-# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
-burst_bytes() {
+# Bits per second of a tc rate like 100mbit.
+rate_bps() {
   python3 - "$1" <<'PY'
 import re, sys
 m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
 if not m:
     sys.exit(f"bench-cluster: rate {sys.argv[1]!r} is not like 100mbit")
-bits = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-print(max(16384, int(bits / 8 / 100)))
+print(int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]))
 PY
+}
+
+# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
+burst_bytes() {
+  local b; b=$(( $(rate_bps "$1") / 800 ))
+  echo $(( b > 16384 ? b : 16384 ))
 }
 
 build_cluster() {
@@ -159,8 +164,7 @@ probe_link() {
   for k in $(seq 0 $((NODES - 1))); do
     case "$pattern" in
       ring) to="$(node_ip $(((k + 1) % NODES)))" ;;
-      all) to="$(for j in $(seq 0 $((NODES - 1))); do [ "$j" -eq "$k" ] || printf '%s,' "$(node_ip "$j")"; done)" ;;
-      *) die "unknown probe pattern $pattern: use ring or all" ;;
+      *) to="$(for j in $(seq 0 $((NODES - 1))); do [ "$j" -eq "$k" ] || printf '%s,' "$(node_ip "$j")"; done)" ;;
     esac
     ip netns exec "$(node_ns "$k")" python3 "$HERE/probe.py" --node "$k" --listen "$(node_ip "$k")" \
       --to "$to" --flows "$PROBE_FLOWS" --start "$start" --seconds "$PROBE_SECONDS" \
@@ -170,12 +174,12 @@ probe_link() {
   local failed=0 p
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
   [ "$failed" -eq 0 ] || die "link probe failed; see $OUT/probe-$pattern-${NODES}n-$rate-node*.json"
-  python3 - "$rate" "$pattern" "$PROBE_FLOWS" "$NODES" "$OUT/probe-$pattern-${NODES}n-$rate-node"*.json >> "$PROBE_CSV" <<'PY'
-import json, re, sys
+  python3 - "$rate" "$pattern" "$PROBE_FLOWS" "$NODES" "$(rate_bps "$rate")" \
+    "$OUT/probe-$pattern-${NODES}n-$rate-node"*.json >> "$PROBE_CSV" <<'PY'
+import json, sys
 rate, pattern, flows, nodes = sys.argv[1:5]
-runs = [json.load(open(f)) for f in sys.argv[5:]]
-m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate.lower())
-nominal = float(m.group(1)) * {"": 1e-6, "k": 1e-3, "m": 1, "g": 1e3}[m.group(2)]
+nominal = int(sys.argv[5]) / 1e6
+runs = [json.load(open(f)) for f in sys.argv[6:]]
 # A node's egress: what every other node received from its address.
 egress = {}
 for r in runs:
@@ -194,6 +198,7 @@ CSV="$OUT/results.csv"
 
 [ -f "$PROBE_CSV" ] || [ -z "$PROBE" ] || echo "rate,nodes,pattern,flows_per_peer,window_s,mean_egress_mbit,min_egress_mbit,max_egress_mbit,mean_vs_nominal" > "$PROBE_CSV"
 for p in $PROBE; do case "$p" in ring|all) ;; *) die "unknown probe pattern $p: use ring or all" ;; esac; done
+for rate in $RATES; do rate_bps "$rate" >/dev/null || exit 1; done
 
 for rate in $RATES; do
   if [ -n "$PROBE" ]; then

@@ -9,7 +9,9 @@ use std::time::Instant;
 use anyhow::Result;
 use bytes::Bytes;
 
-use crate::comm::collectives::{SumF32, balanced_bounds, bytes_f32, f32_bytes, f32_vec_bytes};
+use crate::comm::collectives::{
+    SumF32, balanced_bounds, bytes_f32, f32_byte_bounds, f32_bytes, f32_vec_bytes,
+};
 use crate::comm::job::Job;
 use crate::comm::{Communicator, Group};
 
@@ -108,10 +110,7 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
         // Handed over like the engine's gradients, built once like the other
         // collectives' inputs.
         let owned = f32_vec_bytes(data.clone());
-        let f32_bounds: Vec<_> = balanced_bounds(size / 4, p)
-            .into_iter()
-            .map(|r| r.start * 4..r.end * 4)
-            .collect();
+        let f32_bounds = f32_byte_bounds(size / 4, p);
         let rs = timed(c, &g, iters, || {
             c.reduce_scatter_bytes(&g, owned.clone(), &f32_bounds, &SumF32)
                 .map(|_| ())

@@ -369,9 +369,6 @@ pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
 mod tests {
     use super::*;
 
-    /// The emulated 2 x 2 cluster of docs/BENCHMARKS.md: the default
-    /// model (138,240 parameters once padded for 4 ranks), TCP on loopback
-    /// inside a node, each node's egress shaped to `rate`.
     /// ZeRO-3's and ZeRO++'s predicted step times within 25% of `z3`, `zpp`.
     fn assert_within_25_percent(input: &PlanInput, z3: f64, zpp: f64, what: &str) {
         for (c, want) in [(config("zero3"), z3), (config("zeropp"), zpp)] {
@@ -386,6 +383,9 @@ mod tests {
         }
     }
 
+    /// The emulated 2 x 2 cluster of docs/BENCHMARKS.md: the default
+    /// model (138,240 parameters once padded for 4 ranks), TCP on loopback
+    /// inside a node, each node's egress shaped to `mbit` Mbit/s.
     fn emulated(mbit: f64) -> PlanInput {
         PlanInput {
             params: 138_240.0,

@@ -91,6 +91,15 @@ pub trait Reduce: Sync {
     fn granule(&self) -> usize;
 }
 
+/// Byte ranges of `len` f32 values cut into `parts` balanced chunks (the
+/// chunks of [`Communicator::reduce_scatter_f32`]).
+pub fn f32_byte_bounds(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
+    balanced_bounds(len, parts)
+        .into_iter()
+        .map(|r| r.start * 4..r.end * 4)
+        .collect()
+}
+
 /// About how many bytes a ring reduce-scatter sends per message.
 pub const SEGMENT: usize = 1 << 20;
 
@@ -313,10 +322,7 @@ impl Communicator {
         bounds: &[std::ops::Range<usize>],
         reduce: &dyn Reduce,
     ) -> Result<Vec<u8>, CommError> {
-        let me = self.index_in(group)?;
-        let mut out = vec![0u8; bounds.get(me).map_or(0, |r| r.len())];
-        self.reduce_scatter_into(group, data, None, bounds, reduce, &mut out)?;
-        Ok(out)
+        self.reduce_scatter_vec(group, data, None, bounds, reduce)
     }
 
     /// [`Communicator::reduce_scatter`] of a buffer the caller hands over:
@@ -328,9 +334,21 @@ impl Communicator {
         bounds: &[std::ops::Range<usize>],
         reduce: &dyn Reduce,
     ) -> Result<Vec<u8>, CommError> {
+        self.reduce_scatter_vec(group, &data, Some(&data), bounds, reduce)
+    }
+
+    /// The reduce-scatter into a new vector of this member's range.
+    fn reduce_scatter_vec(
+        &self,
+        group: &Group,
+        data: &[u8],
+        owned: Option<&Bytes>,
+        bounds: &[std::ops::Range<usize>],
+        reduce: &dyn Reduce,
+    ) -> Result<Vec<u8>, CommError> {
         let me = self.index_in(group)?;
         let mut out = vec![0u8; bounds.get(me).map_or(0, |r| r.len())];
-        self.reduce_scatter_into(group, &data, Some(&data), bounds, reduce, &mut out)?;
+        self.reduce_scatter_into(group, data, owned, bounds, reduce, &mut out)?;
         Ok(out)
     }
 
@@ -442,10 +460,7 @@ impl Communicator {
         data: &[u8],
         owned: Option<&Bytes>,
     ) -> Result<Vec<f32>, CommError> {
-        let bounds: Vec<_> = balanced_bounds(data.len() / 4, group.size())
-            .into_iter()
-            .map(|r| r.start * 4..r.end * 4)
-            .collect();
+        let bounds = f32_byte_bounds(data.len() / 4, group.size());
         let me = self.index_in(group)?;
         let mut out = vec![0f32; bounds[me].len() / 4];
         self.reduce_scatter_into(

@@ -45,12 +45,13 @@ const HEADER: usize = 16;
 /// No rendezvous: every message is sent eagerly, its fragments streamed as
 /// the transport takes them. Rendezvous first sends a request and waits for
 /// the receiver's answer; on a slow link whose queue is full of bulk data
-/// each such round trip waits behind that queue (0.2 s at 30 Mbit/s in the
-/// emulated cluster), and ZeRO++'s many mid-sized messages paid it every
-/// time: 1.67–1.70 s a step against 1.32 s eager (docs/BENCHMARKS.md). The
-/// receiver takes every message as it arrives (probe, then receive), so
-/// eager costs no unbounded buffering, and shared memory was as fast or
-/// faster eager in the collectives benchmark.
+/// each such round trip waits behind that queue (up to 200 ms, the emulated
+/// cluster's shaper queue), and ZeRO++'s many mid-sized messages paid it
+/// every time: 1.67–1.70 s a step at 30 Mbit/s against 1.32 s eager
+/// (docs/BENCHMARKS.md). The progress thread takes every message into the
+/// mailbox as it arrives (probe, then receive), so eager adds no buffering
+/// the mailbox did not already do; shared memory was as fast or faster
+/// eager in the collectives benchmark.
 const TUNED_DEFAULTS: &[(&str, &str, &str)] = &[
     ("UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "64k"),
     ("UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "64k"),
