@@ -6,8 +6,10 @@ use std::process::ExitCode;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
-use zeropp::trainer::{Mode, TrainConfig};
-use zeropp::{bench_collectives, comm_check, example_weights, launch, quant_error, trainer};
+use zeropp::cli::{bench_collectives, comm_check, example_weights, quant_error};
+use zeropp::launch;
+use zeropp::train::trainer;
+use zeropp::train::trainer::{Mode, TrainConfig};
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
 
 /// zeropp: ZeRO-3 sharded training with ZeRO++ communication (quantized
@@ -301,8 +303,8 @@ impl TrainArgs {
             (Some(p), _) => TrainConfig::from_toml_file(p)?,
             // Resuming: the checkpoint's settings, flags override them.
             (None, Some(r)) => {
-                let dir = zeropp::checkpoint::resolve(r)?;
-                let mut c = zeropp::checkpoint::read_manifest(&dir)?.config;
+                let dir = zeropp::train::checkpoint::resolve(r)?;
+                let mut c = zeropp::train::checkpoint::read_manifest(&dir)?.config;
                 (c.resume, c.stop_after) = (None, None);
                 // How ranks talk is this machine's choice, not the checkpoint's.
                 c.transport = None;
@@ -703,29 +705,29 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {
-            let dir = zeropp::checkpoint::resolve(&dir)?;
-            let m = zeropp::checkpoint::read_manifest(&dir)?;
+            let dir = zeropp::train::checkpoint::resolve(&dir)?;
+            let m = zeropp::train::checkpoint::read_manifest(&dir)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&m)?);
             } else {
-                print!("{}", zeropp::checkpoint::describe(&dir, &m));
+                print!("{}", zeropp::train::checkpoint::describe(&dir, &m));
             }
-            zeropp::checkpoint::verify(&dir, &m)?;
+            zeropp::train::checkpoint::verify(&dir, &m)?;
             if !json {
                 println!("all {} shards verified", m.shards.len());
             }
         }
         Command::Ckpt(CkptCommand::Export { dir, out }) => {
-            let dir = zeropp::checkpoint::resolve(&dir)?;
-            let m = zeropp::checkpoint::read_manifest(&dir)?;
-            let n = zeropp::checkpoint::export(&dir, &m, &out)?;
+            let dir = zeropp::train::checkpoint::resolve(&dir)?;
+            let m = zeropp::train::checkpoint::read_manifest(&dir)?;
+            let n = zeropp::train::checkpoint::export(&dir, &m, &out)?;
             println!("wrote {n} tensors of step {} to {}", m.step, out.display());
         }
         Command::Cuda(CudaCommand::CompileCheck { archs, json }) => {
-            zeropp::cuda_cli::compile_check(&archs, json)?;
+            zeropp::cli::cuda_cli::compile_check(&archs, json)?;
         }
         Command::Cuda(CudaCommand::Bench { mib, reps, device }) => {
-            zeropp::cuda_cli::bench(device, mib, reps)?;
+            zeropp::cli::cuda_cli::bench(device, mib, reps)?;
         }
         Command::QuantError {
             file,

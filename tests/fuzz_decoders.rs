@@ -10,8 +10,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use zeropp::checkpoint;
 use zeropp::comm::wire::{self, Header, Kind, ReadFrame};
+use zeropp::train::checkpoint;
 use zeropp_quant::{QuantFormat, Rounding};
 
 fn cases(default: u32) -> ProptestConfig {
@@ -226,7 +226,7 @@ fn weights_fixture() -> &'static [u8] {
     static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
     BYTES.get_or_init(|| {
         let p = scratch("weights").join("w.safetensors");
-        zeropp::example_weights::write(&p, 1, 16, 7).unwrap();
+        zeropp::cli::example_weights::write(&p, 1, 16, 7).unwrap();
         std::fs::read(&p).unwrap()
     })
 }
@@ -242,6 +242,6 @@ proptest! {
         apply(&mut bytes, &edits);
         std::fs::write(&p, &bytes).unwrap();
         let f = QuantFormat::int4(32).unwrap();
-        let _ = zeropp::quant_error::analyze(&p, f, Rounding::NearestEven);
+        let _ = zeropp::cli::quant_error::analyze(&p, f, Rounding::NearestEven);
     }
 }

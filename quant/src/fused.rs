@@ -114,7 +114,8 @@ impl QuantizedChunks {
         }
     }
 
-    fn chunk_mut(&mut self, position: usize) -> QuantizedMut<'_> {
+    /// The chunk at `position`, to write into.
+    pub fn chunk_mut(&mut self, position: usize) -> QuantizedMut<'_> {
         let (c, s, m) = self.strides();
         QuantizedMut {
             format: self.format,

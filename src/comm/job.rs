@@ -54,7 +54,7 @@ impl TransportKind {
 }
 
 /// The error of ranks that picked different transports.
-fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
+pub(crate) fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
     CommError::Invalid(format!(
         "rank {them} uses the {theirs} transport and rank {me} {mine}: set ZEROPP_TRANSPORT \
          to the same value (ucx or tcp) for every rank (unset, each rank picks UCX when libucp \
@@ -65,14 +65,14 @@ fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommErr
 /// Which process a rank is, and where: two ranks with the same boot id and
 /// PID namespace see each other's processes in /proc.
 #[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
-struct ProcessIdentity {
-    pid: u32,
-    boot_id: String,
+pub(crate) struct ProcessIdentity {
+    pub(crate) pid: u32,
+    pub(crate) boot_id: String,
     pid_namespace: String,
 }
 
 impl ProcessIdentity {
-    fn of_self() -> Self {
+    pub(crate) fn of_self() -> Self {
         ProcessIdentity {
             pid: std::process::id(),
             boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
@@ -86,7 +86,7 @@ impl ProcessIdentity {
 
     /// Whether `other` runs on this host in this PID namespace (unknown
     /// facts never match).
-    fn same_host(&self, other: &ProcessIdentity) -> bool {
+    pub(crate) fn same_host(&self, other: &ProcessIdentity) -> bool {
         !self.boot_id.is_empty()
             && !self.pid_namespace.is_empty()
             && self.boot_id == other.boot_id

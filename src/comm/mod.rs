@@ -3,6 +3,7 @@
 
 pub mod collectives;
 pub mod env;
+pub mod exchange;
 pub mod inproc;
 pub mod job;
 pub mod mailbox;

@@ -6,24 +6,22 @@
 //! and each unit's gradient is reduce-scattered back to the chunk owners.
 
 pub mod optim;
-pub mod payload;
-pub mod plan;
-pub mod traffic;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use candle_core::{Device, Tensor, Var};
-use zeropp_quant::{QuantizedChunks, QuantizedTensor, Rounding, quantize_swizzled, sum_requantize};
+use zeropp_quant::Rounding;
 
-use crate::comm::collectives::{CommThread, Pending, Reduce, balanced_bounds};
-use crate::comm::{CommError, Communicator, Group, Transport};
-use crate::model::{ModelConfig, Unit, loss, tensors_from_flat};
+use crate::comm::collectives::{CommThread, Pending};
+use crate::comm::{CommError, Communicator, Transport};
+use crate::train::model::{ModelConfig, Unit, loss, tensors_from_flat};
+use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
+use crate::zero::traffic::{CountingTransport, Phase, Traffic};
+use crate::zero::{ZeroGroups, hpz, payload, qgz, qwz};
 use optim::{AdamState, OptimConfig};
-use plan::{GradWire, Layout, Plan, Switches, WeightWire};
-use traffic::{CountingTransport, Phase, Traffic};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -107,64 +105,6 @@ pub struct StepStats {
     pub skipped: Option<Vec<String>>,
 }
 
-/// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
-struct SumBf16;
-
-impl Reduce for SumBf16 {
-    fn granule(&self) -> usize {
-        2
-    }
-
-    fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError> {
-        if acc.len() != mine.len() || !acc.len().is_multiple_of(2) {
-            return Err(CommError::Malformed(format!(
-                "bf16 sum of {} and {} bytes",
-                acc.len(),
-                mine.len()
-            )));
-        }
-        for (a, b) in acc.chunks_exact_mut(2).zip(mine.chunks_exact(2)) {
-            let x = f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16);
-            let y = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            let s: half::bf16 = zeropp_quant::Element::from_f32(x + y);
-            a.copy_from_slice(&s.to_bits().to_le_bytes());
-        }
-        Ok(())
-    }
-}
-
-/// The groups every rank builds the same way from the layout.
-struct Groups {
-    world: Arc<Group>,
-    node: Arc<Group>,
-    cross: Arc<Group>,
-    /// The ranks sharing this rank's hpZ secondary shard (the node, or a
-    /// run of its local ranks).
-    hpz: Arc<Group>,
-}
-
-impl Groups {
-    fn new(l: &Layout, hpz_group: usize) -> Result<Groups, CommError> {
-        let g = l.ranks_per_node;
-        let first = l.rank / hpz_group * hpz_group;
-        Ok(Groups {
-            hpz: Arc::new(Group::new(
-                0x2000 + (l.rank / hpz_group) as u16,
-                (first..first + hpz_group).collect(),
-            )?),
-            world: Arc::new(Group::new(0, (0..l.world()).collect())?),
-            node: Arc::new(Group::new(
-                0x100 + l.node() as u16,
-                (l.node() * g..(l.node() + 1) * g).collect(),
-            )?),
-            cross: Arc::new(Group::new(
-                0x4000 + l.local() as u16,
-                (0..l.nodes).map(|n| n * g + l.local()).collect(),
-            )?),
-        })
-    }
-}
-
 /// One rank's engine.
 pub struct Engine {
     cfg: EngineConfig,
@@ -172,42 +112,13 @@ pub struct Engine {
     units: Vec<ShardedUnit>,
     counter: Arc<CountingTransport>,
     thread: CommThread,
-    groups: Groups,
+    groups: ZeroGroups,
     device: Device,
     /// Optimizer steps taken.
     step: usize,
     /// Tests: a NaN in the gradient of (step, unit, rank).
     #[cfg(test)]
     pub(crate) inject_nan: Option<(usize, usize, usize)>,
-}
-
-fn scale_fraction(plan_weights: WeightWire, chunk: usize) -> f64 {
-    match plan_weights {
-        WeightWire::Bf16 | WeightWire::F32 => 0.0,
-        WeightWire::Quantized(f) => f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64,
-    }
-}
-
-/// Splits the concatenated payloads of a bundle into equal parts.
-fn split_bundle(bundle: &Bytes, parts: usize) -> Result<Vec<Bytes>, CommError> {
-    if parts == 0 || !bundle.len().is_multiple_of(parts) {
-        return Err(CommError::Malformed(format!(
-            "a bundle of {} bytes does not split into {parts} chunks",
-            bundle.len()
-        )));
-    }
-    let len = bundle.len() / parts;
-    Ok((0..parts)
-        .map(|i| bundle.slice(i * len..(i + 1) * len))
-        .collect())
-}
-
-fn concat(parts: &[Bytes]) -> Bytes {
-    let mut b = BytesMut::with_capacity(parts.iter().map(Bytes::len).sum());
-    for p in parts {
-        b.extend_from_slice(p);
-    }
-    b.freeze()
 }
 
 impl Engine {
@@ -237,7 +148,7 @@ impl Engine {
         let counter = Arc::new(CountingTransport::new(transport, layout.ranks_per_node));
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
-        let groups = Groups::new(&layout, plan.hpz_group)?;
+        let groups = ZeroGroups::new(&layout, plan.hpz_group)?;
         let units = cfg
             .model
             .units()
@@ -308,16 +219,6 @@ impl Engine {
         self.cfg.model.parameter_count()
     }
 
-    /// This rank's chunk of unit `u`, as it goes on the wire.
-    fn encode_own_chunk(&self, u: usize) -> Result<Bytes, CommError> {
-        let su = &self.units[u];
-        match self.plan.weights {
-            WeightWire::Bf16 => Ok(payload::encode_bf16(&su.master)),
-            WeightWire::F32 => Ok(Bytes::copy_from_slice(bytemuck::cast_slice(&su.master))),
-            WeightWire::Quantized(f) => payload::quantize_message(&su.master, f),
-        }
-    }
-
     /// Starts gathering unit `u`'s weights from the primary shards: qwZ
     /// across nodes then within the node, or bf16 over the world.
     fn start_primary_gather(
@@ -325,31 +226,16 @@ impl Engine {
         u: usize,
         phase: Phase,
     ) -> Result<Pending<Vec<Bytes>>, CommError> {
-        let mine = self.encode_own_chunk(u)?;
+        let wire = self.plan.weights;
+        let mine = qwz::encode_chunk(&self.units[u].master, wire)?;
         let counter = self.counter.clone();
-        let frac = scale_fraction(self.plan.weights, self.units[u].chunk);
-        let (world, node, cross) = (
-            self.groups.world.clone(),
-            self.groups.node.clone(),
-            self.groups.cross.clone(),
-        );
-        let quantized = matches!(self.plan.weights, WeightWire::Quantized(_));
-        let (nodes, g) = (self.plan.layout.nodes, self.plan.layout.ranks_per_node);
+        let frac = qwz::scale_fraction(wire, self.units[u].chunk);
+        let groups = self.groups.clone();
+        let layout = self.plan.layout;
+        let hierarchical = matches!(wire, WeightWire::Quantized(_));
         Ok(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(phase, frac);
-            if !quantized {
-                return c.all_gather_v(&world, mine);
-            }
-            // Across nodes among equal local ranks, then within the node.
-            let across = c.all_gather_v(&cross, mine)?; // node order
-            let bundles = c.all_gather_v(&node, concat(&across))?; // local order
-            let mut by_rank = vec![Bytes::new(); nodes * g];
-            for (local, bundle) in bundles.iter().enumerate() {
-                for (n, p) in split_bundle(bundle, nodes)?.into_iter().enumerate() {
-                    by_rank[n * g + local] = p;
-                }
-            }
-            Ok(by_rank)
+            qwz::gather(c, &groups, layout, mine, hierarchical)
         }))
     }
 
@@ -360,75 +246,44 @@ impl Engine {
             return self.start_primary_gather(u, Phase::BackwardGather);
         };
         let counter = self.counter.clone();
-        let frac = scale_fraction(self.plan.weights, self.units[u].chunk);
+        let frac = qwz::scale_fraction(self.plan.weights, self.units[u].chunk);
         let hpz = self.groups.hpz.clone();
-        let n = self.secondary_chunks();
         Ok(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(Phase::BackwardGather, frac);
-            // Member i of the hpZ group holds the chunks of ranks i·n .. (i+1)·n.
-            let bundles = c.all_gather_v(&hpz, concat(&secondary))?;
-            let mut by_rank = Vec::with_capacity(bundles.len() * n);
-            for bundle in &bundles {
-                by_rank.extend(split_bundle(bundle, n)?);
-            }
-            Ok(by_rank)
+            hpz::gather(c, &hpz, &secondary)
         }))
-    }
-
-    /// Chunks of each unit one hpZ secondary shard holds: W / the group size.
-    fn secondary_chunks(&self) -> usize {
-        self.plan.layout.world() / self.plan.hpz_group
     }
 
     /// Decodes gathered payloads (rank order) into unit `u`'s full weights.
     fn decode_full(&self, u: usize, payloads: &[Bytes]) -> Result<Vec<f32>, CommError> {
         let su = &self.units[u];
         let mut full = vec![0f32; su.padded];
-        for (r, p) in payloads.iter().enumerate() {
-            let out = &mut full[r * su.chunk..(r + 1) * su.chunk];
-            match self.plan.weights {
-                WeightWire::Bf16 => payload::decode_bf16(p, out)?,
-                WeightWire::F32 => payload::decode_f32(p, out)?,
-                WeightWire::Quantized(f) => {
-                    let d = payload::decode_quantized(p, f, su.chunk)?;
-                    zeropp_quant::dequantize(d.view(), out)
-                        .map_err(|e| CommError::Malformed(format!("rank {r}'s chunk: {e}")))?;
-                }
-            }
-        }
+        qwz::decode_into(payloads, self.plan.weights, su.chunk, &mut full)?;
         Ok(full)
     }
 
     /// Starts reduce-scattering unit `u`'s flat gradient; the result is the
     /// mean over all W ranks of this rank's chunk.
-    fn start_gradient(&mut self, u: usize, mut grad: Vec<f32>) -> Result<Pending<Vec<f32>>> {
+    fn start_gradient(&mut self, u: usize, grad: Vec<f32>) -> Result<Pending<Vec<f32>>> {
         let layout = self.plan.layout;
-        let (world_n, chunk) = (layout.world(), self.units[u].chunk);
+        let world_n = layout.world() as f32;
         let counter = self.counter.clone();
-        let (world, node, cross) = (
-            self.groups.world.clone(),
-            self.groups.node.clone(),
-            self.groups.cross.clone(),
-        );
+        let groups = self.groups.clone();
+        let mean = move |mut v: Vec<f32>| {
+            v.iter_mut().for_each(|x| *x /= world_n);
+            v
+        };
         match self.plan.grads {
             GradWire::RingBf16 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                let bytes = payload::encode_bf16(&grad);
-                let bounds: Vec<_> = balanced_bounds(grad.len(), world_n)
-                    .into_iter()
-                    .map(|r| r.start * 2..r.end * 2)
-                    .collect();
-                let mine = c.reduce_scatter_bytes(&world, bytes, &bounds, &SumBf16)?;
-                let mut out = vec![0f32; chunk];
+                let mine = qgz::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
+                let mut out = vec![0f32; mine.len() / 2];
                 payload::decode_bf16(&mine, &mut out)?;
-                out.iter_mut().for_each(|v| *v /= world_n as f32);
-                Ok(out)
+                Ok(mean(out))
             })),
             GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                let mut out = c.reduce_scatter_f32_vec(&world, grad)?;
-                out.iter_mut().for_each(|v| *v /= world_n as f32);
-                Ok(out)
+                Ok(mean(qgz::ring_f32(c, &groups.world, grad)?))
             })),
             GradWire::TwoHop {
                 intra,
@@ -436,7 +291,6 @@ impl Engine {
                 error_feedback,
                 stochastic,
             } => {
-                let (nodes, g) = (layout.nodes, layout.ranks_per_node);
                 // Stochastic rounding, seeded by (seed, step, unit, rank).
                 let seed = self.cfg.seed
                     ^ ((self.step as u64) << 32)
@@ -447,97 +301,22 @@ impl Engine {
                 } else {
                     Rounding::NearestEven
                 };
-                let mut q = QuantizedChunks::zeroed(intra, chunk, world_n);
-                if error_feedback {
-                    let residual = &mut self.units[u].residual;
-                    grad.iter_mut()
-                        .zip(residual.iter())
-                        .for_each(|(g, r)| *g += r);
-                }
-                quantize_swizzled(&grad, nodes, g, rounding, &mut q).with_context(|| {
-                    format!("quantizing the gradient of {}", self.units[u].unit.name())
-                })?;
-                if error_feedback {
-                    // What the wire will carry, back in rank order: keep the rest.
-                    let residual = &mut self.units[u].residual;
-                    for p in 0..world_n {
-                        let r = zeropp_quant::swizzled_rank(p, nodes, g);
-                        let sent: Vec<f32> = q.chunk(p).to_vec()?;
-                        for (i, s) in sent.iter().enumerate() {
-                            residual[r * chunk + i] = grad[r * chunk + i] - s;
-                        }
-                    }
-                }
-                let frac = |f: zeropp_quant::QuantFormat| {
-                    f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64
-                };
-                let (intra_frac, inter_frac) = (frac(intra), frac(inter));
+                let residual = error_feedback.then_some(&mut self.units[u].residual);
+                let first = qgz::quantize_first_hop(&grad, layout, intra, rounding, residual)
+                    .with_context(|| {
+                        format!("quantizing the gradient of {}", self.units[u].unit.name())
+                    })?;
+                drop(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
-                    counter.set_phase(Phase::Gradient, intra_frac);
-                    // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N.
-                    let to_local = (0..g)
-                        .map(|dst| payload::encode_chunks(&q, dst * nodes..(dst + 1) * nodes))
-                        .collect();
-                    let from_locals = c.all_to_all_v(&node, to_local)?;
-                    let decoded = from_locals
-                        .iter()
-                        .map(|b| payload::decode_quantized(b, intra, nodes * chunk))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let views: Vec<_> = decoded.iter().map(|d| d.view()).collect();
-                    let summing = |e: zeropp_quant::QuantError| {
-                        CommError::Malformed(format!("summing the node's gradients: {e}"))
-                    };
-                    let partial = if error_feedback {
-                        // Sum in f32, add back what this hop dropped last
-                        // step, requantize, and keep what it drops now.
-                        let mut residual = residual_inter.lock().map_err(|_| {
-                            CommError::Invalid("the error-feedback buffer was poisoned".into())
-                        })?;
-                        let mut sum = std::mem::take(&mut *residual);
-                        for v in &views {
-                            zeropp_quant::dequantize_accumulate(*v, &mut sum).map_err(summing)?;
-                        }
-                        let q = QuantizedTensor::quantize(&sum, inter, rounding.for_part(1))
-                            .map_err(summing)?;
-                        let sent: Vec<f32> = q.dequantize().map_err(summing)?;
-                        sum.iter_mut().zip(&sent).for_each(|(r, s)| *r -= s);
-                        *residual = sum;
-                        q
-                    } else {
-                        let mut partial = QuantizedTensor::zeroed(inter, nodes * chunk);
-                        sum_requantize(
-                            &views,
-                            rounding.for_part(1),
-                            partial.as_mut(),
-                            &mut Vec::new(),
-                        )
-                        .map_err(summing)?;
-                        partial
-                    };
-                    // Hop 2, across nodes: node n' gets chunk n'.
-                    counter.set_phase(Phase::Gradient, inter_frac);
-                    let partial = QuantizedChunks {
+                    let second = qgz::SecondHop {
                         format: inter,
-                        chunk_len: chunk,
-                        count: nodes,
-                        codes: partial.codes,
-                        block_max: partial.block_max,
-                        block_min: partial.block_min,
+                        rounding,
+                        residual: error_feedback.then_some(&*residual_inter),
                     };
-                    let to_nodes = (0..nodes)
-                        .map(|n| payload::encode_chunks(&partial, n..n + 1))
-                        .collect();
-                    let from_nodes = c.all_to_all_v(&cross, to_nodes)?;
-                    let mut sum = vec![0f32; chunk];
-                    for b in &from_nodes {
-                        let d = payload::decode_quantized(b, inter, chunk)?;
-                        zeropp_quant::dequantize_accumulate(d.view(), &mut sum)
-                            .map_err(|e| CommError::Malformed(e.to_string()))?;
-                    }
+                    let sum = qgz::exchange(c, &counter, &groups, layout, first, second)?;
                     // The mean over every rank of the world, not over nodes.
-                    sum.iter_mut().for_each(|v| *v /= world_n as f32);
-                    Ok(sum)
+                    Ok(mean(sum))
                 }))
             }
         }
@@ -720,11 +499,8 @@ impl Engine {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
             if self.plan.hpz {
-                // Copies: the gathered buffers themselves are freed below.
-                let (k, member) = (self.secondary_chunks(), g % self.plan.hpz_group);
-                let part = &payloads[member * k..(member + 1) * k];
                 self.units[u].secondary =
-                    Some(part.iter().map(|p| Bytes::copy_from_slice(p)).collect());
+                    Some(hpz::keep_secondary(&payloads, self.plan.hpz_group, g));
             }
             let full = self.decode_full(u, &payloads)?;
             let mut params = self.full_params(u, &full)?;

@@ -5,10 +5,10 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 
-use super::plan::{Layout, Switches};
 use super::*;
 use crate::comm::inproc::InProcess;
-use crate::model::{ModelConfig, Unit, loss, tensors_from_flat};
+use crate::train::model::{ModelConfig, Unit, loss, tensors_from_flat};
+use crate::zero::plan::{Layout, Switches};
 
 fn tiny_model() -> ModelConfig {
     ModelConfig {

@@ -9,7 +9,7 @@ use anyhow::{Result, anyhow, bail};
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-static FONT: &[u8] = include_bytes!("../assets/DejaVuSans-ascii.ttf");
+static FONT: &[u8] = include_bytes!("../../assets/DejaVuSans-ascii.ttf");
 
 fn ensure_font() -> Result<()> {
     static REGISTERED: OnceLock<bool> = OnceLock::new();

@@ -30,7 +30,7 @@ pub struct Figures {
 }
 
 impl Figures {
-    fn new(stats: &ErrorStats, bytes_in: usize, bytes_out: usize) -> Self {
+    pub fn new(stats: &ErrorStats, bytes_in: usize, bytes_out: usize) -> Self {
         let snr = stats.snr_db();
         Figures {
             elements: stats.elements,

@@ -19,7 +19,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, UnitLayout, UnitShard};
-use crate::trainer::TrainConfig;
+use crate::train::trainer::TrainConfig;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";

@@ -5,7 +5,9 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use half::bf16;
-use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedRef, QuantizedTensor, Rounding};
+use zeropp_quant::{
+    Element, QuantFormat, QuantizedChunks, QuantizedRef, QuantizedTensor, Rounding,
+};
 
 use crate::comm::CommError;
 
@@ -87,6 +89,33 @@ pub struct Decoded<'a> {
 }
 
 impl<'a> Decoded<'a> {
+    /// Cuts a message of `count` equal chunks, each whole blocks and whole
+    /// code bytes, into its chunks.
+    pub fn split(self, count: usize) -> Result<Vec<Decoded<'a>>, CommError> {
+        let len = self.len / count.max(1);
+        let (c, s, m) = (
+            self.format.code_bytes(len),
+            self.format.num_blocks(len),
+            self.format.num_block_mins(len),
+        );
+        if count == 0 || len * count != self.len || c * count != self.codes.len() {
+            return Err(CommError::Malformed(format!(
+                "a quantized message of {} values does not split into {count} whole chunks",
+                self.len
+            )));
+        }
+        let codes = self.codes;
+        Ok((0..count)
+            .map(|i| Decoded {
+                format: self.format,
+                len,
+                codes: &codes[i * c..(i + 1) * c],
+                block_max: self.block_max[i * s..(i + 1) * s].to_vec(),
+                block_min: self.block_min[i * m..(i + 1) * m].to_vec(),
+            })
+            .collect())
+    }
+
     pub fn view(&self) -> QuantizedRef<'_> {
         QuantizedRef {
             format: self.format,
@@ -125,7 +154,7 @@ pub fn decode_quantized<'a>(
 }
 
 /// Quantizes `x` (round to nearest) into one message.
-pub fn quantize_message(x: &[f32], format: QuantFormat) -> Result<Bytes, CommError> {
+pub fn quantize_message<T: Element>(x: &[T], format: QuantFormat) -> Result<Bytes, CommError> {
     let q = QuantizedTensor::quantize(x, format, Rounding::NearestEven)
         .map_err(|e| CommError::Invalid(e.to_string()))?;
     Ok(encode_quantized(&q))

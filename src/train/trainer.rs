@@ -10,16 +10,16 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::checkpoint;
+use crate::cli::plot::{self, Series};
 use crate::comm::env::RankFacts;
 use crate::comm::job::{Job, TransportKind};
-use crate::data::Dataset;
 use crate::engine::optim::OptimConfig;
-use crate::engine::plan::{Layout, Switches};
-use crate::engine::traffic::Traffic;
 use crate::engine::{Engine, EngineConfig};
-use crate::model::ModelConfig;
-use crate::plot::{self, Series};
+use crate::train::checkpoint;
+use crate::train::data::Dataset;
+use crate::train::model::ModelConfig;
+use crate::zero::plan::{Layout, Switches};
+use crate::zero::traffic::Traffic;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]

@@ -1,0 +1,612 @@
+//! `zeropp.torch`'s communication: a job joined through the store of the
+//! user's `torch.distributed` job, and FSDP2's all-gather and
+//! reduce-scatter as the ZeRO++ collectives of `zeropp::zero` (qwZ, hpZ,
+//! qgZ, or ZeRO-3's plain rings). Each call is checked at once, runs on the
+//! job's communication thread, and returns an [`Op`] to wait on, so
+//! communication overlaps the caller's compute.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use zeropp::comm::collectives::{CommThread, Pending};
+use zeropp::comm::exchange::{self, JoinOptions};
+use zeropp::comm::job::TransportKind;
+use zeropp::comm::{CommError, Communicator, Group};
+use zeropp::zero::plan::{Layout, Plan, Switches, WeightWire};
+use zeropp::zero::traffic::{CountingTransport, Phase};
+use zeropp::zero::{ZeroGroups, payload, qgz, qwz};
+use zeropp_quant::{Bits, Element, QuantFormat, Rounding, Scheme};
+
+use crate::buffers::{Dtype, HostBuf, with_dtype};
+use crate::{invalid, to_py};
+
+/// Group ids of sub-groups the caller names by their ranks (hpZ groups of
+/// FSDP2's `reshard_after_forward=<int>`): apart from the standard ones.
+const SUBGROUP_BASE: u16 = 0x3000;
+
+/// A joined job: this rank's transport, communication thread, layout and
+/// routing plan.
+#[pyclass(frozen)]
+pub struct Job {
+    thread: CommThread,
+    counter: Arc<CountingTransport>,
+    layout: Layout,
+    groups: ZeroGroups,
+    subgroups: Mutex<Vec<Arc<Group>>>,
+    routing: Result<zeropp_topology::plan::ClusterView, String>,
+    transport: &'static str,
+}
+
+fn bad(msg: String) -> CommError {
+    CommError::Invalid(msg)
+}
+
+#[pymethods]
+impl Job {
+    /// Joins the job: publishes this rank through `exchange` (a callable
+    /// taking this rank's bytes and returning every rank's, in rank order —
+    /// the torch store), connects zeropp's transport (`"ucx"`, `"tcp"`, or
+    /// None: ZEROPP_TRANSPORT, else UCX when libucp loads, else TCP) and
+    /// lays out the nodes from the hosts the ranks run on, or in runs of
+    /// `ranks_per_node` (logical nodes on one machine).
+    #[new]
+    #[pyo3(signature = (rank, world_size, exchange, token, master_addr=None, master_port=None,
+                        transport=None, timeout_s=300.0, ranks_per_node=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        exchange: Py<PyAny>,
+        token: String,
+        master_addr: Option<String>,
+        master_port: Option<u16>,
+        transport: Option<String>,
+        timeout_s: f64,
+        ranks_per_node: Option<usize>,
+    ) -> PyResult<Job> {
+        let kind = match transport.as_deref() {
+            Some("ucx") => TransportKind::Ucx,
+            Some("tcp") => TransportKind::Tcp,
+            Some(other) => {
+                return Err(invalid(format!(
+                    "transport={other:?}: use \"ucx\", \"tcp\" or None (ZEROPP_TRANSPORT, else \
+                     UCX when libucp loads)"
+                )));
+            }
+            None => TransportKind::from_env().map_err(to_py)?.0,
+        };
+        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
+            return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));
+        }
+        let timeout = Duration::from_secs_f64(timeout_s);
+        let ip = match master_addr.as_deref() {
+            Some(host) if !host.is_empty() => {
+                let master = zeropp::comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
+                    .map_err(to_py)?;
+                zeropp::comm::rendezvous::local_ip_towards(master).map_err(to_py)?
+            }
+            _ => std::net::IpAddr::from([127, 0, 0, 1]),
+        };
+        let topology = zeropp_topology::detect::detect(std::path::Path::new("/"))
+            .ok()
+            .and_then(|t| serde_json::to_value(t).ok())
+            .unwrap_or(serde_json::Value::Null);
+        let opts = JoinOptions {
+            kind,
+            rank,
+            world_size,
+            token,
+            ip,
+            timeout,
+        };
+        let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
+            let store = |e: PyErr| {
+                bad(format!(
+                    "exchanging zeropp's addresses through the torch.distributed store: {e}"
+                ))
+            };
+            let all = exchange
+                .bind(py)
+                .call1((PyBytes::new(py, &mine),))
+                .map_err(store)?;
+            let all = all.cast::<PyList>().map_err(|e| store(e.into()))?;
+            all.iter()
+                .map(|b| b.extract::<Vec<u8>>().map_err(store))
+                .collect()
+        };
+        let joined = exchange::join(
+            &opts,
+            serde_json::json!({ "topology": topology }),
+            &mut call_exchange,
+        )
+        .map_err(to_py)?;
+        let g = match ranks_per_node {
+            None => joined.hosts.ranks_per_node,
+            Some(g) => {
+                let host_g = joined.hosts.ranks_per_node;
+                if g == 0 || !world_size.is_multiple_of(g) || !host_g.is_multiple_of(g) {
+                    return Err(invalid(format!(
+                        "ranks_per_node={g}: logical nodes must divide the {host_g} ranks each \
+                         host runs ({world_size} ranks on {} host(s))",
+                        joined.hosts.nodes
+                    )));
+                }
+                g
+            }
+        };
+        let layout = Layout {
+            nodes: world_size / g,
+            ranks_per_node: g,
+            rank,
+        };
+        let tops: Option<Vec<zeropp_topology::Topology>> = (0..layout.nodes)
+            .map(|n| serde_json::from_value(joined.peers[n * g].facts["topology"].clone()).ok())
+            .collect();
+        let routing = tops
+            .ok_or_else(|| "not every node could read its topology".to_string())
+            .and_then(|t| zeropp_topology::plan::cluster(&t, g));
+        let transport = joined.transport.name();
+        let counter = Arc::new(CountingTransport::new(joined.transport, g));
+        let comm = Arc::new(Communicator::new(counter.clone(), timeout));
+        let groups = ZeroGroups::new(&layout, g).map_err(to_py)?;
+        Ok(Job {
+            thread: CommThread::new(comm),
+            counter,
+            layout,
+            groups,
+            subgroups: Mutex::new(Vec::new()),
+            routing,
+            transport,
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.layout.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> usize {
+        self.layout.world()
+    }
+
+    #[getter]
+    fn nodes(&self) -> usize {
+        self.layout.nodes
+    }
+
+    #[getter]
+    fn ranks_per_node(&self) -> usize {
+        self.layout.ranks_per_node
+    }
+
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.transport
+    }
+
+    /// The routing plan every rank derived from every node's topology, as
+    /// JSON (`{"error": ...}` when there is none).
+    fn routing_json(&self) -> String {
+        match &self.routing {
+            Ok(view) => serde_json::to_string(view).unwrap_or_default(),
+            Err(e) => serde_json::json!({ "error": e }).to_string(),
+        }
+    }
+
+    /// The switches of `mode` ("zeropp" or "zero3") with `overrides` (JSON
+    /// object, `zeropp train`'s names) applied and the rest resolved from
+    /// the routing plan, checked: JSON `{"switches": {...}, "why": {...}}`.
+    fn resolve_switches(&self, mode: &str, overrides: &str) -> PyResult<String> {
+        resolve(mode, overrides, self.layout, &self.routing)
+    }
+
+    /// Bytes this rank sent, by phase and hop (JSON).
+    fn traffic_json(&self) -> String {
+        serde_json::to_string(&self.counter.traffic()).unwrap_or_default()
+    }
+
+    /// FSDP2's all-gather: `inp` (this rank's shard, `dtype` values) into
+    /// `out` (every member's shard in group order). Over the world with
+    /// `qwz_bits`: qwZ (quantized, across nodes then inside); over the
+    /// world without: one ring; over the sub-group `ranks` (hpZ's, inside
+    /// a node): one ring there.
+    #[pyo3(signature = (out, inp, dtype, ranks, qwz_bits=None, block=256, backward=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather(
+        &self,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        ranks: Vec<usize>,
+        qwz_bits: Option<u32>,
+        block: usize,
+        backward: bool,
+    ) -> PyResult<Op> {
+        let dtype = Dtype::parse(dtype)?;
+        let (out, inp) = (
+            HostBuf::new(out, true, "output")?,
+            HostBuf::new(inp, false, "input")?,
+        );
+        let group = self.group_of(&ranks)?;
+        if out.len() != inp.len() * group.size() {
+            return Err(invalid(format!(
+                "all-gather of {} input bytes over {} ranks needs an output of {} bytes, not {}",
+                inp.len(),
+                group.size(),
+                inp.len() * group.size(),
+                out.len()
+            )));
+        }
+        let chunk = inp.len() / dtype.size();
+        let wire = match qwz_bits {
+            Some(b) if group.size() == self.layout.world() => WeightWire::Quantized(
+                QuantFormat::new(
+                    Bits::from_u32(b).map_err(|e| invalid(e.to_string()))?,
+                    Scheme::Symmetric,
+                    block,
+                )
+                .map_err(|e| invalid(e.to_string()))?,
+            ),
+            _ => WeightWire::Bf16, // marks "raw bytes" below
+        };
+        let quantized = matches!(wire, WeightWire::Quantized(_));
+        let phase = if backward {
+            Phase::BackwardGather
+        } else {
+            Phase::ForwardGather
+        };
+        let frac = qwz::scale_fraction(wire, chunk);
+        let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
+        Ok(Op::new(self.thread.submit(move |c: &Communicator| {
+            counter.set_phase(phase, frac);
+            if !quantized {
+                let parts = c.all_gather_v(&group, Bytes::copy_from_slice(inp.bytes()))?;
+                let o = out.bytes_mut();
+                for (i, p) in parts.iter().enumerate() {
+                    o[i * p.len()..(i + 1) * p.len()].copy_from_slice(p);
+                }
+                return Ok(());
+            }
+            with_dtype!(dtype, T => {
+                let mine = qwz::encode_chunk(inp.typed::<T>("input").map_err(bad)?, wire)?;
+                let payloads = qwz::gather(c, &groups, layout, mine, true)?;
+                qwz::decode_into(&payloads, wire, chunk, out.typed_mut::<T>("output").map_err(bad)?)
+            })
+        })))
+    }
+
+    /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
+    /// order) into `out` (this rank's chunk of the sum, or of the mean when
+    /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
+    /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
+    #[pyo3(signature = (out, inp, dtype, mean, qgz=None))]
+    fn reduce_scatter(
+        &self,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        mean: bool,
+        qgz: Option<Py<QgzState>>,
+    ) -> PyResult<Op> {
+        let dtype = Dtype::parse(dtype)?;
+        let (out, inp) = (
+            HostBuf::new(out, true, "output")?,
+            HostBuf::new(inp, false, "input")?,
+        );
+        let w = self.layout.world();
+        if inp.len() != out.len() * w {
+            return Err(invalid(format!(
+                "reduce-scatter of {} input bytes over {w} ranks needs an output of {} bytes, \
+                 not {}",
+                inp.len(),
+                inp.len() / w,
+                out.len()
+            )));
+        }
+        let divide = if mean { w as f32 } else { 1.0 };
+        let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
+        Ok(Op::new(self.thread.submit(move |c: &Communicator| {
+            let sum: Vec<f32> = match &qgz {
+                Some(state) => {
+                    let s = state.get();
+                    let call = s.calls.fetch_add(1, Ordering::Relaxed);
+                    let rounding = if s.stochastic {
+                        Rounding::Stochastic {
+                            seed: s.seed ^ (call << 32) ^ layout.rank as u64,
+                        }
+                    } else {
+                        Rounding::NearestEven
+                    };
+                    let first = {
+                        let mut residual = s.residual.lock().map_err(|_| poisoned())?;
+                        let residual = s.error_feedback.then_some(&mut *residual);
+                        with_dtype!(dtype, T => qgz::quantize_first_hop(
+                            inp.typed::<T>("input").map_err(bad)?, layout, s.intra, rounding, residual,
+                        )?)
+                    };
+                    let second = qgz::SecondHop {
+                        format: s.inter,
+                        rounding,
+                        residual: s.error_feedback.then_some(&*s.residual_inter),
+                    };
+                    qgz::exchange(c, &counter, &groups, layout, first, second)?
+                }
+                None => {
+                    counter.set_phase(Phase::Gradient, 0.0);
+                    match dtype {
+                        Dtype::Bf16 => {
+                            let mine =
+                                qgz::ring_bf16(c, &groups.world, Bytes::copy_from_slice(inp.bytes()))?;
+                            let mut v = vec![0f32; mine.len() / 2];
+                            payload::decode_bf16(&mine, &mut v)?;
+                            v
+                        }
+                        _ => with_dtype!(dtype, T => {
+                            let x: &[T] = inp.typed("input").map_err(bad)?;
+                            qgz::ring_f32(c, &groups.world, x.iter().map(|v| v.to_f32()).collect())?
+                        }),
+                    }
+                }
+            };
+            with_dtype!(dtype, T => {
+                let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(s / divide));
+            });
+            Ok(())
+        })))
+    }
+}
+
+fn poisoned() -> CommError {
+    CommError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
+}
+
+impl Job {
+    /// The world, or a sub-group of consecutive ranks inside one node.
+    fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
+        let (w, g) = (self.layout.world(), self.layout.ranks_per_node);
+        if ranks.len() == w && ranks.iter().enumerate().all(|(i, &r)| i == r) {
+            return Ok(self.groups.world.clone());
+        }
+        let consecutive = ranks.windows(2).all(|p| p[1] == p[0] + 1);
+        let (first, last) = (ranks.first().copied(), ranks.last().copied());
+        let inside = matches!((first, last), (Some(f), Some(l)) if l < w && f / g == l / g);
+        if !consecutive || !inside || !ranks.contains(&self.layout.rank) {
+            return Err(invalid(format!(
+                "zeropp gathers over the world (ranks 0..{w}) or over consecutive ranks of one \
+                 node that include this rank {} (FSDP2's reshard_after_forward=<int> groups); \
+                 got ranks {ranks:?}: use a 1-D mesh over the whole job",
+                self.layout.rank
+            )));
+        }
+        let mut subgroups = self.subgroups.lock().map_err(|_| invalid("poisoned"))?;
+        if let Some(existing) = subgroups.iter().find(|s| s.ranks() == ranks) {
+            return Ok(existing.clone());
+        }
+        let size = ranks.len();
+        let id = SUBGROUP_BASE | (((size as u16) & 0x1f) << 8) | ((ranks[0] / size) as u16 & 0xff);
+        let group = Arc::new(Group::new(id, ranks.to_vec()).map_err(to_py)?);
+        subgroups.push(group.clone());
+        Ok(group)
+    }
+}
+
+/// The switches of `mode` with `overrides` applied, resolved against the
+/// routing plan and checked as the engine checks them.
+fn resolve(
+    mode: &str,
+    overrides: &str,
+    layout: Layout,
+    routing: &Result<zeropp_topology::plan::ClusterView, String>,
+) -> PyResult<String> {
+    let block = 256;
+    let base = match mode {
+        "zeropp" => Switches::zeropp(block),
+        "zero3" => Switches::zero3(block),
+        other => {
+            return Err(invalid(format!(
+                "mode={other:?}: use \"zeropp\" (qwZ + hpZ + qgZ) or \"zero3\" (plain \
+                 communication through zeropp's transports)"
+            )));
+        }
+    };
+    let mut value = serde_json::to_value(&base).map_err(|e| invalid(e.to_string()))?;
+    let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)
+        .map_err(|e| invalid(format!("switches are not a JSON object: {e}")))?;
+    let mut why = serde_json::Map::new();
+    {
+        let obj = value
+            .as_object_mut()
+            .expect("a struct serializes to an object");
+        for (k, v) in &asked {
+            if !obj.contains_key(k) {
+                let mut names: Vec<&String> = obj.keys().collect();
+                names.sort();
+                return Err(invalid(format!(
+                    "unknown switch {k:?}; zeropp's switches are {names:?}"
+                )));
+            }
+            obj.insert(k.clone(), v.clone());
+            why.insert(k.clone(), "asked".into());
+        }
+    }
+    let mut s: Switches = serde_json::from_value(value)
+        .map_err(|e| invalid(format!("a switch has the wrong type: {e}")))?;
+    let g = layout.ranks_per_node;
+    if s.hpz && s.hpz_group.is_none() {
+        let (h, reason) = match routing {
+            Ok(v) if v.plan.hpz_group >= 1 && g.is_multiple_of(v.plan.hpz_group) => (
+                v.plan.hpz_group,
+                format!("routing plan: {}", v.plan.hpz_why),
+            ),
+            _ => (g, "the node".to_string()),
+        };
+        s.hpz_group = Some(h);
+        why.insert("hpz_group".into(), reason.into());
+    }
+    if s.qgz && !asked.contains_key("qgz_intra_bits") {
+        let (b, reason) = match routing {
+            Ok(v) => (v.plan.qgz_bits[0], "routing plan"),
+            Err(_) => (
+                8,
+                "no routing plan: int8 inside, cheap next to the hop across",
+            ),
+        };
+        s.qgz_intra_bits = b;
+        why.insert("qgz_intra_bits".into(), reason.into());
+    }
+    Plan::new(layout, &s).map_err(|e| invalid(format!("invalid switches: {e}")))?;
+    Ok(serde_json::json!({ "switches": s, "why": why }).to_string())
+}
+
+/// The qgZ settings and error-feedback state of one FSDP parameter group:
+/// what each quantization dropped, added back on the next reduce-scatter.
+#[pyclass(frozen)]
+pub struct QgzState {
+    intra: QuantFormat,
+    inter: QuantFormat,
+    error_feedback: bool,
+    stochastic: bool,
+    seed: u64,
+    calls: AtomicU64,
+    residual: Arc<Mutex<Vec<f32>>>,
+    residual_inter: Arc<Mutex<Vec<f32>>>,
+}
+
+#[pymethods]
+impl QgzState {
+    #[new]
+    #[pyo3(signature = (intra_bits=8, block=32, error_feedback=true, stochastic=false, seed=0))]
+    fn new(
+        intra_bits: u32,
+        block: usize,
+        error_feedback: bool,
+        stochastic: bool,
+        seed: u64,
+    ) -> PyResult<QgzState> {
+        let fmt = |bits: u32| {
+            QuantFormat::new(
+                Bits::from_u32(bits).map_err(|e| invalid(e.to_string()))?,
+                Scheme::Symmetric,
+                block,
+            )
+            .map_err(|e| invalid(e.to_string()))
+        };
+        if !matches!(intra_bits, 4 | 8) {
+            return Err(invalid(format!(
+                "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4"
+            )));
+        }
+        Ok(QgzState {
+            intra: fmt(intra_bits)?,
+            inter: fmt(4)?,
+            error_feedback,
+            stochastic,
+            seed,
+            calls: AtomicU64::new(0),
+            residual: Default::default(),
+            residual_inter: Default::default(),
+        })
+    }
+
+    /// Values of error-feedback state held (both hops).
+    fn residual_len(&self) -> usize {
+        let a = self.residual.lock().map(|r| r.len()).unwrap_or(0);
+        a + self.residual_inter.lock().map(|r| r.len()).unwrap_or(0)
+    }
+
+    /// Error feedback starts over (after a checkpoint load).
+    fn reset(&self) {
+        for r in [&self.residual, &self.residual_inter] {
+            if let Ok(mut r) = r.lock() {
+                r.clear();
+            }
+        }
+    }
+}
+
+/// A collective in flight.
+#[pyclass(frozen)]
+pub struct Op {
+    pending: Mutex<Option<Pending<()>>>,
+    outcome: Mutex<Option<Result<(), (bool, String)>>>,
+}
+
+impl Op {
+    fn new(p: Pending<()>) -> Op {
+        Op {
+            pending: Mutex::new(Some(p)),
+            outcome: Mutex::new(None),
+        }
+    }
+
+    fn settle(&self, r: Result<(), CommError>) {
+        let r = r.map_err(|e| {
+            let peer = matches!(
+                e,
+                CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
+            );
+            (peer, e.to_string())
+        });
+        if let Ok(mut o) = self.outcome.lock() {
+            *o = Some(r);
+        }
+    }
+
+    fn outcome(&self) -> PyResult<bool> {
+        match self
+            .outcome
+            .lock()
+            .map_err(|_| invalid("poisoned"))?
+            .as_ref()
+        {
+            None => Ok(false),
+            Some(Ok(())) => Ok(true),
+            Some(Err((true, m))) => Err(crate::PeerError::new_err(m.clone())),
+            Some(Err((false, m))) => Err(crate::ZeroppError::new_err(m.clone())),
+        }
+    }
+}
+
+#[pymethods]
+impl Op {
+    /// Waits until the collective is done; raises its error.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let pending = self.pending.lock().map_err(|_| invalid("poisoned"))?.take();
+        if let Some(p) = pending {
+            let r = py.detach(move || p.wait());
+            self.settle(r);
+        }
+        self.outcome().map(|_| ())
+    }
+
+    /// Whether the collective is done (its error, if any, is raised by `wait`).
+    fn is_completed(&self) -> PyResult<bool> {
+        let mut guard = self.pending.lock().map_err(|_| invalid("poisoned"))?;
+        if let Some(p) = guard.as_ref()
+            && let Some(r) = p.try_take()
+        {
+            *guard = None;
+            drop(guard);
+            self.settle(r);
+        }
+        Ok(self.outcome.lock().map(|o| o.is_some()).unwrap_or(false))
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Job>()?;
+    m.add_class::<QgzState>()?;
+    m.add_class::<Op>()?;
+    Ok(())
+}
+
+// Element is used through `with_dtype!` bodies.
+#[allow(unused_imports)]
+use Element as _;

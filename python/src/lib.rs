@@ -1,0 +1,88 @@
+//! `zeropp._zeropp`: the Rust side of the `zeropp` Python package. It calls
+//! the library directly — the ZeRO++ collectives of `zeropp::zero`, the
+//! transports of `zeropp::comm`, the quantizers of `zeropp-quant`, the
+//! topology of `zeropp-topology` — over host buffers passed without copies.
+//! The Python package (`python/zeropp/`) does argument checking and torch
+//! glue only.
+
+mod buffers;
+mod collectives;
+mod quant;
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+create_exception!(
+    _zeropp,
+    ZeroppError,
+    PyRuntimeError,
+    "A zeropp operation failed; the message says why and what to do."
+);
+create_exception!(
+    _zeropp,
+    PeerError,
+    ZeroppError,
+    "Another rank died, hung or became unreachable; the message names it."
+);
+
+/// A library error as the Python exception that fits it.
+pub(crate) fn to_py(e: zeropp::comm::CommError) -> PyErr {
+    use zeropp::comm::CommError as E;
+    match e {
+        e @ (E::PeerFailed { .. } | E::Timeout { .. } | E::Closed) => {
+            PeerError::new_err(e.to_string())
+        }
+        e => ZeroppError::new_err(e.to_string()),
+    }
+}
+
+pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
+    ZeroppError::new_err(msg.into())
+}
+
+/// What `zeropp topo --json` reports of this machine (or of a captured
+/// tree under `sysfs_root`), as JSON.
+#[pyfunction]
+#[pyo3(signature = (sysfs_root=None))]
+fn topology_json(sysfs_root: Option<String>) -> PyResult<String> {
+    let root = sysfs_root.unwrap_or_else(|| "/".into());
+    let topo = zeropp_topology::detect::detect(std::path::Path::new(&root))
+        .map_err(|e| invalid(format!("topology of {root}: {e}")))?;
+    serde_json::to_string(&topo).map_err(|e| invalid(e.to_string()))
+}
+
+/// The routing plan for `nodes` nodes like this machine (or the captured
+/// tree under `sysfs_root`), `ranks_per_node` ranks each, as JSON.
+#[pyfunction]
+#[pyo3(signature = (nodes, ranks_per_node, sysfs_root=None))]
+fn routing_plan_json(
+    nodes: usize,
+    ranks_per_node: usize,
+    sysfs_root: Option<String>,
+) -> PyResult<String> {
+    let root = sysfs_root.unwrap_or_else(|| "/".into());
+    let topo = zeropp_topology::detect::detect(std::path::Path::new(&root))
+        .map_err(|e| invalid(format!("topology of {root}: {e}")))?;
+    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node).map_err(invalid)?;
+    serde_json::to_string(&plan).map_err(|e| invalid(e.to_string()))
+}
+
+/// `zeropp train`'s built-in corpus (simple English sentences from a small
+/// grammar; bytes are tokens): `n` bytes for `seed`.
+#[pyfunction]
+fn builtin_corpus<'py>(py: Python<'py>, n: usize, seed: u64) -> Bound<'py, pyo3::types::PyBytes> {
+    pyo3::types::PyBytes::new(py, &zeropp::train::data::builtin_corpus(n, seed))
+}
+
+#[pymodule]
+fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("ZeroppError", m.py().get_type::<ZeroppError>())?;
+    m.add("PeerError", m.py().get_type::<PeerError>())?;
+    m.add_function(wrap_pyfunction!(topology_json, m)?)?;
+    m.add_function(wrap_pyfunction!(routing_plan_json, m)?)?;
+    m.add_function(wrap_pyfunction!(builtin_corpus, m)?)?;
+    quant::register(m)?;
+    collectives::register(m)?;
+    Ok(())
+}

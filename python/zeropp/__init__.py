@@ -1,0 +1,43 @@
+"""zeropp: ZeRO++ communication for PyTorch, in Rust.
+
+- ``zeropp.torch.fully_shard``: FSDP2's ``fully_shard`` with zeropp moving the
+  bytes (qwZ quantized weight gather, hpZ node-local backward gather, qgZ
+  two-hop quantized gradient reduce-scatter).
+- ``zeropp.quant``: block quantization of your own tensors, in exactly the
+  formats zeropp puts on the wire, and its error figures.
+- ``zeropp.topology()`` / ``zeropp.routing_plan()``: what zeropp sees of this
+  machine and how it would route a job of N nodes x G ranks.
+
+``zeropp.torch`` needs PyTorch; the rest needs only numpy.
+"""
+
+import json
+
+from . import quant
+from ._zeropp import PeerError, ZeroppError, builtin_corpus
+from ._zeropp import routing_plan_json as _routing_plan_json
+from ._zeropp import topology_json as _topology_json
+
+__version__ = "0.1.0"
+__all__ = [
+    "PeerError",
+    "ZeroppError",
+    "builtin_corpus",
+    "quant",
+    "routing_plan",
+    "topology",
+]
+
+
+def topology(sysfs_root=None):
+    """This machine as ``zeropp topo --json`` reports it (NUMA nodes, GPUs and
+    the links between them, NICs), as a dict. ``sysfs_root``: a captured tree
+    (``zeropp topo capture``) instead of this machine."""
+    return json.loads(_topology_json(sysfs_root))
+
+
+def routing_plan(nodes, ranks_per_node, sysfs_root=None):
+    """The routing plan for ``nodes`` nodes like this machine with
+    ``ranks_per_node`` ranks each (``zeropp topo plan --json``): the hops, the
+    hpZ group, the bits per hop, the NIC of each rank, and why."""
+    return json.loads(_routing_plan_json(nodes, ranks_per_node, sysfs_root))

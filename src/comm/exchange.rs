@@ -1,0 +1,281 @@
+//! Joining a job whose ranks already share a key-value exchange — the
+//! store of a `torch.distributed` job — instead of zeropp's own rendezvous:
+//! every rank publishes its transport address, host identity and facts
+//! through the caller's `exchange`, which returns everyone's; nodes are
+//! then the hosts the ranks find themselves on, not a launcher's guess.
+
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::job::{ProcessIdentity, TransportKind, mixed_transports};
+use super::tcp::{TcpOptions, TcpTransport};
+use super::ucx::{PeerAddress, UcxTransport};
+use super::{CommError, Transport};
+
+/// What one rank publishes.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+struct Published {
+    rank: usize,
+    world_size: usize,
+    hostname: String,
+    process: ProcessIdentity,
+    /// `host:port` of the TCP listener (TCP), or the UCP worker address in
+    /// hex (UCX).
+    tcp_address: Option<String>,
+    ucx_address: Option<String>,
+    facts: serde_json::Value,
+}
+
+/// Another rank as the exchange delivered it.
+#[derive(Clone, Debug)]
+pub struct Peer {
+    pub rank: usize,
+    pub hostname: String,
+    /// The host's boot id (empty where the host does not say).
+    pub boot_id: String,
+    pub facts: serde_json::Value,
+}
+
+/// How the job is laid out over hosts: `nodes` × `ranks_per_node`, ranks
+/// numbered node by node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    pub nodes: usize,
+    pub ranks_per_node: usize,
+}
+
+/// A joined job.
+pub struct Joined {
+    pub transport: Box<dyn Transport>,
+    pub peers: Vec<Peer>,
+    pub hosts: HostLayout,
+}
+
+/// How to join.
+pub struct JoinOptions {
+    pub kind: TransportKind,
+    pub rank: usize,
+    pub world_size: usize,
+    /// Shared secret every connection must present (TCP).
+    pub token: String,
+    /// The address other ranks reach this one at (TCP).
+    pub ip: IpAddr,
+    pub timeout: Duration,
+}
+
+/// Publishes this rank through `exchange` (its bytes in, every rank's bytes
+/// out in rank order), connects the transport and lays out the nodes.
+pub fn join(
+    opts: &JoinOptions,
+    facts: serde_json::Value,
+    exchange: &mut dyn FnMut(Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>,
+) -> Result<Joined, CommError> {
+    if opts.rank >= opts.world_size {
+        return Err(CommError::Invalid(format!(
+            "rank {} is outside a world of {}",
+            opts.rank, opts.world_size
+        )));
+    }
+    let me = ProcessIdentity::of_self();
+    let mut mine = Published {
+        rank: opts.rank,
+        world_size: opts.world_size,
+        hostname: super::rendezvous::hostname(),
+        process: me.clone(),
+        tcp_address: None,
+        ucx_address: None,
+        facts,
+    };
+    let mut share = |mine: &Published| -> Result<Vec<Published>, CommError> {
+        let bytes = serde_json::to_vec(mine).map_err(|e| CommError::Invalid(e.to_string()))?;
+        let all = exchange(bytes)?;
+        decode_all(&all, opts)
+    };
+    let (transport, all): (Box<dyn Transport>, Vec<Published>) = match opts.kind {
+        TransportKind::Tcp => {
+            let listener =
+                TcpListener::bind(SocketAddr::new(opts.ip, 0)).map_err(|e| CommError::Io {
+                    what: format!("a transport listener on {}", opts.ip),
+                    source: e,
+                })?;
+            let address = listener.local_addr().map_err(|e| CommError::Io {
+                what: "the transport listener".into(),
+                source: e,
+            })?;
+            mine.tcp_address = Some(address.to_string());
+            let all = share(&mine)?;
+            let addresses = all
+                .iter()
+                .map(|p| {
+                    let a = p
+                        .tcp_address
+                        .as_deref()
+                        .ok_or_else(|| mixed_transports(p.rank, "ucx", opts.rank, "tcp"))?;
+                    a.parse::<SocketAddr>().map_err(|_| {
+                        CommError::Invalid(format!("rank {} published a bad address {a:?}", p.rank))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let options = TcpOptions {
+                token: opts.token.clone(),
+                connect_timeout: opts.timeout,
+                write_timeout: opts.timeout,
+            };
+            let t = TcpTransport::connect(opts.rank, &addresses, listener, &options)?;
+            (Box::new(t), all)
+        }
+        TransportKind::Ucx => {
+            let mut table = Vec::new();
+            let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
+                mine.ucx_address = Some(address.iter().map(|b| format!("{b:02x}")).collect());
+                table = share(&mine)?;
+                table
+                    .iter()
+                    .map(|p| {
+                        let hex = p
+                            .ucx_address
+                            .as_deref()
+                            .ok_or_else(|| mixed_transports(p.rank, "tcp", opts.rank, "ucx"))?;
+                        let worker = (0..hex.len() / 2)
+                            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
+                            .collect::<Result<Vec<u8>, _>>()
+                            .ok()
+                            .filter(|a| !a.is_empty())
+                            .ok_or_else(|| {
+                                CommError::Invalid(format!(
+                                    "rank {} published a bad UCX address",
+                                    p.rank
+                                ))
+                            })?;
+                        let local_pid = me.same_host(&p.process).then_some(p.process.pid);
+                        Ok(PeerAddress { worker, local_pid })
+                    })
+                    .collect()
+            })?;
+            (Box::new(t), table)
+        }
+    };
+    let hosts = host_layout(
+        &all.iter()
+            .map(|p| (p.hostname.clone(), p.process.boot_id.clone()))
+            .collect::<Vec<_>>(),
+    )
+    .map_err(CommError::Invalid)?;
+    let peers = all
+        .into_iter()
+        .map(|p| Peer {
+            rank: p.rank,
+            hostname: p.hostname,
+            boot_id: p.process.boot_id,
+            facts: p.facts,
+        })
+        .collect();
+    Ok(Joined {
+        transport,
+        peers,
+        hosts,
+    })
+}
+
+fn decode_all(all: &[Vec<u8>], opts: &JoinOptions) -> Result<Vec<Published>, CommError> {
+    if all.len() != opts.world_size {
+        return Err(CommError::Invalid(format!(
+            "the exchange returned {} ranks' facts for a world of {}",
+            all.len(),
+            opts.world_size
+        )));
+    }
+    all.iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let p: Published = serde_json::from_slice(b).map_err(|e| {
+                CommError::Malformed(format!(
+                    "rank {r}'s published facts are unreadable ({e}): every rank must run \
+                     the same zeropp version"
+                ))
+            })?;
+            if p.rank != r || p.world_size != opts.world_size {
+                return Err(CommError::Invalid(format!(
+                    "rank {r}'s entry says rank {} of {} and this rank {} of {}: the ranks \
+                     disagree on the job (mismatched world sizes?)",
+                    p.rank, p.world_size, opts.rank, opts.world_size
+                )));
+            }
+            Ok(p)
+        })
+        .collect()
+}
+
+/// Nodes from host identities (hostname, boot id) in rank order: the ranks
+/// of one host must be consecutive, and every host must hold as many.
+pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, String> {
+    if hosts.is_empty() {
+        return Err("no ranks".into());
+    }
+    let mut runs: Vec<(usize, usize)> = Vec::new(); // (first rank, count)
+    for (r, h) in hosts.iter().enumerate() {
+        match runs.last_mut() {
+            Some((first, count)) if hosts[*first] == *h => *count += 1,
+            _ => {
+                if let Some((first, _)) = runs.iter().find(|(f, _)| hosts[*f] == *h) {
+                    return Err(format!(
+                        "rank {r} runs on host {} like rank {first}, but ranks in between run \
+                         elsewhere: zeropp needs the ranks of a host to be consecutive (place \
+                         ranks by node, e.g. mpirun --map-by slot, torchrun's default)",
+                        h.0
+                    ));
+                }
+                runs.push((r, 1));
+            }
+        }
+    }
+    let g = runs[0].1;
+    if let Some((first, count)) = runs.iter().find(|(_, c)| *c != g) {
+        return Err(format!(
+            "host {} runs {count} ranks and host {} runs {g}: zeropp needs the same number \
+             of ranks on every node",
+            hosts[*first].0, hosts[0].0
+        ));
+    }
+    Ok(HostLayout {
+        nodes: runs.len(),
+        ranks_per_node: g,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(names: &[&str]) -> Vec<(String, String)> {
+        names
+            .iter()
+            .map(|n| (n.to_string(), format!("boot-{n}")))
+            .collect()
+    }
+
+    #[test]
+    fn nodes_are_runs_of_ranks_on_one_host() {
+        let l = host_layout(&hosts(&["a", "a", "b", "b"])).unwrap();
+        assert_eq!((l.nodes, l.ranks_per_node), (2, 2));
+        let l = host_layout(&hosts(&["a", "a", "a"])).unwrap();
+        assert_eq!((l.nodes, l.ranks_per_node), (1, 3));
+        // Same hostname, another boot: another host (a container clone).
+        let mut h = hosts(&["a", "a"]);
+        h[1].1 = "other".into();
+        assert_eq!(host_layout(&h).unwrap().nodes, 2);
+    }
+
+    #[test]
+    fn round_robin_and_uneven_placements_are_refused_with_the_hosts_named() {
+        let e = host_layout(&hosts(&["a", "b", "a", "b"])).unwrap_err();
+        assert!(e.contains("rank 2") && e.contains("consecutive"), "{e}");
+        let e = host_layout(&hosts(&["a", "a", "a", "b"])).unwrap_err();
+        assert!(
+            e.contains("host b runs 1") && e.contains("host a runs 3"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,8 @@
+//! Training the built-in model: the trainer and its config, the data, the
+//! byte-level GPT, and sharded checkpoints. Calls the engine; nothing below
+//! it calls back up.
+
+pub mod checkpoint;
+pub mod data;
+pub mod model;
+pub mod trainer;
