@@ -1,0 +1,270 @@
+"""A byte-level GPT (GPT-2's architecture: learned positions, pre-norm blocks,
+tanh-GELU, final layer norm) trained with PyTorch's FSDP2, its communication
+either PyTorch's own or zeropp's.
+
+    torchrun --standalone --nproc-per-node 4 examples/torch_gpt.py --mode zeropp --steps 100
+
+Modes: ``zeropp`` (qwZ + hpZ + qgZ through zeropp), ``zero3`` (plain
+communication through zeropp's transports), ``fsdp2`` (FSDP2 over gloo) and
+``hsdp`` (FSDP2 sharded inside each node, replicated across nodes, over gloo).
+``--ranks-per-node G`` makes logical nodes of G ranks (default: the hosts).
+Writes per-step metrics (``--metrics``, JSON lines) and a summary
+(``--summary-json``) with the conventions of ``zeropp train``.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+
+import zeropp
+import zeropp.torch
+
+
+class Block(nn.Module):
+    def __init__(self, width, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width, eps=1e-5)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width, eps=1e-5)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, width, layers, heads, context, vocab=256):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width, eps=1e-5)
+        self.head = nn.Linear(width, vocab, bias=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tokens(idx) + self.positions(pos)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["zeropp", "zero3", "fsdp2", "hsdp"], default="zeropp")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters for compute and traffic")
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--transport", choices=["ucx", "tcp"], default=None)
+    p.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
+                   help="a zeropp switch (qwz_bits=4, hpz=false, ...); repeatable")
+    p.add_argument("--metrics", default=None)
+    p.add_argument("--summary-json", default=None)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    return p.parse_args(argv)
+
+
+def switch_value(raw):
+    low = raw.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    return int(raw)
+
+
+class Data:
+    """zeropp train's built-in corpus: the last tenth held out, the rest cut
+    into one part per rank; batches drawn with a generator seeded by (seed,
+    rank, step)."""
+
+    def __init__(self, seed, rank, world):
+        corpus = torch.frombuffer(bytearray(zeropp.builtin_corpus(2 << 20, seed)), dtype=torch.uint8)
+        split = len(corpus) * 9 // 10
+        part = split // world
+        self.train = corpus[rank * part:(rank + 1) * part].long()
+        self.val = corpus[split:].long()
+        self.seed, self.rank = seed, rank
+
+    def batch(self, step, batch, context, val=False):
+        src = self.val if val else self.train
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + step
+                                          + (1 << 40 if val else 0))
+        starts = torch.randint(0, len(src) - context - 1, (batch,), generator=g)
+        x = torch.stack([src[s:s + context] for s in starts])
+        y = torch.stack([src[s + 1:s + context + 1] for s in starts])
+        return x, y
+
+
+def shard(model, args, world, ranks_per_node):
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
+        if args.bf16 else None
+    kw = {"mp_policy": mp} if mp is not None else {}
+    if args.mode in ("zeropp", "zero3"):
+        switches = {}
+        for s in args.switch:
+            name, _, raw = s.partition("=")
+            switches[name] = switch_value(raw)
+        for b in model.blocks:
+            zeropp.torch.fully_shard(b, mode=args.mode, transport=args.transport,
+                                     ranks_per_node=ranks_per_node, seed=args.seed,
+                                     **switches, **kw)
+        zeropp.torch.fully_shard(model, mode=args.mode, transport=args.transport,
+                                 ranks_per_node=ranks_per_node, seed=args.seed, **switches, **kw)
+        return zeropp.torch.resolved_switches()[args.mode]["switches"]
+    if args.mode == "hsdp":
+        mesh = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node),
+                                mesh_dim_names=("replicate", "shard"))
+        kw["mesh"] = mesh
+    for b in model.blocks:
+        fsdp_fully_shard(b, **kw)
+    fsdp_fully_shard(model, **kw)
+    return {}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = args.ranks_per_node or int(os.environ.get("ZEROPP_RANKS_PER_NODE", 0)) \
+        or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    lead = rank == 0
+    torch.manual_seed(args.seed)
+    model = GPT(args.width, args.layers, args.heads, args.context)
+    params = sum(p.numel() for p in model.parameters())
+    switches = shard(model, args, world, g if args.ranks_per_node or args.mode == "hsdp"
+                     else None)
+    zjob = zeropp.torch.job() if args.mode in ("zeropp", "zero3") else None
+    nodes = zjob.nodes if zjob else world // g
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup)
+        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+    data = Data(args.seed, rank, world)
+    tokens_per_step = args.batch * args.context * world
+    metrics = open(args.metrics, "w") if (lead and args.metrics) else None
+    if lead:
+        print(f"{args.mode}: {params} parameters, {world} ranks on {nodes} node(s), "
+              f"switches {json.dumps(switches) if switches else '(FSDP2 over gloo)'}", flush=True)
+    losses, times, across, inside = [], [], [], []
+    before = zeropp.torch.traffic() if zjob else None
+    for step in range(args.steps):
+        x, y = data.batch(step, args.batch, args.context)
+        t0 = time.perf_counter()
+        logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss = mean_loss.item() / world
+        dt = time.perf_counter() - t0
+        losses.append(mean_loss)
+        times.append(dt)
+        job_bytes = [0.0, 0.0]
+        if zjob:
+            now = zeropp.torch.traffic()
+            mine = torch.tensor([_phase_sum(now, before, "intra_node"),
+                                 _phase_sum(now, before, "inter_node")], dtype=torch.float64)
+            dist.all_reduce(mine)
+            job_bytes = mine.tolist()
+            before = now
+            inside.append(job_bytes[0])
+            across.append(job_bytes[1])
+        if metrics:
+            metrics.write(json.dumps({
+                "step": step + 1, "loss": mean_loss, "grad_norm": float(norm.full_tensor())
+                if hasattr(norm, "full_tensor") else float(norm),
+                "lr": sched.get_last_lr()[0], "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "bytes_intra_node": job_bytes[0] if zjob else None,
+                "bytes_inter_node": job_bytes[1] if zjob else None}) + "\n")
+        if lead and ((step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps):
+            print(f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
+                  f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s "
+                  f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step", flush=True)
+    val = []
+    with torch.no_grad():
+        for i in range(4):
+            x, y = data.batch(i, args.batch, args.context, val=True)
+            logits = model(x)
+            v = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+            dist.all_reduce(v)
+            val.append(v.item() / world)
+    tail = losses[-10:]
+    summary = {
+        "mode": args.mode,
+        "switches": switches,
+        "world_size": world,
+        "nodes": nodes,
+        "params": params,
+        "steps": args.steps,
+        "initial_loss": losses[0],
+        "final_loss": sum(tail) / len(tail),
+        "val_loss": sum(val) / len(val),
+        "tokens_per_s": tokens_per_step / statistics.median(times),
+        "median_step_time_s": statistics.median(times),
+        "bytes_per_step": {"intra_node": statistics.fmean(inside) if inside else None,
+                           "inter_node": statistics.fmean(across) if across else None},
+        "losses": losses,
+    }
+    if lead:
+        print(f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
+              f"(last 10 steps), validation {summary['val_loss']:.4f}; "
+              f"{summary['tokens_per_s']:.0f} tokens/s", flush=True)
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f, indent=1)
+    if metrics:
+        metrics.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _phase_sum(now, before, hop):
+    return float(sum(now[p]["total"][hop] - before[p]["total"][hop]
+                     for p in ("forward_gather", "backward_gather", "gradient", "other")))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

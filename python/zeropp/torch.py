@@ -1,0 +1,376 @@
+"""ZeRO++ communication under PyTorch's FSDP2: PyTorch computes, zeropp moves
+the bytes.
+
+``zeropp.torch.fully_shard`` is called exactly like FSDP2's ``fully_shard``
+(on each block, then on the root), after the usual
+``dist.init_process_group``::
+
+    import torch.distributed as dist
+    import zeropp.torch
+
+    dist.init_process_group("gloo")
+    for block in model.blocks:
+        zeropp.torch.fully_shard(block)              # mode="zeropp"
+    zeropp.torch.fully_shard(model)
+
+Parameters stay ordinary FSDP2 DTensors (the optimizer, gradient clipping and
+``torch.distributed.checkpoint`` work unchanged); zeropp replaces the
+collectives through FSDP2's ``set_custom_all_gather`` /
+``set_custom_reduce_scatter``:
+
+- qwZ: the forward all-gather quantizes this rank's shard (int8, or int4 with
+  ``qwz_bits=4``), gathers across nodes then inside the node, and dequantizes
+  into FSDP2's output buffer;
+- hpZ: ``reshard_after_forward=<hpZ group>`` keeps a secondary shard, and the
+  backward all-gather stays inside that group (the node, or an NVLink island);
+- qgZ: the gradient reduce-scatter is the two-hop quantized all-to-all with
+  f32 sums and the mean over all W ranks, with error feedback whose state
+  lives with the FSDP parameter group.
+
+``mode="zero3"`` is the plain-communication baseline through zeropp's
+transports. Switches carry ``zeropp train``'s names (``qwz_bits``, ``hpz``,
+``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
+``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``); FSDP2's own
+keyword arguments pass through.
+"""
+
+import datetime
+import json
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard as _fsdp_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from . import _zeropp
+from ._buffers import dtype_name, host_bytes
+from ._zeropp import PeerError, ZeroppError
+
+__all__ = [
+    "PeerError",
+    "ZeroppError",
+    "fully_shard",
+    "job",
+    "resolved_switches",
+    "routing",
+    "traffic",
+]
+
+SWITCHES = (
+    "qwz_bits",
+    "hpz",
+    "hpz_group",
+    "qgz",
+    "error_feedback",
+    "qgz_stochastic",
+    "block",
+    "qgz_block",
+    "qgz_intra_bits",
+    "fp32_comm",
+)
+
+_job = None
+_job_options = None
+_switches_used = {}
+
+
+def _timeout_s():
+    raw = os.environ.get("ZEROPP_TIMEOUT_S", "300")
+    try:
+        t = float(raw)
+    except ValueError:
+        raise ZeroppError(f"ZEROPP_TIMEOUT_S={raw!r}: expected seconds") from None
+    if not t > 0:
+        raise ZeroppError(f"ZEROPP_TIMEOUT_S={raw!r}: must be positive")
+    return t
+
+
+def _exchange_through(store, prefix, rank, world, timeout_s):
+    """The exchange of the Rust join: this rank's bytes in, every rank's out,
+    through the torch.distributed store (no second port)."""
+
+    def exchange(mine):
+        store.set(f"{prefix}/facts/{rank}", mine)
+        keys = [f"{prefix}/facts/{r}" for r in range(world)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=timeout_s))
+        except Exception as e:  # the store's own timeout or a dead store
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            raise ZeroppError(
+                f"ranks {missing} did not publish their zeropp addresses within "
+                f"{timeout_s:.0f} s ({e}); every rank must call zeropp.torch.fully_shard "
+                "on the same modules in the same order"
+            ) from None
+        return [bytes(store.get(k)) for k in keys]
+
+    return exchange
+
+
+def job(transport=None, ranks_per_node=None):
+    """This process's zeropp job, joined on first use through the store of the
+    default ``torch.distributed`` process group: worker addresses, token and
+    topology travel through that store. ``transport``: "ucx", "tcp" or None
+    (ZEROPP_TRANSPORT, else UCX when libucp loads). ``ranks_per_node``: logical
+    nodes of that many ranks (emulating several nodes on one machine); by
+    default the nodes are the hosts the ranks run on."""
+    global _job, _job_options
+    if not dist.is_available() or not dist.is_initialized():
+        raise ZeroppError(
+            "torch.distributed is not initialized: call dist.init_process_group(...) "
+            "(under torchrun: dist.init_process_group('gloo')) before zeropp.torch.fully_shard"
+        )
+    if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
+        ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
+    options = (transport, ranks_per_node)
+    if _job is not None:
+        if options != _job_options and options != (None, None):
+            raise ZeroppError(
+                f"zeropp already joined this job with transport={_job_options[0]!r}, "
+                f"ranks_per_node={_job_options[1]!r}; pass the same options on every call"
+            )
+        return _job
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = dist.distributed_c10d._get_default_store()
+    timeout_s = _timeout_s()
+    prefix = "zeropp/job0"
+    if rank == 0:
+        store.set(f"{prefix}/token", secrets.token_hex(16))
+    store.wait([f"{prefix}/token"], datetime.timedelta(seconds=timeout_s))
+    token = bytes(store.get(f"{prefix}/token")).decode()
+    port = os.environ.get("MASTER_PORT")
+    _job = _zeropp.Job(
+        rank,
+        world,
+        _exchange_through(store, prefix, rank, world, timeout_s),
+        token,
+        master_addr=os.environ.get("MASTER_ADDR"),
+        master_port=int(port) if port else None,
+        transport=transport,
+        timeout_s=timeout_s,
+        ranks_per_node=ranks_per_node,
+    )
+    _job_options = options
+    return _job
+
+
+def routing():
+    """The routing plan every rank derived from every node's topology (dict)."""
+    return json.loads(job().routing_json())
+
+
+def traffic():
+    """Bytes this rank sent through zeropp, by phase (forward_gather,
+    backward_gather, gradient, other) and hop (intra_node, inter_node), with
+    the block scales apart."""
+    return json.loads(job().traffic_json())
+
+
+def resolved_switches():
+    """The switches each mode actually ran with, after the routing plan
+    resolved the defaults: {mode: {"switches": ..., "why": ...}}."""
+    return dict(_switches_used)
+
+
+def _is_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Work(dist.Work):
+    """A zeropp collective in flight, as FSDP2 expects from async_op=True; it
+    keeps the tensors alive until it is waited on."""
+
+    def __init__(self, op, *tensors):
+        super().__init__()
+        self._op = op
+        self._tensors = tensors
+
+    def wait(self, timeout=None):
+        self._op.wait()
+        self._tensors = ()
+        return True
+
+    def is_completed(self):
+        return self._op.is_completed()
+
+    def is_success(self):
+        return self.is_completed()
+
+
+def _world_ranks(group, what):
+    ranks = dist.get_process_group_ranks(group)
+    world = dist.get_world_size()
+    if sorted(ranks) != ranks:
+        raise ZeroppError(f"{what}: the group's ranks {ranks} are not in order")
+    if ranks != list(range(world)) and what == "reduce-scatter":
+        raise ZeroppError(
+            f"reduce-scatter over ranks {ranks}: zeropp shards over the whole job "
+            f"(ranks 0..{world - 1}); use a 1-D mesh (HSDP meshes are not supported)"
+        )
+    return ranks
+
+
+class ZeroppAllGather(AllGather):
+    """FSDP2's all-gather through zeropp: qwZ over the world, a plain ring
+    inside the hpZ group in backward."""
+
+    def __init__(self, zjob, switches):
+        self._job = zjob
+        self._qwz_bits = switches["qwz_bits"]
+        self._block = switches["block"]
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        ranks = _world_ranks(group, "all-gather")
+        op = self._job.all_gather(
+            host_bytes(output_tensor, "all-gather output"),
+            host_bytes(input_tensor, "all-gather input"),
+            dtype_name(input_tensor),
+            ranks,
+            qwz_bits=self._qwz_bits,
+            block=self._block,
+            backward=_is_backward(),
+        )
+        work = _Work(op, output_tensor, input_tensor)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+class ZeroppReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter through zeropp: qgZ (two hops,
+    quantized, f32 sums, error feedback held here, per parameter group) or
+    ZeRO-3's ring."""
+
+    def __init__(self, zjob, switches, seed=0):
+        self._job = zjob
+        self.qgz_state = None
+        if switches["qgz"]:
+            self.qgz_state = _zeropp.QgzState(
+                intra_bits=switches["qgz_intra_bits"],
+                block=switches["qgz_block"],
+                error_feedback=switches["error_feedback"],
+                stochastic=switches["qgz_stochastic"],
+                seed=seed,
+            )
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        _world_ranks(group, "reduce-scatter")
+        if op == dist.ReduceOp.AVG:
+            mean = True
+        elif op == dist.ReduceOp.SUM:
+            mean = False
+        else:
+            raise ZeroppError(
+                f"reduce-scatter with {op}: zeropp sums or averages gradients (SUM or AVG); "
+                "leave FSDP2's gradient_divide_factor unset"
+            )
+        work = _Work(
+            self._job.reduce_scatter(
+                host_bytes(output_tensor, "reduce-scatter output"),
+                host_bytes(input_tensor, "reduce-scatter input"),
+                dtype_name(input_tensor),
+                mean,
+                qgz=self.qgz_state,
+            ),
+            output_tensor,
+            input_tensor,
+        )
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+
+def _check_dtypes(module, mp_policy):
+    if mp_policy is not None and mp_policy.param_dtype is not None:
+        dtype_name(torch.empty(0, dtype=mp_policy.param_dtype))
+    for name, p in module.named_parameters():
+        if mp_policy is None or mp_policy.param_dtype is None:
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                raise ZeroppError(
+                    f"parameter {name!r} is {p.dtype}: zeropp moves float32, bfloat16 and "
+                    "float16 parameters; convert the module (module.float()) or pass "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+                )
+        if p.device.type != "cpu" and p.device.type != "meta":
+            raise ZeroppError(
+                f"parameter {name!r} is on {p.device}: zeropp.torch moves CPU tensors for now "
+                "(its CUDA kernels and NCCL groups are not wired into the Python package yet)"
+            )
+
+
+def fully_shard(
+    module,
+    *,
+    mode="zeropp",
+    transport=None,
+    ranks_per_node=None,
+    seed=0,
+    **kwargs,
+):
+    """FSDP2's ``fully_shard(module, **kwargs)`` with zeropp's communication.
+
+    ``mode``: "zeropp" (qwZ + hpZ + qgZ, each a switch) or "zero3" (plain
+    communication through zeropp's transports). The switches (``qwz_bits``,
+    ``hpz``, ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
+    ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``) override the
+    mode's; the rest comes from the routing plan. ``seed`` seeds qgZ's
+    stochastic rounding. Other keyword arguments (``mesh``, ``mp_policy``,
+    ``reshard_after_forward``, ...) go to FSDP2; with hpZ,
+    ``reshard_after_forward`` defaults to the hpZ group. Returns the module.
+    """
+    switches = {k: kwargs.pop(k) for k in list(kwargs) if k in SWITCHES}
+    zjob = job(transport=transport, ranks_per_node=ranks_per_node)
+    resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches)))
+    s = resolved["switches"]
+    _switches_used[mode] = resolved
+    world = zjob.world_size
+    mesh = kwargs.get("mesh")
+    if mesh is not None and (mesh.ndim != 1 or mesh.size() != world):
+        raise ZeroppError(
+            f"a {mesh.ndim}-D mesh of {mesh.size()} ranks: zeropp shards over the whole job "
+            f"({world} ranks) on a 1-D mesh; HSDP is what hpZ replaces"
+        )
+    _check_dtypes(module, kwargs.get("mp_policy"))
+    if "reshard_after_forward" not in kwargs:
+        hpz_group = s["hpz_group"] if s["hpz"] else None
+        kwargs["reshard_after_forward"] = (
+            hpz_group if hpz_group is not None and 1 < hpz_group < world else True
+        )
+    elif s["hpz"] and kwargs["reshard_after_forward"] is not True:
+        rafs = kwargs["reshard_after_forward"]
+        if isinstance(rafs, int) and not isinstance(rafs, bool):
+            if rafs > zjob.ranks_per_node or zjob.ranks_per_node % rafs:
+                raise ZeroppError(
+                    f"reshard_after_forward={rafs}: hpZ keeps its secondary shard inside a "
+                    f"node of {zjob.ranks_per_node} ranks; use a divisor of it"
+                )
+    sharded = _fsdp_fully_shard(module, **kwargs)
+    sharded.set_custom_all_gather(ZeroppAllGather(zjob, s))
+    sharded.set_custom_reduce_scatter(ZeroppReduceScatter(zjob, s, seed=seed))
+    return sharded
+
+
+def reset_error_feedback(module):
+    """Error feedback starts over in every zeropp-sharded submodule of
+    ``module`` (call it after loading a checkpoint: the residuals are not part
+    of a state dict)."""
+    n = 0
+    for m in module.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is None:
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            rs = group._reduce_scatter_comm
+            if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
+                rs.qgz_state.reset()
+                n += 1
+    return n
