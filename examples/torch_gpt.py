@@ -88,8 +88,13 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true", help="bf16 parameters for compute and traffic")
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--transport", choices=["ucx", "tcp"], default=None)
-    p.add_argument("--switch", action="append", default=[], metavar="NAME=VALUE",
-                   help="a zeropp switch (qwz_bits=4, hpz=false, ...); repeatable")
+    p.add_argument(
+        "--switch",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a zeropp switch (qwz_bits=4, hpz=false, ...); repeatable",
+    )
     p.add_argument("--metrics", default=None)
     p.add_argument("--summary-json", default=None)
     p.add_argument("--log-every", type=int, default=10)
@@ -112,26 +117,32 @@ class Data:
     rank, step)."""
 
     def __init__(self, seed, rank, world):
-        corpus = torch.frombuffer(bytearray(zeropp.builtin_corpus(2 << 20, seed)), dtype=torch.uint8)
+        corpus = torch.frombuffer(
+            bytearray(zeropp.builtin_corpus(2 << 20, seed)), dtype=torch.uint8
+        )
         split = len(corpus) * 9 // 10
         part = split // world
-        self.train = corpus[rank * part:(rank + 1) * part].long()
+        self.train = corpus[rank * part : (rank + 1) * part].long()
         self.val = corpus[split:].long()
         self.seed, self.rank = seed, rank
 
     def batch(self, step, batch, context, val=False):
         src = self.val if val else self.train
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.rank * 7919 + step
-                                          + (1 << 40 if val else 0))
+        g = torch.Generator().manual_seed(
+            self.seed * 1_000_003 + self.rank * 7919 + step + (1 << 40 if val else 0)
+        )
         starts = torch.randint(0, len(src) - context - 1, (batch,), generator=g)
-        x = torch.stack([src[s:s + context] for s in starts])
-        y = torch.stack([src[s + 1:s + context + 1] for s in starts])
+        x = torch.stack([src[s : s + context] for s in starts])
+        y = torch.stack([src[s + 1 : s + context + 1] for s in starts])
         return x, y
 
 
 def shard(model, args, world, ranks_per_node):
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16) \
-        if args.bf16 else None
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+        if args.bf16
+        else None
+    )
     kw = {"mp_policy": mp} if mp is not None else {}
     if args.mode in ("zeropp", "zero3"):
         switches = {}
@@ -139,15 +150,29 @@ def shard(model, args, world, ranks_per_node):
             name, _, raw = s.partition("=")
             switches[name] = switch_value(raw)
         for b in model.blocks:
-            zeropp.torch.fully_shard(b, mode=args.mode, transport=args.transport,
-                                     ranks_per_node=ranks_per_node, seed=args.seed,
-                                     **switches, **kw)
-        zeropp.torch.fully_shard(model, mode=args.mode, transport=args.transport,
-                                 ranks_per_node=ranks_per_node, seed=args.seed, **switches, **kw)
+            zeropp.torch.fully_shard(
+                b,
+                mode=args.mode,
+                transport=args.transport,
+                ranks_per_node=ranks_per_node,
+                seed=args.seed,
+                **switches,
+                **kw,
+            )
+        zeropp.torch.fully_shard(
+            model,
+            mode=args.mode,
+            transport=args.transport,
+            ranks_per_node=ranks_per_node,
+            seed=args.seed,
+            **switches,
+            **kw,
+        )
         return zeropp.torch.resolved_switches()[args.mode]["switches"]
     if args.mode == "hsdp":
-        mesh = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node),
-                                mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(
+            "cpu", (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard")
+        )
         kw["mesh"] = mesh
     for b in model.blocks:
         fsdp_fully_shard(b, **kw)
@@ -160,28 +185,36 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    g = args.ranks_per_node or int(os.environ.get("ZEROPP_RANKS_PER_NODE", 0)) \
+    g = (
+        args.ranks_per_node
+        or int(os.environ.get("ZEROPP_RANKS_PER_NODE", 0))
         or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    )
     lead = rank == 0
     torch.manual_seed(args.seed)
     model = GPT(args.width, args.layers, args.heads, args.context)
     params = sum(p.numel() for p in model.parameters())
-    switches = shard(model, args, world, g if args.ranks_per_node or args.mode == "hsdp"
-                     else None)
+    switches = shard(model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None)
     zjob = zeropp.torch.job() if args.mode in ("zeropp", "zero3") else None
     nodes = zjob.nodes if zjob else world // g
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup)
-        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps))))))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / warmup)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
+        ),
+    )
     data = Data(args.seed, rank, world)
     tokens_per_step = args.batch * args.context * world
     metrics = open(args.metrics, "w") if (lead and args.metrics) else None
     if lead:
-        print(f"{args.mode}: {params} parameters, {world} ranks on {nodes} node(s), "
-              f"switches {json.dumps(switches) if switches else '(FSDP2 over gloo)'}", flush=True)
+        print(
+            f"{args.mode}: {params} parameters, {world} ranks on {nodes} node(s), "
+            f"switches {json.dumps(switches) if switches else '(FSDP2 over gloo)'}",
+            flush=True,
+        )
     losses, times, across, inside = [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
     for step in range(args.steps):
@@ -203,25 +236,40 @@ def main(argv=None):
         job_bytes = [0.0, 0.0]
         if zjob:
             now = zeropp.torch.traffic()
-            mine = torch.tensor([_phase_sum(now, before, "intra_node"),
-                                 _phase_sum(now, before, "inter_node")], dtype=torch.float64)
+            mine = torch.tensor(
+                [_phase_sum(now, before, "intra_node"), _phase_sum(now, before, "inter_node")],
+                dtype=torch.float64,
+            )
             dist.all_reduce(mine)
             job_bytes = mine.tolist()
             before = now
             inside.append(job_bytes[0])
             across.append(job_bytes[1])
         if metrics:
-            metrics.write(json.dumps({
-                "step": step + 1, "loss": mean_loss, "grad_norm": float(norm.full_tensor())
-                if hasattr(norm, "full_tensor") else float(norm),
-                "lr": sched.get_last_lr()[0], "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-                "bytes_intra_node": job_bytes[0] if zjob else None,
-                "bytes_inter_node": job_bytes[1] if zjob else None}) + "\n")
+            metrics.write(
+                json.dumps(
+                    {
+                        "step": step + 1,
+                        "loss": mean_loss,
+                        "grad_norm": float(norm.full_tensor())
+                        if hasattr(norm, "full_tensor")
+                        else float(norm),
+                        "lr": sched.get_last_lr()[0],
+                        "step_time_s": dt,
+                        "tokens_per_s": tokens_per_step / dt,
+                        "bytes_intra_node": job_bytes[0] if zjob else None,
+                        "bytes_inter_node": job_bytes[1] if zjob else None,
+                    }
+                )
+                + "\n"
+            )
         if lead and ((step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps):
-            print(f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
-                  f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s "
-                  f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step", flush=True)
+            print(
+                f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
+                f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s "
+                f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step",
+                flush=True,
+            )
     val = []
     with torch.no_grad():
         for i in range(4):
@@ -243,14 +291,19 @@ def main(argv=None):
         "val_loss": sum(val) / len(val),
         "tokens_per_s": tokens_per_step / statistics.median(times),
         "median_step_time_s": statistics.median(times),
-        "bytes_per_step": {"intra_node": statistics.fmean(inside) if inside else None,
-                           "inter_node": statistics.fmean(across) if across else None},
+        "bytes_per_step": {
+            "intra_node": statistics.fmean(inside) if inside else None,
+            "inter_node": statistics.fmean(across) if across else None,
+        },
         "losses": losses,
     }
     if lead:
-        print(f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
-              f"(last 10 steps), validation {summary['val_loss']:.4f}; "
-              f"{summary['tokens_per_s']:.0f} tokens/s", flush=True)
+        print(
+            f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
+            f"(last 10 steps), validation {summary['val_loss']:.4f}; "
+            f"{summary['tokens_per_s']:.0f} tokens/s",
+            flush=True,
+        )
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f, indent=1)
@@ -262,8 +315,12 @@ def main(argv=None):
 
 
 def _phase_sum(now, before, hop):
-    return float(sum(now[p]["total"][hop] - before[p]["total"][hop]
-                     for p in ("forward_gather", "backward_gather", "gradient", "other")))
+    return float(
+        sum(
+            now[p]["total"][hop] - before[p]["total"][hop]
+            for p in ("forward_gather", "backward_gather", "gradient", "other")
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 set -euo pipefail
 
 # libucx0: the UCX transport (loaded at run time; TCP works without it).
-zeropp_apt_packages=(build-essential pkg-config iproute2 python3 libucx0)
+zeropp_apt_packages=(build-essential pkg-config iproute2 python3 python3-venv libucx0)
 
 zeropp_install_deps() {
   local missing=()

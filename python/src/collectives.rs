@@ -78,7 +78,13 @@ impl Job {
                      UCX when libucp loads)"
                 )));
             }
-            None => TransportKind::from_env().map_err(to_py)?.0,
+            None => {
+                let (kind, why_not_ucx) = TransportKind::from_env().map_err(to_py)?;
+                if let (Some(why), 0) = (why_not_ucx, rank) {
+                    eprintln!("zeropp: note: using TCP between ranks: {why}");
+                }
+                kind
+            }
         };
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));

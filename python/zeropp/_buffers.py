@@ -24,9 +24,7 @@ def dtype_name(x):
     elif isinstance(x, np.ndarray):
         name = x.dtype.name
     else:
-        raise ZeroppError(
-            f"expected a torch.Tensor or a numpy array, got {type(x).__name__}"
-        )
+        raise ZeroppError(f"expected a torch.Tensor or a numpy array, got {type(x).__name__}")
     if name not in _NUMPY_DTYPES:
         raise ZeroppError(
             f"zeropp moves and quantizes float32, bfloat16 and float16 values, not {name}; "

@@ -57,9 +57,7 @@ def quantize(x, bits=8, block=256, asymmetric=False, seed=None):
     ``seed``: stochastic rounding with that seed (default: round to nearest
     even, bit-exact with zeropp's CUDA kernels)."""
     name = dtype_name(x)
-    codes, bmax, bmin = _zeropp.quantize(
-        host_bytes(x, "x"), name, bits, block, asymmetric, seed
-    )
+    codes, bmax, bmin = _zeropp.quantize(host_bytes(x, "x"), name, bits, block, asymmetric, seed)
     torch = _torch()
     return Quantized(
         codes=np.frombuffer(codes, dtype=np.uint8),

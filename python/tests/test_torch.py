@@ -1,0 +1,120 @@
+"""zeropp.torch inside real FSDP2 training, in real processes under
+torchrun: parity with plain FSDP2, ZeRO++ loss and bytes, the collectives as
+FSDP2 calls them, bad input, and a rank that dies mid-step."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import WORKERS, free_port, torchrun, train
+
+
+def test_zero3_mode_gives_plain_fsdp2s_losses_step_for_step(tmp_path):
+    ours = train(tmp_path, "zero3", "--ranks-per-node", 2, steps=20)
+    theirs = train(tmp_path, "fsdp2", "--ranks-per-node", 2, steps=20)
+    assert len(ours["losses"]) == len(theirs["losses"]) == 20
+    worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
+    assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
+    assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
+
+
+def test_zeropp_mode_trains_like_fsdp2_on_three_seeds_with_a_quarter_of_the_bytes(tmp_path):
+    gaps, ratios = [], []
+    for seed in (0, 1, 2):
+        common = ("--ranks-per-node", 2, "--seed", seed, "--bf16")
+        zpp = train(tmp_path, "zeropp", *common, steps=30)
+        base = train(tmp_path, "fsdp2", *common, steps=30)
+        for s in (zpp, base):
+            assert s["final_loss"] < 0.8 * s["initial_loss"], s
+        gaps.append(zpp["final_loss"] / base["final_loss"] - 1)
+        if seed == 0:
+            # FSDP2's bytes: the same rings over the same buffers, counted by
+            # zeropp's zero3 mode (loss-identical to FSDP2, tested above).
+            z3 = train(tmp_path, "zero3", *common, steps=5)
+            ratios.append(zpp["bytes_per_step"]["inter_node"] / z3["bytes_per_step"]["inter_node"])
+    mean_gap = statistics.fmean(gaps)
+    assert abs(mean_gap) <= 0.02, f"final-loss gaps {gaps}"
+    assert ratios[0] <= 0.27, f"bytes across nodes: {ratios[0]:.3f} of FSDP2's"
+
+
+def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
+    p = torchrun(WORKERS / "collectives.py")
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) >= 25, p.stdout
+
+
+def rank_env(rank, world, port, **extra):
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport):
+    port, world, victim = free_port(), 4, 3
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "kill.py")],
+            env=rank_env(
+                r,
+                world,
+                port,
+                KILL_RANK=str(victim),
+                ZEROPP_TRANSPORT=transport,
+                ZEROPP_TIMEOUT_S="30",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            p.kill()
+    assert outputs[victim][0] == 17, outputs[victim]
+    for r, (code, out, err) in enumerate(outputs):
+        if r == victim:
+            continue
+        assert code != 0, f"rank {r} went on without rank {victim}: {out[-2000:]}"
+        assert f"rank {victim} failed" in err and "PeerError" in err, (
+            f"rank {r} must name rank {victim}:\n{err[-3000:]}"
+        )
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_a_dcp_checkpoint_resumes_training(tmp_path, error_feedback):
+    """Parameters and optimizer state go through torch.distributed.checkpoint
+    unchanged; qgZ's error-feedback residuals are not in the state dict and
+    restart from zero after a load (zeropp.torch.reset_error_feedback)."""
+    flag = "true" if error_feedback else "false"
+    p = torchrun(WORKERS / "checkpoint.py", [tmp_path / "ckpt", flag])
+    result = json.loads(p.stdout.strip().splitlines()[-1])
+    a, b = result["a"], result["b"]
+    if error_feedback:
+        # Only the residuals differ: the resumed run starts them from zero.
+        assert result["reset_groups"] == 3
+        assert all(abs(x - y) / x < 0.01 for x, y in zip(a, b, strict=True)), (a, b)
+    else:
+        assert a == b, (a, b)

@@ -1,0 +1,180 @@
+"""Worker (4 ranks, logical nodes of 2): zeropp.torch's all-gather and
+reduce-scatter called as FSDP2 calls them, against gloo's, sync and async;
+then bad input. Prints one "ok NAME" line per check on rank 0."""
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+import zeropp.torch as zt
+
+
+def check(name, cond, detail=""):
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {name} failed {detail}")
+    if dist.get_rank() == 0:
+        print("ok", name, flush=True)
+
+
+def expect_error(name, fn, match):
+    try:
+        fn()
+    except zt.ZeroppError as e:
+        check(name, match in str(e), f"(message: {e})")
+        return
+    check(name, False, "(no exception)")
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    job = zt.job(ranks_per_node=2)
+    check("layout", (job.nodes, job.ranks_per_node) == (2, 2))
+    z3 = json.loads(job.resolve_switches("zero3", "{}"))["switches"]
+    zpp = json.loads(job.resolve_switches("zeropp", json.dumps({"qgz_intra_bits": 4})))["switches"]
+    world_group = dist.group.WORLD
+
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = torch.randn(1000).to(dtype)  # odd sizes: not whole blocks
+        ref = torch.empty(world * 1000, dtype=dtype)
+        dist.all_gather_into_tensor(ref, shard)
+        out = torch.empty_like(ref)
+        zt.ZeroppAllGather(job, z3)(out, shard, world_group)
+        check(f"plain all-gather {dtype} is exact", torch.equal(out, ref))
+        out = torch.empty_like(ref)
+        work = zt.ZeroppAllGather(job, zpp)(out, shard, world_group, async_op=True)
+        check("async all-gather returns a Work", isinstance(work, dist.Work))
+        work.wait()
+        err = (out.float() - ref.float()).abs().max().item()
+        bound = ref.float().abs().max().item() / 127
+        check(f"qwZ int8 all-gather {dtype} within a step", err <= bound, f"{err} > {bound}")
+
+    # hpZ: the backward gather inside a node group.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[rank // 2]
+    shard = torch.randn(333)
+    ref = torch.empty(2 * 333)
+    dist.all_gather_into_tensor(ref, shard, group=mine)
+    out = torch.empty_like(ref)
+    before = zt.traffic()["backward_gather"]["total"]["inter_node"]
+    zt.ZeroppAllGather(job, zpp)(out, shard, mine)
+    check("hpZ gather inside the node is exact", torch.equal(out, ref))
+    check(
+        "hpZ gather sends nothing across nodes",
+        zt.traffic()["backward_gather"]["total"]["inter_node"] == before,
+    )
+
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(world * 777).to(dtype)
+        ref = torch.empty(777, dtype=dtype)
+        dist.reduce_scatter_tensor(ref, grad.clone(), op=dist.ReduceOp.AVG)
+        out = torch.empty_like(ref)
+        zt.ZeroppReduceScatter(job, z3)(out, grad, world_group, dist.ReduceOp.AVG)
+        tol = 1e-6 if dtype == torch.float32 else 2e-2
+        check(
+            f"plain reduce-scatter {dtype}",
+            torch.allclose(out.float(), ref.float(), atol=tol, rtol=tol),
+        )
+        rs = zt.ZeroppReduceScatter(job, zpp)
+        out = torch.empty_like(ref)
+        work = rs(out, grad, world_group, dist.ReduceOp.AVG, async_op=True)
+        work.wait()
+        err = (out.float() - ref.float()).abs().max().item()
+        check(f"qgZ reduce-scatter {dtype} close to the mean", err < 0.25, f"err {err}")
+        check("qgZ keeps error feedback", rs.qgz_state.residual_len() > 0)
+        out_sum = torch.empty_like(ref)
+        zt.ZeroppReduceScatter(job, z3)(out_sum, grad, world_group, dist.ReduceOp.SUM)
+        check(
+            f"SUM {dtype} is W times AVG",
+            torch.allclose(out_sum.float(), 4 * ref.float(), atol=4 * tol, rtol=tol),
+        )
+
+    # Error feedback: the mean of many quantized reduce-scatters of one
+    # gradient converges to the true mean (the bias is fed back).
+    grad = torch.randn(world * 512)
+    ref = torch.empty(512)
+    dist.reduce_scatter_tensor(ref, grad.clone(), op=dist.ReduceOp.AVG)
+    for ef, name in ((True, "with"), (False, "without")):
+        s = dict(zpp, error_feedback=ef)
+        rs = zt.ZeroppReduceScatter(job, s)
+        acc = torch.zeros(512)
+        for _ in range(20):
+            out = torch.empty(512)
+            rs(out, grad, world_group, dist.ReduceOp.AVG)
+            acc += out
+        e = (acc / 20 - ref).abs().mean().item()
+        if ef:
+            ef_err = e
+        else:
+            check(
+                "error feedback shrinks the accumulated error",
+                ef_err < e / 3,
+                f"{ef_err} vs {e} {name}",
+            )
+
+    # Bad input.
+    expect_error(
+        "float64 is refused",
+        lambda: zt.ZeroppAllGather(job, z3)(
+            torch.empty(4 * 8, dtype=torch.float64),
+            torch.zeros(8, dtype=torch.float64),
+            world_group,
+        ),
+        "float32, bfloat16 and float16",
+    )
+    expect_error(
+        "a wrong output size is refused",
+        lambda: zt.ZeroppAllGather(job, z3)(torch.empty(7), torch.zeros(8), world_group),
+        "needs an output of",
+    )
+    odd = dist.new_group([0, 2])
+    if rank in (0, 2):
+        expect_error(
+            "a group across nodes is refused",
+            lambda: zt.ZeroppAllGather(job, z3)(torch.empty(16), torch.zeros(8), odd),
+            "consecutive ranks of one node",
+        )
+    expect_error(
+        "PREMUL_SUM is refused",
+        lambda: zt.ZeroppReduceScatter(job, z3)(
+            torch.empty(8), torch.zeros(32), world_group, dist.ReduceOp.MAX
+        ),
+        "SUM or AVG",
+    )
+    expect_error(
+        "unknown switches are refused",
+        lambda: job.resolve_switches("zeropp", json.dumps({"qwz": 8})),
+        "qwz_bits",
+    )
+    expect_error(
+        "bad bits are refused",
+        lambda: job.resolve_switches("zeropp", json.dumps({"qwz_bits": 3})),
+        "8 or 4",
+    )
+    expect_error(
+        "an hpZ group that does not divide the node is refused",
+        lambda: job.resolve_switches("zeropp", json.dumps({"hpz_group": 3})),
+        "divide",
+    )
+    expect_error(
+        "other options after the job is joined are refused",
+        lambda: zt.job(ranks_per_node=4),
+        "already joined",
+    )
+    expect_error(
+        "a CUDA tensor is a clear error",
+        lambda: zt.ZeroppAllGather(job, z3)(
+            torch.empty(32, device="meta"), torch.zeros(8, device="meta"), world_group
+        ),
+        "CPU tensors",
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Worker: trains the example GPT with zeropp.torch; at step 3 the rank
+named by KILL_RANK dies in the middle of the forward pass (os._exit, as a
+crash or an OOM kill would). The others must fail with an error naming it."""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import zeropp.torch as zt  # noqa: E402
+from torch_gpt import GPT, Data  # noqa: E402
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    victim = int(os.environ["KILL_RANK"])
+    torch.manual_seed(0)
+    model = GPT(64, 2, 4, 32)
+    for b in model.blocks:
+        zt.fully_shard(b, ranks_per_node=2)
+    zt.fully_shard(model, ranks_per_node=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = Data(0, rank, world)
+    step = 0
+
+    def die(_module, _args):
+        if step == 3 and rank == victim:
+            print(f"rank {rank} exits now", flush=True)
+            os._exit(17)
+
+    model.blocks[1].register_forward_pre_hook(die)
+    for step in range(1000):
+        x, y = data.batch(step, 4, 32)
+        loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"rank {rank} step {step} done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
