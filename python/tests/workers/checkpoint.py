@@ -15,9 +15,8 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from torch_gpt import GPT, Data  # noqa: E402
-
 import zeropp.torch as zt  # noqa: E402
+from torch_gpt import GPT, Data  # noqa: E402
 
 
 def build(seed, ef):
