@@ -20,7 +20,13 @@
 # Probe patterns: ring (each node to the next), all (each node to every
 # other); --probe-flows F connections per peer, --probe-seconds S counted.
 #
-# Extra arguments after `--` go to `zeropp train` (model shape, batch, ...).
+# PyTorch modes run examples/torch_gpt.py under torchrun on every node
+# (--python PATH: the interpreter with torch and zeropp installed; default
+# $ZEROPP_PYTHON or python3): torch-zeropp and torch-zero3 (FSDP2 with
+# zeropp's communication), torch-fsdp2 and torch-hsdp (FSDP2's own, over gloo).
+#
+# Extra arguments after `--` go to `zeropp train` or torch_gpt.py (model
+# shape, batch, ...).
 set -euo pipefail
 
 NODES=2
@@ -35,6 +41,7 @@ PROBE=""
 PROBE_FLOWS=1
 PROBE_SECONDS=8
 ZEROPP="${ZEROPP:-target/release/zeropp}"
+PYTHON="${ZEROPP_PYTHON:-python3}"
 EXTRA=()
 
 die() { echo "bench-cluster: $*" >&2; exit 1; }
@@ -50,11 +57,12 @@ while [ $# -gt 0 ]; do
     --jitter) JITTER="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --zeropp) ZEROPP="$2"; shift 2 ;;
+    --python) PYTHON="$2"; shift 2 ;;
     --probe) PROBE="$2"; shift 2 ;;
     --probe-flows) PROBE_FLOWS="$2"; shift 2 ;;
     --probe-seconds) PROBE_SECONDS="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -91,10 +99,17 @@ mode_args() {
     qwz) echo "--mode zero3 --qwz-bits 8" ;;
     hpz) echo "--mode zero3 --hpz true" ;;
     qgz) echo "--mode zero3 --qgz true" ;;
-    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz or qgz" ;;
+    torch-zeropp|torch-zero3|torch-fsdp2|torch-hsdp) echo "--mode ${1#torch-} --bf16" ;;
+    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz or torch-{zeropp,zero3,fsdp2,hsdp}" ;;
   esac
 }
 for m in $MODES; do mode_args "$m" >/dev/null; done
+case " $MODES " in
+  *" torch-"*)
+    "$PYTHON" -c "import torch, zeropp.torch" 2>/dev/null ||
+      die "$PYTHON cannot import torch and zeropp.torch: pip install torch ./python (or pass --python)" ;;
+esac
+EXAMPLE="$(cd "$(dirname "$0")/.." && pwd)/examples/torch_gpt.py"
 
 # Bits per second of a tc rate like 100mbit.
 rate_bps() {
@@ -212,11 +227,25 @@ for rate in $RATES; do
     bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
     pids=()
     for k in $(seq 0 $((NODES - 1))); do
-      ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
-        --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
-        --timeout 300 -- "$ZEROPP" train $(mode_args "$mode") --steps "$STEPS" --log-every 10 \
-        --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
-        > "$OUT/$name-node$k.log" 2>&1 &
+      case "$mode" in
+        torch-*)
+          # torchrun's own store on node 0; gloo and zeropp find their
+          # addresses through it (eth0: the shaped link).
+          ip netns exec "$(node_ns "$k")" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+            "$PYTHON" -m torch.distributed.run --nnodes "$NODES" --node-rank "$k" \
+            --nproc-per-node "$RPN" --master-addr "$(node_ip 0)" --master-port 29500 \
+            "$EXAMPLE" $(mode_args "$mode") --steps "$STEPS" --log-every 10 \
+            --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
+            > "$OUT/$name-node$k.log" 2>&1 &
+          ;;
+        *)
+          ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
+            --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
+            --timeout 300 -- "$ZEROPP" train $(mode_args "$mode") --steps "$STEPS" --log-every 10 \
+            --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
+            > "$OUT/$name-node$k.log" 2>&1 &
+          ;;
+      esac
       pids+=($!)
     done
     failed=0
@@ -229,11 +258,18 @@ for rate in $RATES; do
 import json, sys
 s = json.load(open(sys.argv[1]))
 wire = int(sys.argv[2])
-# What zeropp handed to its transport across nodes, plus its 40-byte frame headers.
-engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
 mode, nodes, rpn, rate, delay, steps = sys.argv[3:9]
+if "run_bytes" in s:
+    # What zeropp handed to its transport across nodes, plus its 40-byte frame headers.
+    engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
+elif s["bytes_per_step"]["inter_node"] is not None:
+    # torch_gpt.py: zeropp's count over the training steps only.
+    engine = s["bytes_per_step"]["inter_node"] * int(steps)
+else:
+    engine = None  # FSDP2's own collectives: only the wire counts them
+vs = f"{wire / engine - 1:+.3%}" if engine else ""
 print(f"{mode},{nodes},{rpn},{rate},{delay},{steps},{s['median_step_time_s']:.4f},{s['tokens_per_s']:.1f},"
-      f"{s['final_loss']:.4f},{s['val_loss']:.4f},{engine:.0f},{wire},{wire / engine - 1:+.3%}")
+      f"{s['final_loss']:.4f},{s['val_loss']:.4f},{engine or 0:.0f},{wire},{vs}")
 PY
     tail -n 1 "$CSV"
   done

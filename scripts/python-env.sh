@@ -20,7 +20,7 @@ zeropp_python_env() {
     "${pip[@]}" 'torch>=2.7' numpy pytest ruff 'maturin>=1.16,<2'
   fi
   echo "building the zeropp Python package (python/) into $venv" >&2
-  "${pip[@]}" --no-build-isolation --force-reinstall --no-deps ./python
+  PATH="$venv/bin:$PATH" "${pip[@]}" --no-build-isolation --force-reinstall --no-deps ./python
   ZEROPP_PYTHON="$venv/bin/python"
   export ZEROPP_PYTHON
 }

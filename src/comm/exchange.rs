@@ -21,6 +21,11 @@ struct Published {
     world_size: usize,
     hostname: String,
     process: ProcessIdentity,
+    /// `/proc/self/ns/net`: processes in different network namespaces of
+    /// one machine are different hosts to the network (containers, the
+    /// emulated cluster of bench-cluster/).
+    #[serde(default)]
+    net_namespace: String,
     /// `host:port` of the TCP listener (TCP), or the UCP worker address in
     /// hex (UCX).
     tcp_address: Option<String>,
@@ -84,6 +89,9 @@ pub fn join(
         world_size: opts.world_size,
         hostname: super::rendezvous::hostname(),
         process: me.clone(),
+        net_namespace: std::fs::read_link("/proc/self/ns/net")
+            .map(|p| p.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         tcp_address: None,
         ucx_address: None,
         facts,
@@ -159,7 +167,10 @@ pub fn join(
     };
     let hosts = host_layout(
         &all.iter()
-            .map(|p| (p.hostname.clone(), p.process.boot_id.clone()))
+            .map(|p| {
+                let host = format!("{}/{}", p.process.boot_id, p.net_namespace);
+                (p.hostname.clone(), host)
+            })
             .collect::<Vec<_>>(),
     )
     .map_err(CommError::Invalid)?;
@@ -208,7 +219,8 @@ fn decode_all(all: &[Vec<u8>], opts: &JoinOptions) -> Result<Vec<Published>, Com
         .collect()
 }
 
-/// Nodes from host identities (hostname, boot id) in rank order: the ranks
+/// Nodes from host identities (hostname; boot id and network namespace) in
+/// rank order: the ranks
 /// of one host must be consecutive, and every host must hold as many.
 pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, String> {
     if hosts.is_empty() {
