@@ -280,6 +280,100 @@ mod tests {
         assert_eq!(host_layout(&h).unwrap().nodes, 2);
     }
 
+    /// An in-memory store shared by threads: what torch's store is to ranks.
+    struct Board {
+        slots: std::sync::Mutex<Vec<Option<Vec<u8>>>>,
+        filled: std::sync::Condvar,
+    }
+
+    impl Board {
+        fn exchange(&self, rank: usize, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CommError> {
+            let mut slots = self.slots.lock().unwrap();
+            slots[rank] = Some(mine);
+            self.filled.notify_all();
+            let (slots, _) = self
+                .filled
+                .wait_timeout_while(slots, Duration::from_secs(20), |s| {
+                    s.iter().any(Option::is_none)
+                })
+                .unwrap();
+            Ok(slots
+                .iter()
+                .map(|s| s.clone().unwrap_or_default())
+                .collect())
+        }
+    }
+
+    fn join_all(
+        world: usize,
+        claimed: impl Fn(usize) -> usize + Sync,
+    ) -> Vec<Result<Joined, CommError>> {
+        let board = std::sync::Arc::new(Board {
+            slots: std::sync::Mutex::new(vec![None; world]),
+            filled: std::sync::Condvar::new(),
+        });
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let (board, claimed) = (board.clone(), &claimed);
+                    s.spawn(move || {
+                        let opts = JoinOptions {
+                            kind: TransportKind::Tcp,
+                            rank,
+                            world_size: claimed(rank),
+                            token: "t".into(),
+                            ip: IpAddr::from([127, 0, 0, 1]),
+                            timeout: Duration::from_secs(20),
+                        };
+                        join(&opts, serde_json::json!({ "me": rank }), &mut |m| {
+                            board.exchange(rank, m)
+                        })
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[test]
+    fn ranks_join_through_a_shared_store_and_talk() {
+        let joined: Vec<Joined> = join_all(3, |_| 3).into_iter().map(Result::unwrap).collect();
+        for (r, j) in joined.iter().enumerate() {
+            assert_eq!(j.transport.rank(), r);
+            assert_eq!(j.peers.len(), 3);
+            assert_eq!(j.peers[2].facts["me"], 2);
+            // Threads of one process: one host.
+            assert_eq!((j.hosts.nodes, j.hosts.ranks_per_node), (1, 3));
+        }
+        let h = joined[0]
+            .transport
+            .send(2, 7, bytes::Bytes::from_static(b"hi"))
+            .unwrap();
+        let got = joined[2]
+            .transport
+            .recv(0, 7, Duration::from_secs(10))
+            .unwrap();
+        h.wait(2, Duration::from_secs(10)).unwrap();
+        assert_eq!(&got[..], b"hi");
+    }
+
+    #[test]
+    fn ranks_that_disagree_on_the_world_size_are_told() {
+        // Rank 1 thinks the job has 3 ranks, rank 0 that it has 2.
+        let results = join_all(2, |r| if r == 1 { 3 } else { 2 });
+        let errors: Vec<String> = results
+            .into_iter()
+            .filter_map(|r| r.err().map(|e| e.to_string()))
+            .collect();
+        assert!(!errors.is_empty());
+        for e in &errors {
+            assert!(
+                e.contains("mismatched world sizes") || e.contains("for a world of"),
+                "{e}"
+            );
+        }
+    }
+
     #[test]
     fn round_robin_and_uneven_placements_are_refused_with_the_hosts_named() {
         let e = host_layout(&hosts(&["a", "b", "a", "b"])).unwrap_err();
