@@ -209,6 +209,8 @@ PY
 }
 
 CSV="$OUT/results.csv"
+RUN_START=0
+[ -f "$CSV" ] && RUN_START=$(( $(wc -l < "$CSV") - 1 ))
 [ -f "$CSV" ] || echo "mode,nodes,ranks_per_node,rate,delay,steps,median_step_s,tokens_per_s,final_loss,val_loss,engine_inter_bytes,wire_inter_bytes,wire_vs_engine" > "$CSV"
 
 [ -f "$PROBE_CSV" ] || [ -z "$PROBE" ] || echo "rate,nodes,pattern,flows_per_peer,window_s,mean_egress_mbit,min_egress_mbit,max_egress_mbit,mean_vs_nominal" > "$PROBE_CSV"
@@ -274,6 +276,23 @@ PY
     tail -n 1 "$CSV"
   done
 done
+
+# Step time against the peer a user would pick instead, measured in this
+# run: each mode against zero3 (the native trainer) or torch-fsdp2 (PyTorch).
+python3 - "$CSV" "$RUN_START" <<'PY'
+import csv, sys
+rows = [r for r in csv.DictReader(open(sys.argv[1]))][int(sys.argv[2]):]
+def key(r):
+    return (r["rate"], r["nodes"], r["ranks_per_node"], r["delay"])
+for k in dict.fromkeys(key(r) for r in rows):
+    here = {r["mode"]: float(r["median_step_s"]) for r in rows if key(r) == k}
+    for peer in ("zero3", "torch-fsdp2", "torch-hsdp"):
+        if peer not in here:
+            continue
+        others = [f"{m} {t / here[peer]:.3f}x" for m, t in here.items() if m != peer]
+        if others:
+            print(f"{k[0]} {k[1]}x{k[2]}: step time vs {peer}: " + ", ".join(others))
+PY
 
 # A plot of step time against link rate, one line per mode.
 if python3 -c "import matplotlib" 2>/dev/null; then

@@ -6,10 +6,16 @@
 # and the veth counters agree within 5% (10 steps, so UCX's fixed wire-up
 # traffic is under 1%; two ranks per node: node-local
 # shared memory must not carry cross-node traffic) and that nothing is left behind.
+# With a Python that has torch and zeropp (second argument), it also runs
+# examples/torch_gpt.py under torchrun on the cluster, ZeRO-3 and ZeRO++
+# through zeropp.torch (bf16): zeropp's count and the veth counters must
+# agree within 5%, and ZeRO++'s bytes across nodes must be at most 0.27x
+# ZeRO-3's (= FSDP2's rings) on the wire.
 # CI runs it after the test suite; run it by hand with sudo.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 zeropp="${1:-target/debug/zeropp}"
+python="${2:-}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 200mbit --modes zeropp --steps 10 \
@@ -35,6 +41,23 @@ assert mean > 0, f"the probe moved no data: {f}"
 # TCP payload can never exceed the shaped rate (headers take ~4% of it).
 assert vs_nominal <= 1.02, f"the link delivered {vs_nominal:.2f}x its shaped rate: tc is not shaping it ({f})"
 PY
+if [ -n "$python" ]; then
+  bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 200mbit \
+    --modes "torch-zero3 torch-zeropp" --steps 10 --zeropp "$zeropp" --python "$python" \
+    --out "$out/torch" >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out"/torch/*.log >&2; exit 1; }
+  tail -n 2 "$out/torch/results.csv" | sed 's/^/bench-cluster selftest: /'
+  python3 - "$out/torch/results.csv" <<'PY'
+import csv, sys
+rows = {r["mode"]: r for r in csv.DictReader(open(sys.argv[1]))}
+for m, r in rows.items():
+    engine, wire = float(r["engine_inter_bytes"]), float(r["wire_inter_bytes"])
+    assert engine > 0 and wire > 0, f"{m}: no bytes counted: {r}"
+    assert abs(wire / engine - 1) < 0.05, f"{m}: wire {wire} vs zeropp {engine} differ by more than 5%"
+ratio = float(rows["torch-zeropp"]["wire_inter_bytes"]) / float(rows["torch-zero3"]["wire_inter_bytes"])
+print(f"bench-cluster selftest: zeropp.torch ZeRO++ sends {ratio:.3f}x ZeRO-3's bytes across nodes")
+assert ratio <= 0.27, f"ZeRO++ under FSDP2 sent {ratio:.3f}x ZeRO-3's bytes across nodes (limit 0.27)"
+PY
+fi
 if ip netns list | grep -q '^zpb'; then
   echo "bench-cluster selftest: namespaces left behind: $(ip netns list | grep '^zpb')" >&2
   exit 1

@@ -278,6 +278,18 @@ def main(argv=None):
             v = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
             dist.all_reduce(v)
             val.append(v.item() / world)
+    run = None
+    if zjob:
+        # The whole run's bytes (training and validation) and messages, as
+        # zeropp train's summary counts them.
+        t = zeropp.torch.traffic()
+        mine = torch.tensor(
+            [sum(t[p]["total"][hop] for p in PHASES) for hop in ("intra_node", "inter_node")]
+            + [t["messages"]["intra_node"], t["messages"]["inter_node"]],
+            dtype=torch.float64,
+        )
+        dist.all_reduce(mine)
+        run = mine.tolist()
     tail = losses[-10:]
     summary = {
         "mode": args.mode,
@@ -297,6 +309,9 @@ def main(argv=None):
         },
         "losses": losses,
     }
+    if run is not None:
+        summary["run_bytes"] = {"intra_node": run[0], "inter_node": run[1]}
+        summary["run_messages"] = {"intra_node": run[2], "inter_node": run[3]}
     if lead:
         print(
             f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
@@ -314,13 +329,11 @@ def main(argv=None):
     return 0
 
 
+PHASES = ("forward_gather", "backward_gather", "gradient", "other")
+
+
 def _phase_sum(now, before, hop):
-    return float(
-        sum(
-            now[p]["total"][hop] - before[p]["total"][hop]
-            for p in ("forward_gather", "backward_gather", "gradient", "other")
-        )
-    )
+    return float(sum(now[p]["total"][hop] - before[p]["total"][hop] for p in PHASES))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,7 @@ impl Job {
             token,
             ip,
             timeout,
+            ranks_per_node,
         };
         let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
             let store = |e: PyErr| {
@@ -131,20 +132,7 @@ impl Job {
             &mut call_exchange,
         )
         .map_err(to_py)?;
-        let g = match ranks_per_node {
-            None => joined.hosts.ranks_per_node,
-            Some(g) => {
-                let host_g = joined.hosts.ranks_per_node;
-                if g == 0 || !world_size.is_multiple_of(g) || !host_g.is_multiple_of(g) {
-                    return Err(invalid(format!(
-                        "ranks_per_node={g}: logical nodes must divide the {host_g} ranks each \
-                         host runs ({world_size} ranks on {} host(s))",
-                        joined.hosts.nodes
-                    )));
-                }
-                g
-            }
-        };
+        let g = joined.hosts.ranks_per_node;
         let layout = Layout {
             nodes: world_size / g,
             ranks_per_node: g,

@@ -68,6 +68,9 @@ pub struct JoinOptions {
     /// The address other ranks reach this one at (TCP).
     pub ip: IpAddr,
     pub timeout: Duration,
+    /// Logical nodes of this many ranks (several per host, for emulating a
+    /// cluster on one machine); `None`: the hosts.
+    pub ranks_per_node: Option<usize>,
 }
 
 /// Publishes this rank through `exchange` (its bytes in, every rank's bytes
@@ -139,6 +142,9 @@ pub fn join(
             let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
                 mine.ucx_address = Some(address.iter().map(|b| format!("{b:02x}")).collect());
                 table = share(&mine)?;
+                // Shared memory only inside this rank's node: the traffic of
+                // logical nodes must cross their (emulated) links.
+                let g = layout_of(&table, opts)?.ranks_per_node;
                 table
                     .iter()
                     .map(|p| {
@@ -157,7 +163,9 @@ pub fn join(
                                     p.rank
                                 ))
                             })?;
-                        let local_pid = me.same_host(&p.process).then_some(p.process.pid);
+                        let same_node = p.rank / g == opts.rank / g;
+                        let local_pid =
+                            (same_node && me.same_host(&p.process)).then_some(p.process.pid);
                         Ok(PeerAddress { worker, local_pid })
                     })
                     .collect()
@@ -165,15 +173,7 @@ pub fn join(
             (Box::new(t), table)
         }
     };
-    let hosts = host_layout(
-        &all.iter()
-            .map(|p| {
-                let host = format!("{}/{}", p.process.boot_id, p.net_namespace);
-                (p.hostname.clone(), host)
-            })
-            .collect::<Vec<_>>(),
-    )
-    .map_err(CommError::Invalid)?;
+    let hosts = layout_of(&all, opts)?;
     let peers = all
         .into_iter()
         .map(|p| Peer {
@@ -187,6 +187,33 @@ pub fn join(
         transport,
         peers,
         hosts,
+    })
+}
+
+/// The nodes of the job: its hosts, or logical nodes of `ranks_per_node`
+/// ranks inside them.
+fn layout_of(all: &[Published], opts: &JoinOptions) -> Result<HostLayout, CommError> {
+    let ids: Vec<(String, String)> = all
+        .iter()
+        .map(|p| {
+            let host = format!("{}/{}", p.process.boot_id, p.net_namespace);
+            (p.hostname.clone(), host)
+        })
+        .collect();
+    let hosts = host_layout(&ids).map_err(CommError::Invalid)?;
+    let Some(g) = opts.ranks_per_node else {
+        return Ok(hosts);
+    };
+    if g == 0 || !hosts.ranks_per_node.is_multiple_of(g) {
+        return Err(CommError::Invalid(format!(
+            "ranks_per_node={g}: logical nodes must divide the {} ranks each host runs ({} \
+             ranks on {} host(s))",
+            hosts.ranks_per_node, opts.world_size, hosts.nodes
+        )));
+    }
+    Ok(HostLayout {
+        nodes: opts.world_size / g,
+        ranks_per_node: g,
     })
 }
 
@@ -324,6 +351,7 @@ mod tests {
                             token: "t".into(),
                             ip: IpAddr::from([127, 0, 0, 1]),
                             timeout: Duration::from_secs(20),
+                            ranks_per_node: None,
                         };
                         join(&opts, serde_json::json!({ "me": rank }), &mut |m| {
                             board.exchange(rank, m)
