@@ -140,7 +140,7 @@ pub fn join(
         TransportKind::Ucx => {
             let mut table = Vec::new();
             let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
-                mine.ucx_address = Some(address.iter().map(|b| format!("{b:02x}")).collect());
+                mine.ucx_address = Some(super::ucx::address_to_hex(&address));
                 table = share(&mine)?;
                 // Shared memory only inside this rank's node: the traffic of
                 // logical nodes must cross their (emulated) links.
@@ -152,17 +152,12 @@ pub fn join(
                             .ucx_address
                             .as_deref()
                             .ok_or_else(|| mixed_transports(p.rank, "tcp", opts.rank, "ucx"))?;
-                        let worker = (0..hex.len() / 2)
-                            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
-                            .collect::<Result<Vec<u8>, _>>()
-                            .ok()
-                            .filter(|a| !a.is_empty())
-                            .ok_or_else(|| {
-                                CommError::Invalid(format!(
-                                    "rank {} published a bad UCX address",
-                                    p.rank
-                                ))
-                            })?;
+                        let worker = super::ucx::address_from_hex(hex).ok_or_else(|| {
+                            CommError::Invalid(format!(
+                                "rank {} published a bad UCX address",
+                                p.rank
+                            ))
+                        })?;
                         let same_node = p.rank / g == opts.rank / g;
                         let local_pid =
                             (same_node && me.same_host(&p.process)).then_some(p.process.pid);

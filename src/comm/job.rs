@@ -199,9 +199,8 @@ impl Job {
         let mut table = Vec::new();
         let me = ProcessIdentity::of_self();
         let transport = UcxTransport::connect(facts.rank, facts.world_size, |address| {
-            let hex: String = address.iter().map(|b| format!("{b:02x}")).collect();
             let facts_out = serde_json::json!({
-                "ucx_address": hex,
+                "ucx_address": super::ucx::address_to_hex(&address),
                 "process": me,
                 "extra": extra_facts,
             });
@@ -210,11 +209,7 @@ impl Job {
                 .iter()
                 .map(|p| {
                     let hex = p.facts["ucx_address"].as_str().unwrap_or("");
-                    let worker = (0..hex.len() / 2)
-                        .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16))
-                        .collect::<Result<Vec<u8>, _>>()
-                        .ok()
-                        .filter(|a| !a.is_empty())
+                    let worker = super::ucx::address_from_hex(hex)
                         .ok_or_else(|| mixed_transports(p.rank, "tcp", facts.rank, "ucx"))?;
                     let theirs: Option<ProcessIdentity> =
                         serde_json::from_value(p.facts["process"].clone()).ok();

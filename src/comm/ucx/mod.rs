@@ -431,6 +431,26 @@ impl Drop for Worker {
 }
 
 /// Whether libucp can be loaded here.
+/// A worker address as it travels in rendezvous facts: lowercase hex.
+pub fn address_to_hex(address: &[u8]) -> String {
+    address.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The inverse of [`address_to_hex`]; `None` for anything that is not a
+/// non-empty, even-length hex string.
+pub fn address_from_hex(hex: &str) -> Option<Vec<u8>> {
+    let b = hex.as_bytes();
+    if b.is_empty() || !b.len().is_multiple_of(2) {
+        return None;
+    }
+    b.chunks_exact(2)
+        .map(|pair| {
+            let digit = |c: u8| (c as char).to_digit(16);
+            Some((digit(pair[0])? * 16 + digit(pair[1])?) as u8)
+        })
+        .collect()
+}
+
 pub fn available() -> Result<(), String> {
     Ucp::load().map(|_| ())
 }
@@ -731,5 +751,20 @@ impl Transport for UcxTransport {
 
     fn name(&self) -> &'static str {
         "ucx"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{address_from_hex, address_to_hex};
+
+    #[test]
+    fn worker_addresses_round_trip_and_garbage_is_refused_without_a_panic() {
+        let a = vec![0u8, 1, 0xab, 0xff];
+        assert_eq!(address_to_hex(&a), "0001abff");
+        assert_eq!(address_from_hex("0001abff"), Some(a));
+        for bad in ["", "0", "zz", "0g", "é1", "ab\u{1F600}"] {
+            assert_eq!(address_from_hex(bad), None, "{bad:?}");
+        }
     }
 }
