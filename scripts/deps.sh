@@ -4,7 +4,8 @@
 set -euo pipefail
 
 # libucx0: the UCX transport (loaded at run time; TCP works without it).
-zeropp_apt_packages=(build-essential pkg-config iproute2 python3 python3-venv libucx0)
+# openmpi-bin: mpirun, for the launcher tests and as the collectives peer.
+zeropp_apt_packages=(build-essential pkg-config iproute2 python3 python3-venv libucx0 openmpi-bin)
 
 zeropp_install_deps() {
   local missing=()

@@ -120,8 +120,10 @@ impl RankFacts {
                 let world = need(get, "OMPI_COMM_WORLD_SIZE", "world size", l)?;
                 let local_rank = need(get, "OMPI_COMM_WORLD_LOCAL_RANK", "local rank", l)?;
                 let local_world = need(get, "OMPI_COMM_WORLD_LOCAL_SIZE", "local size", l)?;
-                let node = parse(get, "OMPI_COMM_WORLD_NODE_RANK", "node rank")?;
-                (l, rank, world, local_rank, local_world, node)
+                // OMPI_COMM_WORLD_NODE_RANK is the rank on the node, not the
+                // node's index: the node follows from the rank (placement
+                // by slot), and the rendezvous checks it against the hosts.
+                (l, rank, world, local_rank, local_world, None)
             } else {
                 return Err(EnvError::Missing);
             };
@@ -155,8 +157,18 @@ impl RankFacts {
             )));
         }
 
+        // Slurm: rank 0 runs on the first host of the step (or the job).
+        let slurm_first_host =
+            match get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")) {
+                Some(list) if launcher == "Slurm" => Some(
+                    super::hostlist::expand(&list)
+                        .map_err(EnvError::Inconsistent)?
+                        .swap_remove(0),
+                ),
+                _ => None,
+            };
         let master = get("MASTER_ADDR")
-            .or_else(|| get("SLURM_LAUNCH_NODE_IPADDR"))
+            .or(slurm_first_host)
             .unwrap_or_else(|| "127.0.0.1".into());
         if world_size / local_world_size > 1 && get("MASTER_ADDR").is_none() && launcher != "Slurm"
         {
@@ -304,6 +316,65 @@ mod tests {
             (o.node_rank, o.master_addr.as_str(), o.master_port),
             (1, "fe80::1", 99)
         );
+    }
+
+    /// What `mpirun -np 4` (Open MPI 4.1, one host) sets for rank 1:
+    /// OMPI_COMM_WORLD_NODE_RANK is the rank on the node.
+    #[test]
+    fn open_mpi_node_rank_is_not_the_nodes_index() {
+        let o = facts(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "4"),
+            ("OMPI_COMM_WORLD_NODE_RANK", "1"),
+            ("ZEROPP_TOKEN", "x"),
+        ])
+        .unwrap();
+        assert_eq!((o.node_rank, o.nodes(), o.local_rank), (0, 1, 1));
+        // 2 hosts x 2 (--map-by slot): rank 3 is local rank 1 of node 1.
+        let o = facts(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("OMPI_COMM_WORLD_NODE_RANK", "1"),
+            ("MASTER_ADDR", "h0"),
+            ("ZEROPP_TOKEN", "x"),
+        ])
+        .unwrap();
+        assert_eq!((o.node_rank, o.nodes()), (1, 2));
+    }
+
+    /// A two-node `srun -N 2 -n 4` step typed on a login node: rank 0 runs
+    /// on the first host of the step's nodelist, not on the login node.
+    #[test]
+    fn slurm_rendezvous_is_the_first_host_of_the_step() {
+        let vars = [
+            ("SLURM_PROCID", "2"),
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[01-04,07]"),
+            ("SLURM_STEP_NODELIST", "gpu[03-04]"),
+            ("SLURM_LAUNCH_NODE_IPADDR", "10.1.0.5"),
+            ("ZEROPP_TOKEN", "x"),
+        ];
+        let s = facts(&vars).unwrap();
+        assert_eq!((s.master_addr.as_str(), s.master_port), ("gpu03", 29500));
+        let mut job_only = vars.to_vec();
+        job_only.retain(|(k, _)| *k != "SLURM_STEP_NODELIST");
+        assert_eq!(facts(&job_only).unwrap().master_addr, "gpu01");
+        let mut with_master = vars.to_vec();
+        with_master.push(("MASTER_ADDR", "head:7000"));
+        let m = facts(&with_master).unwrap();
+        assert_eq!((m.master_addr.as_str(), m.master_port), ("head", 7000));
+        let mut bad = vars.to_vec();
+        bad.retain(|(k, _)| *k != "SLURM_STEP_NODELIST");
+        bad.retain(|(k, _)| *k != "SLURM_JOB_NODELIST");
+        bad.push(("SLURM_JOB_NODELIST", "gpu[01-"));
+        assert!(facts(&bad).unwrap_err().to_string().contains("unbalanced"));
     }
 
     #[test]

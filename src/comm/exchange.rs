@@ -21,11 +21,10 @@ struct Published {
     world_size: usize,
     hostname: String,
     process: ProcessIdentity,
-    /// `/proc/self/ns/net`: processes in different network namespaces of
-    /// one machine are different hosts to the network (containers, the
-    /// emulated cluster of bench-cluster/).
-    #[serde(default)]
-    net_namespace: String,
+    /// Boot id and network namespace ([`super::rendezvous::host_identity`]):
+    /// processes in different network namespaces of one machine are
+    /// different hosts to the network (containers, bench-cluster/'s nodes).
+    host_id: String,
     /// `host:port` of the TCP listener (TCP), or the UCP worker address in
     /// hex (UCX).
     tcp_address: Option<String>,
@@ -92,9 +91,7 @@ pub fn join(
         world_size: opts.world_size,
         hostname: super::rendezvous::hostname(),
         process: me.clone(),
-        net_namespace: std::fs::read_link("/proc/self/ns/net")
-            .map(|p| p.to_string_lossy().into_owned())
-            .unwrap_or_default(),
+        host_id: super::rendezvous::host_identity(),
         tcp_address: None,
         ucx_address: None,
         facts,
@@ -190,10 +187,7 @@ pub fn join(
 fn layout_of(all: &[Published], opts: &JoinOptions) -> Result<HostLayout, CommError> {
     let ids: Vec<(String, String)> = all
         .iter()
-        .map(|p| {
-            let host = format!("{}/{}", p.process.boot_id, p.net_namespace);
-            (p.hostname.clone(), host)
-        })
+        .map(|p| (p.hostname.clone(), p.host_id.clone()))
         .collect();
     let hosts = host_layout(&ids).map_err(CommError::Invalid)?;
     let Some(g) = opts.ranks_per_node else {

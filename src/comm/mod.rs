@@ -4,6 +4,7 @@
 pub mod collectives;
 pub mod env;
 pub mod exchange;
+pub mod hostlist;
 pub mod inproc;
 pub mod job;
 pub mod mailbox;

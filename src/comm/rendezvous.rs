@@ -23,6 +23,11 @@ pub struct PeerInfo {
     pub local_rank: usize,
     pub local_world_size: usize,
     pub host: String,
+    /// Which machine this is beyond its name: boot id and network namespace
+    /// ([`host_identity`]); two ranks with equal `host` and `host_id` run
+    /// on one host.
+    #[serde(default)]
+    pub host_id: String,
     /// Where this rank's transport listens.
     pub address: String,
     /// Anything else to share (topology, NCCL ids, UCX worker address).
@@ -52,6 +57,20 @@ pub fn hostname() -> String {
         .filter(|s| !s.is_empty())
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| "unknown-host".into())
+}
+
+/// This host's identity beyond its name: the boot id (another machine, or
+/// the same one rebooted, differs) and the network namespace (containers
+/// and the emulated nodes of bench-cluster/ are hosts of their own to the
+/// network).
+pub fn host_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let net = std::fs::read_link("/proc/self/ns/net")
+        .map(|p| p.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("{boot}/{net}")
 }
 
 /// Resolves `host:port`.
@@ -246,10 +265,38 @@ fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
             ));
         }
         let slot = p.node_rank * g + p.local_rank;
+        if p.rank != slot {
+            return Err(format!(
+                "rank {} is local rank {} of node {} by the launcher's variables; zeropp numbers \
+                 ranks node by node (rank = node x {g} + local rank): place ranks by node \
+                 (srun --distribution=block, mpirun --map-by slot, torchrun's default)",
+                p.rank, p.local_rank, p.node_rank
+            ));
+        }
         if let Some(other) = seen[slot].replace(p.rank) {
             return Err(format!(
                 "ranks {other} and {} both claim local rank {} of node {}",
                 p.rank, p.local_rank, p.node_rank
+            ));
+        }
+    }
+    check_hosts(table)
+}
+
+/// The launcher's nodes against the hosts the ranks found themselves on:
+/// the ranks of one node run on one host (a host may hold several logical
+/// nodes of `zeropp launch`).
+fn check_hosts(table: &[PeerInfo]) -> Result<(), String> {
+    let g = table[0].local_world_size;
+    for p in table {
+        let first = &table[p.node_rank * g];
+        let unknown = p.host_id.is_empty() || first.host_id.is_empty();
+        if !unknown && (p.host != first.host || p.host_id != first.host_id) {
+            return Err(format!(
+                "the launcher puts ranks {} and {} on node {}, but rank {} runs on host {} and \
+                 rank {} on host {}: the ranks of a node must share a host (round-robin \
+                 placement such as mpirun --map-by node is not supported; use --map-by slot)",
+                first.rank, p.rank, p.node_rank, first.rank, first.host, p.rank, p.host
             ));
         }
     }
@@ -365,6 +412,7 @@ pub fn rendezvous(
         local_rank: facts.local_rank,
         local_world_size: facts.local_world_size,
         host: hostname(),
+        host_id: host_identity(),
         address,
         facts: extra,
     };
@@ -377,4 +425,72 @@ pub fn rendezvous(
         served?;
     }
     joined
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A rendezvous table as the ranks of a real job publish it: per rank
+    /// (hostname, the launcher's node and local rank).
+    fn table(ranks: &[(&str, usize, usize)], g: usize) -> Vec<PeerInfo> {
+        ranks
+            .iter()
+            .enumerate()
+            .map(|(rank, &(host, node_rank, local_rank))| PeerInfo {
+                rank,
+                world_size: ranks.len(),
+                node_rank,
+                local_rank,
+                local_world_size: g,
+                host: host.into(),
+                host_id: format!("boot-{host}/net:[1]"),
+                address: String::new(),
+                facts: serde_json::Value::Null,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn block_placements_of_every_launcher_pass() {
+        // torchrun --nnodes 2 --nproc-per-node 2; srun -N 2 -n 4; mpirun
+        // --map-by slot: ranks 0,1 on a, 2,3 on b.
+        let t = table(&[("a", 0, 0), ("a", 0, 1), ("b", 1, 0), ("b", 1, 1)], 2);
+        assert_eq!(check_layout(&t), Ok(()));
+        // zeropp launch --nodes 2 on one machine: two logical nodes, one host.
+        let t = table(&[("a", 0, 0), ("a", 0, 1), ("a", 1, 0), ("a", 1, 1)], 2);
+        assert_eq!(check_layout(&t), Ok(()));
+    }
+
+    #[test]
+    fn round_robin_placement_is_refused_with_the_fix() {
+        // mpirun --map-by node on 2 hosts: OMPI local ranks 0,0,1,1; zeropp
+        // derives node = rank / 2.
+        let t = table(&[("a", 0, 0), ("b", 0, 0), ("a", 1, 1), ("b", 1, 1)], 2);
+        let e = check_layout(&t).unwrap_err();
+        assert!(
+            e.contains("rank 1 is local rank 0 of node 0") && e.contains("--map-by slot"),
+            "{e}"
+        );
+        // Slurm --distribution=cyclic: the node ids are right, the numbering is not.
+        let t = table(&[("a", 0, 0), ("b", 1, 0), ("a", 0, 1), ("b", 1, 1)], 2);
+        let e = check_layout(&t).unwrap_err();
+        assert!(e.contains("node by node"), "{e}");
+    }
+
+    #[test]
+    fn a_node_that_spans_two_hosts_is_named_with_both() {
+        // A launcher that claims 2 ranks per node where the hosts run 1 each
+        // (LOCAL_WORLD_SIZE set by hand on two machines).
+        let t = table(&[("a", 0, 0), ("b", 0, 1)], 2);
+        let e = check_layout(&t).unwrap_err();
+        assert!(
+            e.contains("rank 0 runs on host a") && e.contains("rank 1 on host b"),
+            "{e}"
+        );
+        // Same name, another machine (cloned images): still two hosts.
+        let mut t = table(&[("a", 0, 0), ("a", 0, 1)], 2);
+        t[1].host_id = "boot-other/net:[1]".into();
+        assert!(check_layout(&t).is_err());
+    }
 }
