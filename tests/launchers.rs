@@ -1,6 +1,9 @@
 //! `zeropp train` started by the real launchers as users type them (issue
 //! 16): Open MPI's `mpirun` (Debian `openmpi-bin`, installed by
-//! scripts/deps.sh) with 4 ranks on this host.
+//! scripts/deps.sh) with 4 ranks on this host, and torchrun (the torch of
+//! the Python environment scripts/test.sh builds: `ZEROPP_PYTHON`), alone
+//! and as two agents of a two-node job, with no ZEROPP_TOKEN and no port
+//! of zeropp's own.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -52,4 +55,86 @@ fn mpirun_starts_a_four_rank_training_run() {
         "{stdout}"
     );
     assert!(start.elapsed() < Duration::from_secs(240));
+}
+
+fn torchrun(args: &[&str]) -> Command {
+    let python = std::env::var("ZEROPP_PYTHON").expect(
+        "ZEROPP_PYTHON must name a Python with torch (scripts/test.sh sets it to the venv it builds)",
+    );
+    let mut c = Command::new(python);
+    c.args(["-m", "torch.distributed.run"])
+        .args(args)
+        .env_remove("ZEROPP_TOKEN")
+        .env("OMP_NUM_THREADS", "1")
+        .env("ZEROPP_TIMEOUT_S", "60");
+    c
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn train_args() -> [&'static str; 8] {
+    [
+        "--no-python",
+        ZEROPP,
+        "train",
+        "--steps",
+        "3",
+        "--log-every",
+        "1",
+        "--val-batches",
+    ]
+}
+
+#[test]
+fn torchrun_standalone_starts_a_four_rank_training_run() {
+    let mut args = vec!["--standalone", "--nproc-per-node", "4"];
+    args.extend(train_args());
+    args.push("1");
+    let out = torchrun(&args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "torchrun failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 nodes x 4 ranks") && stdout.contains("done: loss"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn torchrun_with_two_agents_trains_as_two_nodes() {
+    let port = free_port().to_string();
+    let agents: Vec<_> = ["0", "1"]
+        .iter()
+        .map(|k| {
+            let mut args = vec!["--nnodes", "2", "--node-rank", k, "--nproc-per-node", "2"];
+            args.extend(["--master-addr", "127.0.0.1", "--master-port", &port]);
+            args.extend(train_args());
+            args.push("1");
+            torchrun(&args)
+                .env("ZEROPP_TRANSPORT", "tcp")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let outs: Vec<_> = agents
+        .into_iter()
+        .map(|a| a.wait_with_output().unwrap())
+        .collect();
+    for (k, out) in outs.iter().enumerate() {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "agent {k} failed: {stderr}");
+    }
+    let lead = String::from_utf8_lossy(&outs[0].stdout);
+    assert!(
+        lead.contains("2 nodes x 2 ranks") && lead.contains("done: loss"),
+        "{lead}"
+    );
 }

@@ -26,6 +26,10 @@ pub struct RankFacts {
     pub timeout: Duration,
     /// Which launcher's variables these came from.
     pub launcher: &'static str,
+    /// Under torchrun: the key prefix of this run in torchrun's own store
+    /// (`TORCHELASTIC_RUN_ID`/`TORCHELASTIC_RESTART_COUNT`), which the
+    /// rendezvous uses instead of a port of its own.
+    pub torch_store: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -183,9 +187,24 @@ impl RankFacts {
             Some(p) => p,
             None => port_in_addr.unwrap_or(DEFAULT_PORT),
         };
+        // torchrun's workers set TORCHELASTIC_*: its agent holds
+        // MASTER_PORT with the store zeropp then joins.
+        let torch_store = match get("TORCHELASTIC_RUN_ID") {
+            Some(run) if launcher == "torchrun-style" => Some(format!(
+                "{run}/{}",
+                get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
+            )),
+            _ => None,
+        };
+        let launcher = if torch_store.is_some() {
+            "torchrun"
+        } else {
+            launcher
+        };
         let token = match get("ZEROPP_TOKEN") {
             Some(t) if !t.is_empty() => t,
-            _ if world_size == 1 => String::new(),
+            // Drawn by rank 0 and shared through torchrun's store.
+            _ if world_size == 1 || torch_store.is_some() => String::new(),
             _ => {
                 return Err(EnvError::Inconsistent(
                     "ZEROPP_TOKEN is not set: set it to the same secret on every rank \
@@ -217,6 +236,7 @@ impl RankFacts {
             token,
             timeout,
             launcher,
+            torch_store,
         })
     }
 
@@ -316,6 +336,31 @@ mod tests {
             (o.node_rank, o.master_addr.as_str(), o.master_port),
             (1, "fe80::1", 99)
         );
+    }
+
+    /// What `torchrun --standalone --nproc-per-node 4` (torch 2.15) sets for
+    /// rank 2 (a subset): no ZEROPP_TOKEN needed, the store is torchrun's.
+    #[test]
+    fn torchrun_joins_its_agents_store() {
+        let t = facts(&[
+            ("RANK", "2"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "2"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("GROUP_RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("TORCHELASTIC_RUN_ID", "none"),
+            ("TORCHELASTIC_RESTART_COUNT", "0"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+        ])
+        .unwrap();
+        assert_eq!(t.launcher, "torchrun");
+        assert_eq!(t.torch_store.as_deref(), Some("none/0"));
+        assert!(t.token.is_empty());
+        // Hand-set torchrun-style variables still need the token.
+        let plain = facts(&[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")]);
+        assert!(plain.unwrap_err().to_string().contains("ZEROPP_TOKEN"));
     }
 
     /// What `mpirun -np 4` (Open MPI 4.1, one host) sets for rank 1:

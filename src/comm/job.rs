@@ -136,6 +136,10 @@ impl Job {
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
+        let facts = &RankFacts {
+            token: rendezvous::job_token(facts)?,
+            ..facts.clone()
+        };
         match kind {
             TransportKind::Ucx => Self::connect_ucx(facts, extra_facts),
             TransportKind::Tcp => Self::connect_tcp(facts, extra_facts),

@@ -11,6 +11,7 @@ pub mod mailbox;
 pub mod nccl;
 pub mod rendezvous;
 pub mod tcp;
+pub mod torch_store;
 pub mod ucx;
 pub mod wire;
 

@@ -384,6 +384,20 @@ pub fn rendezvous(
     address: String,
     extra: serde_json::Value,
 ) -> Result<Vec<PeerInfo>, CommError> {
+    let me = PeerInfo {
+        rank: facts.rank,
+        world_size: facts.world_size,
+        node_rank: facts.node_rank,
+        local_rank: facts.local_rank,
+        local_world_size: facts.local_world_size,
+        host: hostname(),
+        host_id: host_identity(),
+        address,
+        facts: extra,
+    };
+    if let Some(prefix) = &facts.torch_store {
+        return through_torch_store(facts, prefix, &me);
+    }
     let master = resolve(&facts.master_addr, facts.master_port)?;
     let server = if facts.rank == 0 {
         let bind: SocketAddr = if master.is_ipv4() {
@@ -405,17 +419,6 @@ pub fn rendezvous(
     } else {
         None
     };
-    let me = PeerInfo {
-        rank: facts.rank,
-        world_size: facts.world_size,
-        node_rank: facts.node_rank,
-        local_rank: facts.local_rank,
-        local_world_size: facts.local_world_size,
-        host: hostname(),
-        host_id: host_identity(),
-        address,
-        facts: extra,
-    };
     let joined = join(master, &facts.token, &me, facts.timeout);
     if let Some(server) = server {
         let served = server
@@ -425,6 +428,80 @@ pub fn rendezvous(
         served?;
     }
     joined
+}
+
+/// The keys of this run in torchrun's store.
+fn store_key(prefix: &str, what: &str) -> String {
+    format!("/zeropp/{prefix}/{what}")
+}
+
+/// The rendezvous under torchrun: every rank sets its facts in the agent's
+/// store and reads everyone's; every rank checks the table the same way.
+fn through_torch_store(
+    facts: &RankFacts,
+    prefix: &str,
+    me: &PeerInfo,
+) -> Result<Vec<PeerInfo>, CommError> {
+    let master = resolve(&facts.master_addr, facts.master_port)?;
+    let mut store = super::torch_store::TorchStore::connect(master, facts.timeout)?;
+    let mine = serde_json::to_vec(me).map_err(|e| failure(e.to_string()))?;
+    store.set(&store_key(prefix, &format!("rank/{}", me.rank)), &mine)?;
+    let keys: Vec<String> = (0..facts.world_size)
+        .map(|r| store_key(prefix, &format!("rank/{r}")))
+        .collect();
+    store.wait(&keys, facts.timeout)?;
+    let table = keys
+        .iter()
+        .enumerate()
+        .map(|(r, k)| {
+            let b = store.get(k, facts.timeout)?;
+            let p: PeerInfo = serde_json::from_slice(&b).map_err(|e| {
+                failure(format!(
+                    "rank {r}'s facts in torchrun's store are unreadable: {e}"
+                ))
+            })?;
+            if p.rank != r || p.world_size != facts.world_size {
+                return Err(failure(format!(
+                    "rank {r}'s entry says rank {} of {}, this rank {} of {}: the ranks \
+                     disagree on the job",
+                    p.rank, p.world_size, facts.rank, facts.world_size
+                )));
+            }
+            Ok(p)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    check_layout(&table).map_err(failure)?;
+    Ok(table)
+}
+
+/// The job's token under torchrun: ZEROPP_TOKEN when set, else drawn by
+/// rank 0 and shared through torchrun's store, which only the job's
+/// processes reach. Other launchers: the facts' own.
+pub fn job_token(facts: &RankFacts) -> Result<String, CommError> {
+    let Some(prefix) = facts
+        .torch_store
+        .as_deref()
+        .filter(|_| facts.token.is_empty())
+    else {
+        return Ok(facts.token.clone());
+    };
+    let master = resolve(&facts.master_addr, facts.master_port)?;
+    let mut store = super::torch_store::TorchStore::connect(master, facts.timeout)?;
+    let key = store_key(prefix, "token");
+    if facts.rank == 0 {
+        let mut raw = [0u8; 16];
+        std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw))
+            .map_err(|e| CommError::Io {
+                what: "/dev/urandom (the job token)".into(),
+                source: e,
+            })?;
+        let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+        store.set(&key, token.as_bytes())?;
+    }
+    let token = store.get(&key, facts.timeout)?;
+    String::from_utf8(token)
+        .map_err(|_| failure("the token in torchrun's store is not text".into()))
 }
 
 #[cfg(test)]
