@@ -96,6 +96,18 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
         std::fs::read_to_string(ck.join("latest")).unwrap(),
         "step-00000020"
     );
+    // The manifest records the switches the engine ran with, resolved (a
+    // JSON object: hpZ over the node of 2 ranks, int8 inside the node).
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(ck.join("step-00000020").join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let sw = &manifest["switches"];
+    assert_eq!(
+        (sw["hpz_group"].as_u64(), sw["qgz_intra_bits"].as_u64()),
+        (Some(2), Some(8)),
+        "{manifest}"
+    );
     let out = zeropp()
         .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
         .output()

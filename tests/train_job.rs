@@ -101,6 +101,18 @@ fn zeropp_training_runs_learns_and_reports() {
         (s["world_size"].as_u64(), s["nodes"].as_u64()),
         (Some(4), Some(2))
     );
+    // The summary says what ran, as rank 0 printed it: hpZ over groups of
+    // 2 and int8 inside the node, from the routing plan (a JSON object).
+    let sw = &s["switches"];
+    assert_eq!(
+        (sw["hpz_group"].as_u64(), sw["qgz_intra_bits"].as_u64()),
+        (Some(2), Some(8)),
+        "{s}"
+    );
+    assert_eq!(
+        (sw["qwz_bits"].as_u64(), sw["hpz"].as_bool()),
+        (Some(8), Some(true))
+    );
     let (first, last) = (
         s["initial_loss"].as_f64().unwrap(),
         s["final_loss"].as_f64().unwrap(),

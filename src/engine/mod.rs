@@ -206,6 +206,12 @@ impl Engine {
         &self.plan
     }
 
+    /// The switches this engine runs with (resolved: hpZ group and qgZ bits
+    /// as the trainer decided them).
+    pub fn switches(&self) -> &Switches {
+        &self.cfg.switches
+    }
+
     pub fn traffic(&self) -> Traffic {
         self.counter.traffic()
     }

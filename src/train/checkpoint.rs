@@ -55,6 +55,11 @@ pub struct Manifest {
     pub rng: String,
     pub units: Vec<UnitLayout>,
     pub shards: Vec<ShardInfo>,
+    /// The switches the engine ran with, resolved (hpZ group and qgZ bits
+    /// from the routing plan); absent in checkpoints from before they were
+    /// recorded.
+    #[serde(default)]
+    pub switches: Option<crate::zero::plan::Switches>,
 }
 
 /// The directory name of the checkpoint after `step` steps.
@@ -320,6 +325,7 @@ pub fn save(
                 .into(),
             units: engine.unit_layouts(),
             shards,
+            switches: Some(engine.switches().clone()),
         };
         finish(root, &tmp, &dest, &name, &manifest, keep).map_err(|e| {
             let _ = std::fs::remove_dir_all(&tmp);
@@ -636,7 +642,7 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
         m.ranks_per_node,
         m.world_size,
         m.config.mode,
-        m.config.switches(),
+        m.switches.clone().unwrap_or_else(|| m.config.switches()),
         m.config.model,
         m.config.seed,
         m.data_next_step,

@@ -200,7 +200,9 @@ pub struct BytesPerStep {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Summary {
     pub mode: String,
-    pub switches: String,
+    /// The switches the engine ran with, resolved from the flags and the
+    /// routing plan (what rank 0 prints at start).
+    pub switches: Switches,
     pub world_size: usize,
     pub nodes: usize,
     pub params: usize,
@@ -509,7 +511,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         .collect();
     let summary = Summary {
         mode: format!("{:?}", cfg.mode).to_lowercase(),
-        switches: format!("{:?}", cfg.switches()),
+        switches: engine.switches().clone(),
         world_size: world,
         nodes: layout.nodes,
         params: engine.parameter_count(),
