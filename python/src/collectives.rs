@@ -238,35 +238,36 @@ impl Job {
             )));
         }
         let chunk = inp.len() / dtype.size();
-        let wire = match qwz_bits {
-            Some(b) if group.size() == self.layout.world() => WeightWire::Quantized(
+        // qwZ over the world; any other gather moves the caller's bytes as
+        // they are.
+        let quantized = match qwz_bits {
+            Some(b) if group.size() == self.layout.world() => Some(WeightWire::Quantized(
                 QuantFormat::new(
                     Bits::from_u32(b).map_err(|e| invalid(e.to_string()))?,
                     Scheme::Symmetric,
                     block,
                 )
                 .map_err(|e| invalid(e.to_string()))?,
-            ),
-            _ => WeightWire::Bf16, // marks "raw bytes" below
+            )),
+            _ => None,
         };
-        let quantized = matches!(wire, WeightWire::Quantized(_));
         let phase = if backward {
             Phase::BackwardGather
         } else {
             Phase::ForwardGather
         };
-        let frac = qwz::scale_fraction(wire, chunk);
+        let frac = quantized.map_or(0.0, |wire| qwz::scale_fraction(wire, chunk));
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
         Ok(Op::new(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(phase, frac);
-            if !quantized {
+            let Some(wire) = quantized else {
                 let parts = c.all_gather_v(&group, Bytes::copy_from_slice(inp.bytes()))?;
                 let o = out.bytes_mut();
                 for (i, p) in parts.iter().enumerate() {
                     o[i * p.len()..(i + 1) * p.len()].copy_from_slice(p);
                 }
                 return Ok(());
-            }
+            };
             with_dtype!(dtype, T => {
                 let mine = qwz::encode_chunk(inp.typed::<T>("input").map_err(bad)?, wire)?;
                 let payloads = qwz::gather(c, &groups, layout, mine, true)?;
@@ -279,21 +280,29 @@ impl Job {
     /// order) into `out` (this rank's chunk of the sum, or of the mean when
     /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
     /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
-    #[pyo3(signature = (out, inp, dtype, mean, qgz=None))]
+    #[pyo3(signature = (out, inp, dtype, ranks, mean, qgz=None))]
+    #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
         out: &Bound<'_, PyAny>,
         inp: &Bound<'_, PyAny>,
         dtype: &str,
+        ranks: Vec<usize>,
         mean: bool,
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
+        let w = self.layout.world();
+        if ranks.len() != w || ranks.iter().enumerate().any(|(i, &r)| i != r) {
+            return Err(invalid(format!(
+                "reduce-scatter over ranks {ranks:?}: zeropp shards over the whole job (ranks \
+                 0..{w}); use a 1-D mesh (HSDP meshes are not supported)"
+            )));
+        }
         let (out, inp) = (
             HostBuf::new(out, true, "output")?,
             HostBuf::new(inp, false, "input")?,
         );
-        let w = self.layout.world();
         if inp.len() != out.len() * w {
             return Err(invalid(format!(
                 "reduce-scatter of {} input bytes over {w} ranks needs an output of {} bytes, \
@@ -600,7 +609,3 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Op>()?;
     Ok(())
 }
-
-// Element is used through `with_dtype!` bodies.
-#[allow(unused_imports)]
-use Element as _;

@@ -5,7 +5,7 @@ import numpy as np
 
 from ._zeropp import ZeroppError
 
-_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _torch():
@@ -25,7 +25,7 @@ def dtype_name(x):
         name = x.dtype.name
     else:
         raise ZeroppError(f"expected a torch.Tensor or a numpy array, got {type(x).__name__}")
-    if name not in _NUMPY_DTYPES:
+    if name not in _DTYPES:
         raise ZeroppError(
             f"zeropp moves and quantizes float32, bfloat16 and float16 values, not {name}; "
             "cast it first (or set FSDP2's mp_policy param_dtype / reduce_dtype)"

@@ -198,19 +198,6 @@ class _Work(dist.Work):
         return self.is_completed()
 
 
-def _world_ranks(group, what):
-    ranks = dist.get_process_group_ranks(group)
-    world = dist.get_world_size()
-    if sorted(ranks) != ranks:
-        raise ZeroppError(f"{what}: the group's ranks {ranks} are not in order")
-    if ranks != list(range(world)) and what == "reduce-scatter":
-        raise ZeroppError(
-            f"reduce-scatter over ranks {ranks}: zeropp shards over the whole job "
-            f"(ranks 0..{world - 1}); use a 1-D mesh (HSDP meshes are not supported)"
-        )
-    return ranks
-
-
 class ZeroppAllGather(AllGather):
     """FSDP2's all-gather through zeropp: qwZ over the world, a plain ring
     inside the hpZ group in backward."""
@@ -224,12 +211,11 @@ class ZeroppAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        ranks = _world_ranks(group, "all-gather")
         op = self._job.all_gather(
             host_bytes(output_tensor, "all-gather output"),
             host_bytes(input_tensor, "all-gather input"),
             dtype_name(input_tensor),
-            ranks,
+            dist.get_process_group_ranks(group),
             qwz_bits=self._qwz_bits,
             block=self._block,
             backward=_is_backward(),
@@ -262,7 +248,6 @@ class ZeroppReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        _world_ranks(group, "reduce-scatter")
         if op == dist.ReduceOp.AVG:
             mean = True
         elif op == dist.ReduceOp.SUM:
@@ -277,6 +262,7 @@ class ZeroppReduceScatter(ReduceScatter):
                 host_bytes(output_tensor, "reduce-scatter output"),
                 host_bytes(input_tensor, "reduce-scatter input"),
                 dtype_name(input_tensor),
+                dist.get_process_group_ranks(group),
                 mean,
                 qgz=self.qgz_state,
             ),

@@ -37,8 +37,6 @@ struct Published {
 pub struct Peer {
     pub rank: usize,
     pub hostname: String,
-    /// The host's boot id (empty where the host does not say).
-    pub boot_id: String,
     pub facts: serde_json::Value,
 }
 
@@ -101,7 +99,8 @@ pub fn join(
         let all = exchange(bytes)?;
         decode_all(&all, opts)
     };
-    let (transport, all): (Box<dyn Transport>, Vec<Published>) = match opts.kind {
+    let (transport, all, hosts): (Box<dyn Transport>, Vec<Published>, HostLayout) = match opts.kind
+    {
         TransportKind::Tcp => {
             let listener =
                 TcpListener::bind(SocketAddr::new(opts.ip, 0)).map_err(|e| CommError::Io {
@@ -131,17 +130,21 @@ pub fn join(
                 connect_timeout: opts.timeout,
                 write_timeout: opts.timeout,
             };
+            let hosts = layout_of(&all, opts)?;
             let t = TcpTransport::connect(opts.rank, &addresses, listener, &options)?;
-            (Box::new(t), all)
+            (Box::new(t), all, hosts)
         }
         TransportKind::Ucx => {
             let mut table = Vec::new();
+            let mut layout = None;
             let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
                 mine.ucx_address = Some(super::ucx::address_to_hex(&address));
                 table = share(&mine)?;
                 // Shared memory only inside this rank's node: the traffic of
                 // logical nodes must cross their (emulated) links.
-                let g = layout_of(&table, opts)?.ranks_per_node;
+                let hosts = layout_of(&table, opts)?;
+                layout = Some(hosts);
+                let g = hosts.ranks_per_node;
                 table
                     .iter()
                     .map(|p| {
@@ -162,16 +165,17 @@ pub fn join(
                     })
                     .collect()
             })?;
-            (Box::new(t), table)
+            let hosts = layout.ok_or_else(|| {
+                CommError::Invalid("UCX connected without exchanging addresses".into())
+            })?;
+            (Box::new(t), table, hosts)
         }
     };
-    let hosts = layout_of(&all, opts)?;
     let peers = all
         .into_iter()
         .map(|p| Peer {
             rank: p.rank,
             hostname: p.hostname,
-            boot_id: p.process.boot_id,
             facts: p.facts,
         })
         .collect();

@@ -139,7 +139,14 @@ def main():
             "consecutive ranks of one node",
         )
     expect_error(
-        "PREMUL_SUM is refused",
+        "a reduce-scatter over a sub-group is refused",
+        lambda: zt.ZeroppReduceScatter(job, z3)(
+            torch.empty(8), torch.zeros(16), mine, dist.ReduceOp.AVG
+        ),
+        "whole job",
+    )
+    expect_error(
+        "a MAX reduce-scatter is refused",
         lambda: zt.ZeroppReduceScatter(job, z3)(
             torch.empty(8), torch.zeros(32), world_group, dist.ReduceOp.MAX
         ),
