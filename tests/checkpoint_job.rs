@@ -62,11 +62,10 @@ fn losses(path: &Path) -> Vec<f64> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
-        .map(|l| {
-            serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"]
-                .as_f64()
-                .unwrap()
-        })
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        // The header line says what ran; every other line is a step.
+        .filter(|v| v.get("header").is_none())
+        .map(|v| v["loss"].as_f64().unwrap())
         .collect()
 }
 

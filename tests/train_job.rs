@@ -71,11 +71,24 @@ fn train(dir: &Path, tag: &str, extra: &[&str]) -> (serde_json::Value, Vec<serde
         );
     }
     let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
-    let m = std::fs::read_to_string(metrics)
+    let mut m: Vec<serde_json::Value> = std::fs::read_to_string(metrics)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    // What ran, said three times and the same each time: rank 0's
+    // `switches:` line, the summary and the metrics file's header line.
+    let printed = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("[rank 0] switches: "))
+        .unwrap_or_else(|| panic!("no switches line: {stdout}"));
+    let printed: serde_json::Value = serde_json::from_str(printed).unwrap();
+    let header = m.remove(0);
+    let header = &header["header"];
+    assert_eq!(printed, s["switches"], "{stdout}");
+    assert_eq!(header["switches"], s["switches"], "{header}");
+    assert_eq!(header["world_size"], s["world_size"]);
+    assert_eq!(header["mode"], s["mode"]);
     (s, m)
 }
 

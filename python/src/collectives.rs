@@ -16,7 +16,7 @@ use zeropp::comm::collectives::{CommThread, Pending};
 use zeropp::comm::exchange::{self, JoinOptions};
 use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
-use zeropp::zero::plan::{Layout, Plan, Switches, WeightWire};
+use zeropp::zero::plan::{self, Layout, Switches, WeightWire};
 use zeropp::zero::traffic::{CountingTransport, Phase};
 use zeropp::zero::{ZeroGroups, payload, qgz, qwz};
 use zeropp_quant::{Bits, Element, QuantFormat, Rounding, Scheme};
@@ -422,7 +422,6 @@ fn resolve(
     let mut value = serde_json::to_value(&base).map_err(|e| invalid(e.to_string()))?;
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)
         .map_err(|e| invalid(format!("switches are not a JSON object: {e}")))?;
-    let mut why = serde_json::Map::new();
     {
         let obj = value
             .as_object_mut()
@@ -436,36 +435,14 @@ fn resolve(
                 )));
             }
             obj.insert(k.clone(), v.clone());
-            why.insert(k.clone(), "asked".into());
         }
     }
-    let mut s: Switches = serde_json::from_value(value)
+    let s: Switches = serde_json::from_value(value)
         .map_err(|e| invalid(format!("a switch has the wrong type: {e}")))?;
-    let g = layout.ranks_per_node;
-    if s.hpz && s.hpz_group.is_none() {
-        let (h, reason) = match routing {
-            Ok(v) if v.plan.hpz_group >= 1 && g.is_multiple_of(v.plan.hpz_group) => (
-                v.plan.hpz_group,
-                format!("routing plan: {}", v.plan.hpz_why),
-            ),
-            _ => (g, "the node".to_string()),
-        };
-        s.hpz_group = Some(h);
-        why.insert("hpz_group".into(), reason.into());
-    }
-    if s.qgz && !asked.contains_key("qgz_intra_bits") {
-        let (b, reason) = match routing {
-            Ok(v) => (v.plan.qgz_bits[0], "routing plan"),
-            Err(_) => (
-                8,
-                "no routing plan: int8 inside, cheap next to the hop across",
-            ),
-        };
-        s.qgz_intra_bits = b;
-        why.insert("qgz_intra_bits".into(), reason.into());
-    }
-    Plan::new(layout, &s).map_err(|e| invalid(format!("invalid switches: {e}")))?;
-    Ok(serde_json::json!({ "switches": s, "why": why }).to_string())
+    let asked: Vec<&str> = asked.keys().map(String::as_str).collect();
+    let r = plan::resolve(s, &asked, layout, routing)
+        .map_err(|e| invalid(format!("invalid switches: {e}")))?;
+    serde_json::to_string(&r).map_err(|e| invalid(e.to_string()))
 }
 
 /// The qgZ settings and error-feedback state of one FSDP parameter group:

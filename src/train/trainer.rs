@@ -309,18 +309,31 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     // Every rank derives the same plan from the same published facts; the
     // engine takes its hpZ group from it unless --hpz-group says otherwise.
     let routing = cluster_plan(&table, layout.nodes, layout.ranks_per_node);
-    let (hpz_group, hpz_why) = hpz_group_for(cfg.hpz_group, &routing, layout.ranks_per_node);
-    let mut switches = cfg.switches();
-    switches.hpz_group = Some(hpz_group);
-    let (intra_bits, bits_why) = qgz_intra_bits_for(cfg.qgz_intra_bits, &routing);
-    switches.qgz_intra_bits = intra_bits;
+    let mut asked = Vec::new();
+    let mut wanted = cfg.switches();
+    if let Some(h) = cfg.hpz_group {
+        wanted.hpz_group = Some(h);
+        asked.push("hpz_group");
+    }
+    if cfg.qgz_intra_bits.is_some() {
+        asked.push("qgz_intra_bits");
+    }
+    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing)
+        .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    let switches = resolved.switches.clone();
     if facts.rank == 0 {
         println!("{}", routing_report(&routing));
-        if switches.hpz {
-            println!("engine: hpZ secondary shards over groups of {hpz_group} ranks ({hpz_why})");
+        if let (true, Some(h)) = (switches.hpz, switches.hpz_group) {
+            println!(
+                "engine: hpZ secondary shards over groups of {h} ranks ({})",
+                resolved.why["hpz_group"]
+            );
         }
         if switches.qgz {
-            println!("engine: qgZ int{intra_bits} inside the node, int4 across ({bits_why})");
+            println!(
+                "engine: qgZ int{} inside the node, int4 across ({})",
+                switches.qgz_intra_bits, resolved.why["qgz_intra_bits"]
+            );
         }
     }
     let transport_name = transport.name();
@@ -369,16 +382,34 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     };
     if lead {
         println!(
-            "training {} parameters, {} nodes x {} ranks over {}, mode {:?} ({:?}), {} steps of {} tokens",
+            "training {} parameters, {} nodes x {} ranks over {}, mode {:?}, {} steps of {} tokens",
             engine.parameter_count(),
             layout.nodes,
             layout.ranks_per_node,
             transport_name.to_uppercase(),
             cfg.mode,
-            switches,
             cfg.steps,
             tokens_per_step
         );
+        println!("switches: {}", serde_json::to_string(&switches)?);
+    }
+    // The metrics file opens with what ran: the same resolved switches as
+    // the summary and the manifest, and where each chosen value came from.
+    if let Some(m) = metrics.as_mut() {
+        let header = serde_json::json!({ "header": {
+            "mode": format!("{:?}", cfg.mode).to_lowercase(),
+            "switches": &switches,
+            "why": &resolved.why,
+            "world_size": world,
+            "nodes": layout.nodes,
+            "ranks_per_node": layout.ranks_per_node,
+            "params": engine.parameter_count(),
+            "transport": transport_name,
+            "seed": cfg.seed,
+            "steps": cfg.steps,
+            "start_step": start,
+        }});
+        writeln!(m, "{header}")?;
     }
     // A bar where rank 0's stderr is a terminal (`zeropp train` hands it
     // the terminal when it launches itself); progress lines otherwise.
@@ -622,48 +653,6 @@ fn cluster_plan(
     zeropp_topology::plan::cluster(&tops, ranks_per_node)
 }
 
-/// The hpZ group: `asked` (--hpz-group), else the plan's (the node, or an
-/// NVLink island), else the node; and why.
-fn hpz_group_for(
-    asked: Option<usize>,
-    routing: &Result<zeropp_topology::plan::ClusterView, String>,
-    g: usize,
-) -> (usize, String) {
-    if let Some(h) = asked {
-        return (h, "--hpz-group".into());
-    }
-    match routing {
-        Ok(view) if g.is_multiple_of(view.plan.hpz_group.max(1)) => (
-            view.plan.hpz_group.max(1),
-            format!("routing plan: {}", view.plan.hpz_why),
-        ),
-        Ok(view) => (
-            g,
-            format!(
-                "the node: the plan's group of {} does not divide {g} ranks",
-                view.plan.hpz_group
-            ),
-        ),
-        Err(_) => (g, "the node: no routing plan".into()),
-    }
-}
-
-/// Bits of qgZ's first hop: `asked` (--qgz-intra-bits), else the plan's,
-/// else int8 (the plan's choice when the speed across is unknown); and why.
-fn qgz_intra_bits_for(
-    asked: Option<u32>,
-    routing: &Result<zeropp_topology::plan::ClusterView, String>,
-) -> (u32, String) {
-    match (asked, routing) {
-        (Some(b), _) => (b, "--qgz-intra-bits".into()),
-        (None, Ok(view)) => (view.plan.qgz_bits[0], "routing plan".into()),
-        (None, Err(_)) => (
-            8,
-            "no routing plan: int8 inside, cheap next to the hop across".into(),
-        ),
-    }
-}
-
 /// What rank 0 prints about the cluster: the nodes, how they differ, and
 /// the routing plan.
 fn routing_report(routing: &Result<zeropp_topology::plan::ClusterView, String>) -> String {
@@ -720,6 +709,9 @@ fn read_losses(path: &Path) -> Result<Vec<(usize, f32)>> {
     let mut out = Vec::new();
     for l in text.lines() {
         let v: serde_json::Value = serde_json::from_str(l)?;
+        if v.get("header").is_some() {
+            continue;
+        }
         let Some(step) = v["step"].as_u64() else {
             bail!("{}: a line without a step", path.display());
         };

@@ -1,8 +1,11 @@
 //! The plan: every switch read once, at start, into the wire formats and
 //! groups the engine uses. The hot paths read the plan, never the config.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
+use zeropp_topology::plan::ClusterView;
 
 /// Where this rank sits: `nodes` × `ranks_per_node`, ranks numbered node by
 /// node (rank = node · G + local).
@@ -93,6 +96,67 @@ impl Switches {
             fp32_comm: false,
         }
     }
+}
+
+/// The switches a job runs with, and where each value the plan chose came
+/// from: what the engine, the summary, the metrics header, the checkpoint
+/// manifest and the Python bindings all read.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Resolved {
+    pub switches: Switches,
+    /// Switch name → why it has its value: `"asked"`, or the routing plan's
+    /// reason, or the fallback's.
+    pub why: BTreeMap<String, String>,
+}
+
+/// Resolves the switches asked for (`asked` names those the user set)
+/// against the routing plan, in the one place every caller uses: the hpZ
+/// group is the asked one, else the plan's (the node, or an NVLink island)
+/// when it divides the node, else the node; the bits of qgZ's first hop are
+/// the asked ones, else the plan's, else int8 (the plan's choice when the
+/// speed across is unknown). Checked the way the engine will use them.
+pub fn resolve(
+    mut s: Switches,
+    asked: &[&str],
+    layout: Layout,
+    routing: &Result<ClusterView, String>,
+) -> Result<Resolved, String> {
+    let mut why = BTreeMap::new();
+    for a in asked {
+        why.insert(a.to_string(), "asked".to_string());
+    }
+    let g = layout.ranks_per_node;
+    if s.hpz && !asked.contains(&"hpz_group") {
+        let (h, reason) = match routing {
+            Ok(v) if v.plan.hpz_group >= 1 && g.is_multiple_of(v.plan.hpz_group) => (
+                v.plan.hpz_group,
+                format!("routing plan: {}", v.plan.hpz_why),
+            ),
+            Ok(v) => (
+                g,
+                format!(
+                    "the node: the plan's group of {} does not divide {g} ranks",
+                    v.plan.hpz_group
+                ),
+            ),
+            Err(_) => (g, "the node: no routing plan".to_string()),
+        };
+        s.hpz_group = Some(h);
+        why.insert("hpz_group".into(), reason);
+    }
+    if s.qgz && !asked.contains(&"qgz_intra_bits") {
+        let (b, reason) = match routing {
+            Ok(v) => (v.plan.qgz_bits[0], "routing plan"),
+            Err(_) => (
+                8,
+                "no routing plan: int8 inside, cheap next to the hop across",
+            ),
+        };
+        s.qgz_intra_bits = b;
+        why.insert("qgz_intra_bits".into(), reason.to_string());
+    }
+    Plan::new(layout, &s)?;
+    Ok(Resolved { switches: s, why })
 }
 
 /// How weights travel in a gather.
@@ -206,5 +270,72 @@ impl Plan {
     pub fn padded_len(&self, numel: usize) -> usize {
         let quantum = self.layout.world() * self.granule;
         numel.div_ceil(quantum).max(1) * quantum
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use zeropp_topology::Topology;
+
+    fn layout() -> Layout {
+        Layout {
+            nodes: 2,
+            ranks_per_node: 4,
+            rank: 0,
+        }
+    }
+
+    /// The routing plan of two GPU-less hosts of 4 ranks.
+    fn routing() -> Result<ClusterView, String> {
+        let host = |h: &str| Topology {
+            hostname: h.into(),
+            numa_nodes: vec![],
+            gpus: vec![],
+            gpu_links: vec![],
+            nics: vec![],
+        };
+        zeropp_topology::plan::cluster(&[host("a"), host("b")], 4)
+    }
+
+    #[test]
+    fn the_plan_fills_what_was_not_asked_and_says_why() {
+        let view = routing().unwrap();
+        let r = resolve(Switches::zeropp(256), &[], layout(), &routing()).unwrap();
+        assert_eq!(r.switches.hpz_group, Some(view.plan.hpz_group));
+        assert_eq!(r.switches.qgz_intra_bits, view.plan.qgz_bits[0]);
+        assert!(r.why["hpz_group"].starts_with("routing plan: "), "{r:?}");
+        assert_eq!(r.why["qgz_intra_bits"], "routing plan");
+        // What ran is written as a JSON object with these names.
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["switches"]["hpz_group"], view.plan.hpz_group);
+    }
+
+    #[test]
+    fn asked_values_win_and_fallbacks_apply_without_a_plan() {
+        let mut s = Switches::zeropp(256);
+        s.hpz_group = Some(2);
+        s.qgz_intra_bits = 4;
+        let r = resolve(s, &["hpz_group", "qgz_intra_bits"], layout(), &routing()).unwrap();
+        assert_eq!(
+            (r.switches.hpz_group, r.switches.qgz_intra_bits),
+            (Some(2), 4)
+        );
+        assert_eq!(r.why["hpz_group"], "asked");
+        let none = Err("no facts".to_string());
+        let r = resolve(Switches::zeropp(256), &[], layout(), &none).unwrap();
+        assert_eq!(
+            (r.switches.hpz_group, r.switches.qgz_intra_bits),
+            (Some(4), 8)
+        );
+        // Off switches resolve nothing; a group that does not divide the
+        // node is refused with the remedy.
+        let r = resolve(Switches::zero3(256), &[], layout(), &routing()).unwrap();
+        assert_eq!(r.switches.hpz_group, None);
+        assert!(r.why.is_empty());
+        let mut s = Switches::zeropp(256);
+        s.hpz_group = Some(3);
+        let e = resolve(s, &["hpz_group"], layout(), &routing()).unwrap_err();
+        assert!(e.contains("use a divisor of 4"), "{e}");
     }
 }
