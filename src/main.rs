@@ -68,9 +68,33 @@ enum Command {
     /// zeropp plan --params 7e9 --nodes 16 --ranks-per-node 8
     ///   --intra-gbps 300 --nic-gbit 100 --compute-s 2 --quant-gbps 1000
     Plan(Box<PlanArgs>),
-    /// Inspect, verify or export a checkpoint.
+    /// Inspect, verify, run or export a checkpoint.
     #[command(subcommand)]
     Ckpt(CkptCommand),
+    /// Sample text from a trained checkpoint's model (no Python needed).
+    ///
+    /// Feeds the prompt's UTF-8 bytes to the model and prints the prompt
+    /// followed by the sampled bytes (invalid UTF-8 shown as U+FFFD).
+    /// Deterministic for a seed; --temperature 0 takes the most likely
+    /// byte each time.
+    ///
+    /// Example: zeropp generate ckpt/ --prompt "ROMEO:" --max-new-tokens 200
+    Generate {
+        /// A checkpoint, or a checkpoint directory (its latest).
+        dir: PathBuf,
+        #[arg(long)]
+        prompt: String,
+        #[arg(long, default_value_t = 200)]
+        max_new_tokens: usize,
+        /// Softmax temperature; 0: greedy.
+        #[arg(long, default_value_t = 0.8)]
+        temperature: f64,
+        /// Sample from the K most likely bytes (0: all 256).
+        #[arg(long, default_value_t = 40)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+    },
     /// The CUDA kernels: compile-check them (no GPU needed), benchmark them.
     #[command(subcommand)]
     Cuda(CudaCommand),
@@ -498,9 +522,47 @@ enum CkptCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Write the checkpoint's full model as one safetensors file (fp32,
-    /// tensors named like blocks.0.attn.qkv.weight).
-    Export { dir: PathBuf, out: PathBuf },
+    /// Write the checkpoint's full model (fp32).
+    ///
+    /// --format zeropp (the default): one safetensors file OUT, tensors named
+    /// like blocks.0.attn.qkv.weight ([in, out] layout). --format hf: a
+    /// directory OUT that Hugging Face transformers loads as a GPT-2
+    /// (GPT2LMHeadModel.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT):
+    /// config.json, model.safetensors, a byte-level tokenizer).
+    ///
+    /// Example: zeropp ckpt export ckpt/ gpt2-out --format hf
+    Export {
+        dir: PathBuf,
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = ExportFormat::Zeropp)]
+        format: ExportFormat,
+    },
+    /// Run the checkpoint's model on text: the next-byte loss (mean
+    /// cross-entropy, each byte predicting the next) and, with --logits,
+    /// the logits as a safetensors file (one tensor "logits",
+    /// [texts, bytes, vocab]).
+    ///
+    /// Example: zeropp ckpt eval ckpt/ --text "to be or not" --json
+    Eval {
+        dir: PathBuf,
+        /// Text to run, as UTF-8 bytes; repeat for a batch (same byte length).
+        #[arg(long, required = true)]
+        text: Vec<String>,
+        /// Write the logits here.
+        #[arg(long)]
+        logits: Option<PathBuf>,
+        /// Print JSON ({"loss", "texts", "bytes"}).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ExportFormat {
+    /// zeropp's own names, one safetensors file.
+    Zeropp,
+    /// A Hugging Face GPT-2 directory.
+    Hf,
 }
 
 #[derive(Subcommand)]
@@ -559,7 +621,10 @@ fn compute_from_summary(path: &std::path::Path) -> Result<f64> {
 }
 
 fn run(cli: Cli) -> Result<()> {
-    if matches!(cli.command, Command::Topo { .. } | Command::Ckpt(_)) {
+    if matches!(
+        cli.command,
+        Command::Topo { .. } | Command::Ckpt(_) | Command::Generate { .. }
+    ) {
         // Report-only commands: a closed pipe (`| head`) ends them quietly,
         // as it does any Unix tool. (Commands that talk to peers keep Rust's
         // default, where a closed socket is an error to handle.)
@@ -717,11 +782,68 @@ fn run(cli: Cli) -> Result<()> {
                 println!("all {} shards verified", m.shards.len());
             }
         }
-        Command::Ckpt(CkptCommand::Export { dir, out }) => {
+        Command::Ckpt(CkptCommand::Export {
+            dir,
+            out,
+            format: ExportFormat::Zeropp,
+        }) => {
             let dir = zeropp::train::checkpoint::resolve(&dir)?;
             let m = zeropp::train::checkpoint::read_manifest(&dir)?;
             let n = zeropp::train::checkpoint::export(&dir, &m, &out)?;
             println!("wrote {n} tensors of step {} to {}", m.step, out.display());
+        }
+        Command::Ckpt(CkptCommand::Export {
+            dir,
+            out,
+            format: ExportFormat::Hf,
+        }) => {
+            let (n, step) = zeropp::train::hf::export_dir(&dir, &out)?;
+            println!(
+                "wrote a GPT-2 of {n} tensors (step {step}) to {}: \
+                 transformers.GPT2LMHeadModel.from_pretrained({:?})",
+                out.display(),
+                out.display().to_string()
+            );
+        }
+        Command::Ckpt(CkptCommand::Eval {
+            dir,
+            text,
+            logits,
+            json,
+        }) => {
+            let model = zeropp::train::infer::Model::load(&dir)?;
+            let batch = zeropp::train::infer::byte_ids(&text);
+            let (loss, out) = model.loss(&batch)?;
+            if let Some(p) = &logits {
+                zeropp::train::infer::write_logits(p, &out)?;
+            }
+            if json {
+                let j = serde_json::json!({
+                    "loss": loss, "texts": batch.len(), "bytes": batch[0].len()
+                });
+                println!("{j}");
+            } else {
+                println!(
+                    "loss {loss:.4} (next-byte cross-entropy over {} text(s) of {} bytes)",
+                    batch.len(),
+                    batch[0].len()
+                );
+            }
+        }
+        Command::Generate {
+            dir,
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+        } => {
+            let model = zeropp::train::infer::Model::load(&dir)?;
+            let new =
+                model.generate(prompt.as_bytes(), max_new_tokens, temperature, top_k, seed)?;
+            let mut all = prompt.into_bytes();
+            all.extend(new);
+            println!("{}", String::from_utf8_lossy(&all));
         }
         Command::Cuda(CudaCommand::CompileCheck { archs, json }) => {
             zeropp::cli::cuda_cli::compile_check(&archs, json)?;

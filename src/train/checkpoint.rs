@@ -633,7 +633,7 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
 /// The human view of `zeropp ckpt inspect`.
 pub fn describe(dir: &Path, m: &Manifest) -> String {
     let mut s = format!(
-        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {:?}, switches {:?}\n  model {:?}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
+        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {:?}, switches {}\n  model {:?}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
         dir.display(),
         m.format,
         m.version,
@@ -642,7 +642,8 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
         m.ranks_per_node,
         m.world_size,
         m.config.mode,
-        m.switches.clone().unwrap_or_else(|| m.config.switches()),
+        serde_json::to_string(&m.switches.clone().unwrap_or_else(|| m.config.switches()))
+            .unwrap_or_default(),
         m.config.model,
         m.config.seed,
         m.data_next_step,

@@ -4,5 +4,7 @@
 
 pub mod checkpoint;
 pub mod data;
+pub mod hf;
+pub mod infer;
 pub mod model;
 pub mod trainer;

@@ -1,0 +1,219 @@
+//! The trained model on one process: a checkpoint's full weights run
+//! through the model's own units (the same forward pass training uses), for
+//! `zeropp ckpt eval` (loss and logits on given text) and `zeropp generate`
+//! (sampling).
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use candle_core::{D, Device, Tensor};
+use rand::rngs::SmallRng;
+use rand::{RngExt, SeedableRng};
+
+use crate::train::checkpoint::{self, Manifest};
+use crate::train::model::{self, ModelConfig, Unit};
+
+/// A checkpoint's model with its full weights, ready to run.
+pub struct Model {
+    pub config: ModelConfig,
+    /// Each unit with its parameter tensors (`Unit::params` order).
+    units: Vec<(Unit, Vec<Tensor>)>,
+    device: Device,
+}
+
+/// Every unit's full weights, checked against the model the manifest
+/// describes (names and sizes), with the file to blame when they disagree.
+pub fn unit_weights(dir: &Path, m: &Manifest) -> Result<Vec<(Unit, Vec<f32>)>> {
+    let c = &m.config.model;
+    c.validate().map_err(|e| {
+        anyhow::anyhow!(
+            "{}: the model it describes is invalid: {e}",
+            dir.join("manifest.json").display()
+        )
+    })?;
+    let units = c.units();
+    let expect: Vec<(String, usize)> = units.iter().map(|u| (u.name(), u.numel(c))).collect();
+    let have: Vec<(String, usize)> = m.units.iter().map(|u| (u.name.clone(), u.numel)).collect();
+    if expect != have {
+        bail!(
+            "{}: its units {have:?} are not those of the model it describes ({expect:?}): \
+             the manifest was edited or comes from another checkpoint",
+            dir.join("manifest.json").display()
+        );
+    }
+    let weights = checkpoint::full_weights(dir, m)?;
+    Ok(units
+        .into_iter()
+        .zip(weights)
+        .map(|(u, (_, w))| (u, w))
+        .collect())
+}
+
+impl Model {
+    /// Loads checkpoint `dir` (a checkpoint, or a checkpoint root's latest).
+    pub fn load(dir: &Path) -> Result<Model> {
+        let dir = checkpoint::resolve(dir)?;
+        let m = checkpoint::read_manifest(&dir)?;
+        let device = Device::Cpu;
+        let c = m.config.model.clone();
+        let units = unit_weights(&dir, &m)?
+            .into_iter()
+            .map(|(u, flat)| Ok((u, model::tensors_from_flat(&u, &c, &flat, &device)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Model {
+            config: c,
+            units,
+            device,
+        })
+    }
+
+    /// Logits `[batch, time, vocab]` of token ids `[batch][time]` (all
+    /// sequences of one length, at most the context).
+    pub fn logits(&self, batch: &[Vec<u32>]) -> Result<Tensor> {
+        let t = batch.first().map_or(0, Vec::len);
+        if t == 0 || batch.iter().any(|s| s.len() != t) {
+            bail!("give one or more sequences of the same, non-zero length");
+        }
+        if t > self.config.context {
+            bail!(
+                "a sequence of {t} tokens is longer than the model's context of {}",
+                self.config.context
+            );
+        }
+        if let Some(bad) = batch
+            .iter()
+            .flatten()
+            .find(|&&id| id as usize >= self.config.vocab)
+        {
+            bail!(
+                "token id {bad} is outside the vocabulary of {}",
+                self.config.vocab
+            );
+        }
+        let ids: Vec<u32> = batch.iter().flatten().copied().collect();
+        let mut x = Tensor::from_vec(ids, (batch.len(), t), &self.device)?;
+        let tokens = &self.units[0].1[0];
+        for (u, params) in &self.units {
+            x = if *u == Unit::Head && self.config.tied_head {
+                let mut p = params.clone();
+                p.push(tokens.clone());
+                u.forward(&self.config, &p, &x)?
+            } else {
+                u.forward(&self.config, params, &x)?
+            };
+        }
+        Ok(x)
+    }
+
+    /// Mean next-token cross-entropy of `batch` (each position predicts
+    /// the next; the last has nothing to predict) and the logits.
+    pub fn loss(&self, batch: &[Vec<u32>]) -> Result<(f32, Tensor)> {
+        let logits = self.logits(batch)?;
+        let t = batch[0].len();
+        if t < 2 {
+            bail!("the loss needs sequences of at least 2 tokens");
+        }
+        let inputs = logits.narrow(1, 0, t - 1)?.contiguous()?;
+        let next: Vec<u32> = batch.iter().flat_map(|s| s[1..].to_vec()).collect();
+        let next = Tensor::from_vec(next, (batch.len(), t - 1), &self.device)?;
+        let l = model::loss(&inputs, &next)?.to_scalar::<f32>()?;
+        Ok((l, logits))
+    }
+
+    /// `new_tokens` bytes after `prompt`: sampled at `temperature` from the
+    /// `top_k` most likely (0: all), or the most likely one when the
+    /// temperature is 0; deterministic for `seed`. The model sees the last
+    /// `context` tokens.
+    pub fn generate(
+        &self,
+        prompt: &[u8],
+        new_tokens: usize,
+        temperature: f64,
+        top_k: usize,
+        seed: u64,
+    ) -> Result<Vec<u8>> {
+        if prompt.is_empty() {
+            bail!("the prompt is empty: give at least one byte of text");
+        }
+        if !(temperature.is_finite() && temperature >= 0.0) {
+            bail!("the temperature must be 0 (greedy) or positive, not {temperature}");
+        }
+        let mut rng = SmallRng::seed_from_u64(seed);
+        let mut ids: Vec<u32> = prompt.iter().map(|&b| b as u32).collect();
+        for _ in 0..new_tokens {
+            let start = ids.len().saturating_sub(self.config.context);
+            let window = ids[start..].to_vec();
+            let logits = self.logits(&[window])?;
+            let last = logits.get(0)?.get(logits.dim(1)? - 1)?;
+            let next = if temperature == 0.0 {
+                last.argmax(D::Minus1)?.to_scalar::<u32>()?
+            } else {
+                sample(&last.to_vec1::<f32>()?, temperature, top_k, &mut rng)
+            };
+            ids.push(next);
+        }
+        Ok(ids[prompt.len()..].iter().map(|&i| i as u8).collect())
+    }
+}
+
+/// One draw from softmax(logits / temperature) over the `top_k` largest.
+fn sample(logits: &[f32], temperature: f64, top_k: usize, rng: &mut SmallRng) -> u32 {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+    if top_k > 0 {
+        order.truncate(top_k);
+    }
+    let top = logits[order[0]] as f64;
+    let weights: Vec<f64> = order
+        .iter()
+        .map(|&i| ((logits[i] as f64 - top) / temperature).exp())
+        .collect();
+    let mut r = rng.random_range(0.0..weights.iter().sum::<f64>());
+    for (w, &i) in weights.iter().zip(&order) {
+        if r < *w {
+            return i as u32;
+        }
+        r -= w;
+    }
+    order[order.len() - 1] as u32
+}
+
+/// Reads `--text` arguments as token ids (their UTF-8 bytes).
+pub fn byte_ids(texts: &[String]) -> Vec<Vec<u32>> {
+    texts
+        .iter()
+        .map(|t| t.bytes().map(u32::from).collect())
+        .collect()
+}
+
+/// Writes `logits` to `path` as a safetensors file holding one f32 tensor
+/// named `logits`.
+pub fn write_logits(path: &Path, logits: &Tensor) -> Result<()> {
+    let shape = logits.dims().to_vec();
+    let values = logits.flatten_all()?.to_vec1::<f32>()?;
+    let bytes: &[u8] = bytemuck::cast_slice(&values);
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, bytes)?;
+    safetensors::serialize_to_file([("logits", view)], None, path)
+        .with_context(|| format!("cannot write {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_follows_temperature_and_top_k() {
+        let logits = [0.0f32, 5.0, 4.0, -3.0];
+        let mut rng = SmallRng::seed_from_u64(1);
+        // top-1 is the argmax whatever the temperature.
+        assert!((0..50).all(|_| sample(&logits, 2.0, 1, &mut rng) == 1));
+        // top-2 draws only the two largest, the larger more often.
+        let draws: Vec<u32> = (0..2000)
+            .map(|_| sample(&logits, 1.0, 2, &mut rng))
+            .collect();
+        assert!(draws.iter().all(|&d| d == 1 || d == 2));
+        let ones = draws.iter().filter(|&&d| d == 1).count() as f64 / 2000.0;
+        let expect = 1.0 / (1.0 + (-1.0f64).exp()); // 0.731
+        assert!((ones - expect).abs() < 0.04, "{ones} vs {expect}");
+    }
+}
