@@ -316,6 +316,12 @@ struct TrainArgs {
     /// and print them side by side (switch overrides apply to zeropp).
     #[arg(long)]
     compare: bool,
+    /// With --compare: measure parity over these seeds (0..5, 0..=4 or
+    /// 1,5,9): per seed ZeRO-3, ZeRO-3 with fp32 communication (the noise
+    /// floor) and ZeRO++; prints the gaps per seed and as mean and spread
+    /// beside the noise floor (--summary-json writes them).
+    #[arg(long, requires = "compare", value_parser = zeropp::train::parity::parse_seeds)]
+    seeds: Option<zeropp::train::parity::Seeds>,
     /// Timeout of every network wait, in seconds (default 60).
     #[arg(long)]
     timeout: Option<f64>,
@@ -637,9 +643,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let cfg = args.config()?;
             match zeropp::comm::env::RankFacts::from_env() {
-                Err(zeropp::comm::env::EnvError::Missing) if args.compare => {
-                    trainer::compare(&cfg, args.timeout)?;
-                }
+                Err(zeropp::comm::env::EnvError::Missing) if args.compare => match &args.seeds {
+                    Some(seeds) => {
+                        zeropp::train::parity::measure(&cfg, &seeds.0, args.timeout)?;
+                    }
+                    None => {
+                        trainer::compare(&cfg, args.timeout)?;
+                    }
+                },
                 // No launcher around us: be one, over this machine.
                 Err(zeropp::comm::env::EnvError::Missing) => {
                     trainer::launch_local(&cfg, args.timeout)?

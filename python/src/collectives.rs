@@ -17,6 +17,7 @@ use zeropp::comm::exchange::{self, JoinOptions};
 use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
 use zeropp::zero::plan::{self, Layout, Switches, WeightWire};
+use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
 use zeropp::zero::{ZeroGroups, payload, qgz, qwz};
 use zeropp_quant::{Bits, Element, QuantFormat, Rounding, Scheme};
@@ -455,8 +456,8 @@ pub struct QgzState {
     stochastic: bool,
     seed: u64,
     calls: AtomicU64,
-    residual: Arc<Mutex<Vec<f32>>>,
-    residual_inter: Arc<Mutex<Vec<f32>>>,
+    residual: Arc<Mutex<Residual>>,
+    residual_inter: Arc<Mutex<Residual>>,
 }
 
 #[pymethods]
@@ -501,11 +502,18 @@ impl QgzState {
         a + self.residual_inter.lock().map(|r| r.len()).unwrap_or(0)
     }
 
+    /// Bytes of error-feedback state held (both hops; compressed: about
+    /// 1.125 a value).
+    fn residual_bytes(&self) -> usize {
+        let a = self.residual.lock().map(|r| r.bytes()).unwrap_or(0);
+        a + self.residual_inter.lock().map(|r| r.bytes()).unwrap_or(0)
+    }
+
     /// Error feedback starts over (after a checkpoint load).
     fn reset(&self) {
         for r in [&self.residual, &self.residual_inter] {
             if let Ok(mut r) = r.lock() {
-                r.clear();
+                *r = Residual::none();
             }
         }
     }

@@ -19,6 +19,7 @@ use crate::comm::collectives::{CommThread, Pending};
 use crate::comm::{CommError, Communicator, Transport};
 use crate::train::model::{ModelConfig, Unit, loss, tensors_from_flat};
 use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
+use crate::zero::residual::Residual;
 use crate::zero::traffic::{CountingTransport, Phase, Traffic};
 use crate::zero::{ZeroGroups, hpz, payload, qgz, qwz};
 use optim::{AdamState, OptimConfig};
@@ -49,21 +50,21 @@ struct ShardedUnit {
     /// until its optimizer step.
     secondary: Option<Vec<Bytes>>,
     /// qgZ error feedback: what the first quantization dropped last step
-    /// (padded length, rank order).
-    residual: Vec<f32>,
+    /// (W chunks, rank order; compressed, see `zero::residual`).
+    residual: Residual,
     /// qgZ error feedback of the second hop: what requantizing this rank's
     /// node-level partial sums dropped last step (N chunks). Used on the
     /// communication thread.
-    residual_inter: Arc<Mutex<Vec<f32>>>,
+    residual_inter: Arc<Mutex<Residual>>,
 }
 
 impl ShardedUnit {
     /// Error feedback starts over (after a skipped step, or a load that
     /// re-cut the shards).
     fn reset_residuals(&mut self) {
-        self.residual.iter_mut().for_each(|r| *r = 0.0);
+        self.residual.reset();
         if let Ok(mut ri) = self.residual_inter.lock() {
-            ri.iter_mut().for_each(|r| *r = 0.0);
+            ri.reset();
         }
     }
 }
@@ -87,8 +88,8 @@ pub struct UnitShard {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     /// qgZ error-feedback residuals (empty without error feedback).
-    pub residual: Vec<f32>,
-    pub residual_inter: Vec<f32>,
+    pub residual: Residual,
+    pub residual_inter: Residual,
 }
 
 /// What one step did.
@@ -176,14 +177,14 @@ impl Engine {
                     decay: decay_full[mine].to_vec(),
                     secondary: None,
                     residual: if cfg.switches.error_feedback {
-                        vec![0.0; padded]
+                        Residual::zeros(chunk, layout.world())
                     } else {
-                        Vec::new()
+                        Residual::none()
                     },
                     residual_inter: Arc::new(Mutex::new(if cfg.switches.error_feedback {
-                        vec![0.0; layout.nodes * chunk]
+                        Residual::zeros(chunk, layout.nodes)
                     } else {
-                        Vec::new()
+                        Residual::none()
                     })),
                 }
             })
@@ -417,11 +418,11 @@ impl Engine {
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
-            let fits = sh.residual.len() == su.residual.len()
+            let fits = sh.residual.shape() == su.residual.shape()
                 && su
                     .residual_inter
                     .lock()
-                    .is_ok_and(|ri| ri.len() == sh.residual_inter.len());
+                    .is_ok_and(|ri| ri.shape() == sh.residual_inter.shape());
             if fits {
                 su.residual = sh.residual;
                 if let Ok(mut ri) = su.residual_inter.lock() {

@@ -20,10 +20,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, UnitLayout, UnitShard};
 use crate::train::trainer::TrainConfig;
+use crate::zero::residual::Residual;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";
-pub const VERSION: u32 = 1;
+/// Version 2 stores error-feedback residuals compressed (`zero::residual`);
+/// version 1 stored them as f32 and is still read.
+pub const VERSION: u32 = 2;
+const READS: [u32; 2] = [1, 2];
 const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -33,7 +37,8 @@ pub struct ShardInfo {
     /// Compressed size and CRC-32 of the file.
     pub bytes: u64,
     pub crc32: u32,
-    /// Error-feedback residual lengths per unit (0 without error feedback).
+    /// Error-feedback residual lengths per unit, in values (0 without
+    /// error feedback): the first hop's and the second's.
     pub residual_lens: Vec<(usize, usize)>,
 }
 
@@ -90,8 +95,12 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
         for v in [l.numel, l.padded, l.chunk] {
             out.extend_from_slice(&(v as u64).to_le_bytes());
         }
-        for v in [&u.master, &u.m, &u.v, &u.residual, &u.residual_inter] {
+        for v in [&u.master, &u.m, &u.v] {
             put_f32s(&mut out, v);
+        }
+        for r in [&u.residual, &u.residual_inter] {
+            out.extend_from_slice(&(r.len() as u64).to_le_bytes());
+            out.extend_from_slice(&r.to_bytes());
         }
     }
     out
@@ -145,14 +154,48 @@ impl ShardReader<'_> {
     }
 }
 
+impl ShardReader<'_> {
+    /// A residual of `len` values in chunks of `chunk`: f32 in version 1,
+    /// compressed since version 2.
+    fn residual(&mut self, version: u32, len: usize, chunk: usize, what: &str) -> Result<Residual> {
+        if len == 0 {
+            self.f32s(0, what)?;
+            return Ok(Residual::none());
+        }
+        if chunk == 0 || !len.is_multiple_of(chunk) {
+            bail!(
+                "{}: {what} of {len} values is not whole chunks of {chunk}",
+                self.file
+            );
+        }
+        let count = len / chunk;
+        let file = self.file;
+        if version == 1 {
+            let v = self.f32s(len, what)?;
+            return Residual::from_f32(chunk, count, &v)
+                .map_err(|e| anyhow!("{file}: {what}: {e}"));
+        }
+        let n = self.u64()?;
+        if n != len as u64 {
+            bail!("{file}: {what} holds {n} values, the manifest says {len}");
+        }
+        let bytes = self.take(Residual::stored_bytes(chunk, count))?;
+        Residual::from_bytes(chunk, count, bytes)
+            .ok_or_else(|| anyhow!("{file}: {what} has a non-finite or negative scale (corrupt)"))
+    }
+}
+
 fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<Vec<UnitShard>> {
     let mut r = ShardReader { b, at: 0, file };
     if r.take(8)? != SHARD_MAGIC {
         bail!("{file}: not a zeropp shard (bad magic)");
     }
     let (version, rank, world, n) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-    if version != VERSION {
-        bail!("{file}: shard format version {version}, this build reads {VERSION}");
+    if version != m.version {
+        bail!(
+            "{file}: shard format version {version}, its manifest says {}",
+            m.version
+        );
     }
     if rank as usize != info.rank || world as usize != m.world_size {
         bail!(
@@ -185,8 +228,8 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
             master: r.f32s(u.chunk, "master weights")?,
             m: r.f32s(u.chunk, "Adam m")?,
             v: r.f32s(u.chunk, "Adam v")?,
-            residual: r.f32s(res, "error-feedback residual")?,
-            residual_inter: r.f32s(res_inter, "second-hop residual")?,
+            residual: r.residual(m.version, res, u.chunk, "error-feedback residual")?,
+            residual_inter: r.residual(m.version, res_inter, u.chunk, "second-hop residual")?,
         });
     }
     if r.at != b.len() {
@@ -202,7 +245,13 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
 fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
     let mut n = 8 + 16;
     for (u, &(a, b)) in m.units.iter().zip(&info.residual_lens) {
-        n += 4 + u.name.len() + 24 + 5 * 8 + 4 * (3 * u.chunk + a + b);
+        n += 4 + u.name.len() + 24 + 5 * 8 + 4 * 3 * u.chunk;
+        for len in [a, b] {
+            n += match m.version {
+                1 => 4 * len,
+                _ => Residual::stored_bytes(u.chunk, len / u.chunk.max(1)),
+            };
+        }
     }
     n
 }
@@ -439,9 +488,9 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             m.format
         );
     }
-    if m.version != VERSION {
+    if !READS.contains(&m.version) {
         bail!(
-            "{}: checkpoint format version {}, this build reads version {VERSION}",
+            "{}: checkpoint format version {}, this build reads versions 1 and {VERSION}",
             path.display(),
             m.version
         );
@@ -578,8 +627,8 @@ pub fn state_for(
                 master: cut(|s| &s.master),
                 m: cut(|s| &s.m),
                 v: cut(|s| &s.v),
-                residual: Vec::new(),
-                residual_inter: Vec::new(),
+                residual: Residual::none(),
+                residual_inter: Residual::none(),
             }
         })
         .collect())
@@ -663,4 +712,87 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
         );
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(version: u32, layout: &UnitLayout, res: (usize, usize)) -> Manifest {
+        Manifest {
+            format: FORMAT.into(),
+            version,
+            step: 1,
+            nodes: 2,
+            ranks_per_node: 2,
+            world_size: 4,
+            config: TrainConfig::default(),
+            data_next_step: 1,
+            rng: String::new(),
+            units: vec![layout.clone()],
+            shards: (0..4)
+                .map(|r| ShardInfo {
+                    rank: r,
+                    file: shard_file_name(r),
+                    bytes: 0,
+                    crc32: 0,
+                    residual_lens: vec![res],
+                })
+                .collect(),
+            switches: None,
+        }
+    }
+
+    /// Shards store residuals compressed (version 2), read back bit for
+    /// bit; version-1 shards (f32 residuals) still load, compressed on the
+    /// way in.
+    #[test]
+    fn residuals_round_trip_in_v2_and_load_from_v1() {
+        let layout = UnitLayout {
+            name: "blocks.0".into(),
+            numel: 250,
+            padded: 256,
+            chunk: 64,
+        };
+        let values: Vec<f32> = (0..64 * 4)
+            .map(|i| (i as f32 * 0.37).sin() * 1e-3)
+            .collect();
+        let inter: Vec<f32> = values[..128].to_vec();
+        let shard = UnitShard {
+            layout: layout.clone(),
+            master: vec![1.0; 64],
+            m: vec![2.0; 64],
+            v: vec![3.0; 64],
+            residual: Residual::from_f32(64, 4, &values).unwrap(),
+            residual_inter: Residual::from_f32(64, 2, &inter).unwrap(),
+        };
+        let m = manifest(VERSION, &layout, (256, 128));
+        let raw = encode_shard(1, 4, std::slice::from_ref(&shard));
+        assert_eq!(raw.len(), shard_size(&m, &m.shards[1]));
+        let back = decode_shard(&raw, "rank-00001.zst", &m, &m.shards[1]).unwrap();
+        assert_eq!(back, vec![shard.clone()]);
+
+        // The same shard as version 1 wrote it: residuals as f32.
+        let mut v1 = Vec::new();
+        v1.extend_from_slice(SHARD_MAGIC);
+        for v in [1u32, 1, 4, 1] {
+            v1.extend_from_slice(&v.to_le_bytes());
+        }
+        v1.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
+        v1.extend_from_slice(layout.name.as_bytes());
+        for v in [layout.numel, layout.padded, layout.chunk] {
+            v1.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        for v in [&shard.master, &shard.m, &shard.v, &values, &inter] {
+            put_f32s(&mut v1, v);
+        }
+        let m1 = manifest(1, &layout, (256, 128));
+        assert_eq!(v1.len(), shard_size(&m1, &m1.shards[1]));
+        let old = decode_shard(&v1, "rank-00001.zst", &m1, &m1.shards[1]).unwrap();
+        assert_eq!(old[0].master, shard.master);
+        assert_eq!(old[0].residual, shard.residual);
+        // A shard whose version is not its manifest's is refused, named.
+        let e = decode_shard(&v1, "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
+        assert!(format!("{e}").contains("rank-00001.zst"), "{e}");
+    }
 }

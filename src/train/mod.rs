@@ -7,4 +7,5 @@ pub mod data;
 pub mod hf;
 pub mod infer;
 pub mod model;
+pub mod parity;
 pub mod trainer;

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::cli::plot::{self, Series};
@@ -220,6 +221,19 @@ pub struct Summary {
     /// header on the wire); rendezvous and connection set-up not included.
     pub run_bytes: BytesPerStep,
     pub run_messages: BytesPerStep,
+    /// Each rank's peak resident memory (`VmHWM`) over the run, in rank
+    /// order; 0 where the kernel does not say.
+    #[serde(default)]
+    pub peak_rss_bytes: Vec<u64>,
+}
+
+/// This process's peak resident set (`VmHWM` of `/proc/self/status`), in
+/// bytes; `None` off Linux.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// A line from rank 0: above the progress bar when it draws, on stdout
@@ -495,13 +509,15 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             let due = (step + 1) % cfg.log_every.max(1) == 0 || step == start || step + 1 == end;
             if due && bar.is_hidden() {
                 println!(
-                    "step {:>5}/{} loss {:.4} lr {:.2e} {:>8.0} tok/s {:>8.3} MB across nodes/step",
+                    "step {:>5}/{} loss {:.4} lr {:.2e} {:>8.0} tok/s {:>8.3} MB across nodes/step \
+                     peak RSS {:.0} MB",
                     step + 1,
                     cfg.steps,
                     stats.loss,
                     lr,
                     tokens_per_step / dt,
-                    job[1] as f64 / 1e6
+                    job[1] as f64 / 1e6,
+                    peak_rss_bytes().unwrap_or(0) as f64 / 1e6
                 );
             }
         }
@@ -536,6 +552,18 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         msgs.intra_node as f32,
         msgs.inter_node as f32,
     ])?;
+    let peaks = engine.all_gather_bytes(Bytes::copy_from_slice(
+        &peak_rss_bytes().unwrap_or(0).to_le_bytes(),
+    ))?;
+    let peak_rss_bytes = peaks
+        .iter()
+        .map(|b| {
+            let a: [u8; 8] = b[..].try_into().map_err(|_| {
+                anyhow::anyhow!("a rank's peak memory arrived as {} bytes, not 8", b.len())
+            })?;
+            Ok(u64::from_le_bytes(a))
+        })
+        .collect::<Result<Vec<u64>>>()?;
     let tail: Vec<f32> = losses[losses.len().saturating_sub(10)..]
         .iter()
         .map(|&(_, l)| l)
@@ -564,19 +592,22 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             intra_node: run[2] as f64,
             inter_node: run[3] as f64,
         },
+        peak_rss_bytes,
     };
     if !lead {
         return Ok(None);
     }
     println!(
         "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB across \
-         nodes and {:.3} MB inside nodes per step",
+         nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB",
         summary.initial_loss,
         summary.final_loss,
         summary.val_loss,
         summary.tokens_per_s,
         summary.bytes_per_step.inter_node / 1e6,
-        summary.bytes_per_step.intra_node / 1e6
+        summary.bytes_per_step.intra_node / 1e6,
+        summary.peak_rss_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6,
+        summary.peak_rss_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6,
     );
     if let Some(p) = &cfg.plot {
         let series = Series {
@@ -723,6 +754,43 @@ fn read_losses(path: &Path) -> Result<Vec<(usize, f32)>> {
     Ok(out)
 }
 
+/// One run of a comparison on this machine: `cfg` in `mode` (ZeRO-3 with
+/// every ZeRO++ override cleared), then `tweak`, named `name` (its metrics
+/// next to `--metrics` with the name before the extension, or in `dir`).
+/// Returns its summary and `(step, loss)` points.
+pub fn run_mode(
+    cfg: &TrainConfig,
+    mode: Mode,
+    name: &str,
+    dir: &Path,
+    timeout_s: Option<f64>,
+    tweak: &dyn Fn(&mut TrainConfig),
+) -> Result<(Summary, Vec<(usize, f32)>)> {
+    let mut c = cfg.clone();
+    c.mode = mode;
+    if mode == Mode::Zero3 {
+        (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
+    }
+    tweak(&mut c);
+    let metrics = match &cfg.metrics {
+        Some(p) => per_mode_path(p, name),
+        None => dir.join(format!("{name}.jsonl")),
+    };
+    c.metrics = Some(metrics.clone());
+    c.summary_json = Some(dir.join(format!("{name}.json")));
+    // Each run checkpoints (and resumes) in its own directory.
+    c.checkpoint_dir = cfg.checkpoint_dir.as_ref().map(|d| d.join(name));
+    c.resume = cfg.resume.as_ref().map(|d| d.join(name));
+    c.plot = None;
+    println!("== {name} ==");
+    launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
+    let summary: Summary = serde_json::from_slice(
+        &std::fs::read(c.summary_json.as_ref().expect("set above"))
+            .context("reading the run's summary")?,
+    )?;
+    Ok((summary, read_losses(&metrics)?))
+}
+
 /// `zeropp train --compare`: the same seed, data and model under plain
 /// ZeRO-3 and under ZeRO++ (with any switch overrides), one after the
 /// other, then both side by side. The switch overrides apply to the ZeRO++
@@ -733,28 +801,7 @@ pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Su
     let mut runs = Vec::new();
     for mode in [Mode::Zero3, Mode::Zeropp] {
         let name = format!("{mode:?}").to_lowercase();
-        let mut c = cfg.clone();
-        c.mode = mode;
-        if mode == Mode::Zero3 {
-            (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
-        }
-        let metrics = match &cfg.metrics {
-            Some(p) => per_mode_path(p, &name),
-            None => dir.join(format!("{name}.jsonl")),
-        };
-        c.metrics = Some(metrics.clone());
-        c.summary_json = Some(dir.join(format!("{name}.json")));
-        // Each mode checkpoints (and resumes) in its own directory.
-        c.checkpoint_dir = cfg.checkpoint_dir.as_ref().map(|d| d.join(&name));
-        c.resume = cfg.resume.as_ref().map(|d| d.join(&name));
-        c.plot = None;
-        println!("== {name} ==");
-        launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
-        let summary: Summary = serde_json::from_slice(
-            &std::fs::read(c.summary_json.as_ref().expect("set above"))
-                .context("reading the run's summary")?,
-        )?;
-        runs.push((summary, read_losses(&metrics)?));
+        runs.push(run_mode(cfg, mode, &name, &dir, timeout_s, &|_| {})?);
     }
     let _ = std::fs::remove_dir_all(&dir);
     let (z3, zpp) = (&runs[0].0, &runs[1].0);

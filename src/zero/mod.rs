@@ -12,6 +12,7 @@ pub mod payload;
 pub mod plan;
 pub mod qgz;
 pub mod qwz;
+pub mod residual;
 pub mod traffic;
 
 pub use groups::ZeroGroups;

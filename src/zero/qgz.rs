@@ -20,6 +20,7 @@ use crate::comm::{CommError, Communicator, Group};
 use super::groups::ZeroGroups;
 use super::payload;
 use super::plan::Layout;
+use super::residual::Residual;
 use super::traffic::{CountingTransport, Phase};
 
 fn quant_failure(what: &str) -> impl Fn(zeropp_quant::QuantError) -> CommError + '_ {
@@ -29,13 +30,13 @@ fn quant_failure(what: &str) -> impl Fn(zeropp_quant::QuantError) -> CommError +
 /// Hop 1's input: `grad` (W chunks in rank order, plus the residual of the
 /// last call when `residual` is given) quantized in `format` at the
 /// swizzled positions. With a residual, it is replaced by what this
-/// quantization dropped (a residual of the wrong length starts from zero).
+/// quantization dropped (a residual of another shape starts from zero).
 pub fn quantize_first_hop<T: Element>(
     grad: &[T],
     layout: Layout,
     format: QuantFormat,
     rounding: Rounding,
-    residual: Option<&mut Vec<f32>>,
+    residual: Option<&mut Residual>,
 ) -> Result<QuantizedChunks, CommError> {
     let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
     if !grad.len().is_multiple_of(world) {
@@ -51,14 +52,9 @@ pub fn quantize_first_hop<T: Element>(
         quantize_swizzled(grad, nodes, g, rounding, &mut q).map_err(quantizing)?;
         return Ok(q);
     };
-    if residual.len() != grad.len() {
-        *residual = vec![0.0; grad.len()];
-    }
-    let corrected: Vec<f32> = grad
-        .iter()
-        .zip(residual.iter())
-        .map(|(g, r)| g.to_f32() + r)
-        .collect();
+    residual.ensure_shape(chunk, world);
+    let mut corrected: Vec<f32> = grad.iter().map(|g| g.to_f32()).collect();
+    residual.add_to(&mut corrected).map_err(&quantizing)?;
     quantize_swizzled(&corrected, nodes, g, rounding, &mut q).map_err(&quantizing)?;
     // What the wire will carry, back in rank order: keep the rest.
     let mut sent = vec![0f32; chunk];
@@ -66,11 +62,10 @@ pub fn quantize_first_hop<T: Element>(
         let r = zeropp_quant::swizzled_rank(p, nodes, g);
         zeropp_quant::dequantize(q.chunk(p), &mut sent).map_err(&quantizing)?;
         let span = r * chunk..(r + 1) * chunk;
-        residual[span.clone()]
-            .iter_mut()
+        sent.iter_mut()
             .zip(&corrected[span])
-            .zip(&sent)
-            .for_each(|((res, c), s)| *res = c - s);
+            .for_each(|(s, c)| *s = c - *s);
+        residual.store_chunk(r, &sent).map_err(&quantizing)?;
     }
     Ok(q)
 }
@@ -79,9 +74,9 @@ pub fn quantize_first_hop<T: Element>(
 pub struct SecondHop<'a> {
     pub format: QuantFormat,
     pub rounding: Rounding,
-    /// Error feedback of this quantization (N chunks; of the wrong length
-    /// it starts from zero).
-    pub residual: Option<&'a Mutex<Vec<f32>>>,
+    /// Error feedback of this quantization (N chunks; of another shape it
+    /// starts from zero).
+    pub residual: Option<&'a Mutex<Residual>>,
 }
 
 /// Hops 1 and 2 of `first` (from [`quantize_first_hop`]): the sum over
@@ -123,10 +118,9 @@ pub fn exchange(
             let mut residual = residual
                 .lock()
                 .map_err(|_| CommError::Invalid("the error-feedback buffer was poisoned".into()))?;
-            let mut sum = std::mem::take(&mut *residual);
-            if sum.len() != nodes * chunk {
-                sum = vec![0.0; nodes * chunk];
-            }
+            residual.ensure_shape(chunk, nodes);
+            let mut sum = vec![0f32; nodes * chunk];
+            residual.add_to(&mut sum).map_err(&summing)?;
             for runs in &decoded {
                 for (n, d) in runs.iter().enumerate() {
                     let acc = &mut sum[n * chunk..(n + 1) * chunk];
@@ -137,12 +131,11 @@ pub fn exchange(
             let mut sent = vec![0f32; chunk];
             for n in 0..nodes {
                 zeropp_quant::dequantize(partial.chunk(n), &mut sent).map_err(&summing)?;
-                sum[n * chunk..(n + 1) * chunk]
-                    .iter_mut()
-                    .zip(&sent)
-                    .for_each(|(r, s)| *r -= s);
+                sent.iter_mut()
+                    .zip(&sum[n * chunk..(n + 1) * chunk])
+                    .for_each(|(s, x)| *s = x - *s);
+                residual.store_chunk(n, &sent).map_err(&summing)?;
             }
-            *residual = sum;
         }
         None => {
             let mut scratch = Vec::new();
