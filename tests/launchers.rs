@@ -138,3 +138,37 @@ fn torchrun_with_two_agents_trains_as_two_nodes() {
         "{lead}"
     );
 }
+
+/// Slurm's `srun` (a single-node Slurm that scripts/slurm.sh installs and
+/// starts: munged, slurmctld, slurmd), as users type it: `-O` to run more
+/// tasks than this machine's cores, the token exported (srun passes the
+/// environment on).
+#[test]
+fn srun_starts_a_four_rank_training_run() {
+    let srun = std::env::var("ZEROPP_SRUN").unwrap_or_else(|_| "srun".into());
+    let out = Command::new(srun)
+        .args(["-n", "4", "-O", "-t", "5", ZEROPP])
+        .args([
+            "train",
+            "--steps",
+            "3",
+            "--log-every",
+            "1",
+            "--val-batches",
+            "1",
+        ])
+        .env("ZEROPP_TOKEN", "launcher-test")
+        .env("ZEROPP_TIMEOUT_S", "60")
+        .output()
+        .expect("srun must be installed and Slurm running: bash scripts/slurm.sh (root) does both");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "srun failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("1 nodes x 4 ranks"), "{stdout}");
+    assert!(
+        stdout.contains("step     3/3") && stdout.contains("done: loss"),
+        "{stdout}"
+    );
+}
