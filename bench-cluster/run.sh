@@ -25,6 +25,13 @@
 # $ZEROPP_PYTHON or python3): torch-zeropp and torch-zero3 (FSDP2 with
 # zeropp's communication), torch-fsdp2 and torch-hsdp (FSDP2's own, over gloo).
 #
+# --launcher starts the native modes' ranks with: zeropp (default:
+# `zeropp launch --node-rank K` on every node), torchrun (`torchrun --nnodes
+# N --node-rank K --no-python zeropp train` on every node, torchrun's store
+# on node 0), or mpirun (one `mpirun` on node 0 whose rsh agent enters the
+# other nodes' namespaces: --mca plm_rsh_agent); the CSV's mode reads
+# MODE@LAUNCHER then.
+#
 # Extra arguments after `--` go to `zeropp train` or torch_gpt.py (model
 # shape, batch, ...).
 set -euo pipefail
@@ -42,6 +49,7 @@ PROBE_FLOWS=1
 PROBE_SECONDS=8
 ZEROPP="${ZEROPP:-target/release/zeropp}"
 PYTHON="${ZEROPP_PYTHON:-python3}"
+LAUNCHER="zeropp"
 EXTRA=()
 
 die() { echo "bench-cluster: $*" >&2; exit 1; }
@@ -59,10 +67,11 @@ while [ $# -gt 0 ]; do
     --zeropp) ZEROPP="$2"; shift 2 ;;
     --python) PYTHON="$2"; shift 2 ;;
     --probe) PROBE="$2"; shift 2 ;;
+    --launcher) LAUNCHER="$2"; shift 2 ;;
     --probe-flows) PROBE_FLOWS="$2"; shift 2 ;;
     --probe-seconds) PROBE_SECONDS="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -72,6 +81,12 @@ command -v ip >/dev/null && command -v tc >/dev/null || die "needs iproute2 (ip,
 [ -x "$ZEROPP" ] || die "no zeropp binary at $ZEROPP: cargo build --release first (or pass --zeropp PATH)"
 ZEROPP="$(cd "$(dirname "$ZEROPP")" && pwd)/$(basename "$ZEROPP")"
 [ "$NODES" -ge 2 ] && [ "$NODES" -le 200 ] || die "--nodes must be between 2 and 200"
+case "$LAUNCHER" in
+  zeropp) ;;
+  torchrun) "$PYTHON" -c "import torch" 2>/dev/null || die "--launcher torchrun: $PYTHON has no torch (pass --python)" ;;
+  mpirun) command -v mpirun >/dev/null || die "--launcher mpirun: no mpirun (apt-get install openmpi-bin)" ;;
+  *) die "unknown launcher $LAUNCHER: use zeropp, torchrun or mpirun" ;;
+esac
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -224,7 +239,9 @@ for rate in $RATES; do
   fi
   for mode in $MODES; do
     build_cluster "$rate"
-    name="$mode-${NODES}x$RPN-$rate"
+    label="$mode"
+    case "$mode" in torch-*) ;; *) [ "$LAUNCHER" = zeropp ] || label="$mode@$LAUNCHER" ;; esac
+    name="$label-${NODES}x$RPN-$rate"
     token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
     bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
     pids=()
@@ -241,11 +258,48 @@ for rate in $RATES; do
             > "$OUT/$name-node$k.log" 2>&1 &
           ;;
         *)
-          ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
-            --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
-            --timeout 300 -- "$ZEROPP" train $(mode_args "$mode") --steps "$STEPS" --log-every 10 \
-            --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}" \
-            > "$OUT/$name-node$k.log" 2>&1 &
+          train=("$ZEROPP" train $(mode_args "$mode") --steps "$STEPS" --log-every 10
+            --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "${EXTRA[@]}")
+          case "$LAUNCHER" in
+            zeropp)
+              ip netns exec "$(node_ns "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
+                --nodes "$NODES" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(node_ip 0):29500" \
+                --timeout 300 -- "${train[@]}" > "$OUT/$name-node$k.log" 2>&1 &
+              ;;
+            torchrun)
+              # zeropp joins through torchrun's store: no token, no port of its own.
+              ip netns exec "$(node_ns "$k")" env OMP_NUM_THREADS=1 ZEROPP_TIMEOUT_S=300 \
+                "$PYTHON" -m torch.distributed.run --nnodes "$NODES" --node-rank "$k" \
+                --nproc-per-node "$RPN" --master-addr "$(node_ip 0)" --master-port 29500 \
+                --no-python "${train[@]}" > "$OUT/$name-node$k.log" 2>&1 &
+              ;;
+            mpirun)
+              # One mpirun, on node 0; its rsh agent starts Open MPI's daemon
+              # on the other nodes by entering their namespaces.
+              if [ "$k" -eq 0 ]; then
+                agent="$OUT/rsh-agent"
+                hosts="$OUT/hostfile"
+                { echo '#!/bin/sh'
+                  echo 'host="$1"; shift'
+                  echo 'case "$host" in'
+                  for j in $(seq 0 $((NODES - 1))); do echo "  $(node_ip "$j")) ns=$(node_ns "$j") ;;"; done
+                  echo '  *) echo "rsh agent: unknown host $host" >&2; exit 1 ;;'
+                  echo 'esac'
+                  echo 'exec ip netns exec "$ns" sh -c "$*"'
+                } > "$agent"
+                chmod +x "$agent"
+                for j in $(seq 0 $((NODES - 1))); do echo "$(node_ip "$j") slots=$RPN"; done > "$hosts"
+                ip netns exec "$(node_ns 0)" env ZEROPP_TOKEN="$token" ZEROPP_TIMEOUT_S=300 \
+                  MASTER_ADDR="$(node_ip 0)" MASTER_PORT=29500 \
+                  mpirun --allow-run-as-root --oversubscribe -np $((NODES * RPN)) --hostfile "$hosts" \
+                  --mca plm_rsh_agent "$agent" --mca oob_tcp_if_include eth0 --mca btl_tcp_if_include eth0 \
+                  -x ZEROPP_TOKEN -x ZEROPP_TIMEOUT_S -x MASTER_ADDR -x MASTER_PORT -x PATH \
+                  "${train[@]}" > "$OUT/$name-node0.log" 2>&1 &
+              else
+                continue
+              fi
+              ;;
+          esac
           ;;
       esac
       pids+=($!)
@@ -256,7 +310,7 @@ for rate in $RATES; do
     bytes=$(( $(counter tx_bytes) - bytes0 )); packets=$(( $(counter tx_packets) - packets0 ))
     # Ethernet (14) + IPv4 (20) + TCP with timestamps (32) per packet.
     wire=$((bytes - 66 * packets))
-    python3 - "$OUT/$name.json" "$wire" "$mode" "$NODES" "$RPN" "$rate" "$DELAY${JITTER:+/$JITTER}" "$STEPS" >> "$CSV" <<'PY'
+    python3 - "$OUT/$name.json" "$wire" "$label" "$NODES" "$RPN" "$rate" "$DELAY${JITTER:+/$JITTER}" "$STEPS" >> "$CSV" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
 wire = int(sys.argv[2])

@@ -2,7 +2,9 @@
 # A short run of the emulated cluster (root): 2 nodes x 2 ranks on a shaped
 # link, a 3-second TCP probe of the shaped link (it must deliver data and
 # no more than the rate it is shaped to, or the shaping is not in place),
-# one tiny zeropp training run; checks that the engine's byte count
+# one tiny zeropp training run (started by `zeropp launch --node-rank`,
+# then by mpirun and torchrun across the emulated hosts); checks that the
+# engine's byte count
 # and the veth counters agree within 5% (10 steps, so UCX's fixed wire-up
 # traffic is under 1%; two ranks per node: node-local
 # shared memory must not carry cross-node traffic) and that nothing is left behind.
@@ -31,6 +33,30 @@ engine, wire = float(f[10]), float(f[11])
 assert engine > 0 and wire > 0, f"no bytes counted: {f}"
 assert abs(wire / engine - 1) < 0.05, f"wire {wire} vs engine {engine} bytes differ by more than 5%"
 PY
+# The same run started by the real launchers across the two emulated
+# hosts: mpirun on node 0 with an rsh agent entering node 1's namespace,
+# and (with a Python that has torch) torchrun on each node; the hosts
+# themselves say which ranks share a node (2 x 2), and the bytes across
+# still match the veth counters.
+launchers="mpirun"
+[ -n "$python" ] && launchers="mpirun torchrun"
+for l in $launchers; do
+  bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 200mbit --modes zeropp --steps 10 \
+    --launcher "$l" --zeropp "$zeropp" ${python:+--python "$python"} --out "$out/$l" \
+    -- --width 32 --layers 1 --heads 2 --context 32 --batch 2 --val-batches 1 \
+    >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out/$l"/*.log >&2; exit 1; }
+  grep -q "training .* 2 nodes x 2 ranks" "$out/$l"/*node0.log ||
+    { echo "bench-cluster selftest: $l did not form 2 nodes x 2 ranks" >&2; cat "$out/$l"/*.log >&2; exit 1; }
+  row="$(tail -n 1 "$out/$l/results.csv")"
+  echo "bench-cluster selftest: $row"
+  python3 - "$row" <<'PY'
+import sys
+f = sys.argv[1].split(",")
+engine, wire = float(f[10]), float(f[11])
+assert engine > 0 and wire > 0, f"no bytes counted: {f}"
+assert abs(wire / engine - 1) < 0.05, f"{f[0]}: wire {wire} vs engine {engine} bytes differ by more than 5%"
+PY
+done
 probe="$(tail -n 1 "$out/probe.csv")"
 echo "bench-cluster selftest: probe $probe"
 python3 - "$probe" <<'PY'
