@@ -4,6 +4,8 @@
 pub mod collectives;
 pub mod env;
 pub mod exchange;
+#[cfg(test)]
+mod fixtures;
 pub mod hostlist;
 pub mod inproc;
 pub mod job;

@@ -247,7 +247,7 @@ pub fn serve(
 
 /// Every node must hold the same number of ranks, each (node, local rank)
 /// exactly once.
-fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
+pub(crate) fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
     let g = table[0].local_world_size;
     let nodes = table.len() / g.max(1);
     let mut seen = vec![None; table.len()];
