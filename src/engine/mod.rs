@@ -33,6 +33,10 @@ pub struct EngineConfig {
     pub seed: u64,
 }
 
+/// Gradients of units whose reduce-scatter may be under way at once while
+/// the backward pass goes on (each is a whole unit's f32 gradient).
+const MAX_GRADS_IN_FLIGHT: usize = 2;
+
 /// One unit's state on this rank.
 struct ShardedUnit {
     unit: Unit,
@@ -329,6 +333,17 @@ impl Engine {
         }
     }
 
+    /// Waits for unit `u`'s gradient reduce-scatter: this rank's chunk of
+    /// the mean.
+    fn finish_gradient(&self, u: usize, p: Pending<Vec<f32>>) -> Result<Vec<f32>> {
+        p.wait().with_context(|| {
+            format!(
+                "reduce-scattering the gradient of {}",
+                self.units[u].unit.name()
+            )
+        })
+    }
+
     fn full_params(&self, u: usize, full: &[f32]) -> Result<Vec<Tensor>> {
         Ok(tensors_from_flat(
             &self.units[u].unit,
@@ -472,7 +487,9 @@ impl Engine {
         for u in 0..n {
             let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
             let full = self.decode_full(u, &payloads)?;
+            drop(payloads);
             let mut params = self.full_params(u, &full)?;
+            drop(full);
             self.tie(u, &mut params, &mut tied_tokens);
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }
@@ -523,17 +540,21 @@ impl Engine {
         let mut step_loss = f32::NAN;
         let mut tied_grad: Option<Vec<f32>> = None;
         let mut local_nonfinite = vec![false; n];
+        let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
         for u in (0..n).rev() {
             let payloads = pending.take().expect("started").wait()?;
             if u > 0 {
                 pending = Some(self.start_backward_gather(u - 1)?);
             }
             let full = self.decode_full(u, &payloads)?;
+            drop(payloads);
             let vars = self
                 .full_params(u, &full)?
                 .into_iter()
                 .map(|t| Var::from_tensor(&t))
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            // The tensors hold their own copy.
+            drop(full);
             let mut tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             // A tied head differentiates the embedding's token matrix too;
             // that gradient joins the embedding's own in its backward.
@@ -597,16 +618,18 @@ impl Engine {
                 flat.iter_mut().for_each(|v| *v = 0.0);
                 local_nonfinite[u] = true;
             }
+            drop((grads, vars, tensors));
+            // At most MAX_GRADS_IN_FLIGHT gradients wait for their
+            // reduce-scatter: a slow link must not queue the whole model's
+            // gradients (O(Ψ) per rank) behind it.
+            if grads_pending.len() >= MAX_GRADS_IN_FLIGHT {
+                let (v, p) = grads_pending.remove(0);
+                chunk_grads[v] = self.finish_gradient(v, p)?;
+            }
             grads_pending.push((u, self.start_gradient(u, flat)?));
         }
-        let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
         for (u, p) in grads_pending {
-            chunk_grads[u] = p.wait().with_context(|| {
-                format!(
-                    "reduce-scattering the gradient of {}",
-                    self.units[u].unit.name()
-                )
-            })?;
+            chunk_grads[u] = self.finish_gradient(u, p)?;
         }
 
         // Global norm, mean loss and one non-finite flag per unit in one

@@ -2,8 +2,10 @@
 //! noise floor. For every seed, three runs of the same model and data:
 //! ZeRO-3, ZeRO-3 with fp32 instead of bf16 communication (a perturbation
 //! too small to matter: how far a run moves when only the last bits of its
-//! sums change), and ZeRO++. A ZeRO++ gap inside the spread of that
-//! perturbation is parity; a mean gap outside it is a defect.
+//! sums change), and ZeRO++. Each ZeRO++ run lands off ZeRO-3's by chance
+//! (training is chaotic: any perturbation moves a run); parity is a mean gap
+//! over the seeds that chance explains — inside two standard errors of the
+//! per-seed gaps and of the noise floor — and within the targets.
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -102,10 +104,16 @@ pub struct Parity {
     pub noise_val: Spread,
     /// ZeRO-3's final loss across seeds, relative to its mean.
     pub zero3_seed_spread: Spread,
-    /// The mean final-loss gap lies within two standard errors of the
-    /// noise floor (`2 · noise_final.std / sqrt(seeds)`): what the mean of
-    /// that many perturbed runs would stray by.
-    pub within_noise: bool,
+    /// Two standard errors of the mean final-loss gap
+    /// (`2 · gap_final.std / sqrt(seeds)`): how far the mean of that many
+    /// seeds strays when ZeRO++ only moves each run by chance.
+    pub gap_margin: f64,
+    /// The mean final-loss gap lies outside that margin (and outside the
+    /// noise floor's own): ZeRO++ is systematically worse (or better).
+    pub systematic: bool,
+    /// The targets of docs/TRAINING.md: mean final-loss gap within 1%,
+    /// every seed within 3%.
+    pub meets_targets: bool,
 }
 
 impl Parity {
@@ -120,7 +128,10 @@ impl Parity {
         let zero3_seed_spread =
             Spread::of(&z3.iter().map(|x| x / z3_mean - 1.0).collect::<Vec<_>>());
         let n = rows.len() as f64;
-        let within_noise = gap_final.mean.abs() <= 2.0 * noise_final.std / n.sqrt();
+        let gap_margin = 2.0 * gap_final.std / n.sqrt();
+        let noise_margin = noise_final.mean.abs() + 2.0 * noise_final.std / n.sqrt();
+        let systematic = gap_final.mean.abs() > gap_margin.max(noise_margin);
+        let meets_targets = gap_final.mean.abs() <= 0.01 && gap_final.max_abs <= 0.03;
         Parity {
             seeds: rows,
             gap_final,
@@ -128,7 +139,9 @@ impl Parity {
             noise_final,
             noise_val,
             zero3_seed_spread,
-            within_noise,
+            gap_margin,
+            systematic,
+            meets_targets,
         }
     }
 
@@ -167,12 +180,19 @@ impl Parity {
         s += &row("noise floor, validation", &self.noise_val);
         s += &row("zero3 across seeds (vs its mean)", &self.zero3_seed_spread);
         s += &format!(
-            "verdict: the mean final-loss gap {} the noise floor\n",
-            if self.within_noise {
-                "lies within"
+            "mean final-loss gap {} ± {:.2}% (2 standard errors over {} seeds): {}\n",
+            pct(self.gap_final.mean),
+            100.0 * self.gap_margin,
+            self.seeds.len(),
+            if self.systematic {
+                "a SYSTEMATIC gap, beyond chance and the noise floor"
             } else {
-                "lies OUTSIDE"
+                "not distinguishable from zero"
             }
+        );
+        s += &format!(
+            "targets (mean within 1%, every seed within 3%): {}\n",
+            if self.meets_targets { "met" } else { "NOT met" }
         );
         s
     }
@@ -264,14 +284,21 @@ mod tests {
         ]);
         assert!((p.gap_final.mean - 0.005).abs() < 1e-6, "{p:?}");
         assert!((p.noise_final.max_abs - 0.01).abs() < 1e-6);
-        assert!(p.within_noise);
-        // +5% every seed against ±1% noise: a defect.
+        assert!(!p.systematic && p.meets_targets, "{p:?}");
+        // Gaps that scatter around zero are chance, even when wide.
+        let p = Parity::of(vec![
+            row(0, 1.0, 1.001, 1.02),
+            row(1, 1.0, 0.999, 0.98),
+            row(2, 1.0, 1.0, 1.01),
+        ]);
+        assert!(!p.systematic && p.meets_targets, "{p:?}");
+        // +5% on every seed against ±1% noise: a defect.
         let p = Parity::of(vec![
             row(0, 1.0, 1.01, 1.05),
-            row(1, 1.0, 0.99, 1.05),
-            row(2, 1.0, 1.0, 1.05),
+            row(1, 1.0, 0.99, 1.051),
+            row(2, 1.0, 1.0, 1.049),
         ]);
-        assert!(!p.within_noise);
-        assert!(p.render().contains("OUTSIDE"));
+        assert!(p.systematic && !p.meets_targets);
+        assert!(p.render().contains("SYSTEMATIC") && p.render().contains("NOT met"));
     }
 }
