@@ -113,6 +113,11 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         }
     };
 
+    // The cores are shared among the ranks this launch starts here: each
+    // rank's compute threads (candle's, via RAYON_NUM_THREADS) get their
+    // share unless the user set a count.
+    let here = local_nodes.len() * opts.ranks_per_node;
+    let threads = compute_threads(here);
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     for node in local_nodes {
@@ -138,6 +143,9 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 });
             if let Some(t) = opts.timeout_s {
                 cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
+            }
+            if let Some(n) = threads {
+                cmd.env("RAYON_NUM_THREADS", n.to_string());
             }
             // Each rank leads its own process group, so stopping it stops
             // whatever it started too; and it dies with the launcher instead
@@ -213,4 +221,17 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         ),
         None => Ok(()),
     }
+}
+
+/// Compute threads for each of `ranks` processes sharing this machine's
+/// cores: `None` when the user chose (RAYON_NUM_THREADS is set), else the
+/// cores divided among the ranks, at least one. Oversubscribed cores (4
+/// ranks x 2 threads on 2 cores) make every rank wait on the others'
+/// threads, and the communication threads with them.
+pub fn compute_threads(ranks: usize) -> Option<usize> {
+    if std::env::var_os("RAYON_NUM_THREADS").is_some() {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Some((cores / ranks.max(1)).max(1))
 }

@@ -659,7 +659,15 @@ fn run(cli: Cli) -> Result<()> {
                     "--compare launches its own runs on this machine; run it outside a launcher"
                 ),
                 Err(e) => return Err(e.into()),
-                Ok(_) => {
+                Ok(facts) => {
+                    // Under another launcher (torchrun, mpirun, srun): this
+                    // host's cores shared among its ranks, unless the user
+                    // set RAYON_NUM_THREADS (zeropp launch sets it itself).
+                    if let Some(n) = zeropp::launch::compute_threads(facts.local_world_size) {
+                        // SAFETY: no other thread runs yet to read the
+                        // environment concurrently.
+                        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
+                    }
                     trainer::run_rank(&cfg)?;
                 }
             }

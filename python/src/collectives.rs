@@ -329,7 +329,8 @@ impl Job {
                     };
                     let first = {
                         let mut residual = s.residual.lock().map_err(|_| poisoned())?;
-                        let residual = s.error_feedback.then_some(&mut *residual);
+                        let residual = qgz::first_hop_feedback(s.error_feedback, s.intra)
+                            .then_some(&mut *residual);
                         with_dtype!(dtype, T => qgz::quantize_first_hop(
                             inp.typed::<T>("input").map_err(bad)?, layout, s.intra, rounding, residual,
                         )?)

@@ -154,6 +154,14 @@ impl Engine {
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
         let groups = ZeroGroups::new(&layout, plan.hpz_group)?;
+        let first_hop_feedback = match plan.grads {
+            GradWire::TwoHop {
+                intra,
+                error_feedback,
+                ..
+            } => qgz::first_hop_feedback(error_feedback, intra),
+            _ => false,
+        };
         let units = cfg
             .model
             .units()
@@ -180,7 +188,7 @@ impl Engine {
                     adam: AdamState::new(chunk),
                     decay: decay_full[mine].to_vec(),
                     secondary: None,
-                    residual: if cfg.switches.error_feedback {
+                    residual: if first_hop_feedback {
                         Residual::zeros(chunk, layout.world())
                     } else {
                         Residual::none()
@@ -312,7 +320,8 @@ impl Engine {
                 } else {
                     Rounding::NearestEven
                 };
-                let residual = error_feedback.then_some(&mut self.units[u].residual);
+                let residual = qgz::first_hop_feedback(error_feedback, intra)
+                    .then_some(&mut self.units[u].residual);
                 let first = qgz::quantize_first_hop(&grad, layout, intra, rounding, residual)
                     .with_context(|| {
                         format!("quantizing the gradient of {}", self.units[u].unit.name())

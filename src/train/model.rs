@@ -199,13 +199,22 @@ impl Unit {
             Unit::Head => {
                 let x = candle_nn::ops::layer_norm_slow(input, &params[0], &params[1], 1e-5)?;
                 if c.tied_head {
-                    x.broadcast_matmul(&params[2].t()?)
+                    linear(&x, &params[2].t()?)
                 } else {
-                    x.broadcast_matmul(&params[2])
+                    linear(&x, &params[2])
                 }
             }
         }
     }
+}
+
+/// `x [b, t, d] · w [d, k]` as one `[b·t, d] · [d, k]` product: a batched
+/// product would copy `w` once per sequence (`broadcast_matmul` makes the
+/// broadcast contiguous), and its gradient again.
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (b, t, d) = x.dims3()?;
+    let k = w.dim(1)?;
+    x.reshape((b * t, d))?.matmul(w)?.reshape((b, t, k))
 }
 
 fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
@@ -221,7 +230,7 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     let hd = d / h;
     // Attention.
     let a = candle_nn::ops::layer_norm_slow(x, &p[0], &p[1], 1e-5)?;
-    let qkv = a.broadcast_matmul(&p[2])?.broadcast_add(&p[3])?;
+    let qkv = linear(&a, &p[2])?.broadcast_add(&p[3])?;
     let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?;
     let q = qkv.get(0)?.contiguous()?;
     let k = qkv.get(1)?.contiguous()?;
@@ -234,12 +243,12 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape((b, t, d))?;
-    let y = y.broadcast_matmul(&p[4])?.broadcast_add(&p[5])?;
+    let y = linear(&y, &p[4])?.broadcast_add(&p[5])?;
     let x = (x + y)?;
     // MLP.
     let m = candle_nn::ops::layer_norm_slow(&x, &p[6], &p[7], 1e-5)?;
-    let m = m.broadcast_matmul(&p[8])?.broadcast_add(&p[9])?.gelu()?;
-    let m = m.broadcast_matmul(&p[10])?.broadcast_add(&p[11])?;
+    let m = linear(&m, &p[8])?.broadcast_add(&p[9])?.gelu()?;
+    let m = linear(&m, &p[10])?.broadcast_add(&p[11])?;
     x + m
 }
 

@@ -45,7 +45,9 @@ pub struct Switches {
     pub hpz_group: Option<usize>,
     /// qgZ: two-hop int4 all-to-all gradient reduce-scatter.
     pub qgz: bool,
-    /// Error feedback for qgZ: carry what quantization dropped to the next step.
+    /// Error feedback for qgZ: carry what quantization dropped to the next
+    /// step, on its int4 hops (an int8 first hop runs without: see
+    /// `qgz::first_hop_feedback`).
     pub error_feedback: bool,
     /// qgZ rounds gradients stochastically (unbiased) instead of to nearest.
     pub qgz_stochastic: bool,

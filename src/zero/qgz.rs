@@ -27,6 +27,16 @@ fn quant_failure(what: &str) -> impl Fn(zeropp_quant::QuantError) -> CommError +
     move |e| CommError::Malformed(format!("{what}: {e}"))
 }
 
+/// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
+/// when the switch is on: only at int4. Its residual is as long as the
+/// whole gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)); an
+/// int8 hop drops 16 times less than int4, too little to pay that for
+/// (measured: docs/TRAINING.md, "Loss parity"). The hop across nodes,
+/// always int4, keeps its O(Ψ/G) residual.
+pub fn first_hop_feedback(error_feedback: bool, intra: QuantFormat) -> bool {
+    error_feedback && intra.bits == zeropp_quant::Bits::Four
+}
+
 /// Hop 1's input: `grad` (W chunks in rank order, plus the residual of the
 /// last call when `residual` is given) quantized in `format` at the
 /// swizzled positions. With a residual, it is replaced by what this
