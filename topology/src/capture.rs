@@ -176,64 +176,38 @@ pub fn capture(root: &Path) -> Vec<Entry> {
     all
 }
 
-fn octal(field: &mut [u8], value: u64) {
-    let s = format!("{:0width$o}", value, width = field.len() - 1);
-    field[..s.len()].copy_from_slice(s.as_bytes());
-}
-
-fn header(path: &Path, kind: u8, size: u64, link: &Path) -> Result<[u8; 512], String> {
-    let mut h = [0u8; 512];
-    let name = path.to_string_lossy();
-    let name = if kind == b'5' {
-        format!("{name}/")
-    } else {
-        name.into_owned()
-    };
-    // ustar: up to 100 bytes of name, 155 of prefix split at a '/'.
-    if name.len() <= 100 {
-        h[..name.len()].copy_from_slice(name.as_bytes());
-    } else {
-        let split = name[..name.len().min(156)]
-            .rfind('/')
-            .filter(|&i| name.len() - i - 1 <= 100)
-            .ok_or_else(|| format!("{name}: too long for a tar header"))?;
-        h[..name.len() - split - 1].copy_from_slice(&name.as_bytes()[split + 1..]);
-        h[345..345 + split].copy_from_slice(&name.as_bytes()[..split]);
-    }
-    octal(&mut h[100..108], if kind == b'5' { 0o755 } else { 0o644 });
-    octal(&mut h[108..116], 0);
-    octal(&mut h[116..124], 0);
-    octal(&mut h[124..136], size);
-    octal(&mut h[136..148], 0);
-    h[156] = kind;
-    let l = link.to_string_lossy();
-    if l.len() > 100 {
-        return Err(format!("{l}: link target too long for a tar header"));
-    }
-    h[157..157 + l.len()].copy_from_slice(l.as_bytes());
-    h[257..263].copy_from_slice(b"ustar\0");
-    h[263..265].copy_from_slice(b"00");
-    h[148..156].copy_from_slice(b"        ");
-    let sum: u32 = h.iter().map(|&b| b as u32).sum();
-    let s = format!("{sum:06o}\0 ");
-    h[148..156].copy_from_slice(s.as_bytes());
-    Ok(h)
-}
-
-/// The entries as a ustar archive.
+/// The entries as a tar archive (GNU headers: long sysfs paths included).
 pub fn to_tar(entries: &[Entry]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
+    let mut b = tar::Builder::new(Vec::new());
+    let fail = |p: &Path, e: std::io::Error| format!("{}: cannot archive: {e}", p.display());
     for e in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_mtime(0);
+        h.set_uid(0);
+        h.set_gid(0);
         match e {
-            Entry::Dir(p) => out.extend_from_slice(&header(p, b'5', 0, Path::new(""))?),
-            Entry::Symlink(p, t) => out.extend_from_slice(&header(p, b'2', 0, t)?),
+            Entry::Dir(p) => {
+                h.set_entry_type(tar::EntryType::Directory);
+                h.set_mode(0o755);
+                h.set_size(0);
+                b.append_data(&mut h, p, std::io::empty())
+                    .map_err(|e| fail(p, e))?;
+            }
+            Entry::Symlink(p, t) => {
+                h.set_entry_type(tar::EntryType::Symlink);
+                h.set_mode(0o777);
+                h.set_size(0);
+                b.append_link(&mut h, p, t).map_err(|e| fail(p, e))?;
+            }
             Entry::File(p, bytes) => {
-                out.extend_from_slice(&header(p, b'0', bytes.len() as u64, Path::new(""))?);
-                out.extend_from_slice(bytes);
-                out.resize(out.len().div_ceil(512) * 512, 0);
+                h.set_entry_type(tar::EntryType::Regular);
+                h.set_mode(0o644);
+                h.set_size(bytes.len() as u64);
+                b.append_data(&mut h, p, &bytes[..])
+                    .map_err(|e| fail(p, e))?;
             }
         }
     }
-    out.resize(out.len() + 1024, 0);
-    Ok(out)
+    b.into_inner()
+        .map_err(|e| format!("cannot finish the archive: {e}"))
 }

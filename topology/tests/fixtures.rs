@@ -376,29 +376,61 @@ fn malformed_nvidia_smi_text_names_the_line() {
     );
 }
 
-/// A capture, unpacked by the system's `tar`, detects as the original.
+/// A capture, read back entry by entry and unpacked (by the `tar` crate,
+/// and by the system's `tar` as a user would), detects as the original.
 fn round_trip(root: &Path, name: &str) {
-    use zeropp_topology::capture::{capture, to_tar};
+    use zeropp_topology::capture::{Entry, capture, to_tar};
     let entries = capture(root);
     let tar = to_tar(&entries).unwrap();
     assert_eq!(tar.len() % 512, 0);
-    let out = std::env::temp_dir().join(format!("zeropp-capture-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&out);
-    std::fs::create_dir_all(&out).unwrap();
-    let file = out.with_extension("tar");
-    std::fs::write(&file, &tar).unwrap();
-    let st = std::process::Command::new("tar")
-        .arg("-xf")
-        .arg(&file)
-        .arg("-C")
-        .arg(&out)
-        .status()
-        .unwrap();
-    assert!(st.success());
-    let (a, b) = (detect(root).unwrap(), detect(&out).unwrap());
-    assert_eq!(a, b);
-    std::fs::remove_dir_all(&out).ok();
-    std::fs::remove_file(&file).ok();
+    // Every entry comes back with its kind, path, bytes and link target.
+    let mut archive = tar::Archive::new(&tar[..]);
+    let back: Vec<Entry> = archive
+        .entries()
+        .unwrap()
+        .map(|e| {
+            let mut e = e.unwrap();
+            let path = e.path().unwrap().into_owned();
+            match e.header().entry_type() {
+                tar::EntryType::Directory => Entry::Dir(path),
+                tar::EntryType::Symlink => {
+                    Entry::Symlink(path, e.link_name().unwrap().unwrap().into_owned())
+                }
+                _ => {
+                    let mut bytes = Vec::new();
+                    std::io::Read::read_to_end(&mut e, &mut bytes).unwrap();
+                    Entry::File(path, bytes)
+                }
+            }
+        })
+        .collect();
+    assert_eq!(back, entries);
+    for unpack in ["crate", "system"] {
+        let out = std::env::temp_dir().join(format!(
+            "zeropp-capture-{name}-{unpack}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&out);
+        std::fs::create_dir_all(&out).unwrap();
+        if unpack == "crate" {
+            tar::Archive::new(&tar[..]).unpack(&out).unwrap();
+        } else {
+            let file = out.with_extension("tar");
+            std::fs::write(&file, &tar).unwrap();
+            let st = std::process::Command::new("tar")
+                .arg("-xf")
+                .arg(&file)
+                .arg("-C")
+                .arg(&out)
+                .status()
+                .unwrap();
+            assert!(st.success());
+            std::fs::remove_file(&file).ok();
+        }
+        let (a, b) = (detect(root).unwrap(), detect(&out).unwrap());
+        assert_eq!(a, b, "{unpack}");
+        std::fs::remove_dir_all(&out).ok();
+    }
 }
 
 #[test]
