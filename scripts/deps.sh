@@ -4,8 +4,9 @@
 set -euo pipefail
 
 # libucx0: the UCX transport (loaded at run time; TCP works without it).
-# openmpi-bin: mpirun, for the launcher tests and as the collectives peer.
-zeropp_apt_packages=(build-essential pkg-config iproute2 python3 python3-venv libucx0 openmpi-bin)
+# openmpi-bin: mpirun, for the launcher tests and as the collectives peer;
+# libopenmpi-dev: mpicc, to build that peer (zeropp bench collectives).
+zeropp_apt_packages=(build-essential pkg-config iproute2 python3 python3-venv libucx0 openmpi-bin libopenmpi-dev)
 
 zeropp_install_deps() {
   local missing=()

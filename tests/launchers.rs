@@ -172,3 +172,39 @@ fn srun_starts_a_four_rank_training_run() {
         "{stdout}"
     );
 }
+
+/// `zeropp bench collectives` prints, in the same run, the same
+/// collectives through Open MPI (compiled with mpicc from
+/// libopenmpi-dev, started with the real mpirun) and zeropp / Open MPI
+/// per collective and size.
+#[test]
+fn the_collectives_bench_compares_with_open_mpi_in_the_same_run() {
+    let out = Command::new(ZEROPP)
+        .args(["launch", "--nodes", "1", "--ranks-per-node", "2", "--"])
+        .args([ZEROPP, "bench", "collectives", "--sizes", "64K,256K"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("Open MPI on the same 2 ranks"),
+        "no Open MPI comparison (scripts/deps.sh installs libopenmpi-dev): {stdout}"
+    );
+    // One row per size in each table, each with four ratios.
+    for size in ["64K", "256K"] {
+        let rows: Vec<&str> = stdout
+            .lines()
+            .filter(|l| {
+                l.trim_start_matches("[rank 0]")
+                    .trim_start()
+                    .starts_with(size)
+            })
+            .collect();
+        assert_eq!(rows.len(), 2, "{stdout}");
+        assert!(rows.iter().all(|r| r.matches('x').count() == 4), "{rows:?}");
+    }
+}

@@ -86,6 +86,7 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
         );
     }
     let mut raw_tag = 1u64 << 63;
+    let mut rows = Vec::new();
     for &size in sizes {
         let size = size.max(4 * p) / (4 * p) * (4 * p); // whole f32 per rank
         let moved = size as f64 * (p - 1) as f64 / p as f64;
@@ -141,8 +142,126 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
                 print!(" | {:>9.3} {:>5.2}x", bw, bw / raw_bw);
             }
             println!();
+            rows.push((size, row));
         }
     }
     c.barrier(&g)?;
+    if me == 0 {
+        let one_host = job
+            .table
+            .iter()
+            .all(|p| p.host == job.table[0].host && p.host_id == job.table[0].host_id);
+        drop(job);
+        if one_host {
+            compare_with_open_mpi(p, iters, &rows);
+        } else {
+            println!("(no Open MPI comparison: it runs on one host, and this job spans several)");
+        }
+    }
     Ok(())
+}
+
+/// The same collectives through Open MPI on this host, after zeropp's own
+/// rows (its ranks idle then): the peer program is compiled with `mpicc`
+/// and started with `mpirun -np P`; prints Open MPI's bus bandwidth and
+/// zeropp / Open MPI per collective and size. Without mpicc/mpirun, a note.
+fn compare_with_open_mpi(p: usize, iters: usize, rows: &[(usize, [f64; 4])]) {
+    match open_mpi_rows(p, iters, rows) {
+        Ok(theirs) => {
+            println!(
+                "\nOpen MPI on the same {p} ranks of this host (busbw GB/s; ratio = zeropp / Open MPI)"
+            );
+            println!(
+                "{:>8} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
+                "size",
+                "allgather",
+                "ratio",
+                "red-scat",
+                "ratio",
+                "allreduce",
+                "ratio",
+                "alltoall",
+                "ratio"
+            );
+            for ((size, ours), (_, mpi)) in rows.iter().zip(&theirs) {
+                print!("{:>8}", human(*size));
+                for (o, m) in ours.iter().zip(mpi) {
+                    print!(" | {:>9.3} {:>5.2}x", m, o / m);
+                }
+                println!();
+            }
+        }
+        Err(why) => println!("(no Open MPI comparison: {why})"),
+    }
+}
+
+fn open_mpi_rows(
+    p: usize,
+    iters: usize,
+    rows: &[(usize, [f64; 4])],
+) -> Result<Vec<(usize, [f64; 4])>, String> {
+    use std::process::Command;
+    let dir = std::env::temp_dir().join(format!("zeropp-mpi-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let src = dir.join("mpi_collectives.c");
+    let bin = dir.join("mpi_collectives");
+    std::fs::write(&src, include_str!("mpi_collectives.c")).map_err(|e| e.to_string())?;
+    let built = Command::new("mpicc")
+        .args(["-O2", "-o"])
+        .arg(&bin)
+        .arg(&src)
+        .output()
+        .map_err(|e| {
+            format!("mpicc not found ({e}): apt-get install libopenmpi-dev openmpi-bin")
+        })?;
+    if !built.status.success() {
+        return Err(format!(
+            "mpicc failed: {}",
+            String::from_utf8_lossy(&built.stderr)
+        ));
+    }
+    let mut run = Command::new("mpirun");
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        run.arg("--allow-run-as-root");
+    }
+    let out = run
+        .args([
+            "--oversubscribe",
+            "--bind-to",
+            "none",
+            "-np",
+            &p.to_string(),
+        ])
+        .arg(&bin)
+        .arg(iters.to_string())
+        .args(rows.iter().map(|(s, _)| s.to_string()))
+        .output()
+        .map_err(|e| format!("mpirun not found ({e}): apt-get install openmpi-bin"))?;
+    let _ = std::fs::remove_dir_all(&dir);
+    if !out.status.success() {
+        return Err(format!(
+            "mpirun failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let parsed: Vec<(usize, [f64; 4])> = text
+        .lines()
+        .filter_map(|l| {
+            let v: Vec<f64> = l
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            (v.len() == 5).then(|| (v[0] as usize, [v[1], v[2], v[3], v[4]]))
+        })
+        .collect();
+    if parsed.len() != rows.len() {
+        return Err(format!(
+            "the Open MPI peer printed {} rows for {} sizes: {text}",
+            parsed.len(),
+            rows.len()
+        ));
+    }
+    Ok(parsed)
 }
