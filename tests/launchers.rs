@@ -29,6 +29,8 @@ fn mpirun_starts_a_four_rank_training_run() {
             "ZEROPP_TOKEN",
             "-x",
             "ZEROPP_TIMEOUT_S",
+            "-x",
+            "MASTER_PORT",
             ZEROPP,
         ])
         .args([
@@ -42,6 +44,8 @@ fn mpirun_starts_a_four_rank_training_run() {
         ])
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
+        // Its own port: the tests of this file run at once.
+        .env("MASTER_PORT", free_port().to_string())
         .output()
         .expect("mpirun (Open MPI's openmpi-bin) must be installed: scripts/deps.sh installs it");
     let (stdout, stderr) = (
@@ -159,6 +163,7 @@ fn srun_starts_a_four_rank_training_run() {
         ])
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
+        .env("MASTER_PORT", free_port().to_string())
         .output()
         .expect("srun must be installed and Slurm running: bash scripts/slurm.sh (root) does both");
     let (stdout, stderr) = (
