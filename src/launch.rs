@@ -33,7 +33,19 @@ pub struct LaunchOptions {
     pub command: Vec<String>,
 }
 
+/// A free port for a self-launched job's rendezvous, below the kernel's
+/// ephemeral range (32768 and up by default): a port the kernel hands out
+/// for `bind(0)` is also what it hands the next outgoing connection of any
+/// process, so between our check and rank 0's bind another job's client
+/// socket could take it. Random ports in 20000..32768 that bind now; the
+/// kernel's own pick if none does.
 fn free_port() -> Result<u16> {
+    for _ in 0..64 {
+        let port: u16 = rand::rng().random_range(20000..32768);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
 }
