@@ -641,7 +641,7 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
     let model = &m.config.model;
     let units = model.units();
     let weights = full_weights(dir, m)?;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for (unit, (info, flat)) in units.iter().zip(&weights) {
         let mut off = 0;
         for p in unit.params(model) {
@@ -656,14 +656,26 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
             tensors.push((
                 format!("{}.{}", info.name, p.name),
                 p.shape.clone(),
-                bytemuck::cast_slice(values).to_vec(),
+                values.to_vec(),
             ));
             off += n;
         }
     }
+    write_safetensors(out, &tensors, None)?;
+    Ok(tensors.len())
+}
+
+/// Writes f32 tensors `(name, shape, values)` to `path` as one safetensors
+/// file, with `meta` in its header (transformers wants `format: pt`).
+pub fn write_safetensors(
+    path: &Path,
+    tensors: &[(String, Vec<usize>, Vec<f32>)],
+    meta: Option<std::collections::HashMap<String, String>>,
+) -> Result<()> {
     let views = tensors
         .iter()
-        .map(|(name, shape, bytes)| {
+        .map(|(name, shape, values)| {
+            let bytes: &[u8] = bytemuck::cast_slice(values);
             Ok((
                 name.clone(),
                 safetensors::tensor::TensorView::new(
@@ -674,9 +686,8 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
             ))
         })
         .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, None, out)
-        .with_context(|| format!("cannot write {}", out.display()))?;
-    Ok(tensors.len())
+    safetensors::serialize_to_file(views, meta, path)
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// The human view of `zeropp ckpt inspect`.

@@ -20,14 +20,6 @@ use crate::train::checkpoint::{self, Manifest};
 use crate::train::infer::unit_weights;
 use crate::train::model::{ModelConfig, Unit};
 
-/// The files `export` writes into its directory.
-pub const FILES: [&str; 4] = [
-    "config.json",
-    "model.safetensors",
-    "tokenizer.json",
-    "tokenizer_config.json",
-];
-
 /// GPT-2's name for one of our parameters (`unit`, `param` as in
 /// `Unit::params`), and whether its matrix is transposed on the way.
 fn gpt2_name(unit: &Unit, param: &str) -> Result<(String, bool)> {
@@ -173,25 +165,9 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
         }
     }
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let views = tensors
-        .iter()
-        .map(|(name, shape, values)| {
-            let bytes: &[u8] = bytemuck::cast_slice(values);
-            Ok((
-                name.clone(),
-                safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::F32,
-                    shape.clone(),
-                    bytes,
-                )?,
-            ))
-        })
-        .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()?;
     // transformers reads only files that say they hold PyTorch's layout.
     let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    let weights_path = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, Some(meta), &weights_path)
-        .with_context(|| format!("cannot write {}", weights_path.display()))?;
+    checkpoint::write_safetensors(&out.join("model.safetensors"), &tensors, Some(meta))?;
     let write_json = |name: &str, v: &serde_json::Value| -> Result<()> {
         let p = out.join(name);
         std::fs::write(&p, serde_json::to_vec_pretty(v)?)

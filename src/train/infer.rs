@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use candle_core::{D, Device, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
@@ -189,12 +189,9 @@ pub fn byte_ids(texts: &[String]) -> Vec<Vec<u32>> {
 /// Writes `logits` to `path` as a safetensors file holding one f32 tensor
 /// named `logits`.
 pub fn write_logits(path: &Path, logits: &Tensor) -> Result<()> {
-    let shape = logits.dims().to_vec();
     let values = logits.flatten_all()?.to_vec1::<f32>()?;
-    let bytes: &[u8] = bytemuck::cast_slice(&values);
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape, bytes)?;
-    safetensors::serialize_to_file([("logits", view)], None, path)
-        .with_context(|| format!("cannot write {}", path.display()))
+    let t = [("logits".to_string(), logits.dims().to_vec(), values)];
+    checkpoint::write_safetensors(path, &t, None)
 }
 
 #[cfg(test)]
