@@ -33,19 +33,7 @@ fn timed(
     Ok(bytes_f32(&all)?.into_iter().fold(0f32, f32::max) as f64)
 }
 
-/// Parses sizes like `4K`, `16M`, `1G`, `1000`.
-pub fn parse_size(s: &str) -> Result<usize, String> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<usize>()
-        .map(|n| n * mult)
-        .map_err(|_| format!("{s:?} is not a size like 4K, 16M or 1G"))
-}
+pub use crate::comm::pool::parse_size;
 
 fn human(bytes: usize) -> String {
     match bytes {
@@ -120,13 +108,16 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
         let ar = timed(c, &g, iters, || {
             c.all_reduce_f32(&g, &data).map(|_| ()).map_err(Into::into)
         })?;
-        let bounds = balanced_bounds(size, p);
+        // Built once, like Open MPI's send buffer below (a fresh buffer per
+        // call would time its page faults, not the collective).
+        let to_each: Vec<Bytes> = balanced_bounds(size, p)
+            .iter()
+            .map(|r| Bytes::from(vec![me as u8; r.len()]))
+            .collect();
         let a2a = timed(c, &g, iters, || {
-            let to_each = bounds
-                .iter()
-                .map(|r| Bytes::from(vec![0u8; r.len()]))
-                .collect();
-            c.all_to_all_v(&g, to_each).map(|_| ()).map_err(Into::into)
+            c.all_to_all_v(&g, to_each.clone())
+                .map(|_| ())
+                .map_err(Into::into)
         })?;
         if me == 0 {
             let gbs = |bytes: f64, t: f64| bytes / t / 1e9;

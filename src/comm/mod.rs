@@ -11,6 +11,7 @@ pub mod inproc;
 pub mod job;
 pub mod mailbox;
 pub mod nccl;
+pub mod pool;
 pub mod rendezvous;
 pub mod tcp;
 pub mod torch_store;

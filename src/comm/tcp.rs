@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::mailbox::Mailbox;
+use super::pool::BufferPool;
 use super::wire::{self, Header, Kind, ReadFrame};
 use super::{CommError, SendHandle, Tag, Transport};
 
@@ -211,10 +212,13 @@ impl TcpTransport {
         }
 
         let mailbox = Arc::new(Mailbox::default());
+        let pool = BufferPool::from_env();
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
         for (peer, stream) in streams.into_iter().enumerate() {
             let Some(stream) = stream else { continue };
-            peers[peer] = Some(Self::start_peer(rank, peer, stream, &mailbox, options)?);
+            peers[peer] = Some(Self::start_peer(
+                rank, peer, stream, &mailbox, &pool, options,
+            )?);
         }
         Ok(TcpTransport {
             rank,
@@ -229,6 +233,7 @@ impl TcpTransport {
         peer: usize,
         stream: TcpStream,
         mailbox: &Arc<Mailbox>,
+        pool: &Arc<BufferPool>,
         options: &TcpOptions,
     ) -> Result<Peer, CommError> {
         stream.set_nodelay(true).map_err(io_err("a socket"))?;
@@ -239,14 +244,15 @@ impl TcpTransport {
         let mut write_half = stream.try_clone().map_err(io_err("a socket"))?;
 
         let inbox = mailbox.clone();
+        let pool = pool.clone();
         let reader = std::thread::Builder::new()
             .name(format!("zeropp-rx-{peer}"))
             .spawn(move || {
                 let mut r = BufReader::with_capacity(1 << 16, read_half);
                 loop {
-                    match wire::read_frame(&mut r) {
-                        Ok(ReadFrame::Frame(h, payload)) if h.source as usize == peer => match h.kind {
-                            Kind::Data => inbox.deliver(peer, h.tag, Bytes::from(payload)),
+                    match wire::read_frame_pooled(&mut r, &pool) {
+                        Ok(Some((h, payload))) if h.source as usize == peer => match h.kind {
+                            Kind::Data => inbox.deliver(peer, h.tag, payload.into_bytes()),
                             Kind::Goodbye => {
                                 inbox.peer_left(peer, "it closed its connections (it finished or shut down)".into());
                                 return;
@@ -256,11 +262,11 @@ impl TcpTransport {
                                 return;
                             }
                         },
-                        Ok(ReadFrame::Frame(h, _)) => {
+                        Ok(Some((h, _))) => {
                             inbox.peer_died(peer, format!("a frame on its connection claims to come from rank {}", h.source));
                             return;
                         }
-                        Ok(ReadFrame::End) => {
+                        Ok(None) => {
                             inbox.peer_died(peer, "its connection closed without a goodbye (the process died or was killed)".into());
                             return;
                         }

@@ -5,6 +5,9 @@
 
 use std::io::{Read, Write};
 
+use std::sync::Arc;
+
+use super::pool::{BufferPool, PooledBuf};
 use super::{CommError, Tag};
 
 pub const MAGIC: u32 = 0x5A50_5031; // "ZPP1"
@@ -117,14 +120,13 @@ pub enum ReadFrame {
     End,
 }
 
-/// Reads one frame. A stream that ends inside a frame is a `Malformed`
-/// error that says how much was missing.
-pub fn read_frame(r: &mut impl Read) -> Result<ReadFrame, CommError> {
+/// Reads a frame's header; `None` when the stream ended cleanly before it.
+fn read_header(r: &mut impl Read) -> Result<Option<Header>, CommError> {
     let mut h = [0u8; HEADER_LEN];
     let mut got = 0;
     while got < HEADER_LEN {
         match r.read(&mut h[got..]) {
-            Ok(0) if got == 0 => return Ok(ReadFrame::End),
+            Ok(0) if got == 0 => return Ok(None),
             Ok(0) => {
                 return Err(CommError::Malformed(format!(
                     "truncated message: the stream ended after {got} of {HEADER_LEN} header bytes"
@@ -140,9 +142,23 @@ pub fn read_frame(r: &mut impl Read) -> Result<ReadFrame, CommError> {
             }
         }
     }
-    let header = Header::decode(&h)?;
-    // Grow with what arrives: a lying length cannot make us allocate it.
-    let mut payload = Vec::with_capacity(header.len.min(64 << 20) as usize);
+    Header::decode(&h).map(Some)
+}
+
+/// Payloads up to this size are read into a buffer of their announced
+/// length at once; longer ones grow with what arrives, so a lying length
+/// cannot make the reader allocate it.
+const ALLOCATE_UP_FRONT: u64 = 64 << 20;
+
+fn truncated(header: &Header, read: u64) -> CommError {
+    CommError::Malformed(format!(
+        "truncated message from rank {}: {read} of {} payload bytes arrived",
+        header.source, header.len
+    ))
+}
+
+fn read_growing(r: &mut impl Read, header: &Header) -> Result<Vec<u8>, CommError> {
+    let mut payload = Vec::with_capacity(header.len.min(ALLOCATE_UP_FRONT) as usize);
     let read = r
         .take(header.len)
         .read_to_end(&mut payload)
@@ -151,12 +167,51 @@ pub fn read_frame(r: &mut impl Read) -> Result<ReadFrame, CommError> {
             source: e,
         })?;
     if (read as u64) < header.len {
-        return Err(CommError::Malformed(format!(
-            "truncated message from rank {}: {read} of {} payload bytes arrived",
-            header.source, header.len
-        )));
+        return Err(truncated(header, read as u64));
     }
+    Ok(payload)
+}
+
+/// Reads one frame. A stream that ends inside a frame is a `Malformed`
+/// error that says how much was missing.
+pub fn read_frame(r: &mut impl Read) -> Result<ReadFrame, CommError> {
+    let Some(header) = read_header(r)? else {
+        return Ok(ReadFrame::End);
+    };
+    let payload = read_growing(r, &header)?;
     Ok(ReadFrame::Frame(header, payload))
+}
+
+/// [`read_frame`] for bulk data: the payload lands in a buffer from `pool`
+/// (no page faults for a buffer reused from an earlier message; comm/pool.rs).
+/// `None` when the stream ended cleanly between frames.
+pub fn read_frame_pooled(
+    r: &mut impl Read,
+    pool: &Arc<BufferPool>,
+) -> Result<Option<(Header, PooledBuf)>, CommError> {
+    let Some(header) = read_header(r)? else {
+        return Ok(None);
+    };
+    if header.len > ALLOCATE_UP_FRONT {
+        let payload = read_growing(r, &header)?;
+        return Ok(Some((header, PooledBuf::unpooled(payload))));
+    }
+    let mut buf = pool.take(header.len as usize);
+    let mut got = 0;
+    while got < buf.len() {
+        match r.read(&mut buf.as_mut_slice()[got..]) {
+            Ok(0) => return Err(truncated(&header, got as u64)),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(CommError::Io {
+                    what: format!("rank {}", header.source),
+                    source: e,
+                });
+            }
+        }
+    }
+    Ok(Some((header, buf)))
 }
 
 #[cfg(test)]
@@ -187,6 +242,36 @@ mod tests {
             ReadFrame::End => panic!("expected a frame"),
         }
         assert!(matches!(read_frame(&mut r).unwrap(), ReadFrame::End));
+    }
+
+    #[test]
+    fn pooled_frames_round_trip_and_truncation_is_an_error() {
+        let pool = BufferPool::new(16 << 20);
+        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        let mut bytes = frame(&big);
+        bytes.extend(frame(b"small"));
+        let mut r = &bytes[..];
+        let (h, p) = read_frame_pooled(&mut r, &pool).unwrap().expect("a frame");
+        assert_eq!((h.source, h.tag), (3, 0xdead_beef));
+        assert_eq!(p.as_ref(), &big[..]);
+        drop(p);
+        assert!(
+            pool.held() > 0,
+            "the big payload's buffer went back to the pool"
+        );
+        let (_, p) = read_frame_pooled(&mut r, &pool).unwrap().expect("a frame");
+        assert_eq!(p.as_ref(), b"small");
+        assert!(read_frame_pooled(&mut r, &pool).unwrap().is_none());
+        // A reused buffer holds the last message: a truncated one must fail,
+        // not deliver stale bytes.
+        let short = &bytes[..HEADER_LEN + 1000];
+        let err = read_frame_pooled(&mut &short[..], &pool)
+            .err()
+            .expect("an error");
+        assert!(
+            err.to_string().contains("1000 of 200000 payload bytes"),
+            "{err}"
+        );
     }
 
     #[test]

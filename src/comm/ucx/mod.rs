@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::mailbox::Mailbox;
+use super::pool::{BufferPool, PooledBuf};
 use super::{CommError, SendHandle, Tag, Transport};
 use sys::*;
 
@@ -161,7 +162,7 @@ enum Op {
         _data: Bytes,
     },
     Recv {
-        buf: Vec<u8>,
+        buf: PooledBuf,
     },
 }
 
@@ -488,7 +489,8 @@ impl UcxTransport {
                 let ok = connected.is_ok();
                 let _ = ready_tx.send(connected);
                 if ok {
-                    progress_loop(&mut worker, rank, world_size, &inbox, command_rx);
+                    let pool = BufferPool::from_env();
+                    progress_loop(&mut worker, rank, world_size, &inbox, &pool, command_rx);
                 }
                 inbox.close();
             })
@@ -523,6 +525,7 @@ fn progress_loop(
     rank: usize,
     world: usize,
     inbox: &Mailbox,
+    pool: &Arc<BufferPool>,
     commands: mpsc::Receiver<Command>,
 ) {
     let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
@@ -579,14 +582,16 @@ fn progress_loop(
                 break;
             }
             busy = true;
-            let mut buf = vec![0u8; info.length];
+            // A reused buffer when one of about this size came back: no
+            // page faults (comm/pool.rs); UCX overwrites all of it.
+            let mut buf = pool.take(info.length);
             let p = Params::new();
             // SAFETY: `buf` has exactly the message's length and is kept in
             // `Op::Recv` until the request completes.
             let r = unsafe {
                 (w.ucp.tag_msg_recv_nbx)(
                     w.worker,
-                    buf.as_mut_ptr().cast(),
+                    buf.as_mut_slice().as_mut_ptr().cast(),
                     buf.len(),
                     msg,
                     p.as_ptr(),
@@ -664,7 +669,7 @@ fn progress_loop(
 }
 
 /// Files a received `[header | payload]` in the mailbox; true for a goodbye.
-fn deliver(inbox: &Mailbox, world: usize, buf: Vec<u8>) -> bool {
+fn deliver(inbox: &Mailbox, world: usize, buf: PooledBuf) -> bool {
     if buf.len() < HEADER {
         tracing::warn!(
             "dropped a {}-byte UCX message: shorter than the header",
@@ -672,15 +677,16 @@ fn deliver(inbox: &Mailbox, world: usize, buf: Vec<u8>) -> bool {
         );
         return false;
     }
-    let kind = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
-    let source = u32::from_le_bytes([buf[4], buf[5], buf[6], buf[7]]) as usize;
-    let tag = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
+    let head = &buf.as_ref()[..HEADER];
+    let kind = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let source = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+    let tag = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
     if source >= world {
         tracing::warn!("dropped a UCX message claiming to come from rank {source} of {world}");
         return false;
     }
     match kind {
-        KIND_DATA => inbox.deliver(source, tag, Bytes::from(buf).slice(HEADER..)),
+        KIND_DATA => inbox.deliver(source, tag, buf.into_bytes().slice(HEADER..)),
         KIND_GOODBYE => {
             inbox.peer_left(
                 source,
