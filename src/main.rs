@@ -938,16 +938,27 @@ fn run(cli: Cli) -> Result<()> {
 /// buffer freed, after which such buffers come from the heap and their
 /// memory stays with the process: a training step's per-unit buffers then
 /// hold the peak resident set ~15% above what is live (measured on the
-/// 25M-parameter model, docs/BENCHMARKS.md). A fixed threshold keeps large
-/// buffers mapped and returns them when freed. MALLOC_MMAP_THRESHOLD_ set
-/// by the user wins.
+/// 25M-parameter model, docs/BENCHMARKS.md). A fixed threshold keeps
+/// unit-sized buffers mapped and returns them when freed. It sits at 2 MiB,
+/// not lower: below it are the model's activations and their gradients,
+/// allocated and freed by every operation, and a mapped buffer faults on
+/// every page at its first write — at 256 KiB those faults took half of a
+/// small model's step. The trim threshold (16 MiB) lets the heap keep that
+/// much free memory at its top instead of returning and refaulting it at
+/// every operation. MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set by
+/// the user win.
 fn fix_mmap_threshold() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter; no thread
-        // allocates concurrently this early.
-        unsafe {
-            libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 10);
+    for (var, param, value) in [
+        ("MALLOC_MMAP_THRESHOLD_", libc::M_MMAP_THRESHOLD, 2 << 20),
+        ("MALLOC_TRIM_THRESHOLD_", libc::M_TRIM_THRESHOLD, 16 << 20),
+    ] {
+        if std::env::var_os(var).is_none() {
+            // SAFETY: mallopt only sets an allocator parameter; no thread
+            // allocates concurrently this early.
+            unsafe {
+                libc::mallopt(param, value);
+            }
         }
     }
 }

@@ -7,5 +7,6 @@ pub mod data;
 pub mod hf;
 pub mod infer;
 pub mod model;
+pub mod ops;
 pub mod parity;
 pub mod trainer;

@@ -3,7 +3,7 @@
 //! parameters and its input. The model knows nothing of sharding: the engine
 //! hands a unit its full parameters (as tensors) and calls `forward`.
 
-use candle_core::{D, DType, Device, Result, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -197,7 +197,7 @@ impl Unit {
             }
             Unit::Block(_) => block_forward(c, params, input),
             Unit::Head => {
-                let x = candle_nn::ops::layer_norm_slow(input, &params[0], &params[1], 1e-5)?;
+                let x = super::ops::layer_norm(input, &params[0], &params[1], 1e-5)?;
                 if c.tied_head {
                     linear(&x, &params[2].t()?)
                 } else {
@@ -217,27 +217,19 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.reshape((b * t, d))?.matmul(w)?.reshape((b, t, k))
 }
 
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let mask: Vec<f32> = (0..t * t)
-        .map(|i| if i % t > i / t { -1e9 } else { 0.0 })
-        .collect();
-    Tensor::from_vec(mask, (t, t), device)
-}
-
 fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     let (b, t, d) = x.dims3()?;
     let h = c.heads;
     let hd = d / h;
     // Attention.
-    let a = candle_nn::ops::layer_norm_slow(x, &p[0], &p[1], 1e-5)?;
+    let a = super::ops::layer_norm(x, &p[0], &p[1], 1e-5)?;
     let qkv = linear(&a, &p[2])?.broadcast_add(&p[3])?;
     let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?;
     let q = qkv.get(0)?.contiguous()?;
     let k = qkv.get(1)?.contiguous()?;
     let v = qkv.get(2)?.contiguous()?;
-    let scores = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let scores = scores.broadcast_add(&causal_mask(t, x.device())?)?;
-    let att = candle_nn::ops::softmax(&scores, D::Minus1)?;
+    let scores = q.matmul(&k.t()?.contiguous()?)?;
+    let att = super::ops::causal_softmax(&scores, 1.0 / (hd as f64).sqrt())?;
     let y = att
         .matmul(&v)?
         .transpose(1, 2)?
@@ -246,8 +238,9 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     let y = linear(&y, &p[4])?.broadcast_add(&p[5])?;
     let x = (x + y)?;
     // MLP.
-    let m = candle_nn::ops::layer_norm_slow(&x, &p[6], &p[7], 1e-5)?;
-    let m = linear(&m, &p[8])?.broadcast_add(&p[9])?.gelu()?;
+    let m = super::ops::layer_norm(&x, &p[6], &p[7], 1e-5)?;
+    let m = linear(&m, &p[8])?.broadcast_add(&p[9])?;
+    let m = super::ops::gelu(&m)?;
     let m = linear(&m, &p[10])?.broadcast_add(&p[11])?;
     x + m
 }

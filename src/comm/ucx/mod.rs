@@ -59,6 +59,13 @@ const TUNED_DEFAULTS: &[(&str, &str, &str)] = &[
     ("UCX_RNDV_THRESH", "RNDV_THRESH", "inf"),
 ];
 
+/// Idle rounds the progress thread spins before it naps.
+const SPIN: u32 = 64;
+/// Its nap while traffic is recent, and how many before the long nap.
+const NAP: Duration = Duration::from_micros(50);
+const NAP_ROUNDS: u32 = 2000;
+const LONG_NAP: Duration = Duration::from_millis(1);
+
 /// How often node-local peers' processes are checked.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
 
@@ -659,10 +666,15 @@ fn progress_loop(
         if busy {
             idle = 0;
         } else {
-            idle += 1;
-            // Spin briefly, then yield the core: ranks often share cores.
-            if idle > 64 {
-                std::thread::sleep(Duration::from_micros(50));
+            idle = idle.saturating_add(1);
+            // Spin briefly, then yield the core (ranks often share cores);
+            // after a long quiet spell (no traffic for ~100 ms: evaluation,
+            // a one-rank job) wake less often. A send wakes the thread at
+            // once (`UcxTransport::send` unparks it).
+            if idle > SPIN + NAP_ROUNDS {
+                std::thread::park_timeout(LONG_NAP);
+            } else if idle > SPIN {
+                std::thread::park_timeout(NAP);
             }
         }
     }
@@ -734,6 +746,9 @@ impl Transport for UcxTransport {
                 done: done.clone(),
             })
             .map_err(|_| CommError::Closed)?;
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
         Ok(done)
     }
 
