@@ -17,7 +17,9 @@ use zeropp_quant::Rounding;
 
 use crate::comm::collectives::{CommThread, Pending};
 use crate::comm::{CommError, Communicator, Transport};
-use crate::train::model::{ModelConfig, Unit, loss, tensors_from_flat};
+use crate::train::model::{
+    ModelConfig, Unit, extend_with, loss, tensors_from_flat, vars_from_flat,
+};
 use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use crate::zero::residual::Residual;
 use crate::zero::traffic::{CountingTransport, Phase, Traffic};
@@ -557,12 +559,8 @@ impl Engine {
             }
             let full = self.decode_full(u, &payloads)?;
             drop(payloads);
-            let vars = self
-                .full_params(u, &full)?
-                .into_iter()
-                .map(|t| Var::from_tensor(&t))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            // The tensors hold their own copy.
+            let vars = vars_from_flat(&self.units[u].unit, &self.cfg.model, &full, &self.device)?;
+            // The variables hold their own copy.
             drop(full);
             let mut tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
             // A tied head differentiates the embedding's token matrix too;
@@ -598,7 +596,7 @@ impl Engine {
             let mut flat = Vec::with_capacity(self.units[u].padded);
             for v in &vars {
                 match grads.get(v.as_tensor()) {
-                    Some(gt) => flat.extend(gt.flatten_all()?.to_vec1::<f32>()?),
+                    Some(gt) => extend_with(&mut flat, gt)?,
                     None => flat.extend(std::iter::repeat_n(0.0, v.as_tensor().elem_count())),
                 }
             }

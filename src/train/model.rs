@@ -264,6 +264,42 @@ pub fn tensors_from_flat(
         .collect()
 }
 
+/// Like [`tensors_from_flat`], but as variables to differentiate (one copy
+/// of the buffer: a tensor turned into a `Var` would be copied again).
+pub fn vars_from_flat(
+    unit: &Unit,
+    c: &ModelConfig,
+    flat: &[f32],
+    device: &Device,
+) -> Result<Vec<candle_core::Var>> {
+    let mut off = 0;
+    unit.params(c)
+        .iter()
+        .map(|p| {
+            let n = p.numel();
+            let v = candle_core::Var::from_slice(&flat[off..off + n], p.shape.as_slice(), device);
+            off += n;
+            v
+        })
+        .collect()
+}
+
+/// Appends an f32 tensor's values to `out`: read straight from its storage
+/// when it is contiguous on the CPU, else through a copy.
+pub fn extend_with(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            out.extend_from_slice(&data[a..b]);
+            return Ok(());
+        }
+    }
+    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
+    Ok(())
+}
+
 /// Mean cross-entropy of logits `[b, t, v]` against targets `[b, t]`.
 pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;

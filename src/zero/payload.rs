@@ -3,7 +3,7 @@
 //! little-endian). Decoding checks the length against the plan, so a
 //! truncated or foreign message is an error naming what was expected.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use half::bf16;
 use zeropp_quant::{
     Element, QuantFormat, QuantizedChunks, QuantizedRef, QuantizedTensor, Rounding,
@@ -18,14 +18,36 @@ fn malformed(what: &str, expected: usize, found: usize) -> CommError {
     ))
 }
 
-/// f32 → bf16 bytes.
-pub fn encode_bf16(x: &[f32]) -> Bytes {
-    let mut b = BytesMut::with_capacity(x.len() * 2);
-    for &v in x {
-        let h: bf16 = zeropp_quant::Element::from_f32(v);
-        b.put_u16_le(h.to_bits());
+/// Values whose bytes are the message, without a copy into a byte buffer.
+struct Words<T>(Vec<T>);
+
+impl<T: bytemuck::Pod> AsRef<[u8]> for Words<T> {
+    fn as_ref(&self) -> &[u8] {
+        bytemuck::cast_slice(&self.0)
     }
-    b.freeze()
+}
+
+/// f32 → bf16 bytes, round to nearest even. Written as one map over the
+/// values so that it vectorises (appending two bytes at a time did not: it
+/// was a tenth of a one-rank step of the 3.76M model).
+pub fn encode_bf16(x: &[f32]) -> Bytes {
+    encode_bf16_from(x)
+}
+
+/// [`encode_bf16`] of any element type (widened to f32 first). The wire is
+/// little-endian: `to_le` is a no-op on little-endian hosts.
+pub fn encode_bf16_from<T: Element>(x: &[T]) -> Bytes {
+    let words: Vec<u16> = x
+        .iter()
+        .map(|v| <bf16 as Element>::from_f32(v.to_f32()).to_bits().to_le())
+        .collect();
+    Bytes::from_owner(Words(words))
+}
+
+/// Any element type → little-endian f32 bytes.
+pub fn encode_f32_from<T: Element>(x: &[T]) -> Bytes {
+    let words: Vec<u32> = x.iter().map(|v| v.to_f32().to_bits().to_le()).collect();
+    Bytes::from_owner(Words(words))
 }
 
 /// bf16 bytes → f32, written into `out`.
@@ -179,5 +201,33 @@ mod tests {
         decode_bf16(&b, &mut back).unwrap();
         assert!(x.iter().zip(&back).all(|(a, b)| (a - b).abs() < 0.01));
         assert!(decode_bf16(&b[1..], &mut back).is_err());
+    }
+
+    #[test]
+    fn bf16_bytes_are_halfs_rounding_in_little_endian() {
+        let mut x = vec![
+            0.0,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            f32::from_bits(0x3f80_8000), // a tie: rounds to even (down)
+            f32::from_bits(0x3f81_8000), // a tie: rounds to even (up)
+        ];
+        x.extend((0..5000).map(|i| (i as f32 * 0.731).sin() * 10f32.powi(i % 9 - 4)));
+        let b = encode_bf16(&x);
+        assert_eq!(b.len(), 2 * x.len());
+        for (v, c) in x.iter().zip(b.chunks_exact(2)) {
+            let want = bf16::from_f32(*v).to_bits().to_le_bytes();
+            if v.is_nan() {
+                assert!(bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).is_nan());
+            } else {
+                assert_eq!(c, want, "{v:e}");
+            }
+        }
     }
 }

@@ -25,14 +25,8 @@ pub fn scale_fraction(wire: WeightWire, chunk: usize) -> f64 {
 /// quantized message (round to nearest).
 pub fn encode_chunk<T: Element>(chunk: &[T], wire: WeightWire) -> Result<Bytes, CommError> {
     match wire {
-        WeightWire::Bf16 => {
-            let f: Vec<f32> = chunk.iter().map(|v| v.to_f32()).collect();
-            Ok(payload::encode_bf16(&f))
-        }
-        WeightWire::F32 => {
-            let f: Vec<f32> = chunk.iter().map(|v| v.to_f32()).collect();
-            Ok(Bytes::copy_from_slice(bytemuck::cast_slice(&f)))
-        }
+        WeightWire::Bf16 => Ok(payload::encode_bf16_from(chunk)),
+        WeightWire::F32 => Ok(payload::encode_f32_from(chunk)),
         WeightWire::Quantized(f) => payload::quantize_message(chunk, f),
     }
 }
