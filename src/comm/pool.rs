@@ -125,15 +125,37 @@ impl BufferPool {
 
     fn give_back(&self, buf: Vec<u8>) {
         let class = buf.len();
+        if class > self.budget {
+            return;
+        }
+        let mut evicted = Vec::new();
         let mut free = self.lock();
-        if free.held + class > self.budget {
+        if free
+            .by_class
+            .get(&class)
+            .is_some_and(|l| l.len() >= PER_CLASS)
+        {
             return; // freed when `buf` drops, after the lock
         }
-        let list = free.by_class.entry(class).or_default();
-        if list.len() < PER_CLASS {
-            list.push(buf);
+        // Make room by freeing buffers of other sizes, largest first: the
+        // sizes in use now matter more than those of earlier messages.
+        while free.held + class > self.budget {
+            let victim = free
+                .by_class
+                .iter()
+                .filter(|(c, l)| **c != class && !l.is_empty())
+                .map(|(c, _)| *c)
+                .max();
+            let Some(victim) = victim else { break };
+            evicted.extend(free.by_class.get_mut(&victim).and_then(Vec::pop));
+            free.held -= victim;
+        }
+        if free.held + class <= self.budget {
+            free.by_class.entry(class).or_default().push(buf);
             free.held += class;
         }
+        drop(free);
+        drop(evicted); // freed after the lock
     }
 }
 
@@ -238,6 +260,15 @@ mod tests {
         let bufs: Vec<_> = (0..PER_CLASS + 3).map(|_| pool.take(MIN_POOLED)).collect();
         drop(bufs);
         assert_eq!(pool.held(), PER_CLASS * MIN_POOLED);
+        // A new size makes room by freeing buffers of other sizes.
+        let pool = BufferPool::new(4 << 20);
+        drop((0..4).map(|_| pool.take(1 << 20)).collect::<Vec<_>>());
+        assert_eq!(pool.held(), 4 << 20);
+        drop(pool.take(2 << 20));
+        assert_eq!(pool.held(), 4 << 20, "two 1 MiB buffers gave way");
+        let b = pool.take(2 << 20);
+        assert_eq!(pool.held(), 2 << 20, "the 2 MiB one was kept and is reused");
+        drop(b);
         let off = BufferPool::new(0);
         drop(off.take(1 << 20));
         assert_eq!(off.held(), 0);

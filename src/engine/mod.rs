@@ -18,7 +18,7 @@ use zeropp_quant::Rounding;
 use crate::comm::collectives::{CommThread, Pending};
 use crate::comm::{CommError, Communicator, Transport};
 use crate::train::model::{
-    ModelConfig, Unit, extend_with, loss, tensors_from_flat, vars_from_flat,
+    ModelConfig, Unit, extend_with, loss, tensors_from_owned, vars_from_flat,
 };
 use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use crate::zero::residual::Residual;
@@ -355,8 +355,8 @@ impl Engine {
         })
     }
 
-    fn full_params(&self, u: usize, full: &[f32]) -> Result<Vec<Tensor>> {
-        Ok(tensors_from_flat(
+    fn full_params(&self, u: usize, full: Vec<f32>) -> Result<Vec<Tensor>> {
+        Ok(tensors_from_owned(
             &self.units[u].unit,
             &self.cfg.model,
             full,
@@ -499,8 +499,7 @@ impl Engine {
             let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
             let full = self.decode_full(u, &payloads)?;
             drop(payloads);
-            let mut params = self.full_params(u, &full)?;
-            drop(full);
+            let mut params = self.full_params(u, full)?;
             self.tie(u, &mut params, &mut tied_tokens);
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }
@@ -538,7 +537,7 @@ impl Engine {
                     Some(hpz::keep_secondary(&payloads, self.plan.hpz_group, g));
             }
             let full = self.decode_full(u, &payloads)?;
-            let mut params = self.full_params(u, &full)?;
+            let mut params = self.full_params(u, full)?;
             self.tie(u, &mut params, &mut tied_tokens);
             saved.push(x.clone());
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;

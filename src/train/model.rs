@@ -264,6 +264,29 @@ pub fn tensors_from_flat(
         .collect()
 }
 
+/// Like [`tensors_from_flat`], but without a copy: the buffer becomes one
+/// tensor and each parameter a view of it (for the forward pass, where
+/// nothing is differentiated).
+pub fn tensors_from_owned(
+    unit: &Unit,
+    c: &ModelConfig,
+    flat: Vec<f32>,
+    device: &Device,
+) -> Result<Vec<Tensor>> {
+    let len = flat.len();
+    let all = Tensor::from_vec(flat, len, device)?;
+    let mut off = 0;
+    unit.params(c)
+        .iter()
+        .map(|p| {
+            let n = p.numel();
+            let t = all.narrow(0, off, n)?.reshape(p.shape.as_slice());
+            off += n;
+            t
+        })
+        .collect()
+}
+
 /// Like [`tensors_from_flat`], but as variables to differentiate (one copy
 /// of the buffer: a tensor turned into a `Var` would be copied again).
 pub fn vars_from_flat(
