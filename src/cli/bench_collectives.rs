@@ -56,13 +56,16 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
     if me == 0 {
         println!(
             "zeropp bench collectives: {p} ranks, transport {}, {iters} iterations per size; \
-             busbw in GB/s, ratio = busbw / raw ring point-to-point bandwidth",
+             busbw in GB/s, ratio = busbw / raw ring point-to-point bandwidth; memcpy: every rank copying \
+             the same bytes at once (its ratio: raw / memcpy)",
             c.transport().name()
         );
         println!(
-            "{:>8} {:>10} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
+            "{:>8} {:>10} {:>8} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
             "size",
             "raw p2p",
+            "memcpy",
+            "ratio",
             "allgather",
             "ratio",
             "red-scat",
@@ -85,6 +88,14 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
             let h = c.transport().send(next, raw_tag, payload.clone())?;
             c.transport().recv(prev, raw_tag, c.timeout())?;
             h.wait(next, c.timeout())?;
+            Ok(())
+        })?;
+        // The copy limit: every rank at once copies what it would send into
+        // a buffer of its own (touched before, like the pool's buffers).
+        let mut copy_to = vec![0u8; moved as usize];
+        let copy = timed(c, &g, iters, || {
+            copy_to.copy_from_slice(&payload);
+            std::hint::black_box(&mut copy_to);
             Ok(())
         })?;
         let block = Bytes::from(vec![me as u8; size / p]);
@@ -122,13 +133,20 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
         if me == 0 {
             let gbs = |bytes: f64, t: f64| bytes / t / 1e9;
             let raw_bw = gbs(moved, raw);
+            let copy_bw = gbs(moved, copy);
             let row = [
                 gbs(moved, ag),
                 gbs(moved, rs),
                 gbs(2.0 * moved, ar),
                 gbs(moved, a2a),
             ];
-            print!("{:>8} {:>10.3}", human(size), raw_bw);
+            print!(
+                "{:>8} {:>10.3} {:>8.3} {:>5.2}x",
+                human(size),
+                raw_bw,
+                copy_bw,
+                raw_bw / copy_bw
+            );
             for bw in row {
                 print!(" | {:>9.3} {:>5.2}x", bw, bw / raw_bw);
             }
