@@ -178,38 +178,17 @@ impl CustomOp3 for LayerNormGrad {
 
 // ----- GELU (tanh approximation, GPT-2's gelu_new) --------------------------
 
-/// tanh as a rational function (Eigen's and PyTorch's vectorized float
-/// tanh: odd degree-13 over even degree-6 polynomial, inputs clamped to
-/// ±7.905 where tanh is ±1 in f32; within a few ulp of libm's). libm's
-/// `tanhf` is a call per element that does not vectorize: it was a quarter
-/// of a small model's step.
+/// tanh through `exp`: `1 − 2 / (e^(2x) + 1)`, inputs clamped to ±9.02
+/// where f32's tanh is ±1 (so the GELU's 1 − tanh² vanishes there). Its
+/// absolute error is a few 1e-7; its relative error is poor near 0, which
+/// the GELU never sees (it uses 1 + tanh). libm's `tanhf` per element was a
+/// quarter of a small model's step; `expf` costs a fraction of it. Eigen's
+/// rational tanh was as fast but moved ZeRO++'s 400-step loss by +1.7% on
+/// every seed (docs/TRAINING.md), this one not.
 #[inline]
 fn tanh_fast(x: f32) -> f32 {
-    const CLAMP: f32 = 7.905_311;
-    const A1: f32 = 4.893_524_6e-3;
-    const A3: f32 = 6.372_619_3e-4;
-    const A5: f32 = 1.485_722_4e-5;
-    const A7: f32 = 5.122_297e-8;
-    const A9: f32 = -8.604_672e-11;
-    const A11: f32 = 2.000_188e-13;
-    const A13: f32 = -2.760_768_5e-16;
-    const B0: f32 = 4.893_525e-3;
-    const B2: f32 = 2.268_434_6e-3;
-    const B4: f32 = 1.185_347_1e-4;
-    const B6: f32 = 1.198_258_4e-6;
-    let x = x.clamp(-CLAMP, CLAMP);
-    let x2 = x * x;
-    let mut p = x2 * A13 + A11;
-    p = p * x2 + A9;
-    p = p * x2 + A7;
-    p = p * x2 + A5;
-    p = p * x2 + A3;
-    p = p * x2 + A1;
-    let p = p * x;
-    let mut q = x2 * B6 + B4;
-    q = q * x2 + B2;
-    q = q * x2 + B0;
-    p / q
+    let x = x.clamp(-9.02, 9.02);
+    1.0 - 2.0 / ((2.0 * x).exp() + 1.0)
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -462,18 +441,20 @@ mod tests {
     }
 
     #[test]
-    fn fast_tanh_is_within_a_few_ulp_of_libm() {
+    fn fast_tanh_is_within_a_few_1e7_of_libm_and_saturates_exactly() {
         let mut worst = 0f32;
         for i in -200_000..=200_000 {
             let x = i as f32 * 1e-4; // -20 .. 20
             let (a, b) = (tanh_fast(x), x.tanh());
-            worst = worst.max((a - b).abs() / b.abs().max(1e-30).max(f32::EPSILON));
+            worst = worst.max((a - b).abs());
             assert!(a.abs() <= 1.0, "tanh({x}) = {a}");
         }
-        assert!(worst <= 8.0 * f32::EPSILON, "relative error {worst}");
+        assert!(worst <= 4.0 * f32::EPSILON, "absolute error {worst}");
         assert_eq!(tanh_fast(0.0), 0.0);
-        assert!((1.0 - tanh_fast(f32::INFINITY)).abs() <= 4.0 * f32::EPSILON);
-        assert!((1.0 + tanh_fast(-1e30)).abs() <= 4.0 * f32::EPSILON);
+        for x in [9.02f32, 20.0, 1e30, f32::INFINITY] {
+            assert_eq!(tanh_fast(x), 1.0);
+            assert_eq!(tanh_fast(-x), -1.0);
+        }
     }
 
     #[test]
