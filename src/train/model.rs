@@ -193,7 +193,7 @@ impl Unit {
                     .embedding(&input.flatten_all()?)?
                     .reshape((b, t, c.width))?;
                 let pos = params[1].narrow(0, 0, t)?;
-                tok.broadcast_add(&pos)
+                super::ops::add_rows(&tok, &pos)
             }
             Unit::Block(_) => block_forward(c, params, input),
             Unit::Head => {
@@ -223,7 +223,7 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     let hd = d / h;
     // Attention.
     let a = super::ops::layer_norm(x, &p[0], &p[1], 1e-5)?;
-    let qkv = linear(&a, &p[2])?.broadcast_add(&p[3])?;
+    let qkv = super::ops::add_rows(&linear(&a, &p[2])?, &p[3])?;
     let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?;
     let q = qkv.get(0)?.contiguous()?;
     let k = qkv.get(1)?.contiguous()?;
@@ -235,13 +235,13 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         .transpose(1, 2)?
         .contiguous()?
         .reshape((b, t, d))?;
-    let y = linear(&y, &p[4])?.broadcast_add(&p[5])?;
+    let y = super::ops::add_rows(&linear(&y, &p[4])?, &p[5])?;
     let x = (x + y)?;
     // MLP.
     let m = super::ops::layer_norm(&x, &p[6], &p[7], 1e-5)?;
-    let m = linear(&m, &p[8])?.broadcast_add(&p[9])?;
+    let m = super::ops::add_rows(&linear(&m, &p[8])?, &p[9])?;
     let m = super::ops::gelu(&m)?;
-    let m = linear(&m, &p[10])?.broadcast_add(&p[11])?;
+    let m = super::ops::add_rows(&linear(&m, &p[10])?, &p[11])?;
     x + m
 }
 
@@ -326,7 +326,7 @@ pub fn extend_with(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
 /// Mean cross-entropy of logits `[b, t, v]` against targets `[b, t]`.
 pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
-    candle_nn::loss::cross_entropy(
+    super::ops::cross_entropy(
         &logits.reshape((b * t, v))?,
         &targets.reshape(b * t)?.to_dtype(DType::U32)?,
     )

@@ -22,6 +22,99 @@ fn rows_per_task(row_len: usize) -> usize {
     (MIN_ELEMS_PER_TASK / row_len.max(1)).max(1)
 }
 
+/// Whether `elems` values of work go to rayon's threads: only when there
+/// are several and the work is large enough. A pool of one thread takes
+/// each job from this thread and hands it back, two thread switches per
+/// operation (a tenth of a small model's step).
+fn parallel(elems: usize) -> bool {
+    elems >= 2 * MIN_ELEMS_PER_TASK && rayon::current_num_threads() > 1
+}
+
+/// Calls `f(i, row)` for row `i` of `out` (rows of `row_len` values).
+fn for_rows(out: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if parallel(out.len()) {
+        out.par_chunks_mut(row_len)
+            .enumerate()
+            .with_min_len(rows_per_task(row_len))
+            .for_each(|(i, o)| f(i, o));
+    } else {
+        out.chunks_mut(row_len)
+            .enumerate()
+            .for_each(|(i, o)| f(i, o));
+    }
+}
+
+/// Like [`for_rows`], and `f` also adds into an accumulator of `width`
+/// values. The rows are cut into fixed chunks, each summed on its own and
+/// the chunks' sums added in order, so the result does not depend on the
+/// number of threads or on how rayon schedules them (runs stay
+/// reproducible).
+fn for_rows_fold(
+    out: &mut [f32],
+    row_len: usize,
+    width: usize,
+    f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
+) -> Vec<f32> {
+    let per = rows_per_task(row_len);
+    let chunk = |(c, rows): (usize, &mut [f32])| {
+        let mut acc = vec![0f32; width];
+        for (k, o) in rows.chunks_mut(row_len).enumerate() {
+            f(c * per + k, o, &mut acc);
+        }
+        acc
+    };
+    let partial: Vec<Vec<f32>> = if parallel(out.len()) {
+        out.par_chunks_mut(per * row_len)
+            .enumerate()
+            .map(chunk)
+            .collect()
+    } else {
+        out.chunks_mut(per * row_len)
+            .enumerate()
+            .map(chunk)
+            .collect()
+    };
+    add_partials(partial, width)
+}
+
+/// `f(i, acc)` for rows `0..rows` of `row_len` values each, summed into an
+/// accumulator of `width` values in the fixed chunks of [`for_rows_fold`].
+fn fold_rows(
+    rows: usize,
+    row_len: usize,
+    width: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync + Send,
+) -> Vec<f32> {
+    let per = rows_per_task(row_len);
+    let chunk = |c: usize| {
+        let mut acc = vec![0f32; width];
+        for i in c * per..((c + 1) * per).min(rows) {
+            f(i, &mut acc);
+        }
+        acc
+    };
+    let chunks = rows.div_ceil(per);
+    let partial: Vec<Vec<f32>> = if parallel(rows * row_len) {
+        (0..chunks).into_par_iter().map(chunk).collect()
+    } else {
+        (0..chunks).map(chunk).collect()
+    };
+    add_partials(partial, width)
+}
+
+fn add_partials(partial: Vec<Vec<f32>>, width: usize) -> Vec<f32> {
+    let mut out = vec![0f32; width];
+    for p in partial {
+        for (a, v) in out.iter_mut().zip(p) {
+            *a += v;
+        }
+    }
+    out
+}
+
+/// Elements per row when an element-wise operation is cut into rows.
+const ELEMENTWISE_ROW: usize = 4096;
+
 /// The f32 slice a contiguous storage holds for `layout`.
 fn f32_slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(data) = s else {
@@ -84,15 +177,13 @@ impl CustomOp3 for LayerNorm {
             candle_core::bail!("layer norm over {d} values with {} weights", w.len());
         }
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(d)
-            .zip(x.par_chunks(d))
-            .with_min_len(rows_per_task(d))
-            .for_each(|(o, row)| {
-                let (mean, rstd) = moments(row, self.eps);
-                for i in 0..d {
-                    o[i] = (row[i] - mean) * rstd * w[i] + b[i];
-                }
-            });
+        for_rows(&mut out, d, |r, o| {
+            let row = &x[r * d..(r + 1) * d];
+            let (mean, rstd) = moments(row, self.eps);
+            for i in 0..d {
+                o[i] = (row[i] - mean) * rstd * w[i] + b[i];
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -141,37 +232,25 @@ impl CustomOp3 for LayerNormGrad {
         let mut out = vec![0f32; (n + 2) * d];
         let (dx, dwb) = out.split_at_mut(n * d);
         // dx per row; dw, db as per-task partial sums, added at the end.
-        let partial: Vec<Vec<f32>> = dx
-            .par_chunks_mut(d)
-            .zip(x.par_chunks(d).zip(g.par_chunks(d)))
-            .with_min_len(rows_per_task(d))
-            .fold(
-                || vec![0f32; 2 * d],
-                |mut acc, (o, (row, gr))| {
-                    let (mean, rstd) = moments(row, self.eps);
-                    let (mut sum_gw, mut sum_gw_xhat) = (0f32, 0f32);
-                    for i in 0..d {
-                        let xhat = (row[i] - mean) * rstd;
-                        let gw = gr[i] * w[i];
-                        sum_gw += gw;
-                        sum_gw_xhat += gw * xhat;
-                        acc[i] += gr[i] * xhat;
-                        acc[d + i] += gr[i];
-                    }
-                    let (m1, m2) = (sum_gw / d as f32, sum_gw_xhat / d as f32);
-                    for i in 0..d {
-                        let xhat = (row[i] - mean) * rstd;
-                        o[i] = rstd * (gr[i] * w[i] - m1 - xhat * m2);
-                    }
-                    acc
-                },
-            )
-            .collect();
-        for p in partial {
-            for (a, v) in dwb.iter_mut().zip(p) {
-                *a += v;
+        let sums = for_rows_fold(dx, d, 2 * d, |r, o, acc| {
+            let (row, gr) = (&x[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
+            let (mean, rstd) = moments(row, self.eps);
+            let (mut sum_gw, mut sum_gw_xhat) = (0f32, 0f32);
+            for i in 0..d {
+                let xhat = (row[i] - mean) * rstd;
+                let gw = gr[i] * w[i];
+                sum_gw += gw;
+                sum_gw_xhat += gw * xhat;
+                acc[i] += gr[i] * xhat;
+                acc[d + i] += gr[i];
             }
-        }
+            let (m1, m2) = (sum_gw / d as f32, sum_gw_xhat / d as f32);
+            for i in 0..d {
+                let xhat = (row[i] - mean) * rstd;
+                o[i] = rstd * (gr[i] * w[i] - m1 - xhat * m2);
+            }
+        });
+        dwb.copy_from_slice(&sums);
         Ok((CpuStorage::F32(out), Shape::from((n + 2, d))))
     }
 }
@@ -209,12 +288,12 @@ impl CustomOp1 for Gelu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let x = f32_slice(s, l, "gelu")?;
         let mut out = vec![0f32; x.len()];
-        out.par_iter_mut()
-            .zip(x.par_iter())
-            .with_min_len(MIN_ELEMS_PER_TASK)
-            .for_each(|(o, &v)| {
+        for_rows(&mut out, ELEMENTWISE_ROW, |r, o| {
+            let x = &x[r * ELEMENTWISE_ROW..r * ELEMENTWISE_ROW + o.len()];
+            for (o, &v) in o.iter_mut().zip(x) {
                 *o = 0.5 * v * (1.0 + tanh_fast(SQRT_2_OVER_PI * v * (1.0 + GELU_C * v * v)));
-            });
+            }
+        });
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -240,14 +319,14 @@ impl CustomOp2 for GeluGrad {
         let x = f32_slice(s1, l1, "gelu")?;
         let g = f32_slice(s2, l2, "gelu")?;
         let mut out = vec![0f32; x.len()];
-        out.par_iter_mut()
-            .zip(x.par_iter().zip(g.par_iter()))
-            .with_min_len(MIN_ELEMS_PER_TASK)
-            .for_each(|(o, (&v, &gr))| {
+        for_rows(&mut out, ELEMENTWISE_ROW, |r, o| {
+            let at = r * ELEMENTWISE_ROW..r * ELEMENTWISE_ROW + o.len();
+            for ((o, &v), &gr) in o.iter_mut().zip(&x[at.clone()]).zip(&g[at]) {
                 let t = tanh_fast(SQRT_2_OVER_PI * v * (1.0 + GELU_C * v * v));
                 let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
                 *o = gr * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dinner);
-            });
+            }
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -280,26 +359,23 @@ impl CustomOp1 for CausalSoftmax {
         let x = f32_slice(s, l, "causal softmax")?;
         let t = last_dim(l)?;
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(t)
-            .zip(x.par_chunks(t))
-            .enumerate()
-            .with_min_len(rows_per_task(t))
-            .for_each(|(r, (o, row))| {
-                let seen = r % t + 1;
-                let max = row[..seen]
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &v| m.max(v * self.scale));
-                let mut sum = 0f32;
-                for j in 0..seen {
-                    let e = (row[j] * self.scale - max).exp();
-                    o[j] = e;
-                    sum += e;
-                }
-                let inv = 1.0 / sum;
-                for v in &mut o[..seen] {
-                    *v *= inv;
-                }
-            });
+        for_rows(&mut out, t, |r, o| {
+            let row = &x[r * t..(r + 1) * t];
+            let seen = r % t + 1;
+            let max = row[..seen]
+                .iter()
+                .fold(f32::NEG_INFINITY, |m, &v| m.max(v * self.scale));
+            let mut sum = 0f32;
+            for j in 0..seen {
+                let e = (row[j] * self.scale - max).exp();
+                o[j] = e;
+                sum += e;
+            }
+            let inv = 1.0 / sum;
+            for v in &mut o[..seen] {
+                *v *= inv;
+            }
+        });
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -332,17 +408,211 @@ impl CustomOp2 for SoftmaxGrad {
         let g = f32_slice(s2, l2, "causal softmax")?;
         let t = last_dim(l1)?;
         let mut out = vec![0f32; y.len()];
-        out.par_chunks_mut(t)
-            .zip(y.par_chunks(t).zip(g.par_chunks(t)))
-            .enumerate()
-            .with_min_len(rows_per_task(t))
-            .for_each(|(r, (o, (yr, gr)))| {
-                let seen = r % t + 1;
-                let dot: f32 = (0..seen).map(|j| yr[j] * gr[j]).sum();
-                for j in 0..seen {
-                    o[j] = self.scale * yr[j] * (gr[j] - dot);
-                }
-            });
+        for_rows(&mut out, t, |r, o| {
+            let (yr, gr) = (&y[r * t..(r + 1) * t], &g[r * t..(r + 1) * t]);
+            let seen = r % t + 1;
+            let dot: f32 = (0..seen).map(|j| yr[j] * gr[j]).sum();
+            for j in 0..seen {
+                o[j] = self.scale * yr[j] * (gr[j] - dot);
+            }
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+}
+
+// ----- bias and position adds ----------------------------------------------
+
+/// `y + b` with `b` repeated over `y`'s leading rows (`y`'s element count a
+/// multiple of `b`'s): a bias over `[.., k]`, or positions `[t, d]` over a
+/// batch `[b, t, d]`. Backward sums the gradient's rows in one pass
+/// (candle's broadcast add reduces over the broadcast dimensions with a
+/// strided walk per element).
+pub fn add_rows(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    y.contiguous()?.apply_op2(&b.contiguous()?, AddRows)
+}
+
+struct AddRows;
+
+impl CustomOp2 for AddRows {
+    fn name(&self) -> &'static str {
+        "zeropp-add-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = f32_slice(s1, l1, "add rows")?;
+        let b = f32_slice(s2, l2, "add rows")?;
+        let m = b.len();
+        if m == 0 || !y.len().is_multiple_of(m) {
+            candle_core::bail!("cannot repeat {m} values over {} values", y.len());
+        }
+        let mut out = vec![0f32; y.len()];
+        for_rows(&mut out, m, |r, o| {
+            for ((o, &v), &bias) in o.iter_mut().zip(&y[r * m..(r + 1) * m]).zip(b) {
+                *o = v + bias;
+            }
+        });
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _y: &Tensor,
+        b: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        let db = g
+            .apply_op1_no_bwd(&SumRows { m: b.elem_count() })?
+            .reshape(b.shape())?;
+        Ok((Some(g), Some(db)))
+    }
+}
+
+/// Sums consecutive rows of `m` values into one row.
+struct SumRows {
+    m: usize,
+}
+
+impl CustomOp1 for SumRows {
+    fn name(&self) -> &'static str {
+        "zeropp-sum-rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let g = f32_slice(s, l, "add rows")?;
+        let m = self.m;
+        let out = fold_rows(g.len() / m, m, m, |r, acc| {
+            for (a, &v) in acc.iter_mut().zip(&g[r * m..(r + 1) * m]) {
+                *a += v;
+            }
+        });
+        Ok((CpuStorage::F32(out), Shape::from(m)))
+    }
+}
+
+// ----- cross-entropy -----------------------------------------------------------
+
+/// Mean cross-entropy of `logits [n, v]` against `targets [n]` (u32), as
+/// `candle_nn::loss::cross_entropy` computes it (log-softmax, then the
+/// negative log-likelihood of each target), in one pass; its backward is
+/// (softmax − one-hot) / n in one more.
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op2(&targets.contiguous()?, CrossEntropy)
+}
+
+fn targets_slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
+    let CpuStorage::U32(data) = s else {
+        candle_core::bail!("cross-entropy targets must be u32, got {:?}", s.dtype());
+    };
+    match l.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("cross-entropy needs contiguous targets"),
+    }
+}
+
+/// Checks shapes and targets; returns the vocabulary size.
+fn check_logits(logits: &[f32], l: &Layout, targets: &[u32]) -> Result<usize> {
+    let v = last_dim(l)?;
+    if v == 0 || logits.len() != targets.len() * v {
+        candle_core::bail!(
+            "cross-entropy of {} logits against {} targets",
+            logits.len(),
+            targets.len()
+        );
+    }
+    if let Some(&t) = targets.iter().find(|&&t| t as usize >= v) {
+        candle_core::bail!("target {t} is outside the vocabulary of {v}");
+    }
+    Ok(v)
+}
+
+/// log Σ exp over a row, stably.
+fn log_sum_exp(row: &[f32]) -> f32 {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    max + row.iter().map(|&v| (v - max).exp()).sum::<f32>().ln()
+}
+
+struct CrossEntropy;
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "zeropp-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy")?;
+        let t = targets_slice(s2, l2)?;
+        let v = check_logits(x, l1, t)?;
+        let total = fold_rows(t.len(), v, 1, |r, acc| {
+            let row = &x[r * v..(r + 1) * v];
+            acc[0] += log_sum_exp(row) - row[t[r] as usize];
+        })[0];
+        Ok((
+            CpuStorage::F32(vec![total / t.len() as f32]),
+            Shape::from(()),
+        ))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let d = logits.apply_op3_no_bwd(targets, &grad.contiguous()?, &CrossEntropyGrad)?;
+        Ok((Some(d), None))
+    }
+}
+
+struct CrossEntropyGrad;
+
+impl CustomOp3 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "zeropp-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let x = f32_slice(s1, l1, "cross-entropy")?;
+        let t = targets_slice(s2, l2)?;
+        let g = f32_slice(s3, l3, "cross-entropy")?;
+        let v = check_logits(x, l1, t)?;
+        let Some(&g) = g.first() else {
+            candle_core::bail!("cross-entropy's gradient is a scalar");
+        };
+        let scale = g / t.len() as f32;
+        let mut out = vec![0f32; x.len()];
+        for_rows(&mut out, v, |r, o| {
+            let row = &x[r * v..(r + 1) * v];
+            let lse = log_sum_exp(row);
+            for (o, &xv) in o.iter_mut().zip(row) {
+                *o = (xv - lse).exp() * scale;
+            }
+            o[t[r] as usize] -= scale;
+        });
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 }
@@ -486,6 +756,71 @@ mod tests {
             },
             2e-6,
         );
+    }
+
+    #[test]
+    fn add_rows_matches_a_broadcast_add_for_biases_and_positions() {
+        let y = randn(&[3, 7, 16], 7);
+        check(
+            &[y.clone(), randn(&[16], 8)],
+            |t| add_rows(&t[0], &t[1]).unwrap(),
+            |t| t[0].broadcast_add(&t[1]).unwrap(),
+            1e-6,
+        );
+        check(
+            &[y, randn(&[7, 16], 9)],
+            |t| add_rows(&t[0], &t[1]).unwrap(),
+            |t| t[0].broadcast_add(&t[1]).unwrap(),
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn cross_entropy_matches_candles_in_value_and_gradient() {
+        let (n, v) = (300, 256);
+        let logits = (randn(&[n, v], 10) * 3.0).unwrap();
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 37 + 11) % v as u32).collect();
+        let targets = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
+        let (tt, tt2) = (targets.clone(), targets.clone());
+        check(
+            &[logits],
+            move |t| cross_entropy(&t[0], &tt).unwrap(),
+            move |t| candle_nn::loss::cross_entropy(&t[0], &tt2).unwrap(),
+            2e-6,
+        );
+        let bad = Tensor::from_vec(vec![0u32, 256], 2, &Device::Cpu).unwrap();
+        let x = randn(&[2, 256], 11);
+        let err = cross_entropy(&x, &bad).unwrap_err().to_string();
+        assert!(
+            err.contains("target 256 is outside the vocabulary of 256"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn reductions_do_not_depend_on_the_number_of_threads() {
+        let x = randn(&[3, 900, 64], 12);
+        let w = randn(&[64], 13);
+        let g = randn(&[3, 900, 64], 14);
+        let grads = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let all = x
+                    .apply_op3_no_bwd(&w, &g, &LayerNormGrad { eps: 1e-5 })
+                    .unwrap();
+                let db = g.apply_op1_no_bwd(&SumRows { m: 64 }).unwrap();
+                (
+                    all.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    db.to_vec1::<f32>().unwrap(),
+                )
+            })
+        };
+        let one = grads(1);
+        assert_eq!(one, grads(2), "bit-identical with 1 and 2 threads");
+        assert_eq!(one, grads(3));
     }
 
     #[test]
