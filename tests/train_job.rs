@@ -269,6 +269,21 @@ fn bad_input_is_a_named_error() {
         &["width 30", "heads 4"],
     );
     has(run(&["--nodes", "0"]), &["nodes"]);
+    // A malformed transport setting stops every rank with its name, on
+    // both transports.
+    for transport in ["ucx", "tcp"] {
+        let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+            .args(["train", "--steps", "3", "--transport", transport])
+            .env("ZEROPP_RECV_POOL", "lots")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&o.stderr).into_owned();
+        assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+        has(
+            text,
+            &["ZEROPP_RECV_POOL", "\"lots\"", "0 to turn the pool off"],
+        );
+    }
     has(
         run(&[&small[..], &["--hpz-group", "3"]].concat()),
         &["hpZ group of 3 ranks does not divide the 2 ranks"],

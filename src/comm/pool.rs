@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 
+use super::CommError;
+
 /// Smaller messages are not pooled.
 pub const MIN_POOLED: usize = 64 << 10;
 /// Free buffers kept per size class.
@@ -49,6 +51,19 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
         .map_err(|_| format!("{s:?} is not a size like 4K, 16M or 1G"))
 }
 
+/// The pool budget a `ZEROPP_RECV_POOL` value names (`None`: unset).
+fn budget_from(value: Option<&str>) -> Result<usize, CommError> {
+    match value {
+        None => Ok(DEFAULT_BUDGET),
+        Some(v) => parse_size(v).map_err(|e| {
+            CommError::Invalid(format!(
+                "ZEROPP_RECV_POOL: {e}; give the bytes of free receive buffers a rank may keep \
+                 (for example 256M, the default), or 0 to turn the pool off"
+            ))
+        }),
+    }
+}
+
 #[derive(Default)]
 struct Free {
     by_class: HashMap<usize, Vec<Vec<u8>>>,
@@ -72,19 +87,9 @@ impl BufferPool {
 
     /// A pool with the budget `ZEROPP_RECV_POOL` names (bytes, or with a
     /// K/M/G suffix; 0 disables pooling), else [`DEFAULT_BUDGET`]. A value
-    /// that is not a size is reported and the default used.
-    pub fn from_env() -> Arc<BufferPool> {
-        let budget = match std::env::var("ZEROPP_RECV_POOL") {
-            Ok(v) => parse_size(&v).unwrap_or_else(|e| {
-                tracing::warn!(
-                    "ZEROPP_RECV_POOL: {e}; keeping the default of {} MiB",
-                    DEFAULT_BUDGET >> 20
-                );
-                DEFAULT_BUDGET
-            }),
-            Err(_) => DEFAULT_BUDGET,
-        };
-        BufferPool::new(budget)
+    /// that is not a size is an error that says what to write.
+    pub fn from_env() -> Result<Arc<BufferPool>, CommError> {
+        budget_from(std::env::var("ZEROPP_RECV_POOL").ok().as_deref()).map(BufferPool::new)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Free> {
@@ -272,6 +277,18 @@ mod tests {
         let off = BufferPool::new(0);
         drop(off.take(1 << 20));
         assert_eq!(off.held(), 0);
+    }
+
+    #[test]
+    fn the_budget_comes_from_zeropp_recv_pool_and_garbage_is_an_error() {
+        assert_eq!(budget_from(None).unwrap(), DEFAULT_BUDGET);
+        assert_eq!(budget_from(Some("64M")).unwrap(), 64 << 20);
+        assert_eq!(budget_from(Some("0")).unwrap(), 0);
+        let err = budget_from(Some("lots")).unwrap_err().to_string();
+        assert!(
+            err.contains("ZEROPP_RECV_POOL") && err.contains("256M"),
+            "{err}"
+        );
     }
 
     #[test]

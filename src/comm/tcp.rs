@@ -122,6 +122,7 @@ impl TcpTransport {
         listener: TcpListener,
         options: &TcpOptions,
     ) -> Result<Self, CommError> {
+        let pool = BufferPool::from_env()?;
         let world_size = addresses.len();
         if rank >= world_size {
             return Err(CommError::Invalid(format!(
@@ -212,7 +213,6 @@ impl TcpTransport {
         }
 
         let mailbox = Arc::new(Mailbox::default());
-        let pool = BufferPool::from_env();
         let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
         for (peer, stream) in streams.into_iter().enumerate() {
             let Some(stream) = stream else { continue };

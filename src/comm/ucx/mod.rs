@@ -472,6 +472,7 @@ impl UcxTransport {
         world_size: usize,
         exchange: impl FnOnce(Vec<u8>) -> Result<Vec<PeerAddress>, CommError>,
     ) -> Result<UcxTransport, CommError> {
+        let pool = BufferPool::from_env()?;
         let mailbox = Arc::new(Mailbox::default());
         let (addr_tx, addr_rx) = mpsc::channel::<Result<Vec<u8>, CommError>>();
         let (table_tx, table_rx) = mpsc::channel::<Vec<PeerAddress>>();
@@ -496,7 +497,6 @@ impl UcxTransport {
                 let ok = connected.is_ok();
                 let _ = ready_tx.send(connected);
                 if ok {
-                    let pool = BufferPool::from_env();
                     progress_loop(&mut worker, rank, world_size, &inbox, &pool, command_rx);
                 }
                 inbox.close();
