@@ -941,7 +941,7 @@ fn run(cli: Cli) -> Result<()> {
 /// turns 512 page faults per 2 MiB into one. The unit-sized buffers of
 /// every step (decoded weights, gradients, payloads) are written whole,
 /// so resident memory barely moves (docs/BENCHMARKS.md); the 3.76M-parameter
-/// one-rank step got ~20% faster. Everything else is the system allocator.
+/// one-rank step got 18–27% faster. Everything else is the system allocator.
 struct HugePageAlloc;
 
 const HUGE_PAGE: usize = 2 << 20;

@@ -4,7 +4,6 @@
 //! than the bytes that actually arrive.
 
 use std::io::{Read, Write};
-
 use std::sync::Arc;
 
 use super::pool::{BufferPool, PooledBuf};
@@ -120,29 +119,36 @@ pub enum ReadFrame {
     End,
 }
 
-/// Reads a frame's header; `None` when the stream ended cleanly before it.
-fn read_header(r: &mut impl Read) -> Result<Option<Header>, CommError> {
-    let mut h = [0u8; HEADER_LEN];
+/// Fills `buf` from `r` unless the stream ends first; returns how many
+/// bytes arrived (less than `buf.len()` only at the end of the stream).
+fn read_full(r: &mut impl Read, buf: &mut [u8], from: &str) -> Result<usize, CommError> {
     let mut got = 0;
-    while got < HEADER_LEN {
-        match r.read(&mut h[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => {
-                return Err(CommError::Malformed(format!(
-                    "truncated message: the stream ended after {got} of {HEADER_LEN} header bytes"
-                )));
-            }
+    while got < buf.len() {
+        match r.read(&mut buf[got..]) {
+            Ok(0) => break,
             Ok(n) => got += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
                 return Err(CommError::Io {
-                    what: "a peer".into(),
+                    what: from.into(),
                     source: e,
                 });
             }
         }
     }
-    Header::decode(&h).map(Some)
+    Ok(got)
+}
+
+/// Reads a frame's header; `None` when the stream ended cleanly before it.
+fn read_header(r: &mut impl Read) -> Result<Option<Header>, CommError> {
+    let mut h = [0u8; HEADER_LEN];
+    match read_full(r, &mut h, "a peer")? {
+        0 => Ok(None),
+        HEADER_LEN => Header::decode(&h).map(Some),
+        got => Err(CommError::Malformed(format!(
+            "truncated message: the stream ended after {got} of {HEADER_LEN} header bytes"
+        ))),
+    }
 }
 
 /// Payloads up to this size are read into a buffer of their announced
@@ -197,19 +203,9 @@ pub fn read_frame_pooled(
         return Ok(Some((header, PooledBuf::unpooled(payload))));
     }
     let mut buf = pool.take(header.len as usize);
-    let mut got = 0;
-    while got < buf.len() {
-        match r.read(&mut buf.as_mut_slice()[got..]) {
-            Ok(0) => return Err(truncated(&header, got as u64)),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(CommError::Io {
-                    what: format!("rank {}", header.source),
-                    source: e,
-                });
-            }
-        }
+    let got = read_full(r, buf.as_mut_slice(), &format!("rank {}", header.source))?;
+    if got < buf.len() {
+        return Err(truncated(&header, got as u64));
     }
     Ok(Some((header, buf)))
 }

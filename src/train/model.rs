@@ -245,6 +245,20 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     x + m
 }
 
+/// Where each of the unit's parameters sits in its flat buffer, with its
+/// shape, in `params()` order.
+fn param_ranges(unit: &Unit, c: &ModelConfig) -> Vec<(std::ops::Range<usize>, Vec<usize>)> {
+    let mut off = 0;
+    unit.params(c)
+        .into_iter()
+        .map(|p| {
+            let range = off..off + p.numel();
+            off = range.end;
+            (range, p.shape)
+        })
+        .collect()
+}
+
 /// Cuts a flat buffer into the unit's parameter tensors.
 pub fn tensors_from_flat(
     unit: &Unit,
@@ -252,15 +266,9 @@ pub fn tensors_from_flat(
     flat: &[f32],
     device: &Device,
 ) -> Result<Vec<Tensor>> {
-    let mut off = 0;
-    unit.params(c)
-        .iter()
-        .map(|p| {
-            let n = p.numel();
-            let t = Tensor::from_slice(&flat[off..off + n], p.shape.as_slice(), device);
-            off += n;
-            t
-        })
+    param_ranges(unit, c)
+        .into_iter()
+        .map(|(r, shape)| Tensor::from_slice(&flat[r], shape, device))
         .collect()
 }
 
@@ -275,15 +283,9 @@ pub fn tensors_from_owned(
 ) -> Result<Vec<Tensor>> {
     let len = flat.len();
     let all = Tensor::from_vec(flat, len, device)?;
-    let mut off = 0;
-    unit.params(c)
-        .iter()
-        .map(|p| {
-            let n = p.numel();
-            let t = all.narrow(0, off, n)?.reshape(p.shape.as_slice());
-            off += n;
-            t
-        })
+    param_ranges(unit, c)
+        .into_iter()
+        .map(|(r, shape)| all.narrow(0, r.start, r.len())?.reshape(shape))
         .collect()
 }
 
@@ -295,15 +297,9 @@ pub fn vars_from_flat(
     flat: &[f32],
     device: &Device,
 ) -> Result<Vec<candle_core::Var>> {
-    let mut off = 0;
-    unit.params(c)
-        .iter()
-        .map(|p| {
-            let n = p.numel();
-            let v = candle_core::Var::from_slice(&flat[off..off + n], p.shape.as_slice(), device);
-            off += n;
-            v
-        })
+    param_ranges(unit, c)
+        .into_iter()
+        .map(|(r, shape)| candle_core::Var::from_slice(&flat[r], shape, device))
         .collect()
 }
 

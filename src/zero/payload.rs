@@ -27,16 +27,12 @@ impl<T: bytemuck::Pod> AsRef<[u8]> for Words<T> {
     }
 }
 
-/// f32 → bf16 bytes, round to nearest even. Written as one map over the
-/// values so that it vectorises (appending two bytes at a time did not: it
-/// was a tenth of a one-rank step of the 3.76M model).
-pub fn encode_bf16(x: &[f32]) -> Bytes {
-    encode_bf16_from(x)
-}
-
-/// [`encode_bf16`] of any element type (widened to f32 first). The wire is
-/// little-endian: `to_le` is a no-op on little-endian hosts.
-pub fn encode_bf16_from<T: Element>(x: &[T]) -> Bytes {
+/// Values (any element type, widened to f32) → bf16 bytes, round to
+/// nearest even, little-endian (`to_le` is a no-op on little-endian hosts).
+/// Written as one map over the values so that it vectorises (appending two
+/// bytes at a time did not: it was a tenth of a one-rank step of the 3.76M
+/// model).
+pub fn encode_bf16<T: Element>(x: &[T]) -> Bytes {
     let words: Vec<u16> = x
         .iter()
         .map(|v| <bf16 as Element>::from_f32(v.to_f32()).to_bits().to_le())
@@ -44,8 +40,8 @@ pub fn encode_bf16_from<T: Element>(x: &[T]) -> Bytes {
     Bytes::from_owner(Words(words))
 }
 
-/// Any element type → little-endian f32 bytes.
-pub fn encode_f32_from<T: Element>(x: &[T]) -> Bytes {
+/// Values (any element type) → little-endian f32 bytes.
+pub fn encode_f32<T: Element>(x: &[T]) -> Bytes {
     let words: Vec<u32> = x.iter().map(|v| v.to_f32().to_bits().to_le()).collect();
     Bytes::from_owner(Words(words))
 }

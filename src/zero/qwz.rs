@@ -25,8 +25,8 @@ pub fn scale_fraction(wire: WeightWire, chunk: usize) -> f64 {
 /// quantized message (round to nearest).
 pub fn encode_chunk<T: Element>(chunk: &[T], wire: WeightWire) -> Result<Bytes, CommError> {
     match wire {
-        WeightWire::Bf16 => Ok(payload::encode_bf16_from(chunk)),
-        WeightWire::F32 => Ok(payload::encode_f32_from(chunk)),
+        WeightWire::Bf16 => Ok(payload::encode_bf16(chunk)),
+        WeightWire::F32 => Ok(payload::encode_f32(chunk)),
         WeightWire::Quantized(f) => payload::quantize_message(chunk, f),
     }
 }
