@@ -77,15 +77,35 @@ fn every_collective_passes_on_2_3_and_4_processes() {
     every_collective_passes_over("tcp", &[(1, 2), (1, 3), (2, 2), (4, 1)]);
 }
 
+/// With a size of single-copy messages (node-local ones lie in the
+/// sender's shared segment, comm/ucx/shm.rs): the ranks report using it.
 #[test]
 fn every_collective_passes_over_ucx() {
-    every_collective_passes_over("ucx", &[(1, 3), (2, 2)]);
+    let out = every_collective_passes_over("ucx", &[(1, 3), (2, 2)]);
+    let used: Vec<usize> = out
+        .lines()
+        .filter_map(|l| l.split("shared segment: ").nth(1))
+        .filter_map(|rest| rest.split(' ').next()?.parse().ok())
+        .collect();
+    assert_eq!(used.len(), 7, "every rank reports its segment: {out}");
+    assert!(
+        used.iter().filter(|&&mib| mib >= 4).count() >= 3,
+        "node-local messages of 4.5 MB went through the segments: {used:?}"
+    );
 }
 
-fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) {
+/// Runs comm-check on each layout; returns the output of the last.
+fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) -> String {
+    let sizes = if transport == "ucx" {
+        "0,1,13,4099,70000,4500000"
+    } else {
+        "0,1,13,4099,70000"
+    };
+    let mut all = String::new();
     for &(nodes, per_node) in layouts {
         let child = Command::new(ZEROPP)
             .env("ZEROPP_TRANSPORT", transport)
+            .env("RUST_LOG", "info,zeropp::comm::ucx::shm=debug")
             .args([
                 "launch",
                 "--nodes",
@@ -100,7 +120,7 @@ fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) {
                 ZEROPP,
                 "comm-check",
                 "--sizes",
-                "0,1,13,4099,70000",
+                sizes,
             ])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -117,7 +137,10 @@ fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) {
                 "{nodes}x{per_node} rank {r}: {out}"
             );
         }
+        all.push_str(&out);
+        all.push_str(&err);
     }
+    all
 }
 
 #[test]

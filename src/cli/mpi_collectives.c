@@ -18,10 +18,11 @@ static void once(int which, void *a, void *b, long size, int p) {
     }
 }
 
-/* As the zeropp side times: one warm-up, then the mean of ITERS runs, the
+/* As the zeropp side times: WARMUP runs, then the mean of ITERS runs, the
  * slowest rank's. */
+#define WARMUP 5
 static double timed(int iters, int which, void *a, void *b, long size, int p) {
-    once(which, a, b, size, p);
+    for (int i = 0; i < WARMUP; i++) once(which, a, b, size, p);
     MPI_Barrier(MPI_COMM_WORLD);
     double t = MPI_Wtime();
     for (int i = 0; i < iters; i++) once(which, a, b, size, p);

@@ -18,11 +18,13 @@
 //! nodes never share memory, so an emulated cluster's traffic crosses its
 //! emulated links.
 
+pub mod shm;
 pub mod sys;
 
 use std::ffi::{CString, c_void};
 use std::ptr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,10 +34,19 @@ use bytes::Bytes;
 use super::mailbox::Mailbox;
 use super::pool::{BufferPool, PooledBuf};
 use super::{CommError, SendHandle, Tag, Transport};
+use shm::{PeerSegment, Segment, ShmView};
 use sys::*;
 
 const KIND_DATA: u32 = 0;
 const KIND_GOODBYE: u32 = 2;
+/// "My segment is descriptor N of my process, S bytes": payload fd u32, size u64.
+const KIND_SHM_HELLO: u32 = 3;
+/// "I mapped your segment": single-copy messages to the sender may start.
+const KIND_SHM_READY: u32 = 4;
+/// A message lying in the sender's segment: payload offset u64, length u64.
+const KIND_SHM_DATA: u32 = 5;
+/// "I dropped the message at this offset of your segment": payload u64.
+const KIND_SHM_FREE: u32 = 6;
 const HEADER: usize = 16;
 /// UCX settings zeropp changes from UCX's defaults unless the environment
 /// sets them: (environment variable, `ucp_config_modify` key, value). TCP
@@ -72,11 +83,25 @@ const WATCH_EVERY: Duration = Duration::from_millis(100);
 enum Command {
     Send {
         peer: usize,
+        kind: u32,
         tag: Tag,
         data: Bytes,
         done: SendHandle,
     },
+    /// A view of `peer`'s segment at `off` was dropped.
+    Release {
+        peer: usize,
+        off: u64,
+    },
     Shutdown,
+}
+
+/// Single-copy state the sending threads and the progress thread share.
+struct Local {
+    /// This rank's segment; `None` when turned off or the host refused it.
+    segment: Option<Segment>,
+    /// Per peer: it mapped the segment, so messages to it may lie there.
+    ready: Vec<AtomicBool>,
 }
 
 /// What the error handler needs to name a dead peer.
@@ -136,6 +161,7 @@ pub struct UcxTransport {
     rank: usize,
     world_size: usize,
     mailbox: Arc<Mailbox>,
+    local: Arc<Local>,
     commands: mpsc::Sender<Command>,
     thread: Option<JoinHandle<()>>,
 }
@@ -473,12 +499,31 @@ impl UcxTransport {
         exchange: impl FnOnce(Vec<u8>) -> Result<Vec<PeerAddress>, CommError>,
     ) -> Result<UcxTransport, CommError> {
         let pool = BufferPool::from_env()?;
+        let segment_size =
+            shm::segment_size_from(std::env::var("ZEROPP_SHM_SEGMENT").ok().as_deref())?;
+        let segment = match segment_size {
+            0 => None,
+            size => Segment::create(size, world_size)
+                .map_err(|e| {
+                    tracing::warn!(
+                        "no single-copy shared memory ({e}): node-local messages go through \
+                         UCX alone"
+                    )
+                })
+                .ok(),
+        };
+        let local = Arc::new(Local {
+            segment,
+            ready: (0..world_size).map(|_| AtomicBool::new(false)).collect(),
+        });
         let mailbox = Arc::new(Mailbox::default());
         let (addr_tx, addr_rx) = mpsc::channel::<Result<Vec<u8>, CommError>>();
         let (table_tx, table_rx) = mpsc::channel::<Vec<PeerAddress>>();
         let (ready_tx, ready_rx) = mpsc::channel::<Result<(), CommError>>();
         let (commands, command_rx) = mpsc::channel::<Command>();
         let inbox = mailbox.clone();
+        let shared = local.clone();
+        let releases = commands.clone();
         let thread = std::thread::Builder::new()
             .name("zeropp-ucx".into())
             .spawn(move || {
@@ -497,7 +542,15 @@ impl UcxTransport {
                 let ok = connected.is_ok();
                 let _ = ready_tx.send(connected);
                 if ok {
-                    progress_loop(&mut worker, rank, world_size, &inbox, &pool, command_rx);
+                    let ends = Ends {
+                        rank,
+                        world: world_size,
+                        inbox: &inbox,
+                        pool: &pool,
+                        local: &shared,
+                        releases,
+                    };
+                    progress_loop(&mut worker, &ends, command_rx);
                 }
                 inbox.close();
             })
@@ -519,27 +572,85 @@ impl UcxTransport {
             rank,
             world_size,
             mailbox,
+            local,
             commands,
             thread: Some(thread),
         })
     }
 }
 
-/// Runs on the progress thread until shutdown: posts sends, progresses the
-/// worker, receives every arriving message into the mailbox.
-fn progress_loop(
-    w: &mut Worker,
+/// What the progress thread works with besides the worker.
+struct Ends<'a> {
     rank: usize,
     world: usize,
-    inbox: &Mailbox,
-    pool: &Arc<BufferPool>,
-    commands: mpsc::Receiver<Command>,
-) {
+    inbox: &'a Mailbox,
+    pool: &'a Arc<BufferPool>,
+    local: &'a Arc<Local>,
+    /// Where dropped views of peers' segments report (`Command::Release`).
+    releases: mpsc::Sender<Command>,
+}
+
+/// What an arrived message asks of the progress thread.
+enum Arrival {
+    /// Filed in the mailbox (or dropped with a warning).
+    Done,
+    Goodbye,
+    /// A peer offers its segment.
+    Hello {
+        peer: usize,
+        fd: i32,
+        size: usize,
+    },
+    /// A peer mapped this rank's segment.
+    Ready {
+        peer: usize,
+    },
+}
+
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// Runs on the progress thread until shutdown: posts sends, progresses the
+/// worker, receives every arriving message into the mailbox.
+fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>) {
+    let (rank, world, inbox) = (ends.rank, ends.world, ends.inbox);
     let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
     let mut idle = 0u32;
     let mut goodbyes = 0usize;
     let mut shutting_down: Option<Instant> = None;
     let mut next_watch = Instant::now() + WATCH_EVERY;
+    // Peers' segments, mapped when they offer them.
+    let mut segments: Vec<Option<Arc<PeerSegment>>> = (0..world).map(|_| None).collect();
+    let post = |w: &Worker, pending: &mut Vec<_>, peer, kind, tag, data, done: SendHandle| match w
+        .post_send(peer, kind, rank, tag, data, done.clone())
+    {
+        Ok(Some(p)) => pending.push(p),
+        Ok(None) => {}
+        Err(reason) => {
+            inbox.peer_died(peer, format!("sending to it failed: {reason}"));
+            done.complete(Err(reason));
+        }
+    };
+    // Offer this rank's segment to the peers that can map it.
+    if let Some(seg) = &ends.local.segment {
+        let mut hello = Vec::with_capacity(12);
+        hello.extend_from_slice(&(seg.fd() as u32).to_le_bytes());
+        hello.extend_from_slice(&(seg.size() as u64).to_le_bytes());
+        let hello = Bytes::from(hello);
+        for peer in w.watched.iter().map(|x| x.peer).collect::<Vec<_>>() {
+            let done = SendHandle::default();
+            post(
+                w,
+                &mut pending,
+                peer,
+                KIND_SHM_HELLO,
+                0,
+                hello.clone(),
+                done,
+            );
+        }
+    }
     loop {
         let mut busy = false;
         // 1. New sends.
@@ -547,19 +658,19 @@ fn progress_loop(
             match commands.try_recv() {
                 Ok(Command::Send {
                     peer,
+                    kind,
                     tag,
                     data,
                     done,
                 }) => {
                     busy = true;
-                    match w.post_send(peer, KIND_DATA, rank, tag, data, done.clone()) {
-                        Ok(Some(p)) => pending.push(p),
-                        Ok(None) => {}
-                        Err(reason) => {
-                            inbox.peer_died(peer, format!("sending to it failed: {reason}"));
-                            done.complete(Err(reason));
-                        }
-                    }
+                    post(w, &mut pending, peer, kind, tag, data, done);
+                }
+                Ok(Command::Release { peer, off }) => {
+                    busy = true;
+                    let data = Bytes::copy_from_slice(&off.to_le_bytes());
+                    let done = SendHandle::default();
+                    post(w, &mut pending, peer, KIND_SHM_FREE, 0, data, done);
                 }
                 Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
                     for peer in (0..world).filter(|&p| p != rank) {
@@ -581,6 +692,7 @@ fn progress_loop(
         }
         // 2. Progress, then take every message that has arrived.
         busy |= w.progress();
+        let mut arrived = Vec::new();
         loop {
             let mut info = ucp_tag_recv_info_t::default();
             // SAFETY: valid worker; `info` is a valid out-pointer.
@@ -591,7 +703,7 @@ fn progress_loop(
             busy = true;
             // A reused buffer when one of about this size came back: no
             // page faults (comm/pool.rs); UCX overwrites all of it.
-            let mut buf = pool.take(info.length);
+            let mut buf = ends.pool.take(info.length);
             let p = Params::new();
             // SAFETY: `buf` has exactly the message's length and is kept in
             // `Op::Recv` until the request completes.
@@ -605,7 +717,7 @@ fn progress_loop(
                 )
             };
             if r.is_null() {
-                goodbyes += usize::from(deliver(inbox, world, buf));
+                arrived.push(buf);
             } else if ptr_is_err(r) {
                 tracing::warn!("UCX receive failed: {}", w.ucp.describe(ptr_status(r)));
             } else {
@@ -626,16 +738,38 @@ fn progress_loop(
             match op {
                 Op::Send { done, .. } if s == UCS_OK => done.complete(Ok(())),
                 Op::Send { done, .. } => done.complete(Err(w.ucp.describe(s))),
-                Op::Recv { buf } if s == UCS_OK => {
-                    goodbyes += usize::from(deliver(inbox, world, buf));
-                }
+                Op::Recv { buf } if s == UCS_OK => arrived.push(buf),
                 Op::Recv { .. } => tracing::warn!("UCX receive failed: {}", w.ucp.describe(s)),
+            }
+        }
+        for buf in arrived {
+            match deliver(ends, &segments, buf) {
+                Arrival::Done => {}
+                Arrival::Goodbye => goodbyes += 1,
+                Arrival::Hello { peer, fd, size } => {
+                    let Some(pid) = w.watched.iter().find(|x| x.peer == peer).map(|x| x.pid) else {
+                        continue; // not a peer whose process this rank sees
+                    };
+                    match PeerSegment::open(pid, fd, size, rank, world) {
+                        Ok(seg) => {
+                            segments[peer] = Some(Arc::new(seg));
+                            let done = SendHandle::default();
+                            post(w, &mut pending, peer, KIND_SHM_READY, 0, Bytes::new(), done);
+                        }
+                        Err(e) => tracing::warn!(
+                            "rank {rank} cannot map rank {peer}'s shared segment ({e}): \
+                             messages from it go through UCX alone"
+                        ),
+                    }
+                }
+                Arrival::Ready { peer } => ends.local.ready[peer].store(true, Ordering::Release),
             }
         }
         if !w.watched.is_empty() && Instant::now() >= next_watch {
             // Shared memory never fails a send to a dead process: fail the
             // waits here (the buffers stay with the request until shutdown).
             for dead in w.check_watched(inbox) {
+                ends.local.ready[dead].store(false, Ordering::Release);
                 for (_, op) in &pending {
                     if let Op::Send { peer, done, .. } = op
                         && *peer == dead
@@ -680,14 +814,17 @@ fn progress_loop(
     }
 }
 
-/// Files a received `[header | payload]` in the mailbox; true for a goodbye.
-fn deliver(inbox: &Mailbox, world: usize, buf: PooledBuf) -> bool {
+/// Handles a received `[header | payload]`: data is filed in the mailbox
+/// (a single-copy message as a view of the sender's segment), a freed range
+/// goes back to this rank's segment, and what needs the worker is returned.
+fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: PooledBuf) -> Arrival {
+    let (inbox, world) = (ends.inbox, ends.world);
     if buf.len() < HEADER {
         tracing::warn!(
             "dropped a {}-byte UCX message: shorter than the header",
             buf.len()
         );
-        return false;
+        return Arrival::Done;
     }
     let head = &buf.as_ref()[..HEADER];
     let kind = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
@@ -695,8 +832,9 @@ fn deliver(inbox: &Mailbox, world: usize, buf: PooledBuf) -> bool {
     let tag = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes"));
     if source >= world {
         tracing::warn!("dropped a UCX message claiming to come from rank {source} of {world}");
-        return false;
+        return Arrival::Done;
     }
+    let body = &buf.as_ref()[HEADER..];
     match kind {
         KIND_DATA => inbox.deliver(source, tag, buf.into_bytes().slice(HEADER..)),
         KIND_GOODBYE => {
@@ -704,11 +842,62 @@ fn deliver(inbox: &Mailbox, world: usize, buf: PooledBuf) -> bool {
                 source,
                 "it closed its connections (it finished or shut down)".into(),
             );
-            return true;
+            return Arrival::Goodbye;
         }
+        KIND_SHM_DATA => {
+            let place = u64_at(body, 0).zip(u64_at(body, 8));
+            let seg = segments[source].as_ref();
+            match (place, seg) {
+                (Some((off, len)), Some(seg)) if seg.holds(off as usize, len as usize) => {
+                    let releases = ends.releases.clone();
+                    let thread = std::thread::current();
+                    let ring = seg.clone();
+                    let release = Box::new(move || {
+                        if !ring.release(off)
+                            && releases
+                                .send(Command::Release { peer: source, off })
+                                .is_ok()
+                        {
+                            thread.unpark();
+                        }
+                    });
+                    let view = ShmView::new(seg.clone(), off as usize, len as usize, release);
+                    inbox.deliver(source, tag, Bytes::from_owner(view));
+                }
+                _ => inbox.peer_died(
+                    source,
+                    format!(
+                        "it sent a shared-memory message ({place:?}) outside the segment it \
+                         offered: a bug or a corrupted message"
+                    ),
+                ),
+            }
+        }
+        KIND_SHM_FREE => {
+            let freed = ends.local.segment.as_ref().zip(u64_at(body, 0));
+            if !freed.is_some_and(|(seg, off)| seg.release(off as usize)) {
+                tracing::warn!(
+                    "rank {source} returned a range of this rank's segment it was not given"
+                );
+            }
+        }
+        KIND_SHM_HELLO => {
+            let fd = body
+                .get(0..4)
+                .map(|b| u32::from_le_bytes(b.try_into().expect("4")));
+            if let (Some(fd), Some(size)) = (fd, u64_at(body, 4)) {
+                return Arrival::Hello {
+                    peer: source,
+                    fd: fd as i32,
+                    size: size as usize,
+                };
+            }
+            tracing::warn!("dropped a malformed segment offer from rank {source}");
+        }
+        KIND_SHM_READY => return Arrival::Ready { peer: source },
         other => tracing::warn!("dropped a UCX message of unknown kind {other} from rank {source}"),
     }
-    false
+    Arrival::Done
 }
 
 impl Drop for UcxTransport {
@@ -737,10 +926,26 @@ impl Transport for UcxTransport {
                 self.world_size
             )));
         }
+        // Large messages to a peer that mapped this rank's segment are
+        // copied there (here, on the caller's thread) and travel as a place.
+        let mut kind = KIND_DATA;
+        let mut data = data;
+        if data.len() >= shm::MIN_SHM
+            && self.local.ready[peer].load(Ordering::Acquire)
+            && let Some(seg) = &self.local.segment
+            && let Some(off) = seg.place(&data)
+        {
+            let mut place = Vec::with_capacity(16);
+            place.extend_from_slice(&(off as u64).to_le_bytes());
+            place.extend_from_slice(&(data.len() as u64).to_le_bytes());
+            kind = KIND_SHM_DATA;
+            data = Bytes::from(place);
+        }
         let done = SendHandle::default();
         self.commands
             .send(Command::Send {
                 peer,
+                kind,
                 tag,
                 data,
                 done: done.clone(),
@@ -777,7 +982,115 @@ impl Transport for UcxTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::{address_from_hex, address_to_hex};
+    use super::*;
+
+    /// Two ranks of one process, connected as node-local peers.
+    fn local_pair() -> (UcxTransport, UcxTransport) {
+        let board = Arc::new((
+            std::sync::Mutex::new(vec![None; 2]),
+            std::sync::Condvar::new(),
+        ));
+        let join = |rank: usize| {
+            let board = board.clone();
+            std::thread::spawn(move || {
+                UcxTransport::connect(rank, 2, move |address| {
+                    let (m, c) = &*board;
+                    let mut slots = m.lock().unwrap();
+                    slots[rank] = Some(address);
+                    c.notify_all();
+                    let slots = c
+                        .wait_while(slots, |s| s.iter().any(Option::is_none))
+                        .unwrap();
+                    Ok(slots
+                        .iter()
+                        .map(|a| PeerAddress {
+                            worker: a.clone().unwrap(),
+                            local_pid: Some(std::process::id()),
+                        })
+                        .collect())
+                })
+                .unwrap()
+            })
+        };
+        let (a, b) = (join(0), join(1));
+        (a.join().unwrap(), b.join().unwrap())
+    }
+
+    fn placed(t: &UcxTransport) -> usize {
+        t.local.segment.as_ref().map_or(0, Segment::bytes_placed)
+    }
+
+    #[test]
+    fn large_node_local_messages_arrive_in_place_and_free_their_range_when_dropped() {
+        let (a, b) = local_pair();
+        let timeout = Duration::from_secs(20);
+        // Wait for b to map a's segment (the handshake runs in the background).
+        let until = Instant::now() + timeout;
+        while !a.local.ready[1].load(Ordering::Acquire) {
+            assert!(
+                Instant::now() < until,
+                "rank 1 never mapped rank 0's segment"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let big: Vec<u8> = (0..shm::MIN_SHM + 12_345)
+            .map(|i| (i % 253) as u8)
+            .collect();
+        let small = vec![7u8; 1000];
+        // Same tag: order kept across the two paths.
+        for msg in [&big, &small, &big] {
+            a.send(1, 9, Bytes::from(msg.clone()))
+                .unwrap()
+                .wait(1, timeout)
+                .unwrap();
+        }
+        let first = b.recv(0, 9, timeout).unwrap();
+        assert_eq!(&first[..], &big[..]);
+        assert_eq!(&b.recv(0, 9, timeout).unwrap()[..], &small[..]);
+        let third = b.recv(0, 9, timeout).unwrap();
+        assert_eq!(&third[..], &big[..]);
+        let range = big.len().next_multiple_of(4096);
+        assert_eq!(placed(&a), 2 * range, "both large ones lie in a's segment");
+        let part = first.slice(100..200);
+        drop(first);
+        drop(third);
+        assert_eq!(placed(&a), range, "a slice keeps its range");
+        assert_eq!(&part[..], &big[100..200]);
+        drop(part);
+        assert_eq!(placed(&a), 0, "released through the ring");
+        // The other way too.
+        b.send(0, 3, Bytes::from(big.clone())).unwrap();
+        assert_eq!(&a.recv(1, 3, timeout).unwrap()[..], &big[..]);
+    }
+
+    #[test]
+    fn a_message_outside_the_offered_segment_fails_the_sender_by_name() {
+        let inbox = Mailbox::default();
+        let (releases, _rx) = mpsc::channel();
+        let local = Arc::new(Local {
+            segment: None,
+            ready: vec![AtomicBool::new(false), AtomicBool::new(false)],
+        });
+        let ends = Ends {
+            rank: 0,
+            world: 2,
+            inbox: &inbox,
+            pool: &BufferPool::new(0),
+            local: &local,
+            releases,
+        };
+        let mut msg = vec![0u8; HEADER + 16];
+        msg[0..4].copy_from_slice(&KIND_SHM_DATA.to_le_bytes());
+        msg[4..8].copy_from_slice(&1u32.to_le_bytes());
+        msg[HEADER + 8..].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let arrival = deliver(&ends, &[None, None], PooledBuf::unpooled(msg));
+        assert!(matches!(arrival, Arrival::Done));
+        let (peer, reason) = inbox.first_death().expect("rank 1 is failed");
+        assert_eq!(peer, 1);
+        assert!(reason.contains("outside the segment"), "{reason}");
+        let err = inbox.take(1, 0, Duration::from_secs(1)).unwrap_err();
+        assert!(err.to_string().contains("rank 1 failed"), "{err}");
+    }
 
     #[test]
     fn worker_addresses_round_trip_and_garbage_is_refused_without_a_panic() {

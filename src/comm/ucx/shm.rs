@@ -1,0 +1,610 @@
+//! Single-copy messages between ranks of one host. The sender copies a large
+//! payload into its own shared segment (a memfd) and sends only where it lies;
+//! the receiver, which mapped that segment read-only when the ranks met,
+//! hands the bytes to its caller where they are, and tells the sender when
+//! they are dropped so the range can be reused: straight into a ring that
+//! the segment keeps for each peer at its start (the sender drains the rings
+//! before it places the next message), or as a UCX message when that ring is
+//! full. One copy per message, at
+//! memcpy speed, where UCX's eager shared memory copies twice (into its FIFO
+//! and out of it) and its CMA path runs at a third of memcpy
+//! (docs/COMM.md). A full segment is no error: the message goes the eager
+//! way.
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::super::CommError;
+use super::super::pool::parse_size;
+
+/// Messages this long or longer go through the segment.
+pub const MIN_SHM: usize = 4 << 20;
+/// The segment's default size (virtual: pages are used as messages touch
+/// them, and kept for reuse).
+pub const DEFAULT_SEGMENT: usize = 512 << 20;
+/// Placements are whole pages, so no two messages share one.
+const PAGE: usize = 4096;
+/// Offsets a release ring holds; a receiver that finds its ring full
+/// releases by UCX message instead.
+const RING: usize = 1023;
+/// Bytes of one peer's release ring: head, tail, then the slots.
+const RING_BYTES: usize = (RING + 1) * 8 + 8;
+
+/// Bytes at the start of a segment for `world` ranks' release rings.
+fn control_bytes(world: usize) -> usize {
+    (world * RING_BYTES).next_multiple_of(PAGE)
+}
+
+/// One peer's release ring, inside a mapping: the peer (single producer,
+/// under its own lock) writes offsets and advances `tail`; the segment's
+/// owner (single consumer, under its ranges' lock) takes them and advances
+/// `head`. Both are counts, never wrapped.
+struct Ring {
+    at: *mut AtomicU64,
+}
+
+impl Ring {
+    /// Ring `index` of the control area that starts at `base`.
+    ///
+    /// # Safety
+    /// `base` maps at least `control_bytes(index + 1)` writable bytes,
+    /// 8-byte aligned, for as long as the ring is used.
+    unsafe fn of(base: *mut u8, index: usize) -> Ring {
+        Ring {
+            at: unsafe { base.add(index * RING_BYTES) }.cast(),
+        }
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: within the ring (see `of`); AtomicU64 over shared memory
+        // is how both processes access these words.
+        unsafe { &*self.at.add(i) }
+    }
+
+    fn head(&self) -> &AtomicU64 {
+        self.word(0)
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        self.word(1)
+    }
+
+    fn slot(&self, n: u64) -> &AtomicU64 {
+        self.word(2 + (n as usize % RING))
+    }
+
+    /// Producer side: false when full.
+    fn push(&self, off: u64) -> bool {
+        let tail = self.tail().load(Ordering::Relaxed);
+        let head = self.head().load(Ordering::Acquire);
+        if tail.wrapping_sub(head) >= RING as u64 {
+            return false;
+        }
+        self.slot(tail).store(off, Ordering::Relaxed);
+        self.tail().store(tail + 1, Ordering::Release);
+        true
+    }
+
+    /// Consumer side: every offset pushed since the last drain.
+    fn drain(&self, mut each: impl FnMut(u64)) {
+        let head = self.head().load(Ordering::Relaxed);
+        let tail = self.tail().load(Ordering::Acquire);
+        // A peer that wrote nonsense into the counters gets at most one ring.
+        let n = tail.wrapping_sub(head).min(RING as u64);
+        for i in 0..n {
+            each(self.slot(head + i).load(Ordering::Relaxed));
+        }
+        self.head().store(head + n, Ordering::Release);
+    }
+}
+
+/// The segment size `ZEROPP_SHM_SEGMENT` names (bytes or K/M/G; 0 turns
+/// single-copy messages off), else [`DEFAULT_SEGMENT`].
+pub fn segment_size_from(value: Option<&str>) -> Result<usize, CommError> {
+    match value {
+        None => Ok(DEFAULT_SEGMENT),
+        Some(v) => parse_size(v).map_err(|e| {
+            CommError::Invalid(format!(
+                "ZEROPP_SHM_SEGMENT: {e}; give the size of the shared segment a rank sends \
+                 node-local messages from (for example 256M, the default), or 0 to send them \
+                 through UCX alone"
+            ))
+        }),
+    }
+}
+
+/// Free and placed ranges of a segment.
+#[derive(Default)]
+struct Ranges {
+    /// Free ranges: offset -> length, coalesced.
+    free: BTreeMap<usize, usize>,
+    /// Placed ranges a receiver still holds: offset -> length.
+    placed: HashMap<usize, usize>,
+    /// The end of the highest range ever placed: pages below it were
+    /// touched and stay resident.
+    high_water: usize,
+}
+
+impl Ranges {
+    fn new(size: usize) -> Ranges {
+        let mut r = Ranges::default();
+        if size > 0 {
+            r.free.insert(0, size);
+        }
+        r
+    }
+
+    /// The lowest free range of `len` bytes (so the pages in use stay few);
+    /// with `warm`, only one whose pages were all touched before.
+    fn take(&mut self, len: usize, warm: bool) -> Option<usize> {
+        let high_water = self.high_water;
+        let (&off, &free_len) = self
+            .free
+            .iter()
+            .find(|&(&o, &l)| l >= len && (!warm || o + len <= high_water))?;
+        self.free.remove(&off);
+        if free_len > len {
+            self.free.insert(off + len, free_len - len);
+        }
+        self.placed.insert(off, len);
+        self.high_water = self.high_water.max(off + len);
+        Some(off)
+    }
+
+    /// Returns a placed range; false if `off` is not one.
+    fn give_back(&mut self, off: usize) -> bool {
+        let Some(len) = self.placed.remove(&off) else {
+            return false;
+        };
+        let (mut start, mut end) = (off, off + len);
+        if let Some((&prev, &prev_len)) = self.free.range(..off).next_back()
+            && prev + prev_len == off
+        {
+            self.free.remove(&prev);
+            start = prev;
+        }
+        if let Some(next_len) = self.free.remove(&end) {
+            end += next_len;
+        }
+        self.free.insert(start, end - start);
+        true
+    }
+
+    fn bytes_placed(&self) -> usize {
+        self.placed.values().sum()
+    }
+}
+
+/// This rank's segment: messages to node-local peers are copied in here.
+pub struct Segment {
+    fd: OwnedFd,
+    base: *mut u8,
+    size: usize,
+    world: usize,
+    ranges: Mutex<Ranges>,
+}
+
+// SAFETY: the mapping is owned by the segment; writes go only to ranges
+// handed out by `place` under the lock, each to one writer.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+fn os_error(what: &str) -> CommError {
+    CommError::Io {
+        what: what.to_string(),
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+impl Segment {
+    /// A segment with `size` bytes for messages (rounded up to whole
+    /// pages) after the release rings of `world` ranks.
+    pub fn create(size: usize, world: usize) -> Result<Segment, CommError> {
+        let control = control_bytes(world);
+        let size = control + size.next_multiple_of(PAGE);
+        // SAFETY: plain syscalls; the name is a NUL-terminated literal.
+        unsafe {
+            let fd = libc::memfd_create(c"zeropp-shm".as_ptr(), libc::MFD_CLOEXEC);
+            if fd < 0 {
+                return Err(os_error("memfd_create for the shared segment"));
+            }
+            let fd = OwnedFd::from_raw_fd(fd);
+            if libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) != 0 {
+                return Err(os_error("sizing the shared segment"));
+            }
+            let base = libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            );
+            if base == libc::MAP_FAILED {
+                return Err(os_error("mapping the shared segment"));
+            }
+            let mut ranges = Ranges::new(size);
+            // The control area is never handed out.
+            ranges.free.clear();
+            ranges.free.insert(control, size - control);
+            Ok(Segment {
+                fd,
+                base: base.cast(),
+                size,
+                world,
+                ranges: Mutex::new(ranges),
+            })
+        }
+    }
+
+    /// The descriptor a peer opens through `/proc/PID/fd/N`.
+    pub fn fd(&self) -> i32 {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ranges> {
+        self.ranges.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes back what the peers' rings released since the last call.
+    fn drain(&self, ranges: &mut Ranges) {
+        for peer in 0..self.world {
+            // SAFETY: the control area holds `world` rings.
+            let ring = unsafe { Ring::of(self.base, peer) };
+            ring.drain(|off| {
+                if !ranges.give_back(off as usize) {
+                    tracing::warn!(
+                        "rank {peer} released a range of this rank's segment it was not given"
+                    );
+                }
+            });
+        }
+    }
+
+    /// Copies `data` into a free range and returns its offset; `None` when
+    /// no range is free (the caller sends another way).
+    ///
+    /// Pages never touched cost a fault and a zeroing each (about 1.5 µs per
+    /// 4 KiB here, three times the copy), so when only fresh pages are free
+    /// while receivers hold earlier messages, it first waits a while for a
+    /// release: up to a third of what the faults would cost, yielding the
+    /// core meanwhile (to the receiver, on a busy host).
+    pub fn place(&self, data: &[u8]) -> Option<usize> {
+        let len = data.len().max(1).next_multiple_of(PAGE);
+        let off = {
+            let mut ranges = self.lock();
+            self.drain(&mut ranges);
+            match ranges.take(len, true) {
+                Some(off) => off,
+                None if ranges.placed.is_empty() => ranges.take(len, false)?,
+                None => {
+                    let fresh_pages = (len / PAGE) as u64;
+                    let until = Instant::now() + Duration::from_nanos(500 * fresh_pages);
+                    loop {
+                        drop(ranges);
+                        std::thread::yield_now();
+                        ranges = self.lock();
+                        self.drain(&mut ranges);
+                        if let Some(off) = ranges.take(len, true) {
+                            break off;
+                        }
+                        if Instant::now() >= until || ranges.placed.is_empty() {
+                            break ranges.take(len, false)?;
+                        }
+                    }
+                }
+            }
+        };
+        // SAFETY: [off, off + len) lies in the mapping and was just handed
+        // out to this call alone; no receiver reads it before the message
+        // naming it is sent.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.base.add(off), data.len());
+        }
+        Some(off)
+    }
+
+    /// A receiver is done with the range at `off`; false if no message was
+    /// placed there (a confused or malicious peer: the range stays taken).
+    pub fn release(&self, off: usize) -> bool {
+        self.lock().give_back(off)
+    }
+
+    /// Bytes of messages whose receivers still hold them.
+    pub fn bytes_placed(&self) -> usize {
+        let mut ranges = self.lock();
+        self.drain(&mut ranges);
+        ranges.bytes_placed()
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        tracing::debug!(
+            "shared segment: {} MiB of {} MiB ever used",
+            self.lock().high_water >> 20,
+            self.size >> 20
+        );
+        // SAFETY: our own mapping; peers keep their own mappings (and so
+        // the memory) alive for as long as they hold views.
+        unsafe {
+            libc::munmap(self.base.cast(), self.size);
+        }
+    }
+}
+
+/// A peer's segment, mapped read-only, and its release ring for this rank
+/// mapped writable.
+pub struct PeerSegment {
+    base: *const u8,
+    size: usize,
+    control: *mut u8,
+    control_len: usize,
+    /// This rank's ring in the peer's control area.
+    me: usize,
+    /// One releasing thread at a time (the ring has a single producer).
+    pushing: Mutex<()>,
+}
+
+// SAFETY: read-only mapping; the peer writes a range only before it names it
+// in a message and after this rank released it.
+unsafe impl Send for PeerSegment {}
+unsafe impl Sync for PeerSegment {}
+
+impl PeerSegment {
+    /// Maps the segment that process `pid` holds open as descriptor `fd`,
+    /// for rank `me` of `world`.
+    pub fn open(
+        pid: u32,
+        fd: i32,
+        size: usize,
+        me: usize,
+        world: usize,
+    ) -> Result<PeerSegment, CommError> {
+        let path = format!("/proc/{pid}/fd/{fd}");
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(|e| CommError::Io {
+                what: format!("the shared segment of process {pid} ({path})"),
+                source: e,
+            })?;
+        let actual = file
+            .metadata()
+            .map_err(|e| CommError::Io {
+                what: path.clone(),
+                source: e,
+            })?
+            .len() as usize;
+        let control_len = control_bytes(world);
+        if me >= world || actual < size || size <= control_len {
+            return Err(CommError::Invalid(format!(
+                "{path} holds {actual} bytes, the peer announced {size}"
+            )));
+        }
+        // SAFETY: a fresh read-only shared mapping of a file we opened.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(os_error(&format!("mapping {path}")));
+        }
+        // SAFETY: as above, the control area only, writable.
+        let control = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                control_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if control == libc::MAP_FAILED {
+            let e = os_error(&format!("mapping the release rings of {path}"));
+            // SAFETY: the mapping made just above.
+            unsafe { libc::munmap(base, size) };
+            return Err(e);
+        }
+        Ok(PeerSegment {
+            base: base as *const u8,
+            size,
+            control: control.cast(),
+            control_len,
+            me,
+            pushing: Mutex::new(()),
+        })
+    }
+
+    /// Whether `[off, off + len)` lies inside the segment's message area.
+    pub fn holds(&self, off: usize, len: usize) -> bool {
+        off >= self.control_len && off.checked_add(len).is_some_and(|end| end <= self.size)
+    }
+
+    /// Tells the owner the range at `off` is free, through this rank's ring;
+    /// false when the ring is full (release another way).
+    pub fn release(&self, off: u64) -> bool {
+        let _one = self.pushing.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the control mapping holds `world > me` rings.
+        unsafe { Ring::of(self.control, self.me) }.push(off)
+    }
+}
+
+impl Drop for PeerSegment {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; no view outlives it (each holds an Arc).
+        unsafe {
+            libc::munmap(self.base as *mut c_void, self.size);
+            libc::munmap(self.control.cast(), self.control_len);
+        }
+    }
+}
+
+/// A message lying in a peer's segment: the bytes a receive returns. When
+/// the last reference goes, `release` tells the peer the range is free.
+pub struct ShmView {
+    segment: Arc<PeerSegment>,
+    off: usize,
+    len: usize,
+    release: Option<Box<dyn FnOnce() + Send>>,
+}
+
+impl ShmView {
+    /// A view of `[off, off + len)`, which the caller checked with
+    /// [`PeerSegment::holds`].
+    pub fn new(
+        segment: Arc<PeerSegment>,
+        off: usize,
+        len: usize,
+        release: Box<dyn FnOnce() + Send>,
+    ) -> ShmView {
+        debug_assert!(segment.holds(off, len));
+        ShmView {
+            segment,
+            off,
+            len,
+            release: Some(release),
+        }
+    }
+}
+
+impl AsRef<[u8]> for ShmView {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the range lies in the mapping (checked at construction),
+        // which lives as long as `segment`; the peer does not write it until
+        // this view is released.
+        unsafe { std::slice::from_raw_parts(self.segment.base.add(self.off), self.len) }
+    }
+}
+
+impl Drop for ShmView {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_are_reused_lowest_first_and_coalesce() {
+        let mut r = Ranges::new(10 * PAGE);
+        let a = r.take(2 * PAGE, false).unwrap();
+        let b = r.take(3 * PAGE, false).unwrap();
+        let c = r.take(5 * PAGE, false).unwrap();
+        assert_eq!((a, b, c), (0, 2 * PAGE, 5 * PAGE));
+        assert_eq!(r.take(PAGE, false), None, "full");
+        assert!(r.give_back(b));
+        assert!(!r.give_back(b), "a range is returned once");
+        assert!(!r.give_back(PAGE), "not a placed offset");
+        assert_eq!(r.take(4 * PAGE, false), None, "3 pages free, not 4");
+        assert!(r.give_back(a));
+        // a and b merged into one free range of 5 pages at 0.
+        assert_eq!(r.take(5 * PAGE, false), Some(0));
+        assert!(r.give_back(0));
+        assert!(r.give_back(c));
+        assert_eq!(r.free.len(), 1, "everything merged: {:?}", r.free);
+        assert_eq!(r.take(10 * PAGE, false), Some(0));
+        assert!(r.give_back(0));
+        // Warm: only below the highest range ever placed (all 10 pages here).
+        assert_eq!(r.take(10 * PAGE, true), Some(0));
+        let mut r = Ranges::new(10 * PAGE);
+        let a = r.take(2 * PAGE, false).unwrap();
+        assert_eq!(r.take(PAGE, true), None, "pages 2.. were never touched");
+        assert!(r.give_back(a));
+        assert_eq!(r.take(PAGE, true), Some(0));
+    }
+
+    #[test]
+    fn a_peer_reads_what_was_placed_until_it_releases_it() {
+        let seg = Segment::create(1 << 20, 3).unwrap();
+        let msg: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let off = seg.place(&msg).unwrap();
+        assert!(off >= control_bytes(3), "messages never overlap the rings");
+        let me = std::process::id();
+        let peer = Arc::new(PeerSegment::open(me, seg.fd(), seg.size(), 2, 3).unwrap());
+        assert!(peer.holds(off, msg.len()));
+        assert!(!peer.holds(0, 8), "the rings are not a message");
+        assert!(!peer.holds(seg.size() - 10, 11));
+        assert!(!peer.holds(usize::MAX, 2));
+        let released = Arc::new(Mutex::new(None));
+        let r = released.clone();
+        let view = bytes::Bytes::from_owner(ShmView::new(
+            peer.clone(),
+            off,
+            msg.len(),
+            Box::new(move || *r.lock().unwrap() = Some(off)),
+        ));
+        assert_eq!(&view[..], &msg[..]);
+        let part = view.slice(10..20);
+        drop(view);
+        assert_eq!(*released.lock().unwrap(), None, "a slice still holds it");
+        assert_eq!(&part[..], &msg[10..20]);
+        drop(part);
+        assert_eq!(*released.lock().unwrap(), Some(off));
+        assert_eq!(seg.bytes_placed(), msg.len().next_multiple_of(PAGE));
+        assert!(peer.release(off as u64), "through the ring");
+        assert_eq!(seg.bytes_placed(), 0, "the owner drained the ring");
+        // Placed again at the same, warm, offset.
+        assert_eq!(seg.place(&msg), Some(off));
+    }
+
+    #[test]
+    fn a_full_ring_says_so_and_bogus_releases_change_nothing() {
+        let seg = Segment::create(64 * PAGE, 2).unwrap();
+        let me = std::process::id();
+        let peer = PeerSegment::open(me, seg.fd(), seg.size(), 1, 2).unwrap();
+        let a = seg.place(&[1u8; 10]).unwrap();
+        for _ in 0..RING {
+            assert!(peer.release(12345), "room in the ring");
+        }
+        assert!(!peer.release(a as u64), "full: release another way");
+        // Draining ignores the bogus offsets; `a` is still placed.
+        assert_eq!(seg.bytes_placed(), PAGE);
+        assert!(peer.release(a as u64));
+        assert_eq!(seg.bytes_placed(), 0);
+    }
+
+    #[test]
+    fn a_full_segment_refuses_instead_of_overwriting() {
+        let seg = Segment::create(2 * PAGE, 1).unwrap();
+        let a = seg.place(&[1u8; PAGE + 1]).unwrap();
+        assert_eq!(seg.place(&[2u8; 10]), None);
+        assert!(seg.release(a));
+        assert!(seg.place(&[2u8; 10]).is_some());
+    }
+
+    #[test]
+    fn a_missing_segment_or_bad_size_is_an_error_not_a_panic() {
+        let seg = Segment::create(PAGE, 2).unwrap();
+        let me = std::process::id();
+        assert!(PeerSegment::open(me, 987_654, seg.size(), 0, 2).is_err());
+        let err = PeerSegment::open(me, seg.fd(), 2 * seg.size(), 0, 2)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("announced"), "{err}");
+        assert!(PeerSegment::open(me, seg.fd(), seg.size(), 2, 2).is_err());
+        assert!(segment_size_from(Some("lots")).is_err());
+        assert_eq!(segment_size_from(Some("0")).unwrap(), 0);
+        assert_eq!(segment_size_from(None).unwrap(), DEFAULT_SEGMENT);
+    }
+}
