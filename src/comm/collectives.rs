@@ -270,7 +270,14 @@ impl Communicator {
         let next = group.ranks[(me + 1) % p];
         let prev = group.ranks[(me + p - 1) % p];
         let mut blocks: Vec<Option<Bytes>> = vec![None; p];
-        blocks[me] = Some(mine);
+        // Every block but the last received is both kept and sent on:
+        // staged, a send to a node-local successor shares it instead of
+        // copying it (`Transport::stage`).
+        blocks[me] = Some(if p > 1 {
+            self.transport.stage(next, mine)
+        } else {
+            mine
+        });
         let mut sends = Vec::with_capacity(p);
         for step in 0..p.saturating_sub(1) {
             let send_idx = (me + p - step) % p;
@@ -279,7 +286,12 @@ impl Communicator {
                 .clone()
                 .expect("received in the previous step");
             sends.push((next, self.send(next, tag(group, call, step), block)?));
-            blocks[recv_idx] = Some(self.recv(prev, tag(group, call, step))?);
+            let got = self.recv(prev, tag(group, call, step))?;
+            blocks[recv_idx] = Some(if step + 2 < p {
+                self.transport.stage(next, got)
+            } else {
+                got
+            });
         }
         self.wait_all(sends)?;
         Ok(blocks

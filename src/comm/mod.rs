@@ -133,6 +133,13 @@ pub trait Transport: Send + Sync {
     /// Whether a message from `peer` under `tag` has arrived (a receive
     /// would not wait).
     fn probe(&self, peer: usize, tag: Tag) -> bool;
+    /// The same bytes, placed where a send to `peer` need not copy them,
+    /// for a buffer the caller both sends and keeps (UCX: in this rank's
+    /// shared segment, for a node-local peer); otherwise `data` itself.
+    fn stage(&self, peer: usize, data: Bytes) -> Bytes {
+        let _ = peer;
+        data
+    }
     /// A short name for logs and benchmarks ("inproc", "tcp", "ucx").
     fn name(&self) -> &'static str;
     /// The first peer this rank saw die (not leave), and why: the root cause

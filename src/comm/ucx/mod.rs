@@ -34,7 +34,7 @@ use bytes::Bytes;
 use super::mailbox::Mailbox;
 use super::pool::{BufferPool, PooledBuf};
 use super::{CommError, SendHandle, Tag, Transport};
-use shm::{PeerSegment, Segment, ShmView};
+use shm::{Holder, PeerSegment, Segment, SegmentBuf, ShmView};
 use sys::*;
 
 const KIND_DATA: u32 = 0;
@@ -43,7 +43,8 @@ const KIND_GOODBYE: u32 = 2;
 const KIND_SHM_HELLO: u32 = 3;
 /// "I mapped your segment": single-copy messages to the sender may start.
 const KIND_SHM_READY: u32 = 4;
-/// A message lying in the sender's segment: payload offset u64, length u64.
+/// A message lying in the sender's segment: payload offset u64, length u64,
+/// and the offset u64 of the placed range it lies in (what its release names).
 const KIND_SHM_DATA: u32 = 5;
 /// "I dropped the message at this offset of your segment": payload u64.
 const KIND_SHM_FREE: u32 = 6;
@@ -99,7 +100,7 @@ enum Command {
 /// Single-copy state the sending threads and the progress thread share.
 struct Local {
     /// This rank's segment; `None` when turned off or the host refused it.
-    segment: Option<Segment>,
+    segment: Option<Arc<Segment>>,
     /// Per peer: it mapped the segment, so messages to it may lie there.
     ready: Vec<AtomicBool>,
 }
@@ -195,8 +196,47 @@ enum Op {
         _data: Bytes,
     },
     Recv {
-        buf: PooledBuf,
+        buf: RecvBuf,
     },
+}
+
+/// Where a message is received: a pooled buffer, or (large ones, when a
+/// node-local peer may be sent them on) this rank's shared segment.
+enum RecvBuf {
+    Pool(PooledBuf),
+    Segment(SegmentBuf),
+}
+
+impl RecvBuf {
+    fn len(&self) -> usize {
+        match self {
+            RecvBuf::Pool(b) => b.len(),
+            RecvBuf::Segment(b) => b.len(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            RecvBuf::Pool(b) => b.as_mut_slice(),
+            RecvBuf::Segment(b) => b.as_mut_slice(),
+        }
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            RecvBuf::Pool(b) => b.into_bytes(),
+            RecvBuf::Segment(b) => b.into_bytes(),
+        }
+    }
+}
+
+impl AsRef<[u8]> for RecvBuf {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            RecvBuf::Pool(b) => b.as_ref(),
+            RecvBuf::Segment(b) => b.as_ref(),
+        }
+    }
 }
 
 impl Worker {
@@ -504,6 +544,7 @@ impl UcxTransport {
         let segment = match segment_size {
             0 => None,
             size => Segment::create(size, world_size)
+                .map(Arc::new)
                 .map_err(|e| {
                     tracing::warn!(
                         "no single-copy shared memory ({e}): node-local messages go through \
@@ -703,7 +744,13 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             busy = true;
             // A reused buffer when one of about this size came back: no
             // page faults (comm/pool.rs); UCX overwrites all of it.
-            let mut buf = ends.pool.take(info.length);
+            let forwardable = info.length >= HEADER + shm::MIN_SHM
+                && ends.local.ready.iter().any(|r| r.load(Ordering::Relaxed));
+            let mut buf = match &ends.local.segment {
+                Some(seg) if forwardable => seg.receive_buffer(info.length).map(RecvBuf::Segment),
+                _ => None,
+            }
+            .unwrap_or_else(|| RecvBuf::Pool(ends.pool.take(info.length)));
             let p = Params::new();
             // SAFETY: `buf` has exactly the message's length and is kept in
             // `Op::Recv` until the request completes.
@@ -817,7 +864,7 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
 /// Handles a received `[header | payload]`: data is filed in the mailbox
 /// (a single-copy message as a view of the sender's segment), a freed range
 /// goes back to this rank's segment, and what needs the worker is returned.
-fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: PooledBuf) -> Arrival {
+fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: RecvBuf) -> Arrival {
     let (inbox, world) = (ends.inbox, ends.world);
     if buf.len() < HEADER {
         tracing::warn!(
@@ -845,17 +892,22 @@ fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: PooledBuf) -
             return Arrival::Goodbye;
         }
         KIND_SHM_DATA => {
-            let place = u64_at(body, 0).zip(u64_at(body, 8));
+            let place = u64_at(body, 0).zip(u64_at(body, 8)).zip(u64_at(body, 16));
             let seg = segments[source].as_ref();
             match (place, seg) {
-                (Some((off, len)), Some(seg)) if seg.holds(off as usize, len as usize) => {
+                (Some(((off, len), range)), Some(seg))
+                    if range <= off && seg.holds(off as usize, len as usize) =>
+                {
                     let releases = ends.releases.clone();
                     let thread = std::thread::current();
                     let ring = seg.clone();
                     let release = Box::new(move || {
-                        if !ring.release(off)
+                        if !ring.release(range)
                             && releases
-                                .send(Command::Release { peer: source, off })
+                                .send(Command::Release {
+                                    peer: source,
+                                    off: range,
+                                })
                                 .is_ok()
                         {
                             thread.unpark();
@@ -875,7 +927,7 @@ fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: PooledBuf) -
         }
         KIND_SHM_FREE => {
             let freed = ends.local.segment.as_ref().zip(u64_at(body, 0));
-            if !freed.is_some_and(|(seg, off)| seg.release(off as usize)) {
+            if !freed.is_some_and(|(seg, off)| seg.release(off as usize, Holder::Peer(source))) {
                 tracing::warn!(
                     "rank {source} returned a range of this rank's segment it was not given"
                 );
@@ -928,18 +980,26 @@ impl Transport for UcxTransport {
         }
         // Large messages to a peer that mapped this rank's segment are
         // copied there (here, on the caller's thread) and travel as a place.
+        // Bytes already there (staged) are shared, not copied.
         let mut kind = KIND_DATA;
         let mut data = data;
-        if data.len() >= shm::MIN_SHM
-            && self.local.ready[peer].load(Ordering::Acquire)
+        if self.local.ready[peer].load(Ordering::Acquire)
             && let Some(seg) = &self.local.segment
-            && let Some(off) = seg.place(&data)
         {
-            let mut place = Vec::with_capacity(16);
-            place.extend_from_slice(&(off as u64).to_le_bytes());
-            place.extend_from_slice(&(data.len() as u64).to_le_bytes());
-            kind = KIND_SHM_DATA;
-            data = Bytes::from(place);
+            let placed = seg.share(&data, peer).or_else(|| {
+                (data.len() >= shm::MIN_SHM)
+                    .then(|| seg.place(&data, Holder::Peer(peer)))
+                    .flatten()
+                    .map(|off| (off, off))
+            });
+            if let Some((range, off)) = placed {
+                let mut place = Vec::with_capacity(24);
+                place.extend_from_slice(&(off as u64).to_le_bytes());
+                place.extend_from_slice(&(data.len() as u64).to_le_bytes());
+                place.extend_from_slice(&(range as u64).to_le_bytes());
+                kind = KIND_SHM_DATA;
+                data = Bytes::from(place);
+            }
         }
         let done = SendHandle::default();
         self.commands
@@ -969,6 +1029,16 @@ impl Transport for UcxTransport {
 
     fn probe(&self, peer: usize, tag: Tag) -> bool {
         self.mailbox.has(peer, tag)
+    }
+
+    fn stage(&self, peer: usize, data: Bytes) -> Bytes {
+        let shared = peer < self.world_size && self.local.ready[peer].load(Ordering::Acquire);
+        match &self.local.segment {
+            Some(seg) if shared && data.len() >= shm::MIN_SHM && !seg.contains(&data) => {
+                seg.stage(&data).unwrap_or(data)
+            }
+            _ => data,
+        }
     }
 
     fn first_death(&self) -> Option<(usize, String)> {
@@ -1017,7 +1087,7 @@ mod tests {
     }
 
     fn placed(t: &UcxTransport) -> usize {
-        t.local.segment.as_ref().map_or(0, Segment::bytes_placed)
+        t.local.segment.as_ref().map_or(0, |s| s.bytes_placed())
     }
 
     #[test]
@@ -1058,6 +1128,23 @@ mod tests {
         assert_eq!(&part[..], &big[100..200]);
         drop(part);
         assert_eq!(placed(&a), 0, "released through the ring");
+        // Staged once, sent twice: one range, free when all three let go.
+        let staged = a.stage(1, Bytes::from(big.clone()));
+        assert_eq!(placed(&a), range);
+        for _ in 0..2 {
+            a.send(1, 11, staged.clone()).unwrap();
+        }
+        let (x, y) = (
+            b.recv(0, 11, timeout).unwrap(),
+            b.recv(0, 11, timeout).unwrap(),
+        );
+        assert_eq!((&x[..], &y[..]), (&big[..], &big[..]));
+        assert_eq!(placed(&a), range, "shared, not copied");
+        drop(staged);
+        drop(x);
+        assert_eq!(placed(&a), range);
+        drop(y);
+        assert_eq!(placed(&a), 0);
         // The other way too.
         b.send(0, 3, Bytes::from(big.clone())).unwrap();
         assert_eq!(&a.recv(1, 3, timeout).unwrap()[..], &big[..]);
@@ -1079,11 +1166,15 @@ mod tests {
             local: &local,
             releases,
         };
-        let mut msg = vec![0u8; HEADER + 16];
+        let mut msg = vec![0u8; HEADER + 24];
         msg[0..4].copy_from_slice(&KIND_SHM_DATA.to_le_bytes());
         msg[4..8].copy_from_slice(&1u32.to_le_bytes());
-        msg[HEADER + 8..].copy_from_slice(&(1u64 << 40).to_le_bytes());
-        let arrival = deliver(&ends, &[None, None], PooledBuf::unpooled(msg));
+        msg[HEADER + 8..HEADER + 16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        let arrival = deliver(
+            &ends,
+            &[None, None],
+            RecvBuf::Pool(PooledBuf::unpooled(msg)),
+        );
         assert!(matches!(arrival, Arrival::Done));
         let (peer, reason) = inbox.first_death().expect("rank 1 is failed");
         assert_eq!(peer, 1);

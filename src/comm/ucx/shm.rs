@@ -11,7 +11,7 @@
 //! (docs/COMM.md). A full segment is no error: the message goes the eager
 //! way.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -117,13 +117,30 @@ pub fn segment_size_from(value: Option<&str>) -> Result<usize, CommError> {
     }
 }
 
+/// Who holds a placed range: this rank (a staged buffer, see
+/// [`Segment::stage`]) or a peer (a message it has not released yet).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Holder {
+    Local,
+    Peer(usize),
+}
+
+/// A placed range and its holders; it is free again when none is left.
+#[derive(Debug)]
+struct Placed {
+    len: usize,
+    local: u32,
+    /// (peer, messages naming this range it has not released).
+    peers: Vec<(usize, u32)>,
+}
+
 /// Free and placed ranges of a segment.
 #[derive(Default)]
 struct Ranges {
     /// Free ranges: offset -> length, coalesced.
     free: BTreeMap<usize, usize>,
-    /// Placed ranges a receiver still holds: offset -> length.
-    placed: HashMap<usize, usize>,
+    /// Placed ranges: offset -> length and holders.
+    placed: BTreeMap<usize, Placed>,
     /// The end of the highest range ever placed: pages below it were
     /// touched and stay resident.
     high_water: usize,
@@ -138,9 +155,10 @@ impl Ranges {
         r
     }
 
-    /// The lowest free range of `len` bytes (so the pages in use stay few);
-    /// with `warm`, only one whose pages were all touched before.
-    fn take(&mut self, len: usize, warm: bool) -> Option<usize> {
+    /// The lowest free range of `len` bytes (so the pages in use stay few),
+    /// held by `holder`; with `warm`, only one whose pages were all touched
+    /// before.
+    fn take(&mut self, len: usize, warm: bool, holder: Holder) -> Option<usize> {
         let high_water = self.high_water;
         let (&off, &free_len) = self
             .free
@@ -150,16 +168,42 @@ impl Ranges {
         if free_len > len {
             self.free.insert(off + len, free_len - len);
         }
-        self.placed.insert(off, len);
+        let mut placed = Placed {
+            len,
+            local: 0,
+            peers: Vec::new(),
+        };
+        placed.add(holder);
+        self.placed.insert(off, placed);
         self.high_water = self.high_water.max(off + len);
         Some(off)
     }
 
-    /// Returns a placed range; false if `off` is not one.
-    fn give_back(&mut self, off: usize) -> bool {
-        let Some(len) = self.placed.remove(&off) else {
+    /// The placed range holding `[off, off + len)`, if any.
+    fn containing(&self, off: usize, len: usize) -> Option<usize> {
+        let (&start, p) = self.placed.range(..=off).next_back()?;
+        (off + len <= start + p.len).then_some(start)
+    }
+
+    /// One more holder of the placed range at `off`.
+    fn hold(&mut self, off: usize, holder: Holder) -> bool {
+        self.placed.get_mut(&off).map(|p| p.add(holder)).is_some()
+    }
+
+    /// `holder` lets go of the range at `off`, which is free once nobody
+    /// holds it; false if `holder` did not hold it (the range is untouched).
+    fn give_back(&mut self, off: usize, holder: Holder) -> bool {
+        let Some(p) = self.placed.get_mut(&off) else {
             return false;
         };
+        if !p.remove(holder) {
+            return false;
+        }
+        if p.local > 0 || !p.peers.is_empty() {
+            return true;
+        }
+        let len = p.len;
+        self.placed.remove(&off);
         let (mut start, mut end) = (off, off + len);
         if let Some((&prev, &prev_len)) = self.free.range(..off).next_back()
             && prev + prev_len == off
@@ -175,7 +219,36 @@ impl Ranges {
     }
 
     fn bytes_placed(&self) -> usize {
-        self.placed.values().sum()
+        self.placed.values().map(|p| p.len).sum()
+    }
+}
+
+impl Placed {
+    fn add(&mut self, holder: Holder) {
+        match holder {
+            Holder::Local => self.local += 1,
+            Holder::Peer(peer) => match self.peers.iter_mut().find(|(p, _)| *p == peer) {
+                Some((_, n)) => *n += 1,
+                None => self.peers.push((peer, 1)),
+            },
+        }
+    }
+
+    fn remove(&mut self, holder: Holder) -> bool {
+        match holder {
+            Holder::Local if self.local > 0 => self.local -= 1,
+            Holder::Local => return false,
+            Holder::Peer(peer) => {
+                let Some(i) = self.peers.iter().position(|(p, _)| *p == peer) else {
+                    return false;
+                };
+                self.peers[i].1 -= 1;
+                if self.peers[i].1 == 0 {
+                    self.peers.swap_remove(i);
+                }
+            }
+        }
+        true
     }
 }
 
@@ -260,7 +333,7 @@ impl Segment {
             // SAFETY: the control area holds `world` rings.
             let ring = unsafe { Ring::of(self.base, peer) };
             ring.drain(|off| {
-                if !ranges.give_back(off as usize) {
+                if !ranges.give_back(off as usize, Holder::Peer(peer)) {
                     tracing::warn!(
                         "rank {peer} released a range of this rank's segment it was not given"
                     );
@@ -277,32 +350,8 @@ impl Segment {
     /// while receivers hold earlier messages, it first waits a while for a
     /// release: up to a third of what the faults would cost, yielding the
     /// core meanwhile (to the receiver, on a busy host).
-    pub fn place(&self, data: &[u8]) -> Option<usize> {
-        let len = data.len().max(1).next_multiple_of(PAGE);
-        let off = {
-            let mut ranges = self.lock();
-            self.drain(&mut ranges);
-            match ranges.take(len, true) {
-                Some(off) => off,
-                None if ranges.placed.is_empty() => ranges.take(len, false)?,
-                None => {
-                    let fresh_pages = (len / PAGE) as u64;
-                    let until = Instant::now() + Duration::from_nanos(500 * fresh_pages);
-                    loop {
-                        drop(ranges);
-                        std::thread::yield_now();
-                        ranges = self.lock();
-                        self.drain(&mut ranges);
-                        if let Some(off) = ranges.take(len, true) {
-                            break off;
-                        }
-                        if Instant::now() >= until || ranges.placed.is_empty() {
-                            break ranges.take(len, false)?;
-                        }
-                    }
-                }
-            }
-        };
+    pub fn place(&self, data: &[u8], holder: Holder) -> Option<usize> {
+        let off = self.reserve(data.len(), holder, true)?;
         // SAFETY: [off, off + len) lies in the mapping and was just handed
         // out to this call alone; no receiver reads it before the message
         // naming it is sent.
@@ -312,10 +361,88 @@ impl Segment {
         Some(off)
     }
 
-    /// A receiver is done with the range at `off`; false if no message was
-    /// placed there (a confused or malicious peer: the range stays taken).
-    pub fn release(&self, off: usize) -> bool {
-        self.lock().give_back(off)
+    /// A free range for `len` bytes, held by `holder`; `patient`: wait a
+    /// little for a warm one (see [`Segment::place`]).
+    fn reserve(&self, len: usize, holder: Holder, patient: bool) -> Option<usize> {
+        let len = len.max(1).next_multiple_of(PAGE);
+        let off = {
+            let mut ranges = self.lock();
+            self.drain(&mut ranges);
+            match ranges.take(len, true, holder) {
+                Some(off) => off,
+                None if !patient || ranges.placed.is_empty() => ranges.take(len, false, holder)?,
+                None => {
+                    let fresh_pages = (len / PAGE) as u64;
+                    let until = Instant::now() + Duration::from_nanos(500 * fresh_pages);
+                    loop {
+                        drop(ranges);
+                        std::thread::yield_now();
+                        ranges = self.lock();
+                        self.drain(&mut ranges);
+                        if let Some(off) = ranges.take(len, true, holder) {
+                            break off;
+                        }
+                        if Instant::now() >= until || ranges.placed.is_empty() {
+                            break ranges.take(len, false, holder)?;
+                        }
+                    }
+                }
+            }
+        };
+        Some(off)
+    }
+
+    /// A buffer of `len` bytes in this segment for UCX to receive a message
+    /// into, so that forwarding it to a node-local peer needs no copy
+    /// (never waits: it runs on the progress thread). `None` when full.
+    pub fn receive_buffer(self: &Arc<Self>, len: usize) -> Option<SegmentBuf> {
+        let off = self.reserve(len, Holder::Local, false)?;
+        Some(SegmentBuf(Staged {
+            segment: self.clone(),
+            off,
+            len,
+        }))
+    }
+
+    /// Whether `data` lies in a placed range of this segment.
+    pub fn contains(&self, data: &[u8]) -> bool {
+        let at = (data.as_ptr() as usize).wrapping_sub(self.base as usize);
+        at < self.size && self.lock().containing(at, data.len()).is_some()
+    }
+
+    /// `holder` is done with the range at `off`; false if it held none
+    /// there (a confused or malicious peer: nothing changes).
+    pub fn release(&self, off: usize, holder: Holder) -> bool {
+        self.lock().give_back(off, holder)
+    }
+
+    /// A copy of `data` in this segment, which a later send to a node-local
+    /// peer shares instead of copying (see [`Segment::share`]): for a buffer
+    /// that is both sent and kept (a ring all-gather keeps what it forwards),
+    /// so the bytes are resident once instead of in the original and the
+    /// segment. `None` when no range is free.
+    pub fn stage(self: &Arc<Self>, data: &[u8]) -> Option<bytes::Bytes> {
+        let off = self.place(data, Holder::Local)?;
+        Some(bytes::Bytes::from_owner(Staged {
+            segment: self.clone(),
+            off,
+            len: data.len(),
+        }))
+    }
+
+    /// When `data` lies in a range of this segment (staged, or a slice of
+    /// it), makes `peer` one more holder of that range and returns the
+    /// range's offset and `data`'s own: the message can name them.
+    pub fn share(&self, data: &[u8], peer: usize) -> Option<(usize, usize)> {
+        let at = (data.as_ptr() as usize).checked_sub(self.base as usize)?;
+        if at >= self.size {
+            return None;
+        }
+        let mut ranges = self.lock();
+        let range = ranges.containing(at, data.len())?;
+        ranges
+            .hold(range, Holder::Peer(peer))
+            .then_some((range, at))
     }
 
     /// Bytes of messages whose receivers still hold them.
@@ -323,6 +450,58 @@ impl Segment {
         let mut ranges = self.lock();
         self.drain(&mut ranges);
         ranges.bytes_placed()
+    }
+}
+
+/// A receive buffer in this rank's segment (see
+/// [`Segment::receive_buffer`]).
+pub struct SegmentBuf(Staged);
+
+impl SegmentBuf {
+    pub fn len(&self) -> usize {
+        self.0.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// The buffer to write into.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: the range was reserved for this buffer alone and nobody
+        // else sees it until `into_bytes`.
+        unsafe { std::slice::from_raw_parts_mut(self.0.segment.base.add(self.0.off), self.0.len) }
+    }
+
+    pub fn into_bytes(self) -> bytes::Bytes {
+        bytes::Bytes::from_owner(self.0)
+    }
+}
+
+impl AsRef<[u8]> for SegmentBuf {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_ref()
+    }
+}
+
+/// A staged buffer: this rank's own view of a range of its segment.
+struct Staged {
+    segment: Arc<Segment>,
+    off: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for Staged {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: the range was placed for this view and stays placed (it
+        // holds it) while the view lives; nobody writes a placed range.
+        unsafe { std::slice::from_raw_parts(self.segment.base.add(self.off), self.len) }
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        self.segment.release(self.off, Holder::Local);
     }
 }
 
@@ -507,38 +686,78 @@ mod tests {
 
     #[test]
     fn ranges_are_reused_lowest_first_and_coalesce() {
+        const P: Holder = Holder::Peer(1);
         let mut r = Ranges::new(10 * PAGE);
-        let a = r.take(2 * PAGE, false).unwrap();
-        let b = r.take(3 * PAGE, false).unwrap();
-        let c = r.take(5 * PAGE, false).unwrap();
+        let a = r.take(2 * PAGE, false, P).unwrap();
+        let b = r.take(3 * PAGE, false, P).unwrap();
+        let c = r.take(5 * PAGE, false, P).unwrap();
         assert_eq!((a, b, c), (0, 2 * PAGE, 5 * PAGE));
-        assert_eq!(r.take(PAGE, false), None, "full");
-        assert!(r.give_back(b));
-        assert!(!r.give_back(b), "a range is returned once");
-        assert!(!r.give_back(PAGE), "not a placed offset");
-        assert_eq!(r.take(4 * PAGE, false), None, "3 pages free, not 4");
-        assert!(r.give_back(a));
+        assert_eq!(r.take(PAGE, false, P), None, "full");
+        assert!(r.give_back(b, P));
+        assert!(!r.give_back(b, P), "a range is returned once");
+        assert!(!r.give_back(PAGE, P), "not a placed offset");
+        assert_eq!(r.take(4 * PAGE, false, P), None, "3 pages free, not 4");
+        assert!(r.give_back(a, P));
         // a and b merged into one free range of 5 pages at 0.
-        assert_eq!(r.take(5 * PAGE, false), Some(0));
-        assert!(r.give_back(0));
-        assert!(r.give_back(c));
+        assert_eq!(r.take(5 * PAGE, false, P), Some(0));
+        assert!(r.give_back(0, P));
+        assert!(r.give_back(c, P));
         assert_eq!(r.free.len(), 1, "everything merged: {:?}", r.free);
-        assert_eq!(r.take(10 * PAGE, false), Some(0));
-        assert!(r.give_back(0));
+        assert_eq!(r.take(10 * PAGE, false, P), Some(0));
+        assert!(r.give_back(0, P));
         // Warm: only below the highest range ever placed (all 10 pages here).
-        assert_eq!(r.take(10 * PAGE, true), Some(0));
+        assert_eq!(r.take(10 * PAGE, true, P), Some(0));
         let mut r = Ranges::new(10 * PAGE);
-        let a = r.take(2 * PAGE, false).unwrap();
-        assert_eq!(r.take(PAGE, true), None, "pages 2.. were never touched");
-        assert!(r.give_back(a));
-        assert_eq!(r.take(PAGE, true), Some(0));
+        let a = r.take(2 * PAGE, false, P).unwrap();
+        assert_eq!(r.take(PAGE, true, P), None, "pages 2.. were never touched");
+        assert!(r.give_back(a, P));
+        assert_eq!(r.take(PAGE, true, P), Some(0));
+    }
+
+    #[test]
+    fn a_range_is_free_only_when_every_holder_let_go() {
+        let mut r = Ranges::new(4 * PAGE);
+        let a = r.take(2 * PAGE, false, Holder::Local).unwrap();
+        assert_eq!(r.containing(a + 10, 100), Some(a));
+        assert_eq!(r.containing(a + 10, 2 * PAGE), None, "runs past the range");
+        assert!(r.hold(a, Holder::Peer(1)));
+        assert!(r.hold(a, Holder::Peer(1)));
+        assert!(r.hold(a, Holder::Peer(2)));
+        assert!(!r.give_back(a, Holder::Peer(3)), "never held it");
+        assert!(r.give_back(a, Holder::Local));
+        assert!(r.give_back(a, Holder::Peer(1)));
+        assert!(r.give_back(a, Holder::Peer(2)));
+        assert!(!r.give_back(a, Holder::Peer(2)), "released once");
+        assert_eq!(r.bytes_placed(), 2 * PAGE, "rank 1 still holds one");
+        assert!(r.give_back(a, Holder::Peer(1)));
+        assert_eq!(r.bytes_placed(), 0);
+        assert!(!r.hold(a, Holder::Local), "free ranges cannot be held");
+    }
+
+    #[test]
+    fn a_staged_buffer_is_shared_by_sends_and_freed_after_all_of_them() {
+        let seg = Arc::new(Segment::create(1 << 20, 2).unwrap());
+        let msg = vec![5u8; 3 * PAGE];
+        let staged = seg.stage(&msg).unwrap();
+        assert_eq!(&staged[..], &msg[..]);
+        let (range, off) = seg.share(&staged, 1).unwrap();
+        assert_eq!(range, off);
+        let tail = staged.slice(PAGE..);
+        assert_eq!(seg.share(&tail, 1), Some((range, range + PAGE)));
+        assert_eq!(seg.share(&msg, 1), None, "not in the segment");
+        drop(staged);
+        drop(tail);
+        assert_eq!(seg.bytes_placed(), 3 * PAGE, "rank 1 holds it twice");
+        assert!(seg.release(range, Holder::Peer(1)));
+        assert!(seg.release(range, Holder::Peer(1)));
+        assert_eq!(seg.bytes_placed(), 0);
     }
 
     #[test]
     fn a_peer_reads_what_was_placed_until_it_releases_it() {
         let seg = Segment::create(1 << 20, 3).unwrap();
         let msg: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        let off = seg.place(&msg).unwrap();
+        let off = seg.place(&msg, Holder::Peer(2)).unwrap();
         assert!(off >= control_bytes(3), "messages never overlap the rings");
         let me = std::process::id();
         let peer = Arc::new(PeerSegment::open(me, seg.fd(), seg.size(), 2, 3).unwrap());
@@ -565,7 +784,7 @@ mod tests {
         assert!(peer.release(off as u64), "through the ring");
         assert_eq!(seg.bytes_placed(), 0, "the owner drained the ring");
         // Placed again at the same, warm, offset.
-        assert_eq!(seg.place(&msg), Some(off));
+        assert_eq!(seg.place(&msg, Holder::Peer(2)), Some(off));
     }
 
     #[test]
@@ -573,7 +792,7 @@ mod tests {
         let seg = Segment::create(64 * PAGE, 2).unwrap();
         let me = std::process::id();
         let peer = PeerSegment::open(me, seg.fd(), seg.size(), 1, 2).unwrap();
-        let a = seg.place(&[1u8; 10]).unwrap();
+        let a = seg.place(&[1u8; 10], Holder::Peer(1)).unwrap();
         for _ in 0..RING {
             assert!(peer.release(12345), "room in the ring");
         }
@@ -587,10 +806,11 @@ mod tests {
     #[test]
     fn a_full_segment_refuses_instead_of_overwriting() {
         let seg = Segment::create(2 * PAGE, 1).unwrap();
-        let a = seg.place(&[1u8; PAGE + 1]).unwrap();
-        assert_eq!(seg.place(&[2u8; 10]), None);
-        assert!(seg.release(a));
-        assert!(seg.place(&[2u8; 10]).is_some());
+        let a = seg.place(&[1u8; PAGE + 1], Holder::Peer(0)).unwrap();
+        assert_eq!(seg.place(&[2u8; 10], Holder::Peer(0)), None);
+        assert!(!seg.release(a, Holder::Local), "not its holder");
+        assert!(seg.release(a, Holder::Peer(0)));
+        assert!(seg.place(&[2u8; 10], Holder::Peer(0)).is_some());
     }
 
     #[test]
