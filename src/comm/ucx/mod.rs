@@ -21,6 +21,7 @@
 pub mod shm;
 pub mod sys;
 
+use std::collections::VecDeque;
 use std::ffi::{CString, c_void};
 use std::ptr;
 use std::sync::Arc;
@@ -195,9 +196,13 @@ enum Op {
         _header: Box<[u8; HEADER]>,
         _data: Bytes,
     },
-    Recv {
-        buf: RecvBuf,
-    },
+}
+
+/// A message being received: done once `req` is null (`failed` says how).
+struct Receiving {
+    req: *mut c_void,
+    failed: bool,
+    buf: RecvBuf,
 }
 
 /// Where a message is received: a pooled buffer, or (large ones, when a
@@ -430,7 +435,10 @@ impl Worker {
         // SAFETY: the iov, header and data stay alive (in `Op::Send`) until
         // the request completes.
         let r = unsafe {
-            (self.ucp.tag_send_nbx)(self.eps[peer], iov.as_ptr().cast(), 2, 0, p.as_ptr())
+            // The UCX tag is the source rank: the receiver knows at probe
+            // time whose message it is, and keeps each source's in order.
+            let ucx_tag = source as u64;
+            (self.ucp.tag_send_nbx)(self.eps[peer], iov.as_ptr().cast(), 2, ucx_tag, p.as_ptr())
         };
         if r.is_null() {
             done.complete(Ok(()));
@@ -538,9 +546,20 @@ impl UcxTransport {
         world_size: usize,
         exchange: impl FnOnce(Vec<u8>) -> Result<Vec<PeerAddress>, CommError>,
     ) -> Result<UcxTransport, CommError> {
-        let pool = BufferPool::from_env()?;
         let segment_size =
             shm::segment_size_from(std::env::var("ZEROPP_SHM_SEGMENT").ok().as_deref())?;
+        Self::connect_with(rank, world_size, segment_size, exchange)
+    }
+
+    /// [`UcxTransport::connect`] with a shared segment of `segment_size`
+    /// bytes (0: none) whatever the environment says.
+    fn connect_with(
+        rank: usize,
+        world_size: usize,
+        segment_size: usize,
+        exchange: impl FnOnce(Vec<u8>) -> Result<Vec<PeerAddress>, CommError>,
+    ) -> Result<UcxTransport, CommError> {
+        let pool = BufferPool::from_env()?;
         let segment = match segment_size {
             0 => None,
             size => Segment::create(size, world_size)
@@ -657,6 +676,10 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>) {
     let (rank, world, inbox) = (ends.rank, ends.world, ends.inbox);
     let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
+    // Receives per source in the order UCX matched them (messages from a
+    // stray source last): a large message probed at its first fragment
+    // completes after a small one probed behind it, and is delivered first.
+    let mut receiving: Vec<VecDeque<Receiving>> = (0..=world).map(|_| VecDeque::new()).collect();
     let mut idle = 0u32;
     let mut goodbyes = 0usize;
     let mut shutting_down: Option<Instant> = None;
@@ -733,7 +756,6 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
         }
         // 2. Progress, then take every message that has arrived.
         busy |= w.progress();
-        let mut arrived = Vec::new();
         loop {
             let mut info = ucp_tag_recv_info_t::default();
             // SAFETY: valid worker; `info` is a valid out-pointer.
@@ -752,8 +774,9 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             }
             .unwrap_or_else(|| RecvBuf::Pool(ends.pool.take(info.length)));
             let p = Params::new();
+            let from = (info.sender_tag as usize).min(world);
             // SAFETY: `buf` has exactly the message's length and is kept in
-            // `Op::Recv` until the request completes.
+            // `receiving` until the request completes.
             let r = unsafe {
                 (w.ucp.tag_msg_recv_nbx)(
                     w.worker,
@@ -763,13 +786,15 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                     p.as_ptr(),
                 )
             };
-            if r.is_null() {
-                arrived.push(buf);
-            } else if ptr_is_err(r) {
+            if ptr_is_err(r) {
                 tracing::warn!("UCX receive failed: {}", w.ucp.describe(ptr_status(r)));
-            } else {
-                pending.push((r, Op::Recv { buf }));
+                continue;
             }
+            receiving[from].push_back(Receiving {
+                req: r,
+                failed: false,
+                buf,
+            });
         }
         // 3. Completions.
         let mut i = 0;
@@ -785,8 +810,27 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             match op {
                 Op::Send { done, .. } if s == UCS_OK => done.complete(Ok(())),
                 Op::Send { done, .. } => done.complete(Err(w.ucp.describe(s))),
-                Op::Recv { buf } if s == UCS_OK => arrived.push(buf),
-                Op::Recv { .. } => tracing::warn!("UCX receive failed: {}", w.ucp.describe(s)),
+            }
+        }
+        let mut arrived = Vec::new();
+        for queue in &mut receiving {
+            for r in queue.iter_mut().filter(|r| !r.req.is_null()) {
+                let s = w.status(r.req);
+                if s != UCS_INPROGRESS {
+                    busy = true;
+                    w.free(r.req);
+                    r.req = ptr::null_mut();
+                    if s != UCS_OK {
+                        tracing::warn!("UCX receive failed: {}", w.ucp.describe(s));
+                        r.failed = true;
+                    }
+                }
+            }
+            while queue.front().is_some_and(|r| r.req.is_null()) {
+                let r = queue.pop_front().expect("checked");
+                if !r.failed {
+                    arrived.push(r.buf);
+                }
             }
         }
         for buf in arrived {
@@ -794,6 +838,12 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                 Arrival::Done => {}
                 Arrival::Goodbye => goodbyes += 1,
                 Arrival::Hello { peer, fd, size } => {
+                    if segments[peer].is_some() {
+                        // Offered once: a second mapping would be a second
+                        // producer on this rank's ring.
+                        tracing::warn!("rank {peer} offered its segment twice; kept the first");
+                        continue;
+                    }
                     let Some(pid) = w.watched.iter().find(|x| x.peer == peer).map(|x| x.pid) else {
                         continue; // not a peer whose process this rank sees
                     };
@@ -817,6 +867,9 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             // waits here (the buffers stay with the request until shutdown).
             for dead in w.check_watched(inbox) {
                 ends.local.ready[dead].store(false, Ordering::Release);
+                if let Some(seg) = &ends.local.segment {
+                    seg.forget(dead);
+                }
                 for (_, op) in &pending {
                     if let Op::Send { peer, done, .. } = op
                         && *peer == dead
@@ -832,7 +885,6 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             // arrived (so none is left unmatched in UCX), a dead peer
             // counting as both, or after 2 s.
             let flushed = pending.iter().all(|(_, op)| match op {
-                Op::Recv { .. } => true,
                 Op::Send { peer, .. } => w.dead.contains(peer),
             });
             if (flushed && goodbyes + 1 + w.dead.len() >= world)
@@ -840,6 +892,11 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             {
                 for (req, _) in pending.drain(..) {
                     w.free(req);
+                }
+                for r in receiving.iter_mut().flat_map(|q| q.drain(..)) {
+                    if !r.req.is_null() {
+                        w.free(r.req);
+                    }
                 }
                 return;
             }
@@ -1054,8 +1111,9 @@ impl Transport for UcxTransport {
 mod tests {
     use super::*;
 
-    /// Two ranks of one process, connected as node-local peers.
-    fn local_pair() -> (UcxTransport, UcxTransport) {
+    /// Two ranks of one process, connected as node-local peers, with
+    /// shared segments of `segment` bytes (0: none).
+    fn local_pair(segment: usize) -> (UcxTransport, UcxTransport) {
         let board = Arc::new((
             std::sync::Mutex::new(vec![None; 2]),
             std::sync::Condvar::new(),
@@ -1063,7 +1121,7 @@ mod tests {
         let join = |rank: usize| {
             let board = board.clone();
             std::thread::spawn(move || {
-                UcxTransport::connect(rank, 2, move |address| {
+                UcxTransport::connect_with(rank, 2, segment, move |address| {
                     let (m, c) = &*board;
                     let mut slots = m.lock().unwrap();
                     slots[rank] = Some(address);
@@ -1092,7 +1150,7 @@ mod tests {
 
     #[test]
     fn large_node_local_messages_arrive_in_place_and_free_their_range_when_dropped() {
-        let (a, b) = local_pair();
+        let (a, b) = local_pair(shm::DEFAULT_SEGMENT);
         let timeout = Duration::from_secs(20);
         // Wait for b to map a's segment (the handshake runs in the background).
         let until = Instant::now() + timeout;
@@ -1148,6 +1206,47 @@ mod tests {
         // The other way too.
         b.send(0, 3, Bytes::from(big.clone())).unwrap();
         assert_eq!(&a.recv(1, 3, timeout).unwrap()[..], &big[..]);
+    }
+
+    /// A large eager message is matched at its first fragment and completes
+    /// after small ones matched behind it; each source's messages are still
+    /// delivered in the order they were sent (here under one tag, without
+    /// waiting between sends; with a segment too small for the large ones,
+    /// so they fall back to eager between single-copy ones).
+    #[test]
+    fn messages_under_one_tag_arrive_in_order_whatever_their_path_and_size() {
+        for segment in [0, 12 << 20] {
+            let (a, b) = local_pair(segment);
+            let timeout = Duration::from_secs(30);
+            if segment > 0 {
+                let until = Instant::now() + timeout;
+                while !a.local.ready[1].load(Ordering::Acquire) {
+                    assert!(Instant::now() < until, "rank 1 never mapped the segment");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            let sizes = [8 << 20, 10, 5 << 20, 3000, 8 << 20, 0, 6 << 20, 70_000];
+            let sent: Vec<Bytes> = (0..4)
+                .flat_map(|round| sizes.iter().map(move |&n| (round, n)))
+                .enumerate()
+                .map(|(i, (_, n))| Bytes::from(vec![i as u8; n]))
+                .collect();
+            let handles: Vec<_> = sent
+                .iter()
+                .map(|m| a.send(1, 5, m.clone()).unwrap())
+                .collect();
+            for (i, m) in sent.iter().enumerate() {
+                let got = b.recv(0, 5, timeout).unwrap();
+                assert_eq!(got.len(), m.len(), "message {i} (segment {segment})");
+                assert!(
+                    got.iter().all(|&x| x == i as u8),
+                    "message {i} (segment {segment})"
+                );
+            }
+            for h in handles {
+                h.wait(1, timeout).unwrap();
+            }
+        }
     }
 
     #[test]

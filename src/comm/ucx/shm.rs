@@ -28,15 +28,16 @@ pub const MIN_SHM: usize = 4 << 20;
 pub const DEFAULT_SEGMENT: usize = 512 << 20;
 /// Placements are whole pages, so no two messages share one.
 const PAGE: usize = 4096;
-/// Offsets a release ring holds; a receiver that finds its ring full
-/// releases by UCX message instead.
-const RING: usize = 1023;
-/// Bytes of one peer's release ring: head, tail, then the slots.
-const RING_BYTES: usize = (RING + 1) * 8 + 8;
+/// Offsets a release ring holds (one page: head, tail, slots); a receiver
+/// that finds its ring full releases by UCX message instead.
+const RING: usize = PAGE / 8 - 2;
+/// Bytes of one peer's release ring: a page of its own, so each peer maps
+/// only its own ring writable and cannot release what another holds.
+const RING_BYTES: usize = PAGE;
 
 /// Bytes at the start of a segment for `world` ranks' release rings.
 fn control_bytes(world: usize) -> usize {
-    (world * RING_BYTES).next_multiple_of(PAGE)
+    world * RING_BYTES
 }
 
 /// One peer's release ring, inside a mapping: the peer (single producer,
@@ -51,7 +52,7 @@ impl Ring {
     /// Ring `index` of the control area that starts at `base`.
     ///
     /// # Safety
-    /// `base` maps at least `control_bytes(index + 1)` writable bytes,
+    /// `base` maps at least `(index + 1) * RING_BYTES` writable bytes,
     /// 8-byte aligned, for as long as the ring is used.
     unsafe fn of(base: *mut u8, index: usize) -> Ring {
         Ring {
@@ -85,7 +86,7 @@ impl Ring {
             return false;
         }
         self.slot(tail).store(off, Ordering::Relaxed);
-        self.tail().store(tail + 1, Ordering::Release);
+        self.tail().store(tail.wrapping_add(1), Ordering::Release);
         true
     }
 
@@ -96,9 +97,9 @@ impl Ring {
         // A peer that wrote nonsense into the counters gets at most one ring.
         let n = tail.wrapping_sub(head).min(RING as u64);
         for i in 0..n {
-            each(self.slot(head + i).load(Ordering::Relaxed));
+            each(self.slot(head.wrapping_add(i)).load(Ordering::Relaxed));
         }
-        self.head().store(head + n, Ordering::Release);
+        self.head().store(head.wrapping_add(n), Ordering::Release);
     }
 }
 
@@ -110,7 +111,7 @@ pub fn segment_size_from(value: Option<&str>) -> Result<usize, CommError> {
         Some(v) => parse_size(v).map_err(|e| {
             CommError::Invalid(format!(
                 "ZEROPP_SHM_SEGMENT: {e}; give the size of the shared segment a rank sends \
-                 node-local messages from (for example 256M, the default), or 0 to send them \
+                 node-local messages from (for example 512M, the default), or 0 to send them \
                  through UCX alone"
             ))
         }),
@@ -281,13 +282,22 @@ impl Segment {
         let size = control + size.next_multiple_of(PAGE);
         // SAFETY: plain syscalls; the name is a NUL-terminated literal.
         unsafe {
-            let fd = libc::memfd_create(c"zeropp-shm".as_ptr(), libc::MFD_CLOEXEC);
+            let fd = libc::memfd_create(
+                c"zeropp-shm".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            );
             if fd < 0 {
                 return Err(os_error("memfd_create for the shared segment"));
             }
             let fd = OwnedFd::from_raw_fd(fd);
             if libc::ftruncate(fd.as_raw_fd(), size as libc::off_t) != 0 {
                 return Err(os_error("sizing the shared segment"));
+            }
+            // Its size is fixed: nobody (a peer opens it writable, for its
+            // ring) can shrink it under a mapping, which would fault.
+            let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+            if libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) != 0 {
+                return Err(os_error("sealing the shared segment's size"));
             }
             let base = libc::mmap(
                 std::ptr::null_mut(),
@@ -332,13 +342,35 @@ impl Segment {
         for peer in 0..self.world {
             // SAFETY: the control area holds `world` rings.
             let ring = unsafe { Ring::of(self.base, peer) };
+            let mut bogus = 0;
             ring.drain(|off| {
                 if !ranges.give_back(off as usize, Holder::Peer(peer)) {
-                    tracing::warn!(
-                        "rank {peer} released a range of this rank's segment it was not given"
-                    );
+                    bogus += 1;
                 }
             });
+            if bogus > 0 {
+                tracing::warn!(
+                    "rank {peer} released {bogus} range(s) of this rank's segment it was not given"
+                );
+            }
+        }
+    }
+
+    /// Drops every hold of `peer`, which died: its mappings are gone.
+    pub fn forget(&self, peer: usize) {
+        let mut ranges = self.lock();
+        let held: Vec<(usize, u32)> = ranges
+            .placed
+            .iter()
+            .filter_map(|(&off, p)| {
+                let n = p.peers.iter().find(|(q, _)| *q == peer)?.1;
+                Some((off, n))
+            })
+            .collect();
+        for (off, n) in held {
+            for _ in 0..n {
+                ranges.give_back(off, Holder::Peer(peer));
+            }
         }
     }
 
@@ -370,7 +402,13 @@ impl Segment {
             self.drain(&mut ranges);
             match ranges.take(len, true, holder) {
                 Some(off) => off,
-                None if !patient || ranges.placed.is_empty() => ranges.take(len, false, holder)?,
+                // Wait only when a fresh range would do (not when full).
+                None if !patient
+                    || ranges.placed.is_empty()
+                    || !ranges.free.values().any(|&l| l >= len) =>
+                {
+                    ranges.take(len, false, holder)?
+                }
                 None => {
                     let fresh_pages = (len / PAGE) as u64;
                     let until = Instant::now() + Duration::from_nanos(500 * fresh_pages);
@@ -527,8 +565,6 @@ pub struct PeerSegment {
     size: usize,
     control: *mut u8,
     control_len: usize,
-    /// This rank's ring in the peer's control area.
-    me: usize,
     /// One releasing thread at a time (the ring has a single producer).
     pushing: Mutex<()>,
 }
@@ -565,6 +601,13 @@ impl PeerSegment {
             })?
             .len() as usize;
         let control_len = control_bytes(world);
+        // SAFETY: fcntl on a descriptor we own.
+        let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(CommError::Invalid(format!(
+                "{path} is not sealed against shrinking: not a zeropp segment"
+            )));
+        }
         if me >= world || actual < size || size <= control_len {
             return Err(CommError::Invalid(format!(
                 "{path} holds {actual} bytes, the peer announced {size}"
@@ -584,15 +627,15 @@ impl PeerSegment {
         if base == libc::MAP_FAILED {
             return Err(os_error(&format!("mapping {path}")));
         }
-        // SAFETY: as above, the control area only, writable.
+        // SAFETY: as above, this rank's own ring only, writable.
         let control = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                control_len,
+                RING_BYTES,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
-                0,
+                (me * RING_BYTES) as libc::off_t,
             )
         };
         if control == libc::MAP_FAILED {
@@ -606,7 +649,6 @@ impl PeerSegment {
             size,
             control: control.cast(),
             control_len,
-            me,
             pushing: Mutex::new(()),
         })
     }
@@ -620,8 +662,8 @@ impl PeerSegment {
     /// false when the ring is full (release another way).
     pub fn release(&self, off: u64) -> bool {
         let _one = self.pushing.lock().unwrap_or_else(|e| e.into_inner());
-        // SAFETY: the control mapping holds `world > me` rings.
-        unsafe { Ring::of(self.control, self.me) }.push(off)
+        // SAFETY: the control mapping is this rank's ring.
+        unsafe { Ring::of(self.control, 0) }.push(off)
     }
 }
 
@@ -630,7 +672,7 @@ impl Drop for PeerSegment {
         // SAFETY: our mapping; no view outlives it (each holds an Arc).
         unsafe {
             libc::munmap(self.base as *mut c_void, self.size);
-            libc::munmap(self.control.cast(), self.control_len);
+            libc::munmap(self.control.cast(), RING_BYTES);
         }
     }
 }
@@ -735,6 +777,18 @@ mod tests {
     }
 
     #[test]
+    fn a_dead_peers_holds_are_dropped() {
+        let seg = Segment::create(1 << 20, 3).unwrap();
+        let a = seg.place(&[1u8; 100], Holder::Peer(1)).unwrap();
+        let b = seg.place(&[2u8; 100], Holder::Peer(2)).unwrap();
+        assert!(seg.lock().hold(a, Holder::Peer(1)));
+        seg.forget(1);
+        assert_eq!(seg.bytes_placed(), PAGE, "only rank 2's range is left");
+        assert!(seg.release(b, Holder::Peer(2)));
+        assert_eq!(seg.bytes_placed(), 0);
+    }
+
+    #[test]
     fn a_staged_buffer_is_shared_by_sends_and_freed_after_all_of_them() {
         let seg = Arc::new(Segment::create(1 << 20, 2).unwrap());
         let msg = vec![5u8; 3 * PAGE];
@@ -823,6 +877,20 @@ mod tests {
             .unwrap();
         assert!(err.to_string().contains("announced"), "{err}");
         assert!(PeerSegment::open(me, seg.fd(), seg.size(), 2, 2).is_err());
+        // Any other file (here an unsealed memfd) is refused.
+        let other = unsafe { libc::memfd_create(c"other".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(other >= 0);
+        let other = unsafe { OwnedFd::from_raw_fd(other) };
+        assert_eq!(
+            unsafe { libc::ftruncate(other.as_raw_fd(), seg.size() as i64) },
+            0
+        );
+        let err = PeerSegment::open(me, other.as_raw_fd(), seg.size(), 0, 2)
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("not sealed"), "{err}");
+        // Nobody can shrink a segment under its mappings.
+        assert_ne!(unsafe { libc::ftruncate(seg.fd(), 0) }, 0);
         assert!(segment_size_from(Some("lots")).is_err());
         assert_eq!(segment_size_from(Some("0")).unwrap(), 0);
         assert_eq!(segment_size_from(None).unwrap(), DEFAULT_SEGMENT);
