@@ -170,7 +170,7 @@ enum Command {
         /// Sizes in bytes to check.
         #[arg(long, value_delimiter = ',', default_value = "0,1,13,4099,1048576")]
         sizes: Vec<usize>,
-        /// Afterwards, keep all-gathering 1 MiB blocks for this many seconds.
+        /// Afterwards, keep all-gathering 5 MiB blocks for this many seconds.
         #[arg(long)]
         loop_seconds: Option<f64>,
     },

@@ -100,8 +100,12 @@ fn check_group(c: &Communicator, g: &Group, sizes: &[usize], checks: &mut usize)
     Ok(())
 }
 
-/// Runs the checks; with `loop_for`, then keeps all-gathering 1 MiB blocks on
-/// the world until rank 0 has looped that long (for failure tests and soak).
+/// Bytes each rank contributes to every all-gather of the loop.
+const LOOP_BLOCK: usize = 5 << 20;
+
+/// Runs the checks; with `loop_for`, then keeps all-gathering 5 MiB blocks on
+/// the world until rank 0 has looped that long (for failure tests and soak;
+/// large enough that node-local ones go through the shared segments).
 pub fn run(sizes: &[usize], loop_for: Option<Duration>) -> Result<()> {
     let job = Job::join_from_env(serde_json::Value::Null)?;
     let c = &job.comm;
@@ -125,8 +129,8 @@ pub fn run(sizes: &[usize], loop_for: Option<Duration>) -> Result<()> {
         let t = Instant::now();
         let mut iterations = 0u64;
         loop {
-            let gathered = c.all_gather(&world, Bytes::from(vec![c.rank() as u8; 1 << 20]))?;
-            if gathered.len() != (1 << 20) * c.world_size() {
+            let gathered = c.all_gather(&world, Bytes::from(vec![c.rank() as u8; LOOP_BLOCK]))?;
+            if gathered.len() != LOOP_BLOCK * c.world_size() {
                 bail!("loop all-gather returned {} bytes", gathered.len());
             }
             iterations += 1;
