@@ -10,7 +10,7 @@ use super::env::RankFacts;
 use super::rendezvous::{self, PeerInfo};
 use super::tcp::{TcpOptions, TcpTransport};
 use super::ucx::{PeerAddress, UcxTransport};
-use super::{CommError, Communicator, Group};
+use super::{CommError, Communicator, Group, io_err};
 
 /// Group ids of the standard groups (every member computes the same).
 pub const WORLD_GROUP: u16 = 0;
@@ -152,16 +152,11 @@ impl Job {
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
         let ip = rendezvous::local_ip_towards(master)?;
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| CommError::Io {
-            what: format!("a transport listener on {ip}"),
-            source: e,
-        })?;
+        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(io_err(format!("a transport listener on {ip}")))?;
         let address = listener
             .local_addr()
-            .map_err(|e| CommError::Io {
-                what: "the transport listener".into(),
-                source: e,
-            })?
+            .map_err(io_err("the transport listener"))?
             .to_string();
         let table = rendezvous::rendezvous(facts, address, extra_facts)?;
         let addresses = table

@@ -61,6 +61,12 @@ pub enum CommError {
     },
 }
 
+/// `map_err` for an I/O failure while doing `what`.
+pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CommError {
+    let what = what.into();
+    move |source| CommError::Io { what, source }
+}
+
 /// How a send ended: `Err` holds the reason it failed.
 type SendOutcome = Option<Result<(), String>>;
 

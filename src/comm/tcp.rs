@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use super::io_err;
 use super::mailbox::Mailbox;
 use super::pool::BufferPool;
 use super::wire::{self, Header, Kind, ReadFrame};
@@ -52,11 +53,6 @@ pub struct TcpTransport {
     world_size: usize,
     mailbox: Arc<Mailbox>,
     peers: Vec<Option<Peer>>,
-}
-
-fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> CommError {
-    let what = what.into();
-    move |source| CommError::Io { what, source }
 }
 
 fn hello_payload(token: &str, world_size: usize) -> Vec<u8> {

@@ -614,10 +614,7 @@ impl UcxTransport {
                 }
                 inbox.close();
             })
-            .map_err(|e| CommError::Io {
-                what: "the UCX progress thread".into(),
-                source: e,
-            })?;
+            .map_err(super::io_err("the UCX progress thread"))?;
         let address = addr_rx.recv().map_err(|_| CommError::Closed)??;
         let table = exchange(address)?;
         if table.len() != world_size {

@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::super::CommError;
 use super::super::pool::parse_size;
+use super::super::{CommError, io_err};
 
 /// Messages this long or longer go through the segment.
 pub const MIN_SHM: usize = 4 << 20;
@@ -268,10 +268,7 @@ unsafe impl Send for Segment {}
 unsafe impl Sync for Segment {}
 
 fn os_error(what: &str) -> CommError {
-    CommError::Io {
-        what: what.to_string(),
-        source: std::io::Error::last_os_error(),
-    }
+    io_err(what)(std::io::Error::last_os_error())
 }
 
 impl Segment {
@@ -589,17 +586,10 @@ impl PeerSegment {
             .read(true)
             .write(true)
             .open(&path)
-            .map_err(|e| CommError::Io {
-                what: format!("the shared segment of process {pid} ({path})"),
-                source: e,
-            })?;
-        let actual = file
-            .metadata()
-            .map_err(|e| CommError::Io {
-                what: path.clone(),
-                source: e,
-            })?
-            .len() as usize;
+            .map_err(io_err(format!(
+                "the shared segment of process {pid} ({path})"
+            )))?;
+        let actual = file.metadata().map_err(io_err(path.clone()))?.len() as usize;
         let control_len = control_bytes(world);
         // SAFETY: fcntl on a descriptor we own.
         let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
