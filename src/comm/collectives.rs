@@ -273,11 +273,7 @@ impl Communicator {
         // Every block but the last received is both kept and sent on:
         // staged, a send to a node-local successor shares it instead of
         // copying it (`Transport::stage`).
-        blocks[me] = Some(if p > 1 {
-            self.transport.stage(next, mine)
-        } else {
-            mine
-        });
+        blocks[me] = Some(self.transport.stage(next, mine));
         let mut sends = Vec::with_capacity(p);
         for step in 0..p.saturating_sub(1) {
             let send_idx = (me + p - step) % p;

@@ -1138,7 +1138,20 @@ mod tests {
             })
         };
         let (a, b) = (join(0), join(1));
-        (a.join().unwrap(), b.join().unwrap())
+        let (a, b) = (a.join().unwrap(), b.join().unwrap());
+        // With segments, wait until each mapped the other's (the handshake
+        // runs in the background), so single-copy sends start at once.
+        let until = Instant::now() + Duration::from_secs(20);
+        for (t, peer) in [(&a, 1), (&b, 0)] {
+            while segment > 0 && !t.local.ready[peer].load(Ordering::Acquire) {
+                assert!(
+                    Instant::now() < until,
+                    "rank {peer} never mapped the segment"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        (a, b)
     }
 
     fn placed(t: &UcxTransport) -> usize {
@@ -1149,15 +1162,6 @@ mod tests {
     fn large_node_local_messages_arrive_in_place_and_free_their_range_when_dropped() {
         let (a, b) = local_pair(shm::DEFAULT_SEGMENT);
         let timeout = Duration::from_secs(20);
-        // Wait for b to map a's segment (the handshake runs in the background).
-        let until = Instant::now() + timeout;
-        while !a.local.ready[1].load(Ordering::Acquire) {
-            assert!(
-                Instant::now() < until,
-                "rank 1 never mapped rank 0's segment"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
         let big: Vec<u8> = (0..shm::MIN_SHM + 12_345)
             .map(|i| (i % 253) as u8)
             .collect();
@@ -1215,13 +1219,6 @@ mod tests {
         for segment in [0, 12 << 20] {
             let (a, b) = local_pair(segment);
             let timeout = Duration::from_secs(30);
-            if segment > 0 {
-                let until = Instant::now() + timeout;
-                while !a.local.ready[1].load(Ordering::Acquire) {
-                    assert!(Instant::now() < until, "rank 1 never mapped the segment");
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-            }
             let sizes = [8 << 20, 10, 5 << 20, 3000, 8 << 20, 0, 6 << 20, 70_000];
             let sent: Vec<Bytes> = (0..4)
                 .flat_map(|round| sizes.iter().map(move |&n| (round, n)))

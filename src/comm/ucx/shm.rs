@@ -148,10 +148,11 @@ struct Ranges {
 }
 
 impl Ranges {
-    fn new(size: usize) -> Ranges {
+    /// Ranges handed out of `area` only.
+    fn new(area: std::ops::Range<usize>) -> Ranges {
         let mut r = Ranges::default();
-        if size > 0 {
-            r.free.insert(0, size);
+        if !area.is_empty() {
+            r.free.insert(area.start, area.len());
         }
         r
     }
@@ -307,10 +308,8 @@ impl Segment {
             if base == libc::MAP_FAILED {
                 return Err(os_error("mapping the shared segment"));
             }
-            let mut ranges = Ranges::new(size);
             // The control area is never handed out.
-            ranges.free.clear();
-            ranges.free.insert(control, size - control);
+            let ranges = Ranges::new(control..size);
             Ok(Segment {
                 fd,
                 base: base.cast(),
@@ -719,7 +718,7 @@ mod tests {
     #[test]
     fn ranges_are_reused_lowest_first_and_coalesce() {
         const P: Holder = Holder::Peer(1);
-        let mut r = Ranges::new(10 * PAGE);
+        let mut r = Ranges::new(0..10 * PAGE);
         let a = r.take(2 * PAGE, false, P).unwrap();
         let b = r.take(3 * PAGE, false, P).unwrap();
         let c = r.take(5 * PAGE, false, P).unwrap();
@@ -739,7 +738,7 @@ mod tests {
         assert!(r.give_back(0, P));
         // Warm: only below the highest range ever placed (all 10 pages here).
         assert_eq!(r.take(10 * PAGE, true, P), Some(0));
-        let mut r = Ranges::new(10 * PAGE);
+        let mut r = Ranges::new(0..10 * PAGE);
         let a = r.take(2 * PAGE, false, P).unwrap();
         assert_eq!(r.take(PAGE, true, P), None, "pages 2.. were never touched");
         assert!(r.give_back(a, P));
@@ -748,7 +747,7 @@ mod tests {
 
     #[test]
     fn a_range_is_free_only_when_every_holder_let_go() {
-        let mut r = Ranges::new(4 * PAGE);
+        let mut r = Ranges::new(0..4 * PAGE);
         let a = r.take(2 * PAGE, false, Holder::Local).unwrap();
         assert_eq!(r.containing(a + 10, 100), Some(a));
         assert_eq!(r.containing(a + 10, 2 * PAGE), None, "runs past the range");
