@@ -284,6 +284,17 @@ fn bad_input_is_a_named_error() {
             &["ZEROPP_RECV_POOL", "\"lots\"", "0 to turn the pool off"],
         );
     }
+    let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(["train", "--steps", "3", "--transport", "ucx"])
+        .env("ZEROPP_SHM_SEGMENT", "half")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+    has(
+        text,
+        &["ZEROPP_SHM_SEGMENT", "\"half\"", "or 0 to send them"],
+    );
     has(
         run(&[&small[..], &["--hpz-group", "3"]].concat()),
         &["hpZ group of 3 ranks does not divide the 2 ranks"],
