@@ -74,14 +74,19 @@ fn finish(mut child: Child, limit: Duration, what: &str) -> (bool, String, Strin
 
 #[test]
 fn every_collective_passes_on_2_3_and_4_processes() {
-    every_collective_passes_over("tcp", &[(1, 2), (1, 3), (2, 2), (4, 1)]);
+    every_collective_passes_over(
+        "tcp",
+        &[(1, 2), (1, 3), (2, 2), (4, 1)],
+        "0,1,13,4099,70000",
+    );
 }
 
 /// With a size of single-copy messages (node-local ones lie in the
 /// sender's shared segment, comm/ucx/shm.rs): the ranks report using it.
 #[test]
 fn every_collective_passes_over_ucx() {
-    let out = every_collective_passes_over("ucx", &[(1, 3), (2, 2)]);
+    let sizes = "0,1,13,4099,70000,4500000";
+    let out = every_collective_passes_over("ucx", &[(1, 3), (2, 2)], sizes);
     let used: Vec<usize> = out
         .lines()
         .filter_map(|l| l.split("shared segment: ").nth(1))
@@ -94,13 +99,12 @@ fn every_collective_passes_over_ucx() {
     );
 }
 
-/// Runs comm-check on each layout; returns the output of the last.
-fn every_collective_passes_over(transport: &str, layouts: &[(usize, usize)]) -> String {
-    let sizes = if transport == "ucx" {
-        "0,1,13,4099,70000,4500000"
-    } else {
-        "0,1,13,4099,70000"
-    };
+/// Runs comm-check at `sizes` on each layout; returns all their output.
+fn every_collective_passes_over(
+    transport: &str,
+    layouts: &[(usize, usize)],
+    sizes: &str,
+) -> String {
     let mut all = String::new();
     for &(nodes, per_node) in layouts {
         let child = Command::new(ZEROPP)
