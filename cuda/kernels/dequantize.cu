@@ -73,3 +73,14 @@ extern "C" __global__ void __launch_bounds__(zq::THREADS) zq_scale_f32(float* x,
         x[i] = __fmul_rn(x[i], s);
     }
 }
+
+// x = a·x + b·y (qgZ's error feedback: a = b = 1 adds the residual to the
+// gradient; a = -1, b = 1 turns x̂ into what quantization dropped, y - x̂).
+// Each product and the sum are rounded on their own, so ±1 factors are exact.
+extern "C" __global__ void __launch_bounds__(zq::THREADS)
+    zq_axpby_f32(float* x, const float* y, zq::u64 n, float a, float b) {
+    const zq::u64 stride = (zq::u64)gridDim.x * blockDim.x;
+    for (zq::u64 i = (zq::u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        x[i] = __fadd_rn(__fmul_rn(a, x[i]), __fmul_rn(b, y[i]));
+    }
+}

@@ -13,7 +13,9 @@
 //!   (the mean over **all** ranks).
 //!
 //! Every step checks sizes first and every NCCL wait has the communicator's
-//! deadline.
+//! deadline. Error feedback ([`QgzFeedback`]) is the CPU's (`zeropp::zero::qgz`):
+//! the same corrections in the same order, kept in f32 buffers the caller
+//! owns (the CPU keeps them compressed).
 
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use zeropp_quant::{QuantError, QuantFormat, Rounding};
@@ -139,13 +141,26 @@ pub struct QgzGroups<'a> {
     pub rounding: Rounding,
 }
 
+/// qgZ's error feedback: what each hop's quantization dropped on the last
+/// call, added back before it quantizes again, then replaced by what it
+/// drops now. Buffers start zeroed; `None` keeps no feedback at that hop.
+#[derive(Default)]
+pub struct QgzFeedback<'a> {
+    /// Hop 1: the whole gradient's (W chunks, rank order).
+    pub first: Option<CudaViewMut<'a, f32>>,
+    /// Hop 2: the node's partial sums (N chunks, one per destination node).
+    pub second: Option<CudaViewMut<'a, f32>>,
+}
+
 /// qgZ: the mean over all W = N·G ranks of `grad` (each rank's full
-/// gradient), this rank's chunk (`grad.len() / W` values) into `out`.
+/// gradient), this rank's chunk (`grad.len() / W` values) into `out`, with
+/// the error feedback in `feedback`.
 pub fn qgz_reduce_scatter(
     gpu: &Gpu,
     groups: &QgzGroups<'_>,
     grad: &CudaView<'_, f32>,
     out: &mut CudaViewMut<'_, f32>,
+    feedback: QgzFeedback<'_>,
 ) -> Result<(), CudaError> {
     let (g, n) = (groups.node.size(), groups.cross.size());
     let w = n * g;
@@ -159,10 +174,41 @@ pub fn qgz_reduce_scatter(
         )));
     }
     let chunk = out.len();
+    let QgzFeedback { first, second } = feedback;
+    for (what, buf, len) in [("first", &first, w * chunk), ("second", &second, n * chunk)] {
+        if let Some(b) = buf
+            && b.len() != len
+        {
+            return Err(CudaError::Invalid(format!(
+                "qgZ's {what}-hop error feedback holds {} values where {len} are needed",
+                b.len()
+            )));
+        }
+    }
     // 1. Swizzled quantize: position g'·N + n' holds rank n'·G + g''s chunk,
     //    so local rank g' receives N contiguous chunks.
     let mut sw = DeviceQuantizedChunks::zeroed(gpu, groups.intra, chunk, w)?;
-    gpu.quantize_swizzled(grad, n, g, groups.rounding, &mut sw)?;
+    match first {
+        None => gpu.quantize_swizzled(grad, n, g, groups.rounding, &mut sw)?,
+        Some(mut residual) => {
+            // corrected = grad + residual; quantize; residual = corrected − x̂.
+            let mut corrected = gpu.zeros::<f32>(grad.len())?;
+            gpu.copy(grad, &mut corrected.as_view_mut())?;
+            gpu.axpby(&mut corrected.as_view_mut(), &residual.as_view(), 1.0, 1.0)?;
+            gpu.quantize_swizzled(&corrected.as_view(), n, g, groups.rounding, &mut sw)?;
+            for p in 0..w {
+                let r = zeropp_quant::swizzled_rank(p, n, g);
+                let mut part = residual.slice_mut(r * chunk..(r + 1) * chunk);
+                gpu.dequantize_view(&chunk_view(&sw, p), &mut part)?;
+                gpu.axpby(
+                    &mut part,
+                    &corrected.slice(r * chunk..(r + 1) * chunk),
+                    -1.0,
+                    1.0,
+                )?;
+            }
+        }
+    }
     // 2. All-to-all inside the node, each part separately.
     let mut got = DeviceQuantizedChunks::zeroed(gpu, groups.intra, chunk, w)?;
     groups
@@ -182,11 +228,50 @@ pub fn qgz_reduce_scatter(
     // 3. Per destination node n': the G received chunks (from local rank g
     //    at position g·N + n'), summed in f32 and requantized.
     let mut partial = DeviceQuantizedChunks::zeroed(gpu, groups.inter, chunk, n)?;
-    for dest in 0..n {
-        let inputs: Vec<QuantView<'_>> =
-            (0..g).map(|src| chunk_view(&got, src * n + dest)).collect();
-        let rounding = groups.rounding.for_part(dest);
-        gpu.sum_requantize_views(&inputs, rounding, &mut chunk_view_mut(&mut partial, dest))?;
+    match second {
+        None => {
+            for dest in 0..n {
+                let inputs: Vec<QuantView<'_>> =
+                    (0..g).map(|src| chunk_view(&got, src * n + dest)).collect();
+                let rounding = groups.rounding.for_part(dest);
+                gpu.sum_requantize_views(
+                    &inputs,
+                    rounding,
+                    &mut chunk_view_mut(&mut partial, dest),
+                )?;
+            }
+        }
+        Some(mut residual) => {
+            // sum = residual + Σ x̂ (in source order, as the CPU sums), then
+            // requantize, and keep sum − what the wire carries.
+            let mut sum = gpu.zeros::<f32>(n * chunk)?;
+            gpu.copy(&residual.as_view(), &mut sum.as_view_mut())?;
+            for src in 0..g {
+                for dest in 0..n {
+                    gpu.dequantize_accumulate_view(
+                        &chunk_view(&got, src * n + dest),
+                        &mut sum.slice_mut(dest * chunk..(dest + 1) * chunk),
+                    )?;
+                }
+            }
+            gpu.quantize_swizzled(
+                &sum.as_view(),
+                n,
+                1,
+                groups.rounding.for_part(1),
+                &mut partial,
+            )?;
+            for dest in 0..n {
+                let mut part = residual.slice_mut(dest * chunk..(dest + 1) * chunk);
+                gpu.dequantize_view(&chunk_view(&partial, dest), &mut part)?;
+                gpu.axpby(
+                    &mut part,
+                    &sum.slice(dest * chunk..(dest + 1) * chunk),
+                    -1.0,
+                    1.0,
+                )?;
+            }
+        }
     }
     drop(got);
     // 4. All-to-all across nodes among equal local ranks.

@@ -109,8 +109,81 @@ impl Gpu {
         })
     }
 
+    /// [`Gpu::open`] for a process where another library (PyTorch) owns
+    /// the streams and the memory: the caller orders all work through the
+    /// stream it hands to [`Gpu::use_stream`], so cudarc's own event
+    /// tracking is off.
+    pub fn open_shared(ordinal: usize) -> Result<Gpu, CudaError> {
+        let gpu = Gpu::open(ordinal)?;
+        // SAFETY: every buffer of this Gpu is used on the one stream in use
+        // at the time (the caller's), which orders the work; the error slots
+        // are allocated above and synchronized here before any other use.
+        unsafe { gpu.ctx.disable_event_tracking() };
+        gpu.ctx
+            .synchronize()
+            .during(|| "synchronizing after opening the device".into())?;
+        Ok(gpu)
+    }
+
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+
+    /// Queues this GPU's work from now on on `raw`, a stream another
+    /// library owns (`torch.cuda.current_stream().cuda_stream`), so the
+    /// kernels and copies run in order with the caller's work on it.
+    ///
+    /// # Safety
+    /// `raw` must be a live stream of this device's primary context (or 0,
+    /// the legacy default stream), kept alive by its owner while this Gpu,
+    /// or a buffer allocated while it is in use, may still work on it.
+    pub unsafe fn use_stream(&mut self, raw: usize) {
+        // SAFETY: as the caller promises.
+        self.stream = unsafe {
+            self.ctx
+                .wrap_borrowed_stream(raw as cudarc::driver::sys::CUstream)
+        };
+    }
+
+    /// `len` values of `T` at device address `ptr`, memory another library
+    /// owns (a PyTorch tensor's), as a buffer for the kernels; dropping it
+    /// leaves the memory alone.
+    ///
+    /// # Safety
+    /// `ptr` must address `len` values of `T` on this device, alive and not
+    /// written by anyone else while the returned buffer is in use.
+    pub unsafe fn borrow<T: DeviceRepr>(
+        &self,
+        ptr: u64,
+        len: usize,
+    ) -> Result<Borrowed<T>, CudaError> {
+        let size = std::mem::size_of::<T>() as u64;
+        if len > 0 && (ptr == 0 || !ptr.is_multiple_of(size)) {
+            return Err(CudaError::Invalid(format!(
+                "device address {ptr:#x} does not hold aligned {size}-byte values; pass a \
+                 contiguous tensor of that type"
+            )));
+        }
+        // SAFETY: as the caller promises; the slice is leaked, never freed.
+        let slice = unsafe { self.stream.upgrade_device_ptr::<T>(ptr, len) };
+        Ok(Borrowed {
+            slice: std::mem::ManuallyDrop::new(slice),
+        })
+    }
+
+    /// Copies `src` into `dst` (equal lengths) on the device.
+    pub fn copy<T: DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        size_check("copied values", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream
+            .memcpy_dtod(src, dst)
+            .during(|| format!("copying {} values on the device", src.len()))
     }
 
     pub fn context(&self) -> &Arc<CudaContext> {
@@ -433,6 +506,34 @@ impl Gpu {
         Ok(())
     }
 
+    /// `x = a·x + b·y` on the device (equal lengths); with ±1 factors it
+    /// is exactly `x + y` or `y - x`, as the CPU computes them.
+    pub fn axpby(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        y: &CudaView<'_, f32>,
+        a: f32,
+        b: f32,
+    ) -> Result<(), CudaError> {
+        size_check("values of y", x.len(), y.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let func = self.function("dequantize", "zq_axpby_f32")?;
+        let n = x.len() as u64;
+        let cfg = grid_config(
+            n.div_ceil(u64::from(THREADS))
+                .min(crate::kernels::MAX_STRIDE_GRID),
+            "zq_axpby_f32",
+        )?;
+        let mut l = self.stream.launch_builder(&func);
+        l.arg(x).arg(y).arg(&n).arg(&a).arg(&b);
+        // SAFETY: (float*, const float*, u64, float, float) as dequantize.cu
+        // declares it; both buffers hold `n` values.
+        unsafe { l.launch(cfg) }.during(|| "launching zq_axpby_f32".into())?;
+        Ok(())
+    }
+
     fn dequantize_with<T: GpuElement>(
         &self,
         q: &QuantView<'_>,
@@ -646,6 +747,39 @@ impl QInput {
             block: q.format.block as u32,
             reserved: 0,
         }
+    }
+}
+
+/// Device memory another library owns, borrowed for one call
+/// ([`Gpu::borrow`]): views like any device buffer, never freed here.
+pub struct Borrowed<T> {
+    slice: std::mem::ManuallyDrop<CudaSlice<T>>,
+}
+
+impl<T> Borrowed<T> {
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slice.is_empty()
+    }
+
+    pub fn view(&self) -> CudaView<'_, T> {
+        self.slice.as_view()
+    }
+
+    pub fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.slice.as_view_mut()
+    }
+}
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; `leak` gives the memory back to its
+        // owner instead of freeing it.
+        let slice = unsafe { std::mem::ManuallyDrop::take(&mut self.slice) };
+        slice.leak();
     }
 }
 

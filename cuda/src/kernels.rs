@@ -81,6 +81,7 @@ pub fn kernel_names(family: &str) -> Vec<String> {
                 names.push(format!("zq_dequantize_acc_{t}"));
             }
             names.push("zq_scale_f32".into());
+            names.push("zq_axpby_f32".into());
         }
         "qgz" => {
             for r in ["rn", "sr"] {
@@ -203,7 +204,7 @@ mod tests {
             }
         }
         assert_eq!(kernel_names("quantize").len(), 36);
-        assert_eq!(kernel_names("dequantize").len(), 25);
+        assert_eq!(kernel_names("dequantize").len(), 26);
         assert_eq!(kernel_names("qgz").len(), 12);
     }
 

@@ -28,7 +28,7 @@ pub mod toolkit;
 
 pub use compile::{Arch, CompiledFamily, KernelResources, compile_family};
 pub use device::{
-    DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement, QuantView, QuantViewMut,
+    Borrowed, DeviceQuantized, DeviceQuantizedChunks, Gpu, GpuElement, QuantView, QuantViewMut,
 };
 pub use kernels::{FAMILIES, Family};
 pub use toolkit::Toolkit;
@@ -73,6 +73,10 @@ pub enum CudaError {
     Quant(#[from] zeropp_quant::QuantError),
     #[error("{0}")]
     Invalid(String),
+    /// Another rank died, hung or became unreachable (an NCCL timeout or
+    /// remote error); the message says which communicator.
+    #[error("{0}")]
+    Peer(String),
 }
 
 /// Attaches what was being done to a driver error.

@@ -17,7 +17,8 @@
 
 use std::ffi::{CStr, c_char, c_int, c_void};
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
@@ -30,9 +31,25 @@ type NcclResult = c_int;
 type Comm = *mut c_void;
 const SUCCESS: NcclResult = 0;
 const IN_PROGRESS: NcclResult = 7;
+/// `ncclRemoteError`: a peer exited or the network failed.
+const REMOTE_ERROR: NcclResult = 6;
 const UINT8: c_int = 1;
 const FLOAT32: c_int = 7;
 const SUM: c_int = 0;
+
+/// A value type NCCL reduces (`ncclDataType_t`).
+pub trait NcclElement: cudarc::driver::DeviceRepr {
+    const TYPE: c_int;
+}
+impl NcclElement for f32 {
+    const TYPE: c_int = FLOAT32;
+}
+impl NcclElement for half::f16 {
+    const TYPE: c_int = 6;
+}
+impl NcclElement for half::bf16 {
+    const TYPE: c_int = 9;
+}
 
 /// `ncclUniqueId`: 128 opaque bytes, made on one rank and given to all.
 #[repr(C)]
@@ -261,10 +278,17 @@ pub struct NcclComm {
     comm: Comm,
     rank: usize,
     size: usize,
-    stream: Arc<CudaStream>,
+    stream: Mutex<Arc<CudaStream>>,
     timeout: Duration,
-    aborted: std::cell::Cell<bool>,
+    aborted: AtomicBool,
+    /// Held through each collective: NCCL takes one call at a time.
+    busy: Mutex<()>,
 }
+
+// SAFETY: an NCCL communicator may be used from any thread, one call at a
+// time; every collective holds `busy`, so calls on one never overlap.
+unsafe impl Send for NcclComm {}
+unsafe impl Sync for NcclComm {}
 
 impl NcclComm {
     /// Joins communicator `id` as `rank` of `size` on `gpu`'s stream, waiting
@@ -312,9 +336,10 @@ impl NcclComm {
             comm,
             rank,
             size,
-            stream: gpu.stream().clone(),
+            stream: Mutex::new(gpu.stream().clone()),
             timeout,
-            aborted: std::cell::Cell::new(false),
+            aborted: AtomicBool::new(false),
+            busy: Mutex::new(()),
         };
         c.settle("creating the communicator", Instant::now() + timeout)?;
         Ok(c)
@@ -326,6 +351,24 @@ impl NcclComm {
 
     pub fn size(&self) -> usize {
         self.size
+    }
+
+    /// Queues this communicator's collectives on `stream` from now on (the
+    /// stream the caller's GPU work is on: [`Gpu::use_stream`]).
+    pub fn use_stream(&self, stream: &Arc<CudaStream>) {
+        *self.stream.lock().unwrap_or_else(|e| e.into_inner()) = stream.clone();
+    }
+
+    fn stream(&self) -> Arc<CudaStream> {
+        self.stream
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// One collective at a time on this communicator.
+    fn one_call(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.busy.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Polls the communicator until NCCL is done with the last call, or
@@ -350,7 +393,12 @@ impl NcclComm {
     }
 
     fn fail(&self, what: &str, r: NcclResult) -> CudaError {
-        CudaError::Invalid(format!(
+        let make = if r == REMOTE_ERROR {
+            CudaError::Peer
+        } else {
+            CudaError::Invalid
+        };
+        make(format!(
             "NCCL {what} failed on rank {} of {}: {}",
             self.rank,
             self.size,
@@ -361,8 +409,8 @@ impl NcclComm {
     fn timed_out(&self, what: &str) -> CudaError {
         // SAFETY: live communicator; aborting is NCCL's way out of a stuck one.
         unsafe { (self.api.abort)(self.comm) };
-        self.aborted.set(true);
-        CudaError::Invalid(format!(
+        self.aborted.store(true, Ordering::Relaxed);
+        CudaError::Peer(format!(
             "NCCL {what} did not finish within {:?} on rank {} of {}: a peer is gone or stuck; \
              the communicator was aborted",
             self.timeout, self.rank, self.size
@@ -372,7 +420,7 @@ impl NcclComm {
     /// Checks a call's result, then waits for the stream (and NCCL) with
     /// the deadline.
     fn finish(&self, what: &str, r: NcclResult) -> Result<(), CudaError> {
-        if self.aborted.get() {
+        if self.aborted.load(Ordering::Relaxed) {
             return Err(CudaError::Invalid(format!(
                 "NCCL {what}: the communicator was aborted after an earlier timeout"
             )));
@@ -383,7 +431,7 @@ impl NcclComm {
         let deadline = Instant::now() + self.timeout;
         self.settle(what, deadline)?;
         let event = self
-            .stream
+            .stream()
             .record_event(None)
             .map_err(|e| CudaError::Invalid(format!("NCCL {what}: recording an event: {e}")))?;
         loop {
@@ -401,7 +449,7 @@ impl NcclComm {
     }
 
     fn raw_stream(&self) -> *mut c_void {
-        self.stream.cu_stream() as *mut c_void
+        self.stream().cu_stream() as *mut c_void
     }
 
     /// Every rank's `send` (equal lengths), in rank order, into `recv`.
@@ -411,8 +459,10 @@ impl NcclComm {
         recv: &mut CudaViewMut<'_, u8>,
     ) -> Result<(), CudaError> {
         self.check_len("all-gather output", send.len() * self.size, recv.len())?;
-        let (s, _a) = send.device_ptr(&self.stream);
-        let (d, _b) = recv.device_ptr_mut(&self.stream);
+        let _one = self.one_call();
+        let stream = self.stream();
+        let (s, _a) = send.device_ptr(&stream);
+        let (d, _b) = recv.device_ptr_mut(&stream);
         // SAFETY: device pointers of the sizes checked above, on our stream.
         let r = unsafe {
             (self.api.all_gather)(
@@ -427,23 +477,26 @@ impl NcclComm {
         self.finish("all-gather", r)
     }
 
-    /// The f32 sum over ranks of `send`, this rank's 1/size part into `recv`.
-    pub fn reduce_scatter_sum(
+    /// The sum over ranks of `send` (f32, bf16 or f16, summed in that
+    /// type by NCCL), this rank's 1/size part into `recv`.
+    pub fn reduce_scatter_sum<T: NcclElement>(
         &self,
-        send: &CudaView<'_, f32>,
-        recv: &mut CudaViewMut<'_, f32>,
+        send: &CudaView<'_, T>,
+        recv: &mut CudaViewMut<'_, T>,
     ) -> Result<(), CudaError> {
         let n = recv.len();
         self.check_len("reduce-scatter input", n * self.size, send.len())?;
-        let (s, _a) = send.device_ptr(&self.stream);
-        let (d, _b) = recv.device_ptr_mut(&self.stream);
+        let _one = self.one_call();
+        let stream = self.stream();
+        let (s, _a) = send.device_ptr(&stream);
+        let (d, _b) = recv.device_ptr_mut(&stream);
         // SAFETY: as in `all_gather_bytes`.
         let r = unsafe {
             (self.api.reduce_scatter)(
                 s as *const c_void,
                 d as *mut c_void,
                 n,
-                FLOAT32,
+                T::TYPE,
                 SUM,
                 self.comm,
                 self.raw_stream(),
@@ -455,7 +508,9 @@ impl NcclComm {
     /// The f32 sum over ranks, in place.
     pub fn all_reduce_sum(&self, buf: &mut CudaViewMut<'_, f32>) -> Result<(), CudaError> {
         let n = buf.len();
-        let (d, _b) = buf.device_ptr_mut(&self.stream);
+        let _one = self.one_call();
+        let stream = self.stream();
+        let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place all-reduce on one device buffer of `n` values.
         let r = unsafe {
             (self.api.all_reduce)(
@@ -484,7 +539,9 @@ impl NcclComm {
             )));
         }
         let n = buf.len();
-        let (d, _b) = buf.device_ptr_mut(&self.stream);
+        let _one = self.one_call();
+        let stream = self.stream();
+        let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place broadcast on one device buffer of `n` bytes.
         let r = unsafe {
             (self.api.broadcast)(
@@ -517,9 +574,11 @@ impl NcclComm {
             )));
         }
         let chunk = send.len() / self.size;
-        let (s, _a) = send.device_ptr(&self.stream);
-        let (d, _b) = recv.device_ptr_mut(&self.stream);
-        let stream = self.raw_stream();
+        let _one = self.one_call();
+        let stream = self.stream();
+        let (s, _a) = send.device_ptr(&stream);
+        let (d, _b) = recv.device_ptr_mut(&stream);
+        let raw = self.raw_stream();
         // SAFETY: group calls around sends/recvs of in-bounds chunks.
         let mut r = unsafe { (self.api.group_start)() };
         if r == SUCCESS {
@@ -533,7 +592,7 @@ impl NcclComm {
                         UINT8,
                         p as c_int,
                         self.comm,
-                        stream,
+                        raw,
                     );
                     let b = (self.api.recv)(
                         (d + off) as *mut c_void,
@@ -541,7 +600,7 @@ impl NcclComm {
                         UINT8,
                         p as c_int,
                         self.comm,
-                        stream,
+                        raw,
                     );
                     if r == SUCCESS {
                         r = if a != SUCCESS && a != IN_PROGRESS {
@@ -578,7 +637,7 @@ impl NcclComm {
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        if !self.aborted.get() {
+        if !self.aborted.load(Ordering::Relaxed) {
             // SAFETY: live communicator, destroyed once.
             unsafe { (self.api.destroy)(self.comm) };
         }

@@ -332,3 +332,17 @@ fn the_mean_scale_kernel_multiplies_every_value() {
     emu::scale_f32(64, &mut x, 0.25);
     assert_eq!(bits(&x), bits(&want));
 }
+
+#[test]
+fn the_feedback_kernel_adds_and_takes_what_quantization_dropped() {
+    let y: Vec<f32> = values(70_001, 9);
+    let mut x: Vec<f32> = values(70_001, 10);
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(x, y)| x + y).collect();
+    emu::axpby_f32(64, &mut x, &y, 1.0, 1.0);
+    assert_eq!(bits(&x), bits(&sum));
+    // y - x̂, as the CPU's residual `corrected - sent` computes it.
+    let mut xhat: Vec<f32> = values(70_001, 11);
+    let dropped: Vec<f32> = y.iter().zip(&xhat).map(|(y, x)| y - x).collect();
+    emu::axpby_f32(7, &mut xhat, &y, -1.0, 1.0);
+    assert_eq!(bits(&xhat), bits(&dropped));
+}

@@ -277,7 +277,7 @@ fn nccl_collectives_on_one_rank_are_identities() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
     use std::time::Duration;
-    use zeropp_cuda::collectives::{QgzGroups, qgz_reduce_scatter, qwz_all_gather};
+    use zeropp_cuda::collectives::{QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather};
     use zeropp_cuda::nccl::{NcclComm, NcclId};
     let g = gpu();
     let comm = |g: &Gpu| {
@@ -326,10 +326,94 @@ fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
         inter: f4,
         rounding: Rounding::NearestEven,
     };
-    qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut()).unwrap();
+    let none = QgzFeedback::default;
+    qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut(), none()).unwrap();
     let got = g.download(&out.as_view()).unwrap();
     assert_eq!(bits(&got), bits(&want));
     // A gradient that does not split into W chunks of the output's size.
     let mut small = g.zeros::<f32>(10).unwrap();
-    assert!(qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut small.as_view_mut()).is_err());
+    assert!(
+        qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut small.as_view_mut(), none()).is_err()
+    );
+
+    // Error feedback, two calls: each hop adds back what it dropped on the
+    // last call, as the CPU composition below does, bit for bit.
+    let n = grad.len();
+    let (mut r1, mut r2) = (vec![0f32; n], vec![0f32; n]);
+    let (mut d1, mut d2) = (g.zeros::<f32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
+    for call in 0..2u64 {
+        let grad: Vec<f32> = values(n, 10 + call);
+        let corrected: Vec<f32> = grad.iter().zip(&r1).map(|(x, r)| x + r).collect();
+        let q1 = QuantizedTensor::quantize(&corrected, f4, Rounding::NearestEven).unwrap();
+        let x1: Vec<f32> = q1.dequantize().unwrap();
+        r1 = corrected.iter().zip(&x1).map(|(c, x)| c - x).collect();
+        let sum: Vec<f32> = r2.iter().zip(&x1).map(|(r, x)| r + x).collect();
+        let q2 = QuantizedTensor::quantize(&sum, f4, Rounding::NearestEven).unwrap();
+        let want: Vec<f32> = q2.dequantize().unwrap();
+        r2 = sum.iter().zip(&want).map(|(s, x)| s - x).collect();
+
+        let dg = g.upload(&grad).unwrap();
+        let feedback = QgzFeedback {
+            first: Some(d1.as_view_mut()),
+            second: Some(d2.as_view_mut()),
+        };
+        qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut(), feedback).unwrap();
+        assert_eq!(
+            bits(&g.download(&out.as_view()).unwrap()),
+            bits(&want),
+            "call {call}"
+        );
+        assert_eq!(
+            bits(&g.download(&d1.as_view()).unwrap()),
+            bits(&r1),
+            "call {call}"
+        );
+        assert_eq!(
+            bits(&g.download(&d2.as_view()).unwrap()),
+            bits(&r2),
+            "call {call}"
+        );
+    }
+    // Feedback of the wrong size is refused before anything runs.
+    let mut short = g.zeros::<f32>(n - 1).unwrap();
+    let feedback = QgzFeedback {
+        first: Some(short.as_view_mut()),
+        second: None,
+    };
+    let e = qgz_reduce_scatter(&g, &groups, &dg.as_view(), &mut out.as_view_mut(), feedback)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("first-hop error feedback"), "{e}");
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run cuda/check-on-gpu.sh"]
+fn borrowed_memory_and_streams_work_like_owned_ones() {
+    // As the Python bindings use them: a buffer allocated elsewhere, seen
+    // through `borrow`, on a stream made elsewhere (here: a cudarc one).
+    let mut g = Gpu::open_shared(0).unwrap();
+    let other = g.context().new_stream().unwrap();
+    let x: Vec<f32> = values(4099, 21);
+    let owned = other.clone_htod(&x).unwrap();
+    let mut dst = other.alloc_zeros::<f32>(4099).unwrap();
+    other.synchronize().unwrap();
+    // SAFETY: `other` outlives `g`'s use of it below.
+    unsafe { g.use_stream(other.cu_stream() as usize) };
+    {
+        use cudarc::driver::DevicePtr;
+        let (src_ptr, _s) = owned.device_ptr(&other);
+        let (dst_ptr, _d) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dst, &other);
+        // SAFETY: both live for this block and nothing else writes them.
+        let src = unsafe { g.borrow::<f32>(src_ptr, 4099) }.unwrap();
+        let mut out = unsafe { g.borrow::<f32>(dst_ptr, 4099) }.unwrap();
+        g.copy(&src.view(), &mut out.view_mut()).unwrap();
+        g.axpby(&mut out.view_mut(), &src.view(), 1.0, 1.0).unwrap();
+        g.synchronize().unwrap();
+        // A misaligned address is refused.
+        assert!(unsafe { g.borrow::<f32>(src_ptr + 2, 4) }.is_err());
+    }
+    // Dropping the borrowed buffers freed nothing: both are still readable.
+    let want: Vec<f32> = x.iter().map(|v| v + v).collect();
+    assert_eq!(bits(&other.clone_dtoh(&dst).unwrap()), bits(&want));
+    assert_eq!(bits(&other.clone_dtoh(&owned).unwrap()), bits(&x));
 }

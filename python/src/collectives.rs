@@ -40,6 +40,7 @@ pub struct Job {
     subgroups: Mutex<Vec<Arc<Group>>>,
     routing: Result<zeropp_topology::plan::ClusterView, String>,
     transport: &'static str,
+    timeout: Duration,
 }
 
 fn bad(msg: String) -> CommError {
@@ -157,6 +158,7 @@ impl Job {
             subgroups: Mutex::new(Vec::new()),
             routing,
             transport,
+            timeout,
         })
     }
 
@@ -373,6 +375,18 @@ fn poisoned() -> CommError {
 }
 
 impl Job {
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    pub(crate) fn counter(&self) -> Arc<CountingTransport> {
+        self.counter.clone()
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The world, or a sub-group of consecutive ranks inside one node.
     fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
         let (w, g) = (self.layout.world(), self.layout.ranks_per_node);
@@ -451,12 +465,12 @@ fn resolve(
 /// what each quantization dropped, added back on the next reduce-scatter.
 #[pyclass(frozen)]
 pub struct QgzState {
-    intra: QuantFormat,
-    inter: QuantFormat,
-    error_feedback: bool,
-    stochastic: bool,
-    seed: u64,
-    calls: AtomicU64,
+    pub(crate) intra: QuantFormat,
+    pub(crate) inter: QuantFormat,
+    pub(crate) error_feedback: bool,
+    pub(crate) stochastic: bool,
+    pub(crate) seed: u64,
+    pub(crate) calls: AtomicU64,
     residual: Arc<Mutex<Residual>>,
     residual_inter: Arc<Mutex<Residual>>,
 }

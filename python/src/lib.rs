@@ -7,6 +7,7 @@
 
 mod buffers;
 mod collectives;
+mod cuda;
 mod quant;
 
 use pyo3::create_exception;
@@ -84,5 +85,6 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(builtin_corpus, m)?)?;
     quant::register(m)?;
     collectives::register(m)?;
+    cuda::register(m)?;
     Ok(())
 }

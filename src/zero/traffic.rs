@@ -128,6 +128,34 @@ impl CountingTransport {
     pub fn traffic(&self) -> Traffic {
         self.state.lock().unwrap_or_else(|e| e.into_inner()).traffic
     }
+
+    /// Counts one message of `bytes` to `peer` that went by another path
+    /// (NCCL, on device buffers) in `phase`, `scale_fraction` of it block
+    /// scales, so that [`CountingTransport::traffic`] covers both paths.
+    pub fn count_outside(&self, phase: Phase, scale_fraction: f64, peer: usize, bytes: u64) {
+        if peer != self.rank() {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            self.add(&mut s.traffic, phase, scale_fraction, peer, bytes);
+        }
+    }
+
+    fn add(&self, t: &mut Traffic, phase: Phase, scale_fraction: f64, peer: usize, n: u64) {
+        let inter = peer / self.ranks_per_node != self.rank() / self.ranks_per_node;
+        let scales = (n as f64 * scale_fraction).round() as u64;
+        if inter {
+            t.messages.inter_node += 1;
+        } else {
+            t.messages.intra_node += 1;
+        }
+        let pb = t.phase_mut(phase);
+        let (total, sc) = if inter {
+            (&mut pb.total.inter_node, &mut pb.scales.inter_node)
+        } else {
+            (&mut pb.total.intra_node, &mut pb.scales.intra_node)
+        };
+        *total += n;
+        *sc += scales;
+    }
 }
 
 impl Transport for CountingTransport {
@@ -141,24 +169,9 @@ impl Transport for CountingTransport {
 
     fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
         if peer != self.rank() {
-            let n = data.len() as u64;
-            let inter = peer / self.ranks_per_node != self.rank() / self.ranks_per_node;
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let scales = (n as f64 * s.scale_fraction).round() as u64;
-            let phase = s.phase;
-            if inter {
-                s.traffic.messages.inter_node += 1;
-            } else {
-                s.traffic.messages.intra_node += 1;
-            }
-            let pb = s.traffic.phase_mut(phase);
-            let (total, sc) = if inter {
-                (&mut pb.total.inter_node, &mut pb.scales.inter_node)
-            } else {
-                (&mut pb.total.intra_node, &mut pb.scales.intra_node)
-            };
-            *total += n;
-            *sc += scales;
+            let (phase, fraction) = (s.phase, s.scale_fraction);
+            self.add(&mut s.traffic, phase, fraction, peer, data.len() as u64);
         }
         self.inner.send(peer, tag, data)
     }

@@ -112,4 +112,8 @@ extern "C" void zq_emu_scale_f32(unsigned grid, float* x, u64 n, float s) {
     zq_emu::launch(grid, zq::THREADS, [=] { zq_scale_f32(x, n, s); });
 }
 
+extern "C" void zq_emu_axpby_f32(unsigned grid, float* x, const float* y, u64 n, float a, float b) {
+    zq_emu::launch(grid, zq::THREADS, [=] { zq_axpby_f32(x, y, n, a, b); });
+}
+
 extern "C" unsigned zq_emu_qinput_size() { return sizeof(zq::QInput); }

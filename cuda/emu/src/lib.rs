@@ -54,12 +54,20 @@ unsafe extern "C" {
     ) -> i32;
     fn zq_emu_qinput_size() -> u32;
     fn zq_emu_scale_f32(grid: u32, x: *mut f32, n: u64, s: f32);
+    fn zq_emu_axpby_f32(grid: u32, x: *mut f32, y: *const f32, n: u64, a: f32, b: f32);
 }
 
 /// Launches `zq_scale_f32` (x *= s).
 pub fn scale_f32(grid: u32, x: &mut [f32], s: f32) {
     // SAFETY: the buffer lives across the call and holds `x.len()` values.
     unsafe { zq_emu_scale_f32(grid, x.as_mut_ptr(), x.len() as u64, s) }
+}
+
+/// Launches `zq_axpby_f32` (x = a·x + b·y).
+pub fn axpby_f32(grid: u32, x: &mut [f32], y: &[f32], a: f32, b: f32) {
+    assert_eq!(x.len(), y.len(), "axpby of buffers of different lengths");
+    // SAFETY: both buffers live across the call and hold `x.len()` values.
+    unsafe { zq_emu_axpby_f32(grid, x.as_mut_ptr(), y.as_ptr(), x.len() as u64, a, b) }
 }
 
 /// The kernels' error slots after a launch (`u64::MAX` = nothing reported).
