@@ -171,12 +171,27 @@ fn api() -> Result<&'static Api, CudaError> {
         .map_err(|e| CudaError::Invalid(e.clone()))
 }
 
+/// The NCCL this process already loaded (PyTorch's), if any: one NCCL per
+/// process, whatever else is installed.
+fn already_loaded() -> Option<Library> {
+    use libloading::os::unix::{Library as Unix, RTLD_LAZY};
+    const RTLD_NOLOAD: std::ffi::c_int = 4;
+    // SAFETY: RTLD_NOLOAD only returns a library that is already loaded
+    // (and initialised); it loads nothing.
+    unsafe { Unix::open(Some("libnccl.so.2"), RTLD_LAZY | RTLD_NOLOAD) }
+        .ok()
+        .map(Library::from)
+}
+
 fn load() -> Result<Api, String> {
     let tried = candidates();
-    let lib = tried
-        .iter()
-        // SAFETY: loading NCCL runs its initialisers, as linking it would.
-        .find_map(|p| unsafe { Library::new(p) }.ok())
+    let lib = already_loaded()
+        .or_else(|| {
+            tried
+                .iter()
+                // SAFETY: loading NCCL runs its initialisers, as linking it would.
+                .find_map(|p| unsafe { Library::new(p) }.ok())
+        })
         .ok_or_else(|| {
             format!(
                 "NCCL (libnccl.so.2) was not found; looked for {}. Install it with \

@@ -511,6 +511,19 @@ impl QgzState {
         })
     }
 
+    /// Whether the hop across nodes keeps error feedback.
+    #[getter]
+    fn error_feedback(&self) -> bool {
+        self.error_feedback
+    }
+
+    /// Whether the hop inside the node keeps error feedback too (only at
+    /// int4: `zeropp::zero::qgz::first_hop_feedback`).
+    #[getter]
+    fn first_hop_feedback(&self) -> bool {
+        qgz::first_hop_feedback(self.error_feedback, self.intra)
+    }
+
     /// Values of error-feedback state held (both hops).
     fn residual_len(&self) -> usize {
         let a = self.residual.lock().map(|r| r.len()).unwrap_or(0);

@@ -15,6 +15,7 @@ import json
 
 from . import quant
 from ._zeropp import PeerError, ZeroppError, builtin_corpus
+from ._zeropp import cuda_status as _cuda_status
 from ._zeropp import routing_plan_json as _routing_plan_json
 from ._zeropp import topology_json as _topology_json
 
@@ -23,6 +24,7 @@ __all__ = [
     "PeerError",
     "ZeroppError",
     "builtin_corpus",
+    "cuda_status",
     "quant",
     "routing_plan",
     "topology",
@@ -41,3 +43,10 @@ def routing_plan(nodes, ranks_per_node, sysfs_root=None):
     ``ranks_per_node`` ranks each (``zeropp topo plan --json``): the hops, the
     hpZ group, the bits per hop, the NIC of each rank, and why."""
     return json.loads(_routing_plan_json(nodes, ranks_per_node, sysfs_root))
+
+
+def cuda_status():
+    """What this machine offers zeropp's CUDA path, as a dict: whether the
+    NVIDIA driver loads (``driver``), how many devices it sees (``devices``),
+    NCCL's version (``nccl``) or why it cannot be loaded (``nccl_error``)."""
+    return json.loads(_cuda_status())

@@ -40,9 +40,9 @@ def host_bytes(x, what="tensor"):
     if torch is not None and isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             raise ZeroppError(
-                f"{what} is on {x.device}: zeropp.torch moves CPU tensors through its host "
-                "transports (UCX, TCP); its CUDA path (CUDA kernels + NCCL) is not wired into "
-                "the Python package yet — train on CPU tensors, or use FSDP2's NCCL collectives"
+                f"{what} is on {x.device}: zeropp moves CPU tensors through its host transports "
+                "(UCX, TCP) and CUDA tensors through its CUDA kernels and NCCL, not others; "
+                "move the tensor to the CPU first"
             )
         if not x.is_contiguous():
             raise ZeroppError(f"{what} is not contiguous; call .contiguous() first")

@@ -27,6 +27,11 @@ collectives through FSDP2's ``set_custom_all_gather`` /
   f32 sums and the mean over all W ranks, with error feedback whose state
   lives with the FSDP parameter group.
 
+CPU tensors go through zeropp's host transports (UCX, TCP); CUDA tensors
+through zeropp's CUDA kernels on the caller's current stream and NCCL
+communicators of the job's groups (the world, each node, each local rank
+across nodes), whose ids travel through the same store.
+
 ``mode="zero3"`` is the plain-communication baseline through zeropp's
 transports. Switches carry ``zeropp train``'s names (``qwz_bits``, ``hpz``,
 ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
@@ -73,6 +78,7 @@ SWITCHES = (
 
 _job = None
 _job_options = None
+_cuda_job = None
 _switches_used = {}
 
 
@@ -155,6 +161,80 @@ def job(transport=None, ranks_per_node=None):
     return _job
 
 
+def _store_get(store, key, timeout_s, what):
+    try:
+        store.wait([key], datetime.timedelta(seconds=timeout_s))
+    except Exception as e:  # the store's own timeout or a dead store
+        raise PeerError(
+            f"{what} did not arrive through the torch.distributed store within "
+            f"{timeout_s:.0f} s ({e}); a rank died or did not reach the same collective"
+        ) from None
+    return bytes(store.get(key))
+
+
+def _cuda(device):
+    """The job's CUDA half, opened on the first collective of a CUDA tensor:
+    zeropp's kernels on ``device`` and the NCCL communicators of the world,
+    this node and this local rank across nodes (ids through the store)."""
+    global _cuda_job
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _cuda_job is not None:
+        if _cuda_job.device != index:
+            raise ZeroppError(
+                f"a tensor on cuda:{index}, but this rank's zeropp job runs on "
+                f"cuda:{_cuda_job.device}: keep each rank's model on one device "
+                "(torch.cuda.set_device(local_rank) before building it)"
+            )
+        return _cuda_job
+    zjob = job()
+    cj = _zeropp.CudaJob(zjob, index)
+    store = dist.distributed_c10d._get_default_store()
+    rank, g = zjob.rank, zjob.ranks_per_node
+    timeout_s = _timeout_s()
+    prefix = "zeropp/job0/nccl"
+    keys = {
+        "world": f"{prefix}/world",
+        "node": f"{prefix}/node/{rank // g}",
+        "cross": f"{prefix}/cross/{rank % g}",
+    }
+    # The first member of each communicator makes its id.
+    makes = {"world": rank == 0, "node": rank % g == 0, "cross": rank < g}
+    for name, key in keys.items():
+        if makes[name]:
+            store.set(key, _zeropp.nccl_unique_id())
+    ids = [_store_get(store, keys[k], timeout_s, f"the NCCL id of the {k} group") for k in keys]
+    cj.connect(*ids)
+    _cuda_job = cj
+    return cj
+
+
+def _cuda_group(cj, ranks):
+    """The communicator of an hpZ sub-group smaller than the node, joined on
+    its first use (FSDP2 gathers over it in backward, every member at once)."""
+    if cj.has_group(ranks):
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"zeropp/job0/nccl/sub/{ranks[0]}-{len(ranks)}"
+    if dist.get_rank() == ranks[0]:
+        store.set(key, _zeropp.nccl_unique_id())
+    cj.add_group(ranks, _store_get(store, key, _timeout_s(), f"the NCCL id of group {ranks}"))
+
+
+def _device_args(cj, t, what):
+    if t.device.type != "cuda" or t.device.index not in (None, cj.device):
+        raise ZeroppError(
+            f"{what} is on {t.device}, the job on cuda:{cj.device}: FSDP2's buffers of one "
+            "collective live on one device"
+        )
+    if not t.is_contiguous():
+        raise ZeroppError(f"{what} is not contiguous; call .contiguous() first")
+    return t.data_ptr()
+
+
+def _stream(device):
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def routing():
     """The routing plan every rank derived from every node's topology (dict)."""
     return json.loads(job().routing_json())
@@ -198,6 +278,20 @@ class _Work(dist.Work):
         return self.is_completed()
 
 
+class _Done(dist.Work):
+    """A collective that finished before it returned (the CUDA path: its
+    work is queued on the caller's stream)."""
+
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def is_success(self):
+        return True
+
+
 class ZeroppAllGather(AllGather):
     """FSDP2's all-gather through zeropp: qwZ over the world, a plain ring
     inside the hpZ group in backward."""
@@ -211,6 +305,9 @@ class ZeroppAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if output_tensor.device.type == "cuda":
+            self._cuda(output_tensor, input_tensor, group)
+            return _Done() if async_op else None
         op = self._job.all_gather(
             host_bytes(output_tensor, "all-gather output"),
             host_bytes(input_tensor, "all-gather input"),
@@ -226,6 +323,30 @@ class ZeroppAllGather(AllGather):
         work.wait()
         return None
 
+    def _cuda(self, output_tensor, input_tensor, group):
+        cj = _cuda(output_tensor.device)
+        ranks = dist.get_process_group_ranks(group)
+        _cuda_group(cj, ranks)
+        if output_tensor.dtype != input_tensor.dtype or (
+            output_tensor.numel() != input_tensor.numel() * len(ranks)
+        ):
+            raise ZeroppError(
+                f"all-gather of {input_tensor.numel()} {input_tensor.dtype} values over "
+                f"{len(ranks)} ranks needs an output of {input_tensor.numel() * len(ranks)} "
+                f"such values, not {output_tensor.numel()} {output_tensor.dtype}"
+            )
+        cj.all_gather(
+            _device_args(cj, output_tensor, "all-gather output"),
+            _device_args(cj, input_tensor, "all-gather input"),
+            input_tensor.numel(),
+            dtype_name(input_tensor),
+            ranks,
+            _stream(output_tensor.device),
+            qwz_bits=self._qwz_bits,
+            block=self._block,
+            backward=_is_backward(),
+        )
+
 
 class ZeroppReduceScatter(ReduceScatter):
     """FSDP2's gradient reduce-scatter through zeropp: qgZ (two hops,
@@ -234,6 +355,9 @@ class ZeroppReduceScatter(ReduceScatter):
 
     def __init__(self, zjob, switches, seed=0):
         self._job = zjob
+        # The CUDA path's error feedback: f32 device tensors (hop 1, hop 2),
+        # made on first use, dropped by reset_error_feedback.
+        self.cuda_residuals = None
         self.qgz_state = None
         if switches["qgz"]:
             self.qgz_state = _zeropp.QgzState(
@@ -257,6 +381,9 @@ class ZeroppReduceScatter(ReduceScatter):
                 f"reduce-scatter with {op}: zeropp sums or averages gradients (SUM or AVG); "
                 "leave FSDP2's gradient_divide_factor unset"
             )
+        if output_tensor.device.type == "cuda":
+            self._cuda(output_tensor, input_tensor, group, mean)
+            return _Done() if async_op else None
         work = _Work(
             self._job.reduce_scatter(
                 host_bytes(output_tensor, "reduce-scatter output"),
@@ -274,6 +401,65 @@ class ZeroppReduceScatter(ReduceScatter):
         work.wait()
         return None
 
+    def _cuda(self, output_tensor, input_tensor, group, mean):
+        cj = _cuda(output_tensor.device)
+        ranks = dist.get_process_group_ranks(group)
+        world = self._job.world_size
+        if ranks != list(range(world)):
+            raise ZeroppError(
+                f"reduce-scatter over ranks {ranks}: zeropp shards over the whole job (ranks "
+                f"0..{world}); use a 1-D mesh (HSDP meshes are not supported)"
+            )
+        n = input_tensor.numel()
+        if output_tensor.dtype != input_tensor.dtype or output_tensor.numel() * world != n:
+            raise ZeroppError(
+                f"reduce-scatter of {n} {input_tensor.dtype} values over {world} ranks needs an "
+                f"output of {n // world} such values, not {output_tensor.numel()} "
+                f"{output_tensor.dtype}"
+            )
+        dev, stream = output_tensor.device, _stream(output_tensor.device)
+        state = self.qgz_state
+        if state is None:
+            cj.reduce_scatter(
+                _device_args(cj, output_tensor, "reduce-scatter output"),
+                _device_args(cj, input_tensor, "reduce-scatter input"),
+                n,
+                dtype_name(input_tensor),
+                stream,
+            )
+            if mean:
+                output_tensor.div_(world)
+            return
+        # qgZ sums in f32 on the device and gives the mean over all W ranks.
+        inp = input_tensor if input_tensor.dtype == torch.float32 else input_tensor.float()
+        out = output_tensor if output_tensor.dtype == torch.float32 else None
+        if out is None:
+            out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=dev)
+        first = second = None
+        if state.error_feedback:
+            shapes = (n if state.first_hop_feedback else 0, n // self._job.ranks_per_node)
+            r = self.cuda_residuals
+            if r is None or (r[0].numel(), r[1].numel()) != shapes:
+                # A residual of another shape starts from zero, as on the CPU.
+                r = tuple(torch.zeros(k, dtype=torch.float32, device=dev) for k in shapes)
+                self.cuda_residuals = r
+            first = r[0].data_ptr() if shapes[0] else None
+            second = r[1].data_ptr()
+        cj.reduce_scatter(
+            _device_args(cj, out, "reduce-scatter output"),
+            _device_args(cj, inp, "reduce-scatter input"),
+            n,
+            "float32",
+            stream,
+            qgz=state,
+            first=first,
+            second=second,
+        )
+        if not mean:
+            out.mul_(world)
+        if out is not output_tensor:
+            output_tensor.copy_(out.view_as(output_tensor))
+
 
 def _check_dtypes(module, mp_policy):
     if mp_policy is not None and mp_policy.param_dtype is not None:
@@ -286,10 +472,10 @@ def _check_dtypes(module, mp_policy):
                     "float16 parameters; convert the module (module.float()) or pass "
                     "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
                 )
-        if p.device.type != "cpu" and p.device.type != "meta":
+        if p.device.type not in ("cpu", "cuda", "meta"):
             raise ZeroppError(
-                f"parameter {name!r} is on {p.device}: zeropp.torch moves CPU tensors for now "
-                "(its CUDA kernels and NCCL groups are not wired into the Python package yet)"
+                f"parameter {name!r} is on {p.device}: zeropp.torch moves CPU tensors (through "
+                "its host transports) and CUDA tensors (through its CUDA kernels and NCCL)"
             )
 
 
@@ -358,5 +544,6 @@ def reset_error_feedback(module):
             rs = group._reduce_scatter_comm
             if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
                 rs.qgz_state.reset()
+                rs.cuda_residuals = None
                 n += 1
     return n

@@ -9,7 +9,9 @@ import sys
 import torch
 import torch.distributed as dist
 
+import zeropp
 import zeropp.torch as zt
+from zeropp import _zeropp
 
 
 def check(name, cond, detail=""):
@@ -176,12 +178,29 @@ def main():
         "already joined",
     )
     expect_error(
-        "a CUDA tensor is a clear error",
+        "a tensor on a device zeropp does not move (meta) is a clear error",
         lambda: zt.ZeroppAllGather(job, z3)(
             torch.empty(32, device="meta"), torch.zeros(8, device="meta"), world_group
         ),
         "CPU tensors",
     )
+    # The CUDA path: opening device 0 works where there is one, and is an
+    # error that names the driver where there is none (never a panic).
+    status = zeropp.cuda_status()
+    if status["devices"] == 0:
+        expect_error(
+            "without a GPU the CUDA path is a clear error",
+            lambda: zt._cuda(torch.device("cuda", 0)),
+            "no NVIDIA driver" if not status["driver"] else "CUDA device",
+        )
+    else:
+        assert _zeropp.CudaJob(job, 0).device == 0
+    # An NCCL id is 128 bytes, or NCCL is missing and the error names the
+    # packages that bring it.
+    try:
+        assert len(_zeropp.nccl_unique_id()) == 128
+    except zeropp.ZeroppError as e:
+        assert "nvidia-nccl-cu13" in str(e) or "ncclGetUniqueId" in str(e), e
     dist.barrier()
     dist.destroy_process_group()
     return 0
