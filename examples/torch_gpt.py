@@ -5,8 +5,12 @@ either PyTorch's own or zeropp's.
     torchrun --standalone --nproc-per-node 4 examples/torch_gpt.py --mode zeropp --steps 100
 
 Modes: ``zeropp`` (qwZ + hpZ + qgZ through zeropp), ``zero3`` (plain
-communication through zeropp's transports), ``fsdp2`` (FSDP2 over gloo) and
-``hsdp`` (FSDP2 sharded inside each node, replicated across nodes, over gloo).
+communication through zeropp's transports), ``fsdp2`` (FSDP2 over gloo, or
+NCCL with ``--device cuda``) and ``hsdp`` (FSDP2 sharded inside each node,
+replicated across nodes).
+``--device cuda`` trains on the GPUs (rank r on device LOCAL_RANK mod the
+device count; ranks that share a GPU pose as separate hosts to NCCL, which
+refuses two ranks on one device otherwise).
 ``--ranks-per-node G`` makes logical nodes of G ranks (default: the hosts).
 Writes per-step metrics (``--metrics``, JSON lines) and a summary
 (``--summary-json``) with the conventions of ``zeropp train``.
@@ -99,6 +103,7 @@ def parse_args(argv=None):
     p.add_argument("--summary-json", default=None)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     return p.parse_args(argv)
 
 
@@ -126,7 +131,7 @@ class Data:
         self.val = corpus[split:].long()
         self.seed, self.rank = seed, rank
 
-    def batch(self, step, batch, context, val=False):
+    def batch(self, step, batch, context, val=False, device="cpu"):
         src = self.val if val else self.train
         g = torch.Generator().manual_seed(
             self.seed * 1_000_003 + self.rank * 7919 + step + (1 << 40 if val else 0)
@@ -134,10 +139,10 @@ class Data:
         starts = torch.randint(0, len(src) - context - 1, (batch,), generator=g)
         x = torch.stack([src[s : s + context] for s in starts])
         y = torch.stack([src[s + 1 : s + context + 1] for s in starts])
-        return x, y
+        return x.to(device), y.to(device)
 
 
-def shard(model, args, world, ranks_per_node):
+def shard(model, args, world, ranks_per_node, device):
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         if args.bf16
@@ -171,7 +176,9 @@ def shard(model, args, world, ranks_per_node):
         return zeropp.torch.resolved_switches()[args.mode]["switches"]
     if args.mode == "hsdp":
         mesh = init_device_mesh(
-            "cpu", (world // ranks_per_node, ranks_per_node), mesh_dim_names=("replicate", "shard")
+            device.type,
+            (world // ranks_per_node, ranks_per_node),
+            mesh_dim_names=("replicate", "shard"),
         )
         kw["mesh"] = mesh
     for b in model.blocks:
@@ -180,10 +187,30 @@ def shard(model, args, world, ranks_per_node):
     return {}
 
 
+def open_device(kind):
+    """This rank's device; for CUDA, the process group gets NCCL beside gloo."""
+    if kind == "cpu":
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: PyTorch sees no CUDA device here")
+    local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    count = torch.cuda.device_count()
+    if local_world > count and "NCCL_HOSTID" not in os.environ:
+        # NCCL refuses two ranks of one host on one device; ranks that share
+        # a GPU (a test on one GPU) pose as separate hosts, so NCCL connects
+        # them through its network transport.
+        os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{os.environ['RANK']}"
+    device = torch.device("cuda", local % count)
+    torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl")
+    return device
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
+    device = open_device(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = (
         args.ranks_per_node
@@ -192,9 +219,11 @@ def main(argv=None):
     )
     lead = rank == 0
     torch.manual_seed(args.seed)
-    model = GPT(args.width, args.layers, args.heads, args.context)
+    model = GPT(args.width, args.layers, args.heads, args.context).to(device)
     params = sum(p.numel() for p in model.parameters())
-    switches = shard(model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None)
+    switches = shard(
+        model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None, device
+    )
     zjob = zeropp.torch.job() if args.mode in ("zeropp", "zero3") else None
     nodes = zjob.nodes if zjob else world // g
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -212,13 +241,16 @@ def main(argv=None):
     if lead:
         print(
             f"{args.mode}: {params} parameters, {world} ranks on {nodes} node(s), "
-            f"switches {json.dumps(switches) if switches else '(FSDP2 over gloo)'}",
+            f"switches {json.dumps(switches) if switches else '(FSDP2, PyTorch collectives)'} "
+            f"on {device.type}",
             flush=True,
         )
     losses, times, across, inside = [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
     for step in range(args.steps):
-        x, y = data.batch(step, args.batch, args.context)
+        x, y = data.batch(step, args.batch, args.context, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
@@ -230,6 +262,8 @@ def main(argv=None):
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         losses.append(mean_loss)
         times.append(dt)
@@ -273,7 +307,7 @@ def main(argv=None):
     val = []
     with torch.no_grad():
         for i in range(4):
-            x, y = data.batch(i, args.batch, args.context, val=True)
+            x, y = data.batch(i, args.batch, args.context, val=True, device=device)
             logits = model(x)
             v = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
             dist.all_reduce(v)
@@ -293,6 +327,7 @@ def main(argv=None):
     tail = losses[-10:]
     summary = {
         "mode": args.mode,
+        "device": device.type,
         "switches": switches,
         "world_size": world,
         "nodes": nodes,

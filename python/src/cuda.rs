@@ -15,6 +15,7 @@ use std::time::Duration;
 use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
+use zeropp::comm::Transport;
 use zeropp::zero::plan::Layout;
 use zeropp::zero::traffic::{CountingTransport, Phase};
 use zeropp_cuda::collectives::{QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather};
@@ -33,6 +34,10 @@ fn to_py(e: CudaError) -> PyErr {
         e => crate::ZeroppError::new_err(e.to_string()),
     }
 }
+
+/// How long a failed NCCL call waits for the host transport to see which
+/// rank died (its connections close with the process).
+const NAME_THE_DEAD: Duration = Duration::from_secs(3);
 
 /// A fresh NCCL id (128 bytes): made by one member of a communicator and
 /// handed to the others through the store.
@@ -116,6 +121,26 @@ fn format(bits: u32, block: usize) -> PyResult<QuantFormat> {
 
 fn peers(ranks: &[usize], me: usize) -> impl Iterator<Item = usize> + '_ {
     ranks.iter().copied().filter(move |&r| r != me)
+}
+
+impl CudaJob {
+    /// `e` as a Python exception; a peer failure names the rank that died
+    /// when the host job's connections saw it (NCCL itself cannot say).
+    fn error(&self, e: CudaError) -> PyErr {
+        let CudaError::Peer(m) = e else {
+            return to_py(e);
+        };
+        let deadline = std::time::Instant::now() + NAME_THE_DEAD;
+        loop {
+            if let Some((rank, why)) = self.counter.first_death() {
+                return crate::PeerError::new_err(format!("rank {rank} failed: {why}; {m}"));
+            }
+            if std::time::Instant::now() >= deadline {
+                return crate::PeerError::new_err(m);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
 }
 
 #[pymethods]
@@ -298,7 +323,7 @@ impl CudaJob {
                 }
             }
         })
-        .map_err(to_py)?;
+        .map_err(|e| self.error(e))?;
         for p in peers(&ranks, self.layout.rank) {
             self.counter.count_outside(phase, frac, p, sent);
         }
@@ -406,7 +431,7 @@ impl CudaJob {
                     };
                     qgz_reduce_scatter(gpu, &groups, &grad.view(), &mut o.view_mut(), feedback)
                 })
-                .map_err(to_py)?;
+                .map_err(|e| self.error(e))?;
                 let frac = |f: QuantFormat| {
                     f.param_bytes(chunk) as f64 / f.total_bytes(chunk).max(1) as f64
                 };

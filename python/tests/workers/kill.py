@@ -1,6 +1,7 @@
 """Worker: trains the example GPT with zeropp.torch; at step 3 the rank
 named by KILL_RANK dies in the middle of the forward pass (os._exit, as a
-crash or an OOM kill would). The others must fail with an error naming it."""
+crash or an OOM kill would). The others must fail with an error naming it.
+KILL_DEVICE=cuda trains on the GPU (python/gpu_tests)."""
 
 import os
 import sys
@@ -12,15 +13,15 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import zeropp.torch as zt  # noqa: E402
-from torch_gpt import GPT, Data  # noqa: E402
+from torch_gpt import GPT, Data, open_device  # noqa: E402
 
 
 def main():
-    dist.init_process_group("gloo")
+    device = open_device(os.environ.get("KILL_DEVICE", "cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = int(os.environ["KILL_RANK"])
     torch.manual_seed(0)
-    model = GPT(64, 2, 4, 32)
+    model = GPT(64, 2, 4, 32).to(device)
     for b in model.blocks:
         zt.fully_shard(b, ranks_per_node=2)
     zt.fully_shard(model, ranks_per_node=2)
@@ -35,7 +36,7 @@ def main():
 
     model.blocks[1].register_forward_pre_hook(die)
     for step in range(1000):
-        x, y = data.batch(step, 4, 32)
+        x, y = data.batch(step, 4, 32, device=device)
         loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
         loss.backward()
         opt.step()

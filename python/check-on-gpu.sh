@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One short run on a machine with an NVIDIA GPU, PyTorch and pytest (no Rust,
+# no network needed) that proves zeropp's CUDA path:
+#
+#   bash python/build-gpu-check.sh           # where Rust is; fills device-bin/
+#   bash python/check-on-gpu.sh device-bin   # on the GPU machine, < 10 minutes
+#
+# 1. the kernels (cuda/check-on-gpu.sh: compile for sm_90, every GPU test
+#    against the CPU library, the kernel benchmark);
+# 2. zeropp.torch on CUDA tensors inside real FSDP2 steps, 4 ranks as 2
+#    logical nodes (python/gpu_tests: the CUDA path's losses equal the CPU
+#    path's within 1e-3, ZeRO-3 mode equals FSDP2 over NCCL, bf16 ZeRO++
+#    trains like bf16 FSDP2, a quarter of the bytes across nodes, a killed
+#    rank named by the others);
+# 3. step times of zeropp.torch and FSDP2 over NCCL on the same model.
+#
+# ZEROPP_GPU_PARTS picks parts (default "kernels torch bench"; about 4, 5 and
+# 2 minutes) so that each call fits a 10-minute limit. Writes logs and
+# summaries to $ZEROPP_GPU_RESULTS (default: $OUT when set, else
+# /tmp/zeropp-gpu-results). Exits non-zero if anything failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-device-bin}
+results=${ZEROPP_GPU_RESULTS:-${OUT:-/tmp/zeropp-gpu-results}}
+mkdir -p "$results"
+export ZEROPP_GPU_RESULTS=$results
+export ZEROPP_CACHE_DIR=${ZEROPP_CACHE_DIR:-$(mktemp -d)}
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+python=${PYTHON:-python3}
+wheel=$(ls "$dir"/zeropp-*.whl 2>/dev/null | head -1)
+[ -n "$wheel" ] || { echo "no zeropp wheel in $dir: run python/build-gpu-check.sh" >&2; exit 2; }
+site=$(mktemp -d)
+"$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel" || exit 2
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+summary=$results/summary.txt
+: >"$summary"
+
+step() { # name, timeout, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  if timeout "$limit" "$@" >"$results/$name.out" 2>&1; then r=ok; else r="FAILED ($?)"; fi
+  printf '%-12s %-12s %4ss\n' "$name" "$r" "$((SECONDS - t0))" >>"$summary"
+  echo "== $name: $r"
+  tail -n 30 "$results/$name.out"
+}
+
+parts=" ${ZEROPP_GPU_PARTS:-kernels torch bench} "
+if [[ $parts == *" kernels "* ]]; then
+  ZEROPP_BENCH_MIB=${ZEROPP_BENCH_MIB:-256} step kernels 300 bash cuda/check-on-gpu.sh "$dir"
+fi
+if [[ $parts == *" torch "* ]]; then
+  step torch 420 "$python" -m pytest -q -s python/gpu_tests
+fi
+if [[ $parts == *" bench "* ]]; then
+  # Step times on the bench model (3.76M parameters, bf16), 2 x 2 on this GPU.
+  bench=(--width 384 --layers 2 --heads 6 --context 32 --batch 2 --bf16 --steps 20
+    --ranks-per-node 2 --device cuda --log-every 1000)
+  for mode in zeropp fsdp2; do
+    step "bench-$mode" 120 "$python" -m torch.distributed.run --standalone --nproc-per-node 4 \
+      examples/torch_gpt.py --mode "$mode" "${bench[@]}" \
+      --summary-json "$results/bench-$mode.json"
+  done
+fi
+
+echo
+echo "== GPU check summary"
+cat "$summary"
+"$python" - "$results" <<'PY'
+import json, pathlib, sys
+r = pathlib.Path(sys.argv[1])
+f = r / "results.json"
+if f.exists():
+    print(json.dumps(json.loads(f.read_text()), indent=1))
+t = {}
+for m in ("zeropp", "fsdp2"):
+    p = r / f"bench-{m}.json"
+    if p.exists():
+        t[m] = json.loads(p.read_text())["median_step_time_s"]
+        print(f"bench {m}: median step {t[m]:.4f} s")
+if len(t) == 2:
+    print(f"bench zeropp / fsdp2 step time: {t['zeropp'] / t['fsdp2']:.3f}")
+PY
+! grep -q FAILED "$summary"
