@@ -192,3 +192,25 @@ impl Transport for CountingTransport {
         self.inner.first_death()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::inproc::InProcess;
+
+    #[test]
+    fn sends_by_another_path_count_like_the_transports_own() {
+        // Rank 1 of 2 nodes x 2 ranks.
+        let t = InProcess::world(4).into_iter().nth(1).unwrap();
+        let c = CountingTransport::new(Box::new(t), 2);
+        c.count_outside(Phase::ForwardGather, 0.25, 0, 400);
+        c.count_outside(Phase::Gradient, 0.0, 3, 100);
+        c.count_outside(Phase::Gradient, 0.0, 1, 999); // to itself: nothing
+        let t = c.traffic();
+        assert_eq!(t.forward_gather.total.intra_node, 400);
+        assert_eq!(t.forward_gather.scales.intra_node, 100);
+        assert_eq!(t.gradient.total.inter_node, 100);
+        assert_eq!(t.messages.intra_node + t.messages.inter_node, 2);
+        assert_eq!(t.total().intra_node + t.total().inter_node, 500);
+    }
+}
