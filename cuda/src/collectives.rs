@@ -78,18 +78,53 @@ pub fn all_gather_quantized(
     if mine.len == 0 {
         return Ok(all);
     }
-    comm.all_gather_bytes(&mine.codes.as_view(), &mut all.codes.as_view_mut())?;
-    comm.all_gather_bytes(
-        &bytes_of(&mine.block_max),
-        &mut bytes_of_mut(&mut all.block_max),
-    )?;
-    if !mine.block_min.is_empty() {
-        comm.all_gather_bytes(
-            &bytes_of(&mine.block_min),
-            &mut bytes_of_mut(&mut all.block_min),
-        )?;
-    }
+    gather_parts(comm, &mine.view(), &mut all)?;
     Ok(all)
+}
+
+/// All-gathers every rank's `mine.count` chunks: rank r's chunk i becomes
+/// chunk r·count + i of the result.
+pub fn all_gather_chunks(
+    gpu: &Gpu,
+    comm: &NcclComm,
+    mine: &DeviceQuantizedChunks,
+) -> Result<DeviceQuantizedChunks, CudaError> {
+    let (f, len, count) = (mine.format, mine.chunk_len, mine.count);
+    let mut all = DeviceQuantizedChunks::zeroed(gpu, f, len, count * comm.size())?;
+    if len == 0 || count == 0 {
+        return Ok(all);
+    }
+    let parts = QuantView {
+        format: f,
+        len: len * count,
+        codes: mine.codes.as_view(),
+        block_max: mine.block_max.as_view(),
+        block_min: mine.block_min.as_view(),
+    };
+    gather_parts(comm, &parts, &mut all)?;
+    Ok(all)
+}
+
+/// The three parts of `mine` (codes, maxima, minima: each gathered on its
+/// own, so the received buffers are in `QuantizedChunks` layout) into `all`.
+fn gather_parts(
+    comm: &NcclComm,
+    mine: &QuantView<'_>,
+    all: &mut DeviceQuantizedChunks,
+) -> Result<(), CudaError> {
+    comm.all_gather_bytes(&mine.codes, &mut all.codes.as_view_mut())?;
+    // SAFETY: any f32 bit pattern is a valid run of bytes, and the bytes
+    // written are f32 bit patterns sent by a peer.
+    let max = unsafe { mine.block_max.transmute::<u8>(mine.block_max.len() * 4) }
+        .expect("an f32 buffer holds 4 bytes a value");
+    comm.all_gather_bytes(&max, &mut bytes_of_mut(&mut all.block_max))?;
+    if !mine.block_min.is_empty() {
+        // SAFETY: as above.
+        let min = unsafe { mine.block_min.transmute::<u8>(mine.block_min.len() * 4) }
+            .expect("an f32 buffer holds 4 bytes a value");
+        comm.all_gather_bytes(&min, &mut bytes_of_mut(&mut all.block_min))?;
+    }
+    Ok(())
 }
 
 /// Dequantizes chunk r of `all` into `out[r·len .. (r+1)·len]`.
@@ -127,6 +162,50 @@ pub fn qwz_all_gather<T: GpuElement>(
     gpu.quantize(shard, rounding, &mut mine)?;
     let all = all_gather_quantized(gpu, comm, &mine)?;
     dequantize_chunks(gpu, &all, out)
+}
+
+/// qwZ across nodes, then inside: the shard (quantized in `format`) is
+/// gathered among the ranks of this local rank (`cross`, one per node),
+/// then those N chunks inside the node (`node`), and each of the W chunks
+/// is dequantized into its rank's place in `out`. Only N−1 copies of the
+/// shard cross node boundaries, as the CPU path's gather
+/// (`zeropp::zero::qwz::gather`) sends them.
+pub fn qwz_all_gather_hierarchical<T: GpuElement>(
+    gpu: &Gpu,
+    cross: &NcclComm,
+    node: &NcclComm,
+    shard: &CudaView<'_, T>,
+    format: QuantFormat,
+    rounding: Rounding,
+    out: &mut CudaViewMut<'_, T>,
+) -> Result<(), CudaError> {
+    let (n, g, len) = (cross.size(), node.size(), shard.len());
+    if out.len() != len * n * g {
+        return Err(QuantError::SizeMismatch {
+            what: "gathered values",
+            expected: len * n * g,
+            found: out.len(),
+        }
+        .into());
+    }
+    let mut mine = DeviceQuantized::zeroed(gpu, format, len)?;
+    gpu.quantize(shard, rounding, &mut mine)?;
+    // Chunk k of `across` is node k's (rank k·G + g); chunk g'·N + k of
+    // `all` is rank k·G + g''s.
+    let across = all_gather_quantized(gpu, cross, &mine)?;
+    drop(mine);
+    let all = all_gather_chunks(gpu, node, &across)?;
+    drop(across);
+    for local in 0..g {
+        for k in 0..n {
+            let rank = k * g + local;
+            gpu.dequantize_view(
+                &chunk_view(&all, local * n + k),
+                &mut out.slice_mut(rank * len..(rank + 1) * len),
+            )?;
+        }
+    }
+    Ok(())
 }
 
 /// The two groups of the qgZ reduce-scatter, and its formats.

@@ -277,7 +277,9 @@ fn nccl_collectives_on_one_rank_are_identities() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
     use std::time::Duration;
-    use zeropp_cuda::collectives::{QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather};
+    use zeropp_cuda::collectives::{
+        QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather, qwz_all_gather_hierarchical,
+    };
     use zeropp_cuda::nccl::{NcclComm, NcclId};
     let g = gpu();
     let comm = |g: &Gpu| {
@@ -296,6 +298,19 @@ fn quantized_collectives_on_one_gpu_run_the_whole_pipeline() {
     qwz_all_gather(
         &g,
         &world,
+        &ds.as_view(),
+        f8,
+        Rounding::NearestEven,
+        &mut out.as_view_mut(),
+    )
+    .unwrap();
+    assert_eq!(g.download(&out.as_view()).unwrap(), want);
+    // Across nodes, then inside: the same on one rank.
+    let mut out = g.zeros::<f32>(5000).unwrap();
+    qwz_all_gather_hierarchical(
+        &g,
+        &cross,
+        &node,
         &ds.as_view(),
         f8,
         Rounding::NearestEven,

@@ -18,7 +18,9 @@ use pyo3::types::PyBytes;
 use zeropp::comm::Transport;
 use zeropp::zero::plan::Layout;
 use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp_cuda::collectives::{QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather};
+use zeropp_cuda::collectives::{
+    QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather_hierarchical,
+};
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
@@ -288,7 +290,9 @@ impl CudaJob {
         // SAFETY: the caller's stream is live for this call (Python passes
         // torch.cuda.current_stream()).
         unsafe { gpu.use_stream(stream) };
-        comm.use_stream(gpu.stream());
+        for c in [comm, &comms.node, &comms.cross] {
+            c.use_stream(gpu.stream());
+        }
         let (sent, frac) = match wire {
             Some(f) => (
                 f.total_bytes(numel) as u64,
@@ -303,7 +307,8 @@ impl CudaJob {
                     dtype,
                     GatherQuantized {
                         gpu,
-                        comm,
+                        cross: &comms.cross,
+                        node: &comms.node,
                         inp,
                         out,
                         numel,
@@ -324,8 +329,24 @@ impl CudaJob {
             }
         })
         .map_err(|e| self.error(e))?;
-        for p in peers(&ranks, self.layout.rank) {
-            self.counter.count_outside(phase, frac, p, sent);
+        let (me, g, n) = (
+            self.layout.rank,
+            self.layout.ranks_per_node,
+            self.layout.nodes,
+        );
+        if wire.is_some() {
+            // Across nodes to this local rank's peers, then N shards to
+            // each local peer.
+            for p in (0..n).map(|k| k * g + me % g) {
+                self.counter.count_outside(phase, frac, p, sent);
+            }
+            for p in (me / g * g..me / g * g + g).filter(|&p| p != me) {
+                self.counter.count_outside(phase, frac, p, sent * n as u64);
+            }
+        } else {
+            for p in peers(&ranks, me) {
+                self.counter.count_outside(phase, frac, p, sent);
+            }
         }
         Ok(())
     }
@@ -467,7 +488,8 @@ fn with_gpu_dtype(dtype: Dtype, job: impl OnDtype) -> Result<(), CudaError> {
 
 struct GatherQuantized<'a> {
     gpu: &'a Gpu,
-    comm: &'a NcclComm,
+    cross: &'a NcclComm,
+    node: &'a NcclComm,
     inp: u64,
     out: u64,
     numel: usize,
@@ -476,7 +498,7 @@ struct GatherQuantized<'a> {
 
 impl OnDtype for GatherQuantized<'_> {
     fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
-        let size = self.comm.size();
+        let size = self.cross.size() * self.node.size();
         // SAFETY: the caller's tensors hold these values on this device and
         // are not touched until the call returns.
         let shard = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
@@ -484,9 +506,10 @@ impl OnDtype for GatherQuantized<'_> {
         if self.numel == 0 {
             return Ok(());
         }
-        qwz_all_gather(
+        qwz_all_gather_hierarchical(
             self.gpu,
-            self.comm,
+            self.cross,
+            self.node,
             &shard.view(),
             self.format,
             Rounding::NearestEven,
