@@ -312,7 +312,8 @@ pub fn qgz_reduce_scatter(
             for dest in 0..n {
                 let inputs: Vec<QuantView<'_>> =
                     (0..g).map(|src| chunk_view(&got, src * n + dest)).collect();
-                let rounding = groups.rounding.for_part(dest);
+                // As the CPU: hop 2 draws from `rounding.for_part(1)`, part by part.
+                let rounding = groups.rounding.for_part(1).for_part(dest);
                 gpu.sum_requantize_views(
                     &inputs,
                     rounding,

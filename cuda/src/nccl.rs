@@ -33,6 +33,8 @@ const SUCCESS: NcclResult = 0;
 const IN_PROGRESS: NcclResult = 7;
 /// `ncclRemoteError`: a peer exited or the network failed.
 const REMOTE_ERROR: NcclResult = 6;
+/// `ncclSystemError`: a system call failed (a peer's socket closing, too).
+const SYSTEM_ERROR: NcclResult = 2;
 const UINT8: c_int = 1;
 const FLOAT32: c_int = 7;
 const SUM: c_int = 0;
@@ -184,26 +186,25 @@ fn already_loaded() -> Option<Library> {
 }
 
 fn load() -> Result<Api, String> {
-    let tried = candidates();
-    let lib = already_loaded()
-        .or_else(|| {
-            tried
-                .iter()
-                // SAFETY: loading NCCL runs its initialisers, as linking it would.
-                .find_map(|p| unsafe { Library::new(p) }.ok())
-        })
-        .ok_or_else(|| {
-            format!(
-                "NCCL (libnccl.so.2) was not found; looked for {}. Install it with \
+    let mut tried = Vec::new();
+    let mut lib = already_loaded();
+    if lib.is_none() {
+        tried = candidates();
+        // SAFETY: loading NCCL runs its initialisers, as linking it would.
+        lib = tried.iter().find_map(|p| unsafe { Library::new(p) }.ok());
+    }
+    let lib = lib.ok_or_else(|| {
+        format!(
+            "NCCL (libnccl.so.2) was not found; looked for {}. Install it with \
                  `python3 -m pip install nvidia-nccl-cu13` or `apt-get install libnccl2`, or set \
                  ZEROPP_NCCL to the library file",
-                tried
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )
-        })?;
+            tried
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )
+    })?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the symbol's type is its prototype in nccl.h (2.x).
@@ -393,22 +394,26 @@ impl NcclComm {
             let mut state: NcclResult = SUCCESS;
             // SAFETY: live communicator; plain out-parameter.
             let r = unsafe { (self.api.get_async_error)(self.comm, &mut state) };
-            if r != SUCCESS {
-                return Err(self.fail(what, r));
-            }
-            match state {
-                SUCCESS => return Ok(()),
-                IN_PROGRESS if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_micros(50))
+            let failed = match (r, state) {
+                (SUCCESS, SUCCESS) => return Ok(()),
+                (SUCCESS, IN_PROGRESS) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_micros(50));
+                    continue;
                 }
-                IN_PROGRESS => return Err(self.timed_out(what)),
-                other => return Err(self.fail(what, other)),
-            }
+                (SUCCESS, IN_PROGRESS) => return Err(self.timed_out(what)),
+                (SUCCESS, other) => other,
+                (r, _) => r,
+            };
+            // NCCL's rule: a communicator with an asynchronous error is
+            // aborted (its kernels stop holding the stream).
+            let e = self.fail(what, failed);
+            self.abort();
+            return Err(e);
         }
     }
 
     fn fail(&self, what: &str, r: NcclResult) -> CudaError {
-        let make = if r == REMOTE_ERROR {
+        let make = if r == REMOTE_ERROR || r == SYSTEM_ERROR {
             CudaError::Peer
         } else {
             CudaError::Invalid
@@ -421,10 +426,29 @@ impl NcclComm {
         ))
     }
 
+    /// Aborts the communicator (once): NCCL's way out of a stuck or failed
+    /// one. Later calls on it fail at once; dropping it destroys nothing.
+    pub fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::Relaxed) {
+            // SAFETY: live communicator, aborted once.
+            unsafe { (self.api.abort)(self.comm) };
+        }
+    }
+
+    /// Fails when the communicator was aborted: it must not be used again.
+    fn alive(&self, what: &str) -> Result<(), CudaError> {
+        if self.aborted.load(Ordering::Relaxed) {
+            return Err(CudaError::Peer(format!(
+                "NCCL {what}: the communicator (rank {} of {}) was aborted after an earlier \
+                 failure; the job cannot continue",
+                self.rank, self.size
+            )));
+        }
+        Ok(())
+    }
+
     fn timed_out(&self, what: &str) -> CudaError {
-        // SAFETY: live communicator; aborting is NCCL's way out of a stuck one.
-        unsafe { (self.api.abort)(self.comm) };
-        self.aborted.store(true, Ordering::Relaxed);
+        self.abort();
         CudaError::Peer(format!(
             "NCCL {what} did not finish within {:?} on rank {} of {}: a peer is gone or stuck; \
              the communicator was aborted",
@@ -435,11 +459,7 @@ impl NcclComm {
     /// Checks a call's result, then waits for the stream (and NCCL) with
     /// the deadline.
     fn finish(&self, what: &str, r: NcclResult) -> Result<(), CudaError> {
-        if self.aborted.load(Ordering::Relaxed) {
-            return Err(CudaError::Invalid(format!(
-                "NCCL {what}: the communicator was aborted after an earlier timeout"
-            )));
-        }
+        self.alive(what)?;
         if r != SUCCESS && r != IN_PROGRESS {
             return Err(self.fail(what, r));
         }
@@ -475,6 +495,7 @@ impl NcclComm {
     ) -> Result<(), CudaError> {
         self.check_len("all-gather output", send.len() * self.size, recv.len())?;
         let _one = self.one_call();
+        self.alive("call")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);
@@ -502,6 +523,7 @@ impl NcclComm {
         let n = recv.len();
         self.check_len("reduce-scatter input", n * self.size, send.len())?;
         let _one = self.one_call();
+        self.alive("call")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);
@@ -524,6 +546,7 @@ impl NcclComm {
     pub fn all_reduce_sum(&self, buf: &mut CudaViewMut<'_, f32>) -> Result<(), CudaError> {
         let n = buf.len();
         let _one = self.one_call();
+        self.alive("call")?;
         let stream = self.stream();
         let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place all-reduce on one device buffer of `n` values.
@@ -555,6 +578,7 @@ impl NcclComm {
         }
         let n = buf.len();
         let _one = self.one_call();
+        self.alive("call")?;
         let stream = self.stream();
         let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place broadcast on one device buffer of `n` bytes.
@@ -590,6 +614,7 @@ impl NcclComm {
         }
         let chunk = send.len() / self.size;
         let _one = self.one_call();
+        self.alive("call")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);

@@ -32,6 +32,7 @@ def env(**extra):
     e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     # Ranks posing as separate hosts reach each other over loopback.
     e.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    e.setdefault("NCCL_IB_DISABLE", "1")
     e.update(extra)
     return e
 
@@ -125,15 +126,14 @@ def test_bf16_zeropp_on_cuda_trains_like_bf16_fsdp2():
 
 
 def test_int4_inside_the_node_keeps_error_feedback_on_the_device():
-    # qgz_intra_bits=4: both hops keep error feedback (f32 on the device,
-    # compressed on the CPU), so the paths differ by that compression only.
-    gpu = run("zeropp", "cuda", "--switch=qgz_intra_bits=4")
-    cpu = run("zeropp", "cpu", "--switch=qgz_intra_bits=4")
-    rel = max_rel(gpu["losses"], cpu["losses"])
-    record("zeropp_int4_cuda_vs_cpu_max_rel_loss_diff", rel)
-    assert gpu["switches"]["qgz_intra_bits"] == 4
-    assert rel <= 1e-2, (gpu["losses"], cpu["losses"])
-    assert gpu["final_loss"] < 0.8 * gpu["initial_loss"]
+    # qgz_intra_bits=4: both hops keep error feedback (f32 on the device).
+    int4 = run("zeropp", "cuda", "--switch=qgz_intra_bits=4")
+    int8 = run("zeropp", "cuda")
+    gap = int4["final_loss"] / int8["final_loss"] - 1
+    record("zeropp_cuda_int4_vs_int8_inside_final_loss_gap", gap)
+    assert int4["switches"]["qgz_intra_bits"] == 4
+    assert int4["final_loss"] < 0.8 * int4["initial_loss"], int4["losses"]
+    assert abs(gap) <= 0.02, (int4["losses"], int8["losses"])
 
 
 def test_a_rank_killed_mid_step_on_cuda_is_named_by_every_other_rank():

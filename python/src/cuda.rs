@@ -82,6 +82,8 @@ struct Side {
 #[pyclass(frozen)]
 pub struct CudaJob {
     side: Mutex<Side>,
+    /// Set by the first peer failure: every communicator is aborted then.
+    dead: std::sync::atomic::AtomicBool,
     device: usize,
     layout: Layout,
     counter: Arc<CountingTransport>,
@@ -126,12 +128,30 @@ fn peers(ranks: &[usize], me: usize) -> impl Iterator<Item = usize> + '_ {
 }
 
 impl CudaJob {
-    /// `e` as a Python exception; a peer failure names the rank that died
+    /// `e` as a Python exception. On a peer failure every communicator of
+    /// the job is aborted (their kernels stop holding the stream, and none
+    /// waits for the dead at exit), and the error names the rank that died
     /// when the host job's connections saw it (NCCL itself cannot say).
-    fn error(&self, e: CudaError) -> PyErr {
-        let CudaError::Peer(m) = e else {
-            return to_py(e);
+    fn error(&self, comms: Option<&Comms>, e: CudaError) -> PyErr {
+        let m = match e {
+            CudaError::Peer(m) => m,
+            e => {
+                // Another failure may still be a peer's death in disguise.
+                return match self.counter.first_death() {
+                    Some((rank, why)) => {
+                        crate::PeerError::new_err(format!("rank {rank} failed: {why}; here: {e}"))
+                    }
+                    None => to_py(e),
+                };
+            }
         };
+        self.dead.store(true, Ordering::Relaxed);
+        if let Some(c) = comms {
+            for comm in [&c.world, &c.node, &c.cross] {
+                comm.abort();
+            }
+            c.subgroups.iter().for_each(|(_, comm)| comm.abort());
+        }
         let deadline = std::time::Instant::now() + NAME_THE_DEAD;
         loop {
             if let Some((rank, why)) = self.counter.first_death() {
@@ -142,6 +162,25 @@ impl CudaJob {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Runs `f` on the device side without the GIL (the side's lock is
+    /// taken there, so no thread waits for it holding the GIL).
+    fn on_side<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Side) -> PyResult<R> + Send,
+    ) -> PyResult<R> {
+        py.detach(|| {
+            if self.dead.load(Ordering::Relaxed) {
+                return Err(crate::PeerError::new_err(
+                    "an earlier NCCL failure (a rank died or hung) ended this job's \
+                     communicators; the job cannot continue",
+                ));
+            }
+            let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
+            f(&mut side)
+        })
     }
 }
 
@@ -154,6 +193,7 @@ impl CudaJob {
         let gpu = py.detach(|| Gpu::open_shared(device)).map_err(to_py)?;
         Ok(CudaJob {
             side: Mutex::new(Side { gpu, comms: None }),
+            dead: Default::default(),
             device,
             layout: job.layout(),
             counter: job.counter(),
@@ -184,37 +224,38 @@ impl CudaJob {
             .into_iter()
             .collect::<Result<Vec<_>, _>>()
             .map_err(to_py)?;
-        let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
-        if side.comms.is_some() {
-            return Err(invalid(
-                "the NCCL communicators of this job are already joined",
-            ));
-        }
         let timeout = self.timeout;
-        let gpu = &side.gpu;
-        let comms = py
-            .detach(|| -> Result<Comms, CudaError> {
+        self.on_side(py, |side| {
+            if side.comms.is_some() {
+                return Err(invalid(
+                    "the NCCL communicators of this job are already joined",
+                ));
+            }
+            let gpu = &side.gpu;
+            let comms = (|| -> Result<Comms, CudaError> {
                 Ok(Comms {
                     world: NcclComm::init(gpu, &ids[0], l.rank, l.world(), timeout)?,
                     node: NcclComm::init(gpu, &ids[1], l.rank % g, g, timeout)?,
                     cross: NcclComm::init(gpu, &ids[2], l.rank / g, l.nodes, timeout)?,
                     subgroups: Vec::new(),
                 })
-            })
-            .map_err(to_py)?;
-        side.comms = Some(comms);
-        Ok(())
+            })()
+            .map_err(|e| self.error(None, e))?;
+            side.comms = Some(comms);
+            Ok(())
+        })
     }
 
     /// Whether group `ranks` has a communicator (the world, this node, or
     /// an added sub-group).
-    fn has_group(&self, ranks: Vec<usize>) -> PyResult<bool> {
-        let side = self.side.lock().map_err(|_| invalid("poisoned"))?;
-        let comms = side
-            .comms
-            .as_ref()
-            .ok_or_else(|| invalid("connect the job's communicators first"))?;
-        Ok(comm_of(comms, self.layout, &ranks).is_ok())
+    fn has_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
+        self.on_side(py, |side| {
+            let comms = side
+                .comms
+                .as_ref()
+                .ok_or_else(|| invalid("connect the job's communicators first"))?;
+            Ok(comm_of(comms, self.layout, &ranks).is_ok())
+        })
     }
 
     /// Joins the communicator of sub-group `ranks` (consecutive ranks of
@@ -235,18 +276,17 @@ impl CudaJob {
             )));
         }
         let id = NcclId::from_bytes(id).map_err(to_py)?;
-        let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
         let timeout = self.timeout;
-        let Side { gpu, comms } = &mut *side;
-        let comms = comms
-            .as_mut()
-            .ok_or_else(|| invalid("connect the job's communicators first"))?;
-        let size = ranks.len();
-        let comm = py
-            .detach(|| NcclComm::init(gpu, &id, me, size, timeout))
-            .map_err(to_py)?;
-        comms.subgroups.push((ranks, comm));
-        Ok(())
+        self.on_side(py, |side| {
+            let Side { gpu, comms } = side;
+            let comms = comms
+                .as_mut()
+                .ok_or_else(|| invalid("connect the job's communicators first"))?;
+            let comm = NcclComm::init(gpu, &id, me, ranks.len(), timeout)
+                .map_err(|e| self.error(Some(comms), e))?;
+            comms.subgroups.push((ranks, comm));
+            Ok(())
+        })
     }
 
     /// FSDP2's all-gather on the device: `numel` values of `dtype` at
@@ -278,31 +318,25 @@ impl CudaJob {
         } else {
             Phase::ForwardGather
         };
-        let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
-        let Side { gpu, comms } = &mut *side;
-        let comms = comms
-            .as_ref()
-            .ok_or_else(|| invalid("connect the job's communicators first"))?;
-        let comm = comm_of(comms, self.layout, &ranks)?;
-        let size = comm.size();
-        // qwZ over the world only; a sub-group gathers the bytes as they are.
-        let wire = wire.filter(|_| size == self.layout.world());
-        // SAFETY: the caller's stream is live for this call (Python passes
-        // torch.cuda.current_stream()).
-        unsafe { gpu.use_stream(stream) };
-        for c in [comm, &comms.node, &comms.cross] {
-            c.use_stream(gpu.stream());
-        }
-        let (sent, frac) = match wire {
-            Some(f) => (
-                f.total_bytes(numel) as u64,
-                f.param_bytes(numel) as f64 / f.total_bytes(numel).max(1) as f64,
-            ),
-            None => ((numel * dtype.size()) as u64, 0.0),
-        };
-        let gpu = &*gpu;
-        py.detach(|| -> Result<(), CudaError> {
-            match wire {
+        let layout = self.layout;
+        let (wire, sent, frac) = self.on_side(py, |side| {
+            let Side { gpu, comms } = side;
+            let comms = comms
+                .as_ref()
+                .ok_or_else(|| invalid("connect the job's communicators first"))?;
+            let comm = comm_of(comms, layout, &ranks)?;
+            let size = comm.size();
+            // qwZ over the world only; a sub-group gathers the bytes as
+            // they are.
+            let wire = wire.filter(|_| size == layout.world());
+            // SAFETY: the caller's stream is live for this call (Python
+            // passes torch.cuda.current_stream()).
+            unsafe { gpu.use_stream(stream) };
+            for c in [comm, &comms.node, &comms.cross] {
+                c.use_stream(gpu.stream());
+            }
+            let gpu = &*gpu;
+            let result = match wire {
                 Some(f) => with_gpu_dtype(
                     dtype,
                     GatherQuantized {
@@ -315,7 +349,7 @@ impl CudaJob {
                         format: f,
                     },
                 ),
-                None => {
+                None => (|| {
                     let bytes = numel * dtype.size();
                     // SAFETY: the caller's tensors hold these bytes on this
                     // device and are not touched until the call returns.
@@ -325,16 +359,20 @@ impl CudaJob {
                         return Ok(());
                     }
                     comm.all_gather_bytes(&src.view(), &mut dst.view_mut())
-                }
-            }
-        })
-        .map_err(|e| self.error(e))?;
-        let (me, g, n) = (
-            self.layout.rank,
-            self.layout.ranks_per_node,
-            self.layout.nodes,
-        );
-        if wire.is_some() {
+                })(),
+            };
+            result.map_err(|e| self.error(Some(comms), e))?;
+            Ok(match wire {
+                Some(f) => (
+                    true,
+                    f.total_bytes(numel) as u64,
+                    f.param_bytes(numel) as f64 / f.total_bytes(numel).max(1) as f64,
+                ),
+                None => (false, (numel * dtype.size()) as u64, 0.0),
+            })
+        })?;
+        let (me, g, n) = (layout.rank, layout.ranks_per_node, layout.nodes);
+        if wire {
             // Across nodes to this local rank's peers, then N shards to
             // each local peer.
             for p in (0..n).map(|k| k * g + me % g) {
@@ -386,58 +424,41 @@ impl CudaJob {
                 "qgZ on the device reduces float32 gradients; cast the input (zeropp.torch does)",
             ));
         }
-        let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
-        let Side { gpu, comms } = &mut *side;
-        let comms = comms
-            .as_ref()
-            .ok_or_else(|| invalid("connect the job's communicators first"))?;
-        // SAFETY: as in `all_gather`.
-        unsafe { gpu.use_stream(stream) };
-        for c in [&comms.world, &comms.node, &comms.cross] {
-            c.use_stream(gpu.stream());
-        }
-        let gpu = &*gpu;
         let me = l.rank;
-        match qgz {
-            None => {
-                py.detach(|| {
-                    with_gpu_dtype(
-                        dtype,
-                        SumScatter {
-                            gpu,
-                            comm: &comms.world,
-                            inp,
-                            out,
-                            numel,
-                        },
-                    )
-                })
-                .map_err(to_py)?;
-                let bytes = (chunk * dtype.size()) as u64;
-                for p in (0..w).filter(|&p| p != me) {
-                    self.counter.count_outside(Phase::Gradient, 0.0, p, bytes);
+        let state = qgz.as_ref().map(|q| q.get());
+        let rounding = state.map(|s| {
+            let call = s.calls.fetch_add(1, Ordering::Relaxed);
+            if s.stochastic {
+                Rounding::Stochastic {
+                    seed: s.seed ^ (call << 32) ^ me as u64,
                 }
+            } else {
+                Rounding::NearestEven
             }
-            Some(state) => {
-                let s = state.get();
-                let call = s.calls.fetch_add(1, Ordering::Relaxed);
-                let rounding = if s.stochastic {
-                    Rounding::Stochastic {
-                        seed: s.seed ^ (call << 32) ^ me as u64,
-                    }
-                } else {
-                    Rounding::NearestEven
-                };
-                let groups = QgzGroups {
-                    node: &comms.node,
-                    cross: &comms.cross,
-                    intra: s.intra,
-                    inter: s.inter,
-                    rounding,
-                };
-                py.detach(|| -> Result<(), CudaError> {
-                    // SAFETY: the caller's tensors hold these values on this
-                    // device and are not touched until the call returns.
+        });
+        self.on_side(py, |side| {
+            let Side { gpu, comms } = side;
+            let comms = comms
+                .as_ref()
+                .ok_or_else(|| invalid("connect the job's communicators first"))?;
+            // SAFETY: as in `all_gather`.
+            unsafe { gpu.use_stream(stream) };
+            for c in [&comms.world, &comms.node, &comms.cross] {
+                c.use_stream(gpu.stream());
+            }
+            let gpu = &*gpu;
+            let result = match (state, rounding) {
+                (Some(s), Some(rounding)) => (|| {
+                    let groups = QgzGroups {
+                        node: &comms.node,
+                        cross: &comms.cross,
+                        intra: s.intra,
+                        inter: s.inter,
+                        rounding,
+                    };
+                    // SAFETY: the caller's tensors hold these values on
+                    // this device and are not touched until the call
+                    // returns.
                     let grad = unsafe { gpu.borrow::<f32>(inp, numel) }?;
                     let mut o = unsafe { gpu.borrow::<f32>(out, chunk) }?;
                     let mut r1 = first
@@ -451,8 +472,28 @@ impl CudaJob {
                         second: r2.as_mut().map(|b| b.view_mut()),
                     };
                     qgz_reduce_scatter(gpu, &groups, &grad.view(), &mut o.view_mut(), feedback)
-                })
-                .map_err(|e| self.error(e))?;
+                })(),
+                _ => with_gpu_dtype(
+                    dtype,
+                    SumScatter {
+                        gpu,
+                        comm: &comms.world,
+                        inp,
+                        out,
+                        numel,
+                    },
+                ),
+            };
+            result.map_err(|e| self.error(Some(comms), e))
+        })?;
+        match state {
+            None => {
+                let bytes = (chunk * dtype.size()) as u64;
+                for p in (0..w).filter(|&p| p != me) {
+                    self.counter.count_outside(Phase::Gradient, 0.0, p, bytes);
+                }
+            }
+            Some(s) => {
                 let frac = |f: QuantFormat| {
                     f.param_bytes(chunk) as f64 / f.total_bytes(chunk).max(1) as f64
                 };
