@@ -243,6 +243,31 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         &["rank-00000.zst"],
     );
 
+    // A manifest whose units are not its model's: no export writes
+    // tensors under names (or sizes) the model does not have.
+    let c = d.join("renamed-unit");
+    copy_dir(&good, &c);
+    edit(&c, &|m| m["units"][1]["name"] = "blocks.7".into());
+    for format in ["zeropp", "hf"] {
+        let o = zeropp()
+            .args([
+                "ckpt",
+                "export",
+                s(&c),
+                s(&d.join(format!("out-{format}"))),
+                "--format",
+                format,
+            ])
+            .output()
+            .unwrap();
+        let text = show(&o);
+        assert!(!o.status.success(), "{format}: exported\n{text}");
+        assert!(
+            text.contains("manifest.json") && text.contains("not those of the model"),
+            "{format}: {text}"
+        );
+    }
+
     // The right checkpoint with the wrong model shape: named, not loaded.
     let o = zeropp()
         .args([

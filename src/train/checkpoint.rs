@@ -19,6 +19,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, UnitLayout, UnitShard};
+use crate::train::model::Unit;
 use crate::train::trainer::TrainConfig;
 use crate::zero::residual::Residual;
 
@@ -576,6 +577,34 @@ fn assemble(all: &[Vec<UnitShard>], u: usize, pick: fn(&UnitShard) -> &Vec<f32>)
 }
 
 /// Every unit's full (unpadded) master weights, from all shards.
+/// Every unit's full weights, checked against the model the manifest
+/// describes (names and sizes), with the file to blame when they disagree.
+pub fn unit_weights(dir: &Path, m: &Manifest) -> Result<Vec<(Unit, Vec<f32>)>> {
+    let c = &m.config.model;
+    c.validate().map_err(|e| {
+        anyhow!(
+            "{}: the model it describes is invalid: {e}",
+            dir.join("manifest.json").display()
+        )
+    })?;
+    let units = c.units();
+    let expect: Vec<(String, usize)> = units.iter().map(|u| (u.name(), u.numel(c))).collect();
+    let have: Vec<(String, usize)> = m.units.iter().map(|u| (u.name.clone(), u.numel)).collect();
+    if expect != have {
+        bail!(
+            "{}: its units {have:?} are not those of the model it describes ({expect:?}): \
+             the manifest was edited or comes from another checkpoint",
+            dir.join("manifest.json").display()
+        );
+    }
+    let weights = full_weights(dir, m)?;
+    Ok(units
+        .into_iter()
+        .zip(weights)
+        .map(|(u, (_, w))| (u, w))
+        .collect())
+}
+
 pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitLayout, Vec<f32>)>> {
     let all = read_all_shards(dir, m)?;
     Ok(m.units
@@ -639,24 +668,15 @@ pub fn state_for(
 /// of tensors.
 pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
     let model = &m.config.model;
-    let units = model.units();
-    let weights = full_weights(dir, m)?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
-    for (unit, (info, flat)) in units.iter().zip(&weights) {
+    for (unit, flat) in unit_weights(dir, m)? {
         let mut off = 0;
         for p in unit.params(model) {
             let n = p.numel();
-            let Some(values) = flat.get(off..off + n) else {
-                bail!(
-                    "unit {}: the checkpoint holds {} values, its parameters need more",
-                    info.name,
-                    flat.len()
-                );
-            };
             tensors.push((
-                format!("{}.{}", info.name, p.name),
+                format!("{}.{}", unit.name(), p.name),
                 p.shape.clone(),
-                values.to_vec(),
+                flat[off..off + n].to_vec(),
             ));
             off += n;
         }

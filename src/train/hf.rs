@@ -17,7 +17,6 @@ use std::path::Path;
 use anyhow::{Context, Result, bail};
 
 use crate::train::checkpoint::{self, Manifest};
-use crate::train::infer::unit_weights;
 use crate::train::model::{ModelConfig, Unit};
 
 /// GPT-2's name for one of our parameters (`unit`, `param` as in
@@ -140,7 +139,7 @@ pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
             c.vocab
         );
     }
-    let weights = unit_weights(dir, m)?;
+    let weights = checkpoint::unit_weights(dir, m)?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
     for (unit, flat) in &weights {
         let mut off = 0;

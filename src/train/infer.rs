@@ -10,7 +10,7 @@ use candle_core::{D, Device, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 
-use crate::train::checkpoint::{self, Manifest};
+use crate::train::checkpoint;
 use crate::train::model::{self, ModelConfig, Unit};
 
 /// A checkpoint's model with its full weights, ready to run.
@@ -21,34 +21,6 @@ pub struct Model {
     device: Device,
 }
 
-/// Every unit's full weights, checked against the model the manifest
-/// describes (names and sizes), with the file to blame when they disagree.
-pub fn unit_weights(dir: &Path, m: &Manifest) -> Result<Vec<(Unit, Vec<f32>)>> {
-    let c = &m.config.model;
-    c.validate().map_err(|e| {
-        anyhow::anyhow!(
-            "{}: the model it describes is invalid: {e}",
-            dir.join("manifest.json").display()
-        )
-    })?;
-    let units = c.units();
-    let expect: Vec<(String, usize)> = units.iter().map(|u| (u.name(), u.numel(c))).collect();
-    let have: Vec<(String, usize)> = m.units.iter().map(|u| (u.name.clone(), u.numel)).collect();
-    if expect != have {
-        bail!(
-            "{}: its units {have:?} are not those of the model it describes ({expect:?}): \
-             the manifest was edited or comes from another checkpoint",
-            dir.join("manifest.json").display()
-        );
-    }
-    let weights = checkpoint::full_weights(dir, m)?;
-    Ok(units
-        .into_iter()
-        .zip(weights)
-        .map(|(u, (_, w))| (u, w))
-        .collect())
-}
-
 impl Model {
     /// Loads checkpoint `dir` (a checkpoint, or a checkpoint root's latest).
     pub fn load(dir: &Path) -> Result<Model> {
@@ -56,7 +28,7 @@ impl Model {
         let m = checkpoint::read_manifest(&dir)?;
         let device = Device::Cpu;
         let c = m.config.model.clone();
-        let units = unit_weights(&dir, &m)?
+        let units = checkpoint::unit_weights(&dir, &m)?
             .into_iter()
             .map(|(u, flat)| Ok((u, model::tensors_from_flat(&u, &c, &flat, &device)?)))
             .collect::<Result<Vec<_>>>()?;
