@@ -5,10 +5,38 @@
 //! and as two agents of a two-node job, with no ZEROPP_TOKEN and no port
 //! of zeropp's own.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 const ZEROPP: &str = env!("CARGO_BIN_EXE_zeropp");
+
+/// `zeropp train`'s arguments in every launcher test: 3 steps, each logged.
+const TRAIN: [&str; 7] = [
+    "train",
+    "--steps",
+    "3",
+    "--log-every",
+    "1",
+    "--val-batches",
+    "1",
+];
+
+/// The launcher's run trained on one node of 4 ranks to the end.
+fn assert_trained_one_node_of_four(launcher: &str, out: &Output) {
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "{launcher} failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("1 nodes x 4 ranks"), "{stdout}");
+    assert!(
+        stdout.contains("step     3/3") && stdout.contains("done: loss"),
+        "{stdout}"
+    );
+}
 
 fn mpirun() -> Command {
     let path = std::env::var("ZEROPP_MPIRUN").unwrap_or_else(|_| "mpirun".into());
@@ -33,31 +61,14 @@ fn mpirun_starts_a_four_rank_training_run() {
             "MASTER_PORT",
             ZEROPP,
         ])
-        .args([
-            "train",
-            "--steps",
-            "3",
-            "--log-every",
-            "1",
-            "--val-batches",
-            "1",
-        ])
+        .args(TRAIN)
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
         // Its own port: the tests of this file run at once.
         .env("MASTER_PORT", free_port().to_string())
         .output()
         .expect("mpirun (Open MPI's openmpi-bin) must be installed: scripts/deps.sh installs it");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "mpirun failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("1 nodes x 4 ranks"), "{stdout}");
-    assert!(
-        stdout.contains("step     3/3") && stdout.contains("done: loss"),
-        "{stdout}"
-    );
+    assert_trained_one_node_of_four("mpirun", &out);
     assert!(start.elapsed() < Duration::from_secs(240));
 }
 
@@ -91,32 +102,18 @@ fn free_port() -> u16 {
         .port()
 }
 
-fn train_args() -> [&'static str; 8] {
-    [
-        "--no-python",
-        ZEROPP,
-        "train",
-        "--steps",
-        "3",
-        "--log-every",
-        "1",
-        "--val-batches",
-    ]
-}
-
 #[test]
 fn torchrun_standalone_starts_a_four_rank_training_run() {
-    let mut args = vec!["--standalone", "--nproc-per-node", "4"];
-    args.extend(train_args());
-    args.push("1");
+    let mut args = vec![
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        "--no-python",
+        ZEROPP,
+    ];
+    args.extend(TRAIN);
     let out = torchrun(&args).output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "torchrun failed:\n{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("1 nodes x 4 ranks") && stdout.contains("done: loss"),
-        "{stdout}"
-    );
+    assert_trained_one_node_of_four("torchrun", &out);
 }
 
 #[test]
@@ -127,8 +124,8 @@ fn torchrun_with_two_agents_trains_as_two_nodes() {
         .map(|k| {
             let mut args = vec!["--nnodes", "2", "--node-rank", k, "--nproc-per-node", "2"];
             args.extend(["--master-addr", "127.0.0.1", "--master-port", &port]);
-            args.extend(train_args());
-            args.push("1");
+            args.extend(["--no-python", ZEROPP]);
+            args.extend(TRAIN);
             torchrun(&args)
                 .env("ZEROPP_TRANSPORT", "tcp")
                 .stdout(std::process::Stdio::piped())
@@ -161,30 +158,13 @@ fn srun_starts_a_four_rank_training_run() {
     let srun = std::env::var("ZEROPP_SRUN").unwrap_or_else(|_| "srun".into());
     let out = Command::new(srun)
         .args(["-n", "4", "-O", "-t", "5", ZEROPP])
-        .args([
-            "train",
-            "--steps",
-            "3",
-            "--log-every",
-            "1",
-            "--val-batches",
-            "1",
-        ])
+        .args(TRAIN)
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
         .env("MASTER_PORT", free_port().to_string())
         .output()
         .expect("srun must be installed and Slurm running: bash scripts/slurm.sh (root) does both");
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "srun failed:\n{stdout}\n{stderr}");
-    assert!(stdout.contains("1 nodes x 4 ranks"), "{stdout}");
-    assert!(
-        stdout.contains("step     3/3") && stdout.contains("done: loss"),
-        "{stdout}"
-    );
+    assert_trained_one_node_of_four("srun", &out);
 }
 
 /// `zeropp bench collectives` prints, in the same run, the same
