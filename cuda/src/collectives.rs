@@ -26,9 +26,9 @@ use crate::device::{
 use crate::nccl::NcclComm;
 use crate::{CudaError, DriverContext};
 
-fn bytes_of(s: &CudaSlice<f32>) -> CudaView<'_, u8> {
+fn bytes_of<'a>(v: &CudaView<'a, f32>) -> CudaView<'a, u8> {
     // SAFETY: any f32 bit pattern is a valid run of bytes.
-    unsafe { s.transmute::<u8>(s.len() * 4) }.expect("an f32 buffer holds 4 bytes a value")
+    unsafe { v.transmute::<u8>(v.len() * 4) }.expect("an f32 buffer holds 4 bytes a value")
 }
 
 fn bytes_of_mut(s: &mut CudaSlice<f32>) -> CudaViewMut<'_, u8> {
@@ -113,16 +113,15 @@ fn gather_parts(
     all: &mut DeviceQuantizedChunks,
 ) -> Result<(), CudaError> {
     comm.all_gather_bytes(&mine.codes, &mut all.codes.as_view_mut())?;
-    // SAFETY: any f32 bit pattern is a valid run of bytes, and the bytes
-    // written are f32 bit patterns sent by a peer.
-    let max = unsafe { mine.block_max.transmute::<u8>(mine.block_max.len() * 4) }
-        .expect("an f32 buffer holds 4 bytes a value");
-    comm.all_gather_bytes(&max, &mut bytes_of_mut(&mut all.block_max))?;
+    comm.all_gather_bytes(
+        &bytes_of(&mine.block_max),
+        &mut bytes_of_mut(&mut all.block_max),
+    )?;
     if !mine.block_min.is_empty() {
-        // SAFETY: as above.
-        let min = unsafe { mine.block_min.transmute::<u8>(mine.block_min.len() * 4) }
-            .expect("an f32 buffer holds 4 bytes a value");
-        comm.all_gather_bytes(&min, &mut bytes_of_mut(&mut all.block_min))?;
+        comm.all_gather_bytes(
+            &bytes_of(&mine.block_min),
+            &mut bytes_of_mut(&mut all.block_min),
+        )?;
     }
     Ok(())
 }
@@ -294,12 +293,12 @@ pub fn qgz_reduce_scatter(
         .node
         .all_to_all_bytes(&sw.codes.as_view(), &mut got.codes.as_view_mut())?;
     groups.node.all_to_all_bytes(
-        &bytes_of(&sw.block_max),
+        &bytes_of(&sw.block_max.as_view()),
         &mut bytes_of_mut(&mut got.block_max),
     )?;
     if !sw.block_min.is_empty() {
         groups.node.all_to_all_bytes(
-            &bytes_of(&sw.block_min),
+            &bytes_of(&sw.block_min.as_view()),
             &mut bytes_of_mut(&mut got.block_min),
         )?;
     }
@@ -360,12 +359,12 @@ pub fn qgz_reduce_scatter(
         .cross
         .all_to_all_bytes(&partial.codes.as_view(), &mut theirs.codes.as_view_mut())?;
     groups.cross.all_to_all_bytes(
-        &bytes_of(&partial.block_max),
+        &bytes_of(&partial.block_max.as_view()),
         &mut bytes_of_mut(&mut theirs.block_max),
     )?;
     if !partial.block_min.is_empty() {
         groups.cross.all_to_all_bytes(
-            &bytes_of(&partial.block_min),
+            &bytes_of(&partial.block_min.as_view()),
             &mut bytes_of_mut(&mut theirs.block_min),
         )?;
     }

@@ -382,9 +382,12 @@ impl NcclComm {
             .clone()
     }
 
-    /// One collective at a time on this communicator.
-    fn one_call(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    /// One collective at a time on this communicator, never one on an
+    /// aborted communicator.
+    fn one_call(&self, what: &str) -> Result<std::sync::MutexGuard<'_, ()>, CudaError> {
+        let guard = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        self.alive(what)?;
+        Ok(guard)
     }
 
     /// Polls the communicator until NCCL is done with the last call, or
@@ -459,7 +462,6 @@ impl NcclComm {
     /// Checks a call's result, then waits for the stream (and NCCL) with
     /// the deadline.
     fn finish(&self, what: &str, r: NcclResult) -> Result<(), CudaError> {
-        self.alive(what)?;
         if r != SUCCESS && r != IN_PROGRESS {
             return Err(self.fail(what, r));
         }
@@ -494,8 +496,7 @@ impl NcclComm {
         recv: &mut CudaViewMut<'_, u8>,
     ) -> Result<(), CudaError> {
         self.check_len("all-gather output", send.len() * self.size, recv.len())?;
-        let _one = self.one_call();
-        self.alive("call")?;
+        let _one = self.one_call("all-gather")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);
@@ -522,8 +523,7 @@ impl NcclComm {
     ) -> Result<(), CudaError> {
         let n = recv.len();
         self.check_len("reduce-scatter input", n * self.size, send.len())?;
-        let _one = self.one_call();
-        self.alive("call")?;
+        let _one = self.one_call("reduce-scatter")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);
@@ -545,8 +545,7 @@ impl NcclComm {
     /// The f32 sum over ranks, in place.
     pub fn all_reduce_sum(&self, buf: &mut CudaViewMut<'_, f32>) -> Result<(), CudaError> {
         let n = buf.len();
-        let _one = self.one_call();
-        self.alive("call")?;
+        let _one = self.one_call("all-reduce")?;
         let stream = self.stream();
         let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place all-reduce on one device buffer of `n` values.
@@ -577,8 +576,7 @@ impl NcclComm {
             )));
         }
         let n = buf.len();
-        let _one = self.one_call();
-        self.alive("call")?;
+        let _one = self.one_call("broadcast")?;
         let stream = self.stream();
         let (d, _b) = buf.device_ptr_mut(&stream);
         // SAFETY: in-place broadcast on one device buffer of `n` bytes.
@@ -613,8 +611,7 @@ impl NcclComm {
             )));
         }
         let chunk = send.len() / self.size;
-        let _one = self.one_call();
-        self.alive("call")?;
+        let _one = self.one_call("all-to-all")?;
         let stream = self.stream();
         let (s, _a) = send.device_ptr(&stream);
         let (d, _b) = recv.device_ptr_mut(&stream);

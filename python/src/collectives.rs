@@ -321,14 +321,7 @@ impl Job {
             let sum: Vec<f32> = match &qgz {
                 Some(state) => {
                     let s = state.get();
-                    let call = s.calls.fetch_add(1, Ordering::Relaxed);
-                    let rounding = if s.stochastic {
-                        Rounding::Stochastic {
-                            seed: s.seed ^ (call << 32) ^ layout.rank as u64,
-                        }
-                    } else {
-                        Rounding::NearestEven
-                    };
+                    let rounding = s.next_rounding(layout.rank);
                     let first = {
                         let mut residual = s.residual.lock().map_err(|_| poisoned())?;
                         let residual = qgz::first_hop_feedback(s.error_feedback, s.intra)
@@ -468,11 +461,26 @@ pub struct QgzState {
     pub(crate) intra: QuantFormat,
     pub(crate) inter: QuantFormat,
     pub(crate) error_feedback: bool,
-    pub(crate) stochastic: bool,
-    pub(crate) seed: u64,
-    pub(crate) calls: AtomicU64,
+    stochastic: bool,
+    seed: u64,
+    calls: AtomicU64,
     residual: Arc<Mutex<Residual>>,
     residual_inter: Arc<Mutex<Residual>>,
+}
+
+impl QgzState {
+    /// The rounding of this group's next reduce-scatter on `rank`: a fresh
+    /// stochastic stream per call and rank, or round-to-nearest.
+    pub(crate) fn next_rounding(&self, rank: usize) -> Rounding {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.stochastic {
+            Rounding::Stochastic {
+                seed: self.seed ^ (call << 32) ^ rank as u64,
+            }
+        } else {
+            Rounding::NearestEven
+        }
+    }
 }
 
 #[pymethods]

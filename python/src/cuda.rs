@@ -76,6 +76,28 @@ struct Side {
     comms: Option<Comms>,
 }
 
+impl Side {
+    /// The device and the job's communicators, all queuing their work on
+    /// `stream` (the caller's current CUDA stream) from now on.
+    fn on_stream(&mut self, stream: usize) -> PyResult<(&Gpu, &Comms)> {
+        let comms = self
+            .comms
+            .as_ref()
+            .ok_or_else(|| invalid("connect the job's communicators first"))?;
+        // SAFETY: Python passes torch.cuda.current_stream(), live for the
+        // call it is passed to.
+        unsafe { self.gpu.use_stream(stream) };
+        let subgroups = comms.subgroups.iter().map(|(_, c)| c);
+        for c in [&comms.world, &comms.node, &comms.cross]
+            .into_iter()
+            .chain(subgroups)
+        {
+            c.use_stream(self.gpu.stream());
+        }
+        Ok((&self.gpu, comms))
+    }
+}
+
 /// The CUDA half of a joined job: one device, its kernels, and the NCCL
 /// communicators of the job's groups (the world, this node, the ranks of
 /// this local rank across nodes, hpZ sub-groups).
@@ -320,22 +342,12 @@ impl CudaJob {
         };
         let layout = self.layout;
         let (wire, sent, frac) = self.on_side(py, |side| {
-            let Side { gpu, comms } = side;
-            let comms = comms
-                .as_ref()
-                .ok_or_else(|| invalid("connect the job's communicators first"))?;
+            let (gpu, comms) = side.on_stream(stream)?;
             let comm = comm_of(comms, layout, &ranks)?;
             let size = comm.size();
             // qwZ over the world only; a sub-group gathers the bytes as
             // they are.
             let wire = wire.filter(|_| size == layout.world());
-            // SAFETY: the caller's stream is live for this call (Python
-            // passes torch.cuda.current_stream()).
-            unsafe { gpu.use_stream(stream) };
-            for c in [comm, &comms.node, &comms.cross] {
-                c.use_stream(gpu.stream());
-            }
-            let gpu = &*gpu;
             let result = match wire {
                 Some(f) => with_gpu_dtype(
                     dtype,
@@ -426,29 +438,11 @@ impl CudaJob {
         }
         let me = l.rank;
         let state = qgz.as_ref().map(|q| q.get());
-        let rounding = state.map(|s| {
-            let call = s.calls.fetch_add(1, Ordering::Relaxed);
-            if s.stochastic {
-                Rounding::Stochastic {
-                    seed: s.seed ^ (call << 32) ^ me as u64,
-                }
-            } else {
-                Rounding::NearestEven
-            }
-        });
+        let rounding = state.map(|s| s.next_rounding(me));
         self.on_side(py, |side| {
-            let Side { gpu, comms } = side;
-            let comms = comms
-                .as_ref()
-                .ok_or_else(|| invalid("connect the job's communicators first"))?;
-            // SAFETY: as in `all_gather`.
-            unsafe { gpu.use_stream(stream) };
-            for c in [&comms.world, &comms.node, &comms.cross] {
-                c.use_stream(gpu.stream());
-            }
-            let gpu = &*gpu;
-            let result = match (state, rounding) {
-                (Some(s), Some(rounding)) => (|| {
+            let (gpu, comms) = side.on_stream(stream)?;
+            let result = match state.zip(rounding) {
+                Some((s, rounding)) => (|| {
                     let groups = QgzGroups {
                         node: &comms.node,
                         cross: &comms.cross,
@@ -473,7 +467,7 @@ impl CudaJob {
                     };
                     qgz_reduce_scatter(gpu, &groups, &grad.view(), &mut o.view_mut(), feedback)
                 })(),
-                _ => with_gpu_dtype(
+                None => with_gpu_dtype(
                     dtype,
                     SumScatter {
                         gpu,
