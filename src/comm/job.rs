@@ -9,6 +9,7 @@ use super::Transport;
 use super::env::RankFacts;
 use super::rendezvous::{self, PeerInfo};
 use super::tcp::{TcpOptions, TcpTransport};
+use super::torch_store::TorchStore;
 use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Communicator, Group, io_err};
 
@@ -136,18 +137,20 @@ impl Job {
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
+        let mut store = rendezvous::torch_store(facts)?;
         let facts = &RankFacts {
-            token: rendezvous::job_token(facts)?,
+            token: rendezvous::job_token(facts, store.as_mut())?,
             ..facts.clone()
         };
         match kind {
-            TransportKind::Ucx => Self::connect_ucx(facts, extra_facts),
-            TransportKind::Tcp => Self::connect_tcp(facts, extra_facts),
+            TransportKind::Ucx => Self::connect_ucx(facts, store.as_mut(), extra_facts),
+            TransportKind::Tcp => Self::connect_tcp(facts, store.as_mut(), extra_facts),
         }
     }
 
     fn connect_tcp(
         facts: &RankFacts,
+        store: Option<&mut TorchStore>,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
@@ -158,7 +161,7 @@ impl Job {
             .local_addr()
             .map_err(io_err("the transport listener"))?
             .to_string();
-        let table = rendezvous::rendezvous(facts, address, extra_facts)?;
+        let table = rendezvous::rendezvous(facts, store, address, extra_facts)?;
         let addresses = table
             .iter()
             .map(|p| {
@@ -193,6 +196,7 @@ impl Job {
     /// [`crate::comm::ucx`]: only then may their endpoint use shared memory).
     fn connect_ucx(
         facts: &RankFacts,
+        store: Option<&mut TorchStore>,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let mut table = Vec::new();
@@ -203,7 +207,7 @@ impl Job {
                 "process": me,
                 "extra": extra_facts,
             });
-            table = rendezvous::rendezvous(facts, String::new(), facts_out)?;
+            table = rendezvous::rendezvous(facts, store, String::new(), facts_out)?;
             table
                 .iter()
                 .map(|p| {

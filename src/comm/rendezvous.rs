@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use super::CommError;
 use super::env::RankFacts;
+use super::torch_store::TorchStore;
 use super::wire::{self, Header, Kind, ReadFrame};
 
 /// What one rank tells the others.
@@ -377,10 +378,22 @@ pub fn join(
     }
 }
 
-/// Rendezvous from rank facts: rank 0 also serves. `address` is where this
-/// rank's transport listens; `facts` anything else to share.
+/// torchrun's store, when this rank was started by torchrun: one
+/// connection, opened once, serves the job token and the rendezvous.
+pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchStore>, CommError> {
+    if facts.torch_store.is_none() {
+        return Ok(None);
+    }
+    let master = resolve(&facts.master_addr, facts.master_port)?;
+    TorchStore::connect(master, facts.timeout).map(Some)
+}
+
+/// Rendezvous from rank facts: rank 0 also serves, or, under torchrun,
+/// through `store` ([`torch_store`]). `address` is where this rank's
+/// transport listens; `facts` anything else to share.
 pub fn rendezvous(
     facts: &RankFacts,
+    store: Option<&mut TorchStore>,
     address: String,
     extra: serde_json::Value,
 ) -> Result<Vec<PeerInfo>, CommError> {
@@ -396,7 +409,10 @@ pub fn rendezvous(
         facts: extra,
     };
     if let Some(prefix) = &facts.torch_store {
-        return through_torch_store(facts, prefix, &me);
+        let store = store.ok_or_else(|| {
+            failure("a rank started by torchrun meets the others through torchrun's store".into())
+        })?;
+        return through_torch_store(facts, store, prefix, &me);
     }
     let master = resolve(&facts.master_addr, facts.master_port)?;
     let server = if facts.rank == 0 {
@@ -439,11 +455,10 @@ fn store_key(prefix: &str, what: &str) -> String {
 /// store and reads everyone's; every rank checks the table the same way.
 fn through_torch_store(
     facts: &RankFacts,
+    store: &mut TorchStore,
     prefix: &str,
     me: &PeerInfo,
 ) -> Result<Vec<PeerInfo>, CommError> {
-    let master = resolve(&facts.master_addr, facts.master_port)?;
-    let mut store = super::torch_store::TorchStore::connect(master, facts.timeout)?;
     let mine = serde_json::to_vec(me).map_err(|e| failure(e.to_string()))?;
     store.set(&store_key(prefix, &format!("rank/{}", me.rank)), &mine)?;
     let keys: Vec<String> = (0..facts.world_size)
@@ -475,9 +490,9 @@ fn through_torch_store(
 }
 
 /// The job's token under torchrun: ZEROPP_TOKEN when set, else drawn by
-/// rank 0 and shared through torchrun's store, which only the job's
-/// processes reach. Other launchers: the facts' own.
-pub fn job_token(facts: &RankFacts) -> Result<String, CommError> {
+/// rank 0 and shared through torchrun's `store` ([`torch_store`]), which
+/// only the job's processes reach. Other launchers: the facts' own.
+pub fn job_token(facts: &RankFacts, store: Option<&mut TorchStore>) -> Result<String, CommError> {
     let Some(prefix) = facts
         .torch_store
         .as_deref()
@@ -485,8 +500,9 @@ pub fn job_token(facts: &RankFacts) -> Result<String, CommError> {
     else {
         return Ok(facts.token.clone());
     };
-    let master = resolve(&facts.master_addr, facts.master_port)?;
-    let mut store = super::torch_store::TorchStore::connect(master, facts.timeout)?;
+    let store = store.ok_or_else(|| {
+        failure("a rank started by torchrun takes the job token from torchrun's store".into())
+    })?;
     let key = store_key(prefix, "token");
     if facts.rank == 0 {
         let mut raw = [0u8; 16];
