@@ -142,6 +142,13 @@ class Data:
         return x.to(device), y.to(device)
 
 
+def job_mesh(device):
+    """The 1-D mesh of the whole job on `device`'s type. Without a mesh FSDP2
+    puts the model on the accelerator when the machine has one, so a run
+    meant for the CPU names its mesh."""
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
 def shard(model, args, world, ranks_per_node, device):
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
@@ -149,6 +156,14 @@ def shard(model, args, world, ranks_per_node, device):
         else None
     )
     kw = {"mp_policy": mp} if mp is not None else {}
+    if args.mode == "hsdp":
+        kw["mesh"] = init_device_mesh(
+            device.type,
+            (world // ranks_per_node, ranks_per_node),
+            mesh_dim_names=("replicate", "shard"),
+        )
+    else:
+        kw["mesh"] = job_mesh(device)
     if args.mode in ("zeropp", "zero3"):
         switches = {}
         for s in args.switch:
@@ -174,13 +189,6 @@ def shard(model, args, world, ranks_per_node, device):
             **kw,
         )
         return zeropp.torch.resolved_switches()[args.mode]["switches"]
-    if args.mode == "hsdp":
-        mesh = init_device_mesh(
-            device.type,
-            (world // ranks_per_node, ranks_per_node),
-            mesh_dim_names=("replicate", "shard"),
-        )
-        kw["mesh"] = mesh
     for b in model.blocks:
         fsdp_fully_shard(b, **kw)
     fsdp_fully_shard(model, **kw)

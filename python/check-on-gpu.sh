@@ -35,15 +35,22 @@ python=${PYTHON:-python3}
 python=$(command -v "$python") || { echo "no $python here" >&2; exit 2; }
 # zeropp finds NVRTC, the CUDA headers and NCCL in that Python's nvidia wheels.
 export PATH=$(dirname "$python"):$PATH
-"$python" -c "import numpy, pytest, torch" || {
-  echo "$python lacks numpy, pytest or torch: install them (or carry their wheels)" >&2
-  exit 2
-}
+echo "$("$python" -V), $(ldd --version 2>&1 | head -1)"
+"$python" -c "import torch" || { echo "$python has no torch: install it" >&2; exit 2; }
 wheel=$(ls "$dir"/zeropp-*.whl 2>/dev/null | head -1)
 [ -n "$wheel" ] || { echo "no zeropp wheel in $dir: run python/build-gpu-check.sh" >&2; exit 2; }
 site=$(mktemp -d)
 "$python" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$wheel" || exit 2
+# numpy and pytest from the carried wheels when this Python lacks them.
+for m in numpy pytest; do
+  "$python" -c "import $m" 2>/dev/null && continue
+  echo "$python lacks $m: installing it from $dir/wheels"
+  "$python" -m pip install -q --no-index --find-links "$dir/wheels" --no-compile --target "$site" "$m" ||
+    { echo "could not install $m from $dir/wheels" >&2; exit 2; }
+done
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+"$python" -c "import numpy, pytest, zeropp, torch; print('zeropp', zeropp.__file__, 'torch', torch.__version__)" ||
+  exit 2
 summary=$results/summary.txt
 : >"$summary"
 
@@ -62,7 +69,9 @@ if [[ $parts == *" torch "* ]]; then
   # ranks at a time need them, and checks borrowed memory and streams.
   step warm 120 "$dir/gpu-tests" --include-ignored --exact \
     borrowed_memory_and_streams_work_like_owned_ones
-  step torch 420 "$python" -m pytest -q -s python/gpu_tests
+  # ZEROPP_GPU_PYTEST: more pytest arguments, e.g. "-k kill" to rerun one test.
+  # shellcheck disable=SC2086
+  step torch 420 "$python" -m pytest -q -s python/gpu_tests ${ZEROPP_GPU_PYTEST:-}
 fi
 if [[ $parts == *" kernels "* ]]; then
   ZEROPP_BENCH_MIB=${ZEROPP_BENCH_MIB:-256} step kernels 240 bash cuda/check-on-gpu.sh "$dir"

@@ -17,15 +17,16 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import zeropp.torch as zt  # noqa: E402
-from torch_gpt import GPT, Data  # noqa: E402
+from torch_gpt import GPT, Data, job_mesh  # noqa: E402
 
 
 def build(seed, ef):
     torch.manual_seed(seed)
     model = GPT(64, 2, 4, 32)
+    mesh = job_mesh(torch.device("cpu"))
     for b in model.blocks:
-        zt.fully_shard(b, ranks_per_node=2, error_feedback=ef)
-    zt.fully_shard(model, ranks_per_node=2, error_feedback=ef)
+        zt.fully_shard(b, ranks_per_node=2, error_feedback=ef, mesh=mesh)
+    zt.fully_shard(model, ranks_per_node=2, error_feedback=ef, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=2e-3)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
 import zeropp.torch as zt  # noqa: E402
-from torch_gpt import GPT, Data, open_device  # noqa: E402
+from torch_gpt import GPT, Data, job_mesh, open_device  # noqa: E402
 
 
 def main():
@@ -22,9 +22,10 @@ def main():
     victim = int(os.environ["KILL_RANK"])
     torch.manual_seed(0)
     model = GPT(64, 2, 4, 32).to(device)
+    mesh = job_mesh(device)
     for b in model.blocks:
-        zt.fully_shard(b, ranks_per_node=2)
-    zt.fully_shard(model, ranks_per_node=2)
+        zt.fully_shard(b, ranks_per_node=2, mesh=mesh)
+    zt.fully_shard(model, ranks_per_node=2, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = Data(0, rank, world)
     step = 0
