@@ -39,7 +39,7 @@ pub struct LaunchOptions {
 /// process, so between our check and rank 0's bind another job's client
 /// socket could take it. Random ports in 20000..32768 that bind now; the
 /// kernel's own pick if none does.
-fn free_port() -> Result<u16> {
+pub fn free_port() -> Result<u16> {
     for _ in 0..64 {
         let port: u16 = rand::rng().random_range(20000..32768);
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {

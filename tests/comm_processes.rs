@@ -11,12 +11,9 @@ use std::time::{Duration, Instant};
 
 const ZEROPP: &str = env!("CARGO_BIN_EXE_zeropp");
 
+/// A free port for a job's rendezvous (zeropp launch's own pick).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    zeropp::launch::free_port().expect("a free port")
 }
 
 /// Starts `zeropp args` as rank `rank` of a one-node world of `world`.

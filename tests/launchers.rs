@@ -85,21 +85,9 @@ fn torchrun(args: &[&str]) -> Command {
     c
 }
 
-/// A free port below the kernel's ephemeral range (where other processes'
-/// outgoing connections take theirs while the job starts).
+/// A free port for a job's rendezvous (zeropp launch's own pick).
 fn free_port() -> u16 {
-    use std::hash::{BuildHasher, RandomState};
-    for i in 0u64..64 {
-        let port = 20000 + (RandomState::new().hash_one(i) % 12768) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    zeropp::launch::free_port().expect("a free port")
 }
 
 #[test]
