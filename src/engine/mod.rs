@@ -364,20 +364,6 @@ impl Engine {
         )?)
     }
 
-    /// With a tied head: remembers the embedding's token matrix when unit
-    /// `u` is the embedding, and hands it to the head after its own
-    /// parameters.
-    fn tie(&self, u: usize, params: &mut Vec<Tensor>, tokens: &mut Option<Tensor>) {
-        if !self.cfg.model.tied_head {
-            return;
-        }
-        match self.units[u].unit {
-            Unit::Embedding => *tokens = params.first().cloned(),
-            Unit::Head => params.extend(tokens.clone()),
-            Unit::Block(_) => {}
-        }
-    }
-
     /// Every rank's `mine`, in rank order (small messages: checkpoint
     /// bookkeeping). Counted as `Other` traffic.
     pub fn all_gather_bytes(&self, mine: Bytes) -> Result<Vec<Bytes>> {
@@ -500,7 +486,9 @@ impl Engine {
             let full = self.decode_full(u, &payloads)?;
             drop(payloads);
             let mut params = self.full_params(u, full)?;
-            self.tie(u, &mut params, &mut tied_tokens);
+            self.units[u]
+                .unit
+                .tie(&self.cfg.model, &mut params, &mut tied_tokens);
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }
         let l = loss(&x, targets)?.to_scalar::<f32>()?;
@@ -538,7 +526,9 @@ impl Engine {
             }
             let full = self.decode_full(u, &payloads)?;
             let mut params = self.full_params(u, full)?;
-            self.tie(u, &mut params, &mut tied_tokens);
+            self.units[u]
+                .unit
+                .tie(&self.cfg.model, &mut params, &mut tied_tokens);
             saved.push(x.clone());
             x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
         }

@@ -64,15 +64,11 @@ impl Model {
         }
         let ids: Vec<u32> = batch.iter().flatten().copied().collect();
         let mut x = Tensor::from_vec(ids, (batch.len(), t), &self.device)?;
-        let tokens = &self.units[0].1[0];
+        let mut tokens = None;
         for (u, params) in &self.units {
-            x = if *u == Unit::Head && self.config.tied_head {
-                let mut p = params.clone();
-                p.push(tokens.clone());
-                u.forward(&self.config, &p, &x)?
-            } else {
-                u.forward(&self.config, params, &x)?
-            };
+            let mut params = params.clone();
+            u.tie(&self.config, &mut params, &mut tokens);
+            x = u.forward(&self.config, &params, &x)?;
         }
         Ok(x)
     }

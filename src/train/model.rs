@@ -178,6 +178,20 @@ impl Unit {
     }
 
     /// Runs the unit. `params` are this unit's tensors in `params()` order;
+    /// With a tied head: remembers the embedding's token matrix when this
+    /// is the embedding, and hands it to the head after its own
+    /// parameters (what [`Unit::forward`] takes), for units run in order.
+    pub fn tie(&self, c: &ModelConfig, params: &mut Vec<Tensor>, tokens: &mut Option<Tensor>) {
+        if !c.tied_head {
+            return;
+        }
+        match self {
+            Unit::Embedding => *tokens = params.first().cloned(),
+            Unit::Head => params.extend(tokens.clone()),
+            Unit::Block(_) => {}
+        }
+    }
+
     /// `input` is token ids (u32, `[batch, time]`) for the embedding and
     /// activations (`[batch, time, width]`) otherwise. The head returns
     /// logits `[batch, time, vocab]`; a tied head takes the embedding's
