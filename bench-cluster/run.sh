@@ -91,18 +91,13 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
-TAG="zpb$$"
-SW="$TAG-sw"
-node_ns() { echo "$TAG-n$1"; }
-node_ip() { echo "10.77.0.$((10 + $1))"; }
-
-cleanup() {
-  for k in $(seq 0 $((NODES - 1))); do
-    ip netns pids "$(node_ns "$k")" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$(node_ns "$k")" 2>/dev/null || true
-  done
-  ip netns del "$SW" 2>/dev/null || true
-}
+NETNS_TAG="zpb$$"
+NETNS_PREFIX=10.77.0
+# shellcheck source=bench-cluster/netns.sh
+. "$HERE/netns.sh"
+node_ns() { netns_name "$1"; }
+node_ip() { netns_ip "$1"; }
+cleanup() { netns_down "$NODES"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
@@ -146,21 +141,9 @@ burst_bytes() {
 build_cluster() {
   local rate="$1"
   cleanup
-  ip netns add "$SW"
-  ip -n "$SW" link add br0 type bridge
-  ip -n "$SW" link set br0 up
+  netns_up "$NODES"
   for k in $(seq 0 $((NODES - 1))); do
     local ns; ns="$(node_ns "$k")"
-    ip netns add "$ns"
-    ip link add "${TAG}a$k" type veth peer name "${TAG}b$k"
-    ip link set "${TAG}a$k" netns "$ns"
-    ip link set "${TAG}b$k" netns "$SW"
-    ip -n "$ns" link set "${TAG}a$k" name eth0
-    ip -n "$ns" addr add "$(node_ip "$k")/24" dev eth0
-    ip -n "$ns" link set lo up
-    ip -n "$ns" link set eth0 up
-    ip -n "$SW" link set "${TAG}b$k" master br0
-    ip -n "$SW" link set "${TAG}b$k" up
     # The node's NIC: its egress shaped to the link rate (a token bucket with
     # 10 ms of burst), or netem when a delay is asked for.
     if [ -z "$JITTER" ] && { [ "$DELAY" = "0ms" ] || [ "$DELAY" = "0" ]; }; then

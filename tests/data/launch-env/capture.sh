@@ -12,32 +12,19 @@
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 python="${1:-python3}"
-tag="zpc$$"
-ns() { echo "$tag-n$1"; }
-ip_of() { echo "10.78.0.$((10 + $1))"; }
+NETNS_TAG="zpc$$"
+NETNS_PREFIX=10.78.0
+# shellcheck source=bench-cluster/netns.sh
+. "$here/../../../bench-cluster/netns.sh"
+ns() { netns_name "$1"; }
+ip_of() { netns_ip "$1"; }
 cleanup() {
-  for k in 0 1; do ip netns pids "$(ns $k)" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$(ns $k)" 2>/dev/null || true; done
-  ip netns del "$tag-sw" 2>/dev/null || true
+  netns_down 2
   rm -rf "$tmp"
 }
 tmp="$(mktemp -d)"
 trap cleanup EXIT
-ip netns add "$tag-sw"
-ip -n "$tag-sw" link add br0 type bridge
-ip -n "$tag-sw" link set br0 up
-for k in 0 1; do
-  ip netns add "$(ns $k)"
-  ip link add "${tag}a$k" type veth peer name "${tag}b$k"
-  ip link set "${tag}a$k" netns "$(ns $k)"
-  ip link set "${tag}b$k" netns "$tag-sw"
-  ip -n "$(ns $k)" link set "${tag}a$k" name eth0
-  ip -n "$(ns $k)" addr add "$(ip_of $k)/24" dev eth0
-  ip -n "$(ns $k)" link set lo up
-  ip -n "$(ns $k)" link set eth0 up
-  ip -n "$tag-sw" link set "${tag}b$k" master br0
-  ip -n "$tag-sw" link set "${tag}b$k" up
-done
+netns_up 2
 
 # What one rank records: the launcher's variables (not the whole
 # environment) and its host identity.
