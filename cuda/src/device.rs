@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
-    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 use half::{bf16, f16};
 use zeropp_quant::{Element, QuantError, QuantFormat, QuantizedChunks, QuantizedTensor, Rounding};
@@ -217,9 +217,19 @@ impl Gpu {
         if dev.is_empty() {
             return Ok(Vec::new());
         }
-        self.stream
-            .clone_dtoh(dev)
-            .during(|| format!("copying {} values to the host", dev.len()))
+        self.to_host(dev, || format!("copying {} values to the host", dev.len()))
+    }
+
+    /// `dev`'s values once the stream has reached them (a copy into pageable
+    /// memory is not promised to wait for the device: this one does).
+    fn to_host<T: DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaView<'_, T>,
+        what: impl Fn() -> String,
+    ) -> Result<Vec<T>, CudaError> {
+        let host = self.stream.clone_dtoh(dev).during(&what)?;
+        self.stream.synchronize().during(what)?;
+        Ok(host)
     }
 
     /// A zeroed device buffer of `len` values.
@@ -235,10 +245,16 @@ impl Gpu {
             .during(|| format!("allocating {len} values"))
     }
 
+    /// A buffer of no values. It owns one byte, since `cuMemAlloc` refuses
+    /// 0 bytes on a device without memory pools.
     fn empty<T>(&self) -> Result<CudaSlice<T>, CudaError> {
-        self.stream
-            .null::<T>()
-            .during(|| "allocating an empty buffer".into())
+        // SAFETY: the byte is never read; it only gives the slice an address.
+        let byte =
+            unsafe { self.stream.alloc::<u8>(1) }.during(|| "allocating an empty buffer".into())?;
+        let ptr = byte.leak();
+        // SAFETY: `ptr` is a live allocation of this stream's context, now
+        // owned by the returned slice alone, which frees it as it was made.
+        Ok(unsafe { self.stream.upgrade_device_ptr::<T>(ptr, 0) })
     }
 
     fn function(&self, family: &'static str, name: &str) -> Result<CudaFunction, CudaError> {
@@ -254,17 +270,25 @@ impl Gpu {
         Ok(f)
     }
 
+    /// Sets both error slots to "no error" (all ones) on the stream, with
+    /// no host memory involved.
     fn reset_err(&self, err: &mut CudaSlice<u64>) -> Result<(), CudaError> {
-        self.stream
-            .memcpy_htod(&[u64::MAX, u64::MAX], err)
-            .during(|| "resetting the error slots".into())
+        let what = || "resetting the error slots".to_string();
+        self.ctx.bind_to_thread().during(what)?;
+        let bytes = err.len() * std::mem::size_of::<u64>();
+        let (ptr, _record) = err.device_ptr_mut(&self.stream);
+        // SAFETY: `bytes` bytes of a live device buffer, set on the stream
+        // that orders every use of it.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+        }
+        .during(what)
     }
 
     fn read_err(&self, err: &CudaSlice<u64>) -> Result<[u64; 2], CudaError> {
-        let v = self
-            .stream
-            .clone_dtoh(err)
-            .during(|| "reading the error slots (the kernel may have faulted)".into())?;
+        let v = self.to_host(&err.as_view(), || {
+            "reading the error slots (the kernel may have faulted)".into()
+        })?;
         Ok([v[0], v[1]])
     }
 

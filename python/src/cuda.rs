@@ -4,9 +4,11 @@
 //! layout, switches and byte counters are the host job's ([`Job`]); the
 //! NCCL ids travel through the torch store (Python does the exchange).
 //!
-//! Each call runs to completion before it returns (the kernels report bad
-//! input through the stream, and every NCCL wait has the job's deadline),
-//! with the GIL released.
+//! Each call returns, with the GIL released meanwhile, once its kernels
+//! have reported bad input and its NCCL collectives have finished within
+//! the job's deadline; what follows the last of them (a scaling kernel, the
+//! frees) is left queued on the stream, where FSDP2's next use of the
+//! output waits for it.
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
