@@ -53,6 +53,30 @@ pub fn device_count() -> usize {
         .unwrap_or(0)
 }
 
+/// Lets the device's default memory pool (where the stream-ordered
+/// temporaries of every call come from) keep freed memory instead of
+/// returning it to the driver at each synchronization, its default: each
+/// call would map its temporaries afresh. PyTorch's `cudaMallocAsync`
+/// backend does the same. A device without memory pools has nothing to set.
+fn keep_pool_memory(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut keep = u64::MAX;
+    // SAFETY: plain out-parameter and attribute value of the documented
+    // types (cuuint64_t for the release threshold); failures change nothing.
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+        {
+            // Where it fails, temporaries are merely mapped afresh.
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            );
+        }
+    }
+}
+
 /// One device, its stream and its kernels.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -122,6 +146,7 @@ impl Gpu {
         gpu.ctx
             .synchronize()
             .during(|| "synchronizing after opening the device".into())?;
+        keep_pool_memory(&gpu.ctx);
         Ok(gpu)
     }
 
