@@ -270,8 +270,7 @@ fn bad_input_is_a_named_error() {
     );
     has(run(&["--nodes", "0"]), &["nodes"]);
     // A malformed transport setting stops every rank with its name, on
-    // both transports.
-    // A bad transport variable: (transport, variable, value, what the error says).
+    // both transports: (transport, variable, value, what the error says).
     let bad_env = [
         ("ucx", "ZEROPP_RECV_POOL", "lots", "0 to turn the pool off"),
         ("tcp", "ZEROPP_RECV_POOL", "lots", "0 to turn the pool off"),

@@ -54,26 +54,31 @@ pub fn device_count() -> usize {
 }
 
 /// Lets the device's default memory pool (where the stream-ordered
-/// temporaries of every call come from) keep freed memory instead of
-/// returning it to the driver at each synchronization, its default: each
-/// call would map its temporaries afresh. PyTorch's `cudaMallocAsync`
-/// backend does the same. A device without memory pools has nothing to set.
+/// temporaries of every call come from) keep up to 1/64 of the device's
+/// memory when freed, instead of returning all of it to the driver at each
+/// synchronization, its default: each call would map its temporaries
+/// afresh. The rest goes back: PyTorch's allocator cannot reclaim what
+/// this pool keeps. A device without memory pools has nothing to set.
 fn keep_pool_memory(ctx: &CudaContext) {
     use cudarc::driver::sys;
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let mut keep = u64::MAX;
-    // SAFETY: plain out-parameter and attribute value of the documented
-    // types (cuuint64_t for the release threshold); failures change nothing.
+    let mut total = 0usize;
+    // SAFETY: plain out-parameters and an attribute value of the documented
+    // type (cuuint64_t for the release threshold); failures change nothing.
     unsafe {
-        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) == sys::CUresult::CUDA_SUCCESS
+        if sys::cuDeviceTotalMem_v2(&mut total, ctx.cu_device()) != sys::CUresult::CUDA_SUCCESS
+            || sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                != sys::CUresult::CUDA_SUCCESS
         {
-            // Where it fails, temporaries are merely mapped afresh.
-            let _ = sys::cuMemPoolSetAttribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                (&mut keep as *mut u64).cast(),
-            );
+            return;
         }
+        let mut keep = total as u64 / 64;
+        // Where it fails, temporaries are merely mapped afresh.
+        let _ = sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        );
     }
 }
 
@@ -270,9 +275,12 @@ impl Gpu {
             .during(|| format!("allocating {len} values"))
     }
 
-    /// A buffer of no values. It owns one byte, since `cuMemAlloc` refuses
-    /// 0 bytes on a device without memory pools.
+    /// A buffer of no values. Where the device has no memory pools
+    /// `cuMemAlloc` refuses 0 bytes, and the buffer owns one byte instead.
     fn empty<T>(&self) -> Result<CudaSlice<T>, CudaError> {
+        if let Ok(none) = self.stream.null::<T>() {
+            return Ok(none);
+        }
         // SAFETY: the byte is never read; it only gives the slice an address.
         let byte =
             unsafe { self.stream.alloc::<u8>(1) }.during(|| "allocating an empty buffer".into())?;

@@ -177,7 +177,6 @@ impl Unit {
         out
     }
 
-    /// Runs the unit. `params` are this unit's tensors in `params()` order;
     /// With a tied head: remembers the embedding's token matrix when this
     /// is the embedding, and hands it to the head after its own
     /// parameters (what [`Unit::forward`] takes), for units run in order.
@@ -192,6 +191,7 @@ impl Unit {
         }
     }
 
+    /// Runs the unit. `params` are this unit's tensors in `params()` order;
     /// `input` is token ids (u32, `[batch, time]`) for the embedding and
     /// activations (`[batch, time, width]`) otherwise. The head returns
     /// logits `[batch, time, vocab]`; a tied head takes the embedding's
