@@ -484,29 +484,55 @@ impl Communicator {
 
     /// All-reduce (sum) of an f32 buffer: reduce-scatter, then all-gather.
     pub fn all_reduce_f32(&self, group: &Group, data: &[f32]) -> Result<Vec<f32>, CommError> {
-        let mine = self.reduce_scatter_f32(group, data)?;
-        let blocks = self.all_gather_v(group, f32_vec_bytes(mine))?;
-        let total: usize = blocks.iter().map(|b| b.len()).sum();
-        if !total.is_multiple_of(4) {
-            return Err(CommError::Malformed(format!(
-                "{total} bytes is not whole f32"
-            )));
-        }
-        let mut out = vec![0f32; total / 4];
-        let mut at = 0;
-        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-        for b in blocks {
-            bytes[at..at + b.len()].copy_from_slice(&b);
-            at += b.len();
-        }
-        if out.len() != data.len() {
-            return Err(CommError::Malformed(format!(
-                "all-reduce gathered {} values for a buffer of {}; members passed different sizes",
-                out.len(),
-                data.len()
-            )));
-        }
+        let mut out = vec![0f32; data.len()];
+        self.all_reduce_f32_into(group, data, &mut out)?;
         Ok(out)
+    }
+
+    /// [`Communicator::all_reduce_f32`] into `out` (as long as `data`), as
+    /// `MPI_Allreduce` writes its receive buffer: this member's reduced
+    /// range lands there directly, the others' as they arrive.
+    pub fn all_reduce_f32_into(
+        &self,
+        group: &Group,
+        data: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        if out.len() != data.len() {
+            return Err(CommError::Invalid(format!(
+                "all-reduce of {} values into a buffer of {}",
+                data.len(),
+                out.len()
+            )));
+        }
+        let me = self.index_in(group)?;
+        let bounds = f32_byte_bounds(data.len(), group.size());
+        let out: &mut [u8] = bytemuck::cast_slice_mut(out);
+        self.reduce_scatter_into(
+            group,
+            bytemuck::cast_slice(data),
+            None,
+            &bounds,
+            &SumF32,
+            &mut out[bounds[me].clone()],
+        )?;
+        let mine = Bytes::copy_from_slice(&out[bounds[me].clone()]);
+        let blocks = self.all_gather_v(group, mine)?;
+        for (i, (b, r)) in blocks.iter().zip(&bounds).enumerate() {
+            if b.len() != r.len() {
+                return Err(CommError::Malformed(format!(
+                    "all-reduce: member {i} (rank {}) gathered {} bytes for a {}-byte range; \
+                     members passed different sizes",
+                    group.ranks[i],
+                    b.len(),
+                    r.len()
+                )));
+            }
+            if i != me {
+                out[r.clone()].copy_from_slice(b);
+            }
+        }
+        Ok(())
     }
 
     /// Pairwise all-to-all: `to_each[i]` goes to member `i` (sizes may
@@ -719,6 +745,15 @@ mod tests {
                     let g = c.world_group();
                     let mine = c.reduce_scatter_f32(&g, &data(c.rank())).unwrap();
                     let all = c.all_reduce_f32(&g, &data(c.rank())).unwrap();
+                    let mut into = vec![f32::NAN; len];
+                    c.all_reduce_f32_into(&g, &data(c.rank()), &mut into)
+                        .unwrap();
+                    assert_eq!(into, all);
+                    let short = c.all_reduce_f32_into(&g, &data(c.rank()), &mut [0.0; 2]);
+                    assert!(
+                        matches!(short, Err(CommError::Invalid(_))) == (len != 2),
+                        "{short:?}"
+                    );
                     (mine, all)
                 });
                 let bounds = balanced_bounds(len, n);
