@@ -11,11 +11,6 @@ use std::time::{Duration, Instant};
 
 const ZEROPP: &str = env!("CARGO_BIN_EXE_zeropp");
 
-/// A free port for a job's rendezvous (zeropp launch's own pick).
-fn free_port() -> u16 {
-    zeropp::launch::free_port().expect("a free port")
-}
-
 /// Starts `zeropp args` as rank `rank` of a one-node world of `world`.
 fn rank_process(rank: usize, world: usize, port: u16, token: &str, args: &[&str]) -> Child {
     rank_command("tcp", rank, world, world, port, token, args)
@@ -163,7 +158,7 @@ fn a_rank_killed_mid_collective_is_named_by_the_others_over_ucx() {
 #[test]
 fn ucx_shares_memory_inside_a_node_only() {
     for (per_node, works) in [(2, true), (1, false)] {
-        let port = free_port();
+        let port = zeropp::launch::free_port().unwrap();
         let args = ["comm-check", "--sizes", "0,70000"];
         let ranks: Vec<Child> = (0..2)
             .map(|r| {
@@ -188,7 +183,7 @@ fn ucx_shares_memory_inside_a_node_only() {
 }
 
 fn killed_rank_is_named_over(transport: &str, per_node: usize) {
-    let port = free_port();
+    let port = zeropp::launch::free_port().unwrap();
     let token = "kill-test";
     let args = ["comm-check", "--sizes", "0", "--loop-seconds", "60"];
     let mut ranks: Vec<Child> = (0..3)
@@ -240,7 +235,7 @@ fn killed_rank_is_named_over(transport: &str, per_node: usize) {
 
 #[test]
 fn a_stranger_with_the_wrong_token_is_refused_and_the_job_goes_on() {
-    let port = free_port();
+    let port = zeropp::launch::free_port().unwrap();
     let args = ["comm-check", "--sizes", "0,100"];
     let rank0 = rank_process(0, 2, port, "right", &args);
     let stranger = rank_process(1, 2, port, "wrong", &args);
@@ -259,7 +254,7 @@ fn a_stranger_with_the_wrong_token_is_refused_and_the_job_goes_on() {
 
 #[test]
 fn ranks_on_different_transports_are_told_to_agree() {
-    let port = free_port();
+    let port = zeropp::launch::free_port().unwrap();
     let args = ["comm-check", "--sizes", "0"];
     let rank0 = rank_command("tcp", 0, 2, 2, port, "t", &args)
         .spawn()
@@ -279,7 +274,7 @@ fn ranks_on_different_transports_are_told_to_agree() {
 
 #[test]
 fn ranks_that_disagree_on_the_world_size_are_named() {
-    let port = free_port();
+    let port = zeropp::launch::free_port().unwrap();
     let args = ["comm-check", "--sizes", "0"];
     let rank0 = rank_process(0, 2, port, "t", &args);
     let rank1 = rank_process(1, 3, port, "t", &args);

@@ -65,7 +65,10 @@ fn mpirun_starts_a_four_rank_training_run() {
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
         // Its own port: the tests of this file run at once.
-        .env("MASTER_PORT", free_port().to_string())
+        .env(
+            "MASTER_PORT",
+            zeropp::launch::free_port().unwrap().to_string(),
+        )
         .output()
         .expect("mpirun (Open MPI's openmpi-bin) must be installed: scripts/deps.sh installs it");
     assert_trained_one_node_of_four("mpirun", &out);
@@ -85,11 +88,6 @@ fn torchrun(args: &[&str]) -> Command {
     c
 }
 
-/// A free port for a job's rendezvous (zeropp launch's own pick).
-fn free_port() -> u16 {
-    zeropp::launch::free_port().expect("a free port")
-}
-
 #[test]
 fn torchrun_standalone_starts_a_four_rank_training_run() {
     let mut args = vec![
@@ -106,7 +104,7 @@ fn torchrun_standalone_starts_a_four_rank_training_run() {
 
 #[test]
 fn torchrun_with_two_agents_trains_as_two_nodes() {
-    let port = free_port().to_string();
+    let port = zeropp::launch::free_port().unwrap().to_string();
     let agents: Vec<_> = ["0", "1"]
         .iter()
         .map(|k| {
@@ -149,7 +147,10 @@ fn srun_starts_a_four_rank_training_run() {
         .args(TRAIN)
         .env("ZEROPP_TOKEN", "launcher-test")
         .env("ZEROPP_TIMEOUT_S", "60")
-        .env("MASTER_PORT", free_port().to_string())
+        .env(
+            "MASTER_PORT",
+            zeropp::launch::free_port().unwrap().to_string(),
+        )
         .output()
         .expect("srun must be installed and Slurm running: bash scripts/slurm.sh (root) does both");
     assert_trained_one_node_of_four("srun", &out);

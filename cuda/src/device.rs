@@ -278,8 +278,11 @@ impl Gpu {
     /// A buffer of no values. Where the device has no memory pools
     /// `cuMemAlloc` refuses 0 bytes, and the buffer owns one byte instead.
     fn empty<T>(&self) -> Result<CudaSlice<T>, CudaError> {
-        if let Ok(none) = self.stream.null::<T>() {
-            return Ok(none);
+        if self.ctx.has_async_alloc() {
+            return self
+                .stream
+                .null::<T>()
+                .during(|| "allocating an empty buffer".into());
         }
         // SAFETY: the byte is never read; it only gives the slice an address.
         let byte =

@@ -7,9 +7,8 @@ use std::sync::Arc;
 
 use super::Transport;
 use super::env::RankFacts;
-use super::rendezvous::{self, PeerInfo};
+use super::rendezvous::{self, PeerInfo, TorchrunStore};
 use super::tcp::{TcpOptions, TcpTransport};
-use super::torch_store::TorchStore;
 use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Communicator, Group, io_err};
 
@@ -150,7 +149,7 @@ impl Job {
 
     fn connect_tcp(
         facts: &RankFacts,
-        store: Option<&mut TorchStore>,
+        store: Option<&mut TorchrunStore>,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
@@ -196,7 +195,7 @@ impl Job {
     /// [`crate::comm::ucx`]: only then may their endpoint use shared memory).
     fn connect_ucx(
         facts: &RankFacts,
-        store: Option<&mut TorchStore>,
+        store: Option<&mut TorchrunStore>,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let mut table = Vec::new();

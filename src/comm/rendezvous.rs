@@ -378,14 +378,23 @@ pub fn join(
     }
 }
 
-/// torchrun's store, when this rank was started by torchrun: one
-/// connection, opened once, serves the job token and the rendezvous.
-pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchStore>, CommError> {
-    if facts.torch_store.is_none() {
+/// torchrun's store and this run's keys in it: one connection, opened
+/// once, serves the job token and the rendezvous.
+pub struct TorchrunStore {
+    store: TorchStore,
+    prefix: String,
+}
+
+/// torchrun's store when this rank was started by torchrun, else `None`.
+pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchrunStore>, CommError> {
+    let Some(prefix) = &facts.torch_store else {
         return Ok(None);
-    }
+    };
     let master = resolve(&facts.master_addr, facts.master_port)?;
-    TorchStore::connect(master, facts.timeout).map(Some)
+    Ok(Some(TorchrunStore {
+        store: TorchStore::connect(master, facts.timeout)?,
+        prefix: prefix.clone(),
+    }))
 }
 
 /// Rendezvous from rank facts: rank 0 also serves, or, under torchrun,
@@ -393,7 +402,7 @@ pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchStore>, CommError> {
 /// transport listens; `facts` anything else to share.
 pub fn rendezvous(
     facts: &RankFacts,
-    store: Option<&mut TorchStore>,
+    store: Option<&mut TorchrunStore>,
     address: String,
     extra: serde_json::Value,
 ) -> Result<Vec<PeerInfo>, CommError> {
@@ -408,11 +417,8 @@ pub fn rendezvous(
         address,
         facts: extra,
     };
-    if let Some(prefix) = &facts.torch_store {
-        let store = store.ok_or_else(|| {
-            failure("a rank started by torchrun meets the others through torchrun's store".into())
-        })?;
-        return through_torch_store(facts, store, prefix, &me);
+    if let Some(store) = store {
+        return through_torch_store(facts, store, &me);
     }
     let master = resolve(&facts.master_addr, facts.master_port)?;
     let server = if facts.rank == 0 {
@@ -455,8 +461,7 @@ fn store_key(prefix: &str, what: &str) -> String {
 /// store and reads everyone's; every rank checks the table the same way.
 fn through_torch_store(
     facts: &RankFacts,
-    store: &mut TorchStore,
-    prefix: &str,
+    TorchrunStore { store, prefix }: &mut TorchrunStore,
     me: &PeerInfo,
 ) -> Result<Vec<PeerInfo>, CommError> {
     let mine = serde_json::to_vec(me).map_err(|e| failure(e.to_string()))?;
@@ -492,17 +497,13 @@ fn through_torch_store(
 /// The job's token under torchrun: ZEROPP_TOKEN when set, else drawn by
 /// rank 0 and shared through torchrun's `store` ([`torch_store`]), which
 /// only the job's processes reach. Other launchers: the facts' own.
-pub fn job_token(facts: &RankFacts, store: Option<&mut TorchStore>) -> Result<String, CommError> {
-    let Some(prefix) = facts
-        .torch_store
-        .as_deref()
-        .filter(|_| facts.token.is_empty())
-    else {
+pub fn job_token(
+    facts: &RankFacts,
+    store: Option<&mut TorchrunStore>,
+) -> Result<String, CommError> {
+    let Some(TorchrunStore { store, prefix }) = store.filter(|_| facts.token.is_empty()) else {
         return Ok(facts.token.clone());
     };
-    let store = store.ok_or_else(|| {
-        failure("a rank started by torchrun takes the job token from torchrun's store".into())
-    })?;
     let key = store_key(prefix, "token");
     if facts.rank == 0 {
         let mut raw = [0u8; 16];
