@@ -11,7 +11,7 @@
 set -uo pipefail
 dir=${1:-target/gpu-check}
 mib=${ZEROPP_BENCH_MIB:-1024}
-for f in zeropp gpu-tests; do
+for f in zeropp gpu-tests device-tests; do
   [ -x "$dir/$f" ] || { echo "missing $dir/$f: run cuda/build-gpu-check.sh first" >&2; exit 2; }
 done
 export ZEROPP_CACHE_DIR=${ZEROPP_CACHE_DIR:-$(mktemp -d)}
@@ -28,6 +28,7 @@ step() { # name, command...
 
 step compile "$dir/zeropp" cuda compile-check --arch sm_90
 step gpu-tests "$dir/gpu-tests" --include-ignored --test-threads 1
+step device-tests "$dir/device-tests" --include-ignored --test-threads 1
 step bench "$dir/zeropp" cuda bench --mib "$mib" --reps 10
 
 echo

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=device-bin
 bash cuda/build-gpu-check.sh
 mkdir -p "$out"
-cp target/gpu-check/zeropp target/gpu-check/gpu-tests "$out/"
+cp target/gpu-check/zeropp target/gpu-check/gpu-tests target/gpu-check/device-tests "$out/"
 rm -f "$out"/zeropp-*.whl
 python=${ZEROPP_PYTHON:-${ZEROPP_VENV:-$HOME/.cache/zeropp/venv}/bin/python}
 "$python" -m maturin build --release --strip --manifest-path python/Cargo.toml \

@@ -66,11 +66,12 @@ ZQ_DEQUANTIZE(zq_dequantize_acc_asym8, 8, true, float, true)
 ZQ_DEQUANTIZE(zq_dequantize_acc_asym4, 4, true, float, true)
 ZQ_DEQUANTIZE(zq_dequantize_acc_asym2, 2, true, float, true)
 
-// x *= s (the qgZ mean: the sum over all W ranks times 1/W).
-extern "C" __global__ void __launch_bounds__(zq::THREADS) zq_scale_f32(float* x, zq::u64 n, float s) {
+// x /= d (the qgZ mean: the sum over all W ranks divided by W, as the CPU
+// divides).
+extern "C" __global__ void __launch_bounds__(zq::THREADS) zq_div_f32(float* x, zq::u64 n, float d) {
     const zq::u64 stride = (zq::u64)gridDim.x * blockDim.x;
     for (zq::u64 i = (zq::u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        x[i] = __fmul_rn(x[i], s);
+        x[i] = __fdiv_rn(x[i], d);
     }
 }
 

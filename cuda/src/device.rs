@@ -547,22 +547,22 @@ impl Gpu {
         self.dequantize_with(q, acc, &dequantize_kernel(&q.format, None))
     }
 
-    /// `x *= s` on the device.
-    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32) -> Result<(), CudaError> {
+    /// `x /= d` on the device (each quotient rounded, as the CPU divides).
+    pub fn divide(&self, x: &mut CudaViewMut<'_, f32>, d: f32) -> Result<(), CudaError> {
         if x.is_empty() {
             return Ok(());
         }
-        let func = self.function("dequantize", "zq_scale_f32")?;
+        let func = self.function("dequantize", "zq_div_f32")?;
         let n = x.len() as u64;
         let cfg = grid_config(
             n.div_ceil(u64::from(THREADS))
                 .min(crate::kernels::MAX_STRIDE_GRID),
-            "zq_scale_f32",
+            "zq_div_f32",
         )?;
         let mut b = self.stream.launch_builder(&func);
-        b.arg(x).arg(&n).arg(&s);
+        b.arg(x).arg(&n).arg(&d);
         // SAFETY: (float*, u64, float) as dequantize.cu declares it.
-        unsafe { b.launch(cfg) }.during(|| "launching zq_scale_f32".into())?;
+        unsafe { b.launch(cfg) }.during(|| "launching zq_div_f32".into())?;
         Ok(())
     }
 
@@ -758,13 +758,8 @@ fn size_check(what: &'static str, expected: usize, found: usize) -> Result<(), C
 }
 
 fn grid_config(grid: u64, name: &str) -> Result<LaunchConfig, CudaError> {
-    if grid == 0 || grid > i32::MAX as u64 {
-        return Err(CudaError::Invalid(format!(
-            "{name}: {grid} CUDA blocks is outside the grid limit; split the tensor"
-        )));
-    }
     Ok(LaunchConfig {
-        grid_dim: (grid as u32, 1, 1),
+        grid_dim: (crate::kernels::launch_grid(grid, name)?, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     })

@@ -80,7 +80,7 @@ pub fn kernel_names(family: &str) -> Vec<String> {
             for t in &tags {
                 names.push(format!("zq_dequantize_acc_{t}"));
             }
-            names.push("zq_scale_f32".into());
+            names.push("zq_div_f32".into());
             names.push("zq_axpby_f32".into());
         }
         "qgz" => {
@@ -173,6 +173,23 @@ pub fn decode_fault(key: u64) -> Option<Fault> {
 /// parameters. The dequantize kernels store the bare block.
 pub fn decode_corrupt_input(key: u64) -> Option<(usize, usize)> {
     (key != u64::MAX).then_some(((key >> 40) as usize, (key & ((1 << 40) - 1)) as usize))
+}
+
+/// The largest grid (x dimension) CUDA launches: 2^31 − 1 blocks.
+pub const MAX_GRID: u64 = i32::MAX as u64;
+
+/// A launch's grid of `blocks` CUDA blocks (of [`THREADS`] threads, within
+/// CUDA's 1024 a block), checked against CUDA's limits: the device's
+/// launcher and the emulator both launch through it.
+pub fn launch_grid(blocks: u64, name: &str) -> Result<u32, crate::CudaError> {
+    const _: () = assert!(THREADS <= 1024);
+    if blocks == 0 || blocks > MAX_GRID {
+        return Err(crate::CudaError::Invalid(format!(
+            "{name}: {blocks} CUDA blocks is outside the grid limit (1 to {MAX_GRID}); split \
+             the tensor"
+        )));
+    }
+    Ok(blocks as u32)
 }
 
 /// Threads that share one quantization block in the quantizing kernels: one

@@ -19,12 +19,15 @@
 //! panics on a missing library, so every entry point checks first.
 
 pub mod bench;
-pub mod collectives;
 pub mod compile;
 pub mod device;
 pub mod kernels;
 pub mod nccl;
 pub mod toolkit;
+
+/// The CUDA bindings zeropp-cuda is built on, for callers that name its
+/// buffer types.
+pub use cudarc;
 
 pub use compile::{Arch, CompiledFamily, KernelResources, compile_family};
 pub use device::{

@@ -16,18 +16,16 @@ use zeropp::comm::collectives::{CommThread, Pending};
 use zeropp::comm::exchange::{self, JoinOptions};
 use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
-use zeropp::zero::plan::{self, Layout, Switches, WeightWire};
+use zeropp::zero::host::{Host, HostMover};
+use zeropp::zero::plan::{self, Layout, Switches};
+use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp::zero::{ZeroGroups, payload, qgz, qwz};
-use zeropp_quant::{Bits, Element, QuantFormat, Rounding, Scheme};
+use zeropp::zero::{ZeroError, ZeroGroups, payload, qgz, qwz};
+use zeropp_quant::{Bits, Element, QuantFormat, Scheme};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::{invalid, to_py};
-
-/// Group ids of sub-groups the caller names by their ranks (hpZ groups of
-/// FSDP2's `reshard_after_forward=<int>`): apart from the standard ones.
-const SUBGROUP_BASE: u16 = 0x3000;
 
 /// A joined job: this rank's transport, communication thread, layout and
 /// routing plan.
@@ -240,18 +238,17 @@ impl Job {
                 out.len()
             )));
         }
-        let chunk = inp.len() / dtype.size();
         // qwZ over the world; any other gather moves the caller's bytes as
         // they are.
         let quantized = match qwz_bits {
-            Some(b) if group.size() == self.layout.world() => Some(WeightWire::Quantized(
+            Some(b) if group.size() == self.layout.world() => Some(
                 QuantFormat::new(
                     Bits::from_u32(b).map_err(|e| invalid(e.to_string()))?,
                     Scheme::Symmetric,
                     block,
                 )
                 .map_err(|e| invalid(e.to_string()))?,
-            )),
+            ),
             _ => None,
         };
         let phase = if backward {
@@ -259,11 +256,10 @@ impl Job {
         } else {
             Phase::ForwardGather
         };
-        let frac = quantized.map_or(0.0, |wire| qwz::scale_fraction(wire, chunk));
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
         Ok(Op::new(self.thread.submit(move |c: &Communicator| {
-            counter.set_phase(phase, frac);
-            let Some(wire) = quantized else {
+            let Some(format) = quantized else {
+                counter.set_phase(phase, 0.0);
                 let parts = c.all_gather_v(&group, Bytes::copy_from_slice(inp.bytes()))?;
                 let o = out.bytes_mut();
                 for (i, p) in parts.iter().enumerate() {
@@ -271,11 +267,18 @@ impl Job {
                 }
                 return Ok(());
             };
+            let mover = HostMover {
+                comm: c,
+                counter: &counter,
+                groups: &groups,
+            };
             with_dtype!(dtype, T => {
-                let mine = qwz::encode_chunk(inp.typed::<T>("input").map_err(bad)?, wire)?;
-                let payloads = qwz::gather(c, &groups, layout, mine, true)?;
-                qwz::decode_into(&payloads, wire, chunk, out.typed_mut::<T>("output").map_err(bad)?)
-            })
+                let shard: &[T] = inp.typed("input").map_err(bad)?;
+                let all = qwz::gather_quantized(&Host, &mover, layout, &shard, format, phase)?;
+                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                qwz::dequantize_all(&Host, &all, |r| qwz::gathered_position(layout, r), &mut o)?;
+            });
+            Ok::<(), ZeroError>(())
         })))
     }
 
@@ -315,34 +318,49 @@ impl Job {
                 out.len()
             )));
         }
-        let divide = if mean { w as f32 } else { 1.0 };
+        let reduction = if mean {
+            Reduction::Mean
+        } else {
+            Reduction::Sum
+        };
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
         Ok(Op::new(self.thread.submit(move |c: &Communicator| {
             let sum: Vec<f32> = match &qgz {
                 Some(state) => {
                     let s = state.get();
-                    let rounding = s.next_rounding(layout.rank);
-                    let first = {
-                        let mut residual = s.residual.lock().map_err(|_| poisoned())?;
-                        let residual = qgz::first_hop_feedback(s.error_feedback, s.intra)
-                            .then_some(&mut *residual);
-                        with_dtype!(dtype, T => qgz::quantize_first_hop(
-                            inp.typed::<T>("input").map_err(bad)?, layout, s.intra, rounding, residual,
-                        )?)
+                    let grad: Vec<f32> = with_dtype!(dtype, T => {
+                        let x: &[T] = inp.typed("input").map_err(bad)?;
+                        x.iter().map(|v| v.to_f32()).collect()
+                    });
+                    let mover = HostMover {
+                        comm: c,
+                        counter: &counter,
+                        groups: &groups,
                     };
-                    let second = qgz::SecondHop {
-                        format: s.inter,
-                        rounding,
-                        residual: s.error_feedback.then_some(&*s.residual_inter),
+                    let mut first = s.residual.lock().map_err(|_| poisoned())?;
+                    let mut second = s.residual_inter.lock().map_err(|_| poisoned())?;
+                    let feedback = qgz::Feedback {
+                        first: s.first_hop_feedback().then_some(first.chunks_mut()),
+                        second: s.error_feedback.then_some(second.chunks_mut()),
                     };
-                    qgz::exchange(c, &counter, &groups, layout, first, second)?
+                    qgz::reduce_scatter(
+                        &Host,
+                        &mover,
+                        layout,
+                        s.settings(layout.rank, reduction),
+                        &grad,
+                        feedback,
+                    )?
                 }
                 None => {
                     counter.set_phase(Phase::Gradient, 0.0);
-                    match dtype {
+                    let mut sum = match dtype {
                         Dtype::Bf16 => {
-                            let mine =
-                                qgz::ring_bf16(c, &groups.world, Bytes::copy_from_slice(inp.bytes()))?;
+                            let mine = qgz::ring_bf16(
+                                c,
+                                &groups.world,
+                                Bytes::copy_from_slice(inp.bytes()),
+                            )?;
                             let mut v = vec![0f32; mine.len() / 2];
                             payload::decode_bf16(&mine, &mut v)?;
                             v
@@ -351,20 +369,22 @@ impl Job {
                             let x: &[T] = inp.typed("input").map_err(bad)?;
                             qgz::ring_f32(c, &groups.world, x.iter().map(|v| v.to_f32()).collect())?
                         }),
-                    }
+                    };
+                    reduction.apply(&Host, &mut sum, layout)?;
+                    sum
                 }
             };
             with_dtype!(dtype, T => {
                 let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(s / divide));
+                o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(*s));
             });
             Ok(())
         })))
     }
 }
 
-fn poisoned() -> CommError {
-    CommError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
+fn poisoned() -> ZeroError {
+    ZeroError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
 }
 
 impl Job {
@@ -401,9 +421,8 @@ impl Job {
         if let Some(existing) = subgroups.iter().find(|s| s.ranks() == ranks) {
             return Ok(existing.clone());
         }
-        let size = ranks.len();
-        let id = SUBGROUP_BASE | (((size as u16) & 0x1f) << 8) | ((ranks[0] / size) as u16 & 0xff);
-        let group = Arc::new(Group::new(id, ranks.to_vec()).map_err(to_py)?);
+        let group =
+            ZeroGroups::run_or_node(&self.groups.node, ranks[0], ranks.len()).map_err(to_py)?;
         subgroups.push(group.clone());
         Ok(group)
     }
@@ -466,20 +485,25 @@ pub struct QgzState {
     calls: AtomicU64,
     residual: Arc<Mutex<Residual>>,
     residual_inter: Arc<Mutex<Residual>>,
+    /// The same state for CUDA tensors, on their device.
+    pub(crate) device_feedback: Mutex<crate::cuda::DeviceFeedback>,
 }
 
 impl QgzState {
-    /// The rounding of this group's next reduce-scatter on `rank`: a fresh
-    /// stochastic stream per call and rank, or round-to-nearest.
-    pub(crate) fn next_rounding(&self, rank: usize) -> Rounding {
+    /// This group's next reduce-scatter on `rank`: its formats, and its
+    /// rounding (call numbers counted per group, `qgz::rounding`).
+    pub(crate) fn settings(&self, rank: usize, reduction: Reduction) -> qgz::Qgz {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        if self.stochastic {
-            Rounding::Stochastic {
-                seed: self.seed ^ (call << 32) ^ rank as u64,
-            }
-        } else {
-            Rounding::NearestEven
+        qgz::Qgz {
+            intra: self.intra,
+            inter: self.inter,
+            rounding: qgz::rounding(self.stochastic, self.seed, call, 0, rank),
+            reduction,
         }
+    }
+
+    pub(crate) fn first_hop_feedback(&self) -> bool {
+        qgz::first_hop_feedback(self.error_feedback, self.intra)
     }
 }
 
@@ -516,6 +540,7 @@ impl QgzState {
             calls: AtomicU64::new(0),
             residual: Default::default(),
             residual_inter: Default::default(),
+            device_feedback: Default::default(),
         })
     }
 
@@ -527,9 +552,9 @@ impl QgzState {
 
     /// Whether the hop inside the node keeps error feedback too (only at
     /// int4: `zeropp::zero::qgz::first_hop_feedback`).
-    #[getter]
-    fn first_hop_feedback(&self) -> bool {
-        qgz::first_hop_feedback(self.error_feedback, self.intra)
+    #[getter(first_hop_feedback)]
+    fn first_hop_feedback_py(&self) -> bool {
+        self.first_hop_feedback()
     }
 
     /// Values of error-feedback state held (both hops).
@@ -538,11 +563,12 @@ impl QgzState {
         a + self.residual_inter.lock().map(|r| r.len()).unwrap_or(0)
     }
 
-    /// Bytes of error-feedback state held (both hops; compressed: about
-    /// 1.125 a value).
+    /// Bytes of error-feedback state held (both hops, host and device;
+    /// compressed: about 1.125 a value).
     fn residual_bytes(&self) -> usize {
         let a = self.residual.lock().map(|r| r.bytes()).unwrap_or(0);
-        a + self.residual_inter.lock().map(|r| r.bytes()).unwrap_or(0)
+        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0);
+        a + d + self.residual_inter.lock().map(|r| r.bytes()).unwrap_or(0)
     }
 
     /// Error feedback starts over (after a checkpoint load).
@@ -552,32 +578,29 @@ impl QgzState {
                 *r = Residual::none();
             }
         }
+        if let Ok(mut f) = self.device_feedback.lock() {
+            *f = Default::default();
+        }
     }
 }
 
 /// A collective in flight.
 #[pyclass(frozen)]
 pub struct Op {
-    pending: Mutex<Option<Pending<()>>>,
+    pending: Mutex<Option<Pending<(), ZeroError>>>,
     outcome: Mutex<Option<Result<(), (bool, String)>>>,
 }
 
 impl Op {
-    fn new(p: Pending<()>) -> Op {
+    fn new(p: Pending<(), ZeroError>) -> Op {
         Op {
             pending: Mutex::new(Some(p)),
             outcome: Mutex::new(None),
         }
     }
 
-    fn settle(&self, r: Result<(), CommError>) {
-        let r = r.map_err(|e| {
-            let peer = matches!(
-                e,
-                CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
-            );
-            (peer, e.to_string())
-        });
+    fn settle(&self, r: Result<(), ZeroError>) {
+        let r = r.map_err(|e| (e.is_peer_failure(), e.to_string()));
         if let Ok(mut o) = self.outcome.lock() {
             *o = Some(r);
         }

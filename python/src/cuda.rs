@@ -18,14 +18,16 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use zeropp::comm::Transport;
+use zeropp::zero::ZeroError;
+use zeropp::zero::device::{DeviceValues, NcclMover};
 use zeropp::zero::plan::Layout;
+use zeropp::zero::qgz::{self, Reduction};
+use zeropp::zero::qwz;
 use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp_cuda::collectives::{
-    QgzFeedback, QgzGroups, qgz_reduce_scatter, qwz_all_gather_hierarchical,
-};
+use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
-use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
+use zeropp_quant::{Bits, QuantFormat, Scheme};
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState};
@@ -36,6 +38,16 @@ fn to_py(e: CudaError) -> PyErr {
     match e {
         CudaError::Peer(m) => crate::PeerError::new_err(m),
         e => crate::ZeroppError::new_err(e.to_string()),
+    }
+}
+
+/// A collective's error as the device path reports it (a peer's failure
+/// stays one).
+fn zero_to_cuda(e: ZeroError) -> CudaError {
+    match e {
+        ZeroError::Device(e) => e,
+        e if e.is_peer_failure() => CudaError::Peer(e.to_string()),
+        e => CudaError::Invalid(e.to_string()),
     }
 }
 
@@ -343,24 +355,31 @@ impl CudaJob {
             Phase::ForwardGather
         };
         let layout = self.layout;
-        let (wire, sent, frac) = self.on_side(py, |side| {
+        let counter = self.counter.clone();
+        let plain = self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;
             let comm = comm_of(comms, layout, &ranks)?;
             let size = comm.size();
             // qwZ over the world only; a sub-group gathers the bytes as
             // they are.
-            let wire = wire.filter(|_| size == layout.world());
-            let result = match wire {
-                Some(f) => with_gpu_dtype(
+            let result = match wire.filter(|_| size == layout.world()) {
+                Some(format) => with_gpu_dtype(
                     dtype,
                     GatherQuantized {
                         gpu,
-                        cross: &comms.cross,
-                        node: &comms.node,
+                        mover: NcclMover {
+                            world: &comms.world,
+                            node: &comms.node,
+                            cross: &comms.cross,
+                            hpz: &comms.node,
+                            layout,
+                            counter: &counter,
+                        },
                         inp,
                         out,
                         numel,
-                        format: f,
+                        format,
+                        phase,
                     },
                 ),
                 None => (|| {
@@ -376,28 +395,14 @@ impl CudaJob {
                 })(),
             };
             result.map_err(|e| self.error(Some(comms), e))?;
-            Ok(match wire {
-                Some(f) => (
-                    true,
-                    f.total_bytes(numel) as u64,
-                    f.param_bytes(numel) as f64 / f.total_bytes(numel).max(1) as f64,
-                ),
-                None => (false, (numel * dtype.size()) as u64, 0.0),
-            })
+            Ok(wire.is_none() || size != layout.world())
         })?;
-        let (me, g, n) = (layout.rank, layout.ranks_per_node, layout.nodes);
-        if wire {
-            // Across nodes to this local rank's peers, then N shards to
-            // each local peer.
-            for p in (0..n).map(|k| k * g + me % g) {
-                self.counter.count_outside(phase, frac, p, sent);
-            }
-            for p in (me / g * g..me / g * g + g).filter(|&p| p != me) {
-                self.counter.count_outside(phase, frac, p, sent * n as u64);
-            }
-        } else {
-            for p in peers(&ranks, me) {
-                self.counter.count_outside(phase, frac, p, sent);
+        if plain {
+            // NCCL's own gather: what each peer must receive (its rings may
+            // route it through neighbours). qwZ's mover counted its own.
+            let sent = (numel * dtype.size()) as u64;
+            for p in peers(&ranks, layout.rank) {
+                self.counter.count_outside(phase, 0.0, p, sent);
             }
         }
         Ok(())
@@ -407,10 +412,10 @@ impl CudaJob {
     /// `numel` values of `dtype` at `inp` (W equal chunks) into `out` (this
     /// rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
     /// `dtype` (the caller divides for a mean). With `qgz` (f32 only): the
-    /// two-hop quantized reduce-scatter, giving the **mean** over all W
-    /// ranks, with error feedback in the f32 buffers at `first` (numel
-    /// values) and `second` (numel / G values) when given.
-    #[pyo3(signature = (out, inp, numel, dtype, stream, qgz=None, first=None, second=None))]
+    /// two-hop quantized reduce-scatter of `zero::qgz`, the sum or (`mean`)
+    /// the mean over all W ranks, with that state's error feedback (kept
+    /// compressed on the device, as the host keeps it).
+    #[pyo3(signature = (out, inp, numel, dtype, stream, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -420,13 +425,12 @@ impl CudaJob {
         numel: usize,
         dtype: &str,
         stream: usize,
+        mean: bool,
         qgz: Option<Py<QgzState>>,
-        first: Option<u64>,
-        second: Option<u64>,
     ) -> PyResult<()> {
         let dtype = Dtype::parse(dtype)?;
         let l = self.layout;
-        let (w, g, n) = (l.world(), l.ranks_per_node, l.nodes);
+        let w = l.world();
         if !numel.is_multiple_of(w) {
             return Err(invalid(format!(
                 "reduce-scatter of {numel} values over {w} ranks: not W equal chunks"
@@ -440,35 +444,43 @@ impl CudaJob {
         }
         let me = l.rank;
         let state = qgz.as_ref().map(|q| q.get());
-        let rounding = state.map(|s| s.next_rounding(me));
+        let reduction = if mean {
+            Reduction::Mean
+        } else {
+            Reduction::Sum
+        };
+        let counter = self.counter.clone();
         self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;
-            let result = match state.zip(rounding) {
-                Some((s, rounding)) => (|| {
-                    let groups = QgzGroups {
-                        node: &comms.node,
-                        cross: &comms.cross,
-                        intra: s.intra,
-                        inter: s.inter,
-                        rounding,
-                    };
+            let result = match state {
+                Some(s) => (|| -> Result<(), ZeroError> {
                     // SAFETY: the caller's tensors hold these values on
                     // this device and are not touched until the call
                     // returns.
-                    let grad = unsafe { gpu.borrow::<f32>(inp, numel) }?;
+                    let grad = DeviceValues::Borrowed(unsafe { gpu.borrow::<f32>(inp, numel) }?);
                     let mut o = unsafe { gpu.borrow::<f32>(out, chunk) }?;
-                    let mut r1 = first
-                        .map(|p| unsafe { gpu.borrow::<f32>(p, numel) })
-                        .transpose()?;
-                    let mut r2 = second
-                        .map(|p| unsafe { gpu.borrow::<f32>(p, n * chunk) })
-                        .transpose()?;
-                    let feedback = QgzFeedback {
-                        first: r1.as_mut().map(|b| b.view_mut()),
-                        second: r2.as_mut().map(|b| b.view_mut()),
+                    let mover = NcclMover {
+                        world: &comms.world,
+                        node: &comms.node,
+                        cross: &comms.cross,
+                        hpz: &comms.node,
+                        layout: l,
+                        counter: &counter,
                     };
-                    qgz_reduce_scatter(gpu, &groups, &grad.view(), &mut o.view_mut(), feedback)
-                })(),
+                    let mut fb = s.device_feedback.lock().map_err(|_| {
+                        ZeroError::Invalid("the error-feedback buffer was poisoned".into())
+                    })?;
+                    let DeviceFeedback { first, second } = &mut *fb;
+                    let feedback = qgz::Feedback {
+                        first: s.first_hop_feedback().then_some(residual_slot(gpu, first)?),
+                        second: s.error_feedback.then_some(residual_slot(gpu, second)?),
+                    };
+                    let settings = s.settings(me, reduction);
+                    let sum = qgz::reduce_scatter(gpu, &mover, l, settings, &grad, feedback)?;
+                    gpu.copy(&sum.view(), &mut o.view_mut())?;
+                    Ok(())
+                })()
+                .map_err(zero_to_cuda),
                 None => with_gpu_dtype(
                     dtype,
                     SumScatter {
@@ -482,32 +494,47 @@ impl CudaJob {
             };
             result.map_err(|e| self.error(Some(comms), e))
         })?;
-        match state {
-            None => {
-                let bytes = (chunk * dtype.size()) as u64;
-                for p in (0..w).filter(|&p| p != me) {
-                    self.counter.count_outside(Phase::Gradient, 0.0, p, bytes);
-                }
-            }
-            Some(s) => {
-                let frac = |f: QuantFormat| {
-                    f.param_bytes(chunk) as f64 / f.total_bytes(chunk).max(1) as f64
-                };
-                let node_first = me / g * g;
-                let hop1 = (n * s.intra.total_bytes(chunk)) as u64;
-                for p in (node_first..node_first + g).filter(|&p| p != me) {
-                    self.counter
-                        .count_outside(Phase::Gradient, frac(s.intra), p, hop1);
-                }
-                let hop2 = s.inter.total_bytes(chunk) as u64;
-                for p in (0..n).map(|k| k * g + me % g).filter(|&p| p != me) {
-                    self.counter
-                        .count_outside(Phase::Gradient, frac(s.inter), p, hop2);
-                }
+        if state.is_none() {
+            let bytes = (chunk * dtype.size()) as u64;
+            for p in (0..w).filter(|&p| p != me) {
+                self.counter.count_outside(Phase::Gradient, 0.0, p, bytes);
             }
         }
         Ok(())
     }
+}
+
+/// qgZ's error feedback on the device for one parameter group: each hop's
+/// residual, compressed as on the host (`zero::residual`'s format), made
+/// on first use.
+#[derive(Default)]
+pub struct DeviceFeedback {
+    first: Option<DeviceQuantizedChunks>,
+    second: Option<DeviceQuantizedChunks>,
+}
+
+impl DeviceFeedback {
+    /// Bytes held on the device.
+    pub fn bytes(&self) -> usize {
+        [&self.first, &self.second]
+            .into_iter()
+            .flatten()
+            .map(|c| c.codes.len() + 4 * (c.block_max.len() + c.block_min.len()))
+            .sum()
+    }
+}
+
+/// The residual in `slot`, made empty on first use (`zero::qgz` gives it
+/// its shape, from zeros).
+fn residual_slot<'a>(
+    gpu: &Gpu,
+    slot: &'a mut Option<DeviceQuantizedChunks>,
+) -> Result<&'a mut DeviceQuantizedChunks, ZeroError> {
+    if slot.is_none() {
+        let format = zeropp::zero::residual::format();
+        *slot = Some(DeviceQuantizedChunks::zeroed(gpu, format, 0, 0)?);
+    }
+    Ok(slot.as_mut().expect("filled above"))
 }
 
 /// One generic step over the element type of a call.
@@ -525,33 +552,32 @@ fn with_gpu_dtype(dtype: Dtype, job: impl OnDtype) -> Result<(), CudaError> {
 
 struct GatherQuantized<'a> {
     gpu: &'a Gpu,
-    cross: &'a NcclComm,
-    node: &'a NcclComm,
+    mover: NcclMover<'a>,
     inp: u64,
     out: u64,
     numel: usize,
     format: QuantFormat,
+    phase: Phase,
 }
 
 impl OnDtype for GatherQuantized<'_> {
     fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
-        let size = self.cross.size() * self.node.size();
+        let layout = self.mover.layout;
         // SAFETY: the caller's tensors hold these values on this device and
         // are not touched until the call returns.
         let shard = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
-        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * size) }?;
+        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * layout.world()) }?;
         if self.numel == 0 {
             return Ok(());
         }
-        qwz_all_gather_hierarchical(
-            self.gpu,
-            self.cross,
-            self.node,
-            &shard.view(),
-            self.format,
-            Rounding::NearestEven,
-            &mut out.view_mut(),
-        )
+        let (gpu, m) = (self.gpu, &self.mover);
+        (|| -> Result<(), ZeroError> {
+            let all =
+                qwz::gather_quantized(gpu, m, layout, &shard.view(), self.format, self.phase)?;
+            let position = |r| qwz::gathered_position(layout, r);
+            qwz::dequantize_all(gpu, &all, position, &mut out.view_mut())
+        })()
+        .map_err(zero_to_cuda)
     }
 }
 

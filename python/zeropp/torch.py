@@ -355,9 +355,7 @@ class ZeroppReduceScatter(ReduceScatter):
 
     def __init__(self, zjob, switches, seed=0):
         self._job = zjob
-        # The CUDA path's error feedback: f32 device tensors (hop 1, hop 2),
-        # made on first use, dropped by reset_error_feedback.
-        self.cuda_residuals = None
+        # qgZ's settings and error feedback (host and device), per group.
         self.qgz_state = None
         if switches["qgz"]:
             self.qgz_state = _zeropp.QgzState(
@@ -426,37 +424,25 @@ class ZeroppReduceScatter(ReduceScatter):
                 n,
                 dtype_name(input_tensor),
                 stream,
+                False,
             )
             if mean:
                 output_tensor.div_(world)
             return
-        # qgZ sums in f32 on the device and gives the mean over all W ranks.
+        # qgZ sums in f32 on the device: the sum, or the mean over all W ranks.
         inp = input_tensor if input_tensor.dtype == torch.float32 else input_tensor.float()
         out = output_tensor if output_tensor.dtype == torch.float32 else None
         if out is None:
             out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=dev)
-        first = second = None
-        if state.error_feedback:
-            shapes = (n if state.first_hop_feedback else 0, n // self._job.ranks_per_node)
-            r = self.cuda_residuals
-            if r is None or (r[0].numel(), r[1].numel()) != shapes:
-                # A residual of another shape starts from zero, as on the CPU.
-                r = tuple(torch.zeros(k, dtype=torch.float32, device=dev) for k in shapes)
-                self.cuda_residuals = r
-            first = r[0].data_ptr() if shapes[0] else None
-            second = r[1].data_ptr()
         cj.reduce_scatter(
             _device_args(cj, out, "reduce-scatter output"),
             _device_args(cj, inp, "reduce-scatter input"),
             n,
             "float32",
             stream,
+            mean,
             qgz=state,
-            first=first,
-            second=second,
         )
-        if not mean:
-            out.mul_(world)
         if out is not output_tensor:
             output_tensor.copy_(out.view_as(output_tensor))
 
@@ -544,6 +530,5 @@ def reset_error_feedback(module):
             rs = group._reduce_scatter_comm
             if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
                 rs.qgz_state.reset()
-                rs.cuda_residuals = None
                 n += 1
     return n

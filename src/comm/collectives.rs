@@ -4,66 +4,18 @@
 //! broadcast and barrier. Every wait has the communicator's timeout.
 //!
 //! Tags: each call on a group takes the group's next sequence number, and a
-//! message's tag is (group id, sequence, step). Every member must call the
+//! message's tag is (group id, sequence, step) ([`super::group::tag`]). Every member must call the
 //! group's collectives in the same order, from one thread at a time — the
 //! rule of every collective library.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use super::{CommError, SendHandle, Tag, Transport};
-
-/// An ordered set of global ranks that run collectives together.
-#[derive(Debug)]
-pub struct Group {
-    id: u16,
-    ranks: Vec<usize>,
-    seq: AtomicU32,
-}
-
-impl Group {
-    /// A group with a job-unique `id` (the same on every member) over
-    /// `ranks` (global ranks, in group order, no repeats).
-    pub fn new(id: u16, ranks: Vec<usize>) -> Result<Self, CommError> {
-        let mut sorted = ranks.clone();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.len() != ranks.len() || ranks.is_empty() {
-            return Err(CommError::Invalid(format!(
-                "group {id} must list distinct ranks, got {ranks:?}"
-            )));
-        }
-        Ok(Group {
-            id,
-            ranks,
-            seq: AtomicU32::new(0),
-        })
-    }
-
-    pub fn ranks(&self) -> &[usize] {
-        &self.ranks
-    }
-
-    pub fn size(&self) -> usize {
-        self.ranks.len()
-    }
-
-    pub fn id(&self) -> u16 {
-        self.id
-    }
-
-    fn next_call(&self) -> u32 {
-        self.seq.fetch_add(1, Ordering::Relaxed)
-    }
-}
-
-fn tag(group: &Group, call: u32, step: usize) -> Tag {
-    ((group.id as u64) << 48) | ((call as u64) << 16) | (step as u64 & 0xffff)
-}
+use super::group::tag;
+use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport};
 
 /// Splits `len` items into `parts` contiguous ranges whose sizes differ by
 /// at most one (the first `len % parts` get one more).
@@ -213,21 +165,22 @@ impl Communicator {
 
     /// The group of every rank, id 0.
     pub fn world_group(&self) -> Group {
-        Group::new(0, (0..self.world_size()).collect()).expect("0..n is distinct and non-empty")
+        Group::new(GroupKind::World, (0..self.world_size()).collect())
+            .expect("0..n is distinct and non-empty")
     }
 
     /// This rank's index in `group`.
     fn index_in(&self, group: &Group) -> Result<usize, CommError> {
         group
-            .ranks
+            .ranks()
             .iter()
             .position(|&r| r == self.rank())
             .ok_or_else(|| {
                 CommError::Invalid(format!(
                     "rank {} is not a member of group {} ({:?})",
                     self.rank(),
-                    group.id,
-                    group.ranks
+                    group.id(),
+                    group.ranks()
                 ))
             })
     }
@@ -267,8 +220,8 @@ impl Communicator {
         let me = self.index_in(group)?;
         let call = group.next_call();
         let p = group.size();
-        let next = group.ranks[(me + 1) % p];
-        let prev = group.ranks[(me + p - 1) % p];
+        let next = group.ranks()[(me + 1) % p];
+        let prev = group.ranks()[(me + p - 1) % p];
         let mut blocks: Vec<Option<Bytes>> = vec![None; p];
         // Every block but the last received is both kept and sent on:
         // staged, a send to a node-local successor shares it instead of
@@ -306,7 +259,7 @@ impl Communicator {
                 return Err(CommError::Invalid(format!(
                     "all-gather expects equal blocks: this rank has {len} bytes, member {i} \
                      (rank {}) has {}",
-                    group.ranks[i],
+                    group.ranks()[i],
                     b.len()
                 )));
             }
@@ -387,8 +340,8 @@ impl Communicator {
             out.copy_from_slice(&data[bounds[0].clone()]);
             return Ok(());
         }
-        let next = group.ranks[(me + 1) % p];
-        let prev = group.ranks[(me + p - 1) % p];
+        let next = group.ranks()[(me + 1) % p];
+        let prev = group.ranks()[(me + p - 1) % p];
         let granule = reduce.granule().max(1);
         let longest = bounds.iter().map(|r| r.len()).max().unwrap_or(0);
         // Every member derives the same count from the same bounds; the
@@ -523,7 +476,7 @@ impl Communicator {
                 return Err(CommError::Malformed(format!(
                     "all-reduce: member {i} (rank {}) gathered {} bytes for a {}-byte range; \
                      members passed different sizes",
-                    group.ranks[i],
+                    group.ranks()[i],
                     b.len(),
                     r.len()
                 )));
@@ -559,13 +512,13 @@ impl Communicator {
             let dst = (me + step) % p;
             let data = outgoing[dst].take().expect("each destination once");
             sends.push((
-                group.ranks[dst],
-                self.send(group.ranks[dst], tag(group, call, 0), data)?,
+                group.ranks()[dst],
+                self.send(group.ranks()[dst], tag(group, call, 0), data)?,
             ));
         }
         for step in 1..p {
             let src = (me + p - step) % p;
-            received[src] = Some(self.recv(group.ranks[src], tag(group, call, 0))?);
+            received[src] = Some(self.recv(group.ranks()[src], tag(group, call, 0))?);
         }
         self.wait_all(sends)?;
         Ok(received
@@ -587,7 +540,7 @@ impl Communicator {
         }
         if me == root {
             let mut sends = Vec::new();
-            for (i, &r) in group.ranks.iter().enumerate() {
+            for (i, &r) in group.ranks().iter().enumerate() {
                 if i != root {
                     sends.push((r, self.send(r, tag(group, call, 0), data.clone())?));
                 }
@@ -595,7 +548,7 @@ impl Communicator {
             self.wait_all(sends)?;
             Ok(data)
         } else {
-            self.recv(group.ranks[root], tag(group, call, 0))
+            self.recv(group.ranks()[root], tag(group, call, 0))
         }
     }
 
@@ -608,8 +561,8 @@ impl Communicator {
         let mut step = 0;
         let mut sends = Vec::new();
         while k < p {
-            let to = group.ranks[(me + k) % p];
-            let from = group.ranks[(me + p - k) % p];
+            let to = group.ranks()[(me + k) % p];
+            let from = group.ranks()[(me + p - k) % p];
             sends.push((to, self.send(to, tag(group, call, step), Bytes::new())?));
             self.recv(from, tag(group, call, step))?;
             k *= 2;
@@ -619,19 +572,19 @@ impl Communicator {
     }
 }
 
-/// A result that a communication thread is computing.
-pub struct Pending<T> {
-    rx: mpsc::Receiver<Result<T, CommError>>,
+/// A result that a communication thread is computing (its error: `E`).
+pub struct Pending<T, E = CommError> {
+    rx: mpsc::Receiver<Result<T, E>>,
 }
 
-impl<T> Pending<T> {
+impl<T, E: From<CommError>> Pending<T, E> {
     /// Waits for the result (the collective inside has its own timeouts).
-    pub fn wait(self) -> Result<T, CommError> {
-        self.rx.recv().unwrap_or(Err(CommError::Closed))
+    pub fn wait(self) -> Result<T, E> {
+        self.rx.recv().unwrap_or(Err(CommError::Closed.into()))
     }
 
     /// The result if it is ready.
-    pub fn try_take(&self) -> Option<Result<T, CommError>> {
+    pub fn try_take(&self) -> Option<Result<T, E>> {
         self.rx.try_recv().ok()
     }
 }
@@ -663,10 +616,10 @@ impl CommThread {
     }
 
     /// Queues `f` to run on the communication thread.
-    pub fn submit<T: Send + 'static>(
+    pub fn submit<T: Send + 'static, E: Send + 'static>(
         &self,
-        f: impl FnOnce(&Communicator) -> Result<T, CommError> + Send + 'static,
-    ) -> Pending<T> {
+        f: impl FnOnce(&Communicator) -> Result<T, E> + Send + 'static,
+    ) -> Pending<T, E> {
         let (tx, rx) = mpsc::channel();
         let job: Job = Box::new(move |c| {
             let _ = tx.send(f(c));
@@ -846,8 +799,8 @@ mod tests {
     fn subgroups_in_any_order_run_side_by_side() {
         // Ranks 0..6 as two groups of three listed out of order, plus the world.
         let out = on_ranks(6, |c| {
-            let a = Group::new(1, vec![4, 0, 2]).unwrap();
-            let b = Group::new(2, vec![5, 3, 1]).unwrap();
+            let a = Group::new(GroupKind::Numbered(1), vec![4, 0, 2]).unwrap();
+            let b = Group::new(GroupKind::Numbered(2), vec![5, 3, 1]).unwrap();
             let g = if c.rank() % 2 == 0 { a } else { b };
             let gathered = c
                 .all_gather(&g, Bytes::from(vec![c.rank() as u8; 2]))
@@ -916,7 +869,7 @@ mod tests {
         let out = on_ranks(3, |c| {
             let comm = Arc::new(Communicator::new(c.transport().clone(), c.timeout()));
             let thread = CommThread::new(comm);
-            let g = Arc::new(Group::new(7, vec![0, 1, 2]).unwrap());
+            let g = Arc::new(Group::new(GroupKind::Numbered(7), vec![0, 1, 2]).unwrap());
             let rank = c.rank();
             let gg = g.clone();
             let pending = thread.submit(move |c| c.all_gather(&gg, Bytes::from(vec![rank as u8])));

@@ -10,12 +10,7 @@ use super::env::RankFacts;
 use super::rendezvous::{self, PeerInfo, TorchrunStore};
 use super::tcp::{TcpOptions, TcpTransport};
 use super::ucx::{PeerAddress, UcxTransport};
-use super::{CommError, Communicator, Group, io_err};
-
-/// Group ids of the standard groups (every member computes the same).
-pub const WORLD_GROUP: u16 = 0;
-const NODE_GROUP_BASE: u16 = 0x100;
-const CROSS_GROUP_BASE: u16 = 0x4000;
+use super::{CommError, Communicator, Group, GroupKind, io_err};
 
 /// Which transport carries a job's messages.
 #[derive(
@@ -232,7 +227,7 @@ impl Job {
 
     /// Every rank.
     pub fn world_group(&self) -> Group {
-        Group::new(WORLD_GROUP, (0..self.facts.world_size).collect()).expect("distinct ranks")
+        Group::new(GroupKind::World, (0..self.facts.world_size).collect()).expect("distinct ranks")
     }
 
     /// The ranks on `node`, in local-rank order.
@@ -240,7 +235,7 @@ impl Job {
         let mut ranks: Vec<&PeerInfo> = self.table.iter().filter(|p| p.node_rank == node).collect();
         ranks.sort_by_key(|p| p.local_rank);
         Group::new(
-            NODE_GROUP_BASE + node as u16,
+            GroupKind::Node(node),
             ranks.iter().map(|p| p.rank).collect(),
         )
         .expect("the rendezvous checked the layout")
@@ -255,7 +250,7 @@ impl Job {
             .collect();
         ranks.sort_by_key(|p| p.node_rank);
         Group::new(
-            CROSS_GROUP_BASE + local as u16,
+            GroupKind::Cross(local),
             ranks.iter().map(|p| p.rank).collect(),
         )
         .expect("the rendezvous checked the layout")

@@ -6,6 +6,7 @@ pub mod env;
 pub mod exchange;
 #[cfg(test)]
 mod fixtures;
+pub mod group;
 pub mod hostlist;
 pub mod inproc;
 pub mod job;
@@ -23,7 +24,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-pub use collectives::{Communicator, Group};
+pub use collectives::Communicator;
+pub use group::{Group, GroupKind};
 
 /// Identifies a message between two ranks; collectives derive tags from the
 /// group and the call's sequence number so concurrent operations never mix.

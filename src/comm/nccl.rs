@@ -113,6 +113,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::comm::GroupKind;
     use crate::comm::inproc::InProcess;
 
     /// 2 nodes x 2 ranks over the in-process transport: world, node and
@@ -125,10 +126,11 @@ mod tests {
                 std::thread::spawn(move || {
                     let comm = Communicator::new(Arc::new(t), Duration::from_secs(10));
                     let (node, local) = (rank / 2, rank % 2);
-                    let world = Group::new(0, vec![0, 1, 2, 3]).unwrap();
+                    let world = Group::new(GroupKind::World, vec![0, 1, 2, 3]).unwrap();
                     let node_g =
-                        Group::new(0x100 + node as u16, vec![2 * node, 2 * node + 1]).unwrap();
-                    let cross = Group::new(0x4000 + local as u16, vec![local, 2 + local]).unwrap();
+                        Group::new(GroupKind::Node(node), vec![2 * node, 2 * node + 1]).unwrap();
+                    let cross =
+                        Group::new(GroupKind::Cross(local), vec![local, 2 + local]).unwrap();
                     let calls = std::sync::atomic::AtomicU8::new(0);
                     exchange_ids(&comm, rank, &[&world, &node_g, &cross], || {
                         if make_fails_on == Some(rank) {

@@ -13,17 +13,19 @@ use std::time::Duration;
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use candle_core::{Device, Tensor, Var};
-use zeropp_quant::Rounding;
+use zeropp_quant::QuantizedChunks;
 
 use crate::comm::collectives::{CommThread, Pending};
-use crate::comm::{CommError, Communicator, Transport};
+use crate::comm::{Communicator, Transport};
 use crate::train::model::{
     ModelConfig, Unit, extend_with, loss, tensors_from_owned, vars_from_flat,
 };
+use crate::zero::host::{Host, HostMover};
 use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
+use crate::zero::qgz::Reduction;
 use crate::zero::residual::Residual;
 use crate::zero::traffic::{CountingTransport, Phase, Traffic};
-use crate::zero::{ZeroGroups, hpz, payload, qgz, qwz};
+use crate::zero::{ZeroError, ZeroGroups, hpz, payload, qgz, qwz};
 use optim::{AdamState, OptimConfig};
 
 /// Everything that defines a run's numerics.
@@ -50,11 +52,11 @@ struct ShardedUnit {
     adam: AdamState,
     /// Whether weight decay applies to each element of the chunk.
     decay: Vec<bool>,
-    /// hpZ: the wire payloads of chunks `i·k .. (i+1)·k` of the gathered
-    /// weights (i: this rank's place in its hpZ group of h, k = W / h; for
-    /// the node, i = local rank and k = N), valid from this step's forward
-    /// until its optimizer step.
-    secondary: Option<Vec<Bytes>>,
+    /// hpZ: chunks `i·k .. (i+1)·k` of the gathered weights as they
+    /// travelled (i: this rank's place in its hpZ group of h, k = W / h;
+    /// for the node, i = local rank and k = N), valid from this step's
+    /// forward until its optimizer step.
+    secondary: Option<Secondary>,
     /// qgZ error feedback: what the first quantization dropped last step
     /// (W chunks, rank order; compressed, see `zero::residual`).
     residual: Residual,
@@ -62,6 +64,25 @@ struct ShardedUnit {
     /// node-level partial sums dropped last step (N chunks). Used on the
     /// communication thread.
     residual_inter: Arc<Mutex<Residual>>,
+}
+
+/// A unit's weights as a gather delivered them.
+enum Gathered {
+    /// Unquantized wires: every rank's payload, in rank order.
+    Payloads(Vec<Bytes>),
+    /// qwZ's chunks at their gathered positions (`qwz::gathered_position`),
+    /// or hpZ's in rank order.
+    Quantized {
+        chunks: QuantizedChunks,
+        rank_order: bool,
+    },
+}
+
+/// hpZ's secondary shard of a unit, in the form its chunks travelled.
+#[derive(Clone)]
+enum Secondary {
+    Payloads(Vec<Bytes>),
+    Quantized(Arc<QuantizedChunks>),
 }
 
 impl ShardedUnit {
@@ -246,53 +267,101 @@ impl Engine {
         &self,
         u: usize,
         phase: Phase,
-    ) -> Result<Pending<Vec<Bytes>>, CommError> {
+    ) -> Result<Pending<Gathered, ZeroError>, ZeroError> {
         let wire = self.plan.weights;
-        let mine = qwz::encode_chunk(&self.units[u].master, wire)?;
         let counter = self.counter.clone();
-        let frac = qwz::scale_fraction(wire, self.units[u].chunk);
         let groups = self.groups.clone();
         let layout = self.plan.layout;
-        let hierarchical = matches!(wire, WeightWire::Quantized(_));
+        if let WeightWire::Quantized(format) = wire {
+            let mine = qwz::quantize_shard(&Host, &self.units[u].master.as_slice(), format)?;
+            return Ok(self.thread.submit(move |c: &Communicator| {
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                let chunks = qwz::gather_chunks(&Host, &mover, layout, &mine, phase)?;
+                Ok(Gathered::Quantized {
+                    chunks,
+                    rank_order: false,
+                })
+            }));
+        }
+        let mine = qwz::encode_chunk(&self.units[u].master, wire)?;
         Ok(self.thread.submit(move |c: &Communicator| {
-            counter.set_phase(phase, frac);
-            qwz::gather(c, &groups, layout, mine, hierarchical)
+            counter.set_phase(phase, 0.0);
+            Ok(Gathered::Payloads(c.all_gather_v(&groups.world, mine)?))
         }))
     }
 
     /// Starts the backward gather of unit `u`: from the hpZ secondary shards
     /// inside the hpZ group, or again from the primaries.
-    fn start_backward_gather(&self, u: usize) -> Result<Pending<Vec<Bytes>>, CommError> {
+    fn start_backward_gather(&self, u: usize) -> Result<Pending<Gathered, ZeroError>, ZeroError> {
         let Some(secondary) = self.units[u].secondary.clone() else {
             return self.start_primary_gather(u, Phase::BackwardGather);
         };
         let counter = self.counter.clone();
-        let frac = qwz::scale_fraction(self.plan.weights, self.units[u].chunk);
-        let hpz = self.groups.hpz.clone();
-        Ok(self.thread.submit(move |c: &Communicator| {
-            counter.set_phase(Phase::BackwardGather, frac);
-            hpz::gather(c, &hpz, &secondary)
+        let groups = self.groups.clone();
+        Ok(self.thread.submit(move |c: &Communicator| match secondary {
+            Secondary::Payloads(secondary) => {
+                counter.set_phase(Phase::BackwardGather, 0.0);
+                Ok(Gathered::Payloads(hpz::gather(c, &groups.hpz, &secondary)?))
+            }
+            Secondary::Quantized(secondary) => {
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                Ok(Gathered::Quantized {
+                    chunks: hpz::gather_quantized(&Host, &mover, &secondary)?,
+                    rank_order: true,
+                })
+            }
         }))
     }
 
-    /// Decodes gathered payloads (rank order) into unit `u`'s full weights.
-    fn decode_full(&self, u: usize, payloads: &[Bytes]) -> Result<Vec<f32>, CommError> {
+    /// This rank's hpZ secondary shard of unit `u`'s forward gather.
+    fn keep_secondary(&self, gathered: &Gathered) -> Result<Secondary, ZeroError> {
+        let (layout, h) = (self.plan.layout, self.plan.hpz_group);
+        Ok(match gathered {
+            Gathered::Payloads(p) => Secondary::Payloads(hpz::keep_secondary(p, h, layout.local())),
+            Gathered::Quantized { chunks, .. } => {
+                Secondary::Quantized(Arc::new(hpz::keep_quantized(&Host, layout, chunks, h)?))
+            }
+        })
+    }
+
+    /// Decodes gathered weights into unit `u`'s full weights.
+    fn decode_full(&self, u: usize, gathered: &Gathered) -> Result<Vec<f32>, ZeroError> {
         let su = &self.units[u];
         let mut full = vec![0f32; su.padded];
-        qwz::decode_into(payloads, self.plan.weights, su.chunk, &mut full)?;
+        match gathered {
+            Gathered::Payloads(p) => qwz::decode_into(p, self.plan.weights, su.chunk, &mut full)?,
+            Gathered::Quantized { chunks, rank_order } => {
+                let layout = self.plan.layout;
+                let position = |r| {
+                    if *rank_order {
+                        r
+                    } else {
+                        qwz::gathered_position(layout, r)
+                    }
+                };
+                qwz::dequantize_all(&Host, chunks, position, &mut full.as_mut_slice())?;
+            }
+        }
         Ok(full)
     }
 
     /// Starts reduce-scattering unit `u`'s flat gradient; the result is the
     /// mean over all W ranks of this rank's chunk.
-    fn start_gradient(&mut self, u: usize, grad: Vec<f32>) -> Result<Pending<Vec<f32>>> {
+    fn start_gradient(&mut self, u: usize, grad: Vec<f32>) -> Result<Pending<Vec<f32>, ZeroError>> {
         let layout = self.plan.layout;
-        let world_n = layout.world() as f32;
         let counter = self.counter.clone();
         let groups = self.groups.clone();
-        let mean = move |mut v: Vec<f32>| {
-            v.iter_mut().for_each(|x| *x /= world_n);
-            v
+        let mean = move |mut v: Vec<f32>| -> Result<Vec<f32>, ZeroError> {
+            Reduction::Mean.apply(&Host, &mut v, layout)?;
+            Ok(v)
         };
         match self.plan.grads {
             GradWire::RingBf16 => Ok(self.thread.submit(move |c: &Communicator| {
@@ -300,11 +369,11 @@ impl Engine {
                 let mine = qgz::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
                 let mut out = vec![0f32; mine.len() / 2];
                 payload::decode_bf16(&mine, &mut out)?;
-                Ok(mean(out))
+                mean(out)
             })),
             GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                Ok(mean(qgz::ring_f32(c, &groups.world, grad)?))
+                mean(qgz::ring_f32(c, &groups.world, grad)?)
             })),
             GradWire::TwoHop {
                 intra,
@@ -312,33 +381,32 @@ impl Engine {
                 error_feedback,
                 stochastic,
             } => {
-                // Stochastic rounding, seeded by (seed, step, unit, rank).
-                let seed = self.cfg.seed
-                    ^ ((self.step as u64) << 32)
-                    ^ ((u as u64) << 16)
-                    ^ layout.rank as u64;
-                let rounding = if stochastic {
-                    Rounding::Stochastic { seed }
-                } else {
-                    Rounding::NearestEven
-                };
+                let (call, seed) = (self.step as u64, self.cfg.seed);
+                let rounding = qgz::rounding(stochastic, seed, call, u, layout.rank);
                 let residual = qgz::first_hop_feedback(error_feedback, intra)
-                    .then_some(&mut self.units[u].residual);
-                let first = qgz::quantize_first_hop(&grad, layout, intra, rounding, residual)
-                    .with_context(|| {
-                        format!("quantizing the gradient of {}", self.units[u].unit.name())
-                    })?;
+                    .then_some(self.units[u].residual.chunks_mut());
+                let first =
+                    qgz::quantize_first_hop(&Host, &grad, layout, intra, rounding, residual)
+                        .with_context(|| {
+                            format!("quantizing the gradient of {}", self.units[u].unit.name())
+                        })?;
                 drop(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
+                    let mut residual_inter = residual_inter.lock().map_err(|_| {
+                        ZeroError::Invalid("the error-feedback buffer was poisoned".into())
+                    })?;
                     let second = qgz::SecondHop {
                         format: inter,
                         rounding,
-                        residual: error_feedback.then_some(&*residual_inter),
+                        residual: error_feedback.then_some(residual_inter.chunks_mut()),
                     };
-                    let sum = qgz::exchange(c, &counter, &groups, layout, first, second)?;
-                    // The mean over every rank of the world, not over nodes.
-                    Ok(mean(sum))
+                    let mover = HostMover {
+                        comm: c,
+                        counter: &counter,
+                        groups: &groups,
+                    };
+                    qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
                 }))
             }
         }
@@ -346,7 +414,7 @@ impl Engine {
 
     /// Waits for unit `u`'s gradient reduce-scatter: this rank's chunk of
     /// the mean.
-    fn finish_gradient(&self, u: usize, p: Pending<Vec<f32>>) -> Result<Vec<f32>> {
+    fn finish_gradient(&self, u: usize, p: Pending<Vec<f32>, ZeroError>) -> Result<Vec<f32>> {
         p.wait().with_context(|| {
             format!(
                 "reduce-scattering the gradient of {}",
@@ -507,7 +575,6 @@ impl Engine {
     pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, lr: f32) -> Result<StepStats> {
         let before = self.traffic();
         let n = self.units.len();
-        let g = self.plan.layout.local();
 
         // Forward, keeping each unit's input (and, for a tied head, the
         // embedding's token matrix until the head's backward).
@@ -521,8 +588,7 @@ impl Engine {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
             if self.plan.hpz {
-                self.units[u].secondary =
-                    Some(hpz::keep_secondary(&payloads, self.plan.hpz_group, g));
+                self.units[u].secondary = Some(self.keep_secondary(&payloads)?);
             }
             let full = self.decode_full(u, &payloads)?;
             let mut params = self.full_params(u, full)?;
@@ -535,7 +601,7 @@ impl Engine {
 
         // Backward, recomputing each unit from its saved input.
         let mut upstream: Option<Tensor> = None;
-        let mut grads_pending: Vec<(usize, Pending<Vec<f32>>)> = Vec::with_capacity(n);
+        let mut grads_pending: Vec<(usize, Pending<Vec<f32>, ZeroError>)> = Vec::with_capacity(n);
         let mut pending = Some(self.start_backward_gather(n - 1)?);
         let mut step_loss = f32::NAN;
         let mut tied_grad: Option<Vec<f32>> = None;

@@ -1,18 +1,13 @@
 //! The groups of a ZeRO++ job, which every rank builds the same way from
 //! its layout: the world, this node, this local rank across nodes, and the
-//! ranks sharing this rank's hpZ secondary shard.
+//! ranks sharing this rank's hpZ secondary shard. Their ids come from the
+//! one allocator ([`GroupKind::id`]).
 
 use std::sync::Arc;
 
-use crate::comm::{CommError, Group};
+use crate::comm::{CommError, Group, GroupKind};
 
 use super::plan::Layout;
-
-/// Group ids: the world is 0, nodes from 0x100, hpZ groups from 0x2000,
-/// cross-node groups from 0x4000 (the ids of [`crate::comm::job`]).
-const NODE_BASE: u16 = 0x100;
-const HPZ_BASE: u16 = 0x2000;
-const CROSS_BASE: u16 = 0x4000;
 
 /// The standard groups of one rank.
 #[derive(Clone)]
@@ -20,8 +15,8 @@ pub struct ZeroGroups {
     pub world: Arc<Group>,
     pub node: Arc<Group>,
     pub cross: Arc<Group>,
-    /// The ranks sharing this rank's hpZ secondary shard (the node, or a
-    /// run of its local ranks).
+    /// The ranks sharing this rank's hpZ secondary shard: the node itself
+    /// (the same group), or a run of its local ranks.
     pub hpz: Arc<Group>,
 }
 
@@ -35,21 +30,35 @@ impl ZeroGroups {
                 "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node"
             )));
         }
-        let first = l.rank / hpz_group * hpz_group;
+        let node = Arc::new(Group::new(
+            GroupKind::Node(l.node()),
+            (l.node() * g..(l.node() + 1) * g).collect(),
+        )?);
         Ok(ZeroGroups {
-            hpz: Arc::new(Group::new(
-                HPZ_BASE + (l.rank / hpz_group) as u16,
-                (first..first + hpz_group).collect(),
-            )?),
-            world: Arc::new(Group::new(0, (0..l.world()).collect())?),
-            node: Arc::new(Group::new(
-                NODE_BASE + l.node() as u16,
-                (l.node() * g..(l.node() + 1) * g).collect(),
-            )?),
+            hpz: ZeroGroups::run_or_node(&node, l.rank / hpz_group * hpz_group, hpz_group)?,
+            world: Arc::new(Group::new(GroupKind::World, (0..l.world()).collect())?),
             cross: Arc::new(Group::new(
-                CROSS_BASE + l.local() as u16,
+                GroupKind::Cross(l.local()),
                 (0..l.nodes).map(|n| n * g + l.local()).collect(),
             )?),
+            node,
         })
+    }
+
+    /// The group of `size` consecutive ranks from `first` (inside `node`):
+    /// `node` itself when it is those ranks, so one set of ranks is one
+    /// group with one sequence of calls.
+    pub fn run_or_node(
+        node: &Arc<Group>,
+        first: usize,
+        size: usize,
+    ) -> Result<Arc<Group>, CommError> {
+        if node.ranks().iter().copied().eq(first..first + size) {
+            return Ok(node.clone());
+        }
+        Ok(Arc::new(Group::new(
+            GroupKind::Run { first, size },
+            (first..first + size).collect(),
+        )?))
     }
 }

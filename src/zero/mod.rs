@@ -5,8 +5,19 @@
 //! payload codecs, the standard groups and the byte counters. The native
 //! engine and the Python bindings both call this module; neither has a
 //! copy of it.
+//!
+//! qgZ is written once over two interfaces ([`backend`]): a [`Quantizer`]
+//! and a [`ByteMover`], with three backends — the host ([`host`]:
+//! zeropp-quant and zeropp's transports), the GPU ([`device`]: the CUDA
+//! kernels and NCCL) and the emulated device ([`emulated`]: the CUDA
+//! kernels' source on host buffers, moved by the host transports).
 
+pub mod backend;
+pub mod device;
+pub mod emulated;
+pub mod error;
 pub mod groups;
+pub mod host;
 pub mod hpz;
 pub mod payload;
 pub mod plan;
@@ -15,4 +26,6 @@ pub mod qwz;
 pub mod residual;
 pub mod traffic;
 
+pub use backend::{ByteMover, Hop, Quantizer};
+pub use error::ZeroError;
 pub use groups::ZeroGroups;

@@ -1,31 +1,25 @@
-//! qgZ: the gradient reduce-scatter. The W chunks of a flat gradient are
-//! swizzled so that the chunks bound for one local rank are contiguous,
+//! qgZ: the gradient reduce-scatter, written once over a [`Quantizer`] and
+//! a [`ByteMover`] (host and device alike). The W chunks of a flat gradient
+//! are swizzled so that the chunks bound for one local rank are contiguous,
 //! quantized, exchanged all-to-all inside the node, summed in f32,
 //! requantized, exchanged all-to-all across nodes among equal local ranks
 //! and summed in f32 again: each rank ends with the sum over the world of
-//! its own chunk. Error feedback keeps what each quantization dropped and
-//! adds it back on the next call. The plain reduce-scatters of ZeRO-3
-//! (bf16 or f32 rings) live here too.
-
-use std::sync::Mutex;
+//! its own chunk, divided by W for the mean. Error feedback keeps what each
+//! quantization dropped (compressed: [`super::residual`]) and adds it back
+//! on the next call. The plain reduce-scatters of ZeRO-3 (bf16 or f32
+//! rings on the host) live here too.
 
 use bytes::Bytes;
-use zeropp_quant::{
-    Element, QuantFormat, QuantizedChunks, Rounding, quantize_swizzled, sum_requantize,
-};
+use zeropp_quant::{QuantFormat, Rounding, swizzled_rank};
 
 use crate::comm::collectives::{Reduce, balanced_bounds};
 use crate::comm::{CommError, Communicator, Group};
 
-use super::groups::ZeroGroups;
-use super::payload;
+use super::backend::{ByteMover, Hop, Quantizer};
+use super::error::ZeroError;
 use super::plan::Layout;
-use super::residual::Residual;
-use super::traffic::{CountingTransport, Phase};
-
-fn quant_failure(what: &str) -> impl Fn(zeropp_quant::QuantError) -> CommError + '_ {
-    move |e| CommError::Malformed(format!("{what}: {e}"))
-}
+use super::residual;
+use super::traffic::Phase;
 
 /// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
 /// when the switch is on: only at int4. Its residual is as long as the
@@ -37,197 +31,218 @@ pub fn first_hop_feedback(error_feedback: bool, intra: QuantFormat) -> bool {
     error_feedback && intra.bits == zeropp_quant::Bits::Four
 }
 
+/// The rounding of qgZ call `call` on gradient buffer `buffer` of `rank`
+/// (the engine: the step and the unit; the bindings: the parameter group's
+/// own call count, buffer 0): a fresh stochastic stream per call, buffer
+/// and rank from `seed`, or round-to-nearest. The one policy of the engine
+/// and the bindings.
+pub fn rounding(stochastic: bool, seed: u64, call: u64, buffer: usize, rank: usize) -> Rounding {
+    if stochastic {
+        Rounding::Stochastic {
+            seed: seed ^ (call << 32) ^ ((buffer as u64) << 16) ^ rank as u64,
+        }
+    } else {
+        Rounding::NearestEven
+    }
+}
+
+/// What a reduce-scatter hands back: the sum over the world, or the mean
+/// (the sum divided by W, every rank of the world: not the nodes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduction {
+    Sum,
+    Mean,
+}
+
+impl Reduction {
+    /// `sum` turned into what was asked for, on `q`'s memory.
+    pub fn apply<Q: Quantizer>(
+        self,
+        q: &Q,
+        sum: &mut Q::Values,
+        layout: Layout,
+    ) -> Result<(), ZeroError> {
+        match self {
+            Reduction::Sum => Ok(()),
+            Reduction::Mean => q.divide(sum, layout.world() as f32),
+        }
+    }
+}
+
+/// Makes `r` a zeroed residual of `count` chunks of `chunk_len` values
+/// unless it already is that shape (a residual of another shape cannot be
+/// carried over).
+fn ensure_residual<Q: Quantizer>(
+    q: &Q,
+    r: &mut Q::Chunks,
+    chunk_len: usize,
+    count: usize,
+) -> Result<(), ZeroError> {
+    let format = residual::format();
+    if q.shape(r) != (format, chunk_len, count) {
+        *r = q.chunks(format, chunk_len, count)?;
+    }
+    Ok(())
+}
+
 /// Hop 1's input: `grad` (W chunks in rank order, plus the residual of the
 /// last call when `residual` is given) quantized in `format` at the
 /// swizzled positions. With a residual, it is replaced by what this
-/// quantization dropped (a residual of another shape starts from zero).
-pub fn quantize_first_hop<T: Element>(
-    grad: &[T],
+/// quantization dropped.
+pub fn quantize_first_hop<Q: Quantizer>(
+    q: &Q,
+    grad: &Q::Values,
     layout: Layout,
     format: QuantFormat,
     rounding: Rounding,
-    residual: Option<&mut Residual>,
-) -> Result<QuantizedChunks, CommError> {
+    residual: Option<&mut Q::Chunks>,
+) -> Result<Q::Chunks, ZeroError> {
     let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
-    if !grad.len().is_multiple_of(world) {
-        return Err(CommError::Invalid(format!(
-            "a gradient of {} values does not split into {world} equal chunks",
-            grad.len()
+    let len = q.len(grad);
+    if !len.is_multiple_of(world) {
+        return Err(ZeroError::Invalid(format!(
+            "a gradient of {len} values does not split into {world} equal chunks; pad it to a \
+             multiple of the world size"
         )));
     }
-    let chunk = grad.len() / world;
-    let mut q = QuantizedChunks::zeroed(format, chunk, world);
-    let quantizing = quant_failure("quantizing the gradient");
+    let chunk = len / world;
+    let mut out = q.chunks(format, chunk, world)?;
     let Some(residual) = residual else {
-        quantize_swizzled(grad, nodes, g, rounding, &mut q).map_err(quantizing)?;
-        return Ok(q);
+        q.quantize_swizzled(grad, nodes, g, rounding, &mut out)?;
+        return Ok(out);
     };
-    residual.ensure_shape(chunk, world);
-    let mut corrected: Vec<f32> = grad.iter().map(|g| g.to_f32()).collect();
-    residual.add_to(&mut corrected).map_err(&quantizing)?;
-    quantize_swizzled(&corrected, nodes, g, rounding, &mut q).map_err(&quantizing)?;
-    // What the wire will carry, back in rank order: keep the rest.
-    let mut sent = vec![0f32; chunk];
-    for p in 0..world {
-        let r = zeropp_quant::swizzled_rank(p, nodes, g);
-        zeropp_quant::dequantize(q.chunk(p), &mut sent).map_err(&quantizing)?;
-        let span = r * chunk..(r + 1) * chunk;
-        sent.iter_mut()
-            .zip(&corrected[span])
-            .for_each(|(s, c)| *s = c - *s);
-        residual.store_chunk(r, &sent).map_err(&quantizing)?;
+    ensure_residual(q, residual, chunk, world)?;
+    let mut corrected = q.values(len)?;
+    q.copy(grad, 0, &mut corrected, 0, len)?;
+    for r in 0..world {
+        q.dequantize_accumulate(residual, r, &mut corrected, r * chunk)?;
     }
-    Ok(q)
+    q.quantize_swizzled(&corrected, nodes, g, rounding, &mut out)?;
+    // What the wire will carry, back in rank order: keep the rest.
+    let mut sent = q.values(chunk)?;
+    for p in 0..world {
+        let r = swizzled_rank(p, nodes, g);
+        q.dequantize(&out, p, &mut sent, 0)?;
+        q.dropped(&mut sent, 0, &corrected, r * chunk, chunk)?;
+        q.quantize_chunk(&sent, 0, Rounding::NearestEven, residual, r)?;
+    }
+    Ok(out)
 }
 
 /// How the node's partial sums are requantized for the hop across nodes.
-pub struct SecondHop<'a> {
+pub struct SecondHop<'a, Q: Quantizer> {
     pub format: QuantFormat,
+    /// The call's rounding (hop 2 draws from its part 1).
     pub rounding: Rounding,
     /// Error feedback of this quantization (N chunks; of another shape it
     /// starts from zero).
-    pub residual: Option<&'a Mutex<Residual>>,
+    pub residual: Option<&'a mut Q::Chunks>,
 }
 
-/// Hops 1 and 2 of `first` (from [`quantize_first_hop`]): the sum over
-/// every rank of this rank's chunk, in f32.
-pub fn exchange(
-    c: &Communicator,
-    counter: &CountingTransport,
-    groups: &ZeroGroups,
+/// Hops 1 and 2 of `first` (from [`quantize_first_hop`]): this rank's
+/// chunk of the sum over every rank, in f32, as `reduction` asks.
+pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
     layout: Layout,
-    first: QuantizedChunks,
-    second: SecondHop<'_>,
-) -> Result<Vec<f32>, CommError> {
-    let SecondHop {
-        format: inter,
-        rounding,
-        residual: residual_inter,
-    } = second;
-    let (nodes, g, chunk) = (layout.nodes, layout.ranks_per_node, first.chunk_len);
-    let intra = first.format;
-    let frac = |f: QuantFormat| f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64;
-    counter.set_phase(Phase::Gradient, frac(intra));
-    // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N.
-    let to_local = (0..g)
-        .map(|dst| encode_run(&first, dst * nodes..(dst + 1) * nodes))
-        .collect();
+    first: Q::Chunks,
+    second: SecondHop<'_, Q>,
+    reduction: Reduction,
+) -> Result<Q::Values, ZeroError> {
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    let (intra, chunk, count) = q.shape(&first);
+    if count != nodes * g || m.size(Hop::Node) != g || m.size(Hop::Cross) != nodes {
+        return Err(ZeroError::Invalid(format!(
+            "qgZ over {nodes} nodes x {g} ranks was given {count} chunks and groups of {} \
+             (node) and {} (across nodes)",
+            m.size(Hop::Node),
+            m.size(Hop::Cross)
+        )));
+    }
+    // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N,
+    // so position src·N + n of what arrives is local rank src's chunk for
+    // node n.
+    let mut got = q.chunks(intra, chunk, count)?;
+    m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
     drop(first);
-    let from_locals = c.all_to_all_v(&groups.node, to_local)?;
-    let decoded = from_locals
-        .iter()
-        .map(|b| decode_run(b, intra, chunk, nodes))
-        .collect::<Result<Vec<_>, _>>()?;
-    let summing = quant_failure("summing the node's gradients");
-    let mut partial = QuantizedChunks::zeroed(inter, chunk, nodes);
-    let part_rounding = rounding.for_part(1);
-    match residual_inter {
+    let mut partial = q.chunks(second.format, chunk, nodes)?;
+    let part_rounding = second.rounding.for_part(1);
+    match second.residual {
         Some(residual) => {
             // Sum in f32, add back what this hop dropped last call,
             // requantize, and keep what it drops now.
-            let mut residual = residual
-                .lock()
-                .map_err(|_| CommError::Invalid("the error-feedback buffer was poisoned".into()))?;
-            residual.ensure_shape(chunk, nodes);
-            let mut sum = vec![0f32; nodes * chunk];
-            residual.add_to(&mut sum).map_err(&summing)?;
-            for runs in &decoded {
-                for (n, d) in runs.iter().enumerate() {
-                    let acc = &mut sum[n * chunk..(n + 1) * chunk];
-                    zeropp_quant::dequantize_accumulate(d.view(), acc).map_err(&summing)?;
+            ensure_residual(q, residual, chunk, nodes)?;
+            let mut sum = q.values(nodes * chunk)?;
+            for n in 0..nodes {
+                q.dequantize_accumulate(residual, n, &mut sum, n * chunk)?;
+            }
+            for src in 0..g {
+                for n in 0..nodes {
+                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
                 }
             }
-            quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial).map_err(&summing)?;
-            let mut sent = vec![0f32; chunk];
+            q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
+            let mut sent = q.values(chunk)?;
             for n in 0..nodes {
-                zeropp_quant::dequantize(partial.chunk(n), &mut sent).map_err(&summing)?;
-                sent.iter_mut()
-                    .zip(&sum[n * chunk..(n + 1) * chunk])
-                    .for_each(|(s, x)| *s = x - *s);
-                residual.store_chunk(n, &sent).map_err(&summing)?;
+                q.dequantize(&partial, n, &mut sent, 0)?;
+                q.dropped(&mut sent, 0, &sum, n * chunk, chunk)?;
+                q.quantize_chunk(&sent, 0, Rounding::NearestEven, residual, n)?;
             }
         }
         None => {
-            let mut scratch = Vec::new();
             for n in 0..nodes {
-                let views: Vec<_> = decoded.iter().map(|runs| runs[n].view()).collect();
-                sum_requantize(
-                    &views,
-                    part_rounding.for_part(n),
-                    partial.chunk_mut(n),
-                    &mut scratch,
-                )
-                .map_err(&summing)?;
+                let inputs: Vec<usize> = (0..g).map(|src| src * nodes + n).collect();
+                q.sum_requantize(&got, &inputs, part_rounding.for_part(n), &mut partial, n)?;
             }
         }
     }
+    drop(got);
     // Hop 2, across nodes: node n' gets chunk n'.
-    counter.set_phase(Phase::Gradient, frac(inter));
-    let to_nodes = (0..nodes).map(|n| encode_run(&partial, n..n + 1)).collect();
-    let from_nodes = c.all_to_all_v(&groups.cross, to_nodes)?;
-    let mut sum = vec![0f32; chunk];
-    for b in &from_nodes {
-        let d = payload::decode_quantized(b, inter, chunk)?;
-        zeropp_quant::dequantize_accumulate(d.view(), &mut sum)
-            .map_err(|e| CommError::Malformed(e.to_string()))?;
+    let mut theirs = q.chunks(second.format, chunk, nodes)?;
+    m.all_to_all(Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
+    drop(partial);
+    let mut sum = q.values(chunk)?;
+    for src in 0..nodes {
+        q.dequantize_accumulate(&theirs, src, &mut sum, 0)?;
     }
+    reduction.apply(q, &mut sum, layout)?;
     Ok(sum)
 }
 
-/// Whether chunks of `chunk` values are whole blocks and whole code bytes:
-/// then a run of them has the layout of one tensor.
-fn whole_blocks(format: QuantFormat, chunk: usize) -> bool {
-    chunk.is_multiple_of(format.block)
-        && format.code_bytes(chunk) * format.bits.codes_per_byte() == chunk
+/// The settings of one qgZ reduce-scatter.
+#[derive(Clone, Copy, Debug)]
+pub struct Qgz {
+    /// Formats of the hop inside the node and of the hop across nodes.
+    pub intra: QuantFormat,
+    pub inter: QuantFormat,
+    pub rounding: Rounding,
+    pub reduction: Reduction,
 }
 
-/// Chunks `range` of `q` as one message: each chunk's own encoding, back to
-/// back (chunks need not be whole blocks).
-fn encode_run(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Bytes {
-    let (c, s, m) = q.strides();
-    if whole_blocks(q.format, q.chunk_len) {
-        // Whole blocks and whole code bytes: the run is one tensor's layout.
-        return payload::encode_chunks(q, range);
-    }
-    let mut parts = Vec::with_capacity(range.len());
-    for p in range {
-        let one = QuantizedChunks {
-            format: q.format,
-            chunk_len: q.chunk_len,
-            count: 1,
-            codes: q.codes[p * c..(p + 1) * c].to_vec(),
-            block_max: q.block_max[p * s..(p + 1) * s].to_vec(),
-            block_min: q.block_min[p * m..(p + 1) * m].to_vec(),
-        };
-        parts.push(payload::encode_chunks(&one, 0..1));
-    }
-    super::qwz::concat(&parts)
+/// Error feedback of one gradient buffer: what each hop dropped last call
+/// (`None`: no feedback at that hop).
+pub struct Feedback<'a, Q: Quantizer> {
+    pub first: Option<&'a mut Q::Chunks>,
+    pub second: Option<&'a mut Q::Chunks>,
 }
 
-/// The inverse of [`encode_run`]: `count` chunks of `chunk` values.
-fn decode_run(
-    b: &Bytes,
-    format: QuantFormat,
-    chunk: usize,
-    count: usize,
-) -> Result<Vec<payload::Decoded<'_>>, CommError> {
-    if whole_blocks(format, chunk) {
-        // One tensor's layout: codes of every chunk, then every maximum.
-        let d = payload::decode_quantized(b, format, chunk * count)?;
-        return d.split(count);
-    }
-    let one = format.total_bytes(chunk);
-    if b.len() != one * count {
-        return Err(CommError::Malformed(format!(
-            "a run of {count} quantized chunks: expected {} bytes, found {}; the ranks \
-             disagree on the model or the plan",
-            one * count,
-            b.len()
-        )));
-    }
-    (0..count)
-        .map(|i| payload::decode_quantized(&b[i * one..(i + 1) * one], format, chunk))
-        .collect()
+/// The whole qgZ reduce-scatter of `grad` (every rank's full gradient, W
+/// equal chunks): this rank's chunk of the sum or mean over the world.
+pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    s: Qgz,
+    grad: &Q::Values,
+    feedback: Feedback<'_, Q>,
+) -> Result<Q::Values, ZeroError> {
+    let first = quantize_first_hop(q, grad, layout, s.intra, s.rounding, feedback.first)?;
+    let second = SecondHop {
+        format: s.inter,
+        rounding: s.rounding,
+        residual: feedback.second,
+    };
+    exchange(q, m, layout, first, second, s.reduction)
 }
 
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.

@@ -1,16 +1,22 @@
 //! qwZ: the forward weight gather. Each rank's chunk travels quantized
 //! (int8 or int4 blocks) across nodes among equal local ranks, then inside
-//! the node as one bundle per rank, and is dequantized into the full
-//! buffer; unquantized chunks go round the world in one ring.
+//! the node as one run of N chunks per rank, and is dequantized into the
+//! full buffer: written once over a [`Quantizer`] and a [`ByteMover`], for
+//! host and device alike. Unquantized chunks go round the world in one
+//! ring (moved as the caller's bytes).
 
 use bytes::{Bytes, BytesMut};
-use zeropp_quant::Element;
+use zeropp_cuda::GpuElement;
+use zeropp_quant::{Element, QuantFormat, Rounding};
 
 use crate::comm::{CommError, Communicator};
 
+use super::backend::{ByteMover, Hop, Quantizer};
+use super::error::ZeroError;
 use super::groups::ZeroGroups;
 use super::payload;
 use super::plan::{Layout, WeightWire};
+use super::traffic::Phase;
 
 /// The share of a quantized chunk's bytes that are block scales (0 for
 /// unquantized wires): what the byte counters report apart.
@@ -19,6 +25,86 @@ pub fn scale_fraction(wire: WeightWire, chunk: usize) -> f64 {
         WeightWire::Bf16 | WeightWire::F32 => 0.0,
         WeightWire::Quantized(f) => f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64,
     }
+}
+
+/// Where rank `r`'s chunk sits in what [`gather_quantized`] returns: the
+/// runs of N chunks arrive in local-rank order, each in node order, so
+/// rank n·G + l is at l·N + n.
+pub fn gathered_position(layout: Layout, rank: usize) -> usize {
+    let (node, local) = (rank / layout.ranks_per_node, rank % layout.ranks_per_node);
+    local * layout.nodes + node
+}
+
+/// qwZ: this rank's `shard` quantized in `format` (round to nearest),
+/// gathered across nodes among equal local ranks (N−1 copies of it cross
+/// node boundaries), then those N chunks inside the node: every rank's
+/// chunk, rank r's at [`gathered_position`]`(r)`.
+pub fn gather_quantized<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    shard: &Q::Tensor<'_, T>,
+    format: QuantFormat,
+    phase: Phase,
+) -> Result<Q::Chunks, ZeroError> {
+    let mine = quantize_shard(q, shard, format)?;
+    gather_chunks(q, m, layout, &mine, phase)
+}
+
+/// This rank's shard as qwZ sends it: one chunk, rounded to nearest.
+pub fn quantize_shard<Q: Quantizer, T: GpuElement>(
+    q: &Q,
+    shard: &Q::Tensor<'_, T>,
+    format: QuantFormat,
+) -> Result<Q::Chunks, ZeroError> {
+    let mut mine = q.chunks(format, q.tensor_len(shard), 1)?;
+    q.quantize_tensor(shard, Rounding::NearestEven, &mut mine, 0)?;
+    Ok(mine)
+}
+
+/// The gather of [`gather_quantized`], of an already quantized shard.
+pub fn gather_chunks<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    mine: &Q::Chunks,
+    phase: Phase,
+) -> Result<Q::Chunks, ZeroError> {
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    if m.size(Hop::Cross) != nodes || m.size(Hop::Node) != g {
+        return Err(ZeroError::Invalid(format!(
+            "qwZ over {nodes} nodes x {g} ranks was given groups of {} (across nodes) and {} \
+             (node)",
+            m.size(Hop::Cross),
+            m.size(Hop::Node)
+        )));
+    }
+    let (format, len, count) = q.shape(mine);
+    if count != 1 {
+        return Err(ZeroError::Invalid(format!(
+            "qwZ gathers one chunk a rank, not {count}"
+        )));
+    }
+    let mut across = q.chunks(format, len, nodes)?;
+    m.all_gather(Hop::Cross, phase, mine, &mut across)?;
+    let mut all = q.chunks(format, len, nodes * g)?;
+    m.all_gather(Hop::Node, phase, &across, &mut all)?;
+    Ok(all)
+}
+
+/// Every rank's chunk of `all` (chunk `position(r)` for rank r)
+/// dequantized into its place in `out` (`W · chunk` values).
+pub fn dequantize_all<Q: Quantizer, T: GpuElement>(
+    q: &Q,
+    all: &Q::Chunks,
+    position: impl Fn(usize) -> usize,
+    out: &mut Q::TensorMut<'_, T>,
+) -> Result<(), ZeroError> {
+    let (_, chunk, count) = q.shape(all);
+    for rank in 0..count {
+        q.dequantize_tensor(all, position(rank), out, rank * chunk)?;
+    }
+    Ok(())
 }
 
 /// This rank's chunk as it goes on the wire: bf16 or f32 values, or one

@@ -22,7 +22,9 @@ pub struct Residual {
     q: QuantizedChunks,
 }
 
-fn format() -> QuantFormat {
+/// The format residuals are kept in, on every backend: int8 blocks of
+/// [`BLOCK`] values, rounded to nearest.
+pub fn format() -> QuantFormat {
     QuantFormat::int8(BLOCK).expect("int8 blocks of 32 are a valid format")
 }
 
@@ -64,12 +66,10 @@ impl Residual {
         self.q.codes.len() + 4 * (self.q.block_max.len() + self.q.block_min.len())
     }
 
-    /// Makes it `count` chunks of `chunk_len` zeros unless it is already
-    /// that shape (a residual of another shape cannot be carried over).
-    pub fn ensure_shape(&mut self, chunk_len: usize, count: usize) {
-        if self.shape() != (chunk_len, count) {
-            *self = Residual::zeros(chunk_len, count);
-        }
+    /// The stored chunks, for the collectives that add and replace them
+    /// (`zero::qgz`); of another shape they start over from zeros there.
+    pub fn chunks_mut(&mut self) -> &mut QuantizedChunks {
+        &mut self.q
     }
 
     /// Back to zeros (after a skipped step, whose residual may hold a NaN).

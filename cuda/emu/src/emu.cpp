@@ -108,8 +108,8 @@ extern "C" int zq_emu_sum_requantize(const char* name, unsigned grid, const void
     return 0;
 }
 
-extern "C" void zq_emu_scale_f32(unsigned grid, float* x, u64 n, float s) {
-    zq_emu::launch(grid, zq::THREADS, [=] { zq_scale_f32(x, n, s); });
+extern "C" void zq_emu_div_f32(unsigned grid, float* x, u64 n, float d) {
+    zq_emu::launch(grid, zq::THREADS, [=] { zq_div_f32(x, n, d); });
 }
 
 extern "C" void zq_emu_axpby_f32(unsigned grid, float* x, const float* y, u64 n, float a, float b) {

@@ -53,14 +53,14 @@ unsafe extern "C" {
         err: *mut u64,
     ) -> i32;
     fn zq_emu_qinput_size() -> u32;
-    fn zq_emu_scale_f32(grid: u32, x: *mut f32, n: u64, s: f32);
+    fn zq_emu_div_f32(grid: u32, x: *mut f32, n: u64, d: f32);
     fn zq_emu_axpby_f32(grid: u32, x: *mut f32, y: *const f32, n: u64, a: f32, b: f32);
 }
 
-/// Launches `zq_scale_f32` (x *= s).
-pub fn scale_f32(grid: u32, x: &mut [f32], s: f32) {
+/// Launches `zq_div_f32` (x /= d).
+pub fn div_f32(grid: u32, x: &mut [f32], d: f32) {
     // SAFETY: the buffer lives across the call and holds `x.len()` values.
-    unsafe { zq_emu_scale_f32(grid, x.as_mut_ptr(), x.len() as u64, s) }
+    unsafe { zq_emu_div_f32(grid, x.as_mut_ptr(), x.len() as u64, d) }
 }
 
 /// Launches `zq_axpby_f32` (x = a·x + b·y).

@@ -1,0 +1,211 @@
+//! The two small interfaces every ZeRO++ collective is written over, so that
+//! each collective is written once for host and device memory:
+//!
+//! - a [`Quantizer`]: zeropp-quant's formats, bit for bit, on one kind of
+//!   memory (the CPU library on host buffers; the CUDA kernels on device
+//!   buffers; the same kernels' source, emulated, on host buffers);
+//! - a [`ByteMover`]: quantized chunks moved within one of this rank's
+//!   groups ([`Hop`]), counting what it sends (zeropp's host transports;
+//!   NCCL on the caller's stream).
+//!
+//! Buffers are named by the backend ([`Quantizer::Values`],
+//! [`Quantizer::Chunks`]) and addressed by offsets, so the collectives never
+//! see whether they live on the host or the device.
+
+use zeropp_cuda::GpuElement;
+use zeropp_quant::{QuantFormat, Rounding};
+
+use super::error::ZeroError;
+use super::traffic::Phase;
+
+/// Quantizing on one kind of memory.
+pub trait Quantizer {
+    /// f32 values.
+    type Values;
+    /// `count` quantized chunks of `chunk_len` values each, in
+    /// `zeropp_quant::QuantizedChunks`' layout: every chunk's codes, then
+    /// every chunk's block maxima, then minima (a run of chunks is
+    /// contiguous in each part).
+    type Chunks;
+
+    /// A caller's tensor of `T` values (f32, bf16, f16), to read: a host
+    /// slice, or a device view.
+    type Tensor<'a, T: GpuElement + 'a>;
+    /// A caller's tensor, to write.
+    type TensorMut<'a, T: GpuElement + 'a>;
+
+    /// `len` zeros.
+    fn values(&self, len: usize) -> Result<Self::Values, ZeroError>;
+
+    /// Values in a caller's tensor.
+    fn tensor_len<T: GpuElement>(&self, x: &Self::Tensor<'_, T>) -> usize;
+
+    /// `x` (one chunk's values) quantized into chunk `i` of `out`.
+    fn quantize_tensor<T: GpuElement>(
+        &self,
+        x: &Self::Tensor<'_, T>,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        i: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`.
+    fn dequantize_tensor<T: GpuElement>(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::TensorMut<'_, T>,
+        at: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Chunk `i` of `src` into chunk `j` of `dst` (the same format and
+    /// chunk length).
+    fn copy_chunk(
+        &self,
+        src: &Self::Chunks,
+        i: usize,
+        dst: &mut Self::Chunks,
+        j: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Values in a buffer.
+    fn len(&self, x: &Self::Values) -> usize;
+
+    /// Zeroed storage for `count` chunks of `chunk_len` values.
+    fn chunks(
+        &self,
+        format: QuantFormat,
+        chunk_len: usize,
+        count: usize,
+    ) -> Result<Self::Chunks, ZeroError>;
+
+    /// `(format, chunk_len, count)` of a chunked buffer.
+    fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
+
+    /// `y[at_y..at_y + len]` into `x[at_x..]`.
+    fn copy(
+        &self,
+        y: &Self::Values,
+        at_y: usize,
+        x: &mut Self::Values,
+        at_x: usize,
+        len: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// `x` (count · chunk_len values, chunk r for rank r of `nodes` ×
+    /// `ranks_per_node`) into `out` in swizzled order
+    /// (`zeropp_quant::quantize_swizzled`: chunk r at position g·N + n,
+    /// rounded with `rounding.for_part(r)`).
+    fn quantize_swizzled(
+        &self,
+        x: &Self::Values,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+    ) -> Result<(), ZeroError>;
+
+    /// `x[at..at + chunk_len]` quantized into chunk `i` of `out`.
+    fn quantize_chunk(
+        &self,
+        x: &Self::Values,
+        at: usize,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        i: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`.
+    fn dequantize(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Chunk `i` of `q` dequantized and added into `out[at..]` (f32).
+    fn dequantize_accumulate(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// Chunks `inputs` of `q` dequantized, summed in f32 in that order
+    /// (from +0) and requantized into chunk `o` of `out`, in one pass
+    /// (`zeropp_quant::sum_requantize`).
+    fn sum_requantize(
+        &self,
+        q: &Self::Chunks,
+        inputs: &[usize],
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        o: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// `x[at_x..at_x + len] = y[at_y..at_y + len] − x[at_x..]`: what a
+    /// quantization dropped, from what it kept (`x`) and what it was given
+    /// (`y`).
+    fn dropped(
+        &self,
+        x: &mut Self::Values,
+        at_x: usize,
+        y: &Self::Values,
+        at_y: usize,
+        len: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// `x /= d`, element by element (the mean over the world).
+    fn divide(&self, x: &mut Self::Values, d: f32) -> Result<(), ZeroError>;
+}
+
+/// One of this rank's groups, which every collective names by its role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hop {
+    /// Every rank.
+    World,
+    /// This rank's node, in local-rank order.
+    Node,
+    /// The ranks with this local rank, one per node, in node order.
+    Cross,
+    /// The ranks sharing this rank's hpZ secondary shard (the node, or a
+    /// run of its ranks), in rank order.
+    Hpz,
+}
+
+/// Moving quantized chunks within one of this rank's groups. Every member
+/// calls the same collectives in the same order; each counts the bytes it
+/// sends under `phase`, block scales apart.
+pub trait ByteMover<Q: Quantizer> {
+    /// Members of `hop`.
+    fn size(&self, hop: Hop) -> usize;
+
+    /// Member j receives chunks `j·k .. (j+1)·k` of `send` (`k` =
+    /// `send`'s count / the group's size); `recv` (the same shape) gets
+    /// member j's run for this rank at `j·k`.
+    fn all_to_all(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        send: &Q::Chunks,
+        recv: &mut Q::Chunks,
+    ) -> Result<(), ZeroError>;
+
+    /// Every member's chunks (`mine`, `k` of them) into `all` (`k` · the
+    /// group's size chunks, member j's at `j·k`).
+    fn all_gather(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Chunks,
+        all: &mut Q::Chunks,
+    ) -> Result<(), ZeroError>;
+}
+
+/// The share of a quantized chunk's bytes that are block scales: what the
+/// byte counters report apart.
+pub fn scale_fraction(format: QuantFormat, chunk_len: usize) -> f64 {
+    format.param_bytes(chunk_len) as f64 / format.total_bytes(chunk_len).max(1) as f64
+}

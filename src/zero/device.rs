@@ -1,0 +1,467 @@
+//! The CUDA backend: [`Gpu`] quantizes with zeropp-cuda's kernels on device
+//! buffers, [`NcclMover`] moves chunks with NCCL on the same stream and
+//! counts them in the host job's [`CountingTransport`]. The collectives
+//! (`zero::qgz`, ...) run on it as they run on the host.
+
+use zeropp_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use zeropp_cuda::device::{DeviceQuantizedChunks, QuantView, QuantViewMut};
+use zeropp_cuda::nccl::NcclComm;
+use zeropp_cuda::{Borrowed, Gpu, GpuElement};
+use zeropp_quant::{QuantFormat, Rounding};
+
+use super::backend::{ByteMover, Hop, Quantizer, scale_fraction};
+use super::error::ZeroError;
+use super::plan::Layout;
+use super::traffic::{CountingTransport, Phase};
+
+/// f32 values on the device: a buffer of zeropp's, or a caller's tensor
+/// borrowed for the call.
+pub enum DeviceValues {
+    Owned(CudaSlice<f32>),
+    Borrowed(Borrowed<f32>),
+}
+
+impl DeviceValues {
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceValues::Owned(s) => s.len(),
+            DeviceValues::Borrowed(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn view(&self) -> CudaView<'_, f32> {
+        match self {
+            DeviceValues::Owned(s) => s.as_view(),
+            DeviceValues::Borrowed(b) => b.view(),
+        }
+    }
+
+    pub fn view_mut(&mut self) -> CudaViewMut<'_, f32> {
+        match self {
+            DeviceValues::Owned(s) => s.as_view_mut(),
+            DeviceValues::Borrowed(b) => b.view_mut(),
+        }
+    }
+}
+
+fn in_range(x: &DeviceValues, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
+    if at + len <= x.len() {
+        Ok(())
+    } else {
+        Err(super::host::out_of_range(what, at, len, x.len()))
+    }
+}
+
+fn check_chunk(q: &DeviceQuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
+    if i < q.count {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunk {i} of {} chunks",
+            q.count
+        )))
+    }
+}
+
+/// Code bytes, block maxima and minima per chunk.
+fn strides(c: &DeviceQuantizedChunks) -> (usize, usize, usize) {
+    (
+        c.format.code_bytes(c.chunk_len),
+        c.format.num_blocks(c.chunk_len),
+        c.format.num_block_mins(c.chunk_len),
+    )
+}
+
+/// Chunk `i` of a chunked quantized buffer, as a view.
+fn chunk_view(c: &DeviceQuantizedChunks, i: usize) -> QuantView<'_> {
+    let (cb, nb, nm) = strides(c);
+    QuantView {
+        format: c.format,
+        len: c.chunk_len,
+        codes: c.codes.slice(i * cb..(i + 1) * cb),
+        block_max: c.block_max.slice(i * nb..(i + 1) * nb),
+        block_min: c.block_min.slice(i * nm..(i + 1) * nm),
+    }
+}
+
+fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
+    let (cb, nb, nm) = strides(c);
+    QuantViewMut {
+        format: c.format,
+        len: c.chunk_len,
+        codes: c.codes.slice_mut(i * cb..(i + 1) * cb),
+        block_max: c.block_max.slice_mut(i * nb..(i + 1) * nb),
+        block_min: c.block_min.slice_mut(i * nm..(i + 1) * nm),
+    }
+}
+
+impl Quantizer for Gpu {
+    type Values = DeviceValues;
+    type Chunks = DeviceQuantizedChunks;
+    type Tensor<'a, T: GpuElement + 'a> = CudaView<'a, T>;
+    type TensorMut<'a, T: GpuElement + 'a> = CudaViewMut<'a, T>;
+
+    fn tensor_len<T: GpuElement>(&self, x: &CudaView<'_, T>) -> usize {
+        x.len()
+    }
+
+    fn quantize_tensor<T: GpuElement>(
+        &self,
+        x: &CudaView<'_, T>,
+        rounding: Rounding,
+        out: &mut DeviceQuantizedChunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(out, i, "quantizing a tensor")?;
+        Ok(self.quantize_view(x, rounding, &mut chunk_view_mut(out, i))?)
+    }
+
+    fn dequantize_tensor<T: GpuElement>(
+        &self,
+        q: &DeviceQuantizedChunks,
+        i: usize,
+        out: &mut CudaViewMut<'_, T>,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(q, i, "dequantizing a chunk")?;
+        let (len, n) = (q.chunk_len, out.len());
+        if at + len > n {
+            return Err(super::host::out_of_range(
+                "dequantizing a chunk",
+                at,
+                len,
+                n,
+            ));
+        }
+        Ok(self.dequantize_view(&chunk_view(q, i), &mut out.slice_mut(at..at + len))?)
+    }
+
+    fn copy_chunk(
+        &self,
+        src: &DeviceQuantizedChunks,
+        i: usize,
+        dst: &mut DeviceQuantizedChunks,
+        j: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(src, i, "copying a chunk")?;
+        check_chunk(dst, j, "copying a chunk")?;
+        if (src.format, src.chunk_len) != (dst.format, dst.chunk_len) {
+            return Err(ZeroError::Invalid(format!(
+                "copying a chunk of {} values in {:?} into one of {} in {:?}",
+                src.chunk_len, src.format, dst.chunk_len, dst.format
+            )));
+        }
+        let (from, mut to) = (chunk_view(src, i), chunk_view_mut(dst, j));
+        Gpu::copy(self, &from.codes, &mut to.codes)?;
+        Gpu::copy(self, &from.block_max, &mut to.block_max)?;
+        Gpu::copy(self, &from.block_min, &mut to.block_min)?;
+        Ok(())
+    }
+
+    fn values(&self, len: usize) -> Result<DeviceValues, ZeroError> {
+        Ok(DeviceValues::Owned(self.zeros::<f32>(len)?))
+    }
+
+    fn len(&self, x: &DeviceValues) -> usize {
+        x.len()
+    }
+
+    fn chunks(
+        &self,
+        format: QuantFormat,
+        chunk_len: usize,
+        count: usize,
+    ) -> Result<DeviceQuantizedChunks, ZeroError> {
+        Ok(DeviceQuantizedChunks::zeroed(
+            self, format, chunk_len, count,
+        )?)
+    }
+
+    fn shape(&self, q: &DeviceQuantizedChunks) -> (QuantFormat, usize, usize) {
+        (q.format, q.chunk_len, q.count)
+    }
+
+    fn copy(
+        &self,
+        y: &DeviceValues,
+        at_y: usize,
+        x: &mut DeviceValues,
+        at_x: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        in_range(y, at_y, len, "copy")?;
+        in_range(x, at_x, len, "copy")?;
+        let src = y.view();
+        let mut dst = x.view_mut();
+        Ok(Gpu::copy(
+            self,
+            &src.slice(at_y..at_y + len),
+            &mut dst.slice_mut(at_x..at_x + len),
+        )?)
+    }
+
+    fn quantize_swizzled(
+        &self,
+        x: &DeviceValues,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut DeviceQuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        Ok(Gpu::quantize_swizzled(
+            self,
+            &x.view(),
+            nodes,
+            ranks_per_node,
+            rounding,
+            out,
+        )?)
+    }
+
+    fn quantize_chunk(
+        &self,
+        x: &DeviceValues,
+        at: usize,
+        rounding: Rounding,
+        out: &mut DeviceQuantizedChunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(out, i, "quantizing a chunk")?;
+        let len = out.chunk_len;
+        in_range(x, at, len, "quantizing a chunk")?;
+        let src = x.view();
+        Ok(self.quantize_view(
+            &src.slice(at..at + len),
+            rounding,
+            &mut chunk_view_mut(out, i),
+        )?)
+    }
+
+    fn dequantize(
+        &self,
+        q: &DeviceQuantizedChunks,
+        i: usize,
+        out: &mut DeviceValues,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(q, i, "dequantizing a chunk")?;
+        in_range(out, at, q.chunk_len, "dequantizing a chunk")?;
+        let mut dst = out.view_mut();
+        Ok(self.dequantize_view(&chunk_view(q, i), &mut dst.slice_mut(at..at + q.chunk_len))?)
+    }
+
+    fn dequantize_accumulate(
+        &self,
+        q: &DeviceQuantizedChunks,
+        i: usize,
+        out: &mut DeviceValues,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(q, i, "summing a chunk")?;
+        in_range(out, at, q.chunk_len, "summing a chunk")?;
+        let mut dst = out.view_mut();
+        Ok(self.dequantize_accumulate_view(
+            &chunk_view(q, i),
+            &mut dst.slice_mut(at..at + q.chunk_len),
+        )?)
+    }
+
+    fn sum_requantize(
+        &self,
+        q: &DeviceQuantizedChunks,
+        inputs: &[usize],
+        rounding: Rounding,
+        out: &mut DeviceQuantizedChunks,
+        o: usize,
+    ) -> Result<(), ZeroError> {
+        for &i in inputs {
+            check_chunk(q, i, "summing chunks")?;
+        }
+        check_chunk(out, o, "requantizing a sum")?;
+        let views: Vec<QuantView<'_>> = inputs.iter().map(|&i| chunk_view(q, i)).collect();
+        Ok(self.sum_requantize_views(&views, rounding, &mut chunk_view_mut(out, o))?)
+    }
+
+    fn dropped(
+        &self,
+        x: &mut DeviceValues,
+        at_x: usize,
+        y: &DeviceValues,
+        at_y: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        in_range(y, at_y, len, "error feedback")?;
+        in_range(x, at_x, len, "error feedback")?;
+        let src = y.view();
+        let mut dst = x.view_mut();
+        // −1·x + 1·y: each product exact, one rounding, as the CPU's y − x.
+        Ok(self.axpby(
+            &mut dst.slice_mut(at_x..at_x + len),
+            &src.slice(at_y..at_y + len),
+            -1.0,
+            1.0,
+        )?)
+    }
+
+    fn divide(&self, x: &mut DeviceValues, d: f32) -> Result<(), ZeroError> {
+        Ok(Gpu::divide(self, &mut x.view_mut(), d)?)
+    }
+}
+
+/// Moves chunks with NCCL on the device's stream, within this rank's
+/// groups (the world, its node, its ranks across nodes), and counts what
+/// it sends in the host job's counters, as the host transports count.
+pub struct NcclMover<'a> {
+    pub world: &'a NcclComm,
+    pub node: &'a NcclComm,
+    pub cross: &'a NcclComm,
+    /// This rank's hpZ group: the node's communicator or a sub-group's.
+    pub hpz: &'a NcclComm,
+    pub layout: Layout,
+    pub counter: &'a CountingTransport,
+}
+
+fn bytes_of<'a>(v: CudaView<'a, f32>) -> CudaView<'a, u8> {
+    let n = v.len() * 4;
+    // SAFETY: any f32 bit pattern is a valid run of bytes.
+    unsafe { v.transmute::<u8>(n) }.expect("an f32 buffer holds 4 bytes a value")
+}
+
+fn bytes_of_mut(s: &mut CudaSlice<f32>) -> CudaViewMut<'_, u8> {
+    let n = s.len() * 4;
+    // SAFETY: the bytes written are f32 bit patterns sent by a peer.
+    unsafe { s.transmute_mut::<u8>(n) }.expect("an f32 buffer holds 4 bytes a value")
+}
+
+impl NcclMover<'_> {
+    fn comm(&self, hop: Hop) -> &NcclComm {
+        match hop {
+            Hop::World => self.world,
+            Hop::Node => self.node,
+            Hop::Cross => self.cross,
+            Hop::Hpz => self.hpz,
+        }
+    }
+
+    /// The global ranks of `hop`'s members.
+    fn members(&self, hop: Hop) -> Vec<usize> {
+        let l = self.layout;
+        let (g, node, local) = (l.ranks_per_node, l.node(), l.local());
+        match hop {
+            Hop::World => (0..l.world()).collect(),
+            Hop::Node => (node * g..(node + 1) * g).collect(),
+            Hop::Cross => (0..l.nodes).map(|n| n * g + local).collect(),
+            Hop::Hpz => {
+                let h = self.hpz.size();
+                let first = l.rank / h * h;
+                (first..first + h).collect()
+            }
+        }
+    }
+
+    /// Counts `bytes` of `format` chunks of `chunk_len` values sent to each
+    /// of `peers`.
+    fn count(&self, phase: Phase, q: &DeviceQuantizedChunks, peers: &[(usize, u64)]) {
+        let frac = scale_fraction(q.format, q.chunk_len);
+        for &(peer, bytes) in peers {
+            if peer != self.layout.rank {
+                self.counter.count_outside(phase, frac, peer, bytes);
+            }
+        }
+    }
+}
+
+fn same_shape(
+    a: &DeviceQuantizedChunks,
+    b: &DeviceQuantizedChunks,
+    what: &str,
+) -> Result<(), ZeroError> {
+    if (a.format, a.chunk_len) == (b.format, b.chunk_len) {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
+            a.chunk_len, a.format, b.chunk_len, b.format
+        )))
+    }
+}
+
+impl ByteMover<Gpu> for NcclMover<'_> {
+    fn size(&self, hop: Hop) -> usize {
+        self.comm(hop).size()
+    }
+
+    fn all_to_all(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        send: &DeviceQuantizedChunks,
+        recv: &mut DeviceQuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        same_shape(send, recv, "all-to-all")?;
+        let comm = self.comm(hop);
+        if send.count != recv.count || !send.count.is_multiple_of(comm.size()) {
+            return Err(ZeroError::Invalid(format!(
+                "all-to-all of {} chunks into {} over {} ranks",
+                send.count,
+                recv.count,
+                comm.size()
+            )));
+        }
+        // Each part on its own, so what arrives is in the chunks' layout.
+        comm.all_to_all_bytes(&send.codes.as_view(), &mut recv.codes.as_view_mut())?;
+        comm.all_to_all_bytes(
+            &bytes_of(send.block_max.as_view()),
+            &mut bytes_of_mut(&mut recv.block_max),
+        )?;
+        if !send.block_min.is_empty() {
+            comm.all_to_all_bytes(
+                &bytes_of(send.block_min.as_view()),
+                &mut bytes_of_mut(&mut recv.block_min),
+            )?;
+        }
+        let k = send.count / comm.size();
+        let each = send.format.total_bytes(send.chunk_len) as u64 * k as u64;
+        let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
+        self.count(phase, send, &peers);
+        Ok(())
+    }
+
+    fn all_gather(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &DeviceQuantizedChunks,
+        all: &mut DeviceQuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        same_shape(mine, all, "all-gather")?;
+        let comm = self.comm(hop);
+        if all.count != mine.count * comm.size() {
+            return Err(ZeroError::Invalid(format!(
+                "all-gather of {} chunks over {} ranks into {} chunks",
+                mine.count,
+                comm.size(),
+                all.count
+            )));
+        }
+        comm.all_gather_bytes(&mine.codes.as_view(), &mut all.codes.as_view_mut())?;
+        comm.all_gather_bytes(
+            &bytes_of(mine.block_max.as_view()),
+            &mut bytes_of_mut(&mut all.block_max),
+        )?;
+        if !mine.block_min.is_empty() {
+            comm.all_gather_bytes(
+                &bytes_of(mine.block_min.as_view()),
+                &mut bytes_of_mut(&mut all.block_min),
+            )?;
+        }
+        let each = mine.format.total_bytes(mine.chunk_len) as u64 * mine.count as u64;
+        let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
+        self.count(phase, mine, &peers);
+        Ok(())
+    }
+}

@@ -1,0 +1,481 @@
+//! The host backend. Host memory is one implementation of the buffers
+//! (`Vec<f32>`, `QuantizedChunks`, slices) for any set of [`HostKernels`]:
+//! [`Host`] (zeropp-quant, the CPU library) or the emulated device's CUDA
+//! kernels (`super::emulated::Emulated`). [`HostMover`] moves chunks
+//! through zeropp's transports (UCX, TCP, in process) and counts them in
+//! the job's [`CountingTransport`], for both.
+
+use bytes::Bytes;
+use zeropp_cuda::GpuElement;
+use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding};
+
+use crate::comm::{Communicator, Group};
+
+use super::backend::{ByteMover, Hop, Quantizer, scale_fraction};
+use super::error::{ZeroError, quant_failure};
+use super::groups::ZeroGroups;
+use super::payload;
+use super::traffic::{CountingTransport, Phase};
+
+/// The kernels of a backend whose buffers live in host memory, on slices
+/// already checked to fit: [`Quantizer`] follows for every such set.
+pub trait HostKernels {
+    /// `x` quantized into `out` (as long as `x`).
+    fn quantize<T: GpuElement>(
+        &self,
+        x: &[T],
+        rounding: Rounding,
+        out: QuantizedMut<'_>,
+    ) -> Result<(), ZeroError>;
+
+    /// `zeropp_quant::quantize_swizzled`.
+    fn quantize_swizzled(
+        &self,
+        x: &[f32],
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError>;
+
+    /// `q` dequantized into `out` (as long as `q`), or added to it in f32.
+    fn dequantize<T: GpuElement>(
+        &self,
+        q: QuantizedRef<'_>,
+        out: &mut [T],
+    ) -> Result<(), ZeroError>;
+    fn dequantize_accumulate(&self, q: QuantizedRef<'_>, out: &mut [f32]) -> Result<(), ZeroError>;
+
+    /// `zeropp_quant::sum_requantize`.
+    fn sum_requantize(
+        &self,
+        inputs: &[QuantizedRef<'_>],
+        rounding: Rounding,
+        out: QuantizedMut<'_>,
+    ) -> Result<(), ZeroError>;
+
+    /// `x = y − x` (equal lengths).
+    fn dropped(&self, x: &mut [f32], y: &[f32]) -> Result<(), ZeroError>;
+
+    /// `x /= d`.
+    fn divide(&self, x: &mut [f32], d: f32) -> Result<(), ZeroError>;
+}
+
+/// zeropp-quant, the CPU library, on host memory.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Host;
+
+impl HostKernels for Host {
+    fn quantize<T: GpuElement>(
+        &self,
+        x: &[T],
+        rounding: Rounding,
+        out: QuantizedMut<'_>,
+    ) -> Result<(), ZeroError> {
+        zeropp_quant::quantize(x, rounding, out).map_err(quant_failure("quantizing"))
+    }
+
+    fn quantize_swizzled(
+        &self,
+        x: &[f32],
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        zeropp_quant::quantize_swizzled(x, nodes, ranks_per_node, rounding, out)
+            .map_err(quant_failure("quantizing chunks"))
+    }
+
+    fn dequantize<T: GpuElement>(
+        &self,
+        q: QuantizedRef<'_>,
+        out: &mut [T],
+    ) -> Result<(), ZeroError> {
+        zeropp_quant::dequantize(q, out).map_err(quant_failure("dequantizing"))
+    }
+
+    fn dequantize_accumulate(&self, q: QuantizedRef<'_>, out: &mut [f32]) -> Result<(), ZeroError> {
+        zeropp_quant::dequantize_accumulate(q, out).map_err(quant_failure("summing"))
+    }
+
+    fn sum_requantize(
+        &self,
+        inputs: &[QuantizedRef<'_>],
+        rounding: Rounding,
+        out: QuantizedMut<'_>,
+    ) -> Result<(), ZeroError> {
+        zeropp_quant::sum_requantize(inputs, rounding, out, &mut Vec::new())
+            .map_err(quant_failure("summing and requantizing"))
+    }
+
+    fn dropped(&self, x: &mut [f32], y: &[f32]) -> Result<(), ZeroError> {
+        x.iter_mut().zip(y).for_each(|(x, y)| *x = y - *x);
+        Ok(())
+    }
+
+    fn divide(&self, x: &mut [f32], d: f32) -> Result<(), ZeroError> {
+        x.iter_mut().for_each(|v| *v /= d);
+        Ok(())
+    }
+}
+
+fn span<'a, T>(x: &'a [T], at: usize, len: usize, what: &str) -> Result<&'a [T], ZeroError> {
+    x.get(at..at + len)
+        .ok_or_else(|| out_of_range(what, at, len, x.len()))
+}
+
+fn span_mut<'a, T>(
+    x: &'a mut [T],
+    at: usize,
+    len: usize,
+    what: &str,
+) -> Result<&'a mut [T], ZeroError> {
+    let n = x.len();
+    x.get_mut(at..at + len)
+        .ok_or_else(|| out_of_range(what, at, len, n))
+}
+
+pub(crate) fn out_of_range(what: &str, at: usize, len: usize, have: usize) -> ZeroError {
+    ZeroError::Invalid(format!(
+        "{what}: values {at}..{} of a buffer of {have}",
+        at + len
+    ))
+}
+
+fn check_chunk(q: &QuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
+    if i < q.count {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunk {i} of {} chunks",
+            q.count
+        )))
+    }
+}
+
+impl<K: HostKernels> Quantizer for K {
+    type Values = Vec<f32>;
+    type Chunks = QuantizedChunks;
+    type Tensor<'a, T: GpuElement + 'a> = &'a [T];
+    type TensorMut<'a, T: GpuElement + 'a> = &'a mut [T];
+
+    fn values(&self, len: usize) -> Result<Vec<f32>, ZeroError> {
+        Ok(vec![0.0; len])
+    }
+
+    fn len(&self, x: &Vec<f32>) -> usize {
+        x.len()
+    }
+
+    fn tensor_len<T: GpuElement>(&self, x: &&[T]) -> usize {
+        x.len()
+    }
+
+    fn chunks(
+        &self,
+        format: QuantFormat,
+        chunk_len: usize,
+        count: usize,
+    ) -> Result<QuantizedChunks, ZeroError> {
+        Ok(QuantizedChunks::zeroed(format, chunk_len, count))
+    }
+
+    fn shape(&self, q: &QuantizedChunks) -> (QuantFormat, usize, usize) {
+        (q.format, q.chunk_len, q.count)
+    }
+
+    fn copy(
+        &self,
+        y: &Vec<f32>,
+        at_y: usize,
+        x: &mut Vec<f32>,
+        at_x: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        span_mut(x, at_x, len, "copy")?.copy_from_slice(span(y, at_y, len, "copy")?);
+        Ok(())
+    }
+
+    fn copy_chunk(
+        &self,
+        src: &QuantizedChunks,
+        i: usize,
+        dst: &mut QuantizedChunks,
+        j: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(src, i, "copying a chunk")?;
+        check_chunk(dst, j, "copying a chunk")?;
+        if (src.format, src.chunk_len) != (dst.format, dst.chunk_len) {
+            return Err(ZeroError::Invalid(format!(
+                "copying a chunk of {} values in {:?} into one of {} in {:?}",
+                src.chunk_len, src.format, dst.chunk_len, dst.format
+            )));
+        }
+        let (from, to) = (src.chunk(i), dst.chunk_mut(j));
+        to.codes.copy_from_slice(from.codes);
+        to.block_max.copy_from_slice(from.block_max);
+        to.block_min.copy_from_slice(from.block_min);
+        Ok(())
+    }
+
+    fn quantize_tensor<T: GpuElement>(
+        &self,
+        x: &&[T],
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(out, i, "quantizing a tensor")?;
+        if x.len() != out.chunk_len {
+            return Err(ZeroError::Invalid(format!(
+                "quantizing a tensor of {} values into chunks of {}",
+                x.len(),
+                out.chunk_len
+            )));
+        }
+        HostKernels::quantize(self, x, rounding, out.chunk_mut(i))
+    }
+
+    fn dequantize_tensor<T: GpuElement>(
+        &self,
+        q: &QuantizedChunks,
+        i: usize,
+        out: &mut &mut [T],
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(q, i, "dequantizing a chunk")?;
+        let out = span_mut(out, at, q.chunk_len, "dequantizing a chunk")?;
+        HostKernels::dequantize(self, q.chunk(i), out)
+    }
+
+    fn quantize_swizzled(
+        &self,
+        x: &Vec<f32>,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        HostKernels::quantize_swizzled(self, x, nodes, ranks_per_node, rounding, out)
+    }
+
+    fn quantize_chunk(
+        &self,
+        x: &Vec<f32>,
+        at: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(out, i, "quantizing a chunk")?;
+        let x = span(x, at, out.chunk_len, "quantizing a chunk")?;
+        HostKernels::quantize(self, x, rounding, out.chunk_mut(i))
+    }
+
+    fn dequantize(
+        &self,
+        q: &QuantizedChunks,
+        i: usize,
+        out: &mut Vec<f32>,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        self.dequantize_tensor(q, i, &mut out.as_mut_slice(), at)
+    }
+
+    fn dequantize_accumulate(
+        &self,
+        q: &QuantizedChunks,
+        i: usize,
+        out: &mut Vec<f32>,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_chunk(q, i, "summing a chunk")?;
+        let out = span_mut(out, at, q.chunk_len, "summing a chunk")?;
+        HostKernels::dequantize_accumulate(self, q.chunk(i), out)
+    }
+
+    fn sum_requantize(
+        &self,
+        q: &QuantizedChunks,
+        inputs: &[usize],
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+        o: usize,
+    ) -> Result<(), ZeroError> {
+        for &i in inputs {
+            check_chunk(q, i, "summing chunks")?;
+        }
+        check_chunk(out, o, "requantizing a sum")?;
+        let views: Vec<_> = inputs.iter().map(|&i| q.chunk(i)).collect();
+        HostKernels::sum_requantize(self, &views, rounding, out.chunk_mut(o))
+    }
+
+    fn dropped(
+        &self,
+        x: &mut Vec<f32>,
+        at_x: usize,
+        y: &Vec<f32>,
+        at_y: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        let y = span(y, at_y, len, "error feedback")?;
+        HostKernels::dropped(self, span_mut(x, at_x, len, "error feedback")?, y)
+    }
+
+    fn divide(&self, x: &mut Vec<f32>, d: f32) -> Result<(), ZeroError> {
+        HostKernels::divide(self, x, d)
+    }
+}
+
+/// Moves chunks through zeropp's host transports, within this rank's
+/// [`ZeroGroups`], and counts them (set as each call's phase).
+pub struct HostMover<'a> {
+    pub comm: &'a Communicator,
+    pub counter: &'a CountingTransport,
+    pub groups: &'a ZeroGroups,
+}
+
+impl HostMover<'_> {
+    fn group(&self, hop: Hop) -> &Group {
+        match hop {
+            Hop::World => &self.groups.world,
+            Hop::Node => &self.groups.node,
+            Hop::Cross => &self.groups.cross,
+            Hop::Hpz => &self.groups.hpz,
+        }
+    }
+
+    /// `k` chunks per member of `hop`, from a buffer of `count` chunks.
+    fn per_member(&self, hop: Hop, count: usize) -> Result<usize, ZeroError> {
+        let p = self.group(hop).size();
+        if count.is_multiple_of(p) {
+            Ok(count / p)
+        } else {
+            Err(ZeroError::Invalid(format!(
+                "{count} chunks do not split among the {p} members of the {hop:?} group"
+            )))
+        }
+    }
+}
+
+/// Whether chunks of `chunk` values are whole blocks and whole code bytes:
+/// then a run of them has the layout of one tensor.
+fn whole_blocks(format: QuantFormat, chunk: usize) -> bool {
+    chunk.is_multiple_of(format.block)
+        && format.code_bytes(chunk) * format.bits.codes_per_byte() == chunk
+}
+
+/// Chunks `range` of `q` as one message: the layout of one tensor when the
+/// chunks are whole blocks, else each chunk's own encoding back to back.
+fn encode_run(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Bytes {
+    if whole_blocks(q.format, q.chunk_len) {
+        return payload::encode_chunks(q, range);
+    }
+    let parts: Vec<Bytes> = range.map(|p| payload::encode_chunks(q, p..p + 1)).collect();
+    super::qwz::concat(&parts)
+}
+
+/// The inverse of [`encode_run`], into chunks `at..` of `out`.
+fn decode_run_into(
+    b: &[u8],
+    out: &mut QuantizedChunks,
+    at: usize,
+    count: usize,
+) -> Result<(), ZeroError> {
+    let (format, chunk) = (out.format, out.chunk_len);
+    let decoded = if whole_blocks(format, chunk) {
+        payload::decode_quantized(b, format, chunk * count)?.split(count)?
+    } else {
+        let one = format.total_bytes(chunk);
+        if b.len() != one * count {
+            return Err(ZeroError::Comm(crate::comm::CommError::Malformed(format!(
+                "a run of {count} quantized chunks: expected {} bytes, found {}; the ranks \
+                 disagree on the model or the plan",
+                one * count,
+                b.len()
+            ))));
+        }
+        (0..count)
+            .map(|i| payload::decode_quantized(&b[i * one..(i + 1) * one], format, chunk))
+            .collect::<Result<_, _>>()?
+    };
+    for (i, d) in decoded.iter().enumerate() {
+        let (src, dst) = (d.view(), out.chunk_mut(at + i));
+        dst.codes.copy_from_slice(src.codes);
+        dst.block_max.copy_from_slice(src.block_max);
+        dst.block_min.copy_from_slice(src.block_min);
+    }
+    Ok(())
+}
+
+fn same_shape(a: &QuantizedChunks, b: &QuantizedChunks, what: &str) -> Result<(), ZeroError> {
+    if (a.format, a.chunk_len) == (b.format, b.chunk_len) {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
+            a.chunk_len, a.format, b.chunk_len, b.format
+        )))
+    }
+}
+
+impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
+    fn size(&self, hop: Hop) -> usize {
+        self.group(hop).size()
+    }
+
+    fn all_to_all(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        send: &QuantizedChunks,
+        recv: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        same_shape(send, recv, "all-to-all")?;
+        let k = self.per_member(hop, send.count)?;
+        if recv.count != send.count {
+            return Err(ZeroError::Invalid(format!(
+                "all-to-all of {} chunks into {}",
+                send.count, recv.count
+            )));
+        }
+        let group = self.group(hop);
+        self.counter
+            .set_phase(phase, scale_fraction(send.format, send.chunk_len));
+        let to_each = (0..group.size())
+            .map(|j| encode_run(send, j * k..(j + 1) * k))
+            .collect();
+        let from_each = self.comm.all_to_all_v(group, to_each)?;
+        for (j, b) in from_each.iter().enumerate() {
+            decode_run_into(b, recv, j * k, k)?;
+        }
+        Ok(())
+    }
+
+    fn all_gather(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &QuantizedChunks,
+        all: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        same_shape(mine, all, "all-gather")?;
+        let group = self.group(hop);
+        let k = mine.count;
+        if all.count != k * group.size() {
+            return Err(ZeroError::Invalid(format!(
+                "all-gather of {k} chunks over {} ranks into {} chunks",
+                group.size(),
+                all.count
+            )));
+        }
+        self.counter
+            .set_phase(phase, scale_fraction(mine.format, mine.chunk_len));
+        let from_each = self.comm.all_gather_v(group, encode_run(mine, 0..k))?;
+        for (j, b) in from_each.iter().enumerate() {
+            decode_run_into(b, all, j * k, k)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,501 @@
+//! One implementation of each ZeRO++ collective (`zeropp::zero::{qgz, qwz,
+//! hpz}`), every backend: the host library, the emulated device (the CUDA
+//! kernels' own source on host buffers) and the GPU. Each rank of an
+//! in-process job runs the collective over its backend and the host
+//! transports; the results, the error-feedback residuals and the bytes
+//! counted agree bit for bit, call after call (round to nearest).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use zeropp::comm::Communicator;
+use zeropp::comm::inproc::InProcess;
+use zeropp::zero::emulated::Emulated;
+use zeropp::zero::host::{Host, HostMover};
+use zeropp::zero::plan::Layout;
+use zeropp::zero::qgz::{self, Feedback, Qgz, Reduction};
+use zeropp::zero::traffic::Phase;
+use zeropp::zero::traffic::{CountingTransport, Traffic};
+use zeropp::zero::{Quantizer, ZeroGroups};
+use zeropp::zero::{hpz, qwz};
+use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
+
+/// A gradient that is different on every rank and call, with a few large
+/// values so blocks have different scales.
+fn gradient(len: usize, rank: usize, call: usize) -> Vec<f32> {
+    let mut s =
+        (rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ ((call as u64 + 7) * 0xbf58_476d);
+    (0..len)
+        .map(|i| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let u = (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            if i % 97 == 0 { u * 40.0 } else { u }
+        })
+        .collect()
+}
+
+/// What one rank saw over its calls: each result, both residuals after it,
+/// and the bytes it sent.
+#[derive(Debug, PartialEq)]
+struct Seen {
+    results: Vec<Vec<u32>>,
+    residuals: Vec<(QuantizedChunks, QuantizedChunks)>,
+    traffic: Traffic,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    nodes: usize,
+    g: usize,
+    chunk: usize,
+    intra_bits: u32,
+    feedback: bool,
+    reduction: Reduction,
+    calls: usize,
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Runs `case` on every rank of an in-process job with quantizer `q`.
+fn run<Q>(case: Case, q: Q) -> Vec<Seen>
+where
+    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks> + Copy + Send + 'static,
+{
+    let Case { nodes, g, .. } = case;
+    let handles: Vec<_> = InProcess::world(nodes * g)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            std::thread::spawn(move || {
+                let layout = Layout {
+                    nodes,
+                    ranks_per_node: g,
+                    rank,
+                };
+                let counter = Arc::new(CountingTransport::new(Box::new(t), g));
+                let comm = Communicator::new(counter.clone(), Duration::from_secs(60));
+                let groups = ZeroGroups::new(&layout, g).unwrap();
+                let mover = HostMover {
+                    comm: &comm,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                let intra = QuantFormat::new(
+                    zeropp_quant::Bits::from_u32(case.intra_bits).unwrap(),
+                    zeropp_quant::Scheme::Symmetric,
+                    32,
+                )
+                .unwrap();
+                let settings = Qgz {
+                    intra,
+                    inter: QuantFormat::int4(32).unwrap(),
+                    rounding: Rounding::NearestEven,
+                    reduction: case.reduction,
+                };
+                let (mut r1, mut r2) = (
+                    q.chunks(intra, 0, 0).unwrap(),
+                    q.chunks(intra, 0, 0).unwrap(),
+                );
+                let mut seen = Seen {
+                    results: vec![],
+                    residuals: vec![],
+                    traffic: Traffic::default(),
+                };
+                for call in 0..case.calls {
+                    let grad = gradient(case.chunk * nodes * g, rank, call);
+                    let feedback = Feedback {
+                        first: (case.feedback && qgz::first_hop_feedback(true, intra))
+                            .then_some(&mut r1),
+                        second: case.feedback.then_some(&mut r2),
+                    };
+                    let out =
+                        qgz::reduce_scatter(&q, &mover, layout, settings, &grad, feedback).unwrap();
+                    assert_eq!(out.len(), case.chunk);
+                    seen.results.push(bits(&out));
+                    seen.residuals.push((r1.clone(), r2.clone()));
+                }
+                seen.traffic = counter.traffic();
+                seen
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+const CASES: [Case; 5] = [
+    // One rank: quantize, requantize, dequantize, with feedback at both hops.
+    Case {
+        nodes: 1,
+        g: 1,
+        chunk: 4099,
+        intra_bits: 4,
+        feedback: true,
+        reduction: Reduction::Mean,
+        calls: 3,
+    },
+    // The default plan of 2 x 2: int8 inside, feedback across nodes.
+    Case {
+        nodes: 2,
+        g: 2,
+        chunk: 640,
+        intra_bits: 8,
+        feedback: true,
+        reduction: Reduction::Mean,
+        calls: 3,
+    },
+    // int4 inside with feedback at both hops; a mean by 6.
+    Case {
+        nodes: 3,
+        g: 2,
+        chunk: 256,
+        intra_bits: 4,
+        feedback: true,
+        reduction: Reduction::Mean,
+        calls: 2,
+    },
+    // Chunks that are not whole blocks, no feedback (the fused kernel), a sum.
+    Case {
+        nodes: 2,
+        g: 3,
+        chunk: 101,
+        intra_bits: 4,
+        feedback: false,
+        reduction: Reduction::Sum,
+        calls: 2,
+    },
+    // One node of four: the hop across nodes is a copy.
+    Case {
+        nodes: 1,
+        g: 4,
+        chunk: 333,
+        intra_bits: 8,
+        feedback: true,
+        reduction: Reduction::Mean,
+        calls: 2,
+    },
+];
+
+#[test]
+fn the_emulated_device_gives_the_host_librarys_qgz_bit_for_bit() {
+    for case in CASES {
+        let host = run(case, Host);
+        let emulated = run(case, Emulated);
+        for (rank, (h, e)) in host.iter().zip(&emulated).enumerate() {
+            assert_eq!(h.results, e.results, "{case:?} rank {rank}: results");
+            assert_eq!(h.residuals, e.residuals, "{case:?} rank {rank}: residuals");
+            assert_eq!(h.traffic, e.traffic, "{case:?} rank {rank}: bytes");
+        }
+        // Feedback carries: with it, what was dropped is kept.
+        if case.feedback {
+            let (r1, r2) = host[0].residuals.last().unwrap();
+            let kept = |r: &QuantizedChunks| r.block_max.iter().any(|&m| m > 0.0);
+            assert!(kept(r1) || kept(r2), "{case:?}");
+        }
+    }
+}
+
+#[test]
+fn the_mean_is_the_sum_divided_by_the_world() {
+    let mean = run(CASES[2], Host);
+    let sum = run(
+        Case {
+            reduction: Reduction::Sum,
+            ..CASES[2]
+        },
+        Host,
+    );
+    let w = (CASES[2].nodes * CASES[2].g) as f32;
+    for (m, s) in mean.iter().zip(&sum) {
+        for (m, s) in m.results.iter().zip(&s.results) {
+            let want: Vec<u32> = s
+                .iter()
+                .map(|&b| (f32::from_bits(b) / w).to_bits())
+                .collect();
+            assert_eq!(m, &want);
+        }
+    }
+}
+
+#[test]
+fn qgz_sums_what_every_rank_sent_to_within_the_quantization_error() {
+    // Each value is off the exact f32 sum by at most half a step of every
+    // quantization it went through: int8 blocks of each rank's gradient,
+    // then int4 blocks of each node's partial sum.
+    let case = Case {
+        feedback: false,
+        reduction: Reduction::Sum,
+        calls: 1,
+        ..CASES[1]
+    };
+    let seen = run(case, Host);
+    let (nodes, g, chunk) = (case.nodes, case.g, case.chunk);
+    let grads: Vec<Vec<f32>> = (0..nodes * g)
+        .map(|r| gradient(chunk * nodes * g, r, 0))
+        .collect();
+    let absmax = |x: &[f32]| x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for (rank, s) in seen.iter().enumerate() {
+        let got: Vec<f32> = s.results[0].iter().map(|&b| f32::from_bits(b)).collect();
+        let mine = |r: usize| &grads[r][rank * chunk..(rank + 1) * chunk];
+        for block in 0..chunk / 32 {
+            let span = block * 32..(block + 1) * 32;
+            let hop1: f32 = (0..nodes * g)
+                .map(|r| absmax(&mine(r)[span.clone()]) / 254.0)
+                .sum();
+            let hop2: f32 = (0..nodes)
+                .map(|n| {
+                    let partial: Vec<f32> = span
+                        .clone()
+                        .map(|i| (0..g).map(|l| mine(n * g + l)[i]).sum())
+                        .collect();
+                    (absmax(&partial) + hop1) / 14.0
+                })
+                .sum();
+            for i in span {
+                let exact: f32 = (0..nodes * g).map(|r| mine(r)[i]).sum();
+                assert!(
+                    (got[i] - exact).abs() <= (hop1 + hop2) * 1.01 + 1e-6,
+                    "rank {rank} value {i}: {} vs {exact}",
+                    got[i]
+                );
+            }
+        }
+    }
+}
+
+/// qwZ's forward gather and hpZ's backward gather of the same weights on
+/// every rank of a `nodes` x `g` job with quantizer `q`: each rank's full
+/// weights after each, and its bytes.
+fn gathers<Q>(
+    nodes: usize,
+    g: usize,
+    hpz_group: usize,
+    bits: u32,
+    q: Q,
+) -> Vec<(Vec<u32>, Vec<u32>, Traffic)>
+where
+    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks>
+        + for<'a> Quantizer<Tensor<'a, half::bf16> = &'a [half::bf16]>
+        + for<'a> Quantizer<TensorMut<'a, half::bf16> = &'a mut [half::bf16]>
+        + Copy
+        + Send
+        + 'static,
+{
+    let chunk = 300; // not whole blocks of 256
+    let handles: Vec<_> = InProcess::world(nodes * g)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            std::thread::spawn(move || {
+                let layout = Layout {
+                    nodes,
+                    ranks_per_node: g,
+                    rank,
+                };
+                let counter = Arc::new(CountingTransport::new(Box::new(t), g));
+                let comm = Communicator::new(counter.clone(), Duration::from_secs(60));
+                let groups = ZeroGroups::new(&layout, hpz_group).unwrap();
+                let mover = HostMover {
+                    comm: &comm,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                let format = QuantFormat::new(
+                    zeropp_quant::Bits::from_u32(bits).unwrap(),
+                    zeropp_quant::Scheme::Symmetric,
+                    256,
+                )
+                .unwrap();
+                let shard: Vec<half::bf16> = gradient(chunk, rank, 9)
+                    .into_iter()
+                    .map(half::bf16::from_f32)
+                    .collect();
+                let world = nodes * g;
+                let all = qwz::gather_quantized::<_, _, half::bf16>(
+                    &q,
+                    &mover,
+                    layout,
+                    &shard.as_slice(),
+                    format,
+                    Phase::ForwardGather,
+                )
+                .unwrap();
+                let mut forward = vec![half::bf16::ZERO; chunk * world];
+                let position = |r| qwz::gathered_position(layout, r);
+                qwz::dequantize_all::<_, half::bf16>(
+                    &q,
+                    &all,
+                    position,
+                    &mut forward.as_mut_slice(),
+                )
+                .unwrap();
+                let secondary = hpz::keep_quantized(&q, layout, &all, hpz_group).unwrap();
+                drop(all);
+                let again = hpz::gather_quantized(&q, &mover, &secondary).unwrap();
+                let mut backward = vec![half::bf16::ZERO; chunk * world];
+                qwz::dequantize_all::<_, half::bf16>(
+                    &q,
+                    &again,
+                    |r| r,
+                    &mut backward.as_mut_slice(),
+                )
+                .unwrap();
+                let b = |x: &[half::bf16]| x.iter().map(|v| v.to_bits() as u32).collect();
+                (b(&forward), b(&backward), counter.traffic())
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn qwz_and_hpz_gather_the_same_weights_on_every_backend() {
+    for (nodes, g, hpz_group, bits) in [(2, 2, 2, 8), (2, 4, 2, 4), (3, 2, 2, 8), (1, 3, 3, 4)] {
+        let host = gathers(nodes, g, hpz_group, bits, Host);
+        let emulated = gathers(nodes, g, hpz_group, bits, Emulated);
+        let what = format!("{nodes} x {g}, hpZ groups of {hpz_group}, int{bits}");
+        assert_eq!(host, emulated, "{what}");
+        // Every rank holds the same weights, forward and backward: each
+        // rank's shard quantized once, dequantized where it belongs.
+        for (rank, (forward, backward, traffic)) in host.iter().enumerate() {
+            assert_eq!(forward, &host[0].0, "{what}: rank {rank} forward");
+            assert_eq!(backward, forward, "{what}: rank {rank} backward");
+            // The backward gather never leaves the node.
+            assert_eq!(traffic.backward_gather.total.inter_node, 0, "{what}");
+            assert!(traffic.backward_gather.total.intra_node > 0 || hpz_group == 1);
+        }
+        let shard0: Vec<f32> = gradient(300, 0, 9)
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        let format = QuantFormat::new(
+            zeropp_quant::Bits::from_u32(bits).unwrap(),
+            zeropp_quant::Scheme::Symmetric,
+            256,
+        )
+        .unwrap();
+        let want: Vec<u32> =
+            zeropp_quant::QuantizedTensor::quantize(&shard0, format, Rounding::NearestEven)
+                .unwrap()
+                .dequantize::<half::bf16>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits() as u32)
+                .collect();
+        assert_eq!(&host[0].0[..300], &want[..], "{what}: rank 0's chunk");
+    }
+}
+
+/// The device itself: one rank, NCCL communicators of one, against the
+/// host library on the same gradients.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
+    use zeropp::zero::device::{DeviceValues, NcclMover};
+    use zeropp_cuda::Gpu;
+    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    let case = CASES[0];
+    let host = run(case, Host);
+    let gpu = Gpu::open(0).unwrap();
+    let comm =
+        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
+    let (world, node, cross) = (comm(), comm(), comm());
+    let layout = Layout {
+        nodes: 1,
+        ranks_per_node: 1,
+        rank: 0,
+    };
+    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
+    let mover = NcclMover {
+        world: &world,
+        node: &node,
+        cross: &cross,
+        hpz: &node,
+        layout,
+        counter: &counter,
+    };
+    let f4 = QuantFormat::int4(32).unwrap();
+    let settings = Qgz {
+        intra: f4,
+        inter: f4,
+        rounding: Rounding::NearestEven,
+        reduction: case.reduction,
+    };
+    let (mut r1, mut r2) = (gpu.chunks(f4, 0, 0).unwrap(), gpu.chunks(f4, 0, 0).unwrap());
+    for call in 0..case.calls {
+        let grad = DeviceValues::Owned(gpu.upload(&gradient(case.chunk, 0, call)).unwrap());
+        let feedback = Feedback {
+            first: Some(&mut r1),
+            second: Some(&mut r2),
+        };
+        let out = qgz::reduce_scatter(&gpu, &mover, layout, settings, &grad, feedback).unwrap();
+        let got = gpu.download(&out.view()).unwrap();
+        assert_eq!(bits(&got), host[0].results[call], "call {call}");
+        let (h1, h2) = &host[0].residuals[call];
+        assert_eq!(
+            &r1.to_host(&gpu).unwrap(),
+            h1,
+            "call {call}: first residual"
+        );
+        assert_eq!(
+            &r2.to_host(&gpu).unwrap(),
+            h2,
+            "call {call}: second residual"
+        );
+    }
+}
+
+/// qwZ on the device: one rank, against the host library.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn the_gpu_gathers_qwz_as_the_host_library_does() {
+    use zeropp::zero::device::NcclMover;
+    use zeropp_cuda::Gpu;
+    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    let host = gathers(1, 1, 1, 8, Host);
+    let gpu = Gpu::open(0).unwrap();
+    let comm =
+        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
+    let (world, node, cross) = (comm(), comm(), comm());
+    let layout = Layout {
+        nodes: 1,
+        ranks_per_node: 1,
+        rank: 0,
+    };
+    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
+    let mover = NcclMover {
+        world: &world,
+        node: &node,
+        cross: &cross,
+        hpz: &node,
+        layout,
+        counter: &counter,
+    };
+    let shard: Vec<half::bf16> = gradient(300, 0, 9)
+        .into_iter()
+        .map(half::bf16::from_f32)
+        .collect();
+    let ds = gpu.upload(&shard).unwrap();
+    let f8 = QuantFormat::int8(256).unwrap();
+    let all = qwz::gather_quantized::<_, _, half::bf16>(
+        &gpu,
+        &mover,
+        layout,
+        &ds.as_view(),
+        f8,
+        Phase::ForwardGather,
+    )
+    .unwrap();
+    let mut out = gpu.zeros::<half::bf16>(300).unwrap();
+    qwz::dequantize_all::<_, half::bf16>(&gpu, &all, |r| r, &mut out.as_view_mut()).unwrap();
+    let got: Vec<u32> = gpu
+        .download(&out.as_view())
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits() as u32)
+        .collect();
+    assert_eq!(got, host[0].0);
+}
