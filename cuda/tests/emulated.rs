@@ -1,4 +1,4 @@
-//! The CUDA kernels, run on the CPU by `zeropp-cuda-emu` (one OS thread per
+//! The CUDA kernels, run on the CPU by `zeropp-cuda-emu` (one fiber per
 //! CUDA thread, the kernels' own source), against zeropp-quant: codes and
 //! block parameters bit for bit for round-to-nearest, over every element
 //! type, format, block size from 32 to 65536 and odd lengths; the swizzled

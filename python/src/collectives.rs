@@ -16,7 +16,7 @@ use zeropp::comm::collectives::{CommThread, Pending};
 use zeropp::comm::exchange::{self, JoinOptions};
 use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
-use zeropp::zero::host::{Host, HostMover};
+use zeropp::zero::host::{Host, HostKernels, HostMover};
 use zeropp::zero::plan::{self, Layout, Switches};
 use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
@@ -223,6 +223,51 @@ impl Job {
         block: usize,
         backward: bool,
     ) -> PyResult<Op> {
+        self.all_gather_on(Host, out, inp, dtype, ranks, qwz_bits, block, backward)
+    }
+
+    /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
+    /// order) into `out` (this rank's chunk of the sum, or of the mean when
+    /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
+    /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
+    #[pyo3(signature = (out, inp, dtype, ranks, mean, qgz=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(
+        &self,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        ranks: Vec<usize>,
+        mean: bool,
+        qgz: Option<Py<QgzState>>,
+    ) -> PyResult<Op> {
+        self.reduce_scatter_on(Host, out, inp, dtype, ranks, mean, qgz)
+    }
+}
+
+fn poisoned() -> ZeroError {
+    ZeroError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
+}
+
+impl Job {
+    /// FSDP2's all-gather with `kernels` quantizing: `inp` (this rank's
+    /// shard, `dtype` values) into
+    /// `out` (every member's shard in group order). Over the world with
+    /// `qwz_bits`: qwZ (quantized, across nodes then inside); over the
+    /// world without: one ring; over the sub-group `ranks` (hpZ's, inside
+    /// a node): one ring there.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn all_gather_on<K: HostKernels + Copy + Send + 'static>(
+        &self,
+        kernels: K,
+        out: &Bound<'_, PyAny>,
+        inp: &Bound<'_, PyAny>,
+        dtype: &str,
+        ranks: Vec<usize>,
+        qwz_bits: Option<u32>,
+        block: usize,
+        backward: bool,
+    ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
         let (out, inp) = (
             HostBuf::new(out, true, "output")?,
@@ -274,22 +319,23 @@ impl Job {
             };
             with_dtype!(dtype, T => {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
-                let all = qwz::gather_quantized(&Host, &mover, layout, &shard, format, phase)?;
+                let all = qwz::gather_quantized(&kernels, &mover, layout, &shard, format, phase)?;
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                qwz::dequantize_all(&Host, &all, |r| qwz::gathered_position(layout, r), &mut o)?;
+                qwz::dequantize_all(&kernels, &all, |r| qwz::gathered_position(layout, r), &mut o)?;
             });
             Ok::<(), ZeroError>(())
         })))
     }
 
-    /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
+    /// FSDP2's reduce-scatter over the world with `kernels` quantizing:
+    /// `inp` (W equal chunks, rank
     /// order) into `out` (this rank's chunk of the sum, or of the mean when
     /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
     /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
-    #[pyo3(signature = (out, inp, dtype, ranks, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
+    pub(crate) fn reduce_scatter_on<K: HostKernels + Copy + Send + 'static>(
         &self,
+        kernels: K,
         out: &Bound<'_, PyAny>,
         inp: &Bound<'_, PyAny>,
         dtype: &str,
@@ -344,7 +390,7 @@ impl Job {
                         second: s.error_feedback.then_some(second.chunks_mut()),
                     };
                     qgz::reduce_scatter(
-                        &Host,
+                        &kernels,
                         &mover,
                         layout,
                         s.settings(layout.rank, reduction),
@@ -370,7 +416,7 @@ impl Job {
                             qgz::ring_f32(c, &groups.world, x.iter().map(|v| v.to_f32()).collect())?
                         }),
                     };
-                    reduction.apply(&Host, &mut sum, layout)?;
+                    reduction.apply(&kernels, &mut sum, layout)?;
                     sum
                 }
             };
@@ -381,13 +427,7 @@ impl Job {
             Ok(())
         })))
     }
-}
 
-fn poisoned() -> ZeroError {
-    ZeroError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
-}
-
-impl Job {
     pub(crate) fn layout(&self) -> Layout {
         self.layout
     }

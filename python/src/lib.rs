@@ -8,6 +8,7 @@
 mod buffers;
 mod collectives;
 mod cuda;
+mod emulated;
 mod quant;
 
 use pyo3::create_exception;
@@ -86,5 +87,6 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     quant::register(m)?;
     collectives::register(m)?;
     cuda::register(m)?;
+    emulated::register(m)?;
     Ok(())
 }

@@ -42,6 +42,27 @@ def test_zeropp_mode_trains_like_fsdp2_on_three_seeds_with_a_quarter_of_the_byte
     assert ratios[0] <= 0.27, f"bytes across nodes: {ratios[0]:.3f} of FSDP2's"
 
 
+@pytest.mark.parametrize("mode", ["zeropp", "zero3"])
+def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_path, mode):
+    # ZEROPP_DEVICE=emulated: CPU tensors through the device path (torch.py's
+    # CUDA branch, the collectives over the CUDA kernels' own source), in
+    # fp32 and in bf16 mixed precision, 4 ranks as 2 logical nodes.
+    for extra in ((), ("--bf16",)):
+        common = ("--ranks-per-node", 2, *extra)
+        host = train(tmp_path, mode, *common, steps=20)
+        (tmp_path / "emulated").mkdir(exist_ok=True)
+        emulated = train(
+            tmp_path / "emulated", mode, *common, steps=20, env={"ZEROPP_DEVICE": "emulated"}
+        )
+        what = f"{mode} {' '.join(extra) or 'fp32'}"
+        assert host["device_calls"] == {}, what
+        calls = emulated["device_calls"]["emulated"]
+        assert calls["reduce_scatter"] >= 20 and calls["all_gather"] >= 40, (what, calls)
+        assert emulated["losses"] == host["losses"], what
+        assert emulated["val_loss"] == host["val_loss"], what
+        assert emulated["run_bytes"] == host["run_bytes"], what
+
+
 def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
     p = torchrun(WORKERS / "collectives.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]

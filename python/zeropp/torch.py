@@ -30,7 +30,11 @@ collectives through FSDP2's ``set_custom_all_gather`` /
 CPU tensors go through zeropp's host transports (UCX, TCP); CUDA tensors
 through zeropp's CUDA kernels on the caller's current stream and NCCL
 communicators of the job's groups (the world, each node, each local rank
-across nodes), whose ids travel through the same store.
+across nodes), whose ids travel through the same store. With
+``ZEROPP_DEVICE=emulated`` CPU tensors take the CUDA tensors' path on an
+emulated device (the CUDA kernels' own source on the CPU, the host
+transports as the byte mover): the same results as the CPU path, bit for
+bit, for checking the device path without a GPU.
 
 ``mode="zero3"`` is the plain-communication baseline through zeropp's
 transports. Switches carry ``zeropp train``'s names (``qwz_bits``, ``hpz``,
@@ -56,6 +60,7 @@ from ._zeropp import PeerError, ZeroppError
 __all__ = [
     "PeerError",
     "ZeroppError",
+    "device_calls",
     "fully_shard",
     "job",
     "resolved_switches",
@@ -79,6 +84,9 @@ SWITCHES = (
 _job = None
 _job_options = None
 _cuda_job = None
+_emulated_job = None
+# Collectives that took the device path, by device kind and collective.
+_device_calls = {}
 _switches_used = {}
 
 
@@ -172,11 +180,46 @@ def _store_get(store, key, timeout_s, what):
     return bytes(store.get(key))
 
 
+def _emulated():
+    """Whether CPU tensors take the device path (``ZEROPP_DEVICE=emulated``)."""
+    mode = os.environ.get("ZEROPP_DEVICE", "")
+    if mode not in ("", "emulated"):
+        raise ZeroppError(
+            f"ZEROPP_DEVICE={mode!r}: use 'emulated' (CPU tensors through the device path on "
+            "an emulated device) or leave it unset"
+        )
+    return mode == "emulated"
+
+
+def _on_device(t):
+    """Whether ``t``'s collectives take the device path."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and _emulated())
+
+
+def _count_device_call(t, collective):
+    kind = "cuda" if t.device.type == "cuda" else "emulated"
+    calls = _device_calls.setdefault(kind, {})
+    calls[collective] = calls.get(collective, 0) + 1
+
+
+def device_calls():
+    """How many of FSDP2's collectives took the device path on this rank, by
+    device ("cuda", or "emulated" under ``ZEROPP_DEVICE=emulated``) and
+    collective: ``{"emulated": {"all_gather": 42, "reduce_scatter": 20}}``."""
+    return {k: dict(v) for k, v in _device_calls.items()}
+
+
 def _cuda(device):
-    """The job's CUDA half, opened on the first collective of a CUDA tensor:
-    zeropp's kernels on ``device`` and the NCCL communicators of the world,
-    this node and this local rank across nodes (ids through the store)."""
-    global _cuda_job
+    """The job's device half, opened on the first collective of a CUDA
+    tensor: zeropp's kernels on ``device`` and the NCCL communicators of the
+    world, this node and this local rank across nodes (ids through the
+    store); for a CPU tensor under ``ZEROPP_DEVICE=emulated``, the emulated
+    device over the host job."""
+    global _cuda_job, _emulated_job
+    if device.type == "cpu":
+        if _emulated_job is None:
+            _emulated_job = _zeropp.EmulatedJob(job())
+        return _emulated_job
     index = device.index if device.index is not None else torch.cuda.current_device()
     if _cuda_job is not None:
         if _cuda_job.device != index:
@@ -221,6 +264,10 @@ def _cuda_group(cj, ranks):
 
 
 def _device_args(cj, t, what):
+    if isinstance(cj, _zeropp.EmulatedJob):
+        if t.device.type != "cpu":
+            raise ZeroppError(f"{what} is on {t.device}: the emulated device takes CPU tensors")
+        return host_bytes(t, what)
     if t.device.type != "cuda" or t.device.index not in (None, cj.device):
         raise ZeroppError(
             f"{what} is on {t.device}, the job on cuda:{cj.device}: FSDP2's buffers of one "
@@ -232,6 +279,8 @@ def _device_args(cj, t, what):
 
 
 def _stream(device):
+    if device.type != "cuda":
+        return 0  # the emulated device's one queue
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -261,13 +310,17 @@ class _Work(dist.Work):
     """A zeropp collective in flight, as FSDP2 expects from async_op=True; it
     keeps the tensors alive until it is waited on."""
 
-    def __init__(self, op, *tensors):
+    def __init__(self, op, *tensors, then=None):
         super().__init__()
         self._op = op
         self._tensors = tensors
+        self._then = then
 
     def wait(self, timeout=None):
         self._op.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
         self._tensors = ()
         return True
 
@@ -276,6 +329,23 @@ class _Work(dist.Work):
 
     def is_success(self):
         return self.is_completed()
+
+
+def _device_work(op, async_op, tensors, then=None):
+    """The device path's answer to FSDP2. On the emulated device ``op`` is
+    in flight on the device's queue: its Work's ``wait`` orders what follows
+    (then runs ``then``, the step that finishes the output). On CUDA the
+    work is queued on the caller's stream (``op`` is None): ``then`` is
+    queued behind it at once."""
+    if op is None:
+        if then is not None:
+            then()
+        return _Done() if async_op else None
+    work = _Work(op, *tensors, then=then)
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
 class _Done(dist.Work):
@@ -305,9 +375,9 @@ class ZeroppAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        if output_tensor.device.type == "cuda":
-            self._cuda(output_tensor, input_tensor, group)
-            return _Done() if async_op else None
+        if _on_device(output_tensor):
+            op = self._cuda(output_tensor, input_tensor, group)
+            return _device_work(op, async_op, (output_tensor, input_tensor))
         op = self._job.all_gather(
             host_bytes(output_tensor, "all-gather output"),
             host_bytes(input_tensor, "all-gather input"),
@@ -324,6 +394,7 @@ class ZeroppAllGather(AllGather):
         return None
 
     def _cuda(self, output_tensor, input_tensor, group):
+        _count_device_call(output_tensor, "all_gather")
         cj = _cuda(output_tensor.device)
         ranks = dist.get_process_group_ranks(group)
         _cuda_group(cj, ranks)
@@ -335,7 +406,7 @@ class ZeroppAllGather(AllGather):
                 f"{len(ranks)} ranks needs an output of {input_tensor.numel() * len(ranks)} "
                 f"such values, not {output_tensor.numel()} {output_tensor.dtype}"
             )
-        cj.all_gather(
+        return cj.all_gather(
             _device_args(cj, output_tensor, "all-gather output"),
             _device_args(cj, input_tensor, "all-gather input"),
             input_tensor.numel(),
@@ -379,9 +450,9 @@ class ZeroppReduceScatter(ReduceScatter):
                 f"reduce-scatter with {op}: zeropp sums or averages gradients (SUM or AVG); "
                 "leave FSDP2's gradient_divide_factor unset"
             )
-        if output_tensor.device.type == "cuda":
-            self._cuda(output_tensor, input_tensor, group, mean)
-            return _Done() if async_op else None
+        if _on_device(output_tensor):
+            op, then, tensors = self._cuda(output_tensor, input_tensor, group, mean)
+            return _device_work(op, async_op, tensors, then)
         work = _Work(
             self._job.reduce_scatter(
                 host_bytes(output_tensor, "reduce-scatter output"),
@@ -400,6 +471,7 @@ class ZeroppReduceScatter(ReduceScatter):
         return None
 
     def _cuda(self, output_tensor, input_tensor, group, mean):
+        _count_device_call(output_tensor, "reduce_scatter")
         cj = _cuda(output_tensor.device)
         ranks = dist.get_process_group_ranks(group)
         world = self._job.world_size
@@ -417,8 +489,9 @@ class ZeroppReduceScatter(ReduceScatter):
             )
         dev, stream = output_tensor.device, _stream(output_tensor.device)
         state = self.qgz_state
+        tensors = (output_tensor, input_tensor)
         if state is None:
-            cj.reduce_scatter(
+            op = cj.reduce_scatter(
                 _device_args(cj, output_tensor, "reduce-scatter output"),
                 _device_args(cj, input_tensor, "reduce-scatter input"),
                 n,
@@ -426,15 +499,13 @@ class ZeroppReduceScatter(ReduceScatter):
                 stream,
                 False,
             )
-            if mean:
-                output_tensor.div_(world)
-            return
+            return op, (lambda: output_tensor.div_(world)) if mean else None, tensors
         # qgZ sums in f32 on the device: the sum, or the mean over all W ranks.
         inp = input_tensor if input_tensor.dtype == torch.float32 else input_tensor.float()
         out = output_tensor if output_tensor.dtype == torch.float32 else None
         if out is None:
             out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=dev)
-        cj.reduce_scatter(
+        op = cj.reduce_scatter(
             _device_args(cj, out, "reduce-scatter output"),
             _device_args(cj, inp, "reduce-scatter input"),
             n,
@@ -443,8 +514,13 @@ class ZeroppReduceScatter(ReduceScatter):
             mean,
             qgz=state,
         )
+        then = None
         if out is not output_tensor:
-            output_tensor.copy_(out.view_as(output_tensor))
+
+            def then():
+                output_tensor.copy_(out.view_as(output_tensor))
+
+        return op, then, (*tensors, inp, out)
 
 
 def _check_dtypes(module, mp_policy):

@@ -6,7 +6,7 @@
 use zeropp_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 use zeropp_cuda::device::{DeviceQuantizedChunks, QuantView, QuantViewMut};
 use zeropp_cuda::nccl::NcclComm;
-use zeropp_cuda::{Borrowed, Gpu, GpuElement};
+use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
 use super::backend::{ByteMover, Hop, Quantizer, scale_fraction};
@@ -337,6 +337,27 @@ fn bytes_of_mut(s: &mut CudaSlice<f32>) -> CudaViewMut<'_, u8> {
     unsafe { s.transmute_mut::<u8>(n) }.expect("an f32 buffer holds 4 bytes a value")
 }
 
+/// `op` on each part of `send` (codes, maxima, minima) into the same part
+/// of `recv`: each on its own, so what arrives is in the chunks' layout.
+fn each_part(
+    send: &DeviceQuantizedChunks,
+    recv: &mut DeviceQuantizedChunks,
+    op: impl Fn(&CudaView<'_, u8>, &mut CudaViewMut<'_, u8>) -> Result<(), CudaError>,
+) -> Result<(), ZeroError> {
+    op(&send.codes.as_view(), &mut recv.codes.as_view_mut())?;
+    op(
+        &bytes_of(send.block_max.as_view()),
+        &mut bytes_of_mut(&mut recv.block_max),
+    )?;
+    if !send.block_min.is_empty() {
+        op(
+            &bytes_of(send.block_min.as_view()),
+            &mut bytes_of_mut(&mut recv.block_min),
+        )?;
+    }
+    Ok(())
+}
+
 impl NcclMover<'_> {
     fn comm(&self, hop: Hop) -> &NcclComm {
         match hop {
@@ -412,18 +433,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
                 comm.size()
             )));
         }
-        // Each part on its own, so what arrives is in the chunks' layout.
-        comm.all_to_all_bytes(&send.codes.as_view(), &mut recv.codes.as_view_mut())?;
-        comm.all_to_all_bytes(
-            &bytes_of(send.block_max.as_view()),
-            &mut bytes_of_mut(&mut recv.block_max),
-        )?;
-        if !send.block_min.is_empty() {
-            comm.all_to_all_bytes(
-                &bytes_of(send.block_min.as_view()),
-                &mut bytes_of_mut(&mut recv.block_min),
-            )?;
-        }
+        each_part(send, recv, |s, r| comm.all_to_all_bytes(s, r))?;
         let k = send.count / comm.size();
         let each = send.format.total_bytes(send.chunk_len) as u64 * k as u64;
         let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
@@ -448,17 +458,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
                 all.count
             )));
         }
-        comm.all_gather_bytes(&mine.codes.as_view(), &mut all.codes.as_view_mut())?;
-        comm.all_gather_bytes(
-            &bytes_of(mine.block_max.as_view()),
-            &mut bytes_of_mut(&mut all.block_max),
-        )?;
-        if !mine.block_min.is_empty() {
-            comm.all_gather_bytes(
-                &bytes_of(mine.block_min.as_view()),
-                &mut bytes_of_mut(&mut all.block_min),
-            )?;
-        }
+        each_part(mine, all, |s, r| comm.all_gather_bytes(s, r))?;
         let each = mine.format.total_bytes(mine.chunk_len) as u64 * mine.count as u64;
         let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
         self.count(phase, mine, &peers);

@@ -1,6 +1,7 @@
 // The kernels of cuda/kernels/, compiled for the host with emu.h, and C
 // entry points that launch them by name (the names the Rust launchers use).
 #include "emu.h"
+#include <cstdint>
 #include <cstdio>
 #include <map>
 #include <string>
@@ -11,29 +12,114 @@ namespace zq_emu {
 Block* current = nullptr;
 std::mutex atomic_lock;
 
-// One OS thread per CUDA thread, alive for the whole launch; CUDA blocks run
-// in turn, with a block barrier between them. Launches from different host
-// threads (parallel tests) run one at a time: `current` and the __shared__
-// statics belong to the running launch.
+// Fibers: each CUDA thread of a block runs on its own stack; the launch
+// switches into them in turn and each switches back when it waits at a
+// barrier or ends. The switch saves only the callee-saved registers (the
+// System V x86-64 ABI), so it is a handful of instructions and no system
+// call.
+#if !defined(__x86_64__)
+#error "the emulator's fibers switch x86-64 registers; port zq_emu_switch to this machine"
+#endif
+extern "C" void zq_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+    .text
+    .globl zq_emu_switch
+    .type zq_emu_switch, @function
+zq_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size zq_emu_switch, .-zq_emu_switch
+)");
+
+namespace {
+constexpr size_t STACK = 256 * 1024;
+
+struct Launch {
+    const std::function<void()>* body = nullptr;
+    void* scheduler_sp = nullptr;
+    std::vector<void*> sp;
+    std::vector<char> done;
+    unsigned running = 0;
+};
+Launch* launch_now = nullptr;
+// Stacks are kept between launches (launches run one at a time).
+std::vector<std::unique_ptr<char[]>> stacks;
+
+void fiber_entry() {
+    Launch* l = launch_now;
+    (*l->body)();
+    l->done[l->running] = 1;
+    void* dead = nullptr;
+    zq_emu_switch(&dead, l->scheduler_sp);  // never resumed
+    __builtin_unreachable();
+}
+
+// A fresh stack for fiber `t` that starts in fiber_entry: six zeroed
+// callee-saved registers, then fiber_entry as the return address, placed so
+// that fiber_entry starts with the stack aligned as a called function's is.
+void* fresh_stack(unsigned t) {
+    char* top = stacks[t].get() + STACK;
+    auto* sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(top) & ~uintptr_t(15));
+    *--sp = nullptr;  // fiber_entry's "return address" slot: keeps alignment
+    *--sp = reinterpret_cast<void*>(&fiber_entry);
+    for (int r = 0; r < 6; ++r) *--sp = nullptr;
+    return sp;
+}
+}  // namespace
+
+void yield() {
+    Launch* l = launch_now;
+    zq_emu_switch(&l->sp[l->running], l->scheduler_sp);
+}
+
+// CUDA blocks run in turn; inside one, its threads' fibers run round-robin
+// until every one has ended. Launches from different host threads
+// (parallel tests) run one at a time: `current`, the fibers' stacks and the
+// __shared__ statics belong to the running launch.
 void launch(unsigned grid, unsigned threads, const std::function<void()>& body) {
     static std::mutex one_launch;
     std::lock_guard<std::mutex> serial(one_launch);
+    while (stacks.size() < threads) stacks.emplace_back(new char[STACK]);
     Block b(threads);
     current = &b;
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < threads; ++t) {
-        ts.emplace_back([&, t] {
-            threadIdx.x = t;
-            blockDim.x = threads;
-            gridDim.x = grid;
-            for (unsigned g = 0; g < grid; ++g) {
-                blockIdx.x = g;
-                body();
-                b.block.arrive_and_wait();
+    Launch l;
+    l.body = &body;
+    l.sp.resize(threads);
+    l.done.resize(threads);
+    launch_now = &l;
+    blockDim.x = threads;
+    gridDim.x = grid;
+    for (unsigned g = 0; g < grid; ++g) {
+        blockIdx.x = g;
+        for (unsigned t = 0; t < threads; ++t) {
+            l.sp[t] = fresh_stack(t);
+            l.done[t] = 0;
+        }
+        unsigned left = threads;
+        while (left > 0) {
+            for (unsigned t = 0; t < threads; ++t) {
+                if (l.done[t]) continue;
+                l.running = t;
+                threadIdx.x = t;
+                zq_emu_switch(&l.scheduler_sp, l.sp[t]);
+                if (l.done[t]) --left;
             }
-        });
+        }
     }
-    for (auto& t : ts) t.join();
+    launch_now = nullptr;
     current = nullptr;
 }
 }  // namespace zq_emu

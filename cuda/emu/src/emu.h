@@ -1,17 +1,18 @@
 // A CPU emulator for zeropp's CUDA kernels, for tests on machines without a
-// GPU: every CUDA thread of a block is an OS thread, __syncthreads is a block
-// barrier, warp shuffles exchange through memory between warp barriers, and
-// CUDA blocks run one after another (so __shared__ can be a static). Float
-// operations are IEEE single on the host with contraction off
-// (-ffp-contract=off), which is what the kernels' __f*_rn intrinsics are.
+// GPU: every CUDA thread of a block is a fiber (its own stack, switched
+// cooperatively on one OS thread), __syncthreads is a block barrier, warp
+// shuffles exchange through memory between warp barriers, and CUDA blocks
+// run one after another (so __shared__ can be a static). A fiber gives way
+// only at a barrier, so a launch costs a few context switches per barrier,
+// not OS threads. Float operations are IEEE single on the host with
+// contraction off (-ffp-contract=off), which is what the kernels' __f*_rn
+// intrinsics are.
 #pragma once
 #include <math.h>
-#include <barrier>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -25,12 +26,31 @@ extern thread_local dim3 threadIdx, blockIdx;
 extern thread_local dim3 blockDim, gridDim;
 
 namespace zq_emu {
+// Gives way to the next fiber of the launch (called while waiting at a barrier).
+void yield();
+
+// A barrier of `expected` fibers: the last to arrive releases the others.
+struct Barrier {
+    unsigned expected, arrived = 0;
+    unsigned long generation = 0;
+    explicit Barrier(unsigned n) : expected(n) {}
+    void arrive_and_wait() {
+        const unsigned long g = generation;
+        if (++arrived == expected) {
+            arrived = 0;
+            ++generation;
+            return;
+        }
+        while (generation == g) yield();
+    }
+};
+
 struct Block {
-    std::barrier<> block;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
+    Barrier block;
+    std::vector<Barrier> warps;
     std::vector<int> lanes;
     explicit Block(unsigned threads) : block(threads), lanes(threads) {
-        for (unsigned w = 0; w < threads / 32; ++w) warps.emplace_back(new std::barrier<>(32));
+        for (unsigned w = 0; w < threads / 32; ++w) warps.emplace_back(32);
     }
 };
 extern Block* current;
@@ -42,7 +62,7 @@ inline void __syncthreads() { zq_emu::current->block.arrive_and_wait(); }
 inline int __shfl_xor_sync(unsigned, int v, int off) {
     auto* b = zq_emu::current;
     unsigned t = threadIdx.x;
-    auto& bar = *b->warps[t / 32];
+    auto& bar = b->warps[t / 32];
     b->lanes[t] = v;
     bar.arrive_and_wait();
     int got = b->lanes[(t & ~31u) | ((t & 31u) ^ (unsigned)off)];

@@ -1,7 +1,7 @@
 //! Runs zeropp's CUDA kernels (`cuda/kernels/*.cu`) on the CPU, for tests on
 //! machines without a GPU: the sources are compiled for the host with a small
-//! CUDA stand-in (`src/emu.h`: one OS thread per CUDA thread, barriers for
-//! `__syncthreads` and warp shuffles). It checks the kernels' logic —
+//! CUDA stand-in (`src/emu.h`: one fiber per CUDA thread, switched
+//! cooperatively at the barriers of `__syncthreads` and warp shuffles). It checks the kernels' logic —
 //! indexing, teams, reductions, packing, error keys, rounding — with the same
 //! IEEE single arithmetic; it says nothing about speed, and a GPU run
 //! (`cuda/check-on-gpu.sh`) remains the final word.
