@@ -302,7 +302,7 @@ impl Job {
             Phase::ForwardGather
         };
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
-        Ok(Op::new(self.thread.submit(move |c: &Communicator| {
+        Ok(Op::new(self.layout.rank, self.thread.submit(move |c: &Communicator| {
             let Some(format) = quantized else {
                 counter.set_phase(phase, 0.0);
                 let parts = c.all_gather_v(&group, Bytes::copy_from_slice(inp.bytes()))?;
@@ -370,7 +370,7 @@ impl Job {
             Reduction::Sum
         };
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
-        Ok(Op::new(self.thread.submit(move |c: &Communicator| {
+        Ok(Op::new(self.layout.rank, self.thread.submit(move |c: &Communicator| {
             let sum: Vec<f32> = match &qgz {
                 Some(state) => {
                     let s = state.get();
@@ -627,20 +627,30 @@ impl QgzState {
 /// A collective in flight.
 #[pyclass(frozen)]
 pub struct Op {
+    /// This rank (named in the collective's own errors).
+    rank: usize,
     pending: Mutex<Option<Pending<(), ZeroError>>>,
     outcome: Mutex<Option<Result<(), (bool, String)>>>,
 }
 
 impl Op {
-    fn new(p: Pending<(), ZeroError>) -> Op {
+    fn new(rank: usize, p: Pending<(), ZeroError>) -> Op {
         Op {
+            rank,
             pending: Mutex::new(Some(p)),
             outcome: Mutex::new(None),
         }
     }
 
     fn settle(&self, r: Result<(), ZeroError>) {
-        let r = r.map_err(|e| (e.is_peer_failure(), e.to_string()));
+        // A peer's failure names the peer; any other names this rank.
+        let r = r.map_err(|e| {
+            if e.is_peer_failure() {
+                (true, e.to_string())
+            } else {
+                (false, format!("rank {}: {e}", self.rank))
+            }
+        });
         if let Ok(mut o) = self.outcome.lock() {
             *o = Some(r);
         }

@@ -472,8 +472,14 @@ impl CudaJob {
                     })?;
                     let DeviceFeedback { first, second } = &mut *fb;
                     let feedback = qgz::Feedback {
-                        first: s.first_hop_feedback().then_some(residual_slot(gpu, first)?),
-                        second: s.error_feedback.then_some(residual_slot(gpu, second)?),
+                        first: match s.first_hop_feedback() {
+                            true => Some(residual_slot(gpu, first)?),
+                            false => None,
+                        },
+                        second: match s.error_feedback {
+                            true => Some(residual_slot(gpu, second)?),
+                            false => None,
+                        },
                     };
                     let settings = s.settings(me, reduction);
                     let sum = qgz::reduce_scatter(gpu, &mover, l, settings, &grad, feedback)?;

@@ -63,6 +63,12 @@ def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_pa
         assert emulated["run_bytes"] == host["run_bytes"], what
 
 
+def test_the_emulated_device_is_asynchronous_and_raises_at_wait():
+    p = torchrun(WORKERS / "emulated.py")
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 5, p.stdout
+
+
 def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
     p = torchrun(WORKERS / "collectives.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
@@ -84,8 +90,12 @@ def rank_env(rank, world, port, **extra):
     )
 
 
-@pytest.mark.parametrize("transport", ["tcp", "ucx"])
-def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport):
+@pytest.mark.parametrize(
+    "transport,device",
+    [("tcp", ""), ("ucx", ""), ("tcp", "emulated")],
+    ids=["tcp", "ucx", "emulated"],
+)
+def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport, device):
     port, world, victim = free_port(), 4, 3
     procs = [
         subprocess.Popen(
@@ -97,6 +107,7 @@ def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport):
                 KILL_RANK=str(victim),
                 ZEROPP_TRANSPORT=transport,
                 ZEROPP_TIMEOUT_S="30",
+                ZEROPP_DEVICE=device,
             ),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

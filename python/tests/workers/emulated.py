@@ -1,0 +1,85 @@
+"""Worker (4 ranks, logical nodes of 2): the emulated device's collectives
+(ZEROPP_DEVICE=emulated) are asynchronous as a device's are: a call returns
+while its work is still queued, its Work's wait orders what follows, the
+result equals the host path's bit for bit, and an error found inside a
+kernel after the call returned is raised by the wait, naming the rank.
+Prints one "ok NAME" line per check on rank 0."""
+
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import zeropp.torch as zt
+
+
+def check(name, cond, detail=""):
+    if not cond:
+        raise AssertionError(f"rank {dist.get_rank()}: {name} failed {detail}")
+    if dist.get_rank() == 0:
+        print("ok", name, flush=True)
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    job = zt.job(ranks_per_node=2)
+    zpp = json.loads(job.resolve_switches("zeropp", "{}"))["switches"]
+    group = dist.group.WORLD
+    shard = torch.randn(5000)
+    grad = torch.randn(world * 5000)
+
+    # The host path first, for reference.
+    os.environ.pop("ZEROPP_DEVICE", None)
+    host_out = torch.empty(world * 5000)
+    zt.ZeroppAllGather(job, zpp)(host_out, shard, group)
+    host_rs = zt.ZeroppReduceScatter(job, zpp)
+    host_grad = torch.empty(5000)
+    host_rs(host_grad, grad, group, dist.ReduceOp.AVG)
+
+    os.environ["ZEROPP_DEVICE"] = "emulated"
+    # Rank 0 calls at once, the others a second later: rank 0's call cannot
+    # finish before they join, yet it returns.
+    if rank != 0:
+        time.sleep(1.0)
+    out = torch.empty(world * 5000)
+    t0 = time.monotonic()
+    work = zt.ZeroppAllGather(job, zpp)(out, shard, group, async_op=True)
+    returned = time.monotonic() - t0
+    pending = not work.is_completed()
+    check("the call returns before its work is done", rank != 0 or (pending and returned < 0.5))
+    work.wait()
+    check("wait orders it: qwZ equals the host path's", torch.equal(out, host_out))
+    rs = zt.ZeroppReduceScatter(job, zpp)
+    dev_grad = torch.empty(5000)
+    rs(dev_grad, grad, group, dist.ReduceOp.AVG, async_op=True).wait()
+    check("qgZ equals the host path's", torch.equal(dev_grad, host_grad))
+    check(
+        "both took their paths",
+        zt.device_calls()["emulated"] == {"all_gather": 1, "reduce_scatter": 1},
+    )
+
+    # A NaN in every rank's gradient: found by the quantize kernel after the
+    # call returned, raised by the wait, with this rank named.
+    bad = grad.clone()
+    bad[7] = float("nan")
+    work = rs(torch.empty(5000), bad, group, dist.ReduceOp.AVG, async_op=True)
+    try:
+        work.wait()
+        raised = ""
+    except zt.ZeroppError as e:
+        raised = str(e)
+    check(
+        "a kernel's error surfaces at wait, naming the rank",
+        f"rank {rank}" in raised and "finite" in raised,
+        raised,
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
