@@ -155,23 +155,6 @@ fn swizzled_quantize_matches_the_cpu() {
     }
 }
 
-fn qinput(q: &QuantizedTensor) -> emu::QInput {
-    emu::QInput {
-        codes: q.codes.as_ptr(),
-        bmax: q.block_max.as_ptr(),
-        bmin: if q.block_min.is_empty() {
-            std::ptr::null()
-        } else {
-            q.block_min.as_ptr()
-        },
-        len: q.len as u64,
-        bits: q.format.bits.count(),
-        asym: u32::from(q.format.scheme == Scheme::Asymmetric),
-        block: q.format.block as u32,
-        reserved: 0,
-    }
-}
-
 fn emu_sum(
     inputs: &[QuantizedTensor],
     f: QuantFormat,
@@ -180,7 +163,10 @@ fn emu_sum(
     let len = inputs[0].len;
     let mut out = QuantizedTensor::zeroed(f, len);
     let (name, seed) = sum_requantize_kernel(&f, rounding);
-    let descs: Vec<emu::QInput> = inputs.iter().map(qinput).collect();
+    let descs: Vec<emu::QInput> = inputs
+        .iter()
+        .map(|q| emu::QInput::of(&q.as_ref()))
+        .collect();
     let err = emu::sum_requantize(
         &name,
         quantize_grid(&f, f.num_blocks(len) as u64) as u32,

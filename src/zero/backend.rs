@@ -204,6 +204,48 @@ pub trait ByteMover<Q: Quantizer> {
     ) -> Result<(), ZeroError>;
 }
 
+/// A chunked buffer's `(format, chunk_len, count)`, as
+/// [`Quantizer::shape`] gives it.
+pub type Shape = (QuantFormat, usize, usize);
+
+fn same_chunks(what: &str, a: Shape, b: Shape) -> Result<(), ZeroError> {
+    if (a.0, a.1) == (b.0, b.1) {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
+            a.1, a.0, b.1, b.0
+        )))
+    }
+}
+
+/// Checks an all-to-all of `send` into `recv` over `members` ranks (the
+/// same chunks, as many of them, a whole number per member); the chunks
+/// each member gets.
+pub fn check_all_to_all(send: Shape, recv: Shape, members: usize) -> Result<usize, ZeroError> {
+    same_chunks("all-to-all", send, recv)?;
+    if send.2 != recv.2 || members == 0 || !send.2.is_multiple_of(members) {
+        return Err(ZeroError::Invalid(format!(
+            "all-to-all of {} chunks into {} over {members} ranks",
+            send.2, recv.2
+        )));
+    }
+    Ok(send.2 / members)
+}
+
+/// Checks an all-gather of `mine` into `all` over `members` ranks (the
+/// same chunks, `members` times as many); the chunks each member sends.
+pub fn check_all_gather(mine: Shape, all: Shape, members: usize) -> Result<usize, ZeroError> {
+    same_chunks("all-gather", mine, all)?;
+    if all.2 != mine.2 * members {
+        return Err(ZeroError::Invalid(format!(
+            "all-gather of {} chunks over {members} ranks into {} chunks",
+            mine.2, all.2
+        )));
+    }
+    Ok(mine.2)
+}
+
 /// The share of a quantized chunk's bytes that are block scales: what the
 /// byte counters report apart.
 pub fn scale_fraction(format: QuantFormat, chunk_len: usize) -> f64 {

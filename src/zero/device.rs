@@ -9,7 +9,9 @@ use zeropp_cuda::nccl::NcclComm;
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::backend::{ByteMover, Hop, Quantizer, scale_fraction};
+use super::backend::{
+    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, scale_fraction,
+};
 use super::error::ZeroError;
 use super::plan::Layout;
 use super::traffic::{CountingTransport, Phase};
@@ -396,19 +398,8 @@ impl NcclMover<'_> {
     }
 }
 
-fn same_shape(
-    a: &DeviceQuantizedChunks,
-    b: &DeviceQuantizedChunks,
-    what: &str,
-) -> Result<(), ZeroError> {
-    if (a.format, a.chunk_len) == (b.format, b.chunk_len) {
-        Ok(())
-    } else {
-        Err(ZeroError::Invalid(format!(
-            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
-            a.chunk_len, a.format, b.chunk_len, b.format
-        )))
-    }
+fn shape(q: &DeviceQuantizedChunks) -> Shape {
+    (q.format, q.chunk_len, q.count)
 }
 
 impl ByteMover<Gpu> for NcclMover<'_> {
@@ -423,18 +414,9 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         send: &DeviceQuantizedChunks,
         recv: &mut DeviceQuantizedChunks,
     ) -> Result<(), ZeroError> {
-        same_shape(send, recv, "all-to-all")?;
         let comm = self.comm(hop);
-        if send.count != recv.count || !send.count.is_multiple_of(comm.size()) {
-            return Err(ZeroError::Invalid(format!(
-                "all-to-all of {} chunks into {} over {} ranks",
-                send.count,
-                recv.count,
-                comm.size()
-            )));
-        }
+        let k = check_all_to_all(shape(send), shape(recv), comm.size())?;
         each_part(send, recv, |s, r| comm.all_to_all_bytes(s, r))?;
-        let k = send.count / comm.size();
         let each = send.format.total_bytes(send.chunk_len) as u64 * k as u64;
         let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
         self.count(phase, send, &peers);
@@ -448,16 +430,8 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         mine: &DeviceQuantizedChunks,
         all: &mut DeviceQuantizedChunks,
     ) -> Result<(), ZeroError> {
-        same_shape(mine, all, "all-gather")?;
         let comm = self.comm(hop);
-        if all.count != mine.count * comm.size() {
-            return Err(ZeroError::Invalid(format!(
-                "all-gather of {} chunks over {} ranks into {} chunks",
-                mine.count,
-                comm.size(),
-                all.count
-            )));
-        }
+        check_all_gather(shape(mine), shape(all), comm.size())?;
         each_part(mine, all, |s, r| comm.all_gather_bytes(s, r))?;
         let each = mine.format.total_bytes(mine.chunk_len) as u64 * mine.count as u64;
         let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();

@@ -143,23 +143,6 @@ fn dequantize_with<T: Copy>(
     Ok(())
 }
 
-fn descriptor(q: &QuantizedRef<'_>) -> emu::QInput {
-    emu::QInput {
-        codes: q.codes.as_ptr(),
-        bmax: q.block_max.as_ptr(),
-        bmin: if q.block_min.is_empty() {
-            std::ptr::null()
-        } else {
-            q.block_min.as_ptr()
-        },
-        len: q.len as u64,
-        bits: q.format.bits.count(),
-        asym: u32::from(q.format.scheme == Scheme::Asymmetric),
-        block: q.format.block as u32,
-        reserved: 0,
-    }
-}
-
 impl HostKernels for Emulated {
     fn quantize<T: GpuElement>(
         &self,
@@ -233,7 +216,7 @@ impl HostKernels for Emulated {
         if blocks == 0 {
             return Ok(());
         }
-        let descs: Vec<emu::QInput> = inputs.iter().map(descriptor).collect();
+        let descs: Vec<emu::QInput> = inputs.iter().map(emu::QInput::of).collect();
         let (name, seed) = sum_requantize_kernel(&f, rounding);
         let [key, bad] = emu::sum_requantize(
             &name,

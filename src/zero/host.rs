@@ -11,7 +11,9 @@ use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rou
 
 use crate::comm::{Communicator, Group};
 
-use super::backend::{ByteMover, Hop, Quantizer, scale_fraction};
+use super::backend::{
+    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, scale_fraction,
+};
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
 use super::payload;
@@ -345,18 +347,6 @@ impl HostMover<'_> {
             Hop::Hpz => &self.groups.hpz,
         }
     }
-
-    /// `k` chunks per member of `hop`, from a buffer of `count` chunks.
-    fn per_member(&self, hop: Hop, count: usize) -> Result<usize, ZeroError> {
-        let p = self.group(hop).size();
-        if count.is_multiple_of(p) {
-            Ok(count / p)
-        } else {
-            Err(ZeroError::Invalid(format!(
-                "{count} chunks do not split among the {p} members of the {hop:?} group"
-            )))
-        }
-    }
 }
 
 /// Whether chunks of `chunk` values are whole blocks and whole code bytes:
@@ -409,15 +399,8 @@ fn decode_run_into(
     Ok(())
 }
 
-fn same_shape(a: &QuantizedChunks, b: &QuantizedChunks, what: &str) -> Result<(), ZeroError> {
-    if (a.format, a.chunk_len) == (b.format, b.chunk_len) {
-        Ok(())
-    } else {
-        Err(ZeroError::Invalid(format!(
-            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
-            a.chunk_len, a.format, b.chunk_len, b.format
-        )))
-    }
+fn shape(q: &QuantizedChunks) -> Shape {
+    (q.format, q.chunk_len, q.count)
 }
 
 impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
@@ -432,14 +415,7 @@ impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
         send: &QuantizedChunks,
         recv: &mut QuantizedChunks,
     ) -> Result<(), ZeroError> {
-        same_shape(send, recv, "all-to-all")?;
-        let k = self.per_member(hop, send.count)?;
-        if recv.count != send.count {
-            return Err(ZeroError::Invalid(format!(
-                "all-to-all of {} chunks into {}",
-                send.count, recv.count
-            )));
-        }
+        let k = check_all_to_all(shape(send), shape(recv), self.group(hop).size())?;
         let group = self.group(hop);
         self.counter
             .set_phase(phase, scale_fraction(send.format, send.chunk_len));
@@ -460,16 +436,8 @@ impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
         mine: &QuantizedChunks,
         all: &mut QuantizedChunks,
     ) -> Result<(), ZeroError> {
-        same_shape(mine, all, "all-gather")?;
         let group = self.group(hop);
-        let k = mine.count;
-        if all.count != k * group.size() {
-            return Err(ZeroError::Invalid(format!(
-                "all-gather of {k} chunks over {} ranks into {} chunks",
-                group.size(),
-                all.count
-            )));
-        }
+        let k = check_all_gather(shape(mine), shape(all), group.size())?;
         self.counter
             .set_phase(phase, scale_fraction(mine.format, mine.chunk_len));
         let from_each = self.comm.all_gather_v(group, encode_run(mine, 0..k))?;

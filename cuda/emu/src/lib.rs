@@ -177,6 +177,27 @@ pub struct QInput {
     pub reserved: u32,
 }
 
+impl QInput {
+    /// The descriptor of a quantized tensor on the host (its buffers must
+    /// outlive the launch that reads it).
+    pub fn of(q: &zeropp_quant::QuantizedRef<'_>) -> QInput {
+        QInput {
+            codes: q.codes.as_ptr(),
+            bmax: q.block_max.as_ptr(),
+            bmin: if q.block_min.is_empty() {
+                std::ptr::null()
+            } else {
+                q.block_min.as_ptr()
+            },
+            len: q.len as u64,
+            bits: q.format.bits.count(),
+            asym: u32::from(q.format.scheme == zeropp_quant::Scheme::Asymmetric),
+            block: q.format.block as u32,
+            reserved: 0,
+        }
+    }
+}
+
 /// Size of `zq::QInput` as the kernels' compiler lays it out.
 pub fn qinput_size() -> usize {
     // SAFETY: returns a constant.
