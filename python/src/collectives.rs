@@ -22,7 +22,7 @@ use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
 use zeropp::zero::{ZeroError, ZeroGroups, payload, qgz, qwz};
-use zeropp_quant::{Bits, Element, QuantFormat, Scheme};
+use zeropp_quant::{Element, QuantFormat};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::{invalid, to_py};
@@ -286,14 +286,9 @@ impl Job {
         // qwZ over the world; any other gather moves the caller's bytes as
         // they are.
         let quantized = match qwz_bits {
-            Some(b) if group.size() == self.layout.world() => Some(
-                QuantFormat::new(
-                    Bits::from_u32(b).map_err(|e| invalid(e.to_string()))?,
-                    Scheme::Symmetric,
-                    block,
-                )
-                .map_err(|e| invalid(e.to_string()))?,
-            ),
+            Some(b) if group.size() == self.layout.world() => {
+                Some(plan::weight_format(b, block).map_err(invalid)?)
+            }
             _ => None,
         };
         let phase = if backward {
@@ -558,22 +553,10 @@ impl QgzState {
         stochastic: bool,
         seed: u64,
     ) -> PyResult<QgzState> {
-        let fmt = |bits: u32| {
-            QuantFormat::new(
-                Bits::from_u32(bits).map_err(|e| invalid(e.to_string()))?,
-                Scheme::Symmetric,
-                block,
-            )
-            .map_err(|e| invalid(e.to_string()))
-        };
-        if !matches!(intra_bits, 4 | 8) {
-            return Err(invalid(format!(
-                "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4"
-            )));
-        }
+        let (intra, inter) = plan::gradient_formats(intra_bits, block).map_err(invalid)?;
         Ok(QgzState {
-            intra: fmt(intra_bits)?,
-            inter: fmt(4)?,
+            intra,
+            inter,
             error_feedback,
             stochastic,
             seed,

@@ -27,7 +27,7 @@ use zeropp::zero::traffic::{CountingTransport, Phase};
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
-use zeropp_quant::{Bits, QuantFormat, Scheme};
+use zeropp_quant::QuantFormat;
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState};
@@ -148,15 +148,6 @@ fn comm_of<'a>(comms: &'a Comms, layout: Layout, ranks: &[usize]) -> PyResult<&'
                  groups), made with add_group first"
             ))
         })
-}
-
-fn format(bits: u32, block: usize) -> PyResult<QuantFormat> {
-    QuantFormat::new(
-        Bits::from_u32(bits).map_err(|e| invalid(e.to_string()))?,
-        Scheme::Symmetric,
-        block,
-    )
-    .map_err(|e| invalid(e.to_string()))
 }
 
 fn peers(ranks: &[usize], me: usize) -> impl Iterator<Item = usize> + '_ {
@@ -348,7 +339,9 @@ impl CudaJob {
         backward: bool,
     ) -> PyResult<()> {
         let dtype = Dtype::parse(dtype)?;
-        let wire = qwz_bits.map(|b| format(b, block)).transpose()?;
+        let wire = qwz_bits
+            .map(|b| zeropp::zero::plan::weight_format(b, block).map_err(invalid))
+            .transpose()?;
         let phase = if backward {
             Phase::BackwardGather
         } else {

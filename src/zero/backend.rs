@@ -219,6 +219,25 @@ fn same_chunks(what: &str, a: Shape, b: Shape) -> Result<(), ZeroError> {
     }
 }
 
+/// Checks that chunk `i` exists in a buffer of `shape`.
+pub fn check_chunk(shape: Shape, i: usize, what: &str) -> Result<(), ZeroError> {
+    if i < shape.2 {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!(
+            "{what}: chunk {i} of {} chunks",
+            shape.2
+        )))
+    }
+}
+
+/// Checks a copy of chunk `i` of `src` into chunk `j` of `dst`.
+pub fn check_copy_chunk(src: Shape, i: usize, dst: Shape, j: usize) -> Result<(), ZeroError> {
+    check_chunk(src, i, "copying a chunk")?;
+    check_chunk(dst, j, "copying a chunk")?;
+    same_chunks("copying a chunk", src, dst)
+}
+
 /// Checks an all-to-all of `send` into `recv` over `members` ranks (the
 /// same chunks, as many of them, a whole number per member); the chunks
 /// each member gets.

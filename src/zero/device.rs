@@ -10,7 +10,8 @@ use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
 use super::backend::{
-    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, scale_fraction,
+    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
+    scale_fraction,
 };
 use super::error::ZeroError;
 use super::plan::Layout;
@@ -59,14 +60,7 @@ fn in_range(x: &DeviceValues, at: usize, len: usize, what: &str) -> Result<(), Z
 }
 
 fn check_chunk(q: &DeviceQuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
-    if i < q.count {
-        Ok(())
-    } else {
-        Err(ZeroError::Invalid(format!(
-            "{what}: chunk {i} of {} chunks",
-            q.count
-        )))
-    }
+    backend::check_chunk(shape(q), i, what)
 }
 
 /// Code bytes, block maxima and minima per chunk.
@@ -149,14 +143,7 @@ impl Quantizer for Gpu {
         dst: &mut DeviceQuantizedChunks,
         j: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(src, i, "copying a chunk")?;
-        check_chunk(dst, j, "copying a chunk")?;
-        if (src.format, src.chunk_len) != (dst.format, dst.chunk_len) {
-            return Err(ZeroError::Invalid(format!(
-                "copying a chunk of {} values in {:?} into one of {} in {:?}",
-                src.chunk_len, src.format, dst.chunk_len, dst.format
-            )));
-        }
+        check_copy_chunk(shape(src), i, shape(dst), j)?;
         let (from, mut to) = (chunk_view(src, i), chunk_view_mut(dst, j));
         Gpu::copy(self, &from.codes, &mut to.codes)?;
         Gpu::copy(self, &from.block_max, &mut to.block_max)?;

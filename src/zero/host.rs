@@ -12,7 +12,8 @@ use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rou
 use crate::comm::{Communicator, Group};
 
 use super::backend::{
-    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, scale_fraction,
+    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
+    scale_fraction,
 };
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
@@ -146,14 +147,7 @@ pub(crate) fn out_of_range(what: &str, at: usize, len: usize, have: usize) -> Ze
 }
 
 fn check_chunk(q: &QuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
-    if i < q.count {
-        Ok(())
-    } else {
-        Err(ZeroError::Invalid(format!(
-            "{what}: chunk {i} of {} chunks",
-            q.count
-        )))
-    }
+    backend::check_chunk(shape(q), i, what)
 }
 
 impl<K: HostKernels> Quantizer for K {
@@ -206,14 +200,7 @@ impl<K: HostKernels> Quantizer for K {
         dst: &mut QuantizedChunks,
         j: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(src, i, "copying a chunk")?;
-        check_chunk(dst, j, "copying a chunk")?;
-        if (src.format, src.chunk_len) != (dst.format, dst.chunk_len) {
-            return Err(ZeroError::Invalid(format!(
-                "copying a chunk of {} values in {:?} into one of {} in {:?}",
-                src.chunk_len, src.format, dst.chunk_len, dst.format
-            )));
-        }
+        check_copy_chunk(shape(src), i, shape(dst), j)?;
         let (from, to) = (src.chunk(i), dst.chunk_mut(j));
         to.codes.copy_from_slice(from.codes);
         to.block_max.copy_from_slice(from.block_max);

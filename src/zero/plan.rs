@@ -205,6 +205,34 @@ pub struct Plan {
     pub granule: usize,
 }
 
+/// qwZ's wire format: symmetric blocks of `block` values at `bits` (8 or
+/// 4). The one place the engine and the bindings take it from.
+pub fn weight_format(bits: u32, block: usize) -> Result<QuantFormat, String> {
+    if !matches!(bits, 8 | 4) {
+        return Err(format!("qwZ supports 8 or 4 bits, not {bits}"));
+    }
+    let bits = Bits::from_u32(bits).map_err(|e| e.to_string())?;
+    QuantFormat::new(bits, Scheme::Symmetric, block).map_err(|e| e.to_string())
+}
+
+/// qgZ's wire formats: the hop inside the node (`intra_bits`, 8 or 4) and
+/// the hop across nodes (always int4), symmetric blocks of `block` values.
+/// The one place the engine and the bindings take them from.
+pub fn gradient_formats(
+    intra_bits: u32,
+    block: usize,
+) -> Result<(QuantFormat, QuantFormat), String> {
+    if !matches!(intra_bits, 8 | 4) {
+        return Err(format!(
+            "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4"
+        ));
+    }
+    let bits = Bits::from_u32(intra_bits).map_err(|e| e.to_string())?;
+    let intra = QuantFormat::new(bits, Scheme::Symmetric, block).map_err(|e| e.to_string())?;
+    let inter = QuantFormat::int4(block).map_err(|e| e.to_string())?;
+    Ok((intra, inter))
+}
+
 impl Plan {
     pub fn new(layout: Layout, s: &Switches) -> Result<Plan, String> {
         if layout.world() == 0 || layout.rank >= layout.world() {
@@ -216,25 +244,13 @@ impl Plan {
         let weights = match s.qwz_bits {
             None if s.fp32_comm => WeightWire::F32,
             None => WeightWire::Bf16,
-            Some(b @ (8 | 4)) => WeightWire::Quantized(
-                QuantFormat::new(
-                    Bits::from_u32(b).map_err(|e| e.to_string())?,
-                    Scheme::Symmetric,
-                    s.block,
-                )
-                .map_err(|e| e.to_string())?,
-            ),
-            Some(b) => return Err(format!("qwZ supports 8 or 4 bits, not {b}")),
+            Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
         };
         let grads = if s.qgz {
+            let (intra, inter) = gradient_formats(s.qgz_intra_bits, s.qgz_block)?;
             GradWire::TwoHop {
-                intra: QuantFormat::new(
-                    Bits::from_u32(s.qgz_intra_bits).map_err(|e| e.to_string())?,
-                    Scheme::Symmetric,
-                    s.qgz_block,
-                )
-                .map_err(|e| e.to_string())?,
-                inter: QuantFormat::int4(s.qgz_block).map_err(|e| e.to_string())?,
+                intra,
+                inter,
                 error_feedback: s.error_feedback,
                 stochastic: s.qgz_stochastic,
             }
@@ -311,6 +327,33 @@ mod tests {
         // What ran is written as a JSON object with these names.
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["switches"]["hpz_group"], view.plan.hpz_group);
+    }
+
+    #[test]
+    fn wire_formats_come_from_one_place_and_refuse_other_bits() {
+        assert_eq!(
+            weight_format(4, 256).unwrap(),
+            QuantFormat::int4(256).unwrap()
+        );
+        let (intra, inter) = gradient_formats(8, 32).unwrap();
+        assert_eq!(
+            (intra, inter),
+            (
+                QuantFormat::int8(32).unwrap(),
+                QuantFormat::int4(32).unwrap()
+            )
+        );
+        let e = weight_format(2, 256).unwrap_err();
+        assert!(e.contains("8 or 4 bits, not 2"), "{e}");
+        let e = gradient_formats(2, 32).unwrap_err();
+        assert!(e.contains("int8 or int4"), "{e}");
+        let mut s = Switches::zeropp(256);
+        s.qgz_intra_bits = 2;
+        assert!(
+            Plan::new(layout(), &s)
+                .unwrap_err()
+                .contains("int8 or int4")
+        );
     }
 
     #[test]
