@@ -126,7 +126,7 @@ def test_bf16_zeropp_on_cuda_trains_like_bf16_fsdp2():
 
 
 def test_int4_inside_the_node_keeps_error_feedback_on_the_device():
-    # qgz_intra_bits=4: both hops keep error feedback (f32 on the device).
+    # qgz_intra_bits=4: both hops keep error feedback (compressed on the device, as on the CPU).
     int4 = run("zeropp", "cuda", "--switch=qgz_intra_bits=4")
     int8 = run("zeropp", "cuda")
     gap = int4["final_loss"] / int8["final_loss"] - 1
