@@ -17,7 +17,7 @@ use zeropp::comm::exchange::{self, JoinOptions};
 use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
 use zeropp::zero::host::{Host, HostKernels, HostMover};
-use zeropp::zero::plan::{self, Layout, Switches};
+use zeropp::zero::plan::{self, Layout};
 use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
@@ -463,48 +463,16 @@ impl Job {
     }
 }
 
-/// The switches of `mode` with `overrides` applied, resolved against the
-/// routing plan and checked as the engine checks them.
+/// `plan::resolve_mode` of a JSON object of overrides, as JSON.
 fn resolve(
     mode: &str,
     overrides: &str,
     layout: Layout,
     routing: &Result<zeropp_topology::plan::ClusterView, String>,
 ) -> PyResult<String> {
-    let block = 256;
-    let base = match mode {
-        "zeropp" => Switches::zeropp(block),
-        "zero3" => Switches::zero3(block),
-        other => {
-            return Err(invalid(format!(
-                "mode={other:?}: use \"zeropp\" (qwZ + hpZ + qgZ) or \"zero3\" (plain \
-                 communication through zeropp's transports)"
-            )));
-        }
-    };
-    let mut value = serde_json::to_value(&base).map_err(|e| invalid(e.to_string()))?;
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)
         .map_err(|e| invalid(format!("switches are not a JSON object: {e}")))?;
-    {
-        let obj = value
-            .as_object_mut()
-            .expect("a struct serializes to an object");
-        for (k, v) in &asked {
-            if !obj.contains_key(k) {
-                let mut names: Vec<&String> = obj.keys().collect();
-                names.sort();
-                return Err(invalid(format!(
-                    "unknown switch {k:?}; zeropp's switches are {names:?}"
-                )));
-            }
-            obj.insert(k.clone(), v.clone());
-        }
-    }
-    let s: Switches = serde_json::from_value(value)
-        .map_err(|e| invalid(format!("a switch has the wrong type: {e}")))?;
-    let asked: Vec<&str> = asked.keys().map(String::as_str).collect();
-    let r = plan::resolve(s, &asked, layout, routing)
-        .map_err(|e| invalid(format!("invalid switches: {e}")))?;
+    let r = plan::resolve_mode(mode, &asked, layout, routing).map_err(invalid)?;
     serde_json::to_string(&r).map_err(|e| invalid(e.to_string()))
 }
 

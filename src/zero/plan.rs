@@ -161,6 +161,47 @@ pub fn resolve(
     Ok(Resolved { switches: s, why })
 }
 
+/// The switches of `mode` (`"zeropp"`: qwZ + hpZ + qgZ, or `"zero3"`)
+/// with `overrides` (switch names as `zeropp train` and `zeropp.torch`
+/// spell them → values) applied, then resolved against the routing plan
+/// and checked ([`resolve`]): what the Python bindings hand back.
+pub fn resolve_mode(
+    mode: &str,
+    overrides: &serde_json::Map<String, serde_json::Value>,
+    layout: Layout,
+    routing: &Result<ClusterView, String>,
+) -> Result<Resolved, String> {
+    let block = 256;
+    let base = match mode {
+        "zeropp" => Switches::zeropp(block),
+        "zero3" => Switches::zero3(block),
+        other => {
+            return Err(format!(
+                "mode={other:?}: use \"zeropp\" (qwZ + hpZ + qgZ) or \"zero3\" (plain \
+                 communication through zeropp's transports)"
+            ));
+        }
+    };
+    let mut value = serde_json::to_value(&base).map_err(|e| e.to_string())?;
+    let obj = value
+        .as_object_mut()
+        .ok_or("the switches do not serialize to an object")?;
+    for (k, v) in overrides {
+        if !obj.contains_key(k) {
+            let mut names: Vec<&String> = obj.keys().collect();
+            names.sort();
+            return Err(format!(
+                "unknown switch {k:?}; zeropp's switches are {names:?}"
+            ));
+        }
+        obj.insert(k.clone(), v.clone());
+    }
+    let s: Switches =
+        serde_json::from_value(value).map_err(|e| format!("a switch has the wrong type: {e}"))?;
+    let asked: Vec<&str> = overrides.keys().map(String::as_str).collect();
+    resolve(s, &asked, layout, routing).map_err(|e| format!("invalid switches: {e}"))
+}
+
 /// How weights travel in a gather.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum WeightWire {
@@ -327,6 +368,31 @@ mod tests {
         // What ran is written as a JSON object with these names.
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["switches"]["hpz_group"], view.plan.hpz_group);
+    }
+
+    #[test]
+    fn a_mode_with_overrides_resolves_or_names_what_is_wrong() {
+        let json = |s: &str| serde_json::from_str(s).unwrap();
+        let r = resolve_mode("zeropp", &json(r#"{"qwz_bits": 4}"#), layout(), &routing()).unwrap();
+        assert_eq!(r.switches.qwz_bits, Some(4));
+        assert_eq!(r.why["qwz_bits"], "asked");
+        let r = resolve_mode("zero3", &json("{}"), layout(), &routing()).unwrap();
+        assert_eq!(r.switches, Switches::zero3(256));
+        let err = |mode: &str, o: &str| resolve_mode(mode, &json(o), layout(), &routing());
+        let e = err("zero4", "{}").unwrap_err();
+        assert!(e.contains("use \"zeropp\""), "{e}");
+        let e = err("zeropp", r#"{"qwz": 8}"#).unwrap_err();
+        assert!(
+            e.contains("unknown switch \"qwz\"") && e.contains("qwz_bits"),
+            "{e}"
+        );
+        let e = err("zeropp", r#"{"hpz": "yes"}"#).unwrap_err();
+        assert!(e.contains("wrong type"), "{e}");
+        let e = err("zeropp", r#"{"qwz_bits": 3}"#).unwrap_err();
+        assert!(
+            e.contains("invalid switches: qwZ supports 8 or 4 bits"),
+            "{e}"
+        );
     }
 
     #[test]
