@@ -12,7 +12,7 @@ use zeropp::comm::Communicator;
 use zeropp::comm::inproc::InProcess;
 use zeropp::zero::emulated::Emulated;
 use zeropp::zero::host::{Host, HostMover};
-use zeropp::zero::plan::Layout;
+use zeropp::zero::plan::{self, Layout};
 use zeropp::zero::qgz::{self, Feedback, Qgz, Reduction};
 use zeropp::zero::traffic::Phase;
 use zeropp::zero::traffic::{CountingTransport, Traffic};
@@ -66,10 +66,54 @@ where
     Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks> + Copy + Send + 'static,
 {
     let Case { nodes, g, .. } = case;
+    on_ranks(nodes, g, g, move |layout, mover, counter| {
+        let rank = layout.rank;
+        let (intra, inter) = plan::gradient_formats(case.intra_bits, 32).unwrap();
+        let settings = Qgz {
+            intra,
+            inter,
+            rounding: Rounding::NearestEven,
+            reduction: case.reduction,
+        };
+        let (mut r1, mut r2) = (
+            q.chunks(intra, 0, 0).unwrap(),
+            q.chunks(intra, 0, 0).unwrap(),
+        );
+        let mut seen = Seen {
+            results: vec![],
+            residuals: vec![],
+            traffic: Traffic::default(),
+        };
+        for call in 0..case.calls {
+            let grad = gradient(case.chunk * nodes * g, rank, call);
+            let feedback = Feedback {
+                first: (case.feedback && qgz::first_hop_feedback(true, intra)).then_some(&mut r1),
+                second: case.feedback.then_some(&mut r2),
+            };
+            let out = qgz::reduce_scatter(&q, mover, layout, settings, &grad, feedback).unwrap();
+            assert_eq!(out.len(), case.chunk);
+            seen.results.push(bits(&out));
+            seen.residuals.push((r1.clone(), r2.clone()));
+        }
+        seen.traffic = counter.traffic();
+        seen
+    })
+}
+
+/// Runs `body` on every rank of an in-process job of `nodes` × `g` ranks
+/// (hpZ groups of `hpz_group`) with the rank's layout, byte mover and
+/// counters; the ranks' results in rank order.
+fn on_ranks<R: Send + 'static>(
+    nodes: usize,
+    g: usize,
+    hpz_group: usize,
+    body: impl Fn(Layout, &HostMover<'_>, &CountingTransport) -> R + Clone + Send + 'static,
+) -> Vec<R> {
     let handles: Vec<_> = InProcess::world(nodes * g)
         .into_iter()
         .enumerate()
         .map(|(rank, t)| {
+            let body = body.clone();
             std::thread::spawn(move || {
                 let layout = Layout {
                     nodes,
@@ -78,48 +122,13 @@ where
                 };
                 let counter = Arc::new(CountingTransport::new(Box::new(t), g));
                 let comm = Communicator::new(counter.clone(), Duration::from_secs(60));
-                let groups = ZeroGroups::new(&layout, g).unwrap();
+                let groups = ZeroGroups::new(&layout, hpz_group).unwrap();
                 let mover = HostMover {
                     comm: &comm,
                     counter: &counter,
                     groups: &groups,
                 };
-                let intra = QuantFormat::new(
-                    zeropp_quant::Bits::from_u32(case.intra_bits).unwrap(),
-                    zeropp_quant::Scheme::Symmetric,
-                    32,
-                )
-                .unwrap();
-                let settings = Qgz {
-                    intra,
-                    inter: QuantFormat::int4(32).unwrap(),
-                    rounding: Rounding::NearestEven,
-                    reduction: case.reduction,
-                };
-                let (mut r1, mut r2) = (
-                    q.chunks(intra, 0, 0).unwrap(),
-                    q.chunks(intra, 0, 0).unwrap(),
-                );
-                let mut seen = Seen {
-                    results: vec![],
-                    residuals: vec![],
-                    traffic: Traffic::default(),
-                };
-                for call in 0..case.calls {
-                    let grad = gradient(case.chunk * nodes * g, rank, call);
-                    let feedback = Feedback {
-                        first: (case.feedback && qgz::first_hop_feedback(true, intra))
-                            .then_some(&mut r1),
-                        second: case.feedback.then_some(&mut r2),
-                    };
-                    let out =
-                        qgz::reduce_scatter(&q, &mover, layout, settings, &grad, feedback).unwrap();
-                    assert_eq!(out.len(), case.chunk);
-                    seen.results.push(bits(&out));
-                    seen.residuals.push((r1.clone(), r2.clone()));
-                }
-                seen.traffic = counter.traffic();
-                seen
+                body(layout, &mover, &counter)
             })
         })
         .collect();
@@ -285,70 +294,36 @@ where
         + 'static,
 {
     let chunk = 300; // not whole blocks of 256
-    let handles: Vec<_> = InProcess::world(nodes * g)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, t)| {
-            std::thread::spawn(move || {
-                let layout = Layout {
-                    nodes,
-                    ranks_per_node: g,
-                    rank,
-                };
-                let counter = Arc::new(CountingTransport::new(Box::new(t), g));
-                let comm = Communicator::new(counter.clone(), Duration::from_secs(60));
-                let groups = ZeroGroups::new(&layout, hpz_group).unwrap();
-                let mover = HostMover {
-                    comm: &comm,
-                    counter: &counter,
-                    groups: &groups,
-                };
-                let format = QuantFormat::new(
-                    zeropp_quant::Bits::from_u32(bits).unwrap(),
-                    zeropp_quant::Scheme::Symmetric,
-                    256,
-                )
-                .unwrap();
-                let shard: Vec<half::bf16> = gradient(chunk, rank, 9)
-                    .into_iter()
-                    .map(half::bf16::from_f32)
-                    .collect();
-                let world = nodes * g;
-                let all = qwz::gather_quantized::<_, _, half::bf16>(
-                    &q,
-                    &mover,
-                    layout,
-                    &shard.as_slice(),
-                    format,
-                    Phase::ForwardGather,
-                )
-                .unwrap();
-                let mut forward = vec![half::bf16::ZERO; chunk * world];
-                let position = |r| qwz::gathered_position(layout, r);
-                qwz::dequantize_all::<_, half::bf16>(
-                    &q,
-                    &all,
-                    position,
-                    &mut forward.as_mut_slice(),
-                )
-                .unwrap();
-                let secondary = hpz::keep_quantized(&q, layout, &all, hpz_group).unwrap();
-                drop(all);
-                let again = hpz::gather_quantized(&q, &mover, &secondary).unwrap();
-                let mut backward = vec![half::bf16::ZERO; chunk * world];
-                qwz::dequantize_all::<_, half::bf16>(
-                    &q,
-                    &again,
-                    |r| r,
-                    &mut backward.as_mut_slice(),
-                )
-                .unwrap();
-                let b = |x: &[half::bf16]| x.iter().map(|v| v.to_bits() as u32).collect();
-                (b(&forward), b(&backward), counter.traffic())
-            })
-        })
-        .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    on_ranks(nodes, g, hpz_group, move |layout, mover, counter| {
+        let rank = layout.rank;
+        let format = plan::weight_format(bits, 256).unwrap();
+        let shard: Vec<half::bf16> = gradient(chunk, rank, 9)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        let world = nodes * g;
+        let all = qwz::gather_quantized::<_, _, half::bf16>(
+            &q,
+            mover,
+            layout,
+            &shard.as_slice(),
+            format,
+            Phase::ForwardGather,
+        )
+        .unwrap();
+        let mut forward = vec![half::bf16::ZERO; chunk * world];
+        let position = |r| qwz::gathered_position(layout, r);
+        qwz::dequantize_all::<_, half::bf16>(&q, &all, position, &mut forward.as_mut_slice())
+            .unwrap();
+        let secondary = hpz::keep_quantized(&q, layout, &all, hpz_group).unwrap();
+        drop(all);
+        let again = hpz::gather_quantized(&q, mover, &secondary).unwrap();
+        let mut backward = vec![half::bf16::ZERO; chunk * world];
+        qwz::dequantize_all::<_, half::bf16>(&q, &again, |r| r, &mut backward.as_mut_slice())
+            .unwrap();
+        let b = |x: &[half::bf16]| x.iter().map(|v| v.to_bits() as u32).collect();
+        (b(&forward), b(&backward), counter.traffic())
+    })
 }
 
 #[test]
@@ -371,12 +346,7 @@ fn qwz_and_hpz_gather_the_same_weights_on_every_backend() {
             .into_iter()
             .map(|v| half::bf16::from_f32(v).to_f32())
             .collect();
-        let format = QuantFormat::new(
-            zeropp_quant::Bits::from_u32(bits).unwrap(),
-            zeropp_quant::Scheme::Symmetric,
-            256,
-        )
-        .unwrap();
+        let format = plan::weight_format(bits, 256).unwrap();
         let want: Vec<u32> =
             zeropp_quant::QuantizedTensor::quantize(&shard0, format, Rounding::NearestEven)
                 .unwrap()

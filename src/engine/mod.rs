@@ -287,7 +287,8 @@ impl Engine {
                 })
             }));
         }
-        let mine = qwz::encode_chunk(&self.units[u].master, wire)?;
+        let fp32 = wire == WeightWire::F32;
+        let mine = qwz::encode_plain(&self.units[u].master, fp32);
         Ok(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(phase, 0.0);
             Ok(Gathered::Payloads(c.all_gather_v(&groups.world, mine)?))
@@ -337,7 +338,10 @@ impl Engine {
         let su = &self.units[u];
         let mut full = vec![0f32; su.padded];
         match gathered {
-            Gathered::Payloads(p) => qwz::decode_into(p, self.plan.weights, su.chunk, &mut full)?,
+            Gathered::Payloads(p) => {
+                let fp32 = self.plan.weights == WeightWire::F32;
+                qwz::decode_plain(p, fp32, su.chunk, &mut full)?
+            }
             Gathered::Quantized { chunks, rank_order } => {
                 let layout = self.plan.layout;
                 let position = |r| {

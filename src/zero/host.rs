@@ -5,7 +5,6 @@
 //! through zeropp's transports (UCX, TCP, in process) and counts them in
 //! the job's [`CountingTransport`], for both.
 
-use bytes::Bytes;
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding};
 
@@ -336,56 +335,6 @@ impl HostMover<'_> {
     }
 }
 
-/// Whether chunks of `chunk` values are whole blocks and whole code bytes:
-/// then a run of them has the layout of one tensor.
-fn whole_blocks(format: QuantFormat, chunk: usize) -> bool {
-    chunk.is_multiple_of(format.block)
-        && format.code_bytes(chunk) * format.bits.codes_per_byte() == chunk
-}
-
-/// Chunks `range` of `q` as one message: the layout of one tensor when the
-/// chunks are whole blocks, else each chunk's own encoding back to back.
-fn encode_run(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Bytes {
-    if whole_blocks(q.format, q.chunk_len) {
-        return payload::encode_chunks(q, range);
-    }
-    let parts: Vec<Bytes> = range.map(|p| payload::encode_chunks(q, p..p + 1)).collect();
-    super::qwz::concat(&parts)
-}
-
-/// The inverse of [`encode_run`], into chunks `at..` of `out`.
-fn decode_run_into(
-    b: &[u8],
-    out: &mut QuantizedChunks,
-    at: usize,
-    count: usize,
-) -> Result<(), ZeroError> {
-    let (format, chunk) = (out.format, out.chunk_len);
-    let decoded = if whole_blocks(format, chunk) {
-        payload::decode_quantized(b, format, chunk * count)?.split(count)?
-    } else {
-        let one = format.total_bytes(chunk);
-        if b.len() != one * count {
-            return Err(ZeroError::Comm(crate::comm::CommError::Malformed(format!(
-                "a run of {count} quantized chunks: expected {} bytes, found {}; the ranks \
-                 disagree on the model or the plan",
-                one * count,
-                b.len()
-            ))));
-        }
-        (0..count)
-            .map(|i| payload::decode_quantized(&b[i * one..(i + 1) * one], format, chunk))
-            .collect::<Result<_, _>>()?
-    };
-    for (i, d) in decoded.iter().enumerate() {
-        let (src, dst) = (d.view(), out.chunk_mut(at + i));
-        dst.codes.copy_from_slice(src.codes);
-        dst.block_max.copy_from_slice(src.block_max);
-        dst.block_min.copy_from_slice(src.block_min);
-    }
-    Ok(())
-}
-
 fn shape(q: &QuantizedChunks) -> Shape {
     (q.format, q.chunk_len, q.count)
 }
@@ -407,11 +356,11 @@ impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
         self.counter
             .set_phase(phase, scale_fraction(send.format, send.chunk_len));
         let to_each = (0..group.size())
-            .map(|j| encode_run(send, j * k..(j + 1) * k))
+            .map(|j| payload::encode_chunks(send, j * k..(j + 1) * k))
             .collect();
         let from_each = self.comm.all_to_all_v(group, to_each)?;
         for (j, b) in from_each.iter().enumerate() {
-            decode_run_into(b, recv, j * k, k)?;
+            payload::decode_chunks_into(b, recv, j * k..(j + 1) * k)?;
         }
         Ok(())
     }
@@ -427,9 +376,11 @@ impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
         let k = check_all_gather(shape(mine), shape(all), group.size())?;
         self.counter
             .set_phase(phase, scale_fraction(mine.format, mine.chunk_len));
-        let from_each = self.comm.all_gather_v(group, encode_run(mine, 0..k))?;
+        let from_each = self
+            .comm
+            .all_gather_v(group, payload::encode_chunks(mine, 0..k))?;
         for (j, b) in from_each.iter().enumerate() {
-            decode_run_into(b, all, j * k, k)?;
+            payload::decode_chunks_into(b, all, j * k..(j + 1) * k)?;
         }
         Ok(())
     }

@@ -5,9 +5,7 @@
 
 use bytes::{Bytes, BytesMut};
 use half::bf16;
-use zeropp_quant::{
-    Element, QuantFormat, QuantizedChunks, QuantizedRef, QuantizedTensor, Rounding,
-};
+use zeropp_quant::{Element, QuantizedChunks};
 
 use crate::comm::CommError;
 
@@ -74,16 +72,9 @@ fn put_params(b: &mut BytesMut, codes: &[u8], max: &[f32], min: &[f32]) {
     b.extend_from_slice(bytemuck::cast_slice(min));
 }
 
-/// A quantized tensor as one message.
-pub fn encode_quantized(q: &QuantizedTensor) -> Bytes {
-    let mut b = BytesMut::with_capacity(q.bytes());
-    put_params(&mut b, &q.codes, &q.block_max, &q.block_min);
-    b.freeze()
-}
-
-/// Positions `range` of swizzled chunks as one message (codes of every chunk,
-/// then their maxima, then their minima: the layout of one tensor when chunks
-/// are whole blocks).
+/// Chunks `range` of `q` as one message: their codes, then their block
+/// maxima, then their minima (each part of a run of chunks is contiguous in
+/// `q`, whatever the chunk length).
 pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Bytes {
     let (c, s, m) = q.strides();
     let mut b = BytesMut::with_capacity(range.len() * (c + 4 * (s + m)));
@@ -96,102 +87,61 @@ pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Byte
     b.freeze()
 }
 
-/// A decoded quantized message: owns the f32 parameters (copied out for
-/// alignment) and borrows the codes.
-pub struct Decoded<'a> {
-    format: QuantFormat,
-    len: usize,
-    codes: &'a [u8],
-    block_max: Vec<f32>,
-    block_min: Vec<f32>,
-}
-
-impl<'a> Decoded<'a> {
-    /// Cuts a message of `count` equal chunks, each whole blocks and whole
-    /// code bytes, into its chunks.
-    pub fn split(self, count: usize) -> Result<Vec<Decoded<'a>>, CommError> {
-        let len = self.len / count.max(1);
-        let (c, s, m) = (
-            self.format.code_bytes(len),
-            self.format.num_blocks(len),
-            self.format.num_block_mins(len),
-        );
-        if count == 0 || len * count != self.len || c * count != self.codes.len() {
-            return Err(CommError::Malformed(format!(
-                "a quantized message of {} values does not split into {count} whole chunks",
-                self.len
-            )));
-        }
-        let codes = self.codes;
-        Ok((0..count)
-            .map(|i| Decoded {
-                format: self.format,
-                len,
-                codes: &codes[i * c..(i + 1) * c],
-                block_max: self.block_max[i * s..(i + 1) * s].to_vec(),
-                block_min: self.block_min[i * m..(i + 1) * m].to_vec(),
-            })
-            .collect())
-    }
-
-    pub fn view(&self) -> QuantizedRef<'_> {
-        QuantizedRef {
-            format: self.format,
-            len: self.len,
-            codes: self.codes,
-            block_max: &self.block_max,
-            block_min: &self.block_min,
-        }
+fn read_f32s(b: &[u8], out: &mut [f32]) {
+    for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
+        *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
     }
 }
 
-/// Reads a message holding `len` values quantized in `format`.
-pub fn decode_quantized<'a>(
-    b: &'a [u8],
-    format: QuantFormat,
-    len: usize,
-) -> Result<Decoded<'a>, CommError> {
-    let expected = format.total_bytes(len);
-    if b.len() != expected {
-        return Err(malformed("quantized chunk", expected, b.len()));
+/// The inverse of [`encode_chunks`]: message `b` written into chunks
+/// `range` of `out` (whose format and chunk length say what the message
+/// must hold). A message of another length is an error naming both.
+pub fn decode_chunks_into(
+    b: &[u8],
+    out: &mut QuantizedChunks,
+    range: std::ops::Range<usize>,
+) -> Result<(), CommError> {
+    let (c, s, m) = out.strides();
+    let n = range.len();
+    let expected = n * (c + 4 * (s + m));
+    if b.len() != expected || range.end > out.count {
+        return Err(malformed("quantized chunks", expected, b.len()));
     }
-    let nc = format.code_bytes(len);
-    let ns = format.num_blocks(len) * 4;
-    let to_f32 = |s: &[u8]| -> Vec<f32> {
-        s.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    };
-    Ok(Decoded {
-        format,
-        len,
-        codes: &b[..nc],
-        block_max: to_f32(&b[nc..nc + ns]),
-        block_min: to_f32(&b[nc + ns..]),
-    })
-}
-
-/// Quantizes `x` (round to nearest) into one message.
-pub fn quantize_message<T: Element>(x: &[T], format: QuantFormat) -> Result<Bytes, CommError> {
-    let q = QuantizedTensor::quantize(x, format, Rounding::NearestEven)
-        .map_err(|e| CommError::Invalid(e.to_string()))?;
-    Ok(encode_quantized(&q))
+    let (codes, scales) = b.split_at(n * c);
+    let (max, min) = scales.split_at(n * s * 4);
+    out.codes[range.start * c..range.end * c].copy_from_slice(codes);
+    read_f32s(max, &mut out.block_max[range.start * s..range.end * s]);
+    read_f32s(min, &mut out.block_min[range.start * m..range.end * m]);
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use zeropp_quant::{QuantFormat, Rounding};
 
     #[test]
     fn messages_round_trip_and_wrong_lengths_are_errors() {
-        let x: Vec<f32> = (0..512).map(|i| (i as f32 * 0.37).sin()).collect();
-        let f = QuantFormat::int8(256).unwrap();
-        let m = quantize_message(&x, f).unwrap();
-        assert_eq!(m.len(), 512 + 8);
-        let d = decode_quantized(&m, f, 512).unwrap();
-        let y: Vec<f32> = d.view().to_vec().unwrap();
-        assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 0.01));
-        assert!(decode_quantized(&m[..m.len() - 1], f, 512).is_err());
+        let x: Vec<f32> = (0..3 * 300).map(|i| (i as f32 * 0.37).sin()).collect();
+        // Chunks of 300 values: not whole blocks of 256.
+        let f = QuantFormat::int4(256).unwrap();
+        let mut q = QuantizedChunks::zeroed(f, 300, 3);
+        zeropp_quant::quantize_swizzled(&x, 3, 1, Rounding::NearestEven, &mut q).unwrap();
+        let m = encode_chunks(&q, 1..3);
+        assert_eq!(m.len(), 2 * f.total_bytes(300));
+        let mut back = QuantizedChunks::zeroed(f, 300, 3);
+        decode_chunks_into(&m, &mut back, 1..3).unwrap();
+        assert_eq!(
+            (&back.codes[150..], &back.block_max[2..]),
+            (&q.codes[150..], &q.block_max[2..])
+        );
+        assert!(
+            back.codes[..150].iter().all(|&c| c == 0),
+            "chunk 0 untouched"
+        );
+        assert!(decode_chunks_into(&m[..m.len() - 1], &mut back, 1..3).is_err());
+        assert!(decode_chunks_into(&m, &mut back, 2..4).is_err());
+        let x: Vec<f32> = x[..512].to_vec();
         let b = encode_bf16(&x);
         let mut back = vec![0.0; 512];
         decode_bf16(&b, &mut back).unwrap();

@@ -85,6 +85,40 @@ fn ensure_residual<Q: Quantizer>(
     Ok(())
 }
 
+/// Adds `residual`'s chunks into `x` (chunk i at i · chunk length).
+fn add_residual<Q: Quantizer>(
+    q: &Q,
+    residual: &Q::Chunks,
+    x: &mut Q::Values,
+) -> Result<(), ZeroError> {
+    let (_, chunk, count) = q.shape(residual);
+    for i in 0..count {
+        q.dequantize_accumulate(residual, i, x, i * chunk)?;
+    }
+    Ok(())
+}
+
+/// Keeps in `residual` what quantizing `x` into `sent` dropped: chunk p of
+/// `sent` holds chunk `source(p)` of `x`, and residual chunk `source(p)`
+/// becomes that chunk of `x` minus what `sent` carries (rounded to nearest).
+fn keep_dropped<Q: Quantizer>(
+    q: &Q,
+    sent: &Q::Chunks,
+    source: impl Fn(usize) -> usize,
+    x: &Q::Values,
+    residual: &mut Q::Chunks,
+) -> Result<(), ZeroError> {
+    let (_, chunk, count) = q.shape(sent);
+    let mut dropped = q.values(chunk)?;
+    for p in 0..count {
+        let r = source(p);
+        q.dequantize(sent, p, &mut dropped, 0)?;
+        q.dropped(&mut dropped, 0, x, r * chunk, chunk)?;
+        q.quantize_chunk(&dropped, 0, Rounding::NearestEven, residual, r)?;
+    }
+    Ok(())
+}
+
 /// Hop 1's input: `grad` (W chunks in rank order, plus the residual of the
 /// last call when `residual` is given) quantized in `format` at the
 /// swizzled positions. With a residual, it is replaced by what this
@@ -114,18 +148,16 @@ pub fn quantize_first_hop<Q: Quantizer>(
     ensure_residual(q, residual, chunk, world)?;
     let mut corrected = q.values(len)?;
     q.copy(grad, 0, &mut corrected, 0, len)?;
-    for r in 0..world {
-        q.dequantize_accumulate(residual, r, &mut corrected, r * chunk)?;
-    }
+    add_residual(q, residual, &mut corrected)?;
     q.quantize_swizzled(&corrected, nodes, g, rounding, &mut out)?;
-    // What the wire will carry, back in rank order: keep the rest.
-    let mut sent = q.values(chunk)?;
-    for p in 0..world {
-        let r = swizzled_rank(p, nodes, g);
-        q.dequantize(&out, p, &mut sent, 0)?;
-        q.dropped(&mut sent, 0, &corrected, r * chunk, chunk)?;
-        q.quantize_chunk(&sent, 0, Rounding::NearestEven, residual, r)?;
-    }
+    // Position p carries rank swizzled_rank(p)'s chunk: keep the rest.
+    keep_dropped(
+        q,
+        &out,
+        |p| swizzled_rank(p, nodes, g),
+        &corrected,
+        residual,
+    )?;
     Ok(out)
 }
 
@@ -173,21 +205,14 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
             // requantize, and keep what it drops now.
             ensure_residual(q, residual, chunk, nodes)?;
             let mut sum = q.values(nodes * chunk)?;
-            for n in 0..nodes {
-                q.dequantize_accumulate(residual, n, &mut sum, n * chunk)?;
-            }
+            add_residual(q, residual, &mut sum)?;
             for src in 0..g {
                 for n in 0..nodes {
                     q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
                 }
             }
             q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
-            let mut sent = q.values(chunk)?;
-            for n in 0..nodes {
-                q.dequantize(&partial, n, &mut sent, 0)?;
-                q.dropped(&mut sent, 0, &sum, n * chunk, chunk)?;
-                q.quantize_chunk(&sent, 0, Rounding::NearestEven, residual, n)?;
-            }
+            keep_dropped(q, &partial, |n| n, &sum, residual)?;
         }
         None => {
             for n in 0..nodes {

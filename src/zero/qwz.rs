@@ -9,23 +9,13 @@ use bytes::{Bytes, BytesMut};
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{Element, QuantFormat, Rounding};
 
-use crate::comm::{CommError, Communicator};
+use crate::comm::CommError;
 
 use super::backend::{ByteMover, Hop, Quantizer};
 use super::error::ZeroError;
-use super::groups::ZeroGroups;
 use super::payload;
-use super::plan::{Layout, WeightWire};
+use super::plan::Layout;
 use super::traffic::Phase;
-
-/// The share of a quantized chunk's bytes that are block scales (0 for
-/// unquantized wires): what the byte counters report apart.
-pub fn scale_fraction(wire: WeightWire, chunk: usize) -> f64 {
-    match wire {
-        WeightWire::Bf16 | WeightWire::F32 => 0.0,
-        WeightWire::Quantized(f) => f.param_bytes(chunk) as f64 / f.total_bytes(chunk) as f64,
-    }
-}
 
 /// Where rank `r`'s chunk sits in what [`gather_quantized`] returns: the
 /// runs of N chunks arrive in local-rank order, each in node order, so
@@ -107,46 +97,21 @@ pub fn dequantize_all<Q: Quantizer, T: GpuElement>(
     Ok(())
 }
 
-/// This rank's chunk as it goes on the wire: bf16 or f32 values, or one
-/// quantized message (round to nearest).
-pub fn encode_chunk<T: Element>(chunk: &[T], wire: WeightWire) -> Result<Bytes, CommError> {
-    match wire {
-        WeightWire::Bf16 => Ok(payload::encode_bf16(chunk)),
-        WeightWire::F32 => Ok(payload::encode_f32(chunk)),
-        WeightWire::Quantized(f) => payload::quantize_message(chunk, f),
+/// This rank's chunk as unquantized weights travel: bf16, or f32 with
+/// `fp32` (gathered over the world in one ring).
+pub fn encode_plain<T: Element>(chunk: &[T], fp32: bool) -> Bytes {
+    if fp32 {
+        payload::encode_f32(chunk)
+    } else {
+        payload::encode_bf16(chunk)
     }
 }
 
-/// Gathers every rank's `mine` in rank order: hierarchically (across nodes,
-/// then inside the node) when `hierarchical`, else in one ring over the
-/// world.
-pub fn gather(
-    c: &Communicator,
-    groups: &ZeroGroups,
-    layout: Layout,
-    mine: Bytes,
-    hierarchical: bool,
-) -> Result<Vec<Bytes>, CommError> {
-    if !hierarchical || layout.nodes == 1 || layout.ranks_per_node == 1 {
-        return c.all_gather_v(&groups.world, mine);
-    }
-    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
-    let across = c.all_gather_v(&groups.cross, mine)?; // node order
-    let bundles = c.all_gather_v(&groups.node, concat(&across))?; // local order
-    let mut by_rank = vec![Bytes::new(); nodes * g];
-    for (local, bundle) in bundles.iter().enumerate() {
-        for (n, p) in split_bundle(bundle, nodes)?.into_iter().enumerate() {
-            by_rank[n * g + local] = p;
-        }
-    }
-    Ok(by_rank)
-}
-
-/// Decodes gathered payloads (rank order, `chunk` values each) into `out`
-/// (`payloads.len() · chunk` values).
-pub fn decode_into<T: Element>(
+/// Decodes gathered unquantized payloads (rank order, `chunk` values each)
+/// into `out` (`payloads.len() · chunk` values).
+pub fn decode_plain<T: Element>(
     payloads: &[Bytes],
-    wire: WeightWire,
+    fp32: bool,
     chunk: usize,
     out: &mut [T],
 ) -> Result<(), CommError> {
@@ -157,27 +122,17 @@ pub fn decode_into<T: Element>(
             out.len()
         )));
     }
-    let mut scratch = Vec::new();
+    let mut scratch = vec![0f32; chunk];
     for (r, p) in payloads.iter().enumerate() {
-        let out = &mut out[r * chunk..(r + 1) * chunk];
-        match wire {
-            WeightWire::Bf16 | WeightWire::F32 => {
-                scratch.resize(chunk, 0f32);
-                if wire == WeightWire::Bf16 {
-                    payload::decode_bf16(p, &mut scratch)?;
-                } else {
-                    payload::decode_f32(p, &mut scratch)?;
-                }
-                out.iter_mut()
-                    .zip(&scratch)
-                    .for_each(|(o, v)| *o = T::from_f32(*v));
-            }
-            WeightWire::Quantized(f) => {
-                let d = payload::decode_quantized(p, f, chunk)?;
-                zeropp_quant::dequantize(d.view(), out)
-                    .map_err(|e| CommError::Malformed(format!("rank {r}'s chunk: {e}")))?;
-            }
+        if fp32 {
+            payload::decode_f32(p, &mut scratch)?;
+        } else {
+            payload::decode_bf16(p, &mut scratch)?;
         }
+        out[r * chunk..(r + 1) * chunk]
+            .iter_mut()
+            .zip(&scratch)
+            .for_each(|(o, v)| *o = T::from_f32(*v));
     }
     Ok(())
 }
