@@ -78,9 +78,41 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class Llama(nn.Module):
+    """transformers' LlamaForCausalLM built from a config (no download): the
+    model users bring. Its decoder layers are the units FSDP2 shards."""
+
+    def __init__(self, width, layers, heads, context, vocab=256):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=width,
+            intermediate_size=width * 8 // 3 // 64 * 64 or 64,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=max(1, heads // 4),
+            max_position_embeddings=context,
+            tie_word_embeddings=False,
+        )
+        self.inner = LlamaForCausalLM(config)
+        self.blocks = self.inner.model.layers
+
+    def forward(self, idx):
+        return self.inner(input_ids=idx, use_cache=False).logits
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["zeropp", "zero3", "fsdp2", "hsdp"], default="zeropp")
+    p.add_argument(
+        "--model",
+        choices=["gpt", "llama"],
+        default="gpt",
+        help="this file's GPT, or a transformers LlamaForCausalLM of the same width, "
+        "layers and heads (a quarter as many key/value heads), built from a config",
+    )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=64)
@@ -227,7 +259,8 @@ def main(argv=None):
     )
     lead = rank == 0
     torch.manual_seed(args.seed)
-    model = GPT(args.width, args.layers, args.heads, args.context).to(device)
+    kind = GPT if args.model == "gpt" else Llama
+    model = kind(args.width, args.layers, args.heads, args.context).to(device)
     params = sum(p.numel() for p in model.parameters())
     switches = shard(
         model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None, device
@@ -335,6 +368,7 @@ def main(argv=None):
     tail = losses[-10:]
     summary = {
         "mode": args.mode,
+        "model": args.model,
         "device": device.type,
         "switches": switches,
         "world_size": world,

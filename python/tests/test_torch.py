@@ -14,9 +14,12 @@ import pytest
 from conftest import WORKERS, free_port, torchrun, train
 
 
-def test_zero3_mode_gives_plain_fsdp2s_losses_step_for_step(tmp_path):
-    ours = train(tmp_path, "zero3", "--ranks-per-node", 2, steps=20)
-    theirs = train(tmp_path, "fsdp2", "--ranks-per-node", 2, steps=20)
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_zero3_mode_gives_plain_fsdp2s_losses_step_for_step(tmp_path, model):
+    # llama: transformers' LlamaForCausalLM, grouped key/value heads.
+    common = ("--ranks-per-node", 2, "--model", model)
+    ours = train(tmp_path, "zero3", *common, steps=20)
+    theirs = train(tmp_path, "fsdp2", *common, steps=20)
     assert len(ours["losses"]) == len(theirs["losses"]) == 20
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
     assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"

@@ -23,11 +23,12 @@ pub mod sys;
 
 use std::collections::VecDeque;
 use std::ffi::{CString, c_void};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::ptr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::thread::JoinHandle;
+use std::sync::atomic::{AtomicBool, Ordering, fence};
+use std::sync::{OnceLock, mpsc};
+use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -72,12 +73,15 @@ const TUNED_DEFAULTS: &[(&str, &str, &str)] = &[
     ("UCX_RNDV_THRESH", "RNDV_THRESH", "inf"),
 ];
 
-/// Idle rounds the progress thread spins before it naps.
+/// Idle rounds the progress thread spins before it sleeps.
 const SPIN: u32 = 64;
-/// Its nap while traffic is recent, and how many before the long nap.
+/// Without UCX's event fd (a transport without wakeup): its nap while
+/// traffic is recent, and how many before the long nap.
 const NAP: Duration = Duration::from_micros(50);
 const NAP_ROUNDS: u32 = 2000;
 const LONG_NAP: Duration = Duration::from_millis(1);
+/// The longest the progress thread sleeps on the event fds.
+const SLEEP: Duration = Duration::from_millis(100);
 
 /// How often node-local peers' processes are checked.
 const WATCH_EVERY: Duration = Duration::from_millis(100);
@@ -165,7 +169,68 @@ pub struct UcxTransport {
     mailbox: Arc<Mailbox>,
     local: Arc<Local>,
     commands: mpsc::Sender<Command>,
+    wake: Arc<Wake>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// How the idle progress thread sleeps and how a sender wakes it. Idle, it
+/// blocks in `poll` on UCX's event fd (an arriving message) and on an
+/// eventfd of its own (a command: a send, a release), as gloo's threads
+/// block in the kernel: ranks that share cores with their compute threads
+/// (4 ranks on 2 cores; 8 ranks per GPU node's CPU) lose no time to a
+/// thread polling for messages that are not there (docs/BENCHMARKS.md,
+/// zeropp.torch on one node). Without UCX's event fd it naps instead.
+struct Wake {
+    /// Set while the progress thread may sleep: commands then signal.
+    sleeping: AtomicBool,
+    /// The eventfd a command writes; `None` where the kernel gave none.
+    fd: Option<OwnedFd>,
+    /// The progress thread, for the naps' unpark.
+    thread: OnceLock<Thread>,
+    /// Rounds of the progress loop so far (what an idle thread costs).
+    rounds: std::sync::atomic::AtomicU64,
+}
+
+impl Wake {
+    fn new() -> Wake {
+        // SAFETY: eventfd(2) with valid flags; a non-negative result is a
+        // fresh fd owned from here on.
+        let raw = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        Wake {
+            sleeping: AtomicBool::new(false),
+            fd: (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw) }),
+            thread: OnceLock::new(),
+            rounds: Default::default(),
+        }
+    }
+
+    /// Called after a command is queued: wakes the thread if it may sleep.
+    fn wake(&self) {
+        // Pairs with the fence in `progress_loop`: either the thread sees
+        // the command, or this sees `sleeping` and signals.
+        fence(Ordering::SeqCst);
+        if !self.sleeping.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(fd) = &self.fd {
+            let one = 1u64.to_ne_bytes();
+            // SAFETY: writes 8 bytes from a live buffer to our eventfd; a
+            // full counter (EAGAIN) still leaves it readable.
+            unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), 8) };
+        }
+        if let Some(t) = self.thread.get() {
+            t.unpark();
+        }
+    }
+
+    /// Empties the eventfd after a wakeup.
+    fn drain(&self) {
+        if let Some(fd) = &self.fd {
+            let mut buf = [0u8; 8];
+            // SAFETY: reads at most 8 bytes into a live buffer; non-blocking.
+            unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), 8) };
+        }
+    }
 }
 
 fn fail(what: &str, ucp: &Ucp, s: ucs_status_t) -> CommError {
@@ -186,6 +251,8 @@ struct Worker {
     watched: Vec<Watched>,
     /// Watched peers found dead: their endpoints are closed by force.
     dead: Vec<usize>,
+    /// UCX's event fd (the worker has the wakeup feature), if it gave one.
+    efd: Option<i32>,
 }
 
 enum Op {
@@ -265,17 +332,24 @@ impl Worker {
                     tracing::debug!("UCX ignored {name}={value}: {}", ucp.describe(s));
                 }
             }
-            let mut params = Params::new();
-            params.put_u64(PARAMS_FIELD_MASK, UCP_PARAM_FIELD_FEATURES);
-            params.put_u64(PARAMS_FEATURES, UCP_FEATURE_TAG);
+            // With wakeup if this UCX offers it; without, the thread naps.
             let mut context = ptr::null_mut();
-            let s = (ucp.init_version)(
-                UCP_API_MAJOR,
-                UCP_API_MINOR,
-                params.as_ptr(),
-                config,
-                &mut context,
-            );
+            let mut s = UCS_OK;
+            for features in [UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP, UCP_FEATURE_TAG] {
+                let mut params = Params::new();
+                params.put_u64(PARAMS_FIELD_MASK, UCP_PARAM_FIELD_FEATURES);
+                params.put_u64(PARAMS_FEATURES, features);
+                s = (ucp.init_version)(
+                    UCP_API_MAJOR,
+                    UCP_API_MINOR,
+                    params.as_ptr(),
+                    config,
+                    &mut context,
+                );
+                if s == UCS_OK {
+                    break;
+                }
+            }
             (ucp.config_release)(config);
             if s != UCS_OK {
                 return Err(fail("init", &ucp, s));
@@ -289,6 +363,8 @@ impl Worker {
                 (ucp.cleanup)(context);
                 return Err(fail("worker_create", &ucp, s));
             }
+            let mut efd = -1;
+            let efd = ((ucp.worker_get_efd)(worker, &mut efd) == UCS_OK && efd >= 0).then_some(efd);
             Ok(Worker {
                 ucp,
                 context,
@@ -297,6 +373,7 @@ impl Worker {
                 err_contexts: Vec::new(),
                 watched: Vec::new(),
                 dead: Vec::new(),
+                efd,
             })
         }
     }
@@ -403,6 +480,38 @@ impl Worker {
     fn progress(&self) -> bool {
         // SAFETY: valid worker, on its owning thread.
         unsafe { (self.ucp.worker_progress)(self.worker) > 0 }
+    }
+
+    /// Sleeps until UCX has an event, `wake` is signalled or `timeout`
+    /// passes; `false` (at once) when this worker cannot sleep on its
+    /// event fd, and the caller naps instead.
+    fn sleep(&self, wake: &Wake, timeout: Duration) -> bool {
+        let (Some(efd), Some(own)) = (self.efd, wake.fd.as_ref()) else {
+            return false;
+        };
+        // SAFETY: valid worker, on its owning thread.
+        match unsafe { (self.ucp.worker_arm)(self.worker) } {
+            UCS_OK => {}
+            UCS_ERR_BUSY => return true, // events to progress: no sleep
+            _ => return false,
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: efd,
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: own.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as i32;
+        // SAFETY: two valid pollfd entries; both fds live for the call.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, ms) };
+        wake.drain();
+        true
     }
 
     /// Posts a tagged send of header + payload; `None` if it completed at once.
@@ -584,6 +693,8 @@ impl UcxTransport {
         let inbox = mailbox.clone();
         let shared = local.clone();
         let releases = commands.clone();
+        let wake = Arc::new(Wake::new());
+        let waker = wake.clone();
         let thread = std::thread::Builder::new()
             .name("zeropp-ucx".into())
             .spawn(move || {
@@ -609,6 +720,7 @@ impl UcxTransport {
                         pool: &pool,
                         local: &shared,
                         releases,
+                        wake: waker,
                     };
                     progress_loop(&mut worker, &ends, command_rx);
                 }
@@ -631,6 +743,7 @@ impl UcxTransport {
             mailbox,
             local,
             commands,
+            wake,
             thread: Some(thread),
         })
     }
@@ -645,6 +758,8 @@ struct Ends<'a> {
     local: &'a Arc<Local>,
     /// Where dropped views of peers' segments report (`Command::Release`).
     releases: mpsc::Sender<Command>,
+    /// Wakes this thread when a release is queued.
+    wake: Arc<Wake>,
 }
 
 /// What an arrived message asks of the progress thread.
@@ -671,7 +786,8 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 /// Runs on the progress thread until shutdown: posts sends, progresses the
 /// worker, receives every arriving message into the mailbox.
 fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>) {
-    let (rank, world, inbox) = (ends.rank, ends.world, ends.inbox);
+    let (rank, world, inbox, wake) = (ends.rank, ends.world, ends.inbox, &ends.wake);
+    let _ = wake.thread.set(std::thread::current());
     let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
     // Receives per source in the order UCX matched them (messages from a
     // stray source last): a large message probed at its first fragment
@@ -713,6 +829,7 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
         }
     }
     loop {
+        wake.rounds.fetch_add(1, Ordering::Relaxed);
         let mut busy = false;
         // 1. New sends.
         while shutting_down.is_none() {
@@ -900,16 +1017,35 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
         }
         if busy {
             idle = 0;
+            wake.sleeping.store(false, Ordering::Relaxed);
         } else {
             idle = idle.saturating_add(1);
-            // Spin briefly, then yield the core (ranks often share cores);
-            // after a long quiet spell (no traffic for ~100 ms: evaluation,
-            // a one-rank job) wake less often. A send wakes the thread at
-            // once (`UcxTransport::send` unparks it).
-            if idle > SPIN + NAP_ROUNDS {
-                std::thread::park_timeout(LONG_NAP);
+            // Spin briefly, then yield the core (ranks often share cores).
+            // From here commands signal (`Wake::wake`); one more round reads
+            // the queue after the fence, so none is missed.
+            if idle == SPIN {
+                wake.sleeping.store(true, Ordering::Relaxed);
+                fence(Ordering::SeqCst);
             } else if idle > SPIN {
-                std::thread::park_timeout(NAP);
+                // Sleep in the kernel until a message or a command arrives,
+                // waking for the dead-peer watch and shutdown.
+                let timeout = match shutting_down {
+                    Some(_) => Duration::from_millis(10),
+                    None if w.watched.is_empty() => SLEEP,
+                    None => next_watch
+                        .saturating_duration_since(Instant::now())
+                        .min(SLEEP),
+                };
+                if !w.sleep(wake, timeout) {
+                    // No event fd: nap, and after a long quiet spell (no
+                    // traffic for ~100 ms: evaluation, a one-rank job)
+                    // wake less often.
+                    if idle > SPIN + NAP_ROUNDS {
+                        std::thread::park_timeout(LONG_NAP);
+                    } else {
+                        std::thread::park_timeout(NAP);
+                    }
+                }
             }
         }
     }
@@ -953,7 +1089,7 @@ fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: RecvBuf) -> 
                     if range <= off && seg.holds(off as usize, len as usize) =>
                 {
                     let releases = ends.releases.clone();
-                    let thread = std::thread::current();
+                    let wake = ends.wake.clone();
                     let ring = seg.clone();
                     let release = Box::new(move || {
                         if !ring.release(range)
@@ -964,7 +1100,7 @@ fn deliver(ends: &Ends, segments: &[Option<Arc<PeerSegment>>], buf: RecvBuf) -> 
                                 })
                                 .is_ok()
                         {
-                            thread.unpark();
+                            wake.wake();
                         }
                     });
                     let view = ShmView::new(seg.clone(), off as usize, len as usize, release);
@@ -1065,9 +1201,7 @@ impl Transport for UcxTransport {
                 done: done.clone(),
             })
             .map_err(|_| CommError::Closed)?;
-        if let Some(t) = &self.thread {
-            t.thread().unpark();
-        }
+        self.wake.wake();
         Ok(done)
     }
 
@@ -1215,6 +1349,34 @@ mod tests {
     /// waiting between sends; with a segment too small for the large ones,
     /// so they fall back to eager between single-copy ones).
     #[test]
+    fn an_idle_progress_thread_sleeps_in_the_kernel_and_a_send_wakes_it() {
+        let (a, b) = local_pair(0);
+        let timeout = Duration::from_secs(30);
+        let round_trip = |n: u8| {
+            a.send(1, 9, Bytes::from(vec![n; 100])).unwrap();
+            assert_eq!(b.recv(0, 9, timeout).unwrap()[0], n);
+            b.send(0, 9, Bytes::from(vec![n; 100])).unwrap();
+            assert_eq!(a.recv(1, 9, timeout).unwrap()[0], n);
+        };
+        round_trip(1);
+        std::thread::sleep(Duration::from_millis(100));
+        let before = [&a, &b].map(|t| t.wake.rounds.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(400));
+        let after = [&a, &b].map(|t| t.wake.rounds.load(Ordering::Relaxed));
+        // Napping 50 µs at a time would be thousands of rounds; asleep on
+        // the event fds, a few (the 100 ms timeout, the peer watch).
+        for (x, y) in before.iter().zip(after) {
+            assert!(
+                y - x < 100,
+                "{} rounds of an idle progress thread in 400 ms",
+                y - x
+            );
+        }
+        // Asleep, both threads still wake for a send and a message.
+        round_trip(2);
+    }
+
+    #[test]
     fn messages_under_one_tag_arrive_in_order_whatever_their_path_and_size() {
         for segment in [0, 12 << 20] {
             let (a, b) = local_pair(segment);
@@ -1258,6 +1420,7 @@ mod tests {
             pool: &BufferPool::new(0),
             local: &local,
             releases,
+            wake: Arc::new(Wake::new()),
         };
         let mut msg = vec![0u8; HEADER + 24];
         msg[0..4].copy_from_slice(&KIND_SHM_DATA.to_le_bytes());

@@ -32,6 +32,10 @@ pub const UCP_API_MINOR: c_uint = 13;
 
 pub const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
 pub const UCP_FEATURE_TAG: u64 = 1 << 0;
+/// The worker's event fd (`ucp_worker_get_efd`, `ucp_worker_arm`).
+pub const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
+/// `UCS_ERR_BUSY`: `ucp_worker_arm` found events still to progress.
+pub const UCS_ERR_BUSY: ucs_status_t = -4;
 pub const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
 pub const UCS_THREAD_MODE_SINGLE: u32 = 0;
 pub const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
@@ -133,6 +137,8 @@ pub struct Ucp {
         unsafe extern "C" fn(ucp_worker_h, *mut *mut ucp_address_t, *mut usize) -> ucs_status_t,
     pub worker_release_address: unsafe extern "C" fn(ucp_worker_h, *mut ucp_address_t),
     pub worker_progress: unsafe extern "C" fn(ucp_worker_h) -> c_uint,
+    pub worker_get_efd: unsafe extern "C" fn(ucp_worker_h, *mut c_int) -> ucs_status_t,
+    pub worker_arm: unsafe extern "C" fn(ucp_worker_h) -> ucs_status_t,
     pub ep_create: unsafe extern "C" fn(ucp_worker_h, *const c_void, *mut ucp_ep_h) -> ucs_status_t,
     pub ep_close_nbx: unsafe extern "C" fn(ucp_ep_h, *const c_void) -> ucs_status_ptr_t,
     pub tag_send_nbx: unsafe extern "C" fn(
@@ -194,6 +200,8 @@ impl Ucp {
             worker_get_address: sym!(b"ucp_worker_get_address"),
             worker_release_address: sym!(b"ucp_worker_release_address"),
             worker_progress: sym!(b"ucp_worker_progress"),
+            worker_get_efd: sym!(b"ucp_worker_get_efd"),
+            worker_arm: sym!(b"ucp_worker_arm"),
             ep_create: sym!(b"ucp_ep_create"),
             ep_close_nbx: sym!(b"ucp_ep_close_nbx"),
             tag_send_nbx: sym!(b"ucp_tag_send_nbx"),
