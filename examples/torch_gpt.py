@@ -386,6 +386,9 @@ def main(argv=None):
         },
         "losses": losses,
     }
+    if zjob:
+        summary["why"] = zeropp.torch.resolved_switches()[args.mode]["why"]
+        summary["measured"] = zeropp.torch.measured()
     if run is not None:
         summary["run_bytes"] = {"intra_node": run[0], "inter_node": run[1]}
         summary["run_messages"] = {"intra_node": run[2], "inter_node": run[3]}

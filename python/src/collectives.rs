@@ -18,6 +18,7 @@ use zeropp::comm::job::TransportKind;
 use zeropp::comm::{CommError, Communicator, Group};
 use zeropp::zero::host::{Host, HostKernels, HostMover};
 use zeropp::zero::plan::{self, Layout};
+use zeropp::zero::probe::{self, Measured};
 use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
@@ -37,9 +38,15 @@ pub struct Job {
     groups: ZeroGroups,
     subgroups: Mutex<Vec<Arc<Group>>>,
     routing: Result<zeropp_topology::plan::ClusterView, String>,
+    /// The links as measured at join (nodes that are hosts), which
+    /// `mode="zeropp"` resolves its switches against.
+    measured: Option<Measured>,
     transport: &'static str,
     timeout: Duration,
 }
+
+/// The probe's share of the join: at most about this long.
+const PROBE_BUDGET: Duration = Duration::from_millis(1500);
 
 fn bad(msg: String) -> CommError {
     CommError::Invalid(msg)
@@ -148,6 +155,26 @@ impl Job {
         let counter = Arc::new(CountingTransport::new(joined.transport, g));
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let groups = ZeroGroups::new(&layout, g).map_err(to_py)?;
+        // Real nodes' links are measured; logical nodes (ranks_per_node)
+        // emulate a cluster whose links are not these.
+        let measured = match (ranks_per_node, layout.world()) {
+            (None, 2..) if std::env::var("ZEROPP_PROBE").as_deref() != Ok("0") => {
+                counter.set_phase(Phase::Other, 0.0);
+                let zpp = plan::Switches::zeropp(256);
+                let measured = py.detach(|| {
+                    probe::measure_all(&comm, &counter, &groups, layout, &zpp, PROBE_BUDGET)
+                });
+                Some(measured.map_err(|e| {
+                    let m = format!("measuring the links at join: {e}");
+                    if e.is_peer_failure() {
+                        crate::PeerError::new_err(m)
+                    } else {
+                        invalid(m)
+                    }
+                })?)
+            }
+            _ => None,
+        };
         Ok(Job {
             thread: CommThread::new(comm),
             counter,
@@ -155,6 +182,7 @@ impl Job {
             groups,
             subgroups: Mutex::new(Vec::new()),
             routing,
+            measured,
             transport,
             timeout,
         })
@@ -198,7 +226,20 @@ impl Job {
     /// object, `zeropp train`'s names) applied and the rest resolved from
     /// the routing plan, checked: JSON `{"switches": {...}, "why": {...}}`.
     fn resolve_switches(&self, mode: &str, overrides: &str) -> PyResult<String> {
-        resolve(mode, overrides, self.layout, &self.routing)
+        resolve(
+            mode,
+            overrides,
+            self.layout,
+            &self.routing,
+            self.measured.as_ref(),
+        )
+    }
+
+    /// What was measured at join, as JSON: the links and the two
+    /// collectives timed by each route (`null` for logical nodes, one
+    /// rank, or ZEROPP_PROBE=0).
+    fn measured_json(&self) -> String {
+        serde_json::to_string(&self.measured).unwrap_or_else(|_| "null".into())
     }
 
     /// Bytes this rank sent, by phase and hop (JSON).
@@ -469,10 +510,11 @@ fn resolve(
     overrides: &str,
     layout: Layout,
     routing: &Result<zeropp_topology::plan::ClusterView, String>,
+    measured: Option<&Measured>,
 ) -> PyResult<String> {
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)
         .map_err(|e| invalid(format!("switches are not a JSON object: {e}")))?;
-    let r = plan::resolve_mode(mode, &asked, layout, routing).map_err(invalid)?;
+    let r = plan::resolve_mode(mode, &asked, layout, routing, measured).map_err(invalid)?;
     serde_json::to_string(&r).map_err(|e| invalid(e.to_string()))
 }
 

@@ -63,6 +63,7 @@ __all__ = [
     "device_calls",
     "fully_shard",
     "job",
+    "measured",
     "resolved_switches",
     "routing",
     "traffic",
@@ -289,6 +290,17 @@ def routing():
     return json.loads(job().routing_json())
 
 
+def measured():
+    """What the job measured when it joined (at most about 2 s): {"links":
+    {"node": {"bytes_per_s", "latency_s"} | None, "cross": ... | None,
+    "quantize_per_s", "dequantize_per_s", "seconds"}, "routes": {"values",
+    "gather_plain", "gather_qwz", "reduce_plain", "reduce_qgz"}} (seconds per
+    call on a unit of that many values) — what ``mode="zeropp"`` chose its
+    switches by — or None where nothing was measured (logical nodes from
+    ``ranks_per_node``, one rank, ``ZEROPP_PROBE=0``)."""
+    return json.loads(job().measured_json())
+
+
 def traffic():
     """Bytes this rank sent through zeropp, by phase (forward_gather,
     backward_gather, gradient, other) and hop (intra_node, inter_node), with
@@ -297,8 +309,10 @@ def traffic():
 
 
 def resolved_switches():
-    """The switches each mode actually ran with, after the routing plan
-    resolved the defaults: {mode: {"switches": ..., "why": ...}}."""
+    """The switches each mode actually ran with, after the routing plan and
+    what the job measured at join (``measured()``) resolved the defaults: {mode:
+    {"switches": ..., "why": ...}}; ``why`` names, for each switch chosen,
+    the predicted time of each route and the figures behind it."""
     return dict(_switches_used)
 
 

@@ -332,7 +332,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     if cfg.qgz_intra_bits.is_some() {
         asked.push("qgz_intra_bits");
     }
-    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing)
+    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, None)
         .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     let switches = resolved.switches.clone();
     if facts.rank == 0 {

@@ -21,6 +21,7 @@ pub mod host;
 pub mod hpz;
 pub mod payload;
 pub mod plan;
+pub mod probe;
 pub mod qgz;
 pub mod qwz;
 pub mod residual;

@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
 use zeropp_topology::plan::ClusterView;
 
+use super::probe::Measured;
+
 /// Where this rank sits: `nodes` × `ranks_per_node`, ranks numbered node by
 /// node (rank = node · G + local).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,15 +119,25 @@ pub struct Resolved {
 /// when it divides the node, else the node; the bits of qgZ's first hop are
 /// the asked ones, else the plan's, else int8 (the plan's choice when the
 /// speed across is unknown). Checked the way the engine will use them.
+///
+/// With `measured` links and routes ([`super::probe`]), each ZeRO++ switch
+/// the user did not set is kept only where it pays on this job: qwZ where
+/// its gather was at least 10% faster than the plain ring's at join, qgZ
+/// likewise for the reduce-scatter, hpZ where there is a hop across nodes
+/// to keep the backward gather off.
 pub fn resolve(
     mut s: Switches,
     asked: &[&str],
     layout: Layout,
     routing: &Result<ClusterView, String>,
+    measured: Option<&Measured>,
 ) -> Result<Resolved, String> {
     let mut why = BTreeMap::new();
     for a in asked {
         why.insert(a.to_string(), "asked".to_string());
+    }
+    if let Some(m) = measured {
+        choose_by_links(&mut s, asked, layout, m, &mut why);
     }
     let g = layout.ranks_per_node;
     if s.hpz && !asked.contains(&"hpz_group") {
@@ -164,12 +176,14 @@ pub fn resolve(
 /// The switches of `mode` (`"zeropp"`: qwZ + hpZ + qgZ, or `"zero3"`)
 /// with `overrides` (switch names as `zeropp train` and `zeropp.torch`
 /// spell them → values) applied, then resolved against the routing plan
-/// and checked ([`resolve`]): what the Python bindings hand back.
+/// and, for `"zeropp"`, what was `measured` at join, and checked ([`resolve`]):
+/// what the Python bindings hand back.
 pub fn resolve_mode(
     mode: &str,
     overrides: &serde_json::Map<String, serde_json::Value>,
     layout: Layout,
     routing: &Result<ClusterView, String>,
+    measured: Option<&Measured>,
 ) -> Result<Resolved, String> {
     let block = 256;
     let base = match mode {
@@ -199,7 +213,74 @@ pub fn resolve_mode(
     let s: Switches =
         serde_json::from_value(value).map_err(|e| format!("a switch has the wrong type: {e}"))?;
     let asked: Vec<&str> = overrides.keys().map(String::as_str).collect();
-    resolve(s, &asked, layout, routing).map_err(|e| format!("invalid switches: {e}"))
+    let measured = measured.filter(|_| mode == "zeropp");
+    resolve(s, &asked, layout, routing, measured).map_err(|e| format!("invalid switches: {e}"))
+}
+
+/// What a quantized route must save to be chosen: at least this fraction
+/// of the plain route's measured time.
+const MUST_SAVE: f64 = 0.10;
+
+/// [`resolve`]'s choice from the routes timed at join, for the switches
+/// not asked.
+fn choose_by_links(
+    s: &mut Switches,
+    asked: &[&str],
+    layout: Layout,
+    m: &Measured,
+    why: &mut BTreeMap<String, String>,
+) {
+    let (r, links) = (&m.routes, &m.links);
+    let ms = |x: f64| format!("{:.2} ms", x * 1e3);
+    let rate = |l: Option<super::probe::Link>| match l {
+        Some(l) => format!("{:.0} MB/s", l.bytes_per_s / 1e6),
+        None => "none".into(),
+    };
+    let measured = format!(
+        "timed at join on a unit of {} values; links: across {} a rank, inside {}",
+        r.values,
+        rate(links.cross),
+        rate(links.node),
+    );
+    let pays = |quantized: f64, plain: f64| quantized < (1.0 - MUST_SAVE) * plain;
+    if !asked.contains(&"qwz_bits") && s.qwz_bits.is_some() {
+        let keep = pays(r.gather_qwz, r.gather_plain);
+        if !keep {
+            s.qwz_bits = None;
+        }
+        why.insert(
+            "qwz_bits".into(),
+            format!(
+                "{}: qwZ gather {} against plain {}; {measured}",
+                if keep { "quantized" } else { "plain" },
+                ms(r.gather_qwz),
+                ms(r.gather_plain)
+            ),
+        );
+    }
+    if !asked.contains(&"qgz") && !asked.contains(&"error_feedback") && s.qgz {
+        let keep = pays(r.reduce_qgz, r.reduce_plain);
+        if !keep {
+            s.qgz = false;
+            s.error_feedback = false;
+        }
+        why.insert(
+            "qgz".into(),
+            format!(
+                "{}: qgZ reduce-scatter {} against plain {}; {measured}",
+                if keep { "quantized" } else { "plain" },
+                ms(r.reduce_qgz),
+                ms(r.reduce_plain)
+            ),
+        );
+    }
+    if !asked.contains(&"hpz") && s.hpz && layout.nodes == 1 {
+        s.hpz = false;
+        why.insert(
+            "hpz".into(),
+            "off: one node, the backward gather never leaves it".into(),
+        );
+    }
 }
 
 /// How weights travel in a gather.
@@ -357,10 +438,77 @@ mod tests {
         zeropp_topology::plan::cluster(&[host("a"), host("b")], 4)
     }
 
+    /// What a job measured: routes of these times (ms), links unknown.
+    fn measured(gather: (f64, f64), reduce: (f64, f64)) -> Measured {
+        Measured {
+            links: super::super::probe::Links {
+                node: None,
+                cross: None,
+                quantize_per_s: 1e9,
+                dequantize_per_s: 2e9,
+                seconds: 0.5,
+            },
+            routes: super::super::probe::Routes {
+                values: 1 << 20,
+                gather_plain: gather.0 / 1e3,
+                gather_qwz: gather.1 / 1e3,
+                reduce_plain: reduce.0 / 1e3,
+                reduce_qgz: reduce.1 / 1e3,
+            },
+        }
+    }
+
+    #[test]
+    fn measured_routes_keep_quantization_only_where_it_pays() {
+        let two = layout();
+        let one = Layout {
+            nodes: 1,
+            ranks_per_node: 4,
+            rank: 0,
+        };
+        let zpp = || Switches::zeropp(256);
+        // One node where quantizing costs more than it saves: ZeRO-3's plan.
+        let m = measured((2.0, 2.5), (3.0, 2.9));
+        let r = resolve(zpp(), &[], one, &routing(), Some(&m)).unwrap();
+        assert_eq!(
+            (
+                r.switches.qwz_bits,
+                r.switches.qgz,
+                r.switches.hpz,
+                r.switches.error_feedback
+            ),
+            (None, false, false, false),
+            "{r:?}"
+        );
+        assert!(r.why["qwz_bits"].starts_with("plain: qwZ gather 2.50 ms against plain 2.00 ms"));
+        assert!(r.why["qgz"].starts_with("plain: "), "{r:?}");
+        assert!(r.why["hpz"].contains("one node"), "{r:?}");
+        // A slow hop across: ZeRO++ throughout.
+        let m = measured((200.0, 60.0), (210.0, 50.0));
+        let r = resolve(zpp(), &[], two, &routing(), Some(&m)).unwrap();
+        assert_eq!(
+            (r.switches.qwz_bits, r.switches.qgz, r.switches.hpz),
+            (Some(8), true, true)
+        );
+        assert!(r.why["qgz"].starts_with("quantized: "), "{r:?}");
+        // What the user asked for stays, whatever was measured.
+        let m = measured((2.0, 2.5), (3.0, 2.9));
+        let r = resolve(zpp(), &["qwz_bits", "qgz"], two, &routing(), Some(&m)).unwrap();
+        assert_eq!(
+            (r.switches.qwz_bits, r.switches.qgz),
+            (Some(8), true),
+            "{r:?}"
+        );
+        assert_eq!(r.why["qgz"], "asked");
+        // zero3 takes nothing from the measurement.
+        let r = resolve_mode("zero3", &Default::default(), two, &routing(), Some(&m)).unwrap();
+        assert_eq!(r.switches, Switches::zero3(256));
+    }
+
     #[test]
     fn the_plan_fills_what_was_not_asked_and_says_why() {
         let view = routing().unwrap();
-        let r = resolve(Switches::zeropp(256), &[], layout(), &routing()).unwrap();
+        let r = resolve(Switches::zeropp(256), &[], layout(), &routing(), None).unwrap();
         assert_eq!(r.switches.hpz_group, Some(view.plan.hpz_group));
         assert_eq!(r.switches.qgz_intra_bits, view.plan.qgz_bits[0]);
         assert!(r.why["hpz_group"].starts_with("routing plan: "), "{r:?}");
@@ -373,12 +521,19 @@ mod tests {
     #[test]
     fn a_mode_with_overrides_resolves_or_names_what_is_wrong() {
         let json = |s: &str| serde_json::from_str(s).unwrap();
-        let r = resolve_mode("zeropp", &json(r#"{"qwz_bits": 4}"#), layout(), &routing()).unwrap();
+        let r = resolve_mode(
+            "zeropp",
+            &json(r#"{"qwz_bits": 4}"#),
+            layout(),
+            &routing(),
+            None,
+        )
+        .unwrap();
         assert_eq!(r.switches.qwz_bits, Some(4));
         assert_eq!(r.why["qwz_bits"], "asked");
-        let r = resolve_mode("zero3", &json("{}"), layout(), &routing()).unwrap();
+        let r = resolve_mode("zero3", &json("{}"), layout(), &routing(), None).unwrap();
         assert_eq!(r.switches, Switches::zero3(256));
-        let err = |mode: &str, o: &str| resolve_mode(mode, &json(o), layout(), &routing());
+        let err = |mode: &str, o: &str| resolve_mode(mode, &json(o), layout(), &routing(), None);
         let e = err("zero4", "{}").unwrap_err();
         assert!(e.contains("use \"zeropp\""), "{e}");
         let e = err("zeropp", r#"{"qwz": 8}"#).unwrap_err();
@@ -427,26 +582,33 @@ mod tests {
         let mut s = Switches::zeropp(256);
         s.hpz_group = Some(2);
         s.qgz_intra_bits = 4;
-        let r = resolve(s, &["hpz_group", "qgz_intra_bits"], layout(), &routing()).unwrap();
+        let r = resolve(
+            s,
+            &["hpz_group", "qgz_intra_bits"],
+            layout(),
+            &routing(),
+            None,
+        )
+        .unwrap();
         assert_eq!(
             (r.switches.hpz_group, r.switches.qgz_intra_bits),
             (Some(2), 4)
         );
         assert_eq!(r.why["hpz_group"], "asked");
         let none = Err("no facts".to_string());
-        let r = resolve(Switches::zeropp(256), &[], layout(), &none).unwrap();
+        let r = resolve(Switches::zeropp(256), &[], layout(), &none, None).unwrap();
         assert_eq!(
             (r.switches.hpz_group, r.switches.qgz_intra_bits),
             (Some(4), 8)
         );
         // Off switches resolve nothing; a group that does not divide the
         // node is refused with the remedy.
-        let r = resolve(Switches::zero3(256), &[], layout(), &routing()).unwrap();
+        let r = resolve(Switches::zero3(256), &[], layout(), &routing(), None).unwrap();
         assert_eq!(r.switches.hpz_group, None);
         assert!(r.why.is_empty());
         let mut s = Switches::zeropp(256);
         s.hpz_group = Some(3);
-        let e = resolve(s, &["hpz_group"], layout(), &routing()).unwrap_err();
+        let e = resolve(s, &["hpz_group"], layout(), &routing(), None).unwrap_err();
         assert!(e.contains("use a divisor of 4"), "{e}");
     }
 }

@@ -1,0 +1,439 @@
+//! The links as they are: a short probe at join (bounded, once per job) of
+//! each hop the collectives use — this node's ranks, and this local rank's
+//! ranks across nodes, all of them at once as the collectives run — and of
+//! this rank's own quantize and dequantize throughput. Every rank measures,
+//! then the job agrees on one set of figures (the slowest link, the
+//! slowest rank), so every rank prices the plan the same way
+//! ([`super::plan::priced`]).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use zeropp_quant::{QuantizedTensor, Rounding};
+
+use crate::comm::{Communicator, Group};
+
+use super::ZeroError;
+use super::groups::ZeroGroups;
+use super::plan::{Layout, weight_format};
+use super::traffic::CountingTransport;
+
+/// One hop as the collectives see it: what each rank receives per second
+/// while every rank of its group sends at once, and the time of an empty
+/// exchange.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Link {
+    pub bytes_per_s: f64,
+    pub latency_s: f64,
+}
+
+/// The job's links and quantization speed, agreed by every rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Links {
+    /// Inside a node (none with one rank per node).
+    pub node: Option<Link>,
+    /// Across nodes, each local rank to its peers on the other nodes, all
+    /// local ranks at once (none on one node).
+    pub cross: Option<Link>,
+    /// Values per second this rank quantizes (f32 to int8 blocks).
+    pub quantize_per_s: f64,
+    /// Values per second it dequantizes.
+    pub dequantize_per_s: f64,
+    /// How long the probe took on this rank.
+    pub seconds: f64,
+}
+
+/// The longest one hop's probe goes on: a size is the last once one
+/// exchange takes this long.
+const ENOUGH: Duration = Duration::from_millis(60);
+/// First and largest message per rank.
+const FIRST: usize = 32 << 10;
+const LARGEST: usize = 16 << 20;
+
+/// Measures the job's links and quantization speed within about `budget`
+/// (the hops share it; the slowest link decides), then agrees on them
+/// over the world: the slowest rate and rank, the longest latency.
+pub fn measure(
+    c: &Communicator,
+    groups: &ZeroGroups,
+    layout: Layout,
+    budget: Duration,
+) -> Result<Links, ZeroError> {
+    let start = Instant::now();
+    let (quantize_per_s, dequantize_per_s) = quantization_speed()?;
+    let g = layout.ranks_per_node;
+    let node = if g > 1 {
+        Some(hop(c, &groups.node, budget / 3)?)
+    } else {
+        None
+    };
+    let cross = if layout.nodes > 1 {
+        Some(hop(c, &groups.cross, budget / 2)?)
+    } else {
+        None
+    };
+    let mine = Links {
+        node,
+        cross,
+        quantize_per_s,
+        dequantize_per_s,
+        seconds: start.elapsed().as_secs_f64(),
+    };
+    agree(c, &groups.world, mine)
+}
+
+/// One hop: the smallest exchange's time (best of three), then exchanges
+/// growing fourfold until one takes [`ENOUGH`], [`LARGEST`] is reached or
+/// the budget is spent — each size agreed by the group, so all its ranks
+/// send the same sizes at the same time.
+fn hop(c: &Communicator, group: &Group, budget: Duration) -> Result<Link, ZeroError> {
+    let start = Instant::now();
+    let mut latency = f64::INFINITY;
+    for _ in 0..3 {
+        latency = latency.min(timed(c, group, 8)?);
+    }
+    let latency = slowest(c, group, latency)?;
+    let peers = (group.size() - 1) as f64;
+    let mut size = FIRST;
+    loop {
+        let t = slowest(c, group, timed(c, group, size)?)?;
+        let done = t >= ENOUGH.as_secs_f64() || size >= LARGEST || start.elapsed() >= budget;
+        if done {
+            let moving = (t - latency).max(t / 2.0);
+            return Ok(Link {
+                bytes_per_s: peers * size as f64 / moving,
+                latency_s: latency,
+            });
+        }
+        size *= 4;
+    }
+}
+
+/// Seconds for one all-gather of `size` bytes from each member.
+fn timed(c: &Communicator, group: &Group, size: usize) -> Result<f64, ZeroError> {
+    let data = Bytes::from(vec![0x5a; size]);
+    let t = Instant::now();
+    c.all_gather_v(group, data)?;
+    Ok(t.elapsed().as_secs_f64())
+}
+
+/// The largest of the group's `x`.
+fn slowest(c: &Communicator, group: &Group, x: f64) -> Result<f64, ZeroError> {
+    let all = c.all_gather_v(group, Bytes::copy_from_slice(&x.to_le_bytes()))?;
+    all.iter()
+        .map(|b| decode_f64(b))
+        .try_fold(0f64, |m, v| Ok(m.max(v?)))
+}
+
+fn decode_f64(b: &[u8]) -> Result<f64, ZeroError> {
+    let a: [u8; 8] = b
+        .try_into()
+        .map_err(|_| ZeroError::Invalid(format!("a probe figure of {} bytes, not 8", b.len())))?;
+    Ok(f64::from_le_bytes(a))
+}
+
+/// Values per second this rank quantizes and dequantizes (int8 blocks of
+/// 256, f32), best of three runs over 1M values.
+fn quantization_speed() -> Result<(f64, f64), ZeroError> {
+    let n = 1 << 20;
+    let x: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.618).sin() * 0.02).collect();
+    let format = weight_format(8, 256).map_err(ZeroError::Invalid)?;
+    let mut out = vec![0f32; n];
+    let (mut q_best, mut d_best) = (f64::INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        let t = Instant::now();
+        let q = QuantizedTensor::quantize(&x, format, Rounding::NearestEven)
+            .map_err(|e| ZeroError::Invalid(e.to_string()))?;
+        q_best = q_best.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        zeropp_quant::dequantize(q.as_ref(), &mut out)
+            .map_err(|e| ZeroError::Invalid(e.to_string()))?;
+        d_best = d_best.min(t.elapsed().as_secs_f64());
+    }
+    let per_s = |t: f64| n as f64 / t.max(1e-9);
+    Ok((per_s(q_best), per_s(d_best)))
+}
+
+/// Every rank's figures, combined the same way on every rank: the slowest
+/// rate, the longest latency, the slowest quantizer.
+fn agree(c: &Communicator, world: &Group, mine: Links) -> Result<Links, ZeroError> {
+    let enc = |l: Option<Link>| match l {
+        Some(l) => [l.bytes_per_s, l.latency_s],
+        None => [-1.0, -1.0],
+    };
+    let mut buf = Vec::with_capacity(56);
+    for v in enc(mine.node).into_iter().chain(enc(mine.cross)).chain([
+        mine.quantize_per_s,
+        mine.dequantize_per_s,
+        mine.seconds,
+    ]) {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
+    let all = c.all_gather_v(world, Bytes::from(buf))?;
+    let mut rows = Vec::with_capacity(all.len());
+    for b in &all {
+        if b.len() != 56 {
+            return Err(ZeroError::Invalid(format!(
+                "a rank's probe figures are {} bytes, not 56: every rank must run the same \
+                 zeropp version",
+                b.len()
+            )));
+        }
+        let row: Vec<f64> = b
+            .chunks_exact(8)
+            .map(decode_f64)
+            .collect::<Result<_, _>>()?;
+        rows.push(row);
+    }
+    let min = |i: usize| rows.iter().map(|r| r[i]).fold(f64::INFINITY, f64::min);
+    let max = |i: usize| rows.iter().map(|r| r[i]).fold(0f64, f64::max);
+    let link = |i: usize, ours: Option<Link>| {
+        ours.map(|_| Link {
+            bytes_per_s: min(i),
+            latency_s: max(i + 1),
+        })
+    };
+    Ok(Links {
+        node: link(0, mine.node),
+        cross: link(2, mine.cross),
+        quantize_per_s: min(4),
+        dequantize_per_s: min(5),
+        seconds: max(6),
+    })
+}
+
+/// What the job measured at join: its links, and the two collectives
+/// timed by each route. What `mode="zeropp"` resolves its switches by.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Measured {
+    pub links: Links,
+    pub routes: Routes,
+}
+
+/// Measures the links, then times the routes on a unit sized from them
+/// ([`probe_values`]) with `s`'s formats: at most about `budget` plus the
+/// routes' time (about 100 ms a plain call on the slowest hop).
+pub fn measure_all(
+    c: &Communicator,
+    counter: &CountingTransport,
+    groups: &ZeroGroups,
+    layout: Layout,
+    s: &super::plan::Switches,
+    budget: Duration,
+) -> Result<Measured, ZeroError> {
+    let links = measure(c, groups, layout, budget)?;
+    let values = probe_values(&links, layout);
+    let routes = time_routes(c, counter, groups, layout, s, values)?;
+    Ok(Measured { links, routes })
+}
+
+/// The two collectives timed on this job by each route, with the code
+/// that runs them in training (ZeRO-3's rings, qwZ, qgZ without error
+/// feedback) on a unit of `values` parameters: seconds per call, the
+/// slowest rank's.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Routes {
+    pub values: usize,
+    pub gather_plain: f64,
+    pub gather_qwz: f64,
+    pub reduce_plain: f64,
+    pub reduce_qgz: f64,
+}
+
+/// The unit [`time_routes`] measures with: large enough that the bytes,
+/// not the per-message latency, decide on the slowest hop (about 100 ms of
+/// plain traffic there), at most 4M values; whole int8 blocks per rank.
+pub fn probe_values(links: &Links, layout: Layout) -> usize {
+    let w = layout.world();
+    let rate = |l: Option<Link>| l.map_or(f64::INFINITY, |l| l.bytes_per_s);
+    let ring = rate(links.node).min(rate(links.cross) * layout.ranks_per_node as f64);
+    let wanted = if ring.is_finite() {
+        0.1 * ring / 2.0
+    } else {
+        1e6
+    };
+    let quantum = w * 256;
+    let v = (wanted as usize).clamp(16 * quantum, 4 << 20);
+    v / quantum * quantum
+}
+
+/// Times each route once on a small unit (warm-up) and once on `values`
+/// (a multiple of W · 256), with `s`'s formats, moving the bytes through
+/// `c`, whose transport `counter` counts them.
+pub fn time_routes(
+    c: &Communicator,
+    counter: &CountingTransport,
+    groups: &ZeroGroups,
+    layout: Layout,
+    s: &super::plan::Switches,
+    values: usize,
+) -> Result<Routes, ZeroError> {
+    let w = layout.world();
+    let mut best = [0f64; 4];
+    for (round, n) in [(0, w * 256), (1, values)] {
+        let t = route_times(c, counter, groups, layout, s, n)?;
+        if round == 1 {
+            best = t;
+        }
+    }
+    let mut slowest_of = [0f64; 4];
+    for (o, t) in slowest_of.iter_mut().zip(best) {
+        *o = slowest(c, &groups.world, t)?;
+    }
+    Ok(Routes {
+        values,
+        gather_plain: slowest_of[0],
+        gather_qwz: slowest_of[1],
+        reduce_plain: slowest_of[2],
+        reduce_qgz: slowest_of[3],
+    })
+}
+
+fn route_times(
+    c: &Communicator,
+    counter: &CountingTransport,
+    groups: &ZeroGroups,
+    layout: Layout,
+    s: &super::plan::Switches,
+    values: usize,
+) -> Result<[f64; 4], ZeroError> {
+    use super::host::{Host, HostMover};
+    use super::qgz::{self, Feedback, Qgz, Reduction};
+    use super::qwz;
+    use super::traffic::Phase;
+    use half::bf16;
+
+    let w = layout.world();
+    let shard: Vec<bf16> = (0..values / w)
+        .map(|i| bf16::from_f32(((i as f32) * 0.618).sin() * 0.02))
+        .collect();
+    let mut out = vec![bf16::ZERO; values];
+    let mover = HostMover {
+        comm: c,
+        counter,
+        groups,
+    };
+    let bytes = |x: &[bf16]| Bytes::copy_from_slice(bytemuck::cast_slice(x));
+    // Plain gather: one ring over the world, into the output.
+    let t = Instant::now();
+    let parts = c.all_gather_v(&groups.world, bytes(&shard))?;
+    let o: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
+    for (i, p) in parts.iter().enumerate() {
+        o[i * p.len()..(i + 1) * p.len()].copy_from_slice(p);
+    }
+    let gather_plain = t.elapsed().as_secs_f64();
+    // qwZ.
+    let format =
+        super::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block).map_err(ZeroError::Invalid)?;
+    let t = Instant::now();
+    let all = qwz::gather_quantized(
+        &Host,
+        &mover,
+        layout,
+        &shard.as_slice(),
+        format,
+        Phase::Other,
+    )?;
+    qwz::dequantize_all(
+        &Host,
+        &all,
+        |r| qwz::gathered_position(layout, r),
+        &mut out.as_mut_slice(),
+    )?;
+    let gather_qwz = t.elapsed().as_secs_f64();
+    // Plain reduce-scatter: the bf16 ring.
+    let grad: Vec<bf16> = (0..values)
+        .map(|i| bf16::from_f32(((i as f32) * 0.377).cos() * 1e-3))
+        .collect();
+    let t = Instant::now();
+    let mine = qgz::ring_bf16(c, &groups.world, bytes(&grad))?;
+    let mut sum = vec![0f32; mine.len() / 2];
+    super::payload::decode_bf16(&mine, &mut sum)?;
+    let reduce_plain = t.elapsed().as_secs_f64();
+    // qgZ, from f32 as the bindings give it.
+    let (intra, inter) =
+        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block).map_err(ZeroError::Invalid)?;
+    let t = Instant::now();
+    let g32: Vec<f32> = grad.iter().map(|v| v.to_f32()).collect();
+    let settings = Qgz {
+        intra,
+        inter,
+        rounding: Rounding::NearestEven,
+        reduction: Reduction::Mean,
+    };
+    let none = Feedback {
+        first: None,
+        second: None,
+    };
+    qgz::reduce_scatter(&Host, &mover, layout, settings, &g32, none)?;
+    let reduce_qgz = t.elapsed().as_secs_f64();
+    Ok([gather_plain, gather_qwz, reduce_plain, reduce_qgz])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::inproc::InProcess;
+    use std::sync::Arc;
+
+    /// Every rank's figures from a probe of `nodes` × `g` in-process ranks.
+    fn probed(nodes: usize, g: usize, budget: Duration) -> Vec<Measured> {
+        let handles: Vec<_> = InProcess::world(nodes * g)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                std::thread::spawn(move || {
+                    let l = Layout {
+                        nodes,
+                        ranks_per_node: g,
+                        rank,
+                    };
+                    let counter = Arc::new(CountingTransport::new(Box::new(t), g));
+                    let c = Communicator::new(counter.clone(), Duration::from_secs(30));
+                    let groups = ZeroGroups::new(&l, g).unwrap();
+                    let s = super::super::plan::Switches::zeropp(256);
+                    measure_all(&c, &counter, &groups, l, &s, budget).unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn every_rank_agrees_on_one_set_of_figures_within_the_budget() {
+        let all = probed(2, 2, Duration::from_secs(1));
+        for l in &all {
+            assert_eq!(l, &all[0], "every rank has the same figures");
+        }
+        let r = &all[0].routes;
+        for t in [r.gather_plain, r.gather_qwz, r.reduce_plain, r.reduce_qgz] {
+            assert!(t > 0.0 && t.is_finite(), "{r:?}");
+        }
+        assert_eq!(r.values % (4 * 256), 0, "{r:?}");
+        let l = &all[0].links;
+        for link in [l.node.unwrap(), l.cross.unwrap()] {
+            assert!(
+                link.bytes_per_s > 0.0 && link.bytes_per_s.is_finite(),
+                "{l:?}"
+            );
+            assert!(link.latency_s > 0.0 && link.latency_s.is_finite(), "{l:?}");
+        }
+        assert!(l.quantize_per_s > 0.0 && l.dequantize_per_s > 0.0, "{l:?}");
+        assert!(l.seconds < 10.0, "the probe took {} s", l.seconds);
+    }
+
+    #[test]
+    fn one_node_has_no_cross_hop_and_one_rank_per_node_no_node_hop() {
+        let one_node = &probed(1, 2, Duration::from_millis(300))[0].links;
+        assert!(
+            one_node.cross.is_none() && one_node.node.is_some(),
+            "{one_node:?}"
+        );
+        let spread = &probed(2, 1, Duration::from_millis(300))[0].links;
+        assert!(
+            spread.cross.is_some() && spread.node.is_none(),
+            "{spread:?}"
+        );
+    }
+}
