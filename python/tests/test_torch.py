@@ -45,6 +45,26 @@ def test_zeropp_mode_trains_like_fsdp2_on_three_seeds_with_a_quarter_of_the_byte
     assert ratios[0] <= 0.27, f"bytes across nodes: {ratios[0]:.3f} of FSDP2's"
 
 
+def test_on_one_host_the_job_measures_its_links_and_chooses_by_them(tmp_path):
+    # No logical nodes: the 4 ranks are one node, measured at join.
+    s = train(tmp_path, "zeropp", steps=3)
+    m = s["measured"]
+    assert m is not None and m["links"]["cross"] is None, m
+    assert m["links"]["node"]["bytes_per_s"] > 0 and m["links"]["seconds"] < 5, m
+    r = m["routes"]
+    assert r["values"] > 0 and all(r[k] > 0 for k in ("gather_plain", "gather_qwz")), r
+    # Each switch says what decided it; hpZ has nothing to save on one node.
+    assert s["switches"]["hpz"] is False and "one node" in s["why"]["hpz"]
+    for switch, route in (("qwz_bits", "qwZ gather"), ("qgz", "qgZ reduce-scatter")):
+        assert route in s["why"][switch] and "timed at join" in s["why"][switch], s["why"]
+    quantized = s["why"]["qwz_bits"].startswith("quantized")
+    assert (s["switches"]["qwz_bits"] is not None) == quantized, s
+    assert s["final_loss"] < s["initial_loss"]
+    # Logical nodes emulate a cluster: nothing measured, ZeRO++ as asked.
+    s = train(tmp_path, "zeropp", "--ranks-per-node", 2, steps=2)
+    assert s["measured"] is None and s["switches"]["qwz_bits"] == 8, s
+
+
 @pytest.mark.parametrize("mode", ["zeropp", "zero3"])
 def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_path, mode):
     # ZEROPP_DEVICE=emulated: CPU tensors through the device path (torch.py's
