@@ -326,3 +326,66 @@ fn bad_input_is_a_named_error() {
     );
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// On one host (no logical nodes), the default mode measures the job at
+/// join and keeps a ZeRO++ switch only where its route was faster; the
+/// summary and rank 0 say what was measured and why.
+#[test]
+fn one_node_measures_its_links_and_says_why_each_switch_has_its_value() {
+    let dir = std::env::temp_dir().join(format!("zeropp-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let summary = dir.join("summary.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args([
+            "train",
+            "--nodes",
+            "1",
+            "--ranks-per-node",
+            "4",
+            "--steps",
+            "3",
+        ])
+        .args([
+            "--width",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--context",
+            "32",
+        ])
+        .args(["--batch", "4", "--block", "64", "--timeout", "60"])
+        .args(["--summary-json", summary.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&std::fs::read(summary).unwrap()).unwrap();
+    let m = &s["measured"];
+    assert!(m["links"]["cross"].is_null(), "{m}");
+    assert!(
+        m["links"]["node"]["bytes_per_s"].as_f64().unwrap() > 0.0,
+        "{m}"
+    );
+    assert!(m["routes"]["gather_qwz"].as_f64().unwrap() > 0.0, "{m}");
+    assert_eq!(s["switches"]["hpz"], false, "{s}");
+    for name in ["qwz_bits", "qgz"] {
+        let why = s["why"][name].as_str().unwrap();
+        assert!(why.contains("timed at join"), "{why}");
+        assert!(
+            stdout.contains(&format!("engine: {name} {why}")),
+            "{stdout}"
+        );
+    }
+    let quantized = s["why"]["qwz_bits"]
+        .as_str()
+        .unwrap()
+        .starts_with("quantized");
+    assert_eq!(!s["switches"]["qwz_bits"].is_null(), quantized, "{s}");
+    std::fs::remove_dir_all(dir).ok();
+}

@@ -156,3 +156,32 @@ pub trait Transport: Send + Sync {
         None
     }
 }
+
+/// A shared transport is one: what a probe used at join, handed on to the
+/// engine.
+impl<T: Transport + ?Sized> Transport for Arc<T> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
+        (**self).send(peer, tag, data)
+    }
+    fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
+        (**self).recv(peer, tag, timeout)
+    }
+    fn probe(&self, peer: usize, tag: Tag) -> bool {
+        (**self).probe(peer, tag)
+    }
+    fn stage(&self, peer: usize, data: Bytes) -> Bytes {
+        (**self).stage(peer, data)
+    }
+    fn name(&self) -> &'static str {
+        (**self).name()
+    }
+    fn first_death(&self) -> Option<(usize, String)> {
+        (**self).first_death()
+    }
+}

@@ -225,6 +225,14 @@ pub struct Summary {
     /// order; 0 where the kernel does not say.
     #[serde(default)]
     pub peak_rss_bytes: Vec<u64>,
+    /// Where each chosen switch came from (asked, the routing plan, or the
+    /// routes timed at join).
+    #[serde(default)]
+    pub why: std::collections::BTreeMap<String, String>,
+    /// What the job measured at join (default mode on nodes that are
+    /// hosts), `null` otherwise.
+    #[serde(default)]
+    pub measured: Option<crate::zero::probe::Measured>,
 }
 
 /// This process's peak resident set (`VmHWM` of `/proc/self/status`), in
@@ -283,6 +291,45 @@ fn median(v: &[f64]) -> f64 {
     s.get(s.len() / 2).copied().unwrap_or(0.0)
 }
 
+/// The probe's share of the join: at most about this long.
+const PROBE_BUDGET: std::time::Duration = std::time::Duration::from_millis(1500);
+
+/// In the default mode, on nodes that are hosts (not logical nodes of one
+/// machine, whose links are not the cluster's being emulated): the job's
+/// links and each collective's routes measured at join
+/// ([`crate::zero::probe`]), which the plan chooses the switches by; the
+/// transport is handed back for the engine.
+fn measure_links(
+    transport: Box<dyn crate::comm::Transport>,
+    table: &[crate::comm::rendezvous::PeerInfo],
+    layout: Layout,
+    cfg: &TrainConfig,
+    wanted: &crate::zero::plan::Switches,
+    facts: &RankFacts,
+) -> Result<(
+    Box<dyn crate::comm::Transport>,
+    Option<crate::zero::probe::Measured>,
+)> {
+    let hosts: std::collections::BTreeSet<(&str, &str)> = table
+        .iter()
+        .map(|p| (p.host.as_str(), p.host_id.as_str()))
+        .collect();
+    let probe = cfg.mode == Mode::Zeropp
+        && layout.world() > 1
+        && hosts.len() == layout.nodes
+        && std::env::var("ZEROPP_PROBE").as_deref() != Ok("0");
+    if !probe {
+        return Ok((transport, None));
+    }
+    let g = layout.ranks_per_node;
+    let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(transport, g));
+    let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
+    let groups = crate::zero::ZeroGroups::new(&layout, g)?;
+    let m = crate::zero::probe::measure_all(&comm, &counter, &groups, layout, wanted, PROBE_BUDGET)
+        .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
+    Ok((Box::new(counter), Some(m)))
+}
+
 /// Runs this rank's part of the job described by the environment.
 pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     cfg.validate()?;
@@ -332,7 +379,18 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     if cfg.qgz_intra_bits.is_some() {
         asked.push("qgz_intra_bits");
     }
-    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, None)
+    for (name, set) in [
+        ("qwz_bits", cfg.qwz_bits.is_some()),
+        ("hpz", cfg.hpz.is_some()),
+        ("qgz", cfg.qgz.is_some()),
+        ("error_feedback", cfg.error_feedback.is_some()),
+    ] {
+        if set {
+            asked.push(name);
+        }
+    }
+    let (transport, measured) = measure_links(transport, &table, layout, cfg, &wanted, &facts)?;
+    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
         .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     let switches = resolved.switches.clone();
     if facts.rank == 0 {
@@ -348,6 +406,13 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
                 "engine: qgZ int{} inside the node, int4 across ({})",
                 switches.qgz_intra_bits, resolved.why["qgz_intra_bits"]
             );
+        }
+        if measured.is_some() {
+            for name in ["qwz_bits", "qgz", "hpz"] {
+                if let Some(why) = resolved.why.get(name).filter(|w| *w != "asked") {
+                    println!("engine: {name} {why}");
+                }
+            }
         }
     }
     let transport_name = transport.name();
@@ -414,6 +479,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             "mode": format!("{:?}", cfg.mode).to_lowercase(),
             "switches": &switches,
             "why": &resolved.why,
+            "measured": &measured,
             "world_size": world,
             "nodes": layout.nodes,
             "ranks_per_node": layout.ranks_per_node,
@@ -571,6 +637,8 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     let summary = Summary {
         mode: format!("{:?}", cfg.mode).to_lowercase(),
         switches: engine.switches().clone(),
+        why: resolved.why.clone(),
+        measured: measured.clone(),
         world_size: world,
         nodes: layout.nodes,
         params: engine.parameter_count(),
