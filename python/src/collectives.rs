@@ -38,9 +38,13 @@ pub struct Job {
     groups: ZeroGroups,
     subgroups: Mutex<Vec<Arc<Group>>>,
     routing: Result<zeropp_topology::plan::ClusterView, String>,
-    /// The links as measured at join (nodes that are hosts), which
-    /// `mode="zeropp"` resolves its switches against.
-    measured: Option<Measured>,
+    /// Whether this job measures its links (nodes that are hosts, more
+    /// than one rank, ZEROPP_PROBE not 0): once, when `mode="zeropp"` is
+    /// first resolved (every rank does that in the same order), so a
+    /// ZeRO-3 job spends nothing on it.
+    probes: bool,
+    /// What was measured, which `mode="zeropp"` resolves its switches by.
+    measured: Mutex<Option<Measured>>,
     transport: &'static str,
     timeout: Duration,
 }
@@ -157,24 +161,9 @@ impl Job {
         let groups = ZeroGroups::new(&layout, g).map_err(to_py)?;
         // Real nodes' links are measured; logical nodes (ranks_per_node)
         // emulate a cluster whose links are not these.
-        let measured = match (ranks_per_node, layout.world()) {
-            (None, 2..) if std::env::var("ZEROPP_PROBE").as_deref() != Ok("0") => {
-                counter.set_phase(Phase::Other, 0.0);
-                let zpp = plan::Switches::zeropp(256);
-                let measured = py.detach(|| {
-                    probe::measure_all(&comm, &counter, &groups, layout, &zpp, PROBE_BUDGET)
-                });
-                Some(measured.map_err(|e| {
-                    let m = format!("measuring the links at join: {e}");
-                    if e.is_peer_failure() {
-                        crate::PeerError::new_err(m)
-                    } else {
-                        invalid(m)
-                    }
-                })?)
-            }
-            _ => None,
-        };
+        let probes = ranks_per_node.is_none()
+            && layout.world() > 1
+            && std::env::var("ZEROPP_PROBE").as_deref() != Ok("0");
         Ok(Job {
             thread: CommThread::new(comm),
             counter,
@@ -182,7 +171,8 @@ impl Job {
             groups,
             subgroups: Mutex::new(Vec::new()),
             routing,
-            measured,
+            probes,
+            measured: Mutex::new(None),
             transport,
             timeout,
         })
@@ -224,22 +214,25 @@ impl Job {
 
     /// The switches of `mode` ("zeropp" or "zero3") with `overrides` (JSON
     /// object, `zeropp train`'s names) applied and the rest resolved from
-    /// the routing plan, checked: JSON `{"switches": {...}, "why": {...}}`.
-    fn resolve_switches(&self, mode: &str, overrides: &str) -> PyResult<String> {
+    /// the routing plan and, for `"zeropp"`, the links and routes this
+    /// job measures (the first call measures: every rank calls it in the
+    /// same order), checked: JSON `{"switches": {...}, "why": {...}}`.
+    fn resolve_switches(&self, py: Python<'_>, mode: &str, overrides: &str) -> PyResult<String> {
         resolve(
             mode,
             overrides,
             self.layout,
             &self.routing,
-            self.measured.as_ref(),
+            self.measured(py, mode)?.as_ref(),
         )
     }
 
-    /// What was measured at join, as JSON: the links and the two
-    /// collectives timed by each route (`null` for logical nodes, one
-    /// rank, or ZEROPP_PROBE=0).
+    /// What was measured, as JSON: the links and the two collectives timed
+    /// by each route (`null` before `mode="zeropp"` was resolved, and for
+    /// logical nodes, one rank, or ZEROPP_PROBE=0).
     fn measured_json(&self) -> String {
-        serde_json::to_string(&self.measured).unwrap_or_else(|_| "null".into())
+        let m = self.measured.lock().map(|m| m.clone()).unwrap_or(None);
+        serde_json::to_string(&m).unwrap_or_else(|_| "null".into())
     }
 
     /// Bytes this rank sent, by phase and hop (JSON).
@@ -283,6 +276,39 @@ impl Job {
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
         self.reduce_scatter_on(Host, out, inp, dtype, ranks, mean, qgz)
+    }
+}
+
+impl Job {
+    /// What `mode` resolves by: for `"zeropp"` on a job that probes, the
+    /// job's links and routes, measured on its communication thread the
+    /// first time (after whatever it was doing) and kept.
+    fn measured(&self, py: Python<'_>, mode: &str) -> PyResult<Option<Measured>> {
+        if !self.probes || mode != "zeropp" {
+            return Ok(None);
+        }
+        let mut kept = self
+            .measured
+            .lock()
+            .map_err(|_| invalid("the measured links were poisoned by an earlier failure"))?;
+        if kept.is_none() {
+            let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
+            let pending = self.thread.submit(move |c: &Communicator| {
+                counter.set_phase(Phase::Other, 0.0);
+                let zpp = plan::Switches::zeropp(256);
+                probe::measure_all(c, &counter, &groups, layout, &zpp, PROBE_BUDGET)
+            });
+            let m = py.detach(|| pending.wait()).map_err(|e| {
+                let m = format!("measuring the links for mode=\"zeropp\": {e}");
+                if e.is_peer_failure() {
+                    crate::PeerError::new_err(m)
+                } else {
+                    invalid(m)
+                }
+            })?;
+            *kept = Some(m);
+        }
+        Ok(kept.clone())
     }
 }
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import WORKERS, free_port, torchrun, train
+from conftest import ROOT, WORKERS, free_port, torchrun, train
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -96,6 +96,32 @@ def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
     p = torchrun(WORKERS / "collectives.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) >= 25, p.stdout
+
+
+def test_enable_serves_models_that_fsdp2_already_sharded():
+    p = torchrun(WORKERS / "enable.py")
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 8, p.stdout
+
+
+def test_torchtitans_apply_fsdp_then_enable_matches_fsdp2_and_trains(tmp_path):
+    def run(which, steps):
+        out = tmp_path / f"titan-{which}.json"
+        args = ["--zeropp", which, "--steps", steps, "--ranks-per-node", 2, "--summary-json", out]
+        torchrun(ROOT / "examples" / "torchtitan_llama.py", args)
+        return json.loads(out.read_text())
+
+    base, z3 = run("none", 12), run("zero3", 12)
+    worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
+    assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
+    zpp = run("zeropp", 30)
+    assert zpp["losses"][-1] < 0.8 * zpp["losses"][0], zpp["losses"]
+    assert zpp["switches"]["qwz_bits"] == 8 and zpp["switches"]["hpz"], zpp["switches"]
+    # hpZ installed after the fact: the backward gathers stay inside nodes.
+    t = zpp["traffic"]
+    assert t["forward_gather"]["total"]["inter_node"] > 0, t
+    assert t["backward_gather"]["total"]["inter_node"] == 0, t
+    assert t["backward_gather"]["total"]["intra_node"] > 0, t
 
 
 def rank_env(rank, world, port, **extra):

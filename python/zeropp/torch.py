@@ -61,6 +61,7 @@ __all__ = [
     "PeerError",
     "ZeroppError",
     "device_calls",
+    "enable",
     "fully_shard",
     "job",
     "measured",
@@ -291,12 +292,13 @@ def routing():
 
 
 def measured():
-    """What the job measured when it joined (at most about 2 s): {"links":
-    {"node": {"bytes_per_s", "latency_s"} | None, "cross": ... | None,
-    "quantize_per_s", "dequantize_per_s", "seconds"}, "routes": {"values",
-    "gather_plain", "gather_qwz", "reduce_plain", "reduce_qgz"}} (seconds per
-    call on a unit of that many values) — what ``mode="zeropp"`` chose its
-    switches by — or None where nothing was measured (logical nodes from
+    """What the job measured for ``mode="zeropp"`` (once, at the first
+    ``fully_shard(mode="zeropp")``, at most about 2 s): {"links": {"node":
+    {"bytes_per_s", "latency_s"} | None, "cross": ... | None, "quantize_per_s",
+    "dequantize_per_s", "seconds"}, "routes": {"values", "gather_plain",
+    "gather_qwz", "reduce_plain", "reduce_qgz"}} (seconds per call on a unit of
+    that many values) — what that mode chose its switches by — or None where
+    nothing was measured (no zeropp mode yet, logical nodes from
     ``ranks_per_node``, one rank, ``ZEROPP_PROBE=0``)."""
     return json.loads(job().measured_json())
 
@@ -310,7 +312,7 @@ def traffic():
 
 def resolved_switches():
     """The switches each mode actually ran with, after the routing plan and
-    what the job measured at join (``measured()``) resolved the defaults: {mode:
+    what the job measured (``measured()``) resolved the defaults: {mode:
     {"switches": ..., "why": ...}}; ``why`` names, for each switch chosen,
     the predicted time of each route and the figures behind it."""
     return dict(_switches_used)
@@ -382,6 +384,7 @@ class ZeroppAllGather(AllGather):
 
     def __init__(self, zjob, switches):
         self._job = zjob
+        self.settings = (zjob, dict(switches))
         self._qwz_bits = switches["qwz_bits"]
         self._block = switches["block"]
 
@@ -440,6 +443,7 @@ class ZeroppReduceScatter(ReduceScatter):
 
     def __init__(self, zjob, switches, seed=0):
         self._job = zjob
+        self.settings = (zjob, dict(switches), seed)
         # qgZ's settings and error feedback (host and device), per group.
         self.qgz_state = None
         if switches["qgz"]:
@@ -605,6 +609,99 @@ def fully_shard(
     sharded.set_custom_all_gather(ZeroppAllGather(zjob, s))
     sharded.set_custom_reduce_scatter(ZeroppReduceScatter(zjob, s, seed=seed))
     return sharded
+
+
+def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0, **switches):
+    """Turns a model that FSDP2 already sharded — every ``FSDPModule`` inside
+    ``model``, whoever called ``fully_shard`` (the Hugging Face Trainer,
+    Accelerate, torchtitan's ``apply_fsdp``, your own loop) — into a zeropp
+    one: zeropp's all-gather and reduce-scatter on each, with ``mode`` and
+    the switches of :func:`fully_shard`. With hpZ, each module that reshards
+    after forward keeps its secondary shard inside the hpZ group from here
+    on, as ``fully_shard(reshard_after_forward=<hpZ group>)`` would have.
+
+    Call it after sharding and before the next step (every rank, the same
+    model). Calling it again with the same settings changes nothing (error
+    feedback is kept); with other settings it installs them (error feedback
+    starts over). Refuses, with a ``ZeroppError``, a model with no FSDP2
+    module, a 2-D (HSDP) mesh, a mesh that is not the whole job, or a module
+    with several parameter groups. Returns ``model``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    unknown = sorted(set(switches) - set(SWITCHES))
+    if unknown:
+        raise ZeroppError(f"unknown switches {unknown}; zeropp's switches are {sorted(SWITCHES)}")
+    zjob = job(transport=transport, ranks_per_node=ranks_per_node)
+    resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches)))
+    s = resolved["switches"]
+    _switches_used[mode] = resolved
+    world = zjob.world_size
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ZeroppError(
+            "no FSDP2-sharded module in this model: shard it first "
+            "(torch.distributed.fsdp.fully_shard, or the framework's FSDP2 setting), "
+            "or call zeropp.torch.fully_shard instead"
+        )
+    hpz = s["hpz_group"] if s["hpz"] else None
+    hpz_infos = {}
+    for m in sharded:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        name = type(m).__name__
+        if len(groups) > 1:
+            raise ZeroppError(
+                f"{name} has {len(groups)} FSDP parameter groups; zeropp.torch.enable serves "
+                "modules sharded with one (fully_shard on each module, not several groups)"
+            )
+        for group in groups:
+            mesh = group.mesh_info.mesh
+            if mesh.ndim != 1 or mesh.size() != world:
+                raise ZeroppError(
+                    f"{name} is sharded on a {mesh.ndim}-D mesh of {mesh.size()} ranks: zeropp "
+                    f"shards over the whole job ({world} ranks) on a 1-D mesh; HSDP is what "
+                    "hpZ replaces (shard with FSDP2 over the world, then enable)"
+                )
+            for p in group.fsdp_params:
+                _check_param_dtype(name, p.mp_policy.param_dtype or p.sharded_param.dtype)
+            same = (
+                isinstance(group._all_gather_comm, ZeroppAllGather)
+                and group._all_gather_comm.settings == (zjob, s)
+                and isinstance(group._reduce_scatter_comm, ZeroppReduceScatter)
+                and group._reduce_scatter_comm.settings == (zjob, s, seed)
+            )
+            if not same:
+                m.set_custom_all_gather(ZeroppAllGather(zjob, s))
+                m.set_custom_reduce_scatter(ZeroppReduceScatter(zjob, s, seed=seed))
+            if hpz is not None and 1 < hpz < world and group.post_forward_mesh_info is not None:
+                _keep_secondary_shard(group, hpz, hpz_infos)
+    return model
+
+
+def _check_param_dtype(name, dtype):
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ZeroppError(
+            f"{name} communicates {dtype} parameters; zeropp moves float32, bfloat16 and "
+            "float16 (cast the model, or set an FSDP2 MixedPrecisionPolicy)"
+        )
+
+
+def _keep_secondary_shard(group, hpz, infos):
+    """hpZ on an already-sharded parameter group: after forward it reshards
+    to groups of ``hpz`` consecutive ranks (what FSDP2 sets up for
+    ``reshard_after_forward=hpz``), one mesh shared by every module."""
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_post_forward_mesh_info
+
+    if group.post_forward_mesh_info is not group.mesh_info:
+        return  # already a secondary shard (an int reshard_after_forward)
+    key = id(group.mesh_info.mesh)
+    if key not in infos:
+        infos[key] = _get_post_forward_mesh_info(hpz, group.mesh_info)
+    info = infos[key]
+    group.post_forward_mesh_info = info
+    for p in group.fsdp_params:
+        p.post_forward_mesh_info = info
+        p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))
 
 
 def reset_error_feedback(module):
