@@ -386,6 +386,7 @@ def main(argv=None):
         },
         "losses": losses,
     }
+    summary["thread_cpu_s"] = thread_cpu_s()
     if zjob:
         summary["why"] = zeropp.torch.resolved_switches()[args.mode]["why"]
         summary["measured"] = zeropp.torch.measured()
@@ -411,6 +412,27 @@ def main(argv=None):
 
 
 PHASES = ("forward_gather", "backward_gather", "gradient", "other")
+
+
+def thread_cpu_s():
+    """CPU seconds this process's threads used so far, by thread name
+    (Linux; {} elsewhere): the compute thread against zeropp's and gloo's."""
+    out = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _phase_sum(now, before, hop):
