@@ -46,7 +46,7 @@ pub struct Links {
 
 /// The longest one hop's probe goes on: a size is the last once one
 /// exchange takes this long.
-const ENOUGH: Duration = Duration::from_millis(60);
+const ENOUGH: Duration = Duration::from_millis(25);
 /// First and largest message per rank.
 const FIRST: usize = 32 << 10;
 const LARGEST: usize = 16 << 20;
@@ -213,7 +213,7 @@ pub struct Measured {
 
 /// Measures the links, then times the routes on a unit sized from them
 /// ([`probe_values`]) with `s`'s formats: at most about `budget` plus the
-/// routes' time (about 100 ms a plain call on the slowest hop).
+/// routes' time (about 40 ms a plain call on the slowest hop).
 pub fn measure_all(
     c: &Communicator,
     counter: &CountingTransport,
@@ -242,14 +242,14 @@ pub struct Routes {
 }
 
 /// The unit [`time_routes`] measures with: large enough that the bytes,
-/// not the per-message latency, decide on the slowest hop (about 100 ms of
+/// not the per-message latency, decide on the slowest hop (about 40 ms of
 /// plain traffic there), at most 4M values; whole int8 blocks per rank.
 pub fn probe_values(links: &Links, layout: Layout) -> usize {
     let w = layout.world();
     let rate = |l: Option<Link>| l.map_or(f64::INFINITY, |l| l.bytes_per_s);
     let ring = rate(links.node).min(rate(links.cross) * layout.ranks_per_node as f64);
     let wanted = if ring.is_finite() {
-        0.1 * ring / 2.0
+        0.04 * ring / 2.0
     } else {
         1e6
     };
