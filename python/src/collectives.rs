@@ -292,7 +292,8 @@ impl Job {
             .lock()
             .map_err(|_| invalid("the measured links were poisoned by an earlier failure"))?;
         if kept.is_none() {
-            let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
+            let (counter, groups, layout) =
+                (self.counter.clone(), self.groups.clone(), self.layout);
             let pending = self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Other, 0.0);
                 let zpp = plan::Switches::zeropp(256);

@@ -157,6 +157,19 @@ impl Engine {
         cfg: EngineConfig,
         timeout: Duration,
     ) -> Result<Engine> {
+        let counter = Arc::new(CountingTransport::new(transport, layout.ranks_per_node));
+        Self::counted(counter, layout, cfg, timeout)
+    }
+
+    /// [`Engine::new`] over a transport already counted by `counter`
+    /// (whose earlier traffic, a probe at join, stays in the run's totals).
+    pub fn counted(
+        counter: Arc<CountingTransport>,
+        layout: Layout,
+        cfg: EngineConfig,
+        timeout: Duration,
+    ) -> Result<Engine> {
+        let transport = &counter;
         cfg.model
             .validate()
             .map_err(|e| anyhow!("invalid model: {e}"))?;
@@ -173,7 +186,6 @@ impl Engine {
         }
         let plan =
             Plan::new(layout, &cfg.switches).map_err(|e| anyhow!("invalid switches: {e}"))?;
-        let counter = Arc::new(CountingTransport::new(transport, layout.ranks_per_node));
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
         let groups = ZeroGroups::new(&layout, plan.hpz_group)?;

@@ -297,19 +297,16 @@ const PROBE_BUDGET: std::time::Duration = std::time::Duration::from_millis(1500)
 /// In the default mode, on nodes that are hosts (not logical nodes of one
 /// machine, whose links are not the cluster's being emulated): the job's
 /// links and each collective's routes measured at join
-/// ([`crate::zero::probe`]), which the plan chooses the switches by; the
-/// transport is handed back for the engine.
+/// ([`crate::zero::probe`]), which the plan chooses the switches by. The
+/// counter (which counted the probe) is the engine's.
 fn measure_links(
-    transport: Box<dyn crate::comm::Transport>,
+    counter: &std::sync::Arc<crate::zero::traffic::CountingTransport>,
     table: &[crate::comm::rendezvous::PeerInfo],
     layout: Layout,
     cfg: &TrainConfig,
     wanted: &crate::zero::plan::Switches,
     facts: &RankFacts,
-) -> Result<(
-    Box<dyn crate::comm::Transport>,
-    Option<crate::zero::probe::Measured>,
-)> {
+) -> Result<Option<crate::zero::probe::Measured>> {
     let hosts: std::collections::BTreeSet<(&str, &str)> = table
         .iter()
         .map(|p| (p.host.as_str(), p.host_id.as_str()))
@@ -319,15 +316,15 @@ fn measure_links(
         && hosts.len() == layout.nodes
         && std::env::var("ZEROPP_PROBE").as_deref() != Ok("0");
     if !probe {
-        return Ok((transport, None));
+        return Ok(None);
     }
     let g = layout.ranks_per_node;
-    let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(transport, g));
     let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
     let groups = crate::zero::ZeroGroups::new(&layout, g)?;
-    let m = crate::zero::probe::measure_all(&comm, &counter, &groups, layout, wanted, PROBE_BUDGET)
+    counter.set_phase(crate::zero::traffic::Phase::Other, 0.0);
+    let m = crate::zero::probe::measure_all(&comm, counter, &groups, layout, wanted, PROBE_BUDGET)
         .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
-    Ok((Box::new(counter), Some(m)))
+    Ok(Some(m))
 }
 
 /// Runs this rank's part of the job described by the environment.
@@ -389,7 +386,11 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             asked.push(name);
         }
     }
-    let (transport, measured) = measure_links(transport, &table, layout, cfg, &wanted, &facts)?;
+    let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(
+        transport,
+        layout.ranks_per_node,
+    ));
+    let measured = measure_links(&counter, &table, layout, cfg, &wanted, &facts)?;
     let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
         .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     let switches = resolved.switches.clone();
@@ -415,14 +416,14 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             }
         }
     }
-    let transport_name = transport.name();
+    let transport_name = crate::comm::Transport::name(&*counter);
     let engine_cfg = EngineConfig {
         model: cfg.model.clone(),
         switches: switches.clone(),
         optim: cfg.optim.clone(),
         seed: cfg.seed,
     };
-    let mut engine = Engine::new(transport, layout, engine_cfg, facts.timeout)?;
+    let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
     let lead = facts.rank == 0;
     let world = layout.world();
     let start = match &cfg.resume {
