@@ -296,9 +296,10 @@ def measured():
     ``fully_shard(mode="zeropp")``, at most about 2 s): {"links": {"node":
     {"bytes_per_s", "latency_s"} | None, "cross": ... | None, "quantize_per_s",
     "dequantize_per_s", "seconds"}, "routes": {"values", "gather_plain",
-    "gather_qwz", "reduce_plain", "reduce_qgz"}} (seconds per call on a unit of
-    that many values) — what that mode chose its switches by — or None where
-    nothing was measured (no zeropp mode yet, logical nodes from
+    "gather_qwz", "reduce_plain", "reduce_qgz", "seconds"}} (seconds per call on
+    a unit of that many values; each "seconds" what that part of the probe
+    took) — what that mode chose its switches by — or None where nothing was
+    measured (no zeropp mode yet, logical nodes from
     ``ranks_per_node``, one rank, ``ZEROPP_PROBE=0``)."""
     return json.loads(job().measured_json())
 

@@ -454,6 +454,7 @@ mod tests {
                 gather_qwz: gather.1 / 1e3,
                 reduce_plain: reduce.0 / 1e3,
                 reduce_qgz: reduce.1 / 1e3,
+                seconds: 0.2,
             },
         }
     }

@@ -239,6 +239,9 @@ pub struct Routes {
     pub gather_qwz: f64,
     pub reduce_plain: f64,
     pub reduce_qgz: f64,
+    /// How long timing the routes took (the slowest rank).
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 /// The unit [`time_routes`] measures with: large enough that the bytes,
@@ -270,6 +273,7 @@ pub fn time_routes(
     s: &super::plan::Switches,
     values: usize,
 ) -> Result<Routes, ZeroError> {
+    let start = Instant::now();
     let w = layout.world();
     let mut best = [f64::INFINITY; 4];
     // A small round, then two at size (the first also opens and warms the
@@ -292,6 +296,7 @@ pub fn time_routes(
         gather_qwz: slowest_of[1],
         reduce_plain: slowest_of[2],
         reduce_qgz: slowest_of[3],
+        seconds: slowest(c, &groups.world, start.elapsed().as_secs_f64())?,
     })
 }
 
