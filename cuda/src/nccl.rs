@@ -38,6 +38,8 @@ const SYSTEM_ERROR: NcclResult = 2;
 const UINT8: c_int = 1;
 const FLOAT32: c_int = 7;
 const SUM: c_int = 0;
+/// `ncclAvg` (NCCL ≥ 2.10): the sum divided by the communicator's size.
+const AVG: c_int = 4;
 
 /// A value type NCCL reduces (`ncclDataType_t`).
 pub trait NcclElement: cudarc::driver::DeviceRepr {
@@ -521,6 +523,18 @@ impl NcclComm {
         send: &CudaView<'_, T>,
         recv: &mut CudaViewMut<'_, T>,
     ) -> Result<(), CudaError> {
+        self.reduce_scatter(send, recv, false)
+    }
+
+    /// [`NcclComm::reduce_scatter_sum`], or with `mean` the mean over
+    /// ranks (NCCL's average: the sum divided by the size in NCCL's
+    /// reduction, so no kernel of ours or PyTorch's divides afterwards).
+    pub fn reduce_scatter<T: NcclElement>(
+        &self,
+        send: &CudaView<'_, T>,
+        recv: &mut CudaViewMut<'_, T>,
+        mean: bool,
+    ) -> Result<(), CudaError> {
         let n = recv.len();
         self.check_len("reduce-scatter input", n * self.size, send.len())?;
         let _one = self.one_call("reduce-scatter")?;
@@ -534,7 +548,7 @@ impl NcclComm {
                 d as *mut c_void,
                 n,
                 T::TYPE,
-                SUM,
+                if mean { AVG } else { SUM },
                 self.comm,
                 self.raw_stream(),
             )

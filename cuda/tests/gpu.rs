@@ -262,6 +262,11 @@ fn nccl_collectives_on_one_rank_are_identities() {
     comm.reduce_scatter_sum(&dx.as_view(), &mut y.as_view_mut())
         .unwrap();
     assert_eq!(g.download(&y.as_view()).unwrap(), x);
+    // The mean over one rank is the value itself (NCCL's average).
+    let mut y = g.zeros::<f32>(1000).unwrap();
+    comm.reduce_scatter(&dx.as_view(), &mut y.as_view_mut(), true)
+        .unwrap();
+    assert_eq!(g.download(&y.as_view()).unwrap(), x);
     let mut z = g.upload(&x).unwrap();
     comm.all_reduce_sum(&mut z.as_view_mut()).unwrap();
     assert_eq!(g.download(&z.as_view()).unwrap(), x);

@@ -404,7 +404,7 @@ impl CudaJob {
     /// FSDP2's gradient reduce-scatter over the world on the device:
     /// `numel` values of `dtype` at `inp` (W equal chunks) into `out` (this
     /// rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
-    /// `dtype` (the caller divides for a mean). With `qgz` (f32 only): the
+    /// `dtype`, or (`mean`) its average. With `qgz` (f32 only): the
     /// two-hop quantized reduce-scatter of `zero::qgz`, the sum or (`mean`)
     /// the mean over all W ranks, with that state's error feedback (kept
     /// compressed on the device, as the host keeps it).
@@ -488,6 +488,7 @@ impl CudaJob {
                         inp,
                         out,
                         numel,
+                        mean,
                     },
                 ),
             };
@@ -586,6 +587,7 @@ struct SumScatter<'a> {
     inp: u64,
     out: u64,
     numel: usize,
+    mean: bool,
 }
 
 impl OnDtype for SumScatter<'_> {
@@ -598,7 +600,7 @@ impl OnDtype for SumScatter<'_> {
             return Ok(());
         }
         self.comm
-            .reduce_scatter_sum(&inp.view(), &mut out.view_mut())
+            .reduce_scatter(&inp.view(), &mut out.view_mut(), self.mean)
     }
 }
 

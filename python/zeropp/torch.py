@@ -516,9 +516,9 @@ class ZeroppReduceScatter(ReduceScatter):
                 n,
                 dtype_name(input_tensor),
                 stream,
-                False,
+                mean,
             )
-            return op, (lambda: output_tensor.div_(world)) if mean else None, tensors
+            return op, None, tensors
         # qgZ sums in f32 on the device: the sum, or the mean over all W ranks.
         inp = input_tensor if input_tensor.dtype == torch.float32 else input_tensor.float()
         out = output_tensor if output_tensor.dtype == torch.float32 else None
