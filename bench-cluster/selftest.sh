@@ -69,8 +69,9 @@ assert vs_nominal <= 1.02, f"the link delivered {vs_nominal:.2f}x its shaped rat
 PY
 if [ -n "$python" ]; then
   # The ZeRO++ collectives' bytes, not the plan's choice: ZEROPP_PROBE=0
-  # keeps mode=zeropp as it is (the one-time probe at join, ~1 MB a rank
-  # here, would also weigh on a 10-step run).
+  # keeps mode=zeropp as it is (the one-time probe at join moved 7.3 MB
+  # across nodes in the native selftest run here, against 0.57 MB for 10
+  # steps of training).
   ZEROPP_PROBE=0 bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 200mbit \
     --modes "torch-fsdp2 torch-zero3 torch-zeropp" --steps 10 --zeropp "$zeropp" --python "$python" \
     --out "$out/torch" >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out"/torch/*.log >&2; exit 1; }

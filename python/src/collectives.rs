@@ -49,9 +49,6 @@ pub struct Job {
     timeout: Duration,
 }
 
-/// The probe's share of the join: at most about this long.
-const PROBE_BUDGET: Duration = Duration::from_millis(1500);
-
 fn bad(msg: String) -> CommError {
     CommError::Invalid(msg)
 }
@@ -161,9 +158,7 @@ impl Job {
         let groups = ZeroGroups::new(&layout, g).map_err(to_py)?;
         // Real nodes' links are measured; logical nodes (ranks_per_node)
         // emulate a cluster whose links are not these.
-        let probes = ranks_per_node.is_none()
-            && layout.world() > 1
-            && std::env::var("ZEROPP_PROBE").as_deref() != Ok("0");
+        let probes = ranks_per_node.is_none() && layout.world() > 1 && probe::enabled();
         Ok(Job {
             thread: CommThread::new(comm),
             counter,
@@ -297,7 +292,7 @@ impl Job {
             let pending = self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Other, 0.0);
                 let zpp = plan::Switches::zeropp(256);
-                probe::measure_all(c, &counter, &groups, layout, &zpp, PROBE_BUDGET)
+                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET)
             });
             let m = py.detach(|| pending.wait()).map_err(|e| {
                 let m = format!("measuring the links for mode=\"zeropp\": {e}");

@@ -293,7 +293,8 @@ def routing():
 
 def measured():
     """What the job measured for ``mode="zeropp"`` (once, at the first
-    ``fully_shard(mode="zeropp")``, at most about 2 s): {"links": {"node":
+    ``fully_shard(mode="zeropp")``: the links within 1.5 s, then each route
+    timed): {"links": {"node":
     {"bytes_per_s", "latency_s"} | None, "cross": ... | None, "quantize_per_s",
     "dequantize_per_s", "seconds"}, "routes": {"values", "gather_plain",
     "gather_qwz", "reduce_plain", "reduce_qgz", "seconds"}} (seconds per call on

@@ -291,9 +291,6 @@ fn median(v: &[f64]) -> f64 {
     s.get(s.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// The probe's share of the join: at most about this long.
-const PROBE_BUDGET: std::time::Duration = std::time::Duration::from_millis(1500);
-
 /// In the default mode, on nodes that are hosts (not logical nodes of one
 /// machine, whose links are not the cluster's being emulated): the job's
 /// links and each collective's routes measured at join
@@ -314,7 +311,7 @@ fn measure_links(
     let probe = cfg.mode == Mode::Zeropp
         && layout.world() > 1
         && hosts.len() == layout.nodes
-        && std::env::var("ZEROPP_PROBE").as_deref() != Ok("0");
+        && crate::zero::probe::enabled();
     if !probe {
         return Ok(None);
     }
@@ -322,8 +319,15 @@ fn measure_links(
     let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
     let groups = crate::zero::ZeroGroups::new(&layout, g)?;
     counter.set_phase(crate::zero::traffic::Phase::Other, 0.0);
-    let m = crate::zero::probe::measure_all(&comm, counter, &groups, layout, wanted, PROBE_BUDGET)
-        .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
+    let m = crate::zero::probe::measure_all(
+        &comm,
+        counter,
+        &groups,
+        layout,
+        wanted,
+        crate::zero::probe::BUDGET,
+    )
+    .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
     Ok(Some(m))
 }
 

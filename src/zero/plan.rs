@@ -242,37 +242,31 @@ fn choose_by_links(
         rate(links.cross),
         rate(links.node),
     );
-    let pays = |quantized: f64, plain: f64| quantized < (1.0 - MUST_SAVE) * plain;
+    // Whether the quantized route pays, and why, in the words of `why`.
+    let choose = |route: &str, quantized: f64, plain: f64| {
+        let keep = quantized < (1.0 - MUST_SAVE) * plain;
+        let verdict = if keep { "quantized" } else { "plain" };
+        let reason = format!(
+            "{verdict}: {route} {} against plain {}; {measured}",
+            ms(quantized),
+            ms(plain)
+        );
+        (keep, reason)
+    };
     if !asked.contains(&"qwz_bits") && s.qwz_bits.is_some() {
-        let keep = pays(r.gather_qwz, r.gather_plain);
+        let (keep, reason) = choose("qwZ gather", r.gather_qwz, r.gather_plain);
         if !keep {
             s.qwz_bits = None;
         }
-        why.insert(
-            "qwz_bits".into(),
-            format!(
-                "{}: qwZ gather {} against plain {}; {measured}",
-                if keep { "quantized" } else { "plain" },
-                ms(r.gather_qwz),
-                ms(r.gather_plain)
-            ),
-        );
+        why.insert("qwz_bits".into(), reason);
     }
     if !asked.contains(&"qgz") && !asked.contains(&"error_feedback") && s.qgz {
-        let keep = pays(r.reduce_qgz, r.reduce_plain);
+        let (keep, reason) = choose("qgZ reduce-scatter", r.reduce_qgz, r.reduce_plain);
         if !keep {
             s.qgz = false;
             s.error_feedback = false;
         }
-        why.insert(
-            "qgz".into(),
-            format!(
-                "{}: qgZ reduce-scatter {} against plain {}; {measured}",
-                if keep { "quantized" } else { "plain" },
-                ms(r.reduce_qgz),
-                ms(r.reduce_plain)
-            ),
-        );
+        why.insert("qgz".into(), reason);
     }
     if !asked.contains(&"hpz") && s.hpz && layout.nodes == 1 {
         s.hpz = false;

@@ -47,6 +47,15 @@ pub struct Links {
 /// The longest one hop's probe goes on: a size is the last once one
 /// exchange takes this long.
 const ENOUGH: Duration = Duration::from_millis(25);
+/// The probe's share of a job's start: the links measured within about
+/// this long (the route timings come on top).
+pub const BUDGET: Duration = Duration::from_millis(1500);
+
+/// Whether the probe may run: not with `ZEROPP_PROBE=0`.
+pub fn enabled() -> bool {
+    std::env::var("ZEROPP_PROBE").as_deref() != Ok("0")
+}
+
 /// First and largest message per rank.
 const FIRST: usize = 32 << 10;
 const LARGEST: usize = 16 << 20;
@@ -120,10 +129,31 @@ fn timed(c: &Communicator, group: &Group, size: usize) -> Result<f64, ZeroError>
 
 /// The largest of the group's `x`.
 fn slowest(c: &Communicator, group: &Group, x: f64) -> Result<f64, ZeroError> {
-    let all = c.all_gather_v(group, Bytes::copy_from_slice(&x.to_le_bytes()))?;
-    all.iter()
-        .map(|b| decode_f64(b))
-        .try_fold(0f64, |m, v| Ok(m.max(v?)))
+    Ok(slowest_each(c, group, &[x])?[0])
+}
+
+/// Each figure's largest over the group, in one exchange.
+fn slowest_each<const N: usize>(
+    c: &Communicator,
+    group: &Group,
+    x: &[f64; N],
+) -> Result<[f64; N], ZeroError> {
+    let mine: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut out = [0f64; N];
+    for b in c.all_gather_v(group, Bytes::from(mine))? {
+        if b.len() != 8 * N {
+            return Err(ZeroError::Invalid(format!(
+                "{} bytes of probe figures from a rank, not {}: every rank must run the same \
+                 zeropp version",
+                b.len(),
+                8 * N
+            )));
+        }
+        for (o, v) in out.iter_mut().zip(b.chunks_exact(8)) {
+            *o = o.max(decode_f64(v)?);
+        }
+    }
+    Ok(out)
 }
 
 fn decode_f64(b: &[u8]) -> Result<f64, ZeroError> {
@@ -286,17 +316,24 @@ pub fn time_routes(
             }
         }
     }
-    let mut slowest_of = [0f64; 4];
-    for (o, t) in slowest_of.iter_mut().zip(best) {
-        *o = slowest(c, &groups.world, t)?;
-    }
+    let [gather_plain, gather_qwz, reduce_plain, reduce_qgz, seconds] = slowest_each(
+        c,
+        &groups.world,
+        &[
+            best[0],
+            best[1],
+            best[2],
+            best[3],
+            start.elapsed().as_secs_f64(),
+        ],
+    )?;
     Ok(Routes {
         values,
-        gather_plain: slowest_of[0],
-        gather_qwz: slowest_of[1],
-        reduce_plain: slowest_of[2],
-        reduce_qgz: slowest_of[3],
-        seconds: slowest(c, &groups.world, start.elapsed().as_secs_f64())?,
+        gather_plain,
+        gather_qwz,
+        reduce_plain,
+        reduce_qgz,
+        seconds,
     })
 }
 

@@ -8,26 +8,11 @@ import sys
 
 import torch
 import torch.distributed as dist
+from checks import check, expect_error
 
 import zeropp
 import zeropp.torch as zt
 from zeropp import _zeropp
-
-
-def check(name, cond, detail=""):
-    if not cond:
-        raise AssertionError(f"rank {dist.get_rank()}: {name} failed {detail}")
-    if dist.get_rank() == 0:
-        print("ok", name, flush=True)
-
-
-def expect_error(name, fn, match):
-    try:
-        fn()
-    except zt.ZeroppError as e:
-        check(name, match in str(e), f"(message: {e})")
-        return
-    check(name, False, "(no exception)")
 
 
 def main():

@@ -11,15 +11,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from checks import check
 
 import zeropp.torch as zt
-
-
-def check(name, cond, detail=""):
-    if not cond:
-        raise AssertionError(f"rank {dist.get_rank()}: {name} failed {detail}")
-    if dist.get_rank() == 0:
-        print("ok", name, flush=True)
 
 
 def main():

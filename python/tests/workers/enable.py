@@ -6,26 +6,11 @@ on rank 0."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from checks import check, expect_error
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import zeropp.torch as zt
-
-
-def check(name, cond, detail=""):
-    if not cond:
-        raise AssertionError(f"rank {dist.get_rank()}: {name} failed {detail}")
-    if dist.get_rank() == 0:
-        print("ok", name, flush=True)
-
-
-def expect_error(name, fn, match):
-    try:
-        fn()
-    except zt.ZeroppError as e:
-        check(name, match in str(e), f"(message: {e})")
-        return
-    check(name, False, "(no exception)")
 
 
 def model():

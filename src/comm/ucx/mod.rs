@@ -187,7 +187,7 @@ struct Wake {
     fd: Option<OwnedFd>,
     /// The progress thread, for the naps' unpark.
     thread: OnceLock<Thread>,
-    /// Rounds of the progress loop so far (what an idle thread costs).
+    /// Times the idle thread slept or napped (what being idle costs).
     rounds: std::sync::atomic::AtomicU64,
 }
 
@@ -829,7 +829,6 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
         }
     }
     loop {
-        wake.rounds.fetch_add(1, Ordering::Relaxed);
         let mut busy = false;
         // 1. New sends.
         while shutting_down.is_none() {
@@ -1027,6 +1026,7 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                 wake.sleeping.store(true, Ordering::Relaxed);
                 fence(Ordering::SeqCst);
             } else if idle > SPIN {
+                wake.rounds.fetch_add(1, Ordering::Relaxed);
                 // Sleep in the kernel until a message or a command arrives,
                 // waking for the dead-peer watch and shutdown.
                 let timeout = match shutting_down {
@@ -1363,12 +1363,12 @@ mod tests {
         let before = [&a, &b].map(|t| t.wake.rounds.load(Ordering::Relaxed));
         std::thread::sleep(Duration::from_millis(400));
         let after = [&a, &b].map(|t| t.wake.rounds.load(Ordering::Relaxed));
-        // Napping 50 µs at a time would be thousands of rounds; asleep on
-        // the event fds, a few (the 100 ms timeout, the peer watch).
+        // Napping 50 µs at a time would be thousands of naps; asleep on the
+        // event fds, a few sleeps (the 100 ms timeout, the peer watch).
         for (x, y) in before.iter().zip(after) {
             assert!(
                 y - x < 100,
-                "{} rounds of an idle progress thread in 400 ms",
+                "{} sleeps of an idle progress thread in 400 ms",
                 y - x
             );
         }
