@@ -239,6 +239,14 @@ struct TrainArgs {
     /// fp32 instead of bf16.
     #[arg(long)]
     fp32_comm: Option<bool>,
+    /// qwZ sends weight differences across nodes, at --qwz-bits, against a
+    /// reference every receiver keeps (docs/TRAINING.md).
+    #[arg(long)]
+    qwz_delta: Option<bool>,
+    /// Forward gathers of a unit between full refreshes of the qwZ
+    /// references (with --qwz-delta).
+    #[arg(long)]
+    qwz_refresh: Option<usize>,
     #[arg(long)]
     steps: Option<usize>,
     /// Sequences per rank per step.
@@ -354,7 +362,11 @@ impl TrainArgs {
              nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
              qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
-             fp32_comm => c.fp32_comm, tied_head => c.model.tied_head);
+             fp32_comm => c.fp32_comm, tied_head => c.model.tied_head,
+             qwz_refresh => c.qwz_refresh);
+        if self.qwz_delta.is_some() {
+            c.qwz_delta = self.qwz_delta;
+        }
         if self.qwz_bits.is_some() {
             c.qwz_bits = self.qwz_bits;
         }

@@ -22,7 +22,7 @@ use zeropp::zero::probe::{self, Measured};
 use zeropp::zero::qgz::Reduction;
 use zeropp::zero::residual::Residual;
 use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp::zero::{ZeroError, ZeroGroups, payload, qgz, qwz};
+use zeropp::zero::{ZeroError, ZeroGroups, delta, payload, qgz, qwz};
 use zeropp_quant::{Element, QuantFormat};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
@@ -240,7 +240,10 @@ impl Job {
     /// `qwz_bits`: qwZ (quantized, across nodes then inside); over the
     /// world without: one ring; over the sub-group `ranks` (hpZ's, inside
     /// a node): one ring there.
-    #[pyo3(signature = (out, inp, dtype, ranks, qwz_bits=None, block=256, backward=false))]
+    /// With `delta` (and `qwz_bits`): qwZ on weight differences against
+    /// that state's references.
+    #[pyo3(signature = (out, inp, dtype, ranks, qwz_bits=None, block=256, backward=false,
+                        delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -251,8 +254,11 @@ impl Job {
         qwz_bits: Option<u32>,
         block: usize,
         backward: bool,
+        delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
-        self.all_gather_on(Host, out, inp, dtype, ranks, qwz_bits, block, backward)
+        self.all_gather_on(
+            Host, out, inp, dtype, ranks, qwz_bits, block, backward, delta,
+        )
     }
 
     /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
@@ -330,6 +336,7 @@ impl Job {
         qwz_bits: Option<u32>,
         block: usize,
         backward: bool,
+        delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
         let (out, inp) = (
@@ -354,6 +361,15 @@ impl Job {
             }
             _ => None,
         };
+        let delta = match (delta, quantized) {
+            (Some(d), Some(format)) => Some((d, format)),
+            (Some(_), None) if qwz_bits.is_none() => {
+                return Err(invalid(
+                    "qwZ on weight differences needs qwz_bits (4 or 8): the bits of a difference",
+                ));
+            }
+            _ => None,
+        };
         let phase = if backward {
             Phase::BackwardGather
         } else {
@@ -375,6 +391,25 @@ impl Job {
                 counter: &counter,
                 groups: &groups,
             };
+            if let Some((state, format)) = &delta {
+                let s = state.get();
+                let wire = delta::DeltaWire {
+                    delta: *format,
+                    refresh_every: s.refresh_every,
+                    // The hop inside the node as plain FSDP2 would move
+                    // these tensors: bf16 ones in bf16, others in f32.
+                    fp32: s.fp32 || dtype != Dtype::Bf16,
+                };
+                let mut reference = s.reference.lock().map_err(|_| poisoned())?;
+                with_dtype!(dtype, T => {
+                    let shard: &[T] = inp.typed("input").map_err(bad)?;
+                    let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                    delta::gather(
+                        &kernels, &mover, layout, wire, &mut reference, &shard, &mut o, phase,
+                    )?;
+                });
+                return Ok(());
+            }
             with_dtype!(dtype, T => {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
                 let all = qwz::gather_quantized(&kernels, &mover, layout, &shard, format, phase)?;
@@ -639,6 +674,50 @@ impl QgzState {
     }
 }
 
+/// qwZ on weight differences for one FSDP parameter group: this rank's
+/// references of its cross group's shards (`zeropp::zero::delta`).
+#[pyclass(frozen)]
+pub struct QwzReference {
+    refresh_every: u64,
+    fp32: bool,
+    pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
+}
+
+#[pymethods]
+impl QwzReference {
+    #[new]
+    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false))]
+    fn new(refresh_every: u64, fp32: bool) -> PyResult<QwzReference> {
+        if refresh_every == 0 {
+            return Err(invalid(
+                "qwz_refresh=0: refresh the references every 1 or more forward gathers",
+            ));
+        }
+        Ok(QwzReference {
+            refresh_every,
+            fp32,
+            reference: Mutex::new(None),
+        })
+    }
+
+    /// Bytes of references held (f32).
+    fn reference_bytes(&self) -> usize {
+        self.reference
+            .lock()
+            .ok()
+            .and_then(|r| r.as_ref().map(|r| r.bytes()))
+            .unwrap_or(0)
+    }
+
+    /// The next gather is a full refresh (after a checkpoint load: every
+    /// rank must call it alike).
+    fn reset(&self) {
+        if let Ok(mut r) = self.reference.lock() {
+            *r = None;
+        }
+    }
+}
+
 /// A collective in flight.
 #[pyclass(frozen)]
 pub struct Op {
@@ -715,6 +794,7 @@ impl Op {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
     m.add_class::<QgzState>()?;
+    m.add_class::<QwzReference>()?;
     m.add_class::<Op>()?;
     Ok(())
 }

@@ -30,7 +30,7 @@ use zeropp_cuda::{CudaError, Gpu, GpuElement};
 use zeropp_quant::QuantFormat;
 
 use crate::buffers::Dtype;
-use crate::collectives::{Job, QgzState};
+use crate::collectives::{Job, QgzState, QwzReference};
 use crate::invalid;
 
 /// A CUDA error as the Python exception that fits it.
@@ -323,7 +323,7 @@ impl CudaJob {
     /// place); otherwise NCCL's all-gather of the caller's bytes.
     /// `backward` counts the bytes as the backward gather's.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
-                        backward=false))]
+                        backward=false, delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -337,7 +337,14 @@ impl CudaJob {
         qwz_bits: Option<u32>,
         block: usize,
         backward: bool,
+        delta: Option<Py<QwzReference>>,
     ) -> PyResult<()> {
+        if delta.is_some() {
+            return Err(invalid(
+                "qwZ on weight differences (qwz_delta) runs on CPU tensors only for now: pass \
+                 qwz_delta=False for CUDA models",
+            ));
+        }
         let dtype = Dtype::parse(dtype)?;
         let wire = qwz_bits
             .map(|b| zeropp::zero::plan::weight_format(b, block).map_err(invalid))

@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use zeropp::zero::emulated::Emulated;
 
 use crate::buffers::Dtype;
-use crate::collectives::{Job, Op, QgzState};
+use crate::collectives::{Job, Op, QgzState, QwzReference};
 use crate::invalid;
 
 /// The emulated device of a joined job: the same calls as `CudaJob`, on
@@ -48,7 +48,7 @@ impl EmulatedJob {
     /// `CudaJob.all_gather` on host buffers, queued on the job's one
     /// queue (`stream` names no other): an [`Op`] to wait on.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
-                        backward=false))]
+                        backward=false, delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -61,13 +61,16 @@ impl EmulatedJob {
         qwz_bits: Option<u32>,
         block: usize,
         backward: bool,
+        delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
         let _ = stream;
         let d = Dtype::parse(dtype)?;
         let job = self.job.get();
         let inp_bytes = crate::buffers::HostBuf::new(inp, false, "input")?.len();
         check_numel("all-gather input", numel, d, inp_bytes)?;
-        job.all_gather_on(Emulated, out, inp, dtype, ranks, qwz_bits, block, backward)
+        job.all_gather_on(
+            Emulated, out, inp, dtype, ranks, qwz_bits, block, backward, delta,
+        )
     }
 
     /// `CudaJob.reduce_scatter` on host buffers: the sum in `dtype`, or

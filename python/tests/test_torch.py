@@ -45,6 +45,20 @@ def test_zeropp_mode_trains_like_fsdp2_on_three_seeds_with_a_quarter_of_the_byte
     assert ratios[0] <= 0.27, f"bytes across nodes: {ratios[0]:.3f} of FSDP2's"
 
 
+def test_weight_differences_train_alike_on_fewer_bytes_across_nodes(tmp_path):
+    # qwz_delta: int4 differences against each receiver's reference.
+    common = ("--ranks-per-node", 2, "--bf16")
+    switches = ("--switch", "qwz_bits=4", "--switch", "qwz_delta=true")
+    delta = train(tmp_path, "zeropp", *common, *switches, steps=30)
+    zpp = train(tmp_path, "zeropp", *common, steps=30)
+    assert delta["switches"]["qwz_delta"] is True and delta["switches"]["qwz_bits"] == 4
+    assert delta["final_loss"] < 0.8 * delta["initial_loss"], delta
+    gap = delta["final_loss"] / zpp["final_loss"] - 1
+    assert abs(gap) <= 0.02, f"final loss {delta['final_loss']} against {zpp['final_loss']}"
+    ratio = delta["bytes_per_step"]["inter_node"] / zpp["bytes_per_step"]["inter_node"]
+    assert ratio <= 0.8, f"bytes across nodes: {ratio:.3f} of int8 qwZ's"
+
+
 def test_on_one_host_the_job_measures_its_links_and_chooses_by_them(tmp_path):
     # No logical nodes: the 4 ranks are one node, measured at join.
     s = train(tmp_path, "zeropp", steps=3)

@@ -39,8 +39,8 @@ bit, for checking the device path without a GPU.
 ``mode="zero3"`` is the plain-communication baseline through zeropp's
 transports. Switches carry ``zeropp train``'s names (``qwz_bits``, ``hpz``,
 ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
-``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``); FSDP2's own
-keyword arguments pass through.
+``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
+``qwz_refresh``); FSDP2's own keyword arguments pass through.
 """
 
 import datetime
@@ -81,6 +81,8 @@ SWITCHES = (
     "qgz_block",
     "qgz_intra_bits",
     "fp32_comm",
+    "qwz_delta",
+    "qwz_refresh",
 )
 
 _job = None
@@ -389,6 +391,13 @@ class ZeroppAllGather(AllGather):
         self.settings = (zjob, dict(switches))
         self._qwz_bits = switches["qwz_bits"]
         self._block = switches["block"]
+        # qwZ on weight differences: this group's references of the shards
+        # its cross-node peers own (held in Rust, f32, 1/G of the group).
+        self.qwz_reference = None
+        if switches.get("qwz_delta") and switches["qwz_bits"]:
+            self.qwz_reference = _zeropp.QwzReference(
+                refresh_every=switches["qwz_refresh"], fp32=switches["fp32_comm"]
+            )
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -405,6 +414,7 @@ class ZeroppAllGather(AllGather):
             qwz_bits=self._qwz_bits,
             block=self._block,
             backward=_is_backward(),
+            delta=self.qwz_reference,
         )
         work = _Work(op, output_tensor, input_tensor)
         if async_op:
@@ -435,6 +445,7 @@ class ZeroppAllGather(AllGather):
             qwz_bits=self._qwz_bits,
             block=self._block,
             backward=_is_backward(),
+            delta=self.qwz_reference,
         )
 
 
@@ -575,8 +586,10 @@ def fully_shard(
     ``mode``: "zeropp" (qwZ + hpZ + qgZ, each a switch) or "zero3" (plain
     communication through zeropp's transports). The switches (``qwz_bits``,
     ``hpz``, ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
-    ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``) override the
-    mode's; the rest comes from the routing plan. ``seed`` seeds qgZ's
+    ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
+    ``qwz_refresh``) override the mode's; the rest comes from the routing
+    plan. ``qwz_delta=True`` sends weight differences across nodes at
+    ``qwz_bits`` (CPU tensors for now). ``seed`` seeds qgZ's
     stochastic rounding. Other keyword arguments (``mesh``, ``mp_policy``,
     ``reshard_after_forward``, ...) go to FSDP2; with hpZ,
     ``reshard_after_forward`` defaults to the hpZ group. Returns the module.
@@ -707,17 +720,24 @@ def _keep_secondary_shard(group, hpz, infos):
 
 
 def reset_error_feedback(module):
-    """Error feedback starts over in every zeropp-sharded submodule of
-    ``module`` (call it after loading a checkpoint: the residuals are not part
-    of a state dict)."""
+    """Error feedback starts over, and the qwZ references (``qwz_delta``) are
+    refreshed at the next gather, in every zeropp-sharded submodule of
+    ``module``: call it on every rank after loading a checkpoint (neither is
+    part of a state dict). Returns the parameter groups reset."""
     n = 0
     for m in module.modules():
         state = getattr(m, "_get_fsdp_state", None)
         if state is None:
             continue
         for group in m._get_fsdp_state()._fsdp_param_groups:
+            reset = False
             rs = group._reduce_scatter_comm
             if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
                 rs.qgz_state.reset()
-                n += 1
+                reset = True
+            ag = group._all_gather_comm
+            if isinstance(ag, ZeroppAllGather) and ag.qwz_reference is not None:
+                ag.qwz_reference.reset()
+                reset = True
+            n += reset
     return n

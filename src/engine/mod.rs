@@ -25,7 +25,7 @@ use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use crate::zero::qgz::Reduction;
 use crate::zero::residual::Residual;
 use crate::zero::traffic::{CountingTransport, Phase, Traffic};
-use crate::zero::{ZeroError, ZeroGroups, hpz, payload, qgz, qwz};
+use crate::zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
 use optim::{AdamState, OptimConfig};
 
 /// Everything that defines a run's numerics.
@@ -64,6 +64,10 @@ struct ShardedUnit {
     /// node-level partial sums dropped last step (N chunks). Used on the
     /// communication thread.
     residual_inter: Arc<Mutex<Residual>>,
+    /// qwZ on weight differences: this rank's references of its cross
+    /// group's shards (`zero::delta`); `None` until the first gather and
+    /// after a load. Used on the communication thread.
+    reference: Arc<Mutex<Option<delta::Reference<Vec<f32>>>>>,
 }
 
 /// A unit's weights as a gather delivered them.
@@ -76,6 +80,8 @@ enum Gathered {
         chunks: QuantizedChunks,
         rank_order: bool,
     },
+    /// The full padded weights, rank order (qwZ on differences).
+    Full(Vec<f32>),
 }
 
 /// hpZ's secondary shard of a unit, in the form its chunks travelled.
@@ -233,6 +239,7 @@ impl Engine {
                     } else {
                         Residual::none()
                     })),
+                    reference: Arc::new(Mutex::new(None)),
                 }
             })
             .collect();
@@ -284,6 +291,32 @@ impl Engine {
         let counter = self.counter.clone();
         let groups = self.groups.clone();
         let layout = self.plan.layout;
+        if let WeightWire::Delta(delta_wire) = wire {
+            let (mine, padded) = (self.units[u].master.clone(), self.units[u].padded);
+            let reference = self.units[u].reference.clone();
+            return Ok(self.thread.submit(move |c: &Communicator| {
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                let mut full = vec![0f32; padded];
+                let mut reference = reference
+                    .lock()
+                    .map_err(|_| ZeroError::Invalid("a qwZ reference was poisoned".into()))?;
+                delta::gather(
+                    &Host,
+                    &mover,
+                    layout,
+                    delta_wire,
+                    &mut reference,
+                    &mine.as_slice(),
+                    &mut full.as_mut_slice(),
+                    phase,
+                )?;
+                Ok(Gathered::Full(full))
+            }));
+        }
         if let WeightWire::Quantized(format) = wire {
             let mine = qwz::quantize_shard(&Host, &self.units[u].master.as_slice(), format)?;
             return Ok(self.thread.submit(move |c: &Communicator| {
@@ -299,7 +332,7 @@ impl Engine {
                 })
             }));
         }
-        let fp32 = wire == WeightWire::F32;
+        let fp32 = wire.fp32();
         let mine = qwz::encode_plain(&self.units[u].master, fp32);
         Ok(self.thread.submit(move |c: &Communicator| {
             counter.set_phase(phase, 0.0);
@@ -335,10 +368,20 @@ impl Engine {
     }
 
     /// This rank's hpZ secondary shard of unit `u`'s forward gather.
-    fn keep_secondary(&self, gathered: &Gathered) -> Result<Secondary, ZeroError> {
+    fn keep_secondary(&self, u: usize, gathered: &Gathered) -> Result<Secondary, ZeroError> {
         let (layout, h) = (self.plan.layout, self.plan.hpz_group);
         Ok(match gathered {
             Gathered::Payloads(p) => Secondary::Payloads(hpz::keep_secondary(p, h, layout.local())),
+            Gathered::Full(full) => {
+                let (chunk, fp32) = (self.units[u].chunk, self.plan.weights.fp32());
+                let k = hpz::secondary_chunks(layout.world(), h);
+                let first = (layout.local() % h) * k;
+                Secondary::Payloads(
+                    (first..first + k)
+                        .map(|r| qwz::encode_plain(&full[r * chunk..(r + 1) * chunk], fp32))
+                        .collect(),
+                )
+            }
             Gathered::Quantized { chunks, .. } => {
                 Secondary::Quantized(Arc::new(hpz::keep_quantized(&Host, layout, chunks, h)?))
             }
@@ -351,9 +394,10 @@ impl Engine {
         let mut full = vec![0f32; su.padded];
         match gathered {
             Gathered::Payloads(p) => {
-                let fp32 = self.plan.weights == WeightWire::F32;
+                let fp32 = self.plan.weights.fp32();
                 qwz::decode_plain(p, fp32, su.chunk, &mut full)?
             }
+            Gathered::Full(f) => full.copy_from_slice(f),
             Gathered::Quantized { chunks, rank_order } => {
                 let layout = self.plan.layout;
                 let position = |r| {
@@ -514,6 +558,10 @@ impl Engine {
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
+            // Every rank loads: every reference restarts with a refresh.
+            if let Ok(mut r) = su.reference.lock() {
+                *r = None;
+            }
             let fits = sh.residual.shape() == su.residual.shape()
                 && su
                     .residual_inter
@@ -604,7 +652,7 @@ impl Engine {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
             if self.plan.hpz {
-                self.units[u].secondary = Some(self.keep_secondary(&payloads)?);
+                self.units[u].secondary = Some(self.keep_secondary(u, &payloads)?);
             }
             let full = self.decode_full(u, &payloads)?;
             let mut params = self.full_params(u, full)?;

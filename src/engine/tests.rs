@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use super::*;
 use crate::comm::inproc::InProcess;
 use crate::train::model::{ModelConfig, Unit, loss, tensors_from_flat};
-use crate::zero::plan::{Layout, Switches};
+use crate::zero::plan::{Layout, Plan, Switches};
 
 fn tiny_model() -> ModelConfig {
     ModelConfig {
@@ -335,6 +335,51 @@ fn zeropp_sends_far_fewer_bytes_across_nodes_than_zero3() {
     assert!(ratio < 0.45, "zeropp/zero3 inter-node bytes {ratio}");
     assert!(zpp[0].traffic.forward_gather.scales.inter_node > 0);
     assert_eq!(z3[0].traffic.forward_gather.scales.inter_node, 0);
+}
+
+#[test]
+fn weight_differences_train_as_zeropp_does_on_fewer_bytes_across_nodes() {
+    let delta = Switches {
+        qwz_bits: Some(4),
+        qwz_delta: true,
+        ..Switches::zeropp(64)
+    };
+    let (zpp, dz) = (
+        run(2, 2, Switches::zeropp(64), 12, 2),
+        run(2, 2, delta, 12, 2),
+    );
+    for other in &dz[1..] {
+        assert_eq!(other.losses, dz[0].losses);
+    }
+    let (a, b) = (&zpp[0].losses, &dz[0].losses);
+    for (x, y) in a.iter().zip(b) {
+        assert!((x - y).abs() / x < 0.02, "zeropp {a:?}\ndelta {b:?}");
+    }
+    // After the first gather (a bf16 refresh), int4 differences against int8
+    // weights: about half the forward gather's bytes across nodes.
+    let fwd = |r: &[RunResult]| r[0].traffic.forward_gather.total.inter_node as f64;
+    let ratio = fwd(&dz) / fwd(&zpp);
+    assert!((0.5..0.75).contains(&ratio), "forward gather bytes {ratio}");
+    // hpZ keeps the backward gather inside the node with differences too.
+    assert_eq!(dz[0].traffic.backward_gather.total.inter_node, 0);
+}
+
+#[test]
+fn weight_differences_without_qwz_bits_are_an_error() {
+    let s = Switches {
+        qwz_delta: true,
+        ..Switches::zero3(64)
+    };
+    let e = Plan::new(
+        Layout {
+            nodes: 2,
+            ranks_per_node: 2,
+            rank: 0,
+        },
+        &s,
+    )
+    .unwrap_err();
+    assert!(e.contains("set qwz_bits"), "{e}");
 }
 
 #[test]

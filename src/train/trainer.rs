@@ -58,6 +58,12 @@ pub struct TrainConfig {
     pub qgz_intra_bits: Option<u32>,
     /// Unquantized traffic in fp32 instead of bf16.
     pub fp32_comm: bool,
+    /// qwZ sends weight differences across nodes (at qwZ's bits); unset:
+    /// the mode's default.
+    pub qwz_delta: Option<bool>,
+    /// Forward gathers of a unit between full refreshes of the qwZ
+    /// references.
+    pub qwz_refresh: usize,
     pub steps: usize,
     /// Sequences per rank per step.
     pub batch: usize,
@@ -105,6 +111,8 @@ impl Default for TrainConfig {
             qgz_block: 32,
             qgz_intra_bits: None,
             fp32_comm: false,
+            qwz_delta: None,
+            qwz_refresh: crate::zero::plan::DEFAULT_QWZ_REFRESH,
             steps: 200,
             batch: 8,
             seed: 0,
@@ -158,6 +166,10 @@ impl TrainConfig {
             s.qgz_intra_bits = b;
         }
         s.fp32_comm = self.fp32_comm;
+        if let Some(d) = self.qwz_delta {
+            s.qwz_delta = d;
+        }
+        s.qwz_refresh = self.qwz_refresh;
         s
     }
 
@@ -385,6 +397,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         ("hpz", cfg.hpz.is_some()),
         ("qgz", cfg.qgz.is_some()),
         ("error_feedback", cfg.error_feedback.is_some()),
+        ("qwz_delta", cfg.qwz_delta.is_some()),
     ] {
         if set {
             asked.push(name);
@@ -843,6 +856,7 @@ pub fn run_mode(
     c.mode = mode;
     if mode == Mode::Zero3 {
         (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
+        c.qwz_delta = None;
     }
     tweak(&mut c);
     let metrics = match &cfg.metrics {

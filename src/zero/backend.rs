@@ -58,6 +58,25 @@ pub trait Quantizer {
         at: usize,
     ) -> Result<(), ZeroError>;
 
+    /// `x` converted to f32 into `out[at..at + len(x)]`.
+    fn load_tensor<T: GpuElement>(
+        &self,
+        x: &Self::Tensor<'_, T>,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// `x[at_x..at_x + len]` converted to `T` (rounded to nearest even)
+    /// into `out[at_out..]`.
+    fn store_values<T: GpuElement>(
+        &self,
+        x: &Self::Values,
+        at_x: usize,
+        out: &mut Self::TensorMut<'_, T>,
+        at_out: usize,
+        len: usize,
+    ) -> Result<(), ZeroError>;
+
     /// Chunk `i` of `src` into chunk `j` of `dst` (the same format and
     /// chunk length).
     fn copy_chunk(
@@ -201,6 +220,18 @@ pub trait ByteMover<Q: Quantizer> {
         phase: Phase,
         mine: &Q::Chunks,
         all: &mut Q::Chunks,
+    ) -> Result<(), ZeroError>;
+
+    /// Every member's values (`mine`) into `all` (the group's size times
+    /// as many, member j's at `j · len(mine)`), on the wire in bf16 (round
+    /// to nearest even), or in f32 with `fp32`.
+    fn all_gather_values(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Values,
+        all: &mut Q::Values,
+        fp32: bool,
     ) -> Result<(), ZeroError>;
 }
 

@@ -95,6 +95,15 @@ fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
     }
 }
 
+/// qwZ on weight differences (`super::delta`) is not on the device yet.
+fn not_on_gpu() -> ZeroError {
+    ZeroError::Invalid(
+        "qwZ on weight differences (qwz_delta) runs on host buffers only for now: turn \
+         qwz_delta off for CUDA tensors"
+            .into(),
+    )
+}
+
 impl Quantizer for Gpu {
     type Values = DeviceValues;
     type Chunks = DeviceQuantizedChunks;
@@ -103,6 +112,26 @@ impl Quantizer for Gpu {
 
     fn tensor_len<T: GpuElement>(&self, x: &CudaView<'_, T>) -> usize {
         x.len()
+    }
+
+    fn load_tensor<T: GpuElement>(
+        &self,
+        _x: &CudaView<'_, T>,
+        _out: &mut DeviceValues,
+        _at: usize,
+    ) -> Result<(), ZeroError> {
+        Err(not_on_gpu())
+    }
+
+    fn store_values<T: GpuElement>(
+        &self,
+        _x: &DeviceValues,
+        _at_x: usize,
+        _out: &mut CudaViewMut<'_, T>,
+        _at_out: usize,
+        _len: usize,
+    ) -> Result<(), ZeroError> {
+        Err(not_on_gpu())
     }
 
     fn quantize_tensor<T: GpuElement>(
@@ -392,6 +421,17 @@ fn shape(q: &DeviceQuantizedChunks) -> Shape {
 impl ByteMover<Gpu> for NcclMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.comm(hop).size()
+    }
+
+    fn all_gather_values(
+        &self,
+        _hop: Hop,
+        _phase: Phase,
+        _mine: &DeviceValues,
+        _all: &mut DeviceValues,
+        _fp32: bool,
+    ) -> Result<(), ZeroError> {
+        Err(not_on_gpu())
     }
 
     fn all_to_all(

@@ -237,6 +237,35 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::dequantize(self, q.chunk(i), out)
     }
 
+    fn load_tensor<T: GpuElement>(
+        &self,
+        x: &&[T],
+        out: &mut Vec<f32>,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        let out = span_mut(out, at, x.len(), "loading a tensor")?;
+        out.iter_mut()
+            .zip(x.iter())
+            .for_each(|(o, v)| *o = v.to_f32());
+        Ok(())
+    }
+
+    fn store_values<T: GpuElement>(
+        &self,
+        x: &Vec<f32>,
+        at_x: usize,
+        out: &mut &mut [T],
+        at_out: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        let x = span(x, at_x, len, "storing values")?;
+        let out = span_mut(out, at_out, len, "storing values")?;
+        out.iter_mut()
+            .zip(x)
+            .for_each(|(o, v)| *o = T::from_f32(*v));
+        Ok(())
+    }
+
     fn quantize_swizzled(
         &self,
         x: &Vec<f32>,
@@ -339,7 +368,7 @@ fn shape(q: &QuantizedChunks) -> Shape {
     (q.format, q.chunk_len, q.count)
 }
 
-impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
+impl<Q: Quantizer<Chunks = QuantizedChunks, Values = Vec<f32>>> ByteMover<Q> for HostMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.group(hop).size()
     }
@@ -381,6 +410,40 @@ impl<Q: Quantizer<Chunks = QuantizedChunks>> ByteMover<Q> for HostMover<'_> {
             .all_gather_v(group, payload::encode_chunks(mine, 0..k))?;
         for (j, b) in from_each.iter().enumerate() {
             payload::decode_chunks_into(b, all, j * k..(j + 1) * k)?;
+        }
+        Ok(())
+    }
+    fn all_gather_values(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &Vec<f32>,
+        all: &mut Vec<f32>,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        let len = mine.len();
+        if all.len() != len * group.size() {
+            return Err(ZeroError::Invalid(format!(
+                "an all-gather of {len} values over {} ranks does not fill {} values",
+                group.size(),
+                all.len()
+            )));
+        }
+        self.counter.set_phase(phase, 0.0);
+        let wire = if fp32 {
+            payload::encode_f32(mine)
+        } else {
+            payload::encode_bf16(mine)
+        };
+        let from_each = self.comm.all_gather_v(group, wire)?;
+        for (j, b) in from_each.iter().enumerate() {
+            let out = &mut all[j * len..(j + 1) * len];
+            if fp32 {
+                payload::decode_f32(b, out)?;
+            } else {
+                payload::decode_bf16(b, out)?;
+            }
         }
         Ok(())
     }

@@ -13,6 +13,7 @@
 //! kernels' source on host buffers, moved by the host transports).
 
 pub mod backend;
+pub mod delta;
 pub mod device;
 pub mod emulated;
 pub mod error;

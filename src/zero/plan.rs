@@ -66,6 +66,22 @@ pub struct Switches {
     /// fast links.
     #[serde(default)]
     pub fp32_comm: bool,
+    /// qwZ sends weight differences across nodes (`zero::delta`): what each
+    /// shard changed since the last gather, at `qwz_bits`, against a
+    /// reference every receiver keeps; inside the node the plain wire.
+    #[serde(default)]
+    pub qwz_delta: bool,
+    /// Forward gathers of a unit between full refreshes of its references
+    /// (the weights themselves, in the plain wire), with `qwz_delta`.
+    #[serde(default = "default_qwz_refresh")]
+    pub qwz_refresh: usize,
+}
+
+/// Forward gathers between qwZ delta refreshes, by default.
+pub const DEFAULT_QWZ_REFRESH: usize = 100;
+
+fn default_qwz_refresh() -> usize {
+    DEFAULT_QWZ_REFRESH
 }
 
 impl Switches {
@@ -82,6 +98,8 @@ impl Switches {
             qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
+            qwz_delta: false,
+            qwz_refresh: DEFAULT_QWZ_REFRESH,
         }
     }
 
@@ -98,6 +116,8 @@ impl Switches {
             qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
+            qwz_delta: false,
+            qwz_refresh: DEFAULT_QWZ_REFRESH,
         }
     }
 }
@@ -253,10 +273,13 @@ fn choose_by_links(
         );
         (keep, reason)
     };
-    if !asked.contains(&"qwz_bits") && s.qwz_bits.is_some() {
+    // Asking for weight differences asks for qwZ.
+    let qwz_asked = asked.contains(&"qwz_bits") || (asked.contains(&"qwz_delta") && s.qwz_delta);
+    if !qwz_asked && s.qwz_bits.is_some() {
         let (keep, reason) = choose("qwZ gather", r.gather_qwz, r.gather_plain);
         if !keep {
             s.qwz_bits = None;
+            s.qwz_delta = false;
         }
         why.insert("qwz_bits".into(), reason);
     }
@@ -286,6 +309,19 @@ pub enum WeightWire {
     F32,
     /// Symmetric blocks, gathered across nodes, then within the node.
     Quantized(QuantFormat),
+    /// Quantized differences across nodes, references inside the node.
+    Delta(super::delta::DeltaWire),
+}
+
+impl WeightWire {
+    /// Whether the unquantized parts of this wire travel in f32.
+    pub fn fp32(&self) -> bool {
+        match self {
+            WeightWire::F32 => true,
+            WeightWire::Delta(d) => d.fp32,
+            WeightWire::Bf16 | WeightWire::Quantized(_) => false,
+        }
+    }
 }
 
 /// How gradients are reduce-scattered.
@@ -358,8 +394,27 @@ impl Plan {
             ));
         }
         let weights = match s.qwz_bits {
+            None if s.qwz_delta => {
+                return Err(
+                    "qwz_delta sends qwZ's weight differences: set qwz_bits (4 or 8) for \
+                            their bits, or turn qwz_delta off"
+                        .into(),
+                );
+            }
             None if s.fp32_comm => WeightWire::F32,
             None => WeightWire::Bf16,
+            Some(b) if s.qwz_delta => {
+                if s.qwz_refresh == 0 {
+                    return Err("qwz_refresh=0: refresh the references every 1 or more \
+                                forward gathers"
+                        .into());
+                }
+                WeightWire::Delta(super::delta::DeltaWire {
+                    delta: weight_format(b, s.block)?,
+                    refresh_every: s.qwz_refresh as u64,
+                    fp32: s.fp32_comm,
+                })
+            }
             Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
         };
         let grads = if s.qgz {

@@ -1,0 +1,277 @@
+//! qwZ on weight differences: across nodes each rank sends only what its
+//! shard changed since the last gather, quantized (int4 or int8), and every
+//! receiver adds it to the reference it keeps of that shard. The sender's
+//! own copy of the reference is computed from the very chunk it sent, so a
+//! difference is always taken against what the receivers hold: the
+//! quantization error of one gather is carried into the next difference
+//! and never accumulates. Inside the node the references travel as the
+//! plain wire (bf16, or f32): each rank holds the references of the N
+//! shards of its cross group (1/G of the unit, the size of hpZ's secondary
+//! shard), and the node gathers them into the full weights. A full refresh
+//! (the weights themselves, in the plain wire) starts the reference, and
+//! repeats every `refresh_every` forward gathers to bound any drift.
+//!
+//! Written once over a [`Quantizer`] and a [`ByteMover`], for host and
+//! device alike (SDP4Bit, NeurIPS 2024, quantizes weight differences the
+//! same way).
+
+use zeropp_cuda::GpuElement;
+use zeropp_quant::{QuantFormat, Rounding};
+
+use super::backend::{ByteMover, Hop, Quantizer};
+use super::error::ZeroError;
+use super::plan::Layout;
+use super::qwz::gathered_position;
+use super::traffic::Phase;
+
+/// How a unit's weights cross nodes as differences.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeltaWire {
+    /// Format of a difference.
+    pub delta: QuantFormat,
+    /// Forward gathers between full refreshes (≥ 1).
+    pub refresh_every: u64,
+    /// A refresh across nodes, and the hop inside the node, in f32 instead
+    /// of bf16.
+    pub fp32: bool,
+}
+
+/// What one rank keeps of one unit between gathers: its references of the
+/// N shards of its cross group (f32, node order), this rank's own at its
+/// node's place, identical on every rank that holds it.
+pub struct Reference<V> {
+    values: V,
+    nodes: usize,
+    chunk: usize,
+    forwards_since_refresh: u64,
+}
+
+impl<V> Reference<V> {
+    /// Values of each shard it holds.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    /// Bytes it keeps (f32): N shards of a chunk, 1/G of the unit.
+    pub fn bytes(&self) -> usize {
+        self.nodes * self.chunk * 4
+    }
+}
+
+/// The delta gather: every rank's `shard` (rank order, equal lengths) into
+/// `out` (W · chunk values), through this rank's `reference` of the unit
+/// (`None` at first, after a load or a resize: the gather is then a full
+/// refresh, and every rank of the job must pass `None` alike). On an
+/// error the reference is dropped (the job cannot go on from it).
+#[allow(clippy::too_many_arguments)]
+pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    wire: DeltaWire,
+    reference: &mut Option<Reference<Q::Values>>,
+    shard: &Q::Tensor<'_, T>,
+    out: &mut Q::TensorMut<'_, T>,
+    phase: Phase,
+) -> Result<(), ZeroError> {
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    if m.size(Hop::Cross) != nodes || m.size(Hop::Node) != g {
+        return Err(ZeroError::Invalid(format!(
+            "qwZ over {nodes} nodes x {g} ranks was given groups of {} (across nodes) and {} \
+             (node)",
+            m.size(Hop::Cross),
+            m.size(Hop::Node)
+        )));
+    }
+    let chunk = q.tensor_len(shard);
+    let kept = reference.take().filter(|r| r.chunk == chunk);
+    let refresh = match &kept {
+        None => true,
+        Some(r) => phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every,
+    };
+    let mut r = match kept {
+        Some(r) if !refresh => r,
+        _ => Reference {
+            values: q.values(nodes * chunk)?,
+            nodes,
+            chunk,
+            forwards_since_refresh: 0,
+        },
+    };
+    // What this rank sends: its shard, less what the receivers hold of it.
+    let mut mine_now = q.values(chunk)?;
+    q.load_tensor(shard, &mut mine_now, 0)?;
+    let mut delta = q.values(chunk)?;
+    if !refresh {
+        q.copy(&r.values, layout.node() * chunk, &mut delta, 0, chunk)?;
+        q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
+    }
+    if refresh {
+        // The weights themselves, in the plain wire: every reference
+        // starts from what ZeRO-3 would have gathered.
+        m.all_gather_values(Hop::Cross, phase, &mine_now, &mut r.values, wire.fp32)?;
+    } else {
+        let mut mine = q.chunks(wire.delta, chunk, 1)?;
+        q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
+        let mut across = q.chunks(wire.delta, chunk, nodes)?;
+        m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
+        for n in 0..nodes {
+            q.dequantize_accumulate(&across, n, &mut r.values, n * chunk)?;
+        }
+    }
+    // Inside the node: every local rank's references, local rank l's run
+    // of N shards at l·N, shard n of it rank n·G + l's.
+    let mut all = q.values(g * nodes * chunk)?;
+    m.all_gather_values(Hop::Node, phase, &r.values, &mut all, wire.fp32)?;
+    for rank in 0..layout.world() {
+        let at = gathered_position(layout, rank) * chunk;
+        q.store_values(&all, at, out, rank * chunk, chunk)?;
+    }
+    if phase == Phase::ForwardGather {
+        r.forwards_since_refresh += 1;
+    }
+    *reference = Some(r);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::Communicator;
+    use crate::comm::inproc::InProcess;
+    use crate::zero::groups::ZeroGroups;
+    use crate::zero::host::{Host, HostMover};
+    use crate::zero::traffic::CountingTransport;
+
+    const CHUNK: usize = 256;
+
+    fn wire(delta_bits: u32, every: u64) -> DeltaWire {
+        DeltaWire {
+            delta: crate::zero::plan::weight_format(delta_bits, 64).unwrap(),
+            refresh_every: every,
+            fp32: true,
+        }
+    }
+
+    fn truth(rank: usize, step: usize, drift: f32) -> Vec<f32> {
+        (0..CHUNK)
+            .map(|i| {
+                let x = (rank * CHUNK + i) as f32;
+                (x * 0.37).sin() * 0.05 + step as f32 * drift * (x * 0.11).cos()
+            })
+            .collect()
+    }
+
+    /// Runs `steps` forward gathers on 2 nodes x 2 ranks of shards that
+    /// move by `drift` (at most) a gather; every rank's output at each
+    /// step, the true weights, and the bytes rank 0 sent across nodes.
+    /// Each rank's outputs step by step, the true weights, rank 0's bytes.
+    type Run = (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>, u64);
+
+    fn run(steps: usize, w: DeltaWire, drift: f32) -> Run {
+        let (nodes, g) = (2, 2);
+        let world = nodes * g;
+        let handles: Vec<_> = InProcess::world(world)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                std::thread::spawn(move || {
+                    let counter = Arc::new(CountingTransport::new(Box::new(t), g));
+                    let comm = Communicator::new(counter.clone(), Duration::from_secs(30));
+                    let layout = Layout {
+                        nodes,
+                        ranks_per_node: g,
+                        rank,
+                    };
+                    let groups = ZeroGroups::new(&layout, g).unwrap();
+                    let mover = HostMover {
+                        comm: &comm,
+                        counter: &counter,
+                        groups: &groups,
+                    };
+                    let mut reference = None;
+                    let mut outs = Vec::new();
+                    for step in 0..steps {
+                        let shard = truth(rank, step, drift);
+                        let mut out = vec![0f32; world * CHUNK];
+                        gather(
+                            &Host,
+                            &mover,
+                            layout,
+                            w,
+                            &mut reference,
+                            &shard.as_slice(),
+                            &mut out.as_mut_slice(),
+                            Phase::ForwardGather,
+                        )
+                        .unwrap();
+                        outs.push(out);
+                    }
+                    (outs, counter.traffic().total().inter_node)
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let truths = (0..steps)
+            .map(|s| (0..world).flat_map(|r| truth(r, s, drift)).collect())
+            .collect();
+        let cross = results[0].1;
+        (results.into_iter().map(|r| r.0).collect(), truths, cross)
+    }
+
+    fn max_err(a: &[f32], b: &[f32]) -> f32 {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// What one int8 quantization of the weights (today's qwZ) is off by.
+    fn int8_error(x: &[f32]) -> f32 {
+        let format = crate::zero::plan::weight_format(8, 64).unwrap();
+        let q = zeropp_quant::QuantizedTensor::quantize(x, format, Rounding::NearestEven).unwrap();
+        max_err(&q.dequantize::<f32>().unwrap(), x)
+    }
+
+    #[test]
+    fn every_rank_gets_the_same_weights_closer_than_int8_weights() {
+        let (outs, truths, _) = run(12, wire(4, 1000), 1e-3);
+        for (rank, o) in outs.iter().enumerate() {
+            assert_eq!(o, &outs[0], "rank {rank}");
+        }
+        // The first gather is a refresh in the plain wire (f32 here).
+        assert_eq!(outs[0][0], truths[0]);
+        // Then each int4 difference carries what the last one dropped: the
+        // error is int4's of one step's change (1e-3 / 15), well under
+        // int8's of the weights (0.05 / 255), and does not grow.
+        let int8 = int8_error(&truths[11]);
+        for step in 1..12 {
+            let e = max_err(&outs[0][step], &truths[step]);
+            assert!(e < 1e-4 && e < int8 / 2.0, "step {step}: {e} (int8 {int8})");
+        }
+    }
+
+    #[test]
+    fn weights_that_stop_moving_are_gathered_exactly() {
+        let (outs, truths, _) = run(6, wire(4, 1000), 1e-3);
+        let moving = max_err(&outs[0][1], &truths[1]);
+        let (still, still_truths, _) = run(6, wire(4, 1000), 0.0);
+        assert!(moving > 0.0);
+        assert_eq!(still[0][5], still_truths[5]);
+    }
+
+    #[test]
+    fn a_refresh_then_int4_differences_cross_nodes_and_nothing_else() {
+        let int4 = crate::zero::plan::weight_format(4, 64).unwrap();
+        let (_, _, bytes) = run(6, wire(4, 1000), 1e-3);
+        // Rank 0 sends to its one peer on the other node: the weights in
+        // f32 once, then five int4 differences (scales counted).
+        assert_eq!(bytes, (CHUNK * 4 + 5 * int4.total_bytes(CHUNK)) as u64);
+        // Refreshes every 2 forward gathers: at 0, 2 and 4.
+        let (_, _, every2) = run(6, wire(4, 2), 1e-3);
+        assert_eq!(every2, (3 * CHUNK * 4 + 3 * int4.total_bytes(CHUNK)) as u64);
+    }
+}
