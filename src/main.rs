@@ -247,6 +247,14 @@ struct TrainArgs {
     /// references (with --qwz-delta).
     #[arg(long)]
     qwz_refresh: Option<usize>,
+    /// qgZ's hop across nodes rotates each block (Walsh–Hadamard) before
+    /// quantizing, spreading outliers over the block.
+    #[arg(long)]
+    qgz_hadamard: Option<bool>,
+    /// Values per quantization block of qgZ's hop across nodes (default:
+    /// --qgz-block).
+    #[arg(long)]
+    qgz_inter_block: Option<usize>,
     #[arg(long)]
     steps: Option<usize>,
     /// Sequences per rank per step.
@@ -363,7 +371,10 @@ impl TrainArgs {
              qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
              fp32_comm => c.fp32_comm, tied_head => c.model.tied_head,
-             qwz_refresh => c.qwz_refresh);
+             qwz_refresh => c.qwz_refresh, qgz_hadamard => c.qgz_hadamard);
+        if self.qgz_inter_block.is_some() {
+            c.qgz_inter_block = self.qgz_inter_block;
+        }
         if self.qwz_delta.is_some() {
             c.qwz_delta = self.qwz_delta;
         }

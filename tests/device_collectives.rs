@@ -68,12 +68,13 @@ where
     let Case { nodes, g, .. } = case;
     on_ranks(nodes, g, g, move |layout, mover, counter| {
         let rank = layout.rank;
-        let (intra, inter) = plan::gradient_formats(case.intra_bits, 32).unwrap();
+        let (intra, inter) = plan::gradient_formats(case.intra_bits, 32, None).unwrap();
         let settings = Qgz {
             intra,
             inter,
             rounding: Rounding::NearestEven,
             reduction: case.reduction,
+            hadamard: false,
         };
         let (mut r1, mut r2) = (
             q.chunks(intra, 0, 0).unwrap(),
@@ -393,6 +394,7 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
         inter: f4,
         rounding: Rounding::NearestEven,
         reduction: case.reduction,
+        hadamard: false,
     };
     let (mut r1, mut r2) = (gpu.chunks(f4, 0, 0).unwrap(), gpu.chunks(f4, 0, 0).unwrap());
     for call in 0..case.calls {

@@ -583,6 +583,7 @@ pub struct QgzState {
     pub(crate) inter: QuantFormat,
     pub(crate) error_feedback: bool,
     stochastic: bool,
+    hadamard: bool,
     seed: u64,
     calls: AtomicU64,
     residual: Arc<Mutex<Residual>>,
@@ -601,6 +602,7 @@ impl QgzState {
             inter: self.inter,
             rounding: qgz::rounding(self.stochastic, self.seed, call, 0, rank),
             reduction,
+            hadamard: self.hadamard,
         }
     }
 
@@ -612,20 +614,25 @@ impl QgzState {
 #[pymethods]
 impl QgzState {
     #[new]
-    #[pyo3(signature = (intra_bits=8, block=32, error_feedback=true, stochastic=false, seed=0))]
+    #[pyo3(signature = (intra_bits=8, block=32, error_feedback=true, stochastic=false, seed=0,
+                        hadamard=false, inter_block=None))]
     fn new(
         intra_bits: u32,
         block: usize,
         error_feedback: bool,
         stochastic: bool,
         seed: u64,
+        hadamard: bool,
+        inter_block: Option<usize>,
     ) -> PyResult<QgzState> {
-        let (intra, inter) = plan::gradient_formats(intra_bits, block).map_err(invalid)?;
+        let (intra, inter) =
+            plan::gradient_formats(intra_bits, block, inter_block).map_err(invalid)?;
         Ok(QgzState {
             intra,
             inter,
             error_feedback,
             stochastic,
+            hadamard,
             seed,
             calls: AtomicU64::new(0),
             residual: Default::default(),

@@ -83,6 +83,8 @@ SWITCHES = (
     "fp32_comm",
     "qwz_delta",
     "qwz_refresh",
+    "qgz_hadamard",
+    "qgz_inter_block",
 )
 
 _job = None
@@ -466,6 +468,8 @@ class ZeroppReduceScatter(ReduceScatter):
                 error_feedback=switches["error_feedback"],
                 stochastic=switches["qgz_stochastic"],
                 seed=seed,
+                hadamard=switches["qgz_hadamard"],
+                inter_block=switches["qgz_inter_block"],
             )
 
     def allocate(self, size, *, dtype, device):

@@ -84,6 +84,7 @@
 pub mod element;
 pub mod format;
 pub mod fused;
+pub mod hadamard;
 pub mod isa;
 pub mod kernels;
 pub mod stats;

@@ -440,6 +440,7 @@ impl Engine {
                 inter,
                 error_feedback,
                 stochastic,
+                hadamard,
             } => {
                 let (call, seed) = (self.step as u64, self.cfg.seed);
                 let rounding = qgz::rounding(stochastic, seed, call, u, layout.rank);
@@ -460,6 +461,7 @@ impl Engine {
                         format: inter,
                         rounding,
                         residual: error_feedback.then_some(residual_inter.chunks_mut()),
+                        hadamard,
                     };
                     let mover = HostMover {
                         comm: c,

@@ -383,6 +383,21 @@ fn weight_differences_without_qwz_bits_are_an_error() {
 }
 
 #[test]
+fn a_hadamard_hop_without_qgz_is_an_error() {
+    let s = Switches {
+        qgz_hadamard: true,
+        ..Switches::zero3(64)
+    };
+    let layout = Layout {
+        nodes: 2,
+        ranks_per_node: 2,
+        rank: 0,
+    };
+    let e = Plan::new(layout, &s).unwrap_err();
+    assert!(e.contains("turn qgz on"), "{e}");
+}
+
+#[test]
 fn int4_weights_and_single_switches_train() {
     for s in [
         Switches {
@@ -400,6 +415,13 @@ fn int4_weights_and_single_switches_train() {
         Switches {
             qgz: true,
             qgz_intra_bits: 8,
+            ..Switches::zero3(64)
+        },
+        Switches {
+            qgz: true,
+            qgz_hadamard: true,
+            qgz_inter_block: Some(64),
+            error_feedback: true,
             ..Switches::zero3(64)
         },
     ] {

@@ -64,6 +64,11 @@ pub struct TrainConfig {
     /// Forward gathers of a unit between full refreshes of the qwZ
     /// references.
     pub qwz_refresh: usize,
+    /// qgZ's hop across nodes rotated (Walsh–Hadamard) before quantizing.
+    pub qgz_hadamard: bool,
+    /// Values per quantization block of qgZ's hop across nodes; unset:
+    /// `qgz_block`.
+    pub qgz_inter_block: Option<usize>,
     pub steps: usize,
     /// Sequences per rank per step.
     pub batch: usize,
@@ -113,6 +118,8 @@ impl Default for TrainConfig {
             fp32_comm: false,
             qwz_delta: None,
             qwz_refresh: crate::zero::plan::DEFAULT_QWZ_REFRESH,
+            qgz_hadamard: false,
+            qgz_inter_block: None,
             steps: 200,
             batch: 8,
             seed: 0,
@@ -170,6 +177,8 @@ impl TrainConfig {
             s.qwz_delta = d;
         }
         s.qwz_refresh = self.qwz_refresh;
+        s.qgz_hadamard = self.qgz_hadamard && s.qgz;
+        s.qgz_inter_block = self.qgz_inter_block;
         s
     }
 

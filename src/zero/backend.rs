@@ -176,6 +176,10 @@ pub trait Quantizer {
         len: usize,
     ) -> Result<(), ZeroError>;
 
+    /// Every block of `block` values of `x` rotated by the orthonormal
+    /// Walsh–Hadamard matrix (`zeropp_quant::hadamard`; its own inverse).
+    fn rotate(&self, x: &mut Self::Values, block: usize) -> Result<(), ZeroError>;
+
     /// `x /= d`, element by element (the mean over the world).
     fn divide(&self, x: &mut Self::Values, d: f32) -> Result<(), ZeroError>;
 }

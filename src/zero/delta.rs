@@ -136,15 +136,9 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-    use std::time::Duration;
-
     use super::*;
-    use crate::comm::Communicator;
-    use crate::comm::inproc::InProcess;
-    use crate::zero::groups::ZeroGroups;
-    use crate::zero::host::{Host, HostMover};
-    use crate::zero::traffic::CountingTransport;
+    use crate::zero::host::Host;
+    use crate::zero::testing::on_ranks;
 
     const CHUNK: usize = 256;
 
@@ -172,49 +166,28 @@ mod tests {
     type Run = (Vec<Vec<Vec<f32>>>, Vec<Vec<f32>>, u64);
 
     fn run(steps: usize, w: DeltaWire, drift: f32) -> Run {
-        let (nodes, g) = (2, 2);
-        let world = nodes * g;
-        let handles: Vec<_> = InProcess::world(world)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                std::thread::spawn(move || {
-                    let counter = Arc::new(CountingTransport::new(Box::new(t), g));
-                    let comm = Communicator::new(counter.clone(), Duration::from_secs(30));
-                    let layout = Layout {
-                        nodes,
-                        ranks_per_node: g,
-                        rank,
-                    };
-                    let groups = ZeroGroups::new(&layout, g).unwrap();
-                    let mover = HostMover {
-                        comm: &comm,
-                        counter: &counter,
-                        groups: &groups,
-                    };
-                    let mut reference = None;
-                    let mut outs = Vec::new();
-                    for step in 0..steps {
-                        let shard = truth(rank, step, drift);
-                        let mut out = vec![0f32; world * CHUNK];
-                        gather(
-                            &Host,
-                            &mover,
-                            layout,
-                            w,
-                            &mut reference,
-                            &shard.as_slice(),
-                            &mut out.as_mut_slice(),
-                            Phase::ForwardGather,
-                        )
-                        .unwrap();
-                        outs.push(out);
-                    }
-                    (outs, counter.traffic().total().inter_node)
-                })
-            })
-            .collect();
-        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let world = 4;
+        let results = on_ranks(2, 2, move |layout, mover| {
+            let mut reference = None;
+            let mut outs = Vec::new();
+            for step in 0..steps {
+                let shard = truth(layout.rank, step, drift);
+                let mut out = vec![0f32; world * CHUNK];
+                gather(
+                    &Host,
+                    mover,
+                    layout,
+                    w,
+                    &mut reference,
+                    &shard.as_slice(),
+                    &mut out.as_mut_slice(),
+                    Phase::ForwardGather,
+                )
+                .unwrap();
+                outs.push(out);
+            }
+            outs
+        });
         let truths = (0..steps)
             .map(|s| (0..world).flat_map(|r| truth(r, s, drift)).collect())
             .collect();

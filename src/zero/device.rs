@@ -95,13 +95,12 @@ fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
     }
 }
 
-/// qwZ on weight differences (`super::delta`) is not on the device yet.
-fn not_on_gpu() -> ZeroError {
-    ZeroError::Invalid(
-        "qwZ on weight differences (qwz_delta) runs on host buffers only for now: turn \
-         qwz_delta off for CUDA tensors"
-            .into(),
-    )
+/// What is not on the device yet: qwZ on weight differences
+/// (`super::delta`), qgZ's Hadamard rotation.
+fn not_on_gpu(what: &str, switch: &str) -> ZeroError {
+    ZeroError::Invalid(format!(
+        "{what} runs on host buffers only for now: turn {switch} off for CUDA tensors"
+    ))
 }
 
 impl Quantizer for Gpu {
@@ -120,7 +119,10 @@ impl Quantizer for Gpu {
         _out: &mut DeviceValues,
         _at: usize,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu())
+        Err(not_on_gpu(
+            "qwZ on weight differences (qwz_delta)",
+            "qwz_delta",
+        ))
     }
 
     fn store_values<T: GpuElement>(
@@ -131,7 +133,10 @@ impl Quantizer for Gpu {
         _at_out: usize,
         _len: usize,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu())
+        Err(not_on_gpu(
+            "qwZ on weight differences (qwz_delta)",
+            "qwz_delta",
+        ))
     }
 
     fn quantize_tensor<T: GpuElement>(
@@ -325,6 +330,13 @@ impl Quantizer for Gpu {
         )?)
     }
 
+    fn rotate(&self, _x: &mut DeviceValues, _block: usize) -> Result<(), ZeroError> {
+        Err(not_on_gpu(
+            "qgZ's Hadamard rotation (qgz_hadamard)",
+            "qgz_hadamard",
+        ))
+    }
+
     fn divide(&self, x: &mut DeviceValues, d: f32) -> Result<(), ZeroError> {
         Ok(Gpu::divide(self, &mut x.view_mut(), d)?)
     }
@@ -431,7 +443,10 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         _all: &mut DeviceValues,
         _fp32: bool,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu())
+        Err(not_on_gpu(
+            "qwZ on weight differences (qwz_delta)",
+            "qwz_delta",
+        ))
     }
 
     fn all_to_all(

@@ -343,6 +343,11 @@ impl<K: HostKernels> Quantizer for K {
     fn divide(&self, x: &mut Vec<f32>, d: f32) -> Result<(), ZeroError> {
         HostKernels::divide(self, x, d)
     }
+
+    fn rotate(&self, x: &mut Vec<f32>, block: usize) -> Result<(), ZeroError> {
+        zeropp_quant::hadamard::rotate_blocks(x, block)
+            .map_err(|e| ZeroError::Invalid(e.to_string()))
+    }
 }
 
 /// Moves chunks through zeropp's host transports, within this rank's

@@ -26,6 +26,8 @@ pub mod probe;
 pub mod qgz;
 pub mod qwz;
 pub mod residual;
+#[cfg(test)]
+pub(crate) mod testing;
 pub mod traffic;
 
 pub use backend::{ByteMover, Hop, Quantizer};

@@ -75,6 +75,15 @@ pub struct Switches {
     /// (the weights themselves, in the plain wire), with `qwz_delta`.
     #[serde(default = "default_qwz_refresh")]
     pub qwz_refresh: usize,
+    /// qgZ's hop across nodes rotates each block by a Walsh–Hadamard
+    /// matrix before quantizing (and back after summing), spreading
+    /// outliers over their block.
+    #[serde(default)]
+    pub qgz_hadamard: bool,
+    /// Values per quantization block of qgZ's hop across nodes; `None`:
+    /// `qgz_block`.
+    #[serde(default)]
+    pub qgz_inter_block: Option<usize>,
 }
 
 /// Forward gathers between qwZ delta refreshes, by default.
@@ -100,6 +109,8 @@ impl Switches {
             fp32_comm: false,
             qwz_delta: false,
             qwz_refresh: DEFAULT_QWZ_REFRESH,
+            qgz_hadamard: false,
+            qgz_inter_block: None,
         }
     }
 
@@ -118,6 +129,8 @@ impl Switches {
             fp32_comm: false,
             qwz_delta: false,
             qwz_refresh: DEFAULT_QWZ_REFRESH,
+            qgz_hadamard: false,
+            qgz_inter_block: None,
         }
     }
 }
@@ -340,6 +353,8 @@ pub enum GradWire {
         inter: QuantFormat,
         error_feedback: bool,
         stochastic: bool,
+        /// The hop across nodes rotated block by block (Walsh–Hadamard).
+        hadamard: bool,
     },
 }
 
@@ -368,11 +383,13 @@ pub fn weight_format(bits: u32, block: usize) -> Result<QuantFormat, String> {
 }
 
 /// qgZ's wire formats: the hop inside the node (`intra_bits`, 8 or 4) and
-/// the hop across nodes (always int4), symmetric blocks of `block` values.
-/// The one place the engine and the bindings take them from.
+/// the hop across nodes (always int4), symmetric blocks of `block` values
+/// (`inter_block` across nodes when given). The one place the engine and
+/// the bindings take them from.
 pub fn gradient_formats(
     intra_bits: u32,
     block: usize,
+    inter_block: Option<usize>,
 ) -> Result<(QuantFormat, QuantFormat), String> {
     if !matches!(intra_bits, 8 | 4) {
         return Err(format!(
@@ -381,7 +398,7 @@ pub fn gradient_formats(
     }
     let bits = Bits::from_u32(intra_bits).map_err(|e| e.to_string())?;
     let intra = QuantFormat::new(bits, Scheme::Symmetric, block).map_err(|e| e.to_string())?;
-    let inter = QuantFormat::int4(block).map_err(|e| e.to_string())?;
+    let inter = QuantFormat::int4(inter_block.unwrap_or(block)).map_err(|e| e.to_string())?;
     Ok((intra, inter))
 }
 
@@ -418,14 +435,19 @@ impl Plan {
             Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
         };
         let grads = if s.qgz {
-            let (intra, inter) = gradient_formats(s.qgz_intra_bits, s.qgz_block)?;
+            let (intra, inter) =
+                gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
             GradWire::TwoHop {
                 intra,
                 inter,
                 error_feedback: s.error_feedback,
                 stochastic: s.qgz_stochastic,
+                hadamard: s.qgz_hadamard,
             }
         } else {
+            if s.qgz_hadamard {
+                return Err("qgz_hadamard rotates qgZ's hop across nodes: turn qgz on".into());
+            }
             if s.error_feedback {
                 return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
             }
@@ -451,7 +473,11 @@ impl Plan {
             grads,
             // Both block sizes are powers of two: the larger is a multiple
             // of the smaller, so chunks are whole blocks of each.
-            granule: s.block.max(s.qgz_block).max(zeropp_quant::MIN_BLOCK),
+            granule: s
+                .block
+                .max(s.qgz_block)
+                .max(s.qgz_inter_block.unwrap_or(0))
+                .max(zeropp_quant::MIN_BLOCK),
         })
     }
 
@@ -606,7 +632,7 @@ mod tests {
             weight_format(4, 256).unwrap(),
             QuantFormat::int4(256).unwrap()
         );
-        let (intra, inter) = gradient_formats(8, 32).unwrap();
+        let (intra, inter) = gradient_formats(8, 32, None).unwrap();
         assert_eq!(
             (intra, inter),
             (
@@ -616,7 +642,7 @@ mod tests {
         );
         let e = weight_format(2, 256).unwrap_err();
         assert!(e.contains("8 or 4 bits, not 2"), "{e}");
-        let e = gradient_formats(2, 32).unwrap_err();
+        let e = gradient_formats(2, 32, None).unwrap_err();
         assert!(e.contains("int8 or int4"), "{e}");
         let mut s = Switches::zeropp(256);
         s.qgz_intra_bits = 2;

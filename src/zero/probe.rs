@@ -406,7 +406,8 @@ fn route_times(
     let reduce_plain = t.elapsed().as_secs_f64();
     // qgZ, from f32 as the bindings give it.
     let (intra, inter) =
-        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block).map_err(ZeroError::Invalid)?;
+        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)
+            .map_err(ZeroError::Invalid)?;
     ready()?;
     let t = Instant::now();
     let g32: Vec<f32> = grad.iter().map(|v| v.to_f32()).collect();
@@ -415,6 +416,7 @@ fn route_times(
         inter,
         rounding: Rounding::NearestEven,
         reduction: Reduction::Mean,
+        hadamard: s.qgz_hadamard,
     };
     let none = Feedback {
         first: None,

@@ -167,8 +167,11 @@ pub struct SecondHop<'a, Q: Quantizer> {
     /// The call's rounding (hop 2 draws from its part 1).
     pub rounding: Rounding,
     /// Error feedback of this quantization (N chunks; of another shape it
-    /// starts from zero).
+    /// starts from zero), kept in the rotated values with `hadamard`.
     pub residual: Option<&'a mut Q::Chunks>,
+    /// Rotate each block of `format.block` values (Walsh–Hadamard) before
+    /// quantizing; the receiver sums the rotated values and rotates back.
+    pub hadamard: bool,
 }
 
 /// Hops 1 and 2 of `first` (from [`quantize_first_hop`]): this rank's
@@ -199,7 +202,28 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     drop(first);
     let mut partial = q.chunks(second.format, chunk, nodes)?;
     let part_rounding = second.rounding.for_part(1);
+    let block = second.format.block;
     match second.residual {
+        _ if second.hadamard => {
+            // Sum in f32, rotate, add back what this hop dropped last call
+            // (rotated), requantize, and keep what it drops now.
+            let mut sum = q.values(nodes * chunk)?;
+            for src in 0..g {
+                for n in 0..nodes {
+                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
+                }
+            }
+            q.rotate(&mut sum, block)?;
+            match second.residual {
+                Some(residual) => {
+                    ensure_residual(q, residual, chunk, nodes)?;
+                    add_residual(q, residual, &mut sum)?;
+                    q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
+                    keep_dropped(q, &partial, |n| n, &sum, residual)?;
+                }
+                None => q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?,
+            }
+        }
         Some(residual) => {
             // Sum in f32, add back what this hop dropped last call,
             // requantize, and keep what it drops now.
@@ -230,6 +254,9 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     for src in 0..nodes {
         q.dequantize_accumulate(&theirs, src, &mut sum, 0)?;
     }
+    if second.hadamard {
+        q.rotate(&mut sum, block)?;
+    }
     reduction.apply(q, &mut sum, layout)?;
     Ok(sum)
 }
@@ -242,6 +269,8 @@ pub struct Qgz {
     pub inter: QuantFormat,
     pub rounding: Rounding,
     pub reduction: Reduction,
+    /// The hop across nodes rotated block by block (Walsh–Hadamard).
+    pub hadamard: bool,
 }
 
 /// Error feedback of one gradient buffer: what each hop dropped last call
@@ -266,6 +295,7 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         format: s.inter,
         rounding: s.rounding,
         residual: feedback.second,
+        hadamard: s.hadamard,
     };
     exchange(q, m, layout, first, second, s.reduction)
 }
@@ -310,4 +340,83 @@ pub fn ring_bf16(c: &Communicator, world: &Group, bf16: Bytes) -> Result<Vec<u8>
 /// ZeRO-3's reduce-scatter in f32: this rank's chunk of the sum.
 pub fn ring_f32(c: &Communicator, world: &Group, grad: Vec<f32>) -> Result<Vec<f32>, CommError> {
     c.reduce_scatter_f32_vec(world, grad)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zero::host::Host;
+    use crate::zero::plan::gradient_formats;
+    use crate::zero::testing::on_ranks;
+
+    /// Rank r's gradient: small values with one large outlier every 97.
+    fn gradient(rank: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = ((i * 31 + rank * 17) as f32 * 0.7).sin() * 1e-3;
+                if (i + rank * 13).is_multiple_of(97) {
+                    x + 0.05
+                } else {
+                    x
+                }
+            })
+            .collect()
+    }
+
+    /// Each rank's chunk of the mean over 2 x 2 ranks through qgZ (an int4
+    /// hop across in blocks of `inter_block`), and the exact mean's chunk.
+    fn mean_chunks(hadamard: bool, inter_block: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let len = 4 * 1024;
+        on_ranks(2, 2, move |layout, mover| {
+            let (intra, inter) = gradient_formats(8, 32, Some(inter_block)).unwrap();
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                reduction: Reduction::Mean,
+                hadamard,
+            };
+            let none = Feedback {
+                first: None,
+                second: None,
+            };
+            let grad = gradient(layout.rank, len);
+            let got = reduce_scatter(&Host, mover, layout, s, &grad, none).unwrap();
+            let chunk = len / 4;
+            let at = layout.rank * chunk;
+            let exact: Vec<f32> = (at..at + chunk)
+                .map(|i| (0..4).map(|r| gradient(r, len)[i]).sum::<f32>() / 4.0)
+                .collect();
+            (got, exact)
+        })
+        .into_iter()
+        .map(|(r, _)| r)
+        .collect()
+    }
+
+    /// Root-mean-square error over every rank's chunk, relative to the
+    /// exact mean's.
+    fn relative_rms(r: &[(Vec<f32>, Vec<f32>)]) -> f64 {
+        let (mut err, mut norm) = (0f64, 0f64);
+        for (got, exact) in r {
+            for (g, e) in got.iter().zip(exact) {
+                err += f64::from(g - e).powi(2);
+                norm += f64::from(*e).powi(2);
+            }
+        }
+        (err / norm).sqrt()
+    }
+
+    #[test]
+    fn a_hadamard_rotated_hop_across_nodes_loses_less_to_outliers() {
+        let plain = relative_rms(&mean_chunks(false, 128));
+        let rotated = relative_rms(&mean_chunks(true, 128));
+        // An outlier sets its whole block's int4 scale; rotated, it is
+        // spread over the block and the small values keep their bits.
+        assert!(
+            rotated < 0.7 * plain,
+            "rotated {rotated:.4} against plain {plain:.4}"
+        );
+        assert!(rotated < 0.2, "rotated {rotated:.4}");
+    }
 }
