@@ -46,17 +46,21 @@ def test_zeropp_mode_trains_like_fsdp2_on_three_seeds_with_a_quarter_of_the_byte
 
 
 def test_weight_differences_train_alike_on_fewer_bytes_across_nodes(tmp_path):
-    # qwz_delta: int4 differences against each receiver's reference.
+    # qwz_delta: int4 differences against each receiver's reference; qgZ's
+    # hop across nodes rotated, in blocks of 64 (FSDP2's shards end in part
+    # of a block).
     common = ("--ranks-per-node", 2, "--bf16")
     switches = ("--switch", "qwz_bits=4", "--switch", "qwz_delta=true")
+    switches += ("--switch", "qgz_hadamard=true", "--switch", "qgz_inter_block=64")
     delta = train(tmp_path, "zeropp", *common, *switches, steps=30)
     zpp = train(tmp_path, "zeropp", *common, steps=30)
     assert delta["switches"]["qwz_delta"] is True and delta["switches"]["qwz_bits"] == 4
+    assert delta["switches"]["qgz_hadamard"] is True
     assert delta["final_loss"] < 0.8 * delta["initial_loss"], delta
     gap = delta["final_loss"] / zpp["final_loss"] - 1
     assert abs(gap) <= 0.02, f"final loss {delta['final_loss']} against {zpp['final_loss']}"
     ratio = delta["bytes_per_step"]["inter_node"] / zpp["bytes_per_step"]["inter_node"]
-    assert ratio <= 0.8, f"bytes across nodes: {ratio:.3f} of int8 qwZ's"
+    assert ratio <= 0.75, f"bytes across nodes: {ratio:.3f} of ZeRO++'s defaults"
 
 
 def test_on_one_host_the_job_measures_its_links_and_chooses_by_them(tmp_path):

@@ -8,20 +8,14 @@
 
 use crate::QuantError;
 
-/// Rotates every block of `block` values of `x` in place (`x.len()` a
-/// multiple of `block`, `block` a power of two).
+/// Rotates every whole block of `block` values of `x` in place (`block` a
+/// power of two); a shorter tail is left as it is (its own quantization
+/// block, unrotated, on both sides of a hop).
 pub fn rotate_blocks(x: &mut [f32], block: usize) -> Result<(), QuantError> {
     if !block.is_power_of_two() {
         return Err(QuantError::InvalidFormat(format!(
             "a Hadamard rotation over blocks of {block} values: use a power of two"
         )));
-    }
-    if !x.len().is_multiple_of(block) {
-        return Err(QuantError::SizeMismatch {
-            what: "Hadamard rotation (a whole number of blocks)",
-            expected: x.len().div_ceil(block) * block,
-            found: x.len(),
-        });
     }
     let scale = 1.0 / (block as f32).sqrt();
     for b in x.chunks_exact_mut(block) {
@@ -70,8 +64,14 @@ mod tests {
     }
 
     #[test]
-    fn blocks_that_are_not_powers_of_two_or_do_not_fit_are_errors() {
+    fn blocks_that_are_not_powers_of_two_are_errors_and_a_tail_stays() {
         assert!(rotate_blocks(&mut [0.0; 48], 48).is_err());
-        assert!(rotate_blocks(&mut [0.0; 40], 32).is_err());
+        let mut x: Vec<f32> = (0..40).map(|i| i as f32).collect();
+        rotate_blocks(&mut x, 32).unwrap();
+        assert_eq!(
+            &x[32..],
+            &(32..40).map(|i| i as f32).collect::<Vec<_>>()[..]
+        );
+        assert_ne!(x[0], 0.0);
     }
 }

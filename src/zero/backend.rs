@@ -176,9 +176,16 @@ pub trait Quantizer {
         len: usize,
     ) -> Result<(), ZeroError>;
 
-    /// Every block of `block` values of `x` rotated by the orthonormal
-    /// Walsh–Hadamard matrix (`zeropp_quant::hadamard`; its own inverse).
-    fn rotate(&self, x: &mut Self::Values, block: usize) -> Result<(), ZeroError>;
+    /// Every whole block of `block` values of `x[at..at + len]` rotated by
+    /// the orthonormal Walsh–Hadamard matrix (`zeropp_quant::hadamard`;
+    /// its own inverse), a shorter tail left as it is.
+    fn rotate(
+        &self,
+        x: &mut Self::Values,
+        at: usize,
+        len: usize,
+        block: usize,
+    ) -> Result<(), ZeroError>;
 
     /// `x /= d`, element by element (the mean over the world).
     fn divide(&self, x: &mut Self::Values, d: f32) -> Result<(), ZeroError>;

@@ -330,7 +330,13 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn rotate(&self, _x: &mut DeviceValues, _block: usize) -> Result<(), ZeroError> {
+    fn rotate(
+        &self,
+        _x: &mut DeviceValues,
+        _at: usize,
+        _len: usize,
+        _block: usize,
+    ) -> Result<(), ZeroError> {
         Err(not_on_gpu(
             "qgZ's Hadamard rotation (qgz_hadamard)",
             "qgz_hadamard",

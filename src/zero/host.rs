@@ -344,7 +344,14 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::divide(self, x, d)
     }
 
-    fn rotate(&self, x: &mut Vec<f32>, block: usize) -> Result<(), ZeroError> {
+    fn rotate(
+        &self,
+        x: &mut Vec<f32>,
+        at: usize,
+        len: usize,
+        block: usize,
+    ) -> Result<(), ZeroError> {
+        let x = span_mut(x, at, len, "a Hadamard rotation")?;
         zeropp_quant::hadamard::rotate_blocks(x, block)
             .map_err(|e| ZeroError::Invalid(e.to_string()))
     }

@@ -213,7 +213,10 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
                     q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
                 }
             }
-            q.rotate(&mut sum, block)?;
+            // Chunk by chunk: each is one receiver's, rotated back alone.
+            for n in 0..nodes {
+                q.rotate(&mut sum, n * chunk, chunk, block)?;
+            }
             match second.residual {
                 Some(residual) => {
                     ensure_residual(q, residual, chunk, nodes)?;
@@ -255,7 +258,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         q.dequantize_accumulate(&theirs, src, &mut sum, 0)?;
     }
     if second.hadamard {
-        q.rotate(&mut sum, block)?;
+        q.rotate(&mut sum, 0, chunk, block)?;
     }
     reduction.apply(q, &mut sum, layout)?;
     Ok(sum)
@@ -365,8 +368,7 @@ mod tests {
 
     /// Each rank's chunk of the mean over 2 x 2 ranks through qgZ (an int4
     /// hop across in blocks of `inter_block`), and the exact mean's chunk.
-    fn mean_chunks(hadamard: bool, inter_block: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
-        let len = 4 * 1024;
+    fn mean_chunks(hadamard: bool, inter_block: usize, len: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
         on_ranks(2, 2, move |layout, mover| {
             let (intra, inter) = gradient_formats(8, 32, Some(inter_block)).unwrap();
             let s = Qgz {
@@ -409,14 +411,18 @@ mod tests {
 
     #[test]
     fn a_hadamard_rotated_hop_across_nodes_loses_less_to_outliers() {
-        let plain = relative_rms(&mean_chunks(false, 128));
-        let rotated = relative_rms(&mean_chunks(true, 128));
-        // An outlier sets its whole block's int4 scale; rotated, it is
-        // spread over the block and the small values keep their bits.
-        assert!(
-            rotated < 0.7 * plain,
-            "rotated {rotated:.4} against plain {plain:.4}"
-        );
-        assert!(rotated < 0.2, "rotated {rotated:.4}");
+        // Chunks of whole blocks (the engine pads to them) and chunks that
+        // end in a part of one (FSDP2's shards).
+        for len in [4 * 1024, 4 * 1000] {
+            let plain = relative_rms(&mean_chunks(false, 128, len));
+            let rotated = relative_rms(&mean_chunks(true, 128, len));
+            // An outlier sets its whole block's int4 scale; rotated, it is
+            // spread over the block and the small values keep their bits.
+            assert!(
+                rotated < 0.7 * plain,
+                "{len}: rotated {rotated:.4} against plain {plain:.4}"
+            );
+            assert!(rotated < 0.2, "{len}: rotated {rotated:.4}");
+        }
     }
 }
