@@ -17,7 +17,7 @@ use zeropp::zero::qgz::{self, Feedback, Qgz, Reduction};
 use zeropp::zero::traffic::Phase;
 use zeropp::zero::traffic::{CountingTransport, Traffic};
 use zeropp::zero::{Quantizer, ZeroGroups};
-use zeropp::zero::{hpz, qwz};
+use zeropp::zero::{delta, hpz, qwz};
 use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
 
 /// A gradient that is different on every rank and call, with a few large
@@ -54,6 +54,8 @@ struct Case {
     feedback: bool,
     reduction: Reduction,
     calls: usize,
+    /// The hop across nodes rotated (Walsh–Hadamard) before quantizing.
+    hadamard: bool,
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
@@ -74,7 +76,7 @@ where
             inter,
             rounding: Rounding::NearestEven,
             reduction: case.reduction,
-            hadamard: false,
+            hadamard: case.hadamard,
         };
         let (mut r1, mut r2) = (
             q.chunks(intra, 0, 0).unwrap(),
@@ -136,7 +138,7 @@ fn on_ranks<R: Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
-const CASES: [Case; 5] = [
+const CASES: [Case; 7] = [
     // One rank: quantize, requantize, dequantize, with feedback at both hops.
     Case {
         nodes: 1,
@@ -146,6 +148,7 @@ const CASES: [Case; 5] = [
         feedback: true,
         reduction: Reduction::Mean,
         calls: 3,
+        hadamard: false,
     },
     // The default plan of 2 x 2: int8 inside, feedback across nodes.
     Case {
@@ -156,6 +159,7 @@ const CASES: [Case; 5] = [
         feedback: true,
         reduction: Reduction::Mean,
         calls: 3,
+        hadamard: false,
     },
     // int4 inside with feedback at both hops; a mean by 6.
     Case {
@@ -166,6 +170,7 @@ const CASES: [Case; 5] = [
         feedback: true,
         reduction: Reduction::Mean,
         calls: 2,
+        hadamard: false,
     },
     // Chunks that are not whole blocks, no feedback (the fused kernel), a sum.
     Case {
@@ -176,6 +181,7 @@ const CASES: [Case; 5] = [
         feedback: false,
         reduction: Reduction::Sum,
         calls: 2,
+        hadamard: false,
     },
     // One node of four: the hop across nodes is a copy.
     Case {
@@ -186,6 +192,29 @@ const CASES: [Case; 5] = [
         feedback: true,
         reduction: Reduction::Mean,
         calls: 2,
+        hadamard: false,
+    },
+    // The hop across nodes rotated, with feedback, on whole blocks.
+    Case {
+        nodes: 2,
+        g: 2,
+        chunk: 640,
+        intra_bits: 8,
+        feedback: true,
+        reduction: Reduction::Mean,
+        calls: 3,
+        hadamard: true,
+    },
+    // Rotated chunks that end in part of a block, no feedback.
+    Case {
+        nodes: 3,
+        g: 2,
+        chunk: 101,
+        intra_bits: 4,
+        feedback: false,
+        reduction: Reduction::Sum,
+        calls: 2,
+        hadamard: true,
     },
 ];
 
@@ -327,6 +356,66 @@ where
     })
 }
 
+/// qwZ on weight differences over 4 gathers (a refresh, then int4 or int8
+/// differences of bf16 shards that move a little each time) on every rank
+/// of a `nodes` x `g` job with quantizer `q`: each rank's weights after each
+/// gather, and its bytes.
+fn delta_gathers<Q>(nodes: usize, g: usize, bits: u32, q: Q) -> Vec<(Vec<Vec<u16>>, Traffic)>
+where
+    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks>
+        + for<'a> Quantizer<Tensor<'a, half::bf16> = &'a [half::bf16]>
+        + for<'a> Quantizer<TensorMut<'a, half::bf16> = &'a mut [half::bf16]>
+        + Copy
+        + Send
+        + 'static,
+{
+    let chunk = 300; // not whole blocks of 64
+    on_ranks(nodes, g, g, move |layout, mover, counter| {
+        let wire = delta::DeltaWire {
+            delta: plan::weight_format(bits, 64).unwrap(),
+            refresh_every: 100,
+            fp32: false,
+        };
+        let world = nodes * g;
+        let mut reference = None;
+        let mut seen = Vec::new();
+        for call in 0..4 {
+            let shard: Vec<half::bf16> = gradient(chunk, layout.rank, 9)
+                .iter()
+                .zip(gradient(chunk, layout.rank, call))
+                .map(|(w, d)| half::bf16::from_f32(w + 1e-3 * call as f32 * d))
+                .collect();
+            let mut out = vec![half::bf16::ZERO; chunk * world];
+            delta::gather::<_, _, half::bf16>(
+                &q,
+                mover,
+                layout,
+                wire,
+                &mut reference,
+                &shard.as_slice(),
+                &mut out.as_mut_slice(),
+                Phase::ForwardGather,
+            )
+            .unwrap();
+            seen.push(out.iter().map(|v| v.to_bits()).collect());
+        }
+        (seen, counter.traffic())
+    })
+}
+
+#[test]
+fn weight_differences_gather_the_same_weights_on_every_backend() {
+    for (nodes, g, bits) in [(2, 2, 4), (3, 2, 8), (1, 3, 4)] {
+        let host = delta_gathers(nodes, g, bits, Host);
+        let emulated = delta_gathers(nodes, g, bits, Emulated);
+        let what = format!("{nodes} x {g}, int{bits} differences");
+        assert_eq!(host, emulated, "{what}");
+        for (rank, (seen, _)) in host.iter().enumerate() {
+            assert_eq!(seen, &host[0].0, "{what}: rank {rank}");
+        }
+    }
+}
+
 #[test]
 fn qwz_and_hpz_gather_the_same_weights_on_every_backend() {
     for (nodes, g, hpz_group, bits) in [(2, 2, 2, 8), (2, 4, 2, 4), (3, 2, 2, 8), (1, 3, 3, 4)] {
@@ -387,6 +476,7 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
         hpz: &node,
         layout,
         counter: &counter,
+        gpu: &gpu,
     };
     let f4 = QuantFormat::int4(32).unwrap();
     let settings = Qgz {
@@ -445,6 +535,7 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
         hpz: &node,
         layout,
         counter: &counter,
+        gpu: &gpu,
     };
     let shard: Vec<half::bf16> = gradient(300, 0, 9)
         .into_iter()

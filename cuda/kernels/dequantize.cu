@@ -85,3 +85,44 @@ extern "C" __global__ void __launch_bounds__(zq::THREADS)
         x[i] = __fadd_rn(__fmul_rn(a, x[i]), __fmul_rn(b, y[i]));
     }
 }
+
+// y = x widened to f32 / narrowed from f32 (rounded to nearest even): qwZ on
+// weight differences reads the caller's tensor and writes the gathered
+// weights back into it.
+#define ZQ_CAST(E, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(zq::THREADS)                                  \
+        zq_to_f32_##E(const T* x, float* y, zq::u64 n) {                                      \
+        const zq::u64 stride = (zq::u64)gridDim.x * blockDim.x;                                \
+        for (zq::u64 i = (zq::u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) { \
+            y[i] = zq::load(x, i);                                                             \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(zq::THREADS)                                  \
+        zq_from_f32_##E(const float* x, T* y, zq::u64 n) {                                    \
+        const zq::u64 stride = (zq::u64)gridDim.x * blockDim.x;                                \
+        for (zq::u64 i = (zq::u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) { \
+            zq::store(y, i, x[i]);                                                             \
+        }                                                                                      \
+    }
+
+ZQ_CAST(f32, float)
+ZQ_CAST(bf16, __nv_bfloat16)
+ZQ_CAST(f16, __half)
+
+// One butterfly stage (distance h) of the Walsh–Hadamard rotation of every
+// block of `block` values in x[0..n) (n a multiple of block): pair p of
+// the stage joins x[i] and x[i + h]. The last stage multiplies by
+// 1/sqrt(block) (`scale`; 1 before it), so the rounding is the CPU's: the
+// sums of every stage, then one product.
+extern "C" __global__ void __launch_bounds__(zq::THREADS)
+    zq_hadamard_stage_f32(float* x, zq::u64 n, zq::u64 block, zq::u64 h, float scale) {
+    const zq::u64 stride = (zq::u64)gridDim.x * blockDim.x;
+    const zq::u64 half = block / 2;
+    for (zq::u64 p = (zq::u64)blockIdx.x * blockDim.x + threadIdx.x; p < n / 2; p += stride) {
+        const zq::u64 w = p % half;
+        const zq::u64 i = (p / half) * block + (w / h) * 2 * h + w % h;
+        const float u = x[i], v = x[i + h];
+        x[i] = __fmul_rn(__fadd_rn(u, v), scale);
+        x[i + h] = __fmul_rn(__fsub_rn(u, v), scale);
+    }
+}

@@ -566,6 +566,80 @@ impl Gpu {
         Ok(())
     }
 
+    /// `y = x` widened to f32 (`zq_to_f32_E`, equal lengths).
+    pub fn widen<T: GpuElement>(
+        &self,
+        x: &CudaView<'_, T>,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<(), CudaError> {
+        size_check("values converted to f32", x.len(), y.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let name = format!("zq_to_f32_{}", T::TAG);
+        let func = self.function("dequantize", &name)?;
+        let n = x.len() as u64;
+        let cfg = grid_config(crate::kernels::stride_grid(n), &name)?;
+        let mut l = self.stream.launch_builder(&func);
+        l.arg(x).arg(y).arg(&n);
+        // SAFETY: (const T*, float*, u64) as dequantize.cu declares it; both
+        // buffers hold `n` values.
+        unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
+        Ok(())
+    }
+
+    /// `y = x` narrowed from f32, rounded to nearest even
+    /// (`zq_from_f32_E`, equal lengths).
+    pub fn narrow<T: GpuElement>(
+        &self,
+        x: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), CudaError> {
+        size_check("values converted from f32", x.len(), y.len())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        let name = format!("zq_from_f32_{}", T::TAG);
+        let func = self.function("dequantize", &name)?;
+        let n = x.len() as u64;
+        let cfg = grid_config(crate::kernels::stride_grid(n), &name)?;
+        let mut l = self.stream.launch_builder(&func);
+        l.arg(x).arg(y).arg(&n);
+        // SAFETY: (const float*, T*, u64) as dequantize.cu declares it; both
+        // buffers hold `n` values.
+        unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
+        Ok(())
+    }
+
+    /// Every whole block of `block` values of `x` rotated by the
+    /// orthonormal Walsh–Hadamard matrix, a shorter tail left as it is
+    /// (`zeropp_quant::hadamard::rotate_blocks`, bit for bit).
+    pub fn hadamard(&self, x: &mut CudaViewMut<'_, f32>, block: usize) -> Result<(), CudaError> {
+        if !block.is_power_of_two() {
+            return Err(QuantError::InvalidFormat(format!(
+                "a Hadamard rotation over blocks of {block} values: use a power of two"
+            ))
+            .into());
+        }
+        let whole = (x.len() / block * block) as u64;
+        if whole == 0 {
+            return Ok(());
+        }
+        let name = "zq_hadamard_stage_f32";
+        let func = self.function("dequantize", name)?;
+        let cfg = grid_config(crate::kernels::stride_grid(whole / 2), name)?;
+        let mut x = x.slice_mut(..whole as usize);
+        let b = block as u64;
+        for (h, scale) in crate::kernels::hadamard_stages(block) {
+            let mut l = self.stream.launch_builder(&func);
+            l.arg(&mut x).arg(&whole).arg(&b).arg(&h).arg(&scale);
+            // SAFETY: (float*, u64, u64, u64, float) as dequantize.cu
+            // declares it; `x` holds `whole` values, whole blocks of them.
+            unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
+        }
+        Ok(())
+    }
+
     /// `x = a·x + b·y` on the device (equal lengths); with ±1 factors it
     /// is exactly `x + y` or `y - x`, as the CPU computes them.
     pub fn axpby(

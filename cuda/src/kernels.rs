@@ -82,6 +82,11 @@ pub fn kernel_names(family: &str) -> Vec<String> {
             }
             names.push("zq_div_f32".into());
             names.push("zq_axpby_f32".into());
+            for e in ELEMENTS {
+                names.push(format!("zq_to_f32_{e}"));
+                names.push(format!("zq_from_f32_{e}"));
+            }
+            names.push("zq_hadamard_stage_f32".into());
         }
         "qgz" => {
             for r in ["rn", "sr"] {
@@ -130,6 +135,26 @@ pub fn sum_requantize_kernel(format: &QuantFormat, rounding: Rounding) -> (Strin
 
 /// Most CUDA blocks a grid-stride (dequantize) launch uses.
 pub const MAX_STRIDE_GRID: u64 = 1 << 16;
+
+/// CUDA blocks of a grid-stride launch over `n` items.
+pub fn stride_grid(n: u64) -> u64 {
+    n.div_ceil(u64::from(THREADS)).min(MAX_STRIDE_GRID)
+}
+
+/// The launches of a Walsh–Hadamard rotation of blocks of `block` values
+/// (`zq_hadamard_stage_f32`), in order: each stage's distance and the
+/// factor it multiplies by (1/√block at the last stage, 1 before), so the
+/// result is `zeropp_quant::hadamard::rotate_blocks`' bit for bit.
+pub fn hadamard_stages(block: usize) -> Vec<(u64, f32)> {
+    let scale = 1.0 / (block as f32).sqrt();
+    let mut stages = Vec::new();
+    let mut h = 1;
+    while h < block {
+        stages.push((h as u64, if 2 * h == block { scale } else { 1.0 }));
+        h *= 2;
+    }
+    stages
+}
 
 /// CUDA blocks for dequantizing `len` values: one thread per code byte,
 /// grid-stride beyond [`MAX_STRIDE_GRID`] blocks.
@@ -221,7 +246,7 @@ mod tests {
             }
         }
         assert_eq!(kernel_names("quantize").len(), 36);
-        assert_eq!(kernel_names("dequantize").len(), 26);
+        assert_eq!(kernel_names("dequantize").len(), 33);
         assert_eq!(kernel_names("qgz").len(), 12);
     }
 

@@ -685,9 +685,11 @@ impl QgzState {
 /// references of its cross group's shards (`zeropp::zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    refresh_every: u64,
-    fp32: bool,
+    pub(crate) refresh_every: u64,
+    pub(crate) fp32: bool,
     pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
+    /// The same references for CUDA tensors, on their device.
+    pub(crate) device: Mutex<Option<delta::Reference<zeropp::zero::device::DeviceValues>>>,
 }
 
 #[pymethods]
@@ -704,22 +706,32 @@ impl QwzReference {
             refresh_every,
             fp32,
             reference: Mutex::new(None),
+            device: Mutex::new(None),
         })
     }
 
     /// Bytes of references held (f32).
     fn reference_bytes(&self) -> usize {
-        self.reference
+        let host = self
+            .reference
             .lock()
             .ok()
-            .and_then(|r| r.as_ref().map(|r| r.bytes()))
-            .unwrap_or(0)
+            .and_then(|r| r.as_ref().map(|r| r.bytes()));
+        let device = self
+            .device
+            .lock()
+            .ok()
+            .and_then(|r| r.as_ref().map(|r| r.bytes()));
+        host.unwrap_or(0) + device.unwrap_or(0)
     }
 
     /// The next gather is a full refresh (after a checkpoint load: every
     /// rank must call it alike).
     fn reset(&self) {
         if let Ok(mut r) = self.reference.lock() {
+            *r = None;
+        }
+        if let Ok(mut r) = self.device.lock() {
             *r = None;
         }
     }

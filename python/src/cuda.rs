@@ -22,8 +22,8 @@ use zeropp::zero::ZeroError;
 use zeropp::zero::device::{DeviceValues, NcclMover};
 use zeropp::zero::plan::Layout;
 use zeropp::zero::qgz::{self, Reduction};
-use zeropp::zero::qwz;
 use zeropp::zero::traffic::{CountingTransport, Phase};
+use zeropp::zero::{delta, qwz};
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
@@ -339,13 +339,12 @@ impl CudaJob {
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<()> {
-        if delta.is_some() {
+        let dtype = Dtype::parse(dtype)?;
+        if delta.is_some() && qwz_bits.is_none() {
             return Err(invalid(
-                "qwZ on weight differences (qwz_delta) runs on CPU tensors only for now: pass \
-                 qwz_delta=False for CUDA models",
+                "qwZ on weight differences needs qwz_bits (4 or 8): the bits of a difference",
             ));
         }
-        let dtype = Dtype::parse(dtype)?;
         let wire = qwz_bits
             .map(|b| zeropp::zero::plan::weight_format(b, block).map_err(invalid))
             .transpose()?;
@@ -362,19 +361,49 @@ impl CudaJob {
             let size = comm.size();
             // qwZ over the world only; a sub-group gathers the bytes as
             // they are.
+            let mover = || NcclMover {
+                world: &comms.world,
+                node: &comms.node,
+                cross: &comms.cross,
+                hpz: &comms.node,
+                layout,
+                counter: &counter,
+                gpu,
+            };
             let result = match wire.filter(|_| size == layout.world()) {
+                Some(format) if delta.is_some() => {
+                    let state = delta.as_ref().expect("checked").get();
+                    let mut reference = state.device.lock().map_err(|_| {
+                        self.error(
+                            Some(comms),
+                            CudaError::Invalid("a qwZ reference was poisoned".into()),
+                        )
+                    })?;
+                    with_gpu_dtype(
+                        dtype,
+                        GatherDelta {
+                            gpu,
+                            mover: mover(),
+                            inp,
+                            out,
+                            numel,
+                            wire: delta::DeltaWire {
+                                delta: format,
+                                refresh_every: state.refresh_every,
+                                // The hop inside the node as FSDP2 moves
+                                // these tensors: bf16 in bf16, others in f32.
+                                fp32: state.fp32 || dtype != Dtype::Bf16,
+                            },
+                            phase,
+                            reference: &mut reference,
+                        },
+                    )
+                }
                 Some(format) => with_gpu_dtype(
                     dtype,
                     GatherQuantized {
                         gpu,
-                        mover: NcclMover {
-                            world: &comms.world,
-                            node: &comms.node,
-                            cross: &comms.cross,
-                            hpz: &comms.node,
-                            layout,
-                            counter: &counter,
-                        },
+                        mover: mover(),
                         inp,
                         out,
                         numel,
@@ -466,6 +495,7 @@ impl CudaJob {
                         hpz: &comms.node,
                         layout: l,
                         counter: &counter,
+                        gpu,
                     };
                     let mut fb = s.device_feedback.lock().map_err(|_| {
                         ZeroError::Invalid("the error-feedback buffer was poisoned".into())
@@ -584,6 +614,43 @@ impl OnDtype for GatherQuantized<'_> {
             let position = |r| qwz::gathered_position(layout, r);
             qwz::dequantize_all(gpu, &all, position, &mut out.view_mut())
         })()
+        .map_err(zero_to_cuda)
+    }
+}
+
+/// qwZ on weight differences on the device (`zero::delta`) into the
+/// caller's output, against a parameter group's device references.
+struct GatherDelta<'a> {
+    gpu: &'a Gpu,
+    mover: NcclMover<'a>,
+    inp: u64,
+    out: u64,
+    numel: usize,
+    wire: delta::DeltaWire,
+    phase: Phase,
+    reference: &'a mut Option<delta::Reference<DeviceValues>>,
+}
+
+impl OnDtype for GatherDelta<'_> {
+    fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
+        let layout = self.mover.layout;
+        // SAFETY: the caller's tensors hold these values on this device and
+        // are not touched until the call returns.
+        let shard = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
+        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * layout.world()) }?;
+        if self.numel == 0 {
+            return Ok(());
+        }
+        delta::gather(
+            self.gpu,
+            &self.mover,
+            layout,
+            self.wire,
+            self.reference,
+            &shard.view(),
+            &mut out.view_mut(),
+            self.phase,
+        )
         .map_err(zero_to_cuda)
     }
 }

@@ -50,9 +50,7 @@ def test_weight_differences_train_alike_on_fewer_bytes_across_nodes(tmp_path):
     # hop across nodes rotated, in blocks of 64 (FSDP2's shards end in part
     # of a block).
     common = ("--ranks-per-node", 2, "--bf16")
-    switches = ("--switch", "qwz_bits=4", "--switch", "qwz_delta=true")
-    switches += ("--switch", "qgz_hadamard=true", "--switch", "qgz_inter_block=64")
-    delta = train(tmp_path, "zeropp", *common, *switches, steps=30)
+    delta = train(tmp_path, "zeropp", *common, *BEYOND, steps=30)
     zpp = train(tmp_path, "zeropp", *common, steps=30)
     assert delta["switches"]["qwz_delta"] is True and delta["switches"]["qwz_bits"] == 4
     assert delta["switches"]["qgz_hadamard"] is True
@@ -83,13 +81,20 @@ def test_on_one_host_the_job_measures_its_links_and_chooses_by_them(tmp_path):
     assert s["measured"] is None and s["switches"]["qwz_bits"] == 8, s
 
 
-@pytest.mark.parametrize("mode", ["zeropp", "zero3"])
+BEYOND = ("--switch", "qwz_bits=4", "--switch", "qwz_delta=true")
+BEYOND += ("--switch", "qgz_hadamard=true", "--switch", "qgz_inter_block=64")
+
+
+@pytest.mark.parametrize("mode", ["zeropp", "zero3", "beyond"])
 def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_path, mode):
     # ZEROPP_DEVICE=emulated: CPU tensors through the device path (torch.py's
     # CUDA branch, the collectives over the CUDA kernels' own source), in
-    # fp32 and in bf16 mixed precision, 4 ranks as 2 logical nodes.
+    # fp32 and in bf16 mixed precision, 4 ranks as 2 logical nodes. "beyond":
+    # zeropp with int4 weight differences and the rotated gradient hop.
+    switches = BEYOND if mode == "beyond" else ()
+    mode = "zeropp" if mode == "beyond" else mode
     for extra in ((), ("--bf16",)):
-        common = ("--ranks-per-node", 2, *extra)
+        common = ("--ranks-per-node", 2, *extra, *switches)
         host = train(tmp_path, mode, *common, steps=20)
         (tmp_path / "emulated").mkdir(exist_ok=True)
         emulated = train(

@@ -95,14 +95,6 @@ fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
     }
 }
 
-/// What is not on the device yet: qwZ on weight differences
-/// (`super::delta`), qgZ's Hadamard rotation.
-fn not_on_gpu(what: &str, switch: &str) -> ZeroError {
-    ZeroError::Invalid(format!(
-        "{what} runs on host buffers only for now: turn {switch} off for CUDA tensors"
-    ))
-}
-
 impl Quantizer for Gpu {
     type Values = DeviceValues;
     type Chunks = DeviceQuantizedChunks;
@@ -115,28 +107,37 @@ impl Quantizer for Gpu {
 
     fn load_tensor<T: GpuElement>(
         &self,
-        _x: &CudaView<'_, T>,
-        _out: &mut DeviceValues,
-        _at: usize,
+        x: &CudaView<'_, T>,
+        out: &mut DeviceValues,
+        at: usize,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu(
-            "qwZ on weight differences (qwz_delta)",
-            "qwz_delta",
-        ))
+        in_range(out, at, x.len(), "loading a tensor")?;
+        let mut o = out.view_mut();
+        Ok(self.widen(x, &mut o.slice_mut(at..at + x.len()))?)
     }
 
     fn store_values<T: GpuElement>(
         &self,
-        _x: &DeviceValues,
-        _at_x: usize,
-        _out: &mut CudaViewMut<'_, T>,
-        _at_out: usize,
-        _len: usize,
+        x: &DeviceValues,
+        at_x: usize,
+        out: &mut CudaViewMut<'_, T>,
+        at_out: usize,
+        len: usize,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu(
-            "qwZ on weight differences (qwz_delta)",
-            "qwz_delta",
-        ))
+        in_range(x, at_x, len, "storing values")?;
+        if at_out + len > out.len() {
+            return Err(super::host::out_of_range(
+                "storing values",
+                at_out,
+                len,
+                out.len(),
+            ));
+        }
+        let src = x.view();
+        Ok(self.narrow(
+            &src.slice(at_x..at_x + len),
+            &mut out.slice_mut(at_out..at_out + len),
+        )?)
     }
 
     fn quantize_tensor<T: GpuElement>(
@@ -332,15 +333,14 @@ impl Quantizer for Gpu {
 
     fn rotate(
         &self,
-        _x: &mut DeviceValues,
-        _at: usize,
-        _len: usize,
-        _block: usize,
+        x: &mut DeviceValues,
+        at: usize,
+        len: usize,
+        block: usize,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu(
-            "qgZ's Hadamard rotation (qgz_hadamard)",
-            "qgz_hadamard",
-        ))
+        in_range(x, at, len, "a Hadamard rotation")?;
+        let mut v = x.view_mut();
+        Ok(self.hadamard(&mut v.slice_mut(at..at + len), block)?)
     }
 
     fn divide(&self, x: &mut DeviceValues, d: f32) -> Result<(), ZeroError> {
@@ -359,6 +359,27 @@ pub struct NcclMover<'a> {
     pub hpz: &'a NcclComm,
     pub layout: Layout,
     pub counter: &'a CountingTransport,
+    /// The device whose stream the communicators use (for the casts of a
+    /// bf16 wire).
+    pub gpu: &'a Gpu,
+}
+
+fn view_bytes_mut<'a>(v: &'a mut CudaViewMut<'_, f32>) -> CudaViewMut<'a, u8> {
+    let n = v.len() * 4;
+    // SAFETY: the bytes written are f32 bit patterns sent by a peer.
+    unsafe { v.transmute_mut::<u8>(n) }.expect("an f32 buffer holds 4 bytes a value")
+}
+
+fn bf16_bytes<'a>(v: CudaView<'a, half::bf16>) -> CudaView<'a, u8> {
+    let n = v.len() * 2;
+    // SAFETY: any bf16 bit pattern is a valid run of bytes.
+    unsafe { v.transmute::<u8>(n) }.expect("a bf16 buffer holds 2 bytes a value")
+}
+
+fn bf16_bytes_mut(s: &mut CudaSlice<half::bf16>) -> CudaViewMut<'_, u8> {
+    let n = s.len() * 2;
+    // SAFETY: the bytes written are bf16 bit patterns sent by a peer.
+    unsafe { s.transmute_mut::<u8>(n) }.expect("a bf16 buffer holds 2 bytes a value")
 }
 
 fn bytes_of<'a>(v: CudaView<'a, f32>) -> CudaView<'a, u8> {
@@ -443,16 +464,41 @@ impl ByteMover<Gpu> for NcclMover<'_> {
 
     fn all_gather_values(
         &self,
-        _hop: Hop,
-        _phase: Phase,
-        _mine: &DeviceValues,
-        _all: &mut DeviceValues,
-        _fp32: bool,
+        hop: Hop,
+        phase: Phase,
+        mine: &DeviceValues,
+        all: &mut DeviceValues,
+        fp32: bool,
     ) -> Result<(), ZeroError> {
-        Err(not_on_gpu(
-            "qwZ on weight differences (qwz_delta)",
-            "qwz_delta",
-        ))
+        let comm = self.comm(hop);
+        let len = mine.len();
+        if all.len() != len * comm.size() {
+            return Err(ZeroError::Invalid(format!(
+                "an all-gather of {len} values over {} ranks does not fill {} values",
+                comm.size(),
+                all.len()
+            )));
+        }
+        let each = if fp32 {
+            let mut out = all.view_mut();
+            comm.all_gather_bytes(&bytes_of(mine.view()), &mut view_bytes_mut(&mut out))?;
+            len as u64 * 4
+        } else {
+            // bf16 on the wire, rounded to nearest even, widened on arrival.
+            let gpu = self.gpu;
+            let mut wire = gpu.zeros::<half::bf16>(len)?;
+            gpu.narrow(&mine.view(), &mut wire.as_view_mut())?;
+            let mut got = gpu.zeros::<half::bf16>(len * comm.size())?;
+            comm.all_gather_bytes(&bf16_bytes(wire.as_view()), &mut bf16_bytes_mut(&mut got))?;
+            gpu.widen(&got.as_view(), &mut all.view_mut())?;
+            len as u64 * 2
+        };
+        for peer in self.members(hop) {
+            if peer != self.layout.rank {
+                self.counter.count_outside(phase, 0.0, peer, each);
+            }
+        }
+        Ok(())
     }
 
     fn all_to_all(

@@ -253,4 +253,67 @@ impl HostKernels for Emulated {
         }
         Ok(())
     }
+
+    fn widen<T: GpuElement>(&self, x: &[T], y: &mut [f32]) -> Result<(), ZeroError> {
+        same_len("values converted to f32", x.len(), y.len())?;
+        let name = format!("zq_to_f32_{}", T::TAG);
+        if !x.is_empty() {
+            // SAFETY: `x` holds x.len() values of T, `y` as many f32.
+            unsafe {
+                emu::cast(
+                    &name,
+                    stride_grid(x.len(), &name)?,
+                    x.as_ptr().cast(),
+                    y.as_mut_ptr().cast(),
+                    x.len() as u64,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    fn narrow<T: GpuElement>(&self, x: &[f32], y: &mut [T]) -> Result<(), ZeroError> {
+        same_len("values converted from f32", x.len(), y.len())?;
+        let name = format!("zq_from_f32_{}", T::TAG);
+        if !x.is_empty() {
+            // SAFETY: `x` holds x.len() f32 values, `y` as many of T.
+            unsafe {
+                emu::cast(
+                    &name,
+                    stride_grid(x.len(), &name)?,
+                    x.as_ptr().cast(),
+                    y.as_mut_ptr().cast(),
+                    x.len() as u64,
+                )
+            };
+        }
+        Ok(())
+    }
+
+    fn rotate(&self, x: &mut [f32], block: usize) -> Result<(), ZeroError> {
+        if !block.is_power_of_two() {
+            return Err(ZeroError::Invalid(format!(
+                "a Hadamard rotation over blocks of {block} values: use a power of two"
+            )));
+        }
+        let whole = x.len() / block * block;
+        if whole == 0 {
+            return Ok(());
+        }
+        let name = "zq_hadamard_stage_f32";
+        let g = grid(kernels::stride_grid(whole as u64 / 2), name)?;
+        for (h, scale) in kernels::hadamard_stages(block) {
+            emu::hadamard_stage_f32(g, &mut x[..whole], block as u64, h, scale);
+        }
+        Ok(())
+    }
+}
+
+/// Checks two buffers of one launch hold as many values.
+fn same_len(what: &str, a: usize, b: usize) -> Result<(), ZeroError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(ZeroError::Invalid(format!("{what}: {a} values into {b}")))
+    }
 }

@@ -61,6 +61,15 @@ pub trait HostKernels {
 
     /// `x /= d`.
     fn divide(&self, x: &mut [f32], d: f32) -> Result<(), ZeroError>;
+
+    /// `y = x` in f32 (equal lengths).
+    fn widen<T: GpuElement>(&self, x: &[T], y: &mut [f32]) -> Result<(), ZeroError>;
+
+    /// `y = x` in `T`, rounded to nearest even (equal lengths).
+    fn narrow<T: GpuElement>(&self, x: &[f32], y: &mut [T]) -> Result<(), ZeroError>;
+
+    /// `zeropp_quant::hadamard::rotate_blocks`.
+    fn rotate(&self, x: &mut [f32], block: usize) -> Result<(), ZeroError>;
 }
 
 /// zeropp-quant, the CPU library, on host memory.
@@ -119,6 +128,21 @@ impl HostKernels for Host {
     fn divide(&self, x: &mut [f32], d: f32) -> Result<(), ZeroError> {
         x.iter_mut().for_each(|v| *v /= d);
         Ok(())
+    }
+
+    fn widen<T: GpuElement>(&self, x: &[T], y: &mut [f32]) -> Result<(), ZeroError> {
+        y.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
+        Ok(())
+    }
+
+    fn narrow<T: GpuElement>(&self, x: &[f32], y: &mut [T]) -> Result<(), ZeroError> {
+        y.iter_mut().zip(x).for_each(|(o, v)| *o = T::from_f32(*v));
+        Ok(())
+    }
+
+    fn rotate(&self, x: &mut [f32], block: usize) -> Result<(), ZeroError> {
+        zeropp_quant::hadamard::rotate_blocks(x, block)
+            .map_err(|e| ZeroError::Invalid(e.to_string()))
     }
 }
 
@@ -244,10 +268,7 @@ impl<K: HostKernels> Quantizer for K {
         at: usize,
     ) -> Result<(), ZeroError> {
         let out = span_mut(out, at, x.len(), "loading a tensor")?;
-        out.iter_mut()
-            .zip(x.iter())
-            .for_each(|(o, v)| *o = v.to_f32());
-        Ok(())
+        HostKernels::widen(self, x, out)
     }
 
     fn store_values<T: GpuElement>(
@@ -260,10 +281,7 @@ impl<K: HostKernels> Quantizer for K {
     ) -> Result<(), ZeroError> {
         let x = span(x, at_x, len, "storing values")?;
         let out = span_mut(out, at_out, len, "storing values")?;
-        out.iter_mut()
-            .zip(x)
-            .for_each(|(o, v)| *o = T::from_f32(*v));
-        Ok(())
+        HostKernels::narrow(self, x, out)
     }
 
     fn quantize_swizzled(
@@ -352,8 +370,7 @@ impl<K: HostKernels> Quantizer for K {
         block: usize,
     ) -> Result<(), ZeroError> {
         let x = span_mut(x, at, len, "a Hadamard rotation")?;
-        zeropp_quant::hadamard::rotate_blocks(x, block)
-            .map_err(|e| ZeroError::Invalid(e.to_string()))
+        HostKernels::rotate(self, x, block)
     }
 }
 

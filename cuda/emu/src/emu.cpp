@@ -202,4 +202,22 @@ extern "C" void zq_emu_axpby_f32(unsigned grid, float* x, const float* y, u64 n,
     zq_emu::launch(grid, zq::THREADS, [=] { zq_axpby_f32(x, y, n, a, b); });
 }
 
+typedef void (*CastFn)(const void*, void*, u64);
+static std::map<std::string, CastFn>& cast_table() { static std::map<std::string, CastFn> m; return m; }
+#define REG_C(NAME) static bool reg_##NAME = (cast_table()[#NAME] = (CastFn)(void*)&NAME, true);
+REG_C(zq_to_f32_f32) REG_C(zq_to_f32_bf16) REG_C(zq_to_f32_f16)
+REG_C(zq_from_f32_f32) REG_C(zq_from_f32_bf16) REG_C(zq_from_f32_f16)
+
+extern "C" int zq_emu_cast(const char* name, unsigned grid, const void* x, void* y, u64 n) {
+    auto it = cast_table().find(name);
+    if (it == cast_table().end()) return -1;
+    auto f = it->second;
+    zq_emu::launch(grid, zq::THREADS, [=] { f(x, y, n); });
+    return 0;
+}
+
+extern "C" void zq_emu_hadamard_stage_f32(unsigned grid, float* x, u64 n, u64 block, u64 h, float scale) {
+    zq_emu::launch(grid, zq::THREADS, [=] { zq_hadamard_stage_f32(x, n, block, h, scale); });
+}
+
 extern "C" unsigned zq_emu_qinput_size() { return sizeof(zq::QInput); }

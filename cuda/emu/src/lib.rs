@@ -55,6 +55,30 @@ unsafe extern "C" {
     fn zq_emu_qinput_size() -> u32;
     fn zq_emu_div_f32(grid: u32, x: *mut f32, n: u64, d: f32);
     fn zq_emu_axpby_f32(grid: u32, x: *mut f32, y: *const f32, n: u64, a: f32, b: f32);
+    fn zq_emu_cast(name: *const c_char, grid: u32, x: *const c_void, y: *mut c_void, n: u64)
+    -> i32;
+    fn zq_emu_hadamard_stage_f32(grid: u32, x: *mut f32, n: u64, block: u64, h: u64, scale: f32);
+}
+
+/// Launches the cast kernel `name` (`zq_to_f32_E`: `x` of element E into
+/// f32 `y`; `zq_from_f32_E`: the other way), `n` values.
+///
+/// # Safety
+/// `x` and `y` must hold `n` values of the kernel's input and output types.
+pub unsafe fn cast(name: &str, grid: u32, x: *const c_void, y: *mut c_void, n: u64) {
+    let c = c_name(name);
+    // SAFETY: the caller's promise on the buffers; the name is NUL-terminated.
+    checked(unsafe { zq_emu_cast(c.as_ptr(), grid, x, y, n) }, name);
+}
+
+/// Launches one stage of `zq_hadamard_stage_f32` over `x` (whole blocks).
+pub fn hadamard_stage_f32(grid: u32, x: &mut [f32], block: u64, h: u64, scale: f32) {
+    assert!(
+        (x.len() as u64).is_multiple_of(block),
+        "a Hadamard stage over part of a block"
+    );
+    // SAFETY: the buffer lives across the call and holds `x.len()` values.
+    unsafe { zq_emu_hadamard_stage_f32(grid, x.as_mut_ptr(), x.len() as u64, block, h, scale) }
 }
 
 /// Launches `zq_div_f32` (x /= d).
