@@ -14,7 +14,9 @@
 #       --modes "zero3 zeropp" --steps 40 --probe "ring all" --out bench-cluster/results
 #
 # Modes: zero3, zeropp, or ZeRO-3 with one ZeRO++ switch: qwz (int8 weight
-# gathers), hpz (node-local secondary shards), qgz (int4 two-hop gradients).
+# gathers), hpz (node-local secondary shards), qgz (int4 two-hop gradients);
+# beyond: zeropp with int4 weight differences and the Hadamard-rotated qgZ
+# hop across nodes in blocks of 64 (docs/TRAINING.md).
 # --delay D [--jitter J]: netem instead of tbf, each packet delayed D +- J
 # (needs sch_netem; the delay column of the CSV reads D/J).
 # Probe patterns: ring (each node to the next), all (each node to every
@@ -23,7 +25,8 @@
 # PyTorch modes run examples/torch_gpt.py under torchrun on every node
 # (--python PATH: the interpreter with torch and zeropp installed; default
 # $ZEROPP_PYTHON or python3): torch-zeropp and torch-zero3 (FSDP2 with
-# zeropp's communication), torch-fsdp2 and torch-hsdp (FSDP2's own, over gloo).
+# zeropp's communication; torch-beyond as beyond), torch-fsdp2 and
+# torch-hsdp (FSDP2's own, over gloo).
 #
 # --launcher starts the native modes' ranks with: zeropp (default:
 # `zeropp launch --node-rank K` on every node), torchrun (`torchrun --nnodes
@@ -109,8 +112,10 @@ mode_args() {
     qwz) echo "--mode zero3 --qwz-bits 8" ;;
     hpz) echo "--mode zero3 --hpz true" ;;
     qgz) echo "--mode zero3 --qgz true" ;;
+    beyond) echo "--mode zeropp --qwz-bits 4 --qwz-delta true --qgz-hadamard true --qgz-inter-block 64" ;;
     torch-zeropp|torch-zero3|torch-fsdp2|torch-hsdp) echo "--mode ${1#torch-} --bf16" ;;
-    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz or torch-{zeropp,zero3,fsdp2,hsdp}" ;;
+    torch-beyond) echo "--mode zeropp --bf16 --switch qwz_bits=4 --switch qwz_delta=true --switch qgz_hadamard=true --switch qgz_inter_block=64" ;;
+    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz, beyond or torch-{zeropp,zero3,fsdp2,hsdp,beyond}" ;;
   esac
 }
 for m in $MODES; do mode_args "$m" >/dev/null; done

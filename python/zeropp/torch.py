@@ -593,7 +593,7 @@ def fully_shard(
     ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
     ``qwz_refresh``) override the mode's; the rest comes from the routing
     plan. ``qwz_delta=True`` sends weight differences across nodes at
-    ``qwz_bits`` (CPU tensors for now). ``seed`` seeds qgZ's
+    ``qwz_bits``; ``qgz_hadamard=True`` rotates qgZ's hop across nodes. ``seed`` seeds qgZ's
     stochastic rounding. Other keyword arguments (``mesh``, ``mp_policy``,
     ``reshard_after_forward``, ...) go to FSDP2; with hpZ,
     ``reshard_after_forward`` defaults to the hpZ group. Returns the module.
