@@ -19,6 +19,10 @@ else
 fi
 cargo test --workspace
 cargo build --bin zeropp
-"$(dirname "$ZEROPP_PYTHON")/ruff" check python examples
-"$(dirname "$ZEROPP_PYTHON")/ruff" format --check python examples
+"$ZEROPP_VENV_BIN/ruff" check python examples
+"$ZEROPP_VENV_BIN/ruff" format --check python examples
+# The Python tests run against the installed wheel, not the source tree.
+(cd /tmp && "$ZEROPP_PYTHON" -c 'import sys, zeropp
+assert zeropp.__file__.startswith(sys.prefix), f"zeropp from {zeropp.__file__}, not {sys.prefix}"
+print(f"zeropp.torch tests against the wheel in {sys.prefix}")')
 ZEROPP_BIN="$PWD/target/debug/zeropp" "$ZEROPP_PYTHON" -m pytest -q python/tests

@@ -67,6 +67,8 @@ __all__ = [
     "measured",
     "resolved_switches",
     "routing",
+    "TrafficLog",
+    "trainer_callback",
     "traffic",
 ]
 
@@ -314,6 +316,61 @@ def traffic():
     backward_gather, gradient, other) and hop (intra_node, inter_node), with
     the block scales apart."""
     return json.loads(job().traffic_json())
+
+
+_PHASES = ("forward_gather", "backward_gather", "gradient", "other")
+_HOPS = ("intra_node", "inter_node")
+
+
+def _flat_traffic(t):
+    out = {}
+    for hop in _HOPS:
+        out[f"zeropp/{hop}_bytes"] = sum(t[p]["total"][hop] for p in _PHASES)
+        for p in _PHASES:
+            out[f"zeropp/{p}/{hop}_bytes"] = t[p]["total"][hop]
+            out[f"zeropp/{p}/{hop}_scale_bytes"] = t[p]["scales"][hop]
+    return out
+
+
+class TrafficLog:
+    """Bytes this rank sent through zeropp since the previous call, as flat
+    numbers a framework's logger takes: ``zeropp/inter_node_bytes``,
+    ``zeropp/<phase>/<hop>_bytes`` and ``..._scale_bytes`` for every phase
+    (forward_gather, backward_gather, gradient, other) and hop (intra_node,
+    inter_node). With Accelerate: ``accelerator.log(log(), step=step)``."""
+
+    def __init__(self):
+        self._last = None
+
+    def __call__(self):
+        now = _flat_traffic(traffic())
+        last, self._last = self._last, now
+        if last is None:
+            return dict(now)
+        return {k: v - last[k] for k, v in now.items()}
+
+
+def trainer_callback():
+    """A Hugging Face ``TrainerCallback`` that adds zeropp's bytes since the
+    previous log (``TrafficLog``) to every ``Trainer`` log entry:
+    ``Trainer(..., callbacks=[zeropp.torch.trainer_callback()])``. Needs
+    transformers."""
+    try:
+        from transformers import TrainerCallback
+    except ImportError as e:
+        raise ZeroppError(
+            "zeropp.torch.trainer_callback() needs transformers: pip install transformers"
+        ) from e
+
+    class ZeroppTrafficCallback(TrainerCallback):
+        def __init__(self):
+            self.log = TrafficLog()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and _job is not None:
+                logs.update(self.log())
+
+    return ZeroppTrafficCallback()
 
 
 def resolved_switches():

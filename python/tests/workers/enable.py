@@ -73,6 +73,34 @@ def main():
     m(x).square().mean().backward()
     check("the enabled model trains a step", all(p.grad is not None for p in m.parameters()))
 
+    # What the frameworks log: bytes since the previous entry, per hop and
+    # phase; the Trainer callback adds the same to a log entry.
+    log = zt.TrafficLog()
+    first = log()
+    m(x).square().mean().backward()
+    step = log()
+    idle = log()
+    phases = ("forward_gather", "backward_gather", "gradient")
+    check(
+        "the traffic log counts a step's bytes since the previous entry, by phase",
+        # (in a ring some ranks send only inside their node)
+        all(
+            step[f"zeropp/{p}/intra_node_bytes"] + step[f"zeropp/{p}/inter_node_bytes"] > 0
+            for p in phases
+        )
+        and step["zeropp/intra_node_bytes"] <= first["zeropp/intra_node_bytes"]
+        and set(idle.values()) == {0},
+        f"{first} then {step} then {idle}",
+    )
+    callback = zt.trainer_callback()
+    logs = {"loss": 1.0}
+    callback.on_log(None, None, None, logs=logs)
+    check(
+        "the Trainer callback adds zeropp's bytes to a log entry",
+        logs["loss"] == 1.0 and "zeropp/inter_node_bytes" in logs,
+        f"{logs}",
+    )
+
     expect_error("unknown switches are refused", lambda: zt.enable(m, qwz=8), "qwz_bits")
     hsdp = model()
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
