@@ -175,7 +175,7 @@ fn zeropp_training_runs_learns_and_reports() {
 /// bit of a sum, so a single seed is not a fair test), both learn (below
 /// 80% of the initial loss), and ZeRO++ sends at most `max_ratio` of
 /// ZeRO-3's bytes across nodes, scales included.
-fn compare_seeds(tag: &str, extra: &[&str], max_ratio: f64) {
+fn compare_seeds(tag: &str, extra: &[&str], max_ratio: f64, check: &dyn Fn(&serde_json::Value)) {
     let dir = std::env::temp_dir().join(format!("zeropp-compare-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap();
@@ -207,6 +207,7 @@ fn compare_seeds(tag: &str, extra: &[&str], max_ratio: f64) {
         let (z3, zpp) = (&s["zero3"], &s["zeropp"]);
         assert_eq!(z3["mode"], "zero3");
         assert_eq!(zpp["mode"], "zeropp");
+        check(zpp);
         for run in [z3, zpp] {
             assert!(f(run, "final_loss") < 0.8 * f(run, "initial_loss"), "{run}");
         }
@@ -228,7 +229,14 @@ fn compare_seeds(tag: &str, extra: &[&str], max_ratio: f64) {
 
 #[test]
 fn compare_gives_the_same_loss_for_far_fewer_bytes_across_nodes() {
-    compare_seeds("defaults", &[], 0.27);
+    // The defaults keep no qwZ references, only qgZ's residuals.
+    compare_seeds("defaults", &[], 0.27, &|zpp| {
+        assert_eq!(zpp["kept_bytes"]["qwz_references"], 0, "{zpp}");
+        assert!(
+            zpp["kept_bytes"]["qgz_residuals"].as_u64().unwrap() > 0,
+            "{zpp}"
+        );
+    });
 }
 
 /// Beyond ZeRO++: int4 weight differences and a Hadamard-rotated qgZ hop
@@ -248,7 +256,16 @@ fn weight_differences_and_a_rotated_gradient_hop_keep_the_loss_on_fewer_bytes() 
         "--qgz-inter-block",
         "64",
     ];
-    compare_seeds("beyond", &beyond, MAX_BEYOND_RATIO);
+    // Each rank keeps references of N = 2 shards of every unit: about half
+    // the model in f32 (padding aside).
+    compare_seeds("beyond", &beyond, MAX_BEYOND_RATIO, &|zpp| {
+        let kept = zpp["kept_bytes"]["qwz_references"].as_f64().unwrap();
+        let half_model = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
+        assert!(
+            (1.0..1.5).contains(&(kept / half_model)),
+            "references of {kept} bytes for {zpp}"
+        );
+    });
 }
 
 /// Bad input is a clear error naming what is wrong, never a panic or a hang.

@@ -125,6 +125,16 @@ pub struct UnitShard {
     pub residual_inter: Residual,
 }
 
+/// Bytes one rank keeps between steps for ZeRO++ (`Engine::kept_bytes`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct KeptBytes {
+    /// qwZ on weight differences: the references of the cross group's
+    /// shards (f32, 1/G of the model).
+    pub qwz_references: u64,
+    /// qgZ's error feedback (compressed).
+    pub qgz_residuals: u64,
+}
+
 /// What one step did.
 #[derive(Clone, Debug)]
 pub struct StepStats {
@@ -273,6 +283,23 @@ impl Engine {
 
     pub fn steps_taken(&self) -> usize {
         self.step
+    }
+
+    /// What this rank keeps between steps besides its primary shards and
+    /// optimizer state: the qwZ references (`zero::delta`) and the qgZ
+    /// error-feedback residuals, in bytes.
+    pub fn kept_bytes(&self) -> KeptBytes {
+        let mut k = KeptBytes::default();
+        for su in &self.units {
+            if let Ok(r) = su.reference.lock() {
+                k.qwz_references += r.as_ref().map_or(0, |r| r.bytes() as u64);
+            }
+            k.qgz_residuals += su.residual.bytes() as u64;
+            if let Ok(r) = su.residual_inter.lock() {
+                k.qgz_residuals += r.bytes() as u64;
+            }
+        }
+        k
     }
 
     /// Parameters of the model (unpadded).

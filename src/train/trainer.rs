@@ -254,6 +254,10 @@ pub struct Summary {
     /// hosts), `null` otherwise.
     #[serde(default)]
     pub measured: Option<crate::zero::probe::Measured>,
+    /// What rank 0 kept between steps for ZeRO++ at the end (qwZ
+    /// references, qgZ residuals), in bytes.
+    #[serde(default)]
+    pub kept_bytes: crate::engine::KeptBytes,
 }
 
 /// This process's peak resident set (`VmHWM` of `/proc/self/status`), in
@@ -688,13 +692,15 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             inter_node: run[3] as f64,
         },
         peak_rss_bytes,
+        kept_bytes: engine.kept_bytes(),
     };
     if !lead {
         return Ok(None);
     }
     println!(
         "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB across \
-         nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB",
+         nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; kept for ZeRO++ \
+         {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3})",
         summary.initial_loss,
         summary.final_loss,
         summary.val_loss,
@@ -703,6 +709,9 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         summary.bytes_per_step.intra_node / 1e6,
         summary.peak_rss_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6,
         summary.peak_rss_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6,
+        (summary.kept_bytes.qwz_references + summary.kept_bytes.qgz_residuals) as f64 / 1e6,
+        summary.kept_bytes.qwz_references as f64 / 1e6,
+        summary.kept_bytes.qgz_residuals as f64 / 1e6,
     );
     if let Some(p) = &cfg.plot {
         let series = Series {
