@@ -16,10 +16,11 @@ zeropp_python_env() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   # torch from PyPI brings its CUDA libraries (several GB): installed once,
   # then reused.
-  if ! "$venv/bin/python" -c "import torch, numpy, pytest, maturin, transformers" 2>/dev/null \
+  if ! "$venv/bin/python" -c "import torch, numpy, pytest, maturin, transformers, accelerate" 2>/dev/null \
      || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
-    echo "installing torch, numpy, pytest, ruff, maturin and transformers from PyPI into $venv" >&2
-    "${pip[@]}" 'torch>=2.7' numpy pytest ruff 'maturin>=1.16,<2' 'transformers>=4.40'
+    echo "installing torch, numpy, pytest, ruff, maturin, transformers and accelerate from PyPI into $venv" >&2
+    "${pip[@]}" 'torch>=2.7' numpy pytest ruff 'maturin>=1.16,<2' 'transformers>=4.40' \
+      'accelerate>=1.10'
   fi
   # The wheel a user installs: abi3 (CPython >= 3.11), manylinux, built by
   # maturin; UCX, CUDA and NCCL are loaded at run time, not linked.

@@ -127,6 +127,30 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
     assert len(oks) == 10, p.stdout
 
 
+@pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])
+def test_accelerate_and_the_trainer_shard_then_zeropp_matches_them_and_trains(tmp_path, recipe):
+    # Accelerate's FSDP2 plugin, and the Trainer's fsdp_config (its FSDP2
+    # path forced on CPU ranks: on CPU both fall back to DDP otherwise).
+    def run(which, steps):
+        out = tmp_path / f"{recipe}-{which}.json"
+        args = ["--zeropp", which, "--steps", steps, "--ranks-per-node", 2, "--cpu-fsdp"]
+        torchrun(ROOT / "examples" / recipe, [*args, "--summary-json", out])
+        return json.loads(out.read_text())
+
+    base, z3 = run("none", 8), run("zero3", 8)
+    worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
+    assert worst <= 1e-5, f"{recipe}: largest relative loss difference {worst:.3g}"
+    zpp = run("zeropp", 30)
+    assert zpp["losses"][-1] < 0.8 * zpp["losses"][0], zpp["losses"]
+    assert zpp["switches"]["qwz_bits"] == 8 and zpp["switches"]["hpz"], zpp["switches"]
+    # The log entries carry zeropp's bytes; hpZ keeps the backward gathers
+    # inside nodes.
+    log = zpp["last_log"]
+    assert log["zeropp/forward_gather/inter_node_bytes"] > 0, log
+    assert log["zeropp/backward_gather/inter_node_bytes"] == 0, log
+    assert log["zeropp/backward_gather/intra_node_bytes"] > 0, log
+
+
 def test_torchtitans_apply_fsdp_then_enable_matches_fsdp2_and_trains(tmp_path):
     def run(which, steps):
         out = tmp_path / f"titan-{which}.json"

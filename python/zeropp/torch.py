@@ -350,10 +350,18 @@ class TrafficLog:
         return {k: v - last[k] for k, v in now.items()}
 
 
-def trainer_callback():
-    """A Hugging Face ``TrainerCallback`` that adds zeropp's bytes since the
-    previous log (``TrafficLog``) to every ``Trainer`` log entry:
-    ``Trainer(..., callbacks=[zeropp.torch.trainer_callback()])``. Needs
+def trainer_callback(mode=None, **enable_kwargs):
+    """A Hugging Face ``TrainerCallback``: with ``mode`` ("zeropp" or
+    "zero3", and any of ``enable``'s keyword arguments) it gives the model
+    the Trainer sharded with FSDP2 zeropp's communication when training
+    begins (``enable``); always, it adds zeropp's bytes since the previous
+    log (``TrafficLog``) to every ``Trainer`` log entry and its
+    ``state.log_history``. The one line:
+    ``Trainer(..., callbacks=[zeropp.torch.trainer_callback(mode="zeropp")])``
+    with ``fsdp_config={"fsdp_version": 2, ...}``. The Trainer runs its
+    reporters (TensorBoard, W&B, ...) before the callbacks you pass: for
+    them to see the bytes too, put it first,
+    ``trainer.callback_handler.callbacks.insert(0, callback)``. Needs
     transformers."""
     try:
         from transformers import TrainerCallback
@@ -362,15 +370,28 @@ def trainer_callback():
             "zeropp.torch.trainer_callback() needs transformers: pip install transformers"
         ) from e
 
-    class ZeroppTrafficCallback(TrainerCallback):
+    class ZeroppCallback(TrainerCallback):
         def __init__(self):
             self.log = TrafficLog()
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs is not None and _job is not None:
-                logs.update(self.log())
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if mode is None:
+                return
+            if model is None:
+                raise ZeroppError("the Trainer passed no model to its callbacks")
+            enable(model, mode=mode, **enable_kwargs)
 
-    return ZeroppTrafficCallback()
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is None or _job is None:
+                return
+            entry = self.log()
+            logs.update(entry)
+            # The Trainer keeps a copy of the entry in its history (and
+            # trainer_state.json) before the callbacks run.
+            if state is not None and state.log_history:
+                state.log_history[-1].update(entry)
+
+    return ZeroppCallback()
 
 
 def resolved_switches():

@@ -1,0 +1,112 @@
+"""zeropp under Hugging Face Accelerate's FSDP2 plugin: Accelerate shards a
+transformers LlamaForCausalLM (each decoder layer, then the root) in
+``accelerator.prepare``, and one line after it —
+``zeropp.torch.enable(model, mode=...)`` — gives every module FSDP2 sharded
+zeropp's communication. The loop is Accelerate's own (``accelerator.backward``,
+``accelerator.log`` with zeropp's bytes per hop and phase).
+
+    accelerate launch --num_processes 4 examples/accelerate_llama.py --zeropp zeropp
+    torchrun --standalone --nproc-per-node 4 examples/accelerate_llama.py --zeropp zeropp
+
+``--zeropp none`` trains with FSDP2's own collectives (the baseline);
+``zero3`` gives its losses step for step through zeropp's transports;
+``zeropp`` is ZeRO++ (or what the job's measured links choose on real
+hosts). ``--ranks-per-node G`` makes logical nodes of G ranks.
+
+Accelerate shards with FSDP only on accelerators (on CPU ranks it falls back
+to DDP); ``--cpu-fsdp`` forces its FSDP2 path on CPU ranks, as the tests do.
+On GPUs leave it off.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import zeropp
+import zeropp.torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--zeropp", choices=["none", "zero3", "zeropp"], default="zeropp")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--cpu-fsdp", action="store_true", help="force Accelerate's FSDP2 on CPU")
+    p.add_argument("--summary-json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        reshard_after_forward=True,
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=args.cpu_fsdp)
+    if args.cpu_fsdp and accelerator.state.distributed_type != DistributedType.FSDP:
+        accelerator.state.distributed_type = DistributedType.FSDP
+        accelerator.state.fsdp_plugin = plugin
+    rank = accelerator.process_index
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    # The one line: zeropp's collectives on every module Accelerate sharded.
+    if args.zeropp != "none":
+        zeropp.torch.enable(model, mode=args.zeropp, ranks_per_node=args.ranks_per_node)
+        traffic_log = zeropp.torch.TrafficLog()
+
+    corpus = torch.frombuffer(
+        bytearray(zeropp.builtin_corpus(1 << 20, args.seed)), dtype=torch.uint8
+    )
+    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    losses, logged = [], {}
+    for step in range(args.steps):
+        starts = torch.randint(0, len(corpus) - 33, (4,), generator=g)
+        x = torch.stack([corpus[s : s + 32] for s in starts]).long()
+        y = torch.stack([corpus[s + 1 : s + 33] for s in starts]).long()
+        loss = model(input_ids=x, labels=y, use_cache=False).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean = accelerator.reduce(loss.detach(), reduction="mean")
+        losses.append(mean.item())
+        logged = {"loss": losses[-1]}
+        if args.zeropp != "none":
+            logged.update(traffic_log())
+        accelerator.log(logged, step=step)
+    summary = {"zeropp": args.zeropp, "losses": losses, "last_log": logged}
+    if args.zeropp != "none":
+        summary["switches"] = zeropp.torch.resolved_switches()[args.zeropp]["switches"]
+    if rank == 0:
+        print(f"{args.zeropp}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+        if args.summary_json:
+            with open(args.summary_json, "w") as f:
+                json.dump(summary, f)
+    dist.barrier()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
+    os._exit(0)  # gloo's teardown aborts now and then (see torch_gpt.py)
