@@ -134,7 +134,17 @@ def test_accelerate_and_the_trainer_shard_then_zeropp_matches_them_and_trains(tm
     def run(which, steps):
         out = tmp_path / f"{recipe}-{which}.json"
         args = ["--zeropp", which, "--steps", steps, "--ranks-per-node", 2, "--cpu-fsdp"]
-        torchrun(ROOT / "examples" / recipe, [*args, "--summary-json", out])
+        args = [*args, "--summary-json", out]
+        if recipe == "accelerate_llama.py":
+            # As its users start it: `accelerate launch` (torchrun inside).
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+            cmd += ["--num_processes", "4", "--main_process_port", str(free_port())]
+            cmd += [str(ROOT / "examples" / recipe), *map(str, args)]
+            env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+            assert p.returncode == 0, f"{p.stdout[-4000:]}\n{p.stderr[-8000:]}"
+        else:
+            torchrun(ROOT / "examples" / recipe, args)
         return json.loads(out.read_text())
 
     base, z3 = run("none", 8), run("zero3", 8)
