@@ -17,7 +17,7 @@ fn compile_check_reports_every_kernel() {
     assert!(out.status.success(), "{stderr}");
     let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let kernels = doc["kernels"].as_array().unwrap();
-    assert_eq!(kernels.len(), 74, "{doc}");
+    assert_eq!(kernels.len(), 81, "{doc}");
     assert!(doc["problems"].as_array().unwrap().is_empty(), "{doc}");
     for k in kernels {
         assert_eq!(k["arch"], "sm_90");
