@@ -572,20 +572,7 @@ impl Gpu {
         x: &CudaView<'_, T>,
         y: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
-        size_check("values converted to f32", x.len(), y.len())?;
-        if x.is_empty() {
-            return Ok(());
-        }
-        let name = format!("zq_to_f32_{}", T::TAG);
-        let func = self.function("dequantize", &name)?;
-        let n = x.len() as u64;
-        let cfg = grid_config(crate::kernels::stride_grid(n), &name)?;
-        let mut l = self.stream.launch_builder(&func);
-        l.arg(x).arg(y).arg(&n);
-        // SAFETY: (const T*, float*, u64) as dequantize.cu declares it; both
-        // buffers hold `n` values.
-        unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
-        Ok(())
+        self.cast(&format!("zq_to_f32_{}", T::TAG), x, y)
     }
 
     /// `y = x` narrowed from f32, rounded to nearest even
@@ -595,18 +582,28 @@ impl Gpu {
         x: &CudaView<'_, f32>,
         y: &mut CudaViewMut<'_, T>,
     ) -> Result<(), CudaError> {
-        size_check("values converted from f32", x.len(), y.len())?;
+        self.cast(&format!("zq_from_f32_{}", T::TAG), x, y)
+    }
+
+    /// Launches the cast kernel `name` of `x` into `y` (equal lengths).
+    fn cast<A: GpuElement, B: GpuElement>(
+        &self,
+        name: &str,
+        x: &CudaView<'_, A>,
+        y: &mut CudaViewMut<'_, B>,
+    ) -> Result<(), CudaError> {
+        size_check("values of a cast", x.len(), y.len())?;
         if x.is_empty() {
             return Ok(());
         }
-        let name = format!("zq_from_f32_{}", T::TAG);
-        let func = self.function("dequantize", &name)?;
+        let func = self.function("dequantize", name)?;
         let n = x.len() as u64;
-        let cfg = grid_config(crate::kernels::stride_grid(n), &name)?;
+        let cfg = grid_config(crate::kernels::stride_grid(n), name)?;
         let mut l = self.stream.launch_builder(&func);
         l.arg(x).arg(y).arg(&n);
-        // SAFETY: (const float*, T*, u64) as dequantize.cu declares it; both
-        // buffers hold `n` values.
+        // SAFETY: (const A*, B*, u64) as dequantize.cu declares the kernel
+        // `name` (zq_to_f32_E: A = E, B = f32; zq_from_f32_E: the other way);
+        // both buffers hold `n` values.
         unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
         Ok(())
     }

@@ -393,13 +393,7 @@ impl Job {
             };
             if let Some((state, format)) = &delta {
                 let s = state.get();
-                let wire = delta::DeltaWire {
-                    delta: *format,
-                    refresh_every: s.refresh_every,
-                    // The hop inside the node as plain FSDP2 would move
-                    // these tensors: bf16 ones in bf16, others in f32.
-                    fp32: s.fp32 || dtype != Dtype::Bf16,
-                };
+                let wire = s.wire(*format, dtype);
                 let mut reference = s.reference.lock().map_err(|_| poisoned())?;
                 with_dtype!(dtype, T => {
                     let shard: &[T] = inp.typed("input").map_err(bad)?;
@@ -685,11 +679,24 @@ impl QgzState {
 /// references of its cross group's shards (`zeropp::zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    pub(crate) refresh_every: u64,
-    pub(crate) fp32: bool,
+    refresh_every: u64,
+    fp32: bool,
     pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
     /// The same references for CUDA tensors, on their device.
     pub(crate) device: Mutex<Option<delta::Reference<zeropp::zero::device::DeviceValues>>>,
+}
+
+impl QwzReference {
+    /// The wire of a gather of `dtype` tensors with differences in
+    /// `format`: the hop inside the node as plain FSDP2 would move these
+    /// tensors (bf16 ones in bf16, others in f32), or f32 when asked.
+    pub(crate) fn wire(&self, format: QuantFormat, dtype: Dtype) -> delta::DeltaWire {
+        delta::DeltaWire {
+            delta: format,
+            refresh_every: self.refresh_every,
+            fp32: self.fp32 || dtype != Dtype::Bf16,
+        }
+    }
 }
 
 #[pymethods]

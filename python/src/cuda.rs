@@ -387,13 +387,7 @@ impl CudaJob {
                             inp,
                             out,
                             numel,
-                            wire: delta::DeltaWire {
-                                delta: format,
-                                refresh_every: state.refresh_every,
-                                // The hop inside the node as FSDP2 moves
-                                // these tensors: bf16 in bf16, others in f32.
-                                fp32: state.fp32 || dtype != Dtype::Bf16,
-                            },
+                            wire: state.wire(format, dtype),
                             phase,
                             reference: &mut reference,
                         },

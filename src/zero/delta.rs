@@ -47,11 +47,6 @@ pub struct Reference<V> {
 }
 
 impl<V> Reference<V> {
-    /// Values of each shard it holds.
-    pub fn chunk(&self) -> usize {
-        self.chunk
-    }
-
     /// Bytes it keeps (f32): N shards of a chunk, 1/G of the unit.
     pub fn bytes(&self) -> usize {
         self.nodes * self.chunk * 4
@@ -101,16 +96,14 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     // What this rank sends: its shard, less what the receivers hold of it.
     let mut mine_now = q.values(chunk)?;
     q.load_tensor(shard, &mut mine_now, 0)?;
-    let mut delta = q.values(chunk)?;
-    if !refresh {
-        q.copy(&r.values, layout.node() * chunk, &mut delta, 0, chunk)?;
-        q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
-    }
     if refresh {
         // The weights themselves, in the plain wire: every reference
         // starts from what ZeRO-3 would have gathered.
         m.all_gather_values(Hop::Cross, phase, &mine_now, &mut r.values, wire.fp32)?;
     } else {
+        let mut delta = q.values(chunk)?;
+        q.copy(&r.values, layout.node() * chunk, &mut delta, 0, chunk)?;
+        q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
         let mut mine = q.chunks(wire.delta, chunk, 1)?;
         q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
         let mut across = q.chunks(wire.delta, chunk, nodes)?;

@@ -255,39 +255,11 @@ impl HostKernels for Emulated {
     }
 
     fn widen<T: GpuElement>(&self, x: &[T], y: &mut [f32]) -> Result<(), ZeroError> {
-        same_len("values converted to f32", x.len(), y.len())?;
-        let name = format!("zq_to_f32_{}", T::TAG);
-        if !x.is_empty() {
-            // SAFETY: `x` holds x.len() values of T, `y` as many f32.
-            unsafe {
-                emu::cast(
-                    &name,
-                    stride_grid(x.len(), &name)?,
-                    x.as_ptr().cast(),
-                    y.as_mut_ptr().cast(),
-                    x.len() as u64,
-                )
-            };
-        }
-        Ok(())
+        cast(&format!("zq_to_f32_{}", T::TAG), x, y)
     }
 
     fn narrow<T: GpuElement>(&self, x: &[f32], y: &mut [T]) -> Result<(), ZeroError> {
-        same_len("values converted from f32", x.len(), y.len())?;
-        let name = format!("zq_from_f32_{}", T::TAG);
-        if !x.is_empty() {
-            // SAFETY: `x` holds x.len() f32 values, `y` as many of T.
-            unsafe {
-                emu::cast(
-                    &name,
-                    stride_grid(x.len(), &name)?,
-                    x.as_ptr().cast(),
-                    y.as_mut_ptr().cast(),
-                    x.len() as u64,
-                )
-            };
-        }
-        Ok(())
+        cast(&format!("zq_from_f32_{}", T::TAG), x, y)
     }
 
     fn rotate(&self, x: &mut [f32], block: usize) -> Result<(), ZeroError> {
@@ -309,11 +281,28 @@ impl HostKernels for Emulated {
     }
 }
 
-/// Checks two buffers of one launch hold as many values.
-fn same_len(what: &str, a: usize, b: usize) -> Result<(), ZeroError> {
-    if a == b {
-        Ok(())
-    } else {
-        Err(ZeroError::Invalid(format!("{what}: {a} values into {b}")))
+/// Launches the cast kernel `name` (`zq_to_f32_E` or `zq_from_f32_E`) of
+/// `x` into `y`, as many values.
+fn cast<A: GpuElement, B: GpuElement>(name: &str, x: &[A], y: &mut [B]) -> Result<(), ZeroError> {
+    if x.len() != y.len() {
+        return Err(ZeroError::Invalid(format!(
+            "{name}: {} values into {}",
+            x.len(),
+            y.len()
+        )));
     }
+    if !x.is_empty() {
+        // SAFETY: `x` holds x.len() values of A, `y` as many of B, the
+        // kernel's input and output types.
+        unsafe {
+            emu::cast(
+                name,
+                stride_grid(x.len(), name)?,
+                x.as_ptr().cast(),
+                y.as_mut_ptr().cast(),
+                x.len() as u64,
+            )
+        };
+    }
+    Ok(())
 }
