@@ -200,11 +200,13 @@ struct TrainArgs {
     /// A TOML file with any of the settings below (flags override it).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int8 +
-    /// hpZ + qgZ int4).
+    /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int4
+    /// weight differences + hpZ + qgZ int4 with a rotated hop across
+    /// nodes).
     #[arg(long, value_enum)]
     mode: Option<Mode>,
-    /// qwZ: bits of the forward weight gather (8, 4; 0 = off).
+    /// qwZ: bits of the forward weight gather (8, 4; 0 = off); zeropp's
+    /// default: 4 with --qwz-delta, else 8.
     #[arg(long)]
     qwz_bits: Option<u32>,
     /// hpZ: node-local secondary shards for the backward gather.
@@ -240,7 +242,8 @@ struct TrainArgs {
     #[arg(long)]
     fp32_comm: Option<bool>,
     /// qwZ sends weight differences across nodes, at --qwz-bits, against a
-    /// reference every receiver keeps (docs/TRAINING.md).
+    /// reference every receiver keeps (docs/TRAINING.md); zeropp's default:
+    /// on with qwZ across nodes.
     #[arg(long)]
     qwz_delta: Option<bool>,
     /// Forward gathers of a unit between full refreshes of the qwZ
@@ -248,11 +251,12 @@ struct TrainArgs {
     #[arg(long)]
     qwz_refresh: Option<usize>,
     /// qgZ's hop across nodes rotates each block (Walsh–Hadamard) before
-    /// quantizing, spreading outliers over the block.
+    /// quantizing, spreading outliers over the block; zeropp's default: on
+    /// with qgZ.
     #[arg(long)]
     qgz_hadamard: Option<bool>,
     /// Values per quantization block of qgZ's hop across nodes (default:
-    /// --qgz-block).
+    /// 64 in zeropp mode, else --qgz-block).
     #[arg(long)]
     qgz_inter_block: Option<usize>,
     #[arg(long)]
@@ -371,7 +375,10 @@ impl TrainArgs {
              qgz_stochastic => c.qgz_stochastic,
              qgz_block => c.qgz_block, val_batches => c.val_batches,
              fp32_comm => c.fp32_comm, tied_head => c.model.tied_head,
-             qwz_refresh => c.qwz_refresh, qgz_hadamard => c.qgz_hadamard);
+             qwz_refresh => c.qwz_refresh);
+        if self.qgz_hadamard.is_some() {
+            c.qgz_hadamard = self.qgz_hadamard;
+        }
         if self.qgz_inter_block.is_some() {
             c.qgz_inter_block = self.qgz_inter_block;
         }

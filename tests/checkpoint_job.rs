@@ -107,6 +107,16 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
         (Some(2), Some(8)),
         "{manifest}"
     );
+    // Each shard keeps its part of the qwZ references (weight differences
+    // are the default across nodes): the resume below goes on from them.
+    assert_eq!(sw["qwz_delta"], true, "{manifest}");
+    for shard in manifest["shards"].as_array().unwrap() {
+        let lens = shard["reference_lens"].as_array().unwrap();
+        assert!(
+            !lens.is_empty() && lens.iter().all(|l| l.as_u64() > Some(0)),
+            "{shard}"
+        );
+    }
     let out = zeropp()
         .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
         .output()

@@ -122,9 +122,16 @@ fn zeropp_training_runs_learns_and_reports() {
         (Some(2), Some(8)),
         "{s}"
     );
+    // zeropp's default across nodes: int4 weight differences, hpZ, and
+    // qgZ's hop across nodes rotated.
     assert_eq!(
-        (sw["qwz_bits"].as_u64(), sw["hpz"].as_bool()),
-        (Some(8), Some(true))
+        (
+            sw["qwz_bits"].as_u64(),
+            sw["qwz_delta"].as_bool(),
+            sw["hpz"].as_bool(),
+            sw["qgz_hadamard"].as_bool()
+        ),
+        (Some(4), Some(true), Some(true), Some(true))
     );
     let (first, last) = (
         s["initial_loss"].as_f64().unwrap(),

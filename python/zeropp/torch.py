@@ -18,14 +18,17 @@ Parameters stay ordinary FSDP2 DTensors (the optimizer, gradient clipping and
 collectives through FSDP2's ``set_custom_all_gather`` /
 ``set_custom_reduce_scatter``:
 
-- qwZ: the forward all-gather quantizes this rank's shard (int8, or int4 with
-  ``qwz_bits=4``), gathers across nodes then inside the node, and dequantizes
-  into FSDP2's output buffer;
+- qwZ: the forward all-gather sends, across nodes, the int4 difference
+  between this rank's shard and the reference its peers hold (refreshed
+  with the weights themselves every ``qwz_refresh`` gathers), then gathers
+  inside the node, into FSDP2's output buffer; with ``qwz_delta=False`` it
+  quantizes the weights themselves (int8, as DeepSpeed's ZeRO++);
 - hpZ: ``reshard_after_forward=<hpZ group>`` keeps a secondary shard, and the
   backward all-gather stays inside that group (the node, or an NVLink island);
 - qgZ: the gradient reduce-scatter is the two-hop quantized all-to-all with
-  f32 sums and the mean over all W ranks, with error feedback whose state
-  lives with the FSDP parameter group.
+  f32 sums and the mean over all W ranks, its hop across nodes rotated
+  block by block (Walsh–Hadamard) before int4, with error feedback whose
+  state lives with the FSDP parameter group.
 
 CPU tensors go through zeropp's host transports (UCX, TCP); CUDA tensors
 through zeropp's CUDA kernels on the caller's current stream and NCCL
@@ -40,7 +43,8 @@ bit, for checking the device path without a GPU.
 transports. Switches carry ``zeropp train``'s names (``qwz_bits``, ``hpz``,
 ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
 ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
-``qwz_refresh``); FSDP2's own keyword arguments pass through.
+``qwz_refresh``, ``qgz_hadamard``, ``qgz_inter_block``); FSDP2's own keyword
+arguments pass through.
 """
 
 import datetime
@@ -669,9 +673,13 @@ def fully_shard(
     communication through zeropp's transports). The switches (``qwz_bits``,
     ``hpz``, ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
     ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
-    ``qwz_refresh``) override the mode's; the rest comes from the routing
-    plan. ``qwz_delta=True`` sends weight differences across nodes at
-    ``qwz_bits``; ``qgz_hadamard=True`` rotates qgZ's hop across nodes. ``seed`` seeds qgZ's
+    ``qwz_refresh``, ``qgz_hadamard``, ``qgz_inter_block``) override the
+    mode's; the rest comes from the routing plan and the links measured at
+    join. ``mode="zeropp"`` sends int4 weight differences across nodes
+    (``qwz_delta``, refreshed every ``qwz_refresh`` gathers) and rotates
+    qgZ's hop across nodes (``qgz_hadamard``, blocks of ``qgz_inter_block``);
+    ``qwz_delta=False, qgz_hadamard=False`` is DeepSpeed's ZeRO++ (qwZ
+    int8). ``seed`` seeds qgZ's
     stochastic rounding. Other keyword arguments (``mesh``, ``mp_policy``,
     ``reshard_after_forward``, ...) go to FSDP2; with hpZ,
     ``reshard_after_forward`` defaults to the hpZ group. Returns the module.

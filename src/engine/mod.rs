@@ -123,6 +123,9 @@ pub struct UnitShard {
     /// qgZ error-feedback residuals (empty without error feedback).
     pub residual: Residual,
     pub residual_inter: Residual,
+    /// qwZ on weight differences: this rank's part of its reference (none
+    /// before the first gather, without `qwz_delta`, or re-cut).
+    pub reference: Option<delta::SavedReference>,
 }
 
 /// Bytes one rank keeps between steps for ZeRO++ (`Engine::kept_bytes`).
@@ -546,6 +549,12 @@ impl Engine {
                     .lock()
                     .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?
                     .clone();
+                let reference = su
+                    .reference
+                    .lock()
+                    .map_err(|_| anyhow!("a qwZ reference was poisoned"))?
+                    .as_ref()
+                    .map(|r| r.saved(self.plan.layout));
                 Ok(UnitShard {
                     layout,
                     master: su.master.clone(),
@@ -553,6 +562,7 @@ impl Engine {
                     v: su.adam.v.clone(),
                     residual: su.residual.clone(),
                     residual_inter,
+                    reference,
                 })
             })
             .collect()
@@ -561,8 +571,12 @@ impl Engine {
     /// Replaces this rank's primary shards (and error-feedback residuals,
     /// when they fit this plan; otherwise they restart from zero) and the
     /// step counter. The hpZ secondary shards are dropped: they are never
-    /// reused across a load.
-    pub fn load_shard_state(&mut self, shards: Vec<UnitShard>, step: usize) -> Result<()> {
+    /// reused across a load. With qwZ on weight differences, the members of
+    /// each cross group exchange their saved parts and rebuild their
+    /// references (a collective: every rank loads); where a part is missing
+    /// the references restart with a refresh.
+    pub fn load_shard_state(&mut self, mut shards: Vec<UnitShard>, step: usize) -> Result<()> {
+        let saved: Vec<_> = shards.iter_mut().map(|s| s.reference.take()).collect();
         if shards.len() != self.units.len() {
             bail!(
                 "the checkpoint has {} units, this model {}",
@@ -587,10 +601,6 @@ impl Engine {
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
-            // Every rank loads: every reference restarts with a refresh.
-            if let Ok(mut r) = su.reference.lock() {
-                *r = None;
-            }
             let fits = sh.residual.shape() == su.residual.shape()
                 && su
                     .residual_inter
@@ -605,8 +615,90 @@ impl Engine {
                 su.reset_residuals();
             }
         }
+        self.restart_references();
+        if matches!(self.plan.weights, WeightWire::Delta(_)) && saved.len() == self.units.len() {
+            let parts = self.gather_saved_references(&saved)?;
+            for (su, parts) in self.units.iter().zip(parts) {
+                let rebuilt = parts.and_then(|p| delta::Reference::from_saved(&p));
+                if let (Some(r), Ok(mut slot)) = (rebuilt, su.reference.lock()) {
+                    *slot = Some(r);
+                }
+            }
+        }
         self.step = step;
         Ok(())
+    }
+
+    /// Every cross-group member's saved reference part of each unit, in
+    /// node order; `None` for a unit where any member has none.
+    fn gather_saved_references(
+        &self,
+        saved: &[Option<delta::SavedReference>],
+    ) -> Result<Vec<Option<Vec<delta::SavedReference>>>> {
+        let mut mine = Vec::new();
+        for s in saved {
+            match s {
+                None => mine.push(0u8),
+                Some(s) => {
+                    mine.push(1);
+                    mine.extend_from_slice(&s.forwards_since_refresh.to_le_bytes());
+                    mine.extend_from_slice(&(s.own.len() as u64).to_le_bytes());
+                    mine.extend_from_slice(bytemuck::cast_slice(&s.own));
+                }
+            }
+        }
+        let (cross, counter) = (self.groups.cross.clone(), self.counter.clone());
+        let all = self
+            .thread
+            .submit(move |c| {
+                counter.set_phase(Phase::Other, 0.0);
+                c.all_gather_v(&cross, Bytes::from(mine))
+            })
+            .wait()?;
+        let mut per_unit: Vec<Option<Vec<delta::SavedReference>>> =
+            vec![Some(Vec::new()); saved.len()];
+        for member in &all {
+            let mut at = 0;
+            let mut take = |n: usize| -> Result<&[u8]> {
+                let b = member
+                    .get(at..at + n)
+                    .ok_or_else(|| anyhow!("a peer's saved qwZ references are truncated"))?;
+                at += n;
+                Ok(b)
+            };
+            for slot in per_unit.iter_mut() {
+                if take(1)?[0] == 0 {
+                    *slot = None;
+                    continue;
+                }
+                let forwards = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
+                let len = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes")) as usize;
+                let own = take(len.saturating_mul(4))?
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                if let Some(parts) = slot {
+                    parts.push(delta::SavedReference {
+                        own,
+                        forwards_since_refresh: forwards,
+                    });
+                }
+            }
+        }
+        Ok(per_unit)
+    }
+
+    /// Drops every qwZ reference (`zero::delta`): each unit's next forward
+    /// gather refreshes them. Every rank calls it at the same step: after a
+    /// load, and at each checkpoint save, so that a resumed run sends what
+    /// the uninterrupted run sends, bit for bit, without the references on
+    /// disk.
+    pub fn restart_references(&self) {
+        for su in &self.units {
+            if let Ok(mut r) = su.reference.lock() {
+                *r = None;
+            }
+        }
     }
 
     /// How every unit is cut, in unit order.

@@ -2,7 +2,8 @@
 //!
 //! A checkpoint is a directory `step-NNNNNNNN/` under the checkpoint root:
 //! one zstd-compressed shard per rank (`rank-NNNNN.zst`: its fp32 master
-//! weights, AdamW moments and error-feedback residuals for every unit) and a
+//! weights, AdamW moments, error-feedback residuals and its part of the qwZ
+//! references for every unit) and a
 //! `manifest.json` written by rank 0 (the run's config, world layout, step,
 //! data position, RNG seeding, unit sizes, and each shard's size and CRC-32).
 //! Everything is written under `.tmp-step-NNNNNNNN/`, synced, and renamed
@@ -21,14 +22,16 @@ use serde::{Deserialize, Serialize};
 use crate::engine::{Engine, UnitLayout, UnitShard};
 use crate::train::model::Unit;
 use crate::train::trainer::TrainConfig;
+use crate::zero::delta::SavedReference;
 use crate::zero::residual::Residual;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";
-/// Version 2 stores error-feedback residuals compressed (`zero::residual`);
-/// version 1 stored them as f32 and is still read.
-pub const VERSION: u32 = 2;
-const READS: [u32; 2] = [1, 2];
+/// Version 3 adds each rank's part of its qwZ references (`zero::delta`);
+/// version 2 stores error-feedback residuals compressed (`zero::residual`);
+/// version 1 stored them as f32. All three are read.
+pub const VERSION: u32 = 3;
+const READS: [u32; 3] = [1, 2, 3];
 const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -41,6 +44,10 @@ pub struct ShardInfo {
     /// Error-feedback residual lengths per unit, in values (0 without
     /// error feedback): the first hop's and the second's.
     pub residual_lens: Vec<(usize, usize)>,
+    /// Values of this rank's qwZ reference part per unit (0: none); empty
+    /// before version 3.
+    #[serde(default)]
+    pub reference_lens: Vec<usize>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -103,6 +110,12 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
             out.extend_from_slice(&(r.len() as u64).to_le_bytes());
             out.extend_from_slice(&r.to_bytes());
         }
+        let (forwards, own) = match &u.reference {
+            Some(r) => (r.forwards_since_refresh, &r.own[..]),
+            None => (0, &[][..]),
+        };
+        out.extend_from_slice(&forwards.to_le_bytes());
+        put_f32s(&mut out, own);
     }
     out
 }
@@ -205,11 +218,14 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
             m.world_size
         );
     }
+    let references = reference_lens(m, info, file)?;
     if n as usize != m.units.len() || info.residual_lens.len() != m.units.len() {
         bail!("{file}: {n} units, the manifest lists {}", m.units.len());
     }
     let mut out = Vec::with_capacity(m.units.len());
-    for (u, &(res, res_inter)) in m.units.iter().zip(&info.residual_lens) {
+    for ((u, &(res, res_inter)), &reference) in
+        m.units.iter().zip(&info.residual_lens).zip(&references)
+    {
         let len = r.u32()? as usize;
         let name = String::from_utf8_lossy(r.take(len)?).into_owned();
         let (numel, padded, chunk) = (r.u64()?, r.u64()?, r.u64()?);
@@ -231,6 +247,16 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
             v: r.f32s(u.chunk, "Adam v")?,
             residual: r.residual(m.version, res, u.chunk, "error-feedback residual")?,
             residual_inter: r.residual(m.version, res_inter, u.chunk, "second-hop residual")?,
+            reference: if m.version >= 3 {
+                let forwards_since_refresh = r.u64()?;
+                let own = r.f32s(reference, "qwZ reference")?;
+                (reference > 0).then_some(SavedReference {
+                    own,
+                    forwards_since_refresh,
+                })
+            } else {
+                None
+            },
         });
     }
     if r.at != b.len() {
@@ -242,16 +268,45 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
     Ok(out)
 }
 
+/// Each unit's qwZ reference part in values, as the manifest lists them
+/// (zeros before version 3): none, or the unit's chunk.
+fn reference_lens(m: &Manifest, info: &ShardInfo, file: &str) -> Result<Vec<usize>> {
+    if m.version < 3 {
+        return Ok(vec![0; m.units.len()]);
+    }
+    if info.reference_lens.len() != m.units.len() {
+        bail!(
+            "{file}: the manifest lists qwZ references for {} units, not {}",
+            info.reference_lens.len(),
+            m.units.len()
+        );
+    }
+    for (u, &len) in m.units.iter().zip(&info.reference_lens) {
+        if len != 0 && len != u.chunk {
+            bail!(
+                "{file}: unit {:?}: a qwZ reference of {len} values, not its chunk of {}",
+                u.name,
+                u.chunk
+            );
+        }
+    }
+    Ok(info.reference_lens.clone())
+}
+
 /// Decompressed size a shard must have: the bound for decompression.
 fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
     let mut n = 8 + 16;
-    for (u, &(a, b)) in m.units.iter().zip(&info.residual_lens) {
+    let references = reference_lens(m, info, "").unwrap_or_default();
+    for (i, (u, &(a, b))) in m.units.iter().zip(&info.residual_lens).enumerate() {
         n += 4 + u.name.len() + 24 + 5 * 8 + 4 * 3 * u.chunk;
         for len in [a, b] {
             n += match m.version {
                 1 => 4 * len,
                 _ => Residual::stored_bytes(u.chunk, len / u.chunk.max(1)),
             };
+        }
+        if m.version >= 3 {
+            n += 16 + 4 * references.get(i).copied().unwrap_or(0);
         }
     }
     n
@@ -334,6 +389,10 @@ pub fn save(
             residual_lens: units
                 .iter()
                 .map(|u| (u.residual.len(), u.residual_inter.len()))
+                .collect(),
+            reference_lens: units
+                .iter()
+                .map(|u| u.reference.as_ref().map_or(0, |r| r.own.len()))
                 .collect(),
         })
     })();
@@ -658,6 +717,7 @@ pub fn state_for(
                 v: cut(|s| &s.v),
                 residual: Residual::none(),
                 residual_inter: Residual::none(),
+                reference: None,
             }
         })
         .collect())
@@ -749,7 +809,12 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
 mod tests {
     use super::*;
 
-    fn manifest(version: u32, layout: &UnitLayout, res: (usize, usize)) -> Manifest {
+    fn manifest(
+        version: u32,
+        layout: &UnitLayout,
+        res: (usize, usize),
+        reference: usize,
+    ) -> Manifest {
         Manifest {
             format: FORMAT.into(),
             version,
@@ -768,17 +833,22 @@ mod tests {
                     bytes: 0,
                     crc32: 0,
                     residual_lens: vec![res],
+                    reference_lens: if version >= 3 {
+                        vec![reference]
+                    } else {
+                        vec![]
+                    },
                 })
                 .collect(),
             switches: None,
         }
     }
 
-    /// Shards store residuals compressed (version 2), read back bit for
-    /// bit; version-1 shards (f32 residuals) still load, compressed on the
-    /// way in.
+    /// Shards store residuals compressed (since version 2) and the qwZ
+    /// reference part (version 3), read back bit for bit; version-1 shards
+    /// (f32 residuals, no references) still load, compressed on the way in.
     #[test]
-    fn residuals_round_trip_in_v2_and_load_from_v1() {
+    fn residuals_and_references_round_trip_and_v1_still_loads() {
         let layout = UnitLayout {
             name: "blocks.0".into(),
             numel: 250,
@@ -796,12 +866,30 @@ mod tests {
             v: vec![3.0; 64],
             residual: Residual::from_f32(64, 4, &values).unwrap(),
             residual_inter: Residual::from_f32(64, 2, &inter).unwrap(),
+            reference: Some(SavedReference {
+                own: values[..64].to_vec(),
+                forwards_since_refresh: 7,
+            }),
         };
-        let m = manifest(VERSION, &layout, (256, 128));
+        let m = manifest(VERSION, &layout, (256, 128), 64);
         let raw = encode_shard(1, 4, std::slice::from_ref(&shard));
         assert_eq!(raw.len(), shard_size(&m, &m.shards[1]));
         let back = decode_shard(&raw, "rank-00001.zst", &m, &m.shards[1]).unwrap();
         assert_eq!(back, vec![shard.clone()]);
+        // A reference that is not the unit's chunk is refused before use.
+        let bad = manifest(VERSION, &layout, (256, 128), 32);
+        let e = decode_shard(&raw, "rank-00001.zst", &bad, &bad.shards[1]).unwrap_err();
+        assert!(format!("{e}").contains("not its chunk of 64"), "{e}");
+        // Without a reference (before the first gather): none comes back.
+        let plain = UnitShard {
+            reference: None,
+            ..shard.clone()
+        };
+        let m0 = manifest(VERSION, &layout, (256, 128), 0);
+        let raw = encode_shard(1, 4, std::slice::from_ref(&plain));
+        assert_eq!(raw.len(), shard_size(&m0, &m0.shards[1]));
+        let back = decode_shard(&raw, "rank-00001.zst", &m0, &m0.shards[1]).unwrap();
+        assert_eq!(back, vec![plain]);
 
         // The same shard as version 1 wrote it: residuals as f32.
         let mut v1 = Vec::new();
@@ -817,11 +905,12 @@ mod tests {
         for v in [&shard.master, &shard.m, &shard.v, &values, &inter] {
             put_f32s(&mut v1, v);
         }
-        let m1 = manifest(1, &layout, (256, 128));
+        let m1 = manifest(1, &layout, (256, 128), 0);
         assert_eq!(v1.len(), shard_size(&m1, &m1.shards[1]));
         let old = decode_shard(&v1, "rank-00001.zst", &m1, &m1.shards[1]).unwrap();
         assert_eq!(old[0].master, shard.master);
         assert_eq!(old[0].residual, shard.residual);
+        assert_eq!(old[0].reference, None);
         // A shard whose version is not its manifest's is refused, named.
         let e = decode_shard(&v1, "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
         assert!(format!("{e}").contains("rank-00001.zst"), "{e}");

@@ -64,10 +64,11 @@ pub struct TrainConfig {
     /// Forward gathers of a unit between full refreshes of the qwZ
     /// references.
     pub qwz_refresh: usize,
-    /// qgZ's hop across nodes rotated (Walsh–Hadamard) before quantizing.
-    pub qgz_hadamard: bool,
-    /// Values per quantization block of qgZ's hop across nodes; unset:
-    /// `qgz_block`.
+    /// qgZ's hop across nodes rotated (Walsh–Hadamard) before quantizing;
+    /// unset: the mode's default.
+    pub qgz_hadamard: Option<bool>,
+    /// Values per quantization block of qgZ's hop across nodes; unset: the
+    /// mode's default (64 for zeropp, `qgz_block` for zero3).
     pub qgz_inter_block: Option<usize>,
     pub steps: usize,
     /// Sequences per rank per step.
@@ -118,7 +119,7 @@ impl Default for TrainConfig {
             fp32_comm: false,
             qwz_delta: None,
             qwz_refresh: crate::zero::plan::DEFAULT_QWZ_REFRESH,
-            qgz_hadamard: false,
+            qgz_hadamard: None,
             qgz_inter_block: None,
             steps: 200,
             batch: 8,
@@ -177,8 +178,12 @@ impl TrainConfig {
             s.qwz_delta = d;
         }
         s.qwz_refresh = self.qwz_refresh;
-        s.qgz_hadamard = self.qgz_hadamard && s.qgz;
-        s.qgz_inter_block = self.qgz_inter_block;
+        if let Some(h) = self.qgz_hadamard {
+            s.qgz_hadamard = h;
+        }
+        if let Some(b) = self.qgz_inter_block {
+            s.qgz_inter_block = Some(b);
+        }
         s
     }
 
@@ -411,6 +416,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         ("qgz", cfg.qgz.is_some()),
         ("error_feedback", cfg.error_feedback.is_some()),
         ("qwz_delta", cfg.qwz_delta.is_some()),
+        ("qgz_hadamard", cfg.qgz_hadamard.is_some()),
     ] {
         if set {
             asked.push(name);
@@ -874,7 +880,7 @@ pub fn run_mode(
     c.mode = mode;
     if mode == Mode::Zero3 {
         (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
-        c.qwz_delta = None;
+        (c.qwz_delta, c.qgz_hadamard, c.qgz_inter_block) = (None, None, None);
     }
     tweak(&mut c);
     let metrics = match &cfg.metrics {

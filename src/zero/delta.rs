@@ -53,6 +53,43 @@ impl<V> Reference<V> {
     }
 }
 
+/// What a checkpoint keeps of a rank's [`Reference`]: the receivers' view
+/// of this rank's own shard (every member of the cross group holds the same
+/// values of it) and the forward gathers since the last refresh.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SavedReference {
+    pub own: Vec<f32>,
+    pub forwards_since_refresh: u64,
+}
+
+impl Reference<Vec<f32>> {
+    /// This rank's part, at `layout`'s node.
+    pub fn saved(&self, layout: Layout) -> SavedReference {
+        let at = layout.node() * self.chunk;
+        SavedReference {
+            own: self.values[at..at + self.chunk].to_vec(),
+            forwards_since_refresh: self.forwards_since_refresh,
+        }
+    }
+
+    /// Rebuilt from the parts of every member of the cross group, in node
+    /// order: the reference each of them held when they were saved. `None`
+    /// when the parts do not make one reference (lengths or counts differ).
+    pub fn from_saved(parts: &[SavedReference]) -> Option<Self> {
+        let first = parts.first()?;
+        let chunk = first.own.len();
+        let same = parts.iter().all(|p| {
+            p.own.len() == chunk && p.forwards_since_refresh == first.forwards_since_refresh
+        });
+        (same && chunk > 0).then(|| Reference {
+            values: parts.iter().flat_map(|p| p.own.iter().copied()).collect(),
+            nodes: parts.len(),
+            chunk,
+            forwards_since_refresh: first.forwards_since_refresh,
+        })
+    }
+}
+
 /// The delta gather: every rank's `shard` (rank order, equal lengths) into
 /// `out` (W · chunk values), through this rank's `reference` of the unit
 /// (`None` at first, after a load or a resize: the gather is then a full

@@ -89,6 +89,10 @@ pub struct Switches {
 /// Forward gathers between qwZ delta refreshes, by default.
 pub const DEFAULT_QWZ_REFRESH: usize = 100;
 
+/// Values per block of qgZ's int4 hop across nodes, by default: blocks of
+/// 128 lost about 4% of final loss on the default model (docs/TRAINING.md).
+pub const DEFAULT_QGZ_INTER_BLOCK: usize = 64;
+
 fn default_qwz_refresh() -> usize {
     DEFAULT_QWZ_REFRESH
 }
@@ -114,10 +118,15 @@ impl Switches {
         }
     }
 
-    /// ZeRO++: qwZ int8 + hpZ + qgZ int4 (round to nearest, error feedback).
+    /// zeropp's default: ZeRO++ (qwZ + hpZ + qgZ int4, round to nearest,
+    /// error feedback) with what goes beyond it: qwZ sends int4 weight
+    /// differences across nodes, and qgZ's hop across nodes is rotated, in
+    /// blocks of [`DEFAULT_QGZ_INTER_BLOCK`] (docs/TRAINING.md, "Beyond
+    /// ZeRO++"). Without the differences, qwZ is ZeRO++'s int8
+    /// ([`resolve`]).
     pub fn zeropp(block: usize) -> Self {
         Switches {
-            qwz_bits: Some(8),
+            qwz_bits: Some(4),
             hpz: true,
             hpz_group: None,
             qgz: true,
@@ -127,10 +136,22 @@ impl Switches {
             qgz_block: 32,
             qgz_intra_bits: 4,
             fp32_comm: false,
-            qwz_delta: false,
+            qwz_delta: true,
             qwz_refresh: DEFAULT_QWZ_REFRESH,
+            qgz_hadamard: true,
+            qgz_inter_block: Some(DEFAULT_QGZ_INTER_BLOCK),
+        }
+    }
+
+    /// DeepSpeed's ZeRO++ as published: qwZ int8 on the weights
+    /// themselves, hpZ, qgZ int4 with error feedback, no rotation.
+    pub fn zeropp_published(block: usize) -> Self {
+        Switches {
+            qwz_bits: Some(8),
+            qwz_delta: false,
             qgz_hadamard: false,
             qgz_inter_block: None,
+            ..Switches::zeropp(block)
         }
     }
 }
@@ -202,6 +223,7 @@ pub fn resolve(
         s.qgz_intra_bits = b;
         why.insert("qgz_intra_bits".into(), reason.to_string());
     }
+    follow_what_was_kept(&mut s, asked, layout, &mut why);
     Plan::new(layout, &s)?;
     Ok(Resolved { switches: s, why })
 }
@@ -248,6 +270,43 @@ pub fn resolve_mode(
     let asked: Vec<&str> = overrides.keys().map(String::as_str).collect();
     let measured = measured.filter(|_| mode == "zeropp");
     resolve(s, &asked, layout, routing, measured).map_err(|e| format!("invalid switches: {e}"))
+}
+
+/// The switches that refine another follow it where the user did not ask
+/// for them: weight differences need qwZ and a hop across nodes; int4
+/// weights go only as differences (otherwise ZeRO++'s int8); the rotation
+/// needs qgZ.
+fn follow_what_was_kept(
+    s: &mut Switches,
+    asked: &[&str],
+    layout: Layout,
+    why: &mut BTreeMap<String, String>,
+) {
+    let not_asked = |name: &str| !asked.contains(&name);
+    if s.qwz_delta && not_asked("qwz_delta") {
+        let off = if s.qwz_bits.is_none() {
+            Some("off: qwZ is off")
+        } else if layout.nodes == 1 {
+            Some("off: one node, no hop across nodes to send differences over")
+        } else {
+            None
+        };
+        if let Some(reason) = off {
+            s.qwz_delta = false;
+            why.insert("qwz_delta".into(), reason.into());
+        }
+    }
+    if s.qwz_bits == Some(4) && !s.qwz_delta && not_asked("qwz_bits") {
+        s.qwz_bits = Some(8);
+        let reason = "int8: int4 weights go only as differences (qwz_delta)";
+        why.entry("qwz_bits".into())
+            .and_modify(|w| *w = format!("{w}; {reason}"))
+            .or_insert_with(|| reason.into());
+    }
+    if s.qgz_hadamard && !s.qgz && not_asked("qgz_hadamard") {
+        s.qgz_hadamard = false;
+        why.insert("qgz_hadamard".into(), "off: qgZ is off".into());
+    }
 }
 
 /// What a quantized route must save to be chosen: at least this fraction
@@ -559,12 +618,16 @@ mod tests {
         assert!(r.why["qwz_bits"].starts_with("plain: qwZ gather 2.50 ms against plain 2.00 ms"));
         assert!(r.why["qgz"].starts_with("plain: "), "{r:?}");
         assert!(r.why["hpz"].contains("one node"), "{r:?}");
-        // A slow hop across: ZeRO++ throughout.
+        // A slow hop across: zeropp's default throughout.
         let m = measured((200.0, 60.0), (210.0, 50.0));
         let r = resolve(zpp(), &[], two, &routing(), Some(&m)).unwrap();
         assert_eq!(
-            (r.switches.qwz_bits, r.switches.qgz, r.switches.hpz),
-            (Some(8), true, true)
+            r.switches,
+            Switches {
+                hpz_group: r.switches.hpz_group,
+                qgz_intra_bits: r.switches.qgz_intra_bits,
+                ..zpp()
+            }
         );
         assert!(r.why["qgz"].starts_with("quantized: "), "{r:?}");
         // What the user asked for stays, whatever was measured.
@@ -572,13 +635,77 @@ mod tests {
         let r = resolve(zpp(), &["qwz_bits", "qgz"], two, &routing(), Some(&m)).unwrap();
         assert_eq!(
             (r.switches.qwz_bits, r.switches.qgz),
-            (Some(8), true),
+            (Some(4), true),
             "{r:?}"
         );
         assert_eq!(r.why["qgz"], "asked");
         // zero3 takes nothing from the measurement.
         let r = resolve_mode("zero3", &Default::default(), two, &routing(), Some(&m)).unwrap();
         assert_eq!(r.switches, Switches::zero3(256));
+    }
+
+    #[test]
+    fn refinements_follow_the_switch_they_refine_unless_asked() {
+        let json = |s: &str| serde_json::from_str(s).unwrap();
+        let get = |o: &str, layout: Layout| {
+            resolve_mode("zeropp", &json(o), layout, &routing(), None).map(|r| {
+                let s = &r.switches;
+                ((s.qwz_bits, s.qwz_delta, s.qgz_hadamard), r.why)
+            })
+        };
+        let two = layout();
+        let one = Layout {
+            nodes: 1,
+            ..layout()
+        };
+        // The default across nodes: int4 differences, a rotated hop.
+        assert_eq!(get("{}", two).unwrap().0, (Some(4), true, true));
+        // Without differences (asked, or one node), qwZ is ZeRO++'s int8.
+        let (s, why) = get(r#"{"qwz_delta": false}"#, two).unwrap();
+        assert_eq!(s, (Some(8), false, true));
+        assert!(why["qwz_bits"].contains("int4 weights go only as differences"));
+        let (s, why) = get("{}", one).unwrap();
+        assert_eq!(s, (Some(8), false, true));
+        assert!(why["qwz_delta"].contains("one node"), "{why:?}");
+        // Asked int4 stays int4; qwZ off takes the differences with it.
+        assert_eq!(
+            get(r#"{"qwz_delta": false, "qwz_bits": 4}"#, two)
+                .unwrap()
+                .0,
+            (Some(4), false, true)
+        );
+        let (s, why) = get(r#"{"qwz_bits": null}"#, two).unwrap();
+        assert_eq!(s, (None, false, true));
+        assert_eq!(why["qwz_delta"], "off: qwZ is off");
+        // qgZ off takes the rotation with it, unless it was asked.
+        let (s, why) = get(r#"{"qgz": false, "error_feedback": false}"#, two).unwrap();
+        assert_eq!(s, (Some(4), true, false));
+        assert_eq!(why["qgz_hadamard"], "off: qgZ is off");
+        let e = get(
+            r#"{"qgz": false, "error_feedback": false, "qgz_hadamard": true}"#,
+            two,
+        )
+        .unwrap_err();
+        assert!(e.contains("turn qgz on"), "{e}");
+        let e = get(r#"{"qwz_bits": null, "qwz_delta": true}"#, two).unwrap_err();
+        assert!(e.contains("set qwz_bits"), "{e}");
+        // DeepSpeed's ZeRO++ as published is one override away.
+        let r = resolve_mode(
+            "zeropp",
+            &json(r#"{"qwz_delta": false, "qgz_hadamard": false, "qgz_inter_block": null}"#),
+            two,
+            &routing(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            r.switches,
+            Switches {
+                hpz_group: r.switches.hpz_group,
+                qgz_intra_bits: r.switches.qgz_intra_bits,
+                ..Switches::zeropp_published(256)
+            }
+        );
     }
 
     #[test]
