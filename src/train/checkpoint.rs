@@ -550,7 +550,7 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     }
     if !READS.contains(&m.version) {
         bail!(
-            "{}: checkpoint format version {}, this build reads versions 1 and {VERSION}",
+            "{}: checkpoint format version {}, this build reads versions 1 to {VERSION}",
             path.display(),
             m.version
         );
