@@ -112,10 +112,14 @@ mode_args() {
     qwz) echo "--mode zero3 --qwz-bits 8" ;;
     hpz) echo "--mode zero3 --hpz true" ;;
     qgz) echo "--mode zero3 --qgz true" ;;
+    # zeropp's default since 2026-12-02, spelled out.
     beyond) echo "--mode zeropp --qwz-bits 4 --qwz-delta true --qgz-hadamard true --qgz-inter-block 64" ;;
+    # DeepSpeed's ZeRO++ as published (zeropp's default before 2026-12-02).
+    published) echo "--mode zeropp --qwz-delta false --qgz-hadamard false --qgz-inter-block 32" ;;
     torch-zeropp|torch-zero3|torch-fsdp2|torch-hsdp) echo "--mode ${1#torch-} --bf16" ;;
     torch-beyond) echo "--mode zeropp --bf16 --switch qwz_bits=4 --switch qwz_delta=true --switch qgz_hadamard=true --switch qgz_inter_block=64" ;;
-    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz, beyond or torch-{zeropp,zero3,fsdp2,hsdp,beyond}" ;;
+    torch-published) echo "--mode zeropp --bf16 --switch qwz_delta=false --switch qgz_hadamard=false --switch qgz_inter_block=null" ;;
+    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz, beyond, published or torch-{zeropp,zero3,fsdp2,hsdp,beyond,published}" ;;
   esac
 }
 for m in $MODES; do mode_args "$m" >/dev/null; done
