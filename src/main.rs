@@ -489,11 +489,25 @@ struct PlanArgs {
     /// a node much faster inside than across: 8).
     #[arg(long, default_value_t = 8)]
     qgz_intra_bits: u32,
+    /// Values per block of qgZ's hop across nodes in zeropp's default.
+    #[arg(long, default_value_t = 64.0)]
+    qgz_inter_block: f64,
+    /// Forward gathers between refreshes of the qwZ references.
+    #[arg(long, default_value_t = 100.0)]
+    qwz_refresh: f64,
     /// Fraction of the hideable communication that overlaps compute: 1 =
     /// perfect prefetch (zeropp), 0 = none; systems whose gathers stall
     /// compute sit in between.
     #[arg(long, default_value_t = 1.0)]
     overlap: f64,
+    /// Plan from what a run measured: its summary (`zeropp train
+    /// --summary-json`, on the real hosts) gives the links and quantization
+    /// speed timed at join, the layout, the model size and the switches it
+    /// ran with (replacing --params, --nodes, --ranks-per-node,
+    /// --intra-gbps, --nic-gbit, --quant-gbps and the formats); the plan
+    /// then also prints that run's predicted step beside its measured one.
+    #[arg(long, value_name = "SUMMARY_JSON")]
+    measured: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -779,6 +793,8 @@ fn run(cli: Cli) -> Result<()> {
             let quant_gbps = match a.quant_gbps {
                 Some(q) if q > 0.0 && q.is_finite() => q,
                 Some(q) => bail!("--quant-gbps must be a positive number of GB/s, not {q}"),
+                // The run's own figure replaces it.
+                None if a.measured.is_some() => 1.0,
                 None => {
                     let q = zeropp::planner::measure_quant_gbps()?;
                     if !a.json {
@@ -809,13 +825,51 @@ fn run(cli: Cli) -> Result<()> {
                 block: a.block,
                 qgz_block: a.qgz_block,
                 qgz_intra_bits: a.qgz_intra_bits,
+                qgz_inter_block: a.qgz_inter_block,
+                qwz_refresh: a.qwz_refresh,
                 overlap: a.overlap,
             };
+            let run = match &a.measured {
+                None => None,
+                Some(path) => {
+                    let text = std::fs::read_to_string(path)
+                        .with_context(|| format!("reading the run summary {}", path.display()))?;
+                    let v: serde_json::Value = serde_json::from_str(&text)
+                        .with_context(|| format!("{} is not JSON", path.display()))?;
+                    Some(
+                        zeropp::planner::from_run(&v, &input)
+                            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
+                    )
+                }
+            };
+            let input = run.as_ref().map_or(input, |r| r.input.clone());
+            let this_run = run.as_ref().map(|r| {
+                let p = input.predict(r.config);
+                serde_json::json!({
+                    "config": r.config,
+                    "predicted_step_s": p.step_s,
+                    "measured_step_s": r.measured_step_s,
+                    "error": r.measured_step_s.map(|m| (p.step_s - m) / m),
+                    "prediction": p,
+                })
+            });
             if a.json {
-                println!("{}", serde_json::to_string_pretty(&input.compare())?);
+                let preds = input.compare();
+                match this_run {
+                    None => println!("{}", serde_json::to_string_pretty(&preds)?),
+                    Some(r) => println!(
+                        "{}",
+                        serde_json::to_string_pretty(
+                            &serde_json::json!({ "run": r, "input": input, "predictions": preds })
+                        )?
+                    ),
+                }
             } else {
-                let tokens = a.tokens_per_rank * (a.nodes * a.ranks_per_node) as f64;
+                let tokens = a.tokens_per_rank * input.world() as f64;
                 print!("{}", zeropp::planner::render(&input, tokens));
+                if let Some(r) = this_run {
+                    println!("{}", zeropp::planner::render_run(&r));
+                }
             }
         }
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {

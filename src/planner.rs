@@ -7,7 +7,7 @@
 use serde::Serialize;
 
 /// What the plan is for.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct PlanInput {
     /// Parameters (Ψ).
     pub params: f64,
@@ -33,6 +33,12 @@ pub struct PlanInput {
     pub qgz_block: f64,
     /// Bits of qgZ's first hop, inside the node (the hop across is int4).
     pub qgz_intra_bits: u32,
+    /// Values per block of qgZ's hop across nodes in zeropp's default
+    /// (`beyond` configurations; the others use `qgz_block`).
+    pub qgz_inter_block: f64,
+    /// Forward gathers between refreshes of the qwZ references (weight
+    /// differences).
+    pub qwz_refresh: f64,
     /// How much of the communication that could hide behind compute does:
     /// 1 = perfect prefetch (zeropp's engine on the emulated cluster), 0 =
     /// none (communication and compute in sequence).
@@ -43,55 +49,37 @@ pub struct PlanInput {
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Config {
     pub name: &'static str,
-    /// Weight bits on the wire (16 = bf16).
+    /// Weight bits on the wire across nodes (16 = bf16).
     pub weight_bits: u32,
     pub hpz: bool,
     pub qgz: bool,
+    /// zeropp's default beyond ZeRO++: the weights cross nodes as
+    /// differences (`weight_bits`) and travel inside the node in bf16 (the
+    /// references, and hpZ's secondary shard), refreshed in bf16 every
+    /// `qwz_refresh` gathers; qgZ's hop across nodes is rotated, in blocks
+    /// of `qgz_inter_block`.
+    pub beyond: bool,
 }
 
-pub const CONFIGS: [Config; 7] = [
+const fn cfg(name: &'static str, weight_bits: u32, hpz: bool, qgz: bool, beyond: bool) -> Config {
     Config {
-        name: "zero3",
-        weight_bits: 16,
-        hpz: false,
-        qgz: false,
-    },
-    Config {
-        name: "qwz",
-        weight_bits: 8,
-        hpz: false,
-        qgz: false,
-    },
-    Config {
-        name: "qwz+hpz",
-        weight_bits: 8,
-        hpz: true,
-        qgz: false,
-    },
-    Config {
-        name: "zeropp",
-        weight_bits: 8,
-        hpz: true,
-        qgz: true,
-    },
-    Config {
-        name: "zeropp-int4-weights",
-        weight_bits: 4,
-        hpz: true,
-        qgz: true,
-    },
-    Config {
-        name: "hpz",
-        weight_bits: 16,
-        hpz: true,
-        qgz: false,
-    },
-    Config {
-        name: "qgz",
-        weight_bits: 16,
-        hpz: false,
-        qgz: true,
-    },
+        name,
+        weight_bits,
+        hpz,
+        qgz,
+        beyond,
+    }
+}
+
+pub const CONFIGS: [Config; 8] = [
+    cfg("zero3", 16, false, false, false),
+    cfg("qwz", 8, false, false, false),
+    cfg("qwz+hpz", 8, true, false, false),
+    cfg("zeropp", 4, true, true, true),
+    cfg("zeropp-published", 8, true, true, false),
+    cfg("zeropp-int4-weights", 4, true, true, false),
+    cfg("hpz", 16, true, false, false),
+    cfg("qgz", 16, false, true, false),
 ];
 
 /// The configuration of that name in [`CONFIGS`].
@@ -118,7 +106,7 @@ pub struct Prediction {
 }
 
 impl PlanInput {
-    fn world(&self) -> f64 {
+    pub fn world(&self) -> f64 {
         (self.nodes * self.ranks_per_node) as f64
     }
     /// Bytes per second a node can send to other nodes.
@@ -181,8 +169,22 @@ impl PlanInput {
         let w = self.world();
         let weights = self.bytes(c.weight_bits, self.block);
         let (mut inter, mut quant_values) = (0.0, 0.0);
+        let bf16 = self.bytes(16, self.block);
+        // A gather of weight differences: across among equal local ranks
+        // (the refresh's bf16 once every `qwz_refresh` gathers), then every
+        // reference in bf16 inside the node.
+        let delta_gather = |inter: &mut f64, quant_values: &mut f64| {
+            let every = self.qwz_refresh.max(1.0);
+            let (t, b) = self.across_hop(weights / g);
+            let (tr, br) = self.across_hop(bf16 / g);
+            *inter += b + (br - b) / every;
+            *quant_values += self.params / w + self.params / g;
+            t + (tr - t) / every + self.inside_hop(bf16)
+        };
         // Forward gather.
-        let forward = if c.weight_bits == 16 {
+        let forward = if c.beyond {
+            delta_gather(&mut inter, &mut quant_values)
+        } else if c.weight_bits == 16 {
             let (t, b) = self.flat_ring(weights);
             inter += b;
             t
@@ -196,11 +198,15 @@ impl PlanInput {
         };
         // Backward gather: hpZ stays inside the node (from its secondary
         // shard, quantized or bf16 as the forward gather was).
-        let backward = if c.hpz {
+        let backward = if c.hpz && c.beyond {
+            self.inside_hop(bf16)
+        } else if c.hpz {
             if c.weight_bits != 16 {
                 quant_values += self.params;
             }
             self.inside_hop(weights)
+        } else if c.beyond {
+            delta_gather(&mut inter, &mut quant_values)
         } else if c.weight_bits == 16 {
             let (t, b) = self.flat_ring(weights);
             inter += b;
@@ -214,12 +220,21 @@ impl PlanInput {
         // Gradient.
         let gradient = if c.qgz {
             let q1 = self.bytes(self.qgz_intra_bits, self.qgz_block);
-            let q4 = self.bytes(4, self.qgz_block);
+            let inter_block = if c.beyond {
+                self.qgz_inter_block
+            } else {
+                self.qgz_block
+            };
+            let q4 = self.bytes(4, inter_block);
             // Hop 1 inside: all-to-all of the whole quantized gradient; hop
-            // 2 across: each rank's int4 node-level partial (Ψ/G).
+            // 2 across: each rank's int4 node-level partial (Ψ/G), rotated
+            // and back in `beyond`.
             let (t, b) = self.across_hop(q4 / g);
             inter += b;
             quant_values += 2.0 * self.params + self.params / g;
+            if c.beyond {
+                quant_values += 2.0 * self.params / g;
+            }
             self.inside_hop(q1) + t
         } else {
             let (t, b) = self.flat_ring(2.0 * self.params);
@@ -256,6 +271,98 @@ impl PlanInput {
     }
 }
 
+/// What `zeropp plan --measured` takes from a run's summary (`zeropp
+/// train --summary-json`): the links and quantization speed the job
+/// measured at join, its layout and size, and the switches it ran with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FromRun {
+    /// `base` with the run's layout, links, quantization and formats.
+    pub input: PlanInput,
+    /// The switches the run resolved, as a configuration.
+    pub config: Config,
+    /// The run's median step, seconds.
+    pub measured_step_s: Option<f64>,
+}
+
+/// Reads a run summary into the plan of that run (`base` gives what the
+/// summary does not: compute, units, overlap). Errors say what is missing.
+pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun, String> {
+    use crate::zero::plan::Switches;
+    use crate::zero::probe::Measured;
+    let field = |k: &str| {
+        summary.get(k).filter(|v| !v.is_null()).ok_or_else(|| {
+            format!("the summary has no {k:?}: give the JSON `zeropp train --summary-json` writes")
+        })
+    };
+    let measured: Measured = serde_json::from_value(
+        field("measured")
+            .map_err(|_| {
+                "the summary has no \"measured\" links: the run measured nothing at join (logical \
+         nodes, one rank, or ZEROPP_PROBE=0); run on the real hosts, or give --nic-gbit and \
+         --intra-gbps"
+                    .to_string()
+            })?
+            .clone(),
+    )
+    .map_err(|e| format!("the summary's \"measured\" is not what zeropp writes: {e}"))?;
+    let switches: Switches = serde_json::from_value(field("switches")?.clone())
+        .map_err(|e| format!("the summary's \"switches\" are not zeropp's: {e}"))?;
+    let count = |k: &str| {
+        field(k)?
+            .as_f64()
+            .filter(|v| *v >= 1.0)
+            .ok_or_else(|| format!("the summary's {k:?} is not a positive number"))
+    };
+    let (world, nodes, params) = (count("world_size")?, count("nodes")?, count("params")?);
+    let g = (world / nodes).round().max(1.0);
+    let l = &measured.links;
+    let (node, cross) = (l.node, l.cross);
+    // The probe's rates are per rank while every rank of the hop sends at
+    // once: a node's ranks share its NIC across.
+    let nic_gbit = cross.map_or(base.nic_gbit, |c| c.bytes_per_s * g * 8.0 / 1e9);
+    let intra_gbps = node.map_or(base.intra_gbps, |n| n.bytes_per_s / 1e9);
+    let alpha_s = [
+        node.map(|n| n.latency_s / (g - 1.0).max(1.0)),
+        cross.map(|c| c.latency_s / (nodes - 1.0).max(1.0)),
+    ]
+    .into_iter()
+    .flatten()
+    .fold(0.0, f64::max);
+    let quant_gbps = 8.0 / (1.0 / l.quantize_per_s + 1.0 / l.dequantize_per_s) / 1e9;
+    let input = PlanInput {
+        params,
+        nodes: nodes as usize,
+        ranks_per_node: g as usize,
+        intra_gbps,
+        nic_gbit,
+        nics_per_node: 1,
+        alpha_s: if alpha_s > 0.0 { alpha_s } else { base.alpha_s },
+        quant_gbps: if quant_gbps.is_finite() && quant_gbps > 0.0 {
+            quant_gbps
+        } else {
+            base.quant_gbps
+        },
+        block: switches.block as f64,
+        qgz_block: switches.qgz_block as f64,
+        qgz_intra_bits: switches.qgz_intra_bits,
+        qgz_inter_block: switches.qgz_inter_block.unwrap_or(switches.qgz_block) as f64,
+        qwz_refresh: switches.qwz_refresh as f64,
+        ..base.clone()
+    };
+    let config = Config {
+        name: "this run",
+        weight_bits: switches.qwz_bits.unwrap_or(16),
+        hpz: switches.hpz,
+        qgz: switches.qgz,
+        beyond: switches.qwz_delta,
+    };
+    Ok(FromRun {
+        input,
+        config,
+        measured_step_s: summary.get("median_step_time_s").and_then(|v| v.as_f64()),
+    })
+}
+
 /// The quantization kernels' throughput on this CPU (zeropp-quant, one
 /// thread), GB/s of f32 processed: an int8 quantize and a dequantize of
 /// 4M values in 256-value blocks, best of three each, combined as the
@@ -287,6 +394,9 @@ pub fn train_flags(c: Config) -> String {
     match c.name {
         "zero3" => "--mode zero3".to_string(),
         "zeropp" => "--mode zeropp".to_string(),
+        "zeropp-published" => {
+            "--mode zeropp --qwz-delta false --qgz-hadamard false --qgz-inter-block 32".to_string()
+        }
         _ => format!(
             "--mode zero3 --qwz-bits {} --hpz {} --qgz {}",
             if c.weight_bits == 16 {
@@ -352,11 +462,11 @@ pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
         best.exposed_comm_s,
         best.step_s
     );
-    if c.weight_bits == 4 {
-        let int8 = input.predict(config("zeropp"));
+    if c.weight_bits == 4 && !c.beyond {
+        let int4 = input.predict(config("zeropp"));
         s += &format!(
-            "int4 weights carry about 16x the rounding error of int8 (check yours with `zeropp quant-error FILE --bits 4`); int8 (--mode zeropp) would give {:.2}x\n",
-            zero3.step_s / int8.step_s
+            "int4 weights themselves carry about 16x the rounding error of int8 (check yours with `zeropp quant-error FILE --bits 4`); as differences (--mode zeropp, at loss parity) they would give {:.2}x\n",
+            zero3.step_s / int4.step_s
         );
     }
     if zero3.exposed_comm_s < 0.05 * zero3.step_s {
@@ -365,13 +475,42 @@ pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
     s
 }
 
+/// The line `zeropp plan --measured` adds: the run's predicted step beside
+/// its measured one (`run`: the JSON it prints with `--json`).
+pub fn render_run(run: &serde_json::Value) -> String {
+    let c = &run["config"];
+    let what = format!(
+        "the measured run ({} weights{}{}{})",
+        match c["weight_bits"].as_u64() {
+            Some(16) | None => "bf16".to_string(),
+            Some(b) if c["beyond"] == true => format!("int{b} difference"),
+            Some(b) => format!("int{b}"),
+        },
+        if c["hpz"] == true { ", hpZ" } else { "" },
+        if c["qgz"] == true { ", qgZ" } else { "" },
+        if c["beyond"] == true {
+            ", rotated gradient hop"
+        } else {
+            ""
+        },
+    );
+    let predicted = run["predicted_step_s"].as_f64().unwrap_or(f64::NAN);
+    match (run["measured_step_s"].as_f64(), run["error"].as_f64()) {
+        (Some(m), Some(e)) => format!(
+            "{what}: predicted {predicted:.4} s a step, measured {m:.4} s ({:+.1}%)",
+            e * 100.0
+        ),
+        _ => format!("{what}: predicted {predicted:.4} s a step (the summary has no median step)"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     /// ZeRO-3's and ZeRO++'s predicted step times within 25% of `z3`, `zpp`.
     fn assert_within_25_percent(input: &PlanInput, z3: f64, zpp: f64, what: &str) {
-        for (c, want) in [(config("zero3"), z3), (config("zeropp"), zpp)] {
+        for (c, want) in [(config("zero3"), z3), (config("zeropp-published"), zpp)] {
             let got = input.predict(c).step_s;
             let err = (got - want) / want;
             assert!(
@@ -402,6 +541,8 @@ mod tests {
             qgz_block: 32.0,
             // The recorded runs used int4 on both qgZ hops.
             qgz_intra_bits: 4,
+            qgz_inter_block: 64.0,
+            qwz_refresh: 100.0,
             overlap: 1.0,
         }
     }
@@ -415,11 +556,16 @@ mod tests {
         assert!((2.0 * z3.inter_node_bytes - 1_244_160.0).abs() < 1.0);
         // ZeRO++: int8 forward gather across nodes (1/2 of the weights per
         // node, scales included) and the int4 gradient's second hop.
-        let zpp = emulated(1.0).predict(config("zeropp"));
+        let zpp = emulated(1.0).predict(config("zeropp-published"));
         let psi = 138_240.0;
         let want = 2.0 * (0.5 * psi * (1.0 + 4.0 / 256.0) + 0.5 * psi * (0.5 + 4.0 / 32.0));
         assert!((2.0 * zpp.inter_node_bytes - want).abs() < 1.0);
         assert!(zpp.inter_node_bytes / z3.inter_node_bytes <= 0.27);
+        // The default: the engine counted 0.147 MB across nodes a step over
+        // 400 steps, refreshes included, 0.118x ZeRO-3's (docs/TRAINING.md).
+        let beyond = emulated(1.0).predict(config("zeropp"));
+        let ratio = beyond.inter_node_bytes / z3.inter_node_bytes;
+        assert!((ratio - 0.118).abs() < 0.006, "{ratio}");
     }
 
     #[test]
@@ -537,7 +683,7 @@ mod tests {
             ("qwz", 1.106),
             ("hpz", 1.293),
             ("qgz", 1.210),
-            ("zeropp", 1.010),
+            ("zeropp-published", 1.010),
         ] {
             let got = input.predict(config(name)).step_s;
             let err = (got - measured) / measured;
@@ -554,9 +700,67 @@ mod tests {
         assert!((hpz / z3 - 2.0 / 3.0).abs() < 1e-9, "{hpz} vs {z3}");
     }
 
+    /// A summary as `zeropp train --summary-json` writes it on 2 hosts x 2
+    /// ranks with the links measured at join.
+    fn run_summary() -> serde_json::Value {
+        serde_json::json!({
+            "mode": "zeropp", "world_size": 4, "nodes": 2, "params": 3_758_592,
+            "median_step_time_s": 0.9,
+            "switches": crate::zero::plan::Switches::zeropp(256),
+            "measured": {
+                "links": {
+                    "node": {"bytes_per_s": 2.0e9, "latency_s": 50e-6},
+                    "cross": {"bytes_per_s": 1.5e6, "latency_s": 400e-6},
+                    "quantize_per_s": 4.0e8, "dequantize_per_s": 1.0e9, "seconds": 0.3
+                },
+                "routes": {"values": 1 << 20, "gather_plain": 0.1, "gather_qwz": 0.05,
+                           "reduce_plain": 0.1, "reduce_qgz": 0.04}
+            }
+        })
+    }
+
+    #[test]
+    fn a_run_summary_gives_its_links_layout_and_switches() {
+        let base = emulated(1.0);
+        let r = from_run(&run_summary(), &base).unwrap();
+        let i = &r.input;
+        assert_eq!((i.nodes, i.ranks_per_node, i.params), (2, 2, 3_758_592.0));
+        // Per-rank rates with both local ranks sending: the NIC carries 2x.
+        assert!((i.nic_gbit - 1.5e6 * 2.0 * 8.0 / 1e9).abs() < 1e-12);
+        assert!((i.intra_gbps - 2.0).abs() < 1e-12);
+        assert!((i.alpha_s - 400e-6).abs() < 1e-12);
+        // f32 processed by a quantize and a dequantize of each value.
+        let q = 8.0 / (1.0 / 4.0e8 + 1.0 / 1.0e9) / 1e9;
+        assert!((i.quant_gbps - q).abs() < 1e-12);
+        assert_eq!((i.qgz_inter_block, i.qwz_refresh), (64.0, 100.0));
+        assert_eq!(i.compute_s, base.compute_s);
+        let c = r.config;
+        assert_eq!(
+            (c.weight_bits, c.hpz, c.qgz, c.beyond),
+            (4, true, true, true)
+        );
+        assert_eq!(r.measured_step_s, Some(0.9));
+        // Its prediction is the default configuration's on those links.
+        let same = i.predict(config("zeropp")).step_s;
+        assert_eq!(i.predict(c).step_s, same);
+        // What is missing is named.
+        let mut no_links = run_summary();
+        no_links["measured"] = serde_json::Value::Null;
+        let e = from_run(&no_links, &base).unwrap_err();
+        assert!(e.contains("measured nothing at join"), "{e}");
+        let mut no_world = run_summary();
+        no_world.as_object_mut().unwrap().remove("world_size");
+        let e = from_run(&no_world, &base).unwrap_err();
+        assert!(e.contains("\"world_size\""), "{e}");
+    }
+
     #[test]
     fn train_flags_name_each_configuration() {
         assert_eq!(train_flags(config("zeropp")), "--mode zeropp");
+        assert_eq!(
+            train_flags(config("zeropp-published")),
+            "--mode zeropp --qwz-delta false --qgz-hadamard false --qgz-inter-block 32"
+        );
         assert_eq!(
             train_flags(config("hpz")),
             "--mode zero3 --qwz-bits 0 --hpz true --qgz false"
@@ -583,8 +787,10 @@ mod tests {
 
     #[test]
     fn the_recommendation_follows_the_link() {
+        // On a slow link the default (int4 differences, a rotated gradient
+        // hop in blocks of 64) sends the fewest bytes.
         let slow = emulated(1.0).compare();
-        assert_eq!(slow[0].config.name, "zeropp-int4-weights");
+        assert_eq!(slow[0].config.name, "zeropp");
         let text = render(&emulated(10_000.0), 2048.0);
         assert!(text.contains("compute-bound"), "{text}");
     }
