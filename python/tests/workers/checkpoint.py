@@ -2,7 +2,8 @@
 saves model and optimizer with DCP, trains 4 more (run A); then builds a
 fresh model, loads the checkpoint and trains the same 4 steps (run B).
 Prints both runs' losses as JSON on rank 0. argv: CHECKPOINT_DIR
-ERROR_FEEDBACK(true|false)."""
+STATEFUL(true|false): true runs zeropp's defaults (error feedback, qwZ
+weight differences: state outside the state dict), false turns both off."""
 
 import json
 import os
@@ -24,9 +25,10 @@ def build(seed, ef):
     torch.manual_seed(seed)
     model = GPT(64, 2, 4, 32)
     mesh = job_mesh(torch.device("cpu"))
+    switches = {} if ef else {"error_feedback": False, "qwz_delta": False}
     for b in model.blocks:
-        zt.fully_shard(b, ranks_per_node=2, error_feedback=ef, mesh=mesh)
-    zt.fully_shard(model, ranks_per_node=2, error_feedback=ef, mesh=mesh)
+        zt.fully_shard(b, ranks_per_node=2, mesh=mesh, **switches)
+    zt.fully_shard(model, ranks_per_node=2, mesh=mesh, **switches)
     return model, torch.optim.AdamW(model.parameters(), lr=2e-3)
 
 
