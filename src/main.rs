@@ -463,9 +463,11 @@ struct PlanArgs {
     /// --tokens-per-rank.
     #[arg(long)]
     compute_s: Option<f64>,
-    /// Take the compute per step from a run: the median step time in the
-    /// summary (`zeropp train --summary-json FILE`) of a ZeRO-3 run of the
-    /// same model and ranks on a fast link, where the step is compute.
+    /// Take the compute per step from a run's summary (`zeropp train
+    /// --summary-json FILE`): its median compute (the step less its waits
+    /// on communication), or, in summaries from before it was recorded,
+    /// the median step of a ZeRO-3 run on a fast link. With --measured and
+    /// no compute given: that run's own.
     #[arg(long, value_name = "SUMMARY_JSON")]
     compute_from: Option<PathBuf>,
     /// Sustained TFLOP/s per rank (compute = 8 x params x tokens / rate).
@@ -655,6 +657,15 @@ fn compute_from_summary(path: &std::path::Path) -> Result<f64> {
             path.display()
         )
     })?;
+    // The run's own work per step (its step less its waits on
+    // communication), where the summary has it.
+    if let Some(c) = v
+        .get("median_compute_s")
+        .and_then(|x| x.as_f64())
+        .filter(|c| *c > 0.0)
+    {
+        return Ok(c);
+    }
     let Some(step) = v.get("median_step_time_s").and_then(|x| x.as_f64()) else {
         bail!(
             "{} has no median_step_time_s: give the JSON `zeropp train --summary-json` writes",
@@ -781,6 +792,10 @@ fn run(cli: Cli) -> Result<()> {
                 (None, Some(path), _) => compute_from_summary(path)?,
                 (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
                 (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
+                // The measured run's own compute.
+                (None, None, None) if a.measured.is_some() => {
+                    compute_from_summary(a.measured.as_deref().expect("checked"))?
+                }
                 _ => bail!(
                     "give the compute per step: --compute-s S, --compute-from SUMMARY_JSON, or --tflops T (with --tokens-per-rank)"
                 ),

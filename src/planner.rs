@@ -488,7 +488,7 @@ pub fn render_run(run: &serde_json::Value) -> String {
         },
         if c["hpz"] == true { ", hpZ" } else { "" },
         if c["qgz"] == true { ", qgZ" } else { "" },
-        if c["beyond"] == true {
+        if c["beyond"] == true && c["qgz"] == true {
             ", rotated gradient hop"
         } else {
             ""

@@ -118,3 +118,64 @@ fn plan_takes_compute_from_a_run_summary_and_measures_quantization() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// Recorded runs of bench-cluster (docs/BENCHMARKS.md, "The plan from
+/// measured links"): the GPT of issue 29 on 2 emulated hosts x 2 ranks at
+/// 10 Gbit/s, 1 Gbit/s and 30 Mbit/s, each run's links measured at join.
+fn recorded(name: &str) -> String {
+    format!(
+        "{}/tests/data/bench-2x2/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    )
+}
+
+#[test]
+fn plan_from_a_runs_measured_links_predicts_that_run_within_15_percent() {
+    let compute = recorded("zero3-2x2-10gbit");
+    for rate in ["10gbit", "1gbit", "30mbit"] {
+        let run = recorded(&format!("zeropp-2x2-{rate}"));
+        let o = zeropp(&[
+            "plan",
+            "--measured",
+            &run,
+            "--compute-from",
+            &compute,
+            "--json",
+        ]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let r = &v["run"];
+        let err = r["error"].as_f64().unwrap();
+        assert!(
+            err.abs() <= 0.15,
+            "{rate}: predicted {} s, measured {} s",
+            r["predicted_step_s"],
+            r["measured_step_s"]
+        );
+        // The layout and size are the run's, not the defaults'.
+        assert_eq!(v["input"]["params"], 3_758_592.0, "{v}");
+        assert_eq!(v["input"]["nodes"], 2, "{v}");
+        // The text form says the same, for the run it read.
+        let o = zeropp(&["plan", "--measured", &run, "--compute-from", &compute]);
+        let text = String::from_utf8_lossy(&o.stdout);
+        assert!(text.contains("the measured run ("), "{text}");
+    }
+    // Without compute flags the run's own compute is taken.
+    let o = zeropp(&[
+        "plan",
+        "--measured",
+        &recorded("zeropp-2x2-30mbit"),
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let run: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(recorded("zeropp-2x2-30mbit")).unwrap())
+            .unwrap();
+    assert_eq!(v["input"]["compute_s"], run["median_compute_s"], "{v}");
+    // A run that measured nothing (logical nodes) is named as such.
+    let o = zeropp(&["plan", "--measured", &recorded("zero3-2x2-1gbit")]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("measured nothing at join"), "{err}");
+}

@@ -298,7 +298,7 @@ impl Job {
             let pending = self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Other, 0.0);
                 let zpp = plan::Switches::zeropp(256);
-                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET)
+                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
             });
             let m = py.detach(|| pending.wait()).map_err(|e| {
                 let m = format!("measuring the links for mode=\"zeropp\": {e}");

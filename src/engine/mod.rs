@@ -150,6 +150,10 @@ pub struct StepStats {
     /// `Some(units)`: the step saw a non-finite loss or gradient (in these
     /// units) and was skipped (`skip_nonfinite`).
     pub skipped: Option<Vec<String>>,
+    /// Seconds the step's compute thread waited on communication (gathers,
+    /// gradients, the norm's all-reduce): the rest of the step is its own
+    /// work (compute, and quantization on that thread).
+    pub waited_s: f64,
 }
 
 /// One rank's engine.
@@ -760,6 +764,14 @@ impl Engine {
     pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, lr: f32) -> Result<StepStats> {
         let before = self.traffic();
         let n = self.units.len();
+        let mut waited = 0f64;
+        // Runs `f` (a wait on communication), counting its time in `waited`.
+        fn timed_wait<T>(waited: &mut f64, f: impl FnOnce() -> T) -> T {
+            let t = std::time::Instant::now();
+            let r = f();
+            *waited += t.elapsed().as_secs_f64();
+            r
+        }
 
         // Forward, keeping each unit's input (and, for a tied head, the
         // embedding's token matrix until the head's backward).
@@ -768,7 +780,7 @@ impl Engine {
         let mut x = inputs.clone();
         let mut pending = Some(self.start_primary_gather(0, Phase::ForwardGather)?);
         for u in 0..n {
-            let payloads = pending.take().expect("started").wait()?;
+            let payloads = timed_wait(&mut waited, || pending.take().expect("started").wait())?;
             if u + 1 < n {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
@@ -793,7 +805,7 @@ impl Engine {
         let mut local_nonfinite = vec![false; n];
         let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
         for u in (0..n).rev() {
-            let payloads = pending.take().expect("started").wait()?;
+            let payloads = timed_wait(&mut waited, || pending.take().expect("started").wait())?;
             if u > 0 {
                 pending = Some(self.start_backward_gather(u - 1)?);
             }
@@ -871,12 +883,12 @@ impl Engine {
             // gradients (O(Ψ) per rank) behind it.
             if grads_pending.len() >= MAX_GRADS_IN_FLIGHT {
                 let (v, p) = grads_pending.remove(0);
-                chunk_grads[v] = self.finish_gradient(v, p)?;
+                chunk_grads[v] = timed_wait(&mut waited, || self.finish_gradient(v, p))?;
             }
             grads_pending.push((u, self.start_gradient(u, flat)?));
         }
         for (u, p) in grads_pending {
-            chunk_grads[u] = self.finish_gradient(u, p)?;
+            chunk_grads[u] = timed_wait(&mut waited, || self.finish_gradient(u, p))?;
         }
 
         // Global norm, mean loss and one non-finite flag per unit in one
@@ -917,13 +929,14 @@ impl Engine {
         );
         let world = self.groups.world.clone();
         let counter = self.counter.clone();
-        let reduced = self
-            .thread
-            .submit(move |c| {
-                counter.set_phase(Phase::Other, 0.0);
-                c.all_reduce_f32(&world, &local)
-            })
-            .wait()?;
+        let reduced = timed_wait(&mut waited, || {
+            self.thread
+                .submit(move |c| {
+                    counter.set_phase(Phase::Other, 0.0);
+                    c.all_reduce_f32(&world, &local)
+                })
+                .wait()
+        })?;
         let w = self.plan.layout.world() as f32;
         let (grad_norm, mean_loss) = (reduced[0].sqrt(), reduced[1] / w);
         let bad: Vec<String> = (0..n)
@@ -949,6 +962,7 @@ impl Engine {
                 grad_norm,
                 traffic: self.traffic().since(&before),
                 skipped: Some(bad),
+                waited_s: waited,
             });
         }
         let clip = if self.cfg.optim.max_grad_norm > 0.0 && grad_norm > self.cfg.optim.max_grad_norm
@@ -976,6 +990,7 @@ impl Engine {
             grad_norm,
             traffic: self.traffic().since(&before),
             skipped: None,
+            waited_s: waited,
         })
     }
 }

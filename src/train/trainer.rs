@@ -209,6 +209,9 @@ struct StepMetrics<'a> {
     grad_norm: f32,
     lr: f32,
     step_time_s: f64,
+    /// Rank 0's own work in the step: its time less its waits on
+    /// communication.
+    compute_s: f64,
     tokens_per_s: f64,
     /// Bytes the whole job sent this step.
     bytes_intra_node: f64,
@@ -240,6 +243,11 @@ pub struct Summary {
     pub val_loss: f32,
     pub tokens_per_s: f64,
     pub median_step_time_s: f64,
+    /// Rank 0's own work per step (compute, and the quantization on its
+    /// compute thread): the step less its waits on communication, median.
+    /// What `zeropp plan --measured` takes as the compute.
+    #[serde(default)]
+    pub median_compute_s: f64,
     /// Job-wide bytes per step, averaged over the training steps.
     pub bytes_per_step: BytesPerStep,
     /// Job-wide bytes over the whole run (training and validation), and the
@@ -356,6 +364,7 @@ fn measure_links(
         layout,
         wanted,
         crate::zero::probe::BUDGET,
+        cfg.model.units().iter().map(|u| u.numel(&cfg.model)).max(),
     )
     .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
     Ok(Some(m))
@@ -539,7 +548,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta}]")
             .expect("a valid template"),
     );
-    let (mut losses, mut times) = (Vec::new(), Vec::new());
+    let (mut losses, mut times, mut computes) = (Vec::new(), Vec::new(), Vec::new());
     let (mut sum_intra, mut sum_inter) = (0f64, 0f64);
     bar.set_position(start as u64);
     for step in start..end {
@@ -586,6 +595,8 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
             losses.push((step + 1, stats.loss));
         }
         times.push(dt);
+        let compute = (dt - stats.waited_s).max(0.0);
+        computes.push(compute);
         if lead {
             if let Some(m) = metrics.as_mut() {
                 let line = StepMetrics {
@@ -594,6 +605,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
                     grad_norm: stats.grad_norm,
                     lr,
                     step_time_s: dt,
+                    compute_s: compute,
                     tokens_per_s: tokens_per_step / dt,
                     bytes_intra_node: job[0] as f64,
                     bytes_inter_node: job[1] as f64,
@@ -685,6 +697,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         val_loss,
         tokens_per_s: tokens_per_step / median(&times),
         median_step_time_s: median(&times),
+        median_compute_s: median(&computes),
         bytes_per_step: BytesPerStep {
             intra_node: sum_intra / (end - start) as f64,
             inter_node: sum_inter / (end - start) as f64,

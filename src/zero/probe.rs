@@ -72,13 +72,16 @@ pub fn measure(
     let start = Instant::now();
     let (quantize_per_s, dequantize_per_s) = quantization_speed()?;
     let g = layout.ranks_per_node;
+    // Every hop's groups send at once, as the collectives do: the cross
+    // groups of a node's local ranks share its NIC, so they are timed
+    // together (in step over the world), not each alone.
     let node = if g > 1 {
-        Some(hop(c, &groups.node, budget / 3)?)
+        Some(hop(c, &groups.node, &groups.world, budget / 3)?)
     } else {
         None
     };
     let cross = if layout.nodes > 1 {
-        Some(hop(c, &groups.cross, budget / 2)?)
+        Some(hop(c, &groups.cross, &groups.world, budget / 2)?)
     } else {
         None
     };
@@ -94,27 +97,37 @@ pub fn measure(
 
 /// One hop: the smallest exchange's time (best of three), then exchanges
 /// growing fourfold until one takes [`ENOUGH`], [`LARGEST`] is reached or
-/// the budget is spent — each size agreed by the group, so all its ranks
-/// send the same sizes at the same time.
-fn hop(c: &Communicator, group: &Group, budget: Duration) -> Result<Link, ZeroError> {
+/// the budget is spent — each size started together and agreed over
+/// `sync` (every group of the hop at once). The rate is the slope between
+/// the last two sizes: what a link's burst allowance or a fixed cost per
+/// exchange adds to both cancels (a shaped link's first kilobytes go at
+/// line rate).
+fn hop(c: &Communicator, group: &Group, sync: &Group, budget: Duration) -> Result<Link, ZeroError> {
     let start = Instant::now();
     let mut latency = f64::INFINITY;
     for _ in 0..3 {
+        c.barrier(sync)?;
         latency = latency.min(timed(c, group, 8)?);
     }
-    let latency = slowest(c, group, latency)?;
+    let latency = slowest(c, sync, latency)?;
     let peers = (group.size() - 1) as f64;
     let mut size = FIRST;
+    let mut last: Option<(usize, f64)> = None;
     loop {
-        let t = slowest(c, group, timed(c, group, size)?)?;
+        c.barrier(sync)?;
+        let t = slowest(c, sync, timed(c, group, size)?)?;
         let done = t >= ENOUGH.as_secs_f64() || size >= LARGEST || start.elapsed() >= budget;
         if done {
-            let moving = (t - latency).max(t / 2.0);
+            let bytes_per_s = match last {
+                Some((s0, t0)) if t > t0 => peers * (size - s0) as f64 / (t - t0),
+                _ => peers * size as f64 / (t - latency).max(t / 2.0),
+            };
             return Ok(Link {
-                bytes_per_s: peers * size as f64 / moving,
+                bytes_per_s,
                 latency_s: latency,
             });
         }
+        last = Some((size, t));
         size *= 4;
     }
 }
@@ -242,8 +255,10 @@ pub struct Measured {
 }
 
 /// Measures the links, then times the routes on a unit sized from them
-/// ([`probe_values`]) with `s`'s formats: at most about `budget` plus the
-/// routes' time (about 40 ms a plain call on the slowest hop).
+/// ([`probe_values`]), at most `largest` values (the model's largest unit,
+/// when known: the probe moves no more than a gather of the model does),
+/// with `s`'s formats: at most about `budget` plus the routes' time (about
+/// 40 ms a plain call on the slowest hop).
 pub fn measure_all(
     c: &Communicator,
     counter: &CountingTransport,
@@ -251,9 +266,14 @@ pub fn measure_all(
     layout: Layout,
     s: &super::plan::Switches,
     budget: Duration,
+    largest: Option<usize>,
 ) -> Result<Measured, ZeroError> {
     let links = measure(c, groups, layout, budget)?;
-    let values = probe_values(&links, layout);
+    let quantum = layout.world() * 256;
+    let values = match largest {
+        Some(l) => probe_values(&links, layout).min(l.div_ceil(quantum).max(1) * quantum),
+        None => probe_values(&links, layout),
+    };
     let routes = time_routes(c, counter, groups, layout, s, values)?;
     Ok(Measured { links, routes })
 }
@@ -435,6 +455,15 @@ mod tests {
 
     /// Every rank's figures from a probe of `nodes` × `g` in-process ranks.
     fn probed(nodes: usize, g: usize, budget: Duration) -> Vec<Measured> {
+        probed_up_to(nodes, g, budget, None)
+    }
+
+    fn probed_up_to(
+        nodes: usize,
+        g: usize,
+        budget: Duration,
+        largest: Option<usize>,
+    ) -> Vec<Measured> {
         let handles: Vec<_> = InProcess::world(nodes * g)
             .into_iter()
             .enumerate()
@@ -449,7 +478,7 @@ mod tests {
                     let c = Communicator::new(counter.clone(), Duration::from_secs(30));
                     let groups = ZeroGroups::new(&l, g).unwrap();
                     let s = super::super::plan::Switches::zeropp(256);
-                    measure_all(&c, &counter, &groups, l, &s, budget).unwrap()
+                    measure_all(&c, &counter, &groups, l, &s, budget, largest).unwrap()
                 })
             })
             .collect();
@@ -477,6 +506,14 @@ mod tests {
         }
         assert!(l.quantize_per_s > 0.0 && l.dequantize_per_s > 0.0, "{l:?}");
         assert!(l.seconds < 10.0, "the probe took {} s", l.seconds);
+    }
+
+    #[test]
+    fn the_routes_move_no_more_than_the_models_largest_unit() {
+        // A unit of 3000 values on 4 ranks: whole int8 blocks per rank,
+        // 3 x 1024 values, however fast the links.
+        let all = probed_up_to(2, 2, Duration::from_millis(300), Some(3000));
+        assert_eq!(all[0].routes.values, 3072, "{:?}", all[0].routes);
     }
 
     #[test]
