@@ -61,6 +61,12 @@ def main():
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    p.add_argument(
+        "--only",
+        default=None,
+        choices=["zeropp", "gloo"],
+        help="run one side's calls only (for a profile of it: perf record -g -- torchrun ...)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
@@ -75,6 +81,10 @@ def main():
         calls, mb = _calls(n, world, dtype, gather, scatter)
         times = {}
         for name, (zpp, gloo) in calls.items():
+            if args.only == "zeropp":
+                gloo = zpp
+            elif args.only == "gloo":
+                zpp = gloo
             for _ in range(3):  # warm up both
                 gloo()
                 zpp()

@@ -297,7 +297,7 @@ impl Job {
                 (self.counter.clone(), self.groups.clone(), self.layout);
             let pending = self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Other, 0.0);
-                let zpp = plan::Switches::zeropp(256);
+                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], layout);
                 probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
             });
             let m = py.detach(|| pending.wait()).map_err(|e| {

@@ -435,7 +435,8 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
         transport,
         layout.ranks_per_node,
     ));
-    let measured = measure_links(&counter, &table, layout, cfg, &wanted, &facts)?;
+    let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, layout);
+    let measured = measure_links(&counter, &table, layout, cfg, &timed, &facts)?;
     let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
         .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     let switches = resolved.switches.clone();

@@ -272,6 +272,13 @@ pub fn resolve_mode(
     resolve(s, &asked, layout, routing, measured).map_err(|e| format!("invalid switches: {e}"))
 }
 
+/// `s` as it would run on `layout` before anything is measured, the
+/// refinements followed ([`resolve`]): the formats the probe times.
+pub fn as_they_would_run(mut s: Switches, asked: &[&str], layout: Layout) -> Switches {
+    follow_what_was_kept(&mut s, asked, layout, &mut BTreeMap::new());
+    s
+}
+
 /// The switches that refine another follow it where the user did not ask
 /// for them: weight differences need qwZ and a hop across nodes; int4
 /// weights go only as differences (otherwise ZeRO++'s int8); the rotation
