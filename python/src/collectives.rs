@@ -461,10 +461,7 @@ impl Job {
             let sum: Vec<f32> = match &qgz {
                 Some(state) => {
                     let s = state.get();
-                    let grad: Vec<f32> = with_dtype!(dtype, T => {
-                        let x: &[T] = inp.typed("input").map_err(bad)?;
-                        x.iter().map(|v| v.to_f32()).collect()
-                    });
+                    let grad = widened(&inp, dtype)?;
                     let mover = HostMover {
                         comm: c,
                         counter: &counter,
@@ -498,19 +495,22 @@ impl Job {
                             payload::decode_bf16(&mine, &mut v)?;
                             v
                         }
-                        _ => with_dtype!(dtype, T => {
-                            let x: &[T] = inp.typed("input").map_err(bad)?;
-                            qgz::ring_f32(c, &groups.world, x.iter().map(|v| v.to_f32()).collect())?
-                        }),
+                        _ => qgz::ring_f32(c, &groups.world, widened(&inp, dtype)?)?,
                     };
                     reduction.apply(&kernels, &mut sum, layout)?;
                     sum
                 }
             };
-            with_dtype!(dtype, T => {
-                let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(*s));
-            });
+            if dtype == Dtype::F32 {
+                // A memcpy: the generic loop below copies 16 bytes at a time.
+                let o: &mut [f32] = out.typed_mut("output").map_err(bad)?;
+                o.copy_from_slice(sum.get(..o.len()).ok_or_else(|| bad("the sum is shorter than the output".into()))?);
+            } else {
+                with_dtype!(dtype, T => {
+                    let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                    o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(*s));
+                });
+            }
             Ok(())
         })))
     }
@@ -553,6 +553,20 @@ impl Job {
         subgroups.push(group.clone());
         Ok(group)
     }
+}
+
+/// `inp`'s values as f32: a memcpy for f32 tensors (the generic
+/// conversion loop copies 16 bytes at a time: 7% of a reduce-scatter's
+/// profile), converted otherwise.
+fn widened(inp: &HostBuf, dtype: Dtype) -> Result<Vec<f32>, ZeroError> {
+    if dtype == Dtype::F32 {
+        let x: &[f32] = inp.typed("input").map_err(bad)?;
+        return Ok(x.to_vec());
+    }
+    Ok(with_dtype!(dtype, T => {
+        let x: &[T] = inp.typed("input").map_err(bad)?;
+        x.iter().map(|v| v.to_f32()).collect()
+    }))
 }
 
 /// `plan::resolve_mode` of a JSON object of overrides, as JSON.
