@@ -1,8 +1,10 @@
-//! `zeropp plan`: the cost model of DESIGN.md §4 — step time and
-//! throughput of ZeRO-3 and the ZeRO++ switch sets for a model size, N
-//! nodes × G ranks, the links inside and across nodes, a compute time and
-//! the quantization kernels' throughput — with the breakdown per phase and
-//! a recommendation.
+//! `zeropp plan`: a cost model of one training step (ring and hop
+//! formulas, each node's ranks sharing its NICs, prefetch hiding the
+//! communication behind compute but one unit's share) for ZeRO-3 and the
+//! ZeRO++ switch sets: a model size, N nodes × G ranks, the links inside
+//! and across nodes, a compute time and the quantization kernels'
+//! throughput give the step time per phase and a recommendation; or the
+//! links a run measured at join ([`from_run`]).
 
 use serde::Serialize;
 

@@ -4,7 +4,7 @@
 //! keeps a residual as long as what it quantizes: the first hop the whole
 //! unit's gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)), the
 //! second hop the node's partial sums (O(Ψ/G)). As f32 they were most of
-//! ZeRO++'s memory above ZeRO-3's (DESIGN.md; issue 17). A residual is at
+//! ZeRO++'s memory above ZeRO-3's (docs/BENCHMARKS.md, memory per rank). A residual is at
 //! most half a quantization step of its block, so it is stored as int8
 //! blocks of 32 values with one f32 scale each: 1.125 bytes a value instead
 //! of 4, and its own error — at most 1/254 of the block's largest residual —
