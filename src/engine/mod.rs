@@ -1,9 +1,10 @@
 //! The sharding engine: ZeRO-3 with the ZeRO++ switches (docs/ARCHITECTURE.md,
 //! the life of a training step). Each rank owns one chunk of every unit's
-//! flat parameter buffer (fp32 master + AdamW state); weights are gathered unit by unit (the next
-//! unit's gather runs on the communication thread while this one computes),
-//! activations are kept only at unit boundaries and recomputed in backward,
-//! and each unit's gradient is reduce-scattered back to the chunk owners.
+//! flat parameter buffer (fp32 master + AdamW state); weights are gathered
+//! unit by unit (the next unit's gather runs on the communication thread
+//! while this one computes), activations are kept only at unit boundaries
+//! and recomputed in backward, and each unit's gradient is reduce-scattered
+//! back to the chunk owners.
 
 pub mod optim;
 
