@@ -11,7 +11,6 @@ pub mod hostlist;
 pub mod inproc;
 pub mod job;
 pub mod mailbox;
-pub mod nccl;
 pub mod pool;
 pub mod rendezvous;
 pub mod tcp;
