@@ -457,62 +457,68 @@ impl Job {
             Reduction::Sum
         };
         let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
-        Ok(Op::new(self.layout.rank, self.thread.submit(move |c: &Communicator| {
-            let sum: Vec<f32> = match &qgz {
-                Some(state) => {
-                    let s = state.get();
-                    let grad = widened(&inp, dtype)?;
-                    let mover = HostMover {
-                        comm: c,
-                        counter: &counter,
-                        groups: &groups,
-                    };
-                    let mut first = s.residual.lock().map_err(|_| poisoned())?;
-                    let mut second = s.residual_inter.lock().map_err(|_| poisoned())?;
-                    let feedback = qgz::Feedback {
-                        first: s.first_hop_feedback().then_some(first.chunks_mut()),
-                        second: s.error_feedback.then_some(second.chunks_mut()),
-                    };
-                    qgz::reduce_scatter(
-                        &kernels,
-                        &mover,
-                        layout,
-                        s.settings(layout.rank, reduction),
-                        &grad,
-                        feedback,
-                    )?
+        Ok(Op::new(
+            self.layout.rank,
+            self.thread.submit(move |c: &Communicator| {
+                let sum: Vec<f32> = match &qgz {
+                    Some(state) => {
+                        let s = state.get();
+                        let grad = widened(&inp, dtype)?;
+                        let mover = HostMover {
+                            comm: c,
+                            counter: &counter,
+                            groups: &groups,
+                        };
+                        let mut first = s.residual.lock().map_err(|_| poisoned())?;
+                        let mut second = s.residual_inter.lock().map_err(|_| poisoned())?;
+                        let feedback = qgz::Feedback {
+                            first: s.first_hop_feedback().then_some(first.chunks_mut()),
+                            second: s.error_feedback.then_some(second.chunks_mut()),
+                        };
+                        qgz::reduce_scatter(
+                            &kernels,
+                            &mover,
+                            layout,
+                            s.settings(layout.rank, reduction),
+                            &grad,
+                            feedback,
+                        )?
+                    }
+                    None => {
+                        counter.set_phase(Phase::Gradient, 0.0);
+                        let mut sum = match dtype {
+                            Dtype::Bf16 => {
+                                let mine = qgz::ring_bf16(
+                                    c,
+                                    &groups.world,
+                                    Bytes::copy_from_slice(inp.bytes()),
+                                )?;
+                                let mut v = vec![0f32; mine.len() / 2];
+                                payload::decode_bf16(&mine, &mut v)?;
+                                v
+                            }
+                            _ => qgz::ring_f32(c, &groups.world, widened(&inp, dtype)?)?,
+                        };
+                        reduction.apply(&kernels, &mut sum, layout)?;
+                        sum
+                    }
+                };
+                if dtype == Dtype::F32 {
+                    // A memcpy: the generic loop below copies 16 bytes at a time.
+                    let o: &mut [f32] = out.typed_mut("output").map_err(bad)?;
+                    o.copy_from_slice(
+                        sum.get(..o.len())
+                            .ok_or_else(|| bad("the sum is shorter than the output".into()))?,
+                    );
+                } else {
+                    with_dtype!(dtype, T => {
+                        let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                        o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(*s));
+                    });
                 }
-                None => {
-                    counter.set_phase(Phase::Gradient, 0.0);
-                    let mut sum = match dtype {
-                        Dtype::Bf16 => {
-                            let mine = qgz::ring_bf16(
-                                c,
-                                &groups.world,
-                                Bytes::copy_from_slice(inp.bytes()),
-                            )?;
-                            let mut v = vec![0f32; mine.len() / 2];
-                            payload::decode_bf16(&mine, &mut v)?;
-                            v
-                        }
-                        _ => qgz::ring_f32(c, &groups.world, widened(&inp, dtype)?)?,
-                    };
-                    reduction.apply(&kernels, &mut sum, layout)?;
-                    sum
-                }
-            };
-            if dtype == Dtype::F32 {
-                // A memcpy: the generic loop below copies 16 bytes at a time.
-                let o: &mut [f32] = out.typed_mut("output").map_err(bad)?;
-                o.copy_from_slice(sum.get(..o.len()).ok_or_else(|| bad("the sum is shorter than the output".into()))?);
-            } else {
-                with_dtype!(dtype, T => {
-                    let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                    o.iter_mut().zip(&sum).for_each(|(o, s)| *o = T::from_f32(*s));
-                });
-            }
-            Ok(())
-        })))
+                Ok(())
+            }),
+        ))
     }
 
     pub(crate) fn layout(&self) -> Layout {

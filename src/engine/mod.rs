@@ -694,10 +694,9 @@ impl Engine {
     }
 
     /// Drops every qwZ reference (`zero::delta`): each unit's next forward
-    /// gather refreshes them. Every rank calls it at the same step: after a
-    /// load, and at each checkpoint save, so that a resumed run sends what
-    /// the uninterrupted run sends, bit for bit, without the references on
-    /// disk.
+    /// gather refreshes them. Every rank calls it at the same step
+    /// ([`Engine::load_shard_state`] does, before it rebuilds the references
+    /// a checkpoint kept).
     pub fn restart_references(&self) {
         for su in &self.units {
             if let Ok(mut r) = su.reference.lock() {

@@ -3,8 +3,8 @@
 //! ranks across nodes, all of them at once as the collectives run — and of
 //! this rank's own quantize and dequantize throughput. Every rank measures,
 //! then the job agrees on one set of figures (the slowest link, the
-//! slowest rank), so every rank prices the plan the same way
-//! ([`super::plan::priced`]).
+//! slowest rank), so every rank resolves the plan the same way
+//! ([`super::plan::resolve`]).
 
 use std::time::{Duration, Instant};
 
