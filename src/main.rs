@@ -291,7 +291,7 @@ struct TrainArgs {
     data: Option<PathBuf>,
     /// ucx or tcp. Unset: ZEROPP_TRANSPORT when set, else UCX when libucp
     /// loads (a note says when it does not and TCP is used).
-    #[arg(long, value_enum)]
+    #[arg(long, value_name = "ucx|tcp")]
     transport: Option<zeropp::comm::job::TransportKind>,
     /// Logical nodes and ranks per node when launching itself.
     #[arg(long)]

@@ -13,9 +13,7 @@ use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Communicator, Group, GroupKind, io_err};
 
 /// Which transport carries a job's messages.
-#[derive(
-    Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
-)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum TransportKind {
     /// A full TCP mesh (framed, checksummed headers).
@@ -23,6 +21,19 @@ pub enum TransportKind {
     /// UCX tag matching (libucp loaded at run time): shared memory inside a
     /// host, TCP or RDMA between hosts.
     Ucx,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+
+    /// `tcp` or `ucx`, as `ZEROPP_TRANSPORT` and `--transport` spell them.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tcp" => Ok(TransportKind::Tcp),
+            "ucx" => Ok(TransportKind::Ucx),
+            other => Err(format!("{other:?} is not a transport: use ucx or tcp")),
+        }
+    }
 }
 
 impl TransportKind {
@@ -37,13 +48,13 @@ impl TransportKind {
 
     /// `ZEROPP_TRANSPORT` (`tcp` or `ucx`), else [`TransportKind::default_here`].
     pub fn from_env() -> Result<(TransportKind, Option<String>), CommError> {
-        match std::env::var("ZEROPP_TRANSPORT").as_deref() {
-            Ok("ucx") => Ok((TransportKind::Ucx, None)),
-            Ok("tcp") => Ok((TransportKind::Tcp, None)),
+        match std::env::var("ZEROPP_TRANSPORT") {
             Err(_) => Ok(Self::default_here()),
-            Ok(other) => Err(CommError::Invalid(format!(
-                "ZEROPP_TRANSPORT={other:?}: use ucx (the default when libucp loads) or tcp"
-            ))),
+            Ok(v) => v.parse().map(|k| (k, None)).map_err(|_| {
+                CommError::Invalid(format!(
+                    "ZEROPP_TRANSPORT={v:?}: use ucx (the default when libucp loads) or tcp"
+                ))
+            }),
         }
     }
 }
@@ -98,9 +109,8 @@ pub struct Job {
 
 impl Job {
     /// Joins the job described by the environment over TCP.
-    pub fn join_from_env(extra_facts: serde_json::Value) -> anyhow::Result<Job> {
-        let facts = RankFacts::from_env()?;
-        Ok(Self::join(facts, extra_facts)?)
+    pub fn join_from_env(extra_facts: serde_json::Value) -> Result<Job, CommError> {
+        Self::join(RankFacts::from_env()?, extra_facts)
     }
 
     /// Joins the job described by `facts` over TCP.
@@ -254,5 +264,24 @@ impl Job {
             ranks.iter().map(|p| p.rank).collect(),
         )
         .expect("the rendezvous checked the layout")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transports_are_spelled_as_the_environment_and_flags_spell_them() {
+        assert_eq!("tcp".parse(), Ok(TransportKind::Tcp));
+        assert_eq!("ucx".parse(), Ok(TransportKind::Ucx));
+        let e = "rdma".parse::<TransportKind>().unwrap_err();
+        assert!(e.contains("use ucx or tcp"), "{e}");
+        // Missing rank facts are a typed error that says how to start.
+        let e = CommError::from(super::super::env::EnvError::Missing);
+        assert!(
+            matches!(e, CommError::Environment(_)) && e.to_string().contains("zeropp launch"),
+            "{e}"
+        );
     }
 }

@@ -60,6 +60,9 @@ pub enum CommError {
         #[source]
         source: std::io::Error,
     },
+    /// The rank facts in the environment are missing or wrong.
+    #[error(transparent)]
+    Environment(#[from] env::EnvError),
 }
 
 /// `map_err` for an I/O failure while doing `what`.
