@@ -4,5 +4,4 @@ pub mod bench_collectives;
 pub mod comm_check;
 pub mod cuda_cli;
 pub mod example_weights;
-pub mod plot;
 pub mod quant_error;

@@ -9,4 +9,5 @@ pub mod infer;
 pub mod model;
 pub mod ops;
 pub mod parity;
+pub mod plot;
 pub mod trainer;

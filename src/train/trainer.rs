@@ -11,7 +11,6 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::cli::plot::{self, Series};
 use crate::comm::env::RankFacts;
 use crate::comm::job::{Job, TransportKind};
 use crate::engine::optim::OptimConfig;
@@ -19,6 +18,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::train::checkpoint;
 use crate::train::data::Dataset;
 use crate::train::model::ModelConfig;
+use crate::train::plot::{self, Series};
 use crate::zero::plan::{Layout, Switches};
 use crate::zero::traffic::Traffic;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
