@@ -140,7 +140,7 @@ fn quant_error_json(
             x.iter().map(|v| zeropp_quant::Element::to_f32(*v)).collect()
         });
         let stats = ErrorStats::measure(&original, &back);
-        Ok(zeropp::cli::quant_error::Figures::new(
+        Ok(zeropp_quant::Figures::new(
             &stats,
             data.len(),
             f.total_bytes(original.len()),

@@ -101,7 +101,7 @@ pub use kernels::{
     dequantize, dequantize_accumulate, dequantize_accumulate_on, dequantize_on, quantize,
     quantize_on,
 };
-pub use stats::ErrorStats;
+pub use stats::{ErrorStats, Figures};
 pub use tensor::{QuantizedMut, QuantizedRef, QuantizedTensor};
 
 /// What can go wrong in quantization.

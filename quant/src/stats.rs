@@ -92,3 +92,34 @@ mod tests {
         assert_eq!(exact.rel_l2_error(), 0.0);
     }
 }
+
+/// Error figures of one tensor, or of all of them together, as `zeropp
+/// quant-error` and `zeropp.quant.error` report them.
+#[derive(Clone, Debug, serde::Serialize, PartialEq)]
+pub struct Figures {
+    pub elements: usize,
+    pub absmax: f64,
+    pub rmse: f64,
+    pub max_abs_error: f64,
+    pub rel_l2_error: f64,
+    /// `null` in JSON when the round trip is exact (infinite SNR).
+    pub snr_db: Option<f64>,
+    pub bytes_in: usize,
+    pub bytes_out: usize,
+}
+
+impl Figures {
+    pub fn new(stats: &ErrorStats, bytes_in: usize, bytes_out: usize) -> Self {
+        let snr = stats.snr_db();
+        Figures {
+            elements: stats.elements,
+            absmax: stats.absmax,
+            rmse: stats.rmse(),
+            max_abs_error: stats.max_abs_error,
+            rel_l2_error: stats.rel_l2_error(),
+            snr_db: snr.is_finite().then_some(snr),
+            bytes_in,
+            bytes_out,
+        }
+    }
+}
