@@ -67,7 +67,7 @@ enum Command {
     /// 300 GB/s NVLink, 2 s of compute per step):
     /// zeropp plan --params 7e9 --nodes 16 --ranks-per-node 8
     ///   --intra-gbps 300 --nic-gbit 100 --compute-s 2 --quant-gbps 1000
-    Plan(Box<PlanArgs>),
+    Plan(Box<zeropp::cli::plan::PlanArgs>),
     /// Inspect, verify, run or export a checkpoint.
     #[command(subcommand)]
     Ckpt(CkptCommand),
@@ -435,85 +435,6 @@ impl TrainArgs {
     }
 }
 
-#[derive(clap::Args, Debug)]
-struct PlanArgs {
-    /// Parameters of the model (default: the built-in model, padded for 4 ranks).
-    #[arg(long, default_value_t = 138_240.0)]
-    params: f64,
-    #[arg(long, default_value_t = 2)]
-    nodes: usize,
-    #[arg(long, default_value_t = 2)]
-    ranks_per_node: usize,
-    /// Bandwidth one rank sees inside a node, GB/s (NVLink, PCIe, memory).
-    #[arg(long, default_value_t = 1.0)]
-    intra_gbps: f64,
-    /// One NIC's achievable bandwidth, Gbit/s: what TCP gets through it
-    /// (iperf3, or `bench-cluster/run.sh --probe` on the emulated cluster),
-    /// not the port's nominal speed: headers alone take 4.4%, and a shaped
-    /// 5 Mbit/s link gave one TCP flow 86-92% of its rate.
-    #[arg(long, default_value_t = 1.0)]
-    nic_gbit: f64,
-    #[arg(long, default_value_t = 1)]
-    nics_per_node: usize,
-    /// Latency per message, microseconds.
-    #[arg(long, default_value_t = 100.0)]
-    alpha_us: f64,
-    /// Seconds of compute per step (forward, recomputation, backward), as
-    /// measured on a fast link; or --compute-from, or --tflops and
-    /// --tokens-per-rank.
-    #[arg(long)]
-    compute_s: Option<f64>,
-    /// Take the compute per step from a run's summary (`zeropp train
-    /// --summary-json FILE`): its median compute (the step less its waits
-    /// on communication), or, in summaries from before it was recorded,
-    /// the median step of a ZeRO-3 run on a fast link. With --measured and
-    /// no compute given: that run's own.
-    #[arg(long, value_name = "SUMMARY_JSON")]
-    compute_from: Option<PathBuf>,
-    /// Sustained TFLOP/s per rank (compute = 8 x params x tokens / rate).
-    #[arg(long)]
-    tflops: Option<f64>,
-    /// Tokens per rank per step.
-    #[arg(long, default_value_t = 512.0)]
-    tokens_per_rank: f64,
-    /// Quantization kernels' throughput, GB/s of fp32 (a GPU: hundreds).
-    /// Default: measured on this CPU (zeropp-quant, one thread, ~0.1 s).
-    #[arg(long)]
-    quant_gbps: Option<f64>,
-    /// Units the model is gathered in.
-    #[arg(long, default_value_t = 4)]
-    units: usize,
-    #[arg(long, default_value_t = 256.0)]
-    block: f64,
-    #[arg(long, default_value_t = 32.0)]
-    qgz_block: f64,
-    /// Bits of qgZ's first hop, inside the node (zeropp train's default on
-    /// a node much faster inside than across: 8).
-    #[arg(long, default_value_t = 8)]
-    qgz_intra_bits: u32,
-    /// Values per block of qgZ's hop across nodes in zeropp's default.
-    #[arg(long, default_value_t = 64.0)]
-    qgz_inter_block: f64,
-    /// Forward gathers between refreshes of the qwZ references.
-    #[arg(long, default_value_t = 100.0)]
-    qwz_refresh: f64,
-    /// Fraction of the hideable communication that overlaps compute: 1 =
-    /// perfect prefetch (zeropp), 0 = none; systems whose gathers stall
-    /// compute sit in between.
-    #[arg(long, default_value_t = 1.0)]
-    overlap: f64,
-    /// Plan from what a run measured: its summary (`zeropp train
-    /// --summary-json`, on the real hosts) gives the links and quantization
-    /// speed timed at join, the layout, the model size and the switches it
-    /// ran with (replacing --params, --nodes, --ranks-per-node,
-    /// --intra-gbps, --nic-gbit, --quant-gbps and the formats); the plan
-    /// then also prints that run's predicted step beside its measured one.
-    #[arg(long, value_name = "SUMMARY_JSON")]
-    measured: Option<PathBuf>,
-    #[arg(long)]
-    json: bool,
-}
-
 #[derive(Subcommand)]
 enum TopoAction {
     /// Write exactly the files detection reads to OUT.tar.zst (attach it
@@ -646,41 +567,6 @@ enum RoundingArg {
     Stochastic,
 }
 
-/// The median step time of a `zeropp train --summary-json` file: the
-/// compute per step when that run was ZeRO-3 on a fast link.
-fn compute_from_summary(path: &std::path::Path) -> Result<f64> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the run summary {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
-            path.display()
-        )
-    })?;
-    // The run's own work per step (its step less its waits on
-    // communication), where the summary has it.
-    if let Some(c) = v
-        .get("median_compute_s")
-        .and_then(|x| x.as_f64())
-        .filter(|c| *c > 0.0)
-    {
-        return Ok(c);
-    }
-    let Some(step) = v.get("median_step_time_s").and_then(|x| x.as_f64()) else {
-        bail!(
-            "{} has no median_step_time_s: give the JSON `zeropp train --summary-json` writes",
-            path.display()
-        );
-    };
-    if v.get("mode").and_then(|m| m.as_str()) != Some("zero3") {
-        eprintln!(
-            "note: {} is not a ZeRO-3 run; its step includes ZeRO++'s quantization, which the plan adds again",
-            path.display()
-        );
-    }
-    Ok(step)
-}
-
 fn run(cli: Cli) -> Result<()> {
     if matches!(
         cli.command,
@@ -786,107 +672,7 @@ fn run(cli: Cli) -> Result<()> {
                 _ => print!("{}", topo.render()),
             }
         }
-        Command::Plan(a) => {
-            let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
-                (Some(c), None, _) => c,
-                (None, Some(path), _) => compute_from_summary(path)?,
-                (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
-                (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
-                // The measured run's own compute.
-                (None, None, None) if a.measured.is_some() => {
-                    compute_from_summary(a.measured.as_deref().expect("checked"))?
-                }
-                _ => bail!(
-                    "give the compute per step: --compute-s S, --compute-from SUMMARY_JSON, or --tflops T (with --tokens-per-rank)"
-                ),
-            };
-            if !(compute_s.is_finite() && compute_s >= 0.0) {
-                bail!(
-                    "the compute per step must be a non-negative number of seconds, not {compute_s}"
-                );
-            }
-            let quant_gbps = match a.quant_gbps {
-                Some(q) if q > 0.0 && q.is_finite() => q,
-                Some(q) => bail!("--quant-gbps must be a positive number of GB/s, not {q}"),
-                // The run's own figure replaces it.
-                None if a.measured.is_some() => 1.0,
-                None => {
-                    let q = zeropp::planner::measure_quant_gbps()?;
-                    if !a.json {
-                        println!(
-                            "quantization: {q:.2} GB/s of f32 measured on this CPU (one thread; give --quant-gbps for GPU kernels)"
-                        );
-                    }
-                    q
-                }
-            };
-            if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
-                bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
-            }
-            if !(0.0..=1.0).contains(&a.overlap) {
-                bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
-            }
-            let input = zeropp::planner::PlanInput {
-                params: a.params,
-                nodes: a.nodes,
-                ranks_per_node: a.ranks_per_node,
-                intra_gbps: a.intra_gbps,
-                nic_gbit: a.nic_gbit,
-                nics_per_node: a.nics_per_node.max(1),
-                alpha_s: a.alpha_us * 1e-6,
-                compute_s,
-                quant_gbps,
-                units: a.units,
-                block: a.block,
-                qgz_block: a.qgz_block,
-                qgz_intra_bits: a.qgz_intra_bits,
-                qgz_inter_block: a.qgz_inter_block,
-                qwz_refresh: a.qwz_refresh,
-                overlap: a.overlap,
-            };
-            let run = match &a.measured {
-                None => None,
-                Some(path) => {
-                    let text = std::fs::read_to_string(path)
-                        .with_context(|| format!("reading the run summary {}", path.display()))?;
-                    let v: serde_json::Value = serde_json::from_str(&text)
-                        .with_context(|| format!("{} is not JSON", path.display()))?;
-                    Some(
-                        zeropp::planner::from_run(&v, &input)
-                            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
-                    )
-                }
-            };
-            let input = run.as_ref().map_or(input, |r| r.input.clone());
-            let this_run = run.as_ref().map(|r| {
-                let p = input.predict(r.config);
-                serde_json::json!({
-                    "config": r.config,
-                    "predicted_step_s": p.step_s,
-                    "measured_step_s": r.measured_step_s,
-                    "error": r.measured_step_s.map(|m| (p.step_s - m) / m),
-                    "prediction": p,
-                })
-            });
-            if a.json {
-                let preds = input.compare();
-                match this_run {
-                    None => println!("{}", serde_json::to_string_pretty(&preds)?),
-                    Some(r) => println!(
-                        "{}",
-                        serde_json::to_string_pretty(
-                            &serde_json::json!({ "run": r, "input": input, "predictions": preds })
-                        )?
-                    ),
-                }
-            } else {
-                let tokens = a.tokens_per_rank * input.world() as f64;
-                print!("{}", zeropp::planner::render(&input, tokens));
-                if let Some(r) = this_run {
-                    println!("{}", zeropp::planner::render_run(&r));
-                }
-            }
-        }
+        Command::Plan(a) => zeropp::cli::plan::run(&a)?,
         Command::Ckpt(CkptCommand::Inspect { dir, json }) => {
             let dir = zeropp::train::checkpoint::resolve(&dir)?;
             let m = zeropp::train::checkpoint::read_manifest(&dir)?;

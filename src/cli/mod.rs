@@ -4,4 +4,5 @@ pub mod bench_collectives;
 pub mod comm_check;
 pub mod cuda_cli;
 pub mod example_weights;
+pub mod plan;
 pub mod quant_error;
