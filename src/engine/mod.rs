@@ -621,7 +621,7 @@ impl Engine {
             }
         }
         self.restart_references();
-        if matches!(self.plan.weights, WeightWire::Delta(_)) && saved.len() == self.units.len() {
+        if matches!(self.plan.weights, WeightWire::Delta(_)) {
             let parts = self.gather_saved_references(&saved)?;
             for (su, parts) in self.units.iter().zip(parts) {
                 let rebuilt = parts.and_then(|p| delta::Reference::from_saved(&p));
@@ -697,7 +697,7 @@ impl Engine {
     /// gather refreshes them. Every rank calls it at the same step
     /// ([`Engine::load_shard_state`] does, before it rebuilds the references
     /// a checkpoint kept).
-    pub fn restart_references(&self) {
+    fn restart_references(&self) {
         for su in &self.units {
             if let Ok(mut r) = su.reference.lock() {
                 *r = None;

@@ -131,12 +131,12 @@ impl HostKernels for Host {
     }
 
     fn widen<T: GpuElement>(&self, x: &[T], y: &mut [f32]) -> Result<(), ZeroError> {
-        y.iter_mut().zip(x).for_each(|(o, v)| *o = v.to_f32());
+        T::widen_slice(x, y);
         Ok(())
     }
 
     fn narrow<T: GpuElement>(&self, x: &[f32], y: &mut [T]) -> Result<(), ZeroError> {
-        y.iter_mut().zip(x).for_each(|(o, v)| *o = T::from_f32(*v));
+        T::narrow_slice(x, y);
         Ok(())
     }
 

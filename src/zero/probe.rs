@@ -269,11 +269,7 @@ pub fn measure_all(
     largest: Option<usize>,
 ) -> Result<Measured, ZeroError> {
     let links = measure(c, groups, layout, budget)?;
-    let quantum = layout.world() * 256;
-    let values = match largest {
-        Some(l) => probe_values(&links, layout).min(l.div_ceil(quantum).max(1) * quantum),
-        None => probe_values(&links, layout),
-    };
+    let values = probe_values(&links, layout, largest);
     let routes = time_routes(c, counter, groups, layout, s, values)?;
     Ok(Measured { links, routes })
 }
@@ -296,8 +292,9 @@ pub struct Routes {
 
 /// The unit [`time_routes`] measures with: large enough that the bytes,
 /// not the per-message latency, decide on the slowest hop (about 40 ms of
-/// plain traffic there), at most 4M values; whole int8 blocks per rank.
-pub fn probe_values(links: &Links, layout: Layout) -> usize {
+/// plain traffic there), at most 4M values and at most `largest` (the
+/// model's largest unit, when known); whole int8 blocks per rank.
+pub fn probe_values(links: &Links, layout: Layout, largest: Option<usize>) -> usize {
     let w = layout.world();
     let rate = |l: Option<Link>| l.map_or(f64::INFINITY, |l| l.bytes_per_s);
     let ring = rate(links.node).min(rate(links.cross) * layout.ranks_per_node as f64);
@@ -307,7 +304,11 @@ pub fn probe_values(links: &Links, layout: Layout) -> usize {
         1e6
     };
     let quantum = w * 256;
-    let v = (wanted as usize).clamp(16 * quantum, 4 << 20);
+    // Never more than the model's largest unit, rounded up to whole blocks.
+    let most = largest.map_or(4 << 20, |l| {
+        (l.div_ceil(quantum).max(1) * quantum).min(4 << 20)
+    });
+    let v = (wanted as usize).clamp((16 * quantum).min(most), most);
     v / quantum * quantum
 }
 
