@@ -6,33 +6,36 @@
 //! and recomputed in backward, and each unit's gradient is reduce-scattered
 //! back to the chunk owners.
 
+pub mod model;
 pub mod optim;
+mod step;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
 use crate::comm::collectives::{CommThread, Pending};
 use crate::comm::{Communicator, Transport};
-use crate::train::model::{
-    ModelConfig, Unit, extend_with, loss, tensors_from_owned, vars_from_flat,
-};
 use crate::zero::host::{Host, HostMover};
 use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use crate::zero::qgz::Reduction;
 use crate::zero::residual::Residual;
 use crate::zero::traffic::{CountingTransport, Phase, Traffic};
 use crate::zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
+use model::tensors_from_owned;
+pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    pub model: ModelConfig,
+    /// What is sharded: the built-in GPT (`train::model::ModelConfig`) or
+    /// any other [`Model`].
+    pub model: Arc<dyn Model>,
     pub switches: Switches,
     pub optim: OptimConfig,
     pub seed: u64,
@@ -44,7 +47,10 @@ const MAX_GRADS_IN_FLIGHT: usize = 2;
 
 /// One unit's state on this rank.
 struct ShardedUnit {
-    unit: Unit,
+    /// The model's name of the unit.
+    name: String,
+    /// Values of the unit's parameters (unpadded).
+    numel: usize,
     /// Elements of the padded flat buffer, and of each rank's chunk.
     padded: usize,
     chunk: usize,
@@ -221,26 +227,25 @@ impl Engine {
             } => qgz::first_hop_feedback(error_feedback, intra),
             _ => false,
         };
-        let units = cfg
-            .model
-            .units()
-            .into_iter()
-            .enumerate()
-            .map(|(i, unit)| {
-                let numel = unit.numel(&cfg.model);
+        let model = &cfg.model;
+        let units = (0..model.unit_count())
+            .map(|i| {
+                let numel = model.unit_numel(i);
                 let padded = plan.padded_len(numel);
                 let chunk = padded / layout.world();
-                let mut full = unit.init(&cfg.model, cfg.seed, i);
+                let mut full = model.init(i, cfg.seed);
                 full.resize(padded, 0.0);
                 let mine = layout.rank * chunk..(layout.rank + 1) * chunk;
                 // Decay matrices, not vectors (biases, norms); padding is inert.
                 let mut decay_full = Vec::with_capacity(padded);
-                for p in unit.params(&cfg.model) {
-                    decay_full.extend(std::iter::repeat_n(p.shape.len() >= 2, p.numel()));
+                for shape in model.param_shapes(i) {
+                    let len = shape.iter().product();
+                    decay_full.extend(std::iter::repeat_n(shape.len() >= 2, len));
                 }
                 decay_full.resize(padded, false);
                 ShardedUnit {
-                    unit,
+                    name: model.unit_name(i),
+                    numel,
                     padded,
                     chunk,
                     master: full[mine.clone()].to_vec(),
@@ -484,7 +489,7 @@ impl Engine {
                 let first =
                     qgz::quantize_first_hop(&Host, &grad, layout, intra, rounding, residual)
                         .with_context(|| {
-                            format!("quantizing the gradient of {}", self.units[u].unit.name())
+                            format!("quantizing the gradient of {}", self.units[u].name)
                         })?;
                 drop(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
@@ -515,18 +520,13 @@ impl Engine {
         p.wait().with_context(|| {
             format!(
                 "reduce-scattering the gradient of {}",
-                self.units[u].unit.name()
+                self.units[u].name.clone()
             )
         })
     }
 
     fn full_params(&self, u: usize, full: Vec<f32>) -> Result<Vec<Tensor>> {
-        Ok(tensors_from_owned(
-            &self.units[u].unit,
-            &self.cfg.model,
-            full,
-            &self.device,
-        )?)
+        Ok(tensors_from_owned(&*self.cfg.model, u, full, &self.device)?)
     }
 
     /// Every rank's `mine`, in rank order (small messages: checkpoint
@@ -590,7 +590,7 @@ impl Engine {
             );
         }
         for (su, sh) in self.units.iter_mut().zip(shards) {
-            let name = su.unit.name();
+            let name = su.name.clone();
             if sh.layout.name != name || sh.layout.chunk != su.chunk {
                 bail!(
                     "checkpoint unit {:?} ({} values per rank) does not fit unit {name:?} ({} per rank)",
@@ -710,8 +710,8 @@ impl Engine {
         self.units
             .iter()
             .map(|su| UnitLayout {
-                name: su.unit.name(),
-                numel: su.unit.numel(&self.cfg.model),
+                name: su.name.clone(),
+                numel: su.numel,
                 padded: su.padded,
                 chunk: su.chunk,
             })
@@ -730,268 +730,6 @@ impl Engine {
                 c.all_reduce_f32(&world, &v)
             })
             .wait()?)
-    }
-
-    /// Forward only (no state change): the mean loss over all ranks of the
-    /// given batches. Counted as `Other` traffic.
-    pub fn evaluate(&mut self, inputs: &Tensor, targets: &Tensor) -> Result<f32> {
-        let n = self.units.len();
-        let mut x = inputs.clone();
-        let mut tied_tokens = None;
-        for u in 0..n {
-            let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
-            let full = self.decode_full(u, &payloads)?;
-            drop(payloads);
-            let mut params = self.full_params(u, full)?;
-            self.units[u]
-                .unit
-                .tie(&self.cfg.model, &mut params, &mut tied_tokens);
-            x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
-        }
-        let l = loss(&x, targets)?.to_scalar::<f32>()?;
-        let world = self.groups.world.clone();
-        let counter = self.counter.clone();
-        let w = self.plan.layout.world() as f32;
-        let sum = self.thread.submit(move |c| {
-            counter.set_phase(Phase::Other, 0.0);
-            c.all_reduce_f32(&world, &[l])
-        });
-        Ok(sum.wait()?[0] / w)
-    }
-
-    /// One training step on this rank's batch: forward, backward, gradient
-    /// reduce-scatter, global norm, clipping, AdamW at `lr`.
-    pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, lr: f32) -> Result<StepStats> {
-        let before = self.traffic();
-        let n = self.units.len();
-        let mut waited = 0f64;
-        // Runs `f` (a wait on communication), counting its time in `waited`.
-        fn timed_wait<T>(waited: &mut f64, f: impl FnOnce() -> T) -> T {
-            let t = std::time::Instant::now();
-            let r = f();
-            *waited += t.elapsed().as_secs_f64();
-            r
-        }
-
-        // Forward, keeping each unit's input (and, for a tied head, the
-        // embedding's token matrix until the head's backward).
-        let mut tied_tokens: Option<Tensor> = None;
-        let mut saved = Vec::with_capacity(n);
-        let mut x = inputs.clone();
-        let mut pending = Some(self.start_primary_gather(0, Phase::ForwardGather)?);
-        for u in 0..n {
-            let payloads = timed_wait(&mut waited, || pending.take().expect("started").wait())?;
-            if u + 1 < n {
-                pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
-            }
-            if self.plan.hpz {
-                self.units[u].secondary = Some(self.keep_secondary(u, &payloads)?);
-            }
-            let full = self.decode_full(u, &payloads)?;
-            let mut params = self.full_params(u, full)?;
-            self.units[u]
-                .unit
-                .tie(&self.cfg.model, &mut params, &mut tied_tokens);
-            saved.push(x.clone());
-            x = self.units[u].unit.forward(&self.cfg.model, &params, &x)?;
-        }
-
-        // Backward, recomputing each unit from its saved input.
-        let mut upstream: Option<Tensor> = None;
-        let mut grads_pending: Vec<(usize, Pending<Vec<f32>, ZeroError>)> = Vec::with_capacity(n);
-        let mut pending = Some(self.start_backward_gather(n - 1)?);
-        let mut step_loss = f32::NAN;
-        let mut tied_grad: Option<Vec<f32>> = None;
-        let mut local_nonfinite = vec![false; n];
-        let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
-        for u in (0..n).rev() {
-            let payloads = timed_wait(&mut waited, || pending.take().expect("started").wait())?;
-            if u > 0 {
-                pending = Some(self.start_backward_gather(u - 1)?);
-            }
-            let full = self.decode_full(u, &payloads)?;
-            drop(payloads);
-            let vars = vars_from_flat(&self.units[u].unit, &self.cfg.model, &full, &self.device)?;
-            // The variables hold their own copy.
-            drop(full);
-            let mut tensors: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-            // A tied head differentiates the embedding's token matrix too;
-            // that gradient joins the embedding's own in its backward.
-            let tied_var = match (&tied_tokens, self.units[u].unit) {
-                (Some(t), Unit::Head) => Some(Var::from_tensor(t)?),
-                _ => None,
-            };
-            if let Some(tv) = &tied_var {
-                tensors.push(tv.as_tensor().clone());
-            }
-            let input_var = if u > 0 {
-                Some(Var::from_tensor(&saved[u])?)
-            } else {
-                None
-            };
-            let input = input_var
-                .as_ref()
-                .map(|v| v.as_tensor().clone())
-                .unwrap_or_else(|| saved[u].clone());
-            let out = self.units[u]
-                .unit
-                .forward(&self.cfg.model, &tensors, &input)?;
-            let objective = match &upstream {
-                None => {
-                    let l = loss(&out, targets)?;
-                    step_loss = l.to_scalar::<f32>()?;
-                    l
-                }
-                Some(up) => (out * up)?.sum_all()?,
-            };
-            let grads = objective.backward()?;
-            let mut flat = Vec::with_capacity(self.units[u].padded);
-            for v in &vars {
-                match grads.get(v.as_tensor()) {
-                    Some(gt) => extend_with(&mut flat, gt)?,
-                    None => flat.extend(std::iter::repeat_n(0.0, v.as_tensor().elem_count())),
-                }
-            }
-            flat.resize(self.units[u].padded, 0.0);
-            if let Some(gt) = tied_var.as_ref().and_then(|tv| grads.get(tv.as_tensor())) {
-                tied_grad = Some(gt.flatten_all()?.to_vec1::<f32>()?);
-            }
-            if self.units[u].unit == Unit::Embedding
-                && let Some(tg) = tied_grad.take()
-            {
-                flat.iter_mut().zip(&tg).for_each(|(f, t)| *f += t);
-            }
-            upstream = match &input_var {
-                Some(iv) => Some(grads.get(iv.as_tensor()).cloned().ok_or_else(|| {
-                    anyhow!(
-                        "no gradient reached the input of {}",
-                        self.units[u].unit.name()
-                    )
-                })?),
-                None => None,
-            };
-            // A NaN/Inf must not reach the quantizers or the sums: this
-            // rank sends zeros instead and raises the unit's flag in the
-            // step's all-reduce, so every rank stops (or skips) together.
-            if flat.iter().any(|v| !v.is_finite()) {
-                flat.iter_mut().for_each(|v| *v = 0.0);
-                local_nonfinite[u] = true;
-            }
-            drop((grads, vars, tensors));
-            // At most MAX_GRADS_IN_FLIGHT gradients wait for their
-            // reduce-scatter: a slow link must not queue the whole model's
-            // gradients (O(Ψ) per rank) behind it.
-            if grads_pending.len() >= MAX_GRADS_IN_FLIGHT {
-                let (v, p) = grads_pending.remove(0);
-                chunk_grads[v] = timed_wait(&mut waited, || self.finish_gradient(v, p))?;
-            }
-            grads_pending.push((u, self.start_gradient(u, flat)?));
-        }
-        for (u, p) in grads_pending {
-            chunk_grads[u] = timed_wait(&mut waited, || self.finish_gradient(u, p))?;
-        }
-
-        // Global norm, mean loss and one non-finite flag per unit in one
-        // all-reduce: a NaN or Inf anywhere is seen by every rank on the
-        // step it appears, with the units it is in.
-        #[cfg(test)]
-        if let Some((step, unit, rank)) = self.inject_nan
-            && step == self.step + 1
-        {
-            self.inject_nan = None;
-            if rank == self.plan.layout.rank {
-                chunk_grads[unit][0] = f32::NAN;
-            }
-        }
-        // One pass: the squared norm in rank-chunk order, and each chunk's
-        // own sum of squares, non-finite exactly when the chunk holds a NaN
-        // or Inf (or overflows).
-        let mut total = 0f32;
-        let unit_sumsq: Vec<f32> = chunk_grads
-            .iter()
-            .map(|gr| {
-                let mut unit = 0f32;
-                for v in gr {
-                    total += v * v;
-                    unit += v * v;
-                }
-                unit
-            })
-            .collect();
-        let mut local: Vec<f32> = Vec::with_capacity(2 + n);
-        local.push(total);
-        local.push(step_loss);
-        local.extend(
-            unit_sumsq
-                .iter()
-                .zip(&local_nonfinite)
-                .map(|(sq, &bad)| f32::from(bad || !sq.is_finite())),
-        );
-        let world = self.groups.world.clone();
-        let counter = self.counter.clone();
-        let reduced = timed_wait(&mut waited, || {
-            self.thread
-                .submit(move |c| {
-                    counter.set_phase(Phase::Other, 0.0);
-                    c.all_reduce_f32(&world, &local)
-                })
-                .wait()
-        })?;
-        let w = self.plan.layout.world() as f32;
-        let (grad_norm, mean_loss) = (reduced[0].sqrt(), reduced[1] / w);
-        let bad: Vec<String> = (0..n)
-            .filter(|&u| reduced[2 + u] != 0.0)
-            .map(|u| self.units[u].unit.name())
-            .collect();
-        if !grad_norm.is_finite() || !mean_loss.is_finite() || !bad.is_empty() {
-            if !self.cfg.optim.skip_nonfinite {
-                bail!(
-                    "step {}: non-finite loss ({mean_loss}) or gradient (norm {grad_norm}; units {bad:?}) \
-                     — lower the learning rate or check the data; --skip-nonfinite true skips such steps",
-                    self.step + 1
-                );
-            }
-            // Skip: no update; residuals that may hold the NaN restart from
-            // zero; the gathered weights are dropped as after any step.
-            for su in &mut self.units {
-                su.reset_residuals();
-                su.secondary = None;
-            }
-            return Ok(StepStats {
-                loss: mean_loss,
-                grad_norm,
-                traffic: self.traffic().since(&before),
-                skipped: Some(bad),
-                waited_s: waited,
-            });
-        }
-        let clip = if self.cfg.optim.max_grad_norm > 0.0 && grad_norm > self.cfg.optim.max_grad_norm
-        {
-            self.cfg.optim.max_grad_norm / (grad_norm + 1e-6)
-        } else {
-            1.0
-        };
-        self.step += 1;
-        for (su, mut gr) in self.units.iter_mut().zip(chunk_grads) {
-            gr.iter_mut().for_each(|v| *v *= clip);
-            su.adam.update(
-                &self.cfg.optim,
-                lr,
-                self.step,
-                &mut su.master,
-                &gr,
-                &su.decay,
-            );
-            // The gathered weights are stale now.
-            su.secondary = None;
-        }
-        Ok(StepStats {
-            loss: mean_loss,
-            grad_norm,
-            traffic: self.traffic().since(&before),
-            skipped: None,
-            waited_s: waited,
-        })
     }
 }
 

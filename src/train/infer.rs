@@ -10,14 +10,15 @@ use candle_core::{D, Device, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 
+use crate::engine::model::{Model as _, Tied, tensors_from_flat};
 use crate::train::checkpoint;
-use crate::train::model::{self, ModelConfig, Unit};
+use crate::train::model::{self, ModelConfig};
 
 /// A checkpoint's model with its full weights, ready to run.
 pub struct Model {
     pub config: ModelConfig,
-    /// Each unit with its parameter tensors (`Unit::params` order).
-    units: Vec<(Unit, Vec<Tensor>)>,
+    /// Each unit's parameter tensors (`Unit::params` order), in unit order.
+    units: Vec<Vec<Tensor>>,
     device: Device,
 }
 
@@ -30,7 +31,8 @@ impl Model {
         let c = m.config.model.clone();
         let units = checkpoint::unit_weights(&dir, &m)?
             .into_iter()
-            .map(|(u, flat)| Ok((u, model::tensors_from_flat(&u, &c, &flat, &device)?)))
+            .enumerate()
+            .map(|(i, (_, flat))| Ok(tensors_from_flat(&c, i, &flat, &device)?))
             .collect::<Result<Vec<_>>>()?;
         Ok(Model {
             config: c,
@@ -64,11 +66,11 @@ impl Model {
         }
         let ids: Vec<u32> = batch.iter().flatten().copied().collect();
         let mut x = Tensor::from_vec(ids, (batch.len(), t), &self.device)?;
-        let mut tokens = None;
-        for (u, params) in &self.units {
+        let mut tied = Tied::default();
+        for (u, params) in self.units.iter().enumerate() {
             let mut params = params.clone();
-            u.tie(&self.config, &mut params, &mut tokens);
-            x = u.forward(&self.config, &params, &x)?;
+            tied.apply(self.config.tie(), u, &mut params);
+            x = self.config.forward(u, &params, &x)?;
         }
         Ok(x)
     }

@@ -3,7 +3,7 @@
 //! parameters and its input. The model knows nothing of sharding: the engine
 //! hands a unit its full parameters (as tensors) and calls `forward`.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -57,14 +57,6 @@ impl ModelConfig {
         units.extend((0..self.layers).map(Unit::Block));
         units.push(Unit::Head);
         units
-    }
-
-    /// Parameters of the whole model.
-    pub fn parameter_count(&self) -> usize {
-        self.units()
-            .iter()
-            .map(|u| u.params(self).iter().map(|p| p.numel()).sum::<usize>())
-            .sum()
     }
 }
 
@@ -177,20 +169,6 @@ impl Unit {
         out
     }
 
-    /// With a tied head: remembers the embedding's token matrix when this
-    /// is the embedding, and hands it to the head after its own
-    /// parameters (what [`Unit::forward`] takes), for units run in order.
-    pub fn tie(&self, c: &ModelConfig, params: &mut Vec<Tensor>, tokens: &mut Option<Tensor>) {
-        if !c.tied_head {
-            return;
-        }
-        match self {
-            Unit::Embedding => *tokens = params.first().cloned(),
-            Unit::Head => params.extend(tokens.clone()),
-            Unit::Block(_) => {}
-        }
-    }
-
     /// Runs the unit. `params` are this unit's tensors in `params()` order;
     /// `input` is token ids (u32, `[batch, time]`) for the embedding and
     /// activations (`[batch, time, width]`) otherwise. The head returns
@@ -259,78 +237,48 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
     x + m
 }
 
-/// Where each of the unit's parameters sits in its flat buffer, with its
-/// shape, in `params()` order.
-fn param_ranges(unit: &Unit, c: &ModelConfig) -> Vec<(std::ops::Range<usize>, Vec<usize>)> {
-    let mut off = 0;
-    unit.params(c)
-        .into_iter()
-        .map(|p| {
-            let range = off..off + p.numel();
-            off = range.end;
-            (range, p.shape)
-        })
-        .collect()
-}
-
-/// Cuts a flat buffer into the unit's parameter tensors.
-pub fn tensors_from_flat(
-    unit: &Unit,
-    c: &ModelConfig,
-    flat: &[f32],
-    device: &Device,
-) -> Result<Vec<Tensor>> {
-    param_ranges(unit, c)
-        .into_iter()
-        .map(|(r, shape)| Tensor::from_slice(&flat[r], shape, device))
-        .collect()
-}
-
-/// Like [`tensors_from_flat`], but without a copy: the buffer becomes one
-/// tensor and each parameter a view of it (for the forward pass, where
-/// nothing is differentiated).
-pub fn tensors_from_owned(
-    unit: &Unit,
-    c: &ModelConfig,
-    flat: Vec<f32>,
-    device: &Device,
-) -> Result<Vec<Tensor>> {
-    let len = flat.len();
-    let all = Tensor::from_vec(flat, len, device)?;
-    param_ranges(unit, c)
-        .into_iter()
-        .map(|(r, shape)| all.narrow(0, r.start, r.len())?.reshape(shape))
-        .collect()
-}
-
-/// Like [`tensors_from_flat`], but as variables to differentiate (one copy
-/// of the buffer: a tensor turned into a `Var` would be copied again).
-pub fn vars_from_flat(
-    unit: &Unit,
-    c: &ModelConfig,
-    flat: &[f32],
-    device: &Device,
-) -> Result<Vec<candle_core::Var>> {
-    param_ranges(unit, c)
-        .into_iter()
-        .map(|(r, shape)| candle_core::Var::from_slice(&flat[r], shape, device))
-        .collect()
-}
-
-/// Appends an f32 tensor's values to `out`: read straight from its storage
-/// when it is contiguous on the CPU, else through a copy.
-pub fn extend_with(out: &mut Vec<f32>, t: &Tensor) -> Result<()> {
-    {
-        let (storage, layout) = t.storage_and_layout();
-        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(data)), Some((a, b))) =
-            (&*storage, layout.contiguous_offsets())
-        {
-            out.extend_from_slice(&data[a..b]);
-            return Ok(());
-        }
+/// The built-in GPT as the engine shards it: `units()` in order, the
+/// embedding's token matrix tied to the head when `tied_head` is set.
+impl crate::engine::Model for ModelConfig {
+    fn validate(&self) -> std::result::Result<(), String> {
+        ModelConfig::validate(self)
     }
-    out.extend(t.flatten_all()?.to_vec1::<f32>()?);
-    Ok(())
+
+    fn unit_count(&self) -> usize {
+        self.layers + 2
+    }
+
+    fn unit_name(&self, unit: usize) -> String {
+        self.units()[unit].name()
+    }
+
+    fn param_shapes(&self, unit: usize) -> Vec<Vec<usize>> {
+        self.units()[unit]
+            .params(self)
+            .into_iter()
+            .map(|p| p.shape)
+            .collect()
+    }
+
+    fn init(&self, unit: usize, seed: u64) -> Vec<f32> {
+        self.units()[unit].init(self, seed, unit)
+    }
+
+    fn tie(&self) -> Option<crate::engine::Tie> {
+        self.tied_head.then(|| crate::engine::Tie {
+            from: 0,
+            param: 0,
+            to: self.layers + 1,
+        })
+    }
+
+    fn forward(&self, unit: usize, params: &[Tensor], input: &Tensor) -> Result<Tensor> {
+        self.units()[unit].forward(self, params, input)
+    }
+
+    fn loss(&self, output: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        loss(output, targets)
+    }
 }
 
 /// Mean cross-entropy of logits `[b, t, v]` against targets `[b, t]`.
@@ -345,6 +293,8 @@ pub fn loss(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::model::{Model, Tied, tensors_from_flat};
+    use candle_core::Device;
 
     #[test]
     fn a_forward_pass_through_all_units_gives_a_loss_near_log_vocab() {
@@ -357,18 +307,13 @@ mod tests {
             let ids: Vec<u32> = (0..2 * 16).map(|i| (i * 37 % 256) as u32).collect();
             let ids = Tensor::from_vec(ids, (2, 16), &dev).unwrap();
             let mut x = ids.clone();
-            let mut tokens = None;
-            for (i, u) in c.units().iter().enumerate() {
-                let flat = u.init(&c, 1, i);
-                assert_eq!(flat.len(), u.numel(&c));
-                let mut params = tensors_from_flat(u, &c, &flat, &dev).unwrap();
-                if *u == Unit::Embedding {
-                    tokens = Some(params[0].clone());
-                }
-                if *u == Unit::Head && tied_head {
-                    params.push(tokens.clone().unwrap());
-                }
-                x = u.forward(&c, &params, &x).unwrap();
+            let mut tied = Tied::default();
+            for u in 0..c.unit_count() {
+                let flat = Model::init(&c, u, 1);
+                assert_eq!(flat.len(), c.units()[u].numel(&c));
+                let mut params = tensors_from_flat(&c, u, &flat, &dev).unwrap();
+                tied.apply(c.tie(), u, &mut params);
+                x = Model::forward(&c, u, &params, &x).unwrap();
             }
             // Targets other than the inputs: a tied head starts out
             // favouring the input token itself.

@@ -464,7 +464,7 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
     }
     let transport_name = crate::comm::Transport::name(&*counter);
     let engine_cfg = EngineConfig {
-        model: cfg.model.clone(),
+        model: std::sync::Arc::new(cfg.model.clone()),
         switches: switches.clone(),
         optim: cfg.optim.clone(),
         seed: cfg.seed,
