@@ -8,8 +8,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use zeropp::cli::{bench_collectives, comm_check, example_weights, quant_error};
 use zeropp::launch;
+use zeropp::train::config::{Mode, TrainConfig};
+use zeropp::train::local;
 use zeropp::train::trainer;
-use zeropp::train::trainer::{Mode, TrainConfig};
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
 
 /// zeropp: ZeRO-3 sharded training with ZeRO++ communication (quantized
@@ -589,12 +590,12 @@ fn run(cli: Cli) -> Result<()> {
                         zeropp::train::parity::measure(&cfg, &seeds.0, args.timeout)?;
                     }
                     None => {
-                        trainer::compare(&cfg, args.timeout)?;
+                        local::compare(&cfg, args.timeout)?;
                     }
                 },
                 // No launcher around us: be one, over this machine.
                 Err(zeropp::comm::env::EnvError::Missing) => {
-                    trainer::launch_local(&cfg, args.timeout)?
+                    local::launch_local(&cfg, args.timeout)?
                 }
                 Ok(_) if args.compare => bail!(
                     "--compare launches its own runs on this machine; run it outside a launcher"

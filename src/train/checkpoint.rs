@@ -20,8 +20,8 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
 use crate::engine::{Engine, UnitLayout, UnitShard};
+use crate::train::config::TrainConfig;
 use crate::train::model::Unit;
-use crate::train::trainer::TrainConfig;
 use crate::zero::delta::SavedReference;
 use crate::zero::residual::Residual;
 

@@ -3,11 +3,14 @@
 //! it calls back up.
 
 pub mod checkpoint;
+pub mod config;
 pub mod data;
 pub mod hf;
 pub mod infer;
+pub mod local;
 pub mod model;
 pub mod ops;
 pub mod parity;
 pub mod plot;
+pub mod summary;
 pub mod trainer;

@@ -10,7 +10,8 @@
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-use crate::train::trainer::{Mode, TrainConfig, run_mode};
+use crate::train::config::{Mode, TrainConfig};
+use crate::train::local::run_mode;
 
 /// The seeds of `--seeds`.
 #[derive(Clone, Debug, PartialEq)]

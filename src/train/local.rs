@@ -1,0 +1,168 @@
+//! The whole job on this machine: `zeropp train` without a launcher starts
+//! `nodes` × `ranks_per_node` local ranks of itself, and `--compare` runs
+//! ZeRO-3 and ZeRO++ one after the other.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
+use crate::comm::job::TransportKind;
+use crate::train::config::{Mode, TrainConfig};
+use crate::train::plot::{self, Series};
+use crate::train::summary::{Summary, comparison_table, step_points};
+
+/// Runs the whole job on this machine as `nodes` × `ranks_per_node` local
+/// ranks: what `zeropp train` does when no launcher started it. The ranks
+/// read `cfg` from a temporary TOML file. When our stderr is a terminal,
+/// rank 0 gets it directly so its progress bar can draw.
+pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
+    use std::io::IsTerminal;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let exe = std::env::current_exe().context("locating the zeropp binary")?;
+    let file = std::env::temp_dir().join(format!(
+        "zeropp-train-{}-{}.toml",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    let mut cfg = cfg.clone();
+    cfg.transport = default_transport(cfg.transport);
+    let text = toml::to_string(&cfg).context("writing the run's config")?;
+    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
+    let result = crate::launch::launch(&crate::launch::LaunchOptions {
+        nodes: cfg.nodes,
+        ranks_per_node: cfg.ranks_per_node,
+        node_rank: None,
+        master: None,
+        timeout_s,
+        grace: std::time::Duration::from_secs(3),
+        rank0_terminal: std::io::stderr().is_terminal(),
+        command: vec![
+            exe.display().to_string(),
+            "train".into(),
+            "--config".into(),
+            file.display().to_string(),
+        ],
+    });
+    let _ = std::fs::remove_file(&file);
+    result
+}
+
+/// The transport of a self-launched run: the one asked for (`--transport`,
+/// or `ZEROPP_TRANSPORT`, which the ranks read), else UCX (shared memory
+/// between the ranks of a node, TCP between nodes) when libucp loads, else
+/// TCP with a note saying how to get UCX.
+fn default_transport(asked: Option<TransportKind>) -> Option<TransportKind> {
+    if asked.is_some() || std::env::var_os("ZEROPP_TRANSPORT").is_some() {
+        return asked;
+    }
+    let (kind, why_not_ucx) = TransportKind::default_here();
+    if let Some(why) = why_not_ucx {
+        eprintln!("note: using TCP between ranks: {why}");
+    }
+    Some(kind)
+}
+
+/// `--metrics FILE` of one mode of a comparison: FILE with the mode before
+/// its extension (`m.jsonl` → `m.zero3.jsonl`).
+pub fn per_mode_path(path: &Path, mode: &str) -> PathBuf {
+    let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("jsonl");
+    path.with_extension(format!("{mode}.{ext}"))
+}
+
+/// `(step, loss)` of every line of a `--metrics` file.
+fn read_losses(path: &Path) -> Result<Vec<(usize, f32)>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l)?;
+        if v.get("header").is_some() {
+            continue;
+        }
+        let Some(step) = v["step"].as_u64() else {
+            bail!("{}: a line without a step", path.display());
+        };
+        // A skipped non-finite step's loss is null: no point to draw.
+        if let Some(loss) = v["loss"].as_f64() {
+            out.push((step as usize, loss as f32));
+        }
+    }
+    Ok(out)
+}
+
+/// One run of a comparison on this machine: `cfg` in `mode` (ZeRO-3 with
+/// every ZeRO++ override cleared), then `tweak`, named `name` (its metrics
+/// next to `--metrics` with the name before the extension, or in `dir`).
+/// Returns its summary and `(step, loss)` points.
+pub fn run_mode(
+    cfg: &TrainConfig,
+    mode: Mode,
+    name: &str,
+    dir: &Path,
+    timeout_s: Option<f64>,
+    tweak: &dyn Fn(&mut TrainConfig),
+) -> Result<(Summary, Vec<(usize, f32)>)> {
+    let mut c = cfg.clone();
+    c.mode = mode;
+    if mode == Mode::Zero3 {
+        (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
+        (c.qwz_delta, c.qgz_hadamard, c.qgz_inter_block) = (None, None, None);
+    }
+    tweak(&mut c);
+    let metrics = match &cfg.metrics {
+        Some(p) => per_mode_path(p, name),
+        None => dir.join(format!("{name}.jsonl")),
+    };
+    c.metrics = Some(metrics.clone());
+    c.summary_json = Some(dir.join(format!("{name}.json")));
+    // Each run checkpoints (and resumes) in its own directory.
+    c.checkpoint_dir = cfg.checkpoint_dir.as_ref().map(|d| d.join(name));
+    c.resume = cfg.resume.as_ref().map(|d| d.join(name));
+    c.plot = None;
+    println!("== {name} ==");
+    launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
+    let summary: Summary = serde_json::from_slice(
+        &std::fs::read(c.summary_json.as_ref().expect("set above"))
+            .context("reading the run's summary")?,
+    )?;
+    Ok((summary, read_losses(&metrics)?))
+}
+
+/// `zeropp train --compare`: the same seed, data and model under plain
+/// ZeRO-3 and under ZeRO++ (with any switch overrides), one after the
+/// other, then both side by side. The switch overrides apply to the ZeRO++
+/// run only.
+pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Summary)> {
+    let dir = std::env::temp_dir().join(format!("zeropp-compare-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let mut runs = Vec::new();
+    for mode in [Mode::Zero3, Mode::Zeropp] {
+        let name = format!("{mode:?}").to_lowercase();
+        runs.push(run_mode(cfg, mode, &name, &dir, timeout_s, &|_| {})?);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let (z3, zpp) = (&runs[0].0, &runs[1].0);
+    print!("{}", comparison_table(z3, zpp));
+    if let Some(p) = &cfg.summary_json {
+        let both = serde_json::json!({ "zero3": z3, "zeropp": zpp });
+        std::fs::write(p, serde_json::to_vec_pretty(&both)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    if let Some(p) = &cfg.plot {
+        let series: Vec<Series> = runs
+            .iter()
+            .map(|(s, losses)| Series {
+                name: format!("{} (validation {:.3})", s.mode, s.val_loss),
+                points: step_points(losses),
+            })
+            .collect();
+        let title = format!(
+            "ZeRO-3 vs ZeRO++, {} nodes x {} ranks",
+            z3.nodes,
+            z3.world_size / z3.nodes.max(1)
+        );
+        plot::loss_curves(p, &title, &series)?;
+    }
+    Ok((runs[0].0.clone(), runs[1].0.clone()))
+}

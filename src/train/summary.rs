@@ -1,0 +1,158 @@
+//! What a training run reports: one line of `--metrics` per step, the
+//! end-of-run summary (`--summary-json`), and `--compare`'s table.
+
+use serde::{Deserialize, Serialize};
+
+use crate::zero::plan::Switches;
+use crate::zero::traffic::Traffic;
+
+/// One line of `--metrics`.
+#[derive(Serialize)]
+pub(crate) struct StepMetrics<'a> {
+    pub(crate) step: usize,
+    pub(crate) loss: f32,
+    pub(crate) grad_norm: f32,
+    pub(crate) lr: f32,
+    pub(crate) step_time_s: f64,
+    /// Rank 0's own work in the step: its time less its waits on
+    /// communication.
+    pub(crate) compute_s: f64,
+    pub(crate) tokens_per_s: f64,
+    /// Bytes the whole job sent this step.
+    pub(crate) bytes_intra_node: f64,
+    pub(crate) bytes_inter_node: f64,
+    /// Rank 0's own counters by phase, payload and scales.
+    pub(crate) rank0_traffic: &'a Traffic,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct BytesPerStep {
+    pub intra_node: f64,
+    pub inter_node: f64,
+}
+
+/// The end-of-run summary (`--summary-json`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub mode: String,
+    /// The switches the engine ran with, resolved from the flags and the
+    /// routing plan (what rank 0 prints at start).
+    pub switches: Switches,
+    pub world_size: usize,
+    pub nodes: usize,
+    pub params: usize,
+    pub steps: usize,
+    pub initial_loss: f32,
+    /// Mean of the last 10 steps' losses.
+    pub final_loss: f32,
+    pub val_loss: f32,
+    pub tokens_per_s: f64,
+    pub median_step_time_s: f64,
+    /// Rank 0's own work per step (compute, and the quantization on its
+    /// compute thread): the step less its waits on communication, median.
+    /// What `zeropp plan --measured` takes as the compute.
+    #[serde(default)]
+    pub median_compute_s: f64,
+    /// Job-wide bytes per step, averaged over the training steps.
+    pub bytes_per_step: BytesPerStep,
+    /// Job-wide bytes over the whole run (training and validation), and the
+    /// number of messages that carried them (each adds a 40-byte frame
+    /// header on the wire); rendezvous and connection set-up not included.
+    pub run_bytes: BytesPerStep,
+    pub run_messages: BytesPerStep,
+    /// Each rank's peak resident memory (`VmHWM`) over the run, in rank
+    /// order; 0 where the kernel does not say.
+    #[serde(default)]
+    pub peak_rss_bytes: Vec<u64>,
+    /// Where each chosen switch came from (asked, the routing plan, or the
+    /// routes timed at join).
+    #[serde(default)]
+    pub why: std::collections::BTreeMap<String, String>,
+    /// What the job measured at join (default mode on nodes that are
+    /// hosts), `null` otherwise.
+    #[serde(default)]
+    pub measured: Option<crate::zero::probe::Measured>,
+    /// What rank 0 kept between steps for ZeRO++ at the end (qwZ
+    /// references, qgZ residuals), in bytes.
+    #[serde(default)]
+    pub kept_bytes: crate::engine::KeptBytes,
+}
+
+impl Summary {
+    /// What rank 0 prints at the end of a run.
+    pub fn done_line(&self) -> String {
+        format!(
+            "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB \
+             across nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; \
+             kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3})",
+            self.initial_loss,
+            self.final_loss,
+            self.val_loss,
+            self.tokens_per_s,
+            self.bytes_per_step.inter_node / 1e6,
+            self.bytes_per_step.intra_node / 1e6,
+            self.peak_rss_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6,
+            self.peak_rss_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6,
+            (self.kept_bytes.qwz_references + self.kept_bytes.qgz_residuals) as f64 / 1e6,
+            self.kept_bytes.qwz_references as f64 / 1e6,
+            self.kept_bytes.qgz_residuals as f64 / 1e6,
+        )
+    }
+}
+
+/// This process's peak resident set (`VmHWM` of `/proc/self/status`), in
+/// bytes; `None` off Linux.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// `(step, loss)` pairs as plot points.
+pub(crate) fn step_points(losses: &[(usize, f32)]) -> Vec<(f64, f64)> {
+    losses.iter().map(|&(s, l)| (s as f64, l as f64)).collect()
+}
+
+pub(crate) fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s.get(s.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The side-by-side table `--compare` prints.
+pub fn comparison_table(z3: &Summary, zpp: &Summary) -> String {
+    let rows: [(&str, f64, f64); 6] = [
+        (
+            "final loss (last 10 steps)",
+            z3.final_loss as f64,
+            zpp.final_loss as f64,
+        ),
+        ("validation loss", z3.val_loss as f64, zpp.val_loss as f64),
+        (
+            "median step time (s)",
+            z3.median_step_time_s,
+            zpp.median_step_time_s,
+        ),
+        ("tokens/s", z3.tokens_per_s, zpp.tokens_per_s),
+        (
+            "MB across nodes per step",
+            z3.bytes_per_step.inter_node / 1e6,
+            zpp.bytes_per_step.inter_node / 1e6,
+        ),
+        (
+            "MB inside nodes per step",
+            z3.bytes_per_step.intra_node / 1e6,
+            zpp.bytes_per_step.intra_node / 1e6,
+        ),
+    ];
+    let mut out = format!(
+        "\n{:<28} {:>12} {:>12} {:>14}\n",
+        "", "zero3", "zeropp", "zeropp/zero3"
+    );
+    for (name, a, b) in rows {
+        let ratio = if a != 0.0 { b / a } else { f64::NAN };
+        out += &format!("{name:<28} {a:>12.4} {b:>12.4} {ratio:>14.3}\n");
+    }
+    out
+}
