@@ -82,6 +82,13 @@ pub enum CudaError {
     Peer(String),
 }
 
+impl CudaError {
+    /// Whether another rank's failure caused it (the job cannot go on).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(self, CudaError::Peer(_))
+    }
+}
+
 /// Attaches what was being done to a driver error.
 pub(crate) trait DriverContext<T> {
     fn during(self, what: impl FnOnce() -> String) -> Result<T, CudaError>;

@@ -291,7 +291,7 @@ impl Job {
         let mut kept = self
             .measured
             .lock()
-            .map_err(|_| invalid("the measured links were poisoned by an earlier failure"))?;
+            .map_err(|_| to_py(ZeroError::Poisoned("record of the measured links")))?;
         if kept.is_none() {
             let (counter, groups, layout) =
                 (self.counter.clone(), self.groups.clone(), self.layout);
@@ -301,12 +301,10 @@ impl Job {
                 probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
             });
             let m = py.detach(|| pending.wait()).map_err(|e| {
-                let m = format!("measuring the links for mode=\"zeropp\": {e}");
-                if e.is_peer_failure() {
-                    crate::PeerError::new_err(m)
-                } else {
-                    invalid(m)
-                }
+                to_py(crate::Raised {
+                    peer: e.is_peer_failure(),
+                    message: format!("measuring the links for mode=\"zeropp\": {e}"),
+                })
             })?;
             *kept = Some(m);
         }
@@ -315,7 +313,7 @@ impl Job {
 }
 
 fn poisoned() -> ZeroError {
-    ZeroError::Invalid("the error-feedback buffer was poisoned by an earlier failure".into())
+    ZeroError::Poisoned("error-feedback buffer")
 }
 
 impl Job {
@@ -541,7 +539,10 @@ impl Job {
                 self.layout.rank
             )));
         }
-        let mut subgroups = self.subgroups.lock().map_err(|_| invalid("poisoned"))?;
+        let mut subgroups = self
+            .subgroups
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?;
         if let Some(existing) = subgroups.iter().find(|s| s.ranks() == ranks) {
             return Ok(existing.clone());
         }
@@ -757,7 +758,7 @@ pub struct Op {
     /// This rank (named in the collective's own errors).
     rank: usize,
     pending: Mutex<Option<Pending<(), ZeroError>>>,
-    outcome: Mutex<Option<Result<(), (bool, String)>>>,
+    outcome: Mutex<Option<Result<(), crate::Raised>>>,
 }
 
 impl Op {
@@ -772,10 +773,13 @@ impl Op {
     fn settle(&self, r: Result<(), ZeroError>) {
         // A peer's failure names the peer; any other names this rank.
         let r = r.map_err(|e| {
-            if e.is_peer_failure() {
-                (true, e.to_string())
-            } else {
-                (false, format!("rank {}: {e}", self.rank))
+            let peer = e.is_peer_failure();
+            crate::Raised {
+                peer,
+                message: match peer {
+                    true => e.to_string(),
+                    false => format!("rank {}: {e}", self.rank),
+                },
             }
         });
         if let Ok(mut o) = self.outcome.lock() {
@@ -787,13 +791,12 @@ impl Op {
         match self
             .outcome
             .lock()
-            .map_err(|_| invalid("poisoned"))?
+            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?
             .as_ref()
         {
             None => Ok(false),
             Some(Ok(())) => Ok(true),
-            Some(Err((true, m))) => Err(crate::PeerError::new_err(m.clone())),
-            Some(Err((false, m))) => Err(crate::ZeroppError::new_err(m.clone())),
+            Some(Err(e)) => Err(to_py(e.clone())),
         }
     }
 }
@@ -802,7 +805,11 @@ impl Op {
 impl Op {
     /// Waits until the collective is done; raises its error.
     fn wait(&self, py: Python<'_>) -> PyResult<()> {
-        let pending = self.pending.lock().map_err(|_| invalid("poisoned"))?.take();
+        let pending = self
+            .pending
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?
+            .take();
         if let Some(p) = pending {
             let r = py.detach(move || p.wait());
             self.settle(r);
@@ -812,7 +819,10 @@ impl Op {
 
     /// Whether the collective is done (its error, if any, is raised by `wait`).
     fn is_completed(&self) -> PyResult<bool> {
-        let mut guard = self.pending.lock().map_err(|_| invalid("poisoned"))?;
+        let mut guard = self
+            .pending
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?;
         if let Some(p) = guard.as_ref()
             && let Some(r) = p.try_take()
         {

@@ -31,15 +31,7 @@ use zeropp_quant::QuantFormat;
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState, QwzReference};
-use crate::invalid;
-
-/// A CUDA error as the Python exception that fits it.
-fn to_py(e: CudaError) -> PyErr {
-    match e {
-        CudaError::Peer(m) => crate::PeerError::new_err(m),
-        e => crate::ZeroppError::new_err(e.to_string()),
-    }
-}
+use crate::{invalid, peer_failed, to_py};
 
 /// A collective's error as the device path reports it (a peer's failure
 /// stays one).
@@ -166,7 +158,7 @@ impl CudaJob {
                 // Another failure may still be a peer's death in disguise.
                 return match self.counter.first_death() {
                     Some((rank, why)) => {
-                        crate::PeerError::new_err(format!("rank {rank} failed: {why}; here: {e}"))
+                        peer_failed(format!("rank {rank} failed: {why}; here: {e}"))
                     }
                     None => to_py(e),
                 };
@@ -182,10 +174,10 @@ impl CudaJob {
         let deadline = std::time::Instant::now() + NAME_THE_DEAD;
         loop {
             if let Some((rank, why)) = self.counter.first_death() {
-                return crate::PeerError::new_err(format!("rank {rank} failed: {why}; {m}"));
+                return peer_failed(format!("rank {rank} failed: {why}; {m}"));
             }
             if std::time::Instant::now() >= deadline {
-                return crate::PeerError::new_err(m);
+                return peer_failed(m);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -200,12 +192,15 @@ impl CudaJob {
     ) -> PyResult<R> {
         py.detach(|| {
             if self.dead.load(Ordering::Relaxed) {
-                return Err(crate::PeerError::new_err(
+                return Err(peer_failed(
                     "an earlier NCCL failure (a rank died or hung) ended this job's \
                      communicators; the job cannot continue",
                 ));
             }
-            let mut side = self.side.lock().map_err(|_| invalid("poisoned"))?;
+            let mut side = self
+                .side
+                .lock()
+                .map_err(|_| to_py(ZeroError::Poisoned("state of this device job")))?;
             f(&mut side)
         })
     }
@@ -376,7 +371,7 @@ impl CudaJob {
                     let mut reference = state.device.lock().map_err(|_| {
                         self.error(
                             Some(comms),
-                            CudaError::Invalid("a qwZ reference was poisoned".into()),
+                            CudaError::Invalid(ZeroError::Poisoned("qwZ reference").to_string()),
                         )
                     })?;
                     with_gpu_dtype(
@@ -491,9 +486,10 @@ impl CudaJob {
                         counter: &counter,
                         gpu,
                     };
-                    let mut fb = s.device_feedback.lock().map_err(|_| {
-                        ZeroError::Invalid("the error-feedback buffer was poisoned".into())
-                    })?;
+                    let mut fb = s
+                        .device_feedback
+                        .lock()
+                        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
                     let DeviceFeedback { first, second } = &mut *fb;
                     let feedback = qgz::Feedback {
                         first: match s.first_hop_feedback() {

@@ -28,19 +28,74 @@ create_exception!(
     "Another rank died, hung or became unreachable; the message names it."
 );
 
-/// A library error as the Python exception that fits it.
-pub(crate) fn to_py(e: zeropp::comm::CommError) -> PyErr {
-    use zeropp::comm::CommError as E;
-    match e {
-        e @ (E::PeerFailed { .. } | E::Timeout { .. } | E::Closed) => {
-            PeerError::new_err(e.to_string())
-        }
-        e => ZeroppError::new_err(e.to_string()),
+/// What the bindings raise, told apart as Python callers tell them apart:
+/// another rank's failure (`PeerError`: the job cannot go on) or this
+/// rank's (`ZeroppError`: the message says what to change).
+pub(crate) trait Failure: std::fmt::Display {
+    fn is_peer_failure(&self) -> bool;
+}
+
+impl Failure for zeropp::comm::CommError {
+    fn is_peer_failure(&self) -> bool {
+        zeropp::comm::CommError::is_peer_failure(self)
     }
 }
 
+impl Failure for zeropp::zero::ZeroError {
+    fn is_peer_failure(&self) -> bool {
+        zeropp::zero::ZeroError::is_peer_failure(self)
+    }
+}
+
+impl Failure for zeropp_cuda::CudaError {
+    fn is_peer_failure(&self) -> bool {
+        zeropp_cuda::CudaError::is_peer_failure(self)
+    }
+}
+
+/// A failure the bindings describe themselves: a check of their own, or
+/// an outcome kept until `wait`.
+#[derive(Clone, Debug)]
+pub(crate) struct Raised {
+    pub peer: bool,
+    pub message: String,
+}
+
+impl std::fmt::Display for Raised {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Failure for Raised {
+    fn is_peer_failure(&self) -> bool {
+        self.peer
+    }
+}
+
+/// The one conversion of a failure into the Python exception that fits it.
+pub(crate) fn to_py(e: impl Failure) -> PyErr {
+    if e.is_peer_failure() {
+        PeerError::new_err(e.to_string())
+    } else {
+        ZeroppError::new_err(e.to_string())
+    }
+}
+
+/// This rank's failure, described by the bindings.
 pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
-    ZeroppError::new_err(msg.into())
+    to_py(Raised {
+        peer: false,
+        message: msg.into(),
+    })
+}
+
+/// Another rank's failure, described by the bindings.
+pub(crate) fn peer_failed(msg: impl Into<String>) -> PyErr {
+    to_py(Raised {
+        peer: true,
+        message: msg.into(),
+    })
 }
 
 /// What `zeropp topo --json` reports of this machine (or of a captured

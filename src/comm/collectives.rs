@@ -175,13 +175,10 @@ impl Communicator {
             .ranks()
             .iter()
             .position(|&r| r == self.rank())
-            .ok_or_else(|| {
-                CommError::Invalid(format!(
-                    "rank {} is not a member of group {} ({:?})",
-                    self.rank(),
-                    group.id(),
-                    group.ranks()
-                ))
+            .ok_or_else(|| CommError::NotInGroup {
+                rank: self.rank(),
+                group: group.id(),
+                ranks: group.ranks().to_vec(),
             })
     }
 

@@ -78,10 +78,10 @@ pub fn join(
     exchange: &mut dyn FnMut(Vec<u8>) -> Result<Vec<Vec<u8>>, CommError>,
 ) -> Result<Joined, CommError> {
     if opts.rank >= opts.world_size {
-        return Err(CommError::Invalid(format!(
-            "rank {} is outside a world of {}",
-            opts.rank, opts.world_size
-        )));
+        return Err(CommError::NoSuchRank {
+            peer: opts.rank,
+            world: opts.world_size,
+        });
     }
     let me = ProcessIdentity::of_self();
     let mut mine = Published {
@@ -120,8 +120,9 @@ pub fn join(
                         .tcp_address
                         .as_deref()
                         .ok_or_else(|| mixed_transports(p.rank, "ucx", opts.rank, "tcp"))?;
-                    a.parse::<SocketAddr>().map_err(|_| {
-                        CommError::Invalid(format!("rank {} published a bad address {a:?}", p.rank))
+                    a.parse::<SocketAddr>().map_err(|_| CommError::BadAddress {
+                        rank: p.rank,
+                        address: a.to_string(),
                     })
                 })
                 .collect::<Result<Vec<_>, _>>()?;
@@ -153,10 +154,10 @@ pub fn join(
                             .as_deref()
                             .ok_or_else(|| mixed_transports(p.rank, "tcp", opts.rank, "ucx"))?;
                         let worker = super::ucx::address_from_hex(hex).ok_or_else(|| {
-                            CommError::Invalid(format!(
-                                "rank {} published a bad UCX address",
-                                p.rank
-                            ))
+                            CommError::BadAddress {
+                                rank: p.rank,
+                                address: hex.to_string(),
+                            }
                         })?;
                         let same_node = p.rank / g == opts.rank / g;
                         let local_pid =

@@ -29,10 +29,10 @@ impl InProcess {
 
     fn check_peer(&self, peer: usize) -> Result<(), CommError> {
         if peer >= self.mailboxes.len() {
-            return Err(CommError::Invalid(format!(
-                "rank {peer} does not exist in a world of {}",
-                self.mailboxes.len()
-            )));
+            return Err(CommError::NoSuchRank {
+                peer,
+                world: self.mailboxes.len(),
+            });
         }
         Ok(())
     }
@@ -79,5 +79,37 @@ impl Transport for InProcess {
 
     fn name(&self) -> &'static str {
         "inproc"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Transport;
+
+    #[test]
+    fn a_missing_rank_or_a_group_without_this_rank_is_a_typed_error() {
+        let t = InProcess::world(2).into_iter().next().expect("two ranks");
+        match t.send(5, 1, Bytes::from_static(b"x")) {
+            Err(CommError::NoSuchRank { peer: 5, world: 2 }) => {}
+            Err(e) => panic!("expected NoSuchRank, got {e:?}"),
+            Ok(_) => panic!("a send to rank 5 of 2 went through"),
+        }
+        let e = CommError::NoSuchRank { peer: 5, world: 2 };
+        assert!(!e.is_peer_failure());
+        assert!(
+            e.to_string()
+                .contains("rank 5 does not exist in a world of 2")
+        );
+        let comm = crate::comm::Communicator::new(
+            std::sync::Arc::new(t),
+            std::time::Duration::from_secs(1),
+        );
+        let other = crate::comm::Group::new(crate::comm::GroupKind::Node(1), vec![1])
+            .expect("a group of rank 1");
+        match comm.all_gather_v(&other, Bytes::from_static(b"x")) {
+            Err(CommError::NotInGroup { rank: 0, .. }) => {}
+            other => panic!("expected NotInGroup, got {other:?}"),
+        }
     }
 }

@@ -50,11 +50,13 @@ impl TransportKind {
     pub fn from_env() -> Result<(TransportKind, Option<String>), CommError> {
         match std::env::var("ZEROPP_TRANSPORT") {
             Err(_) => Ok(Self::default_here()),
-            Ok(v) => v.parse().map(|k| (k, None)).map_err(|_| {
-                CommError::Invalid(format!(
-                    "ZEROPP_TRANSPORT={v:?}: use ucx (the default when libucp loads) or tcp"
-                ))
-            }),
+            Ok(v) => v
+                .parse()
+                .map(|k| (k, None))
+                .map_err(|_| CommError::Setting {
+                    name: "ZEROPP_TRANSPORT",
+                    problem: format!("{v:?}: use ucx (the default when libucp loads) or tcp"),
+                }),
         }
     }
 }
@@ -172,12 +174,12 @@ impl Job {
                 if p.address.is_empty() {
                     return Err(mixed_transports(p.rank, "ucx", facts.rank, "tcp"));
                 }
-                p.address.parse::<SocketAddr>().map_err(|_| {
-                    CommError::Invalid(format!(
-                        "rank {} published a bad address {:?}",
-                        p.rank, p.address
-                    ))
-                })
+                p.address
+                    .parse::<SocketAddr>()
+                    .map_err(|_| CommError::BadAddress {
+                        rank: p.rank,
+                        address: p.address.clone(),
+                    })
             })
             .collect::<Result<Vec<_>, _>>()?;
         let options = TcpOptions {

@@ -50,6 +50,23 @@ pub enum CommError {
     },
     #[error("the transport was shut down")]
     Closed,
+    /// A call named a rank outside the job.
+    #[error("rank {peer} does not exist in a world of {world}")]
+    NoSuchRank { peer: usize, world: usize },
+    /// A rank's published address (rendezvous, torch store) does not parse.
+    #[error("rank {rank} published a bad address {address:?}")]
+    BadAddress { rank: usize, address: String },
+    /// This rank called a collective of a group it is not in.
+    #[error("rank {rank} is not a member of group {group} ({ranks:?})")]
+    NotInGroup {
+        rank: usize,
+        group: u32,
+        ranks: Vec<usize>,
+    },
+    /// An environment setting (`ZEROPP_…`) that does not parse: its name,
+    /// what is wrong and what to give instead.
+    #[error("{name}: {problem}")]
+    Setting { name: &'static str, problem: String },
     #[error("invalid call: {0}")]
     Invalid(String),
     #[error("malformed message: {0}")]
@@ -63,6 +80,17 @@ pub enum CommError {
     /// The rank facts in the environment are missing or wrong.
     #[error(transparent)]
     Environment(#[from] env::EnvError),
+}
+
+impl CommError {
+    /// Whether another rank's death, hang or disappearance caused it: the
+    /// job cannot go on.
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(
+            self,
+            CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
+        )
+    }
 }
 
 /// `map_err` for an I/O failure while doing `what`.

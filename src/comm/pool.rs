@@ -55,11 +55,12 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 fn budget_from(value: Option<&str>) -> Result<usize, CommError> {
     match value {
         None => Ok(DEFAULT_BUDGET),
-        Some(v) => parse_size(v).map_err(|e| {
-            CommError::Invalid(format!(
-                "ZEROPP_RECV_POOL: {e}; give the bytes of free receive buffers a rank may keep \
-                 (for example 256M, the default), or 0 to turn the pool off"
-            ))
+        Some(v) => parse_size(v).map_err(|e| CommError::Setting {
+            name: "ZEROPP_RECV_POOL",
+            problem: format!(
+                "{e}; give the bytes of free receive buffers a rank may keep (for example \
+                     256M, the default), or 0 to turn the pool off"
+            ),
         }),
     }
 }

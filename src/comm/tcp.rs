@@ -121,9 +121,10 @@ impl TcpTransport {
         let pool = BufferPool::from_env()?;
         let world_size = addresses.len();
         if rank >= world_size {
-            return Err(CommError::Invalid(format!(
-                "rank {rank} is outside a world of {world_size}"
-            )));
+            return Err(CommError::NoSuchRank {
+                peer: rank,
+                world: world_size,
+            });
         }
         let deadline = Instant::now() + options.connect_timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();

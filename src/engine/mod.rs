@@ -343,7 +343,7 @@ impl Engine {
                 let mut full = vec![0f32; padded];
                 let mut reference = reference
                     .lock()
-                    .map_err(|_| ZeroError::Invalid("a qwZ reference was poisoned".into()))?;
+                    .map_err(|_| ZeroError::Poisoned("qwZ reference"))?;
                 delta::gather(
                     &Host,
                     &mover,
@@ -494,9 +494,9 @@ impl Engine {
                 drop(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
-                    let mut residual_inter = residual_inter.lock().map_err(|_| {
-                        ZeroError::Invalid("the error-feedback buffer was poisoned".into())
-                    })?;
+                    let mut residual_inter = residual_inter
+                        .lock()
+                        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
                     let second = qgz::SecondHop {
                         format: inter,
                         rounding,
@@ -552,12 +552,12 @@ impl Engine {
                 let residual_inter = su
                     .residual_inter
                     .lock()
-                    .map_err(|_| anyhow!("the error-feedback buffer was poisoned"))?
+                    .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?
                     .clone();
                 let reference = su
                     .reference
                     .lock()
-                    .map_err(|_| anyhow!("a qwZ reference was poisoned"))?
+                    .map_err(|_| ZeroError::Poisoned("qwZ reference"))?
                     .as_ref()
                     .map(|r| r.saved(self.plan.layout));
                 Ok(UnitShard {

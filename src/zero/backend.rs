@@ -280,6 +280,26 @@ pub fn check_copy_chunk(src: Shape, i: usize, dst: Shape, j: usize) -> Result<()
     same_chunks("copying a chunk", src, dst)
 }
 
+/// Checks that `m`'s node and cross groups are `layout`'s, for
+/// `collective` (its name in the error).
+pub fn check_hops<Q: Quantizer>(
+    m: &impl ByteMover<Q>,
+    layout: super::plan::Layout,
+    collective: &'static str,
+) -> Result<(), ZeroError> {
+    let (node, cross) = (m.size(Hop::Node), m.size(Hop::Cross));
+    if node == layout.ranks_per_node && cross == layout.nodes {
+        return Ok(());
+    }
+    Err(ZeroError::Hops {
+        collective,
+        nodes: layout.nodes,
+        ranks_per_node: layout.ranks_per_node,
+        node,
+        cross,
+    })
+}
+
 /// Checks an all-to-all of `send` into `recv` over `members` ranks (the
 /// same chunks, as many of them, a whole number per member); the chunks
 /// each member gets.

@@ -18,7 +18,7 @@
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::backend::{ByteMover, Hop, Quantizer};
+use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
 use super::plan::Layout;
 use super::qwz::gathered_position;
@@ -107,14 +107,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     phase: Phase,
 ) -> Result<(), ZeroError> {
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
-    if m.size(Hop::Cross) != nodes || m.size(Hop::Node) != g {
-        return Err(ZeroError::Invalid(format!(
-            "qwZ over {nodes} nodes x {g} ranks was given groups of {} (across nodes) and {} \
-             (node)",
-            m.size(Hop::Cross),
-            m.size(Hop::Node)
-        )));
-    }
+    check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
     let kept = reference.take().filter(|r| r.chunk == chunk);
     let refresh = match &kept {

@@ -19,6 +19,26 @@ pub enum ZeroError {
         #[source]
         source: QuantError,
     },
+    /// State shared with the communication thread (a qwZ reference, an
+    /// error-feedback residual) was left half-written by a panic there:
+    /// the job cannot trust it.
+    #[error(
+        "the {0} was poisoned by an earlier failure; restart the job (from its last checkpoint)"
+    )]
+    Poisoned(&'static str),
+    /// A two-hop collective whose byte mover's groups are not the layout's
+    /// node and cross groups.
+    #[error(
+        "{collective} over {nodes} nodes x {ranks_per_node} ranks was given groups of {node} \
+         (node) and {cross} (across nodes)"
+    )]
+    Hops {
+        collective: &'static str,
+        nodes: usize,
+        ranks_per_node: usize,
+        node: usize,
+        cross: usize,
+    },
     /// A call the collective cannot serve (sizes, shapes); says what to do.
     #[error("invalid call: {0}")]
     Invalid(String),
@@ -28,12 +48,11 @@ impl ZeroError {
     /// Whether another rank's death, hang or disappearance caused it: the
     /// job cannot go on (the bindings raise `PeerError` for these).
     pub fn is_peer_failure(&self) -> bool {
-        matches!(
-            self,
-            ZeroError::Comm(
-                CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
-            ) | ZeroError::Device(CudaError::Peer(_))
-        )
+        match self {
+            ZeroError::Comm(e) => e.is_peer_failure(),
+            ZeroError::Device(e) => e.is_peer_failure(),
+            _ => false,
+        }
     }
 }
 

@@ -15,7 +15,7 @@ use zeropp_quant::{QuantFormat, Rounding, swizzled_rank};
 use crate::comm::collectives::{Reduce, balanced_bounds};
 use crate::comm::{CommError, Communicator, Group};
 
-use super::backend::{ByteMover, Hop, Quantizer};
+use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
 use super::plan::Layout;
 use super::residual;
@@ -186,12 +186,10 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
 ) -> Result<Q::Values, ZeroError> {
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
     let (intra, chunk, count) = q.shape(&first);
-    if count != nodes * g || m.size(Hop::Node) != g || m.size(Hop::Cross) != nodes {
+    check_hops(m, layout, "qgZ")?;
+    if count != nodes * g {
         return Err(ZeroError::Invalid(format!(
-            "qgZ over {nodes} nodes x {g} ranks was given {count} chunks and groups of {} \
-             (node) and {} (across nodes)",
-            m.size(Hop::Node),
-            m.size(Hop::Cross)
+            "qgZ over {nodes} nodes x {g} ranks was given {count} chunks, not one per rank"
         )));
     }
     // Hop 1, inside the node: local rank g' gets positions g'·N..(g'+1)·N,

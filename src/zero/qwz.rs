@@ -11,7 +11,7 @@ use zeropp_quant::{Element, QuantFormat, Rounding};
 
 use crate::comm::CommError;
 
-use super::backend::{ByteMover, Hop, Quantizer};
+use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
 use super::payload;
 use super::plan::Layout;
@@ -61,14 +61,7 @@ pub fn gather_chunks<Q: Quantizer, M: ByteMover<Q>>(
     phase: Phase,
 ) -> Result<Q::Chunks, ZeroError> {
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
-    if m.size(Hop::Cross) != nodes || m.size(Hop::Node) != g {
-        return Err(ZeroError::Invalid(format!(
-            "qwZ over {nodes} nodes x {g} ranks was given groups of {} (across nodes) and {} \
-             (node)",
-            m.size(Hop::Cross),
-            m.size(Hop::Node)
-        )));
-    }
+    check_hops(m, layout, "qwZ")?;
     let (format, len, count) = q.shape(mine);
     if count != 1 {
         return Err(ZeroError::Invalid(format!(

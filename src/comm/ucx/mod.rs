@@ -1163,10 +1163,10 @@ impl Transport for UcxTransport {
 
     fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
         if peer >= self.world_size {
-            return Err(CommError::Invalid(format!(
-                "rank {peer} does not exist in a world of {}",
-                self.world_size
-            )));
+            return Err(CommError::NoSuchRank {
+                peer,
+                world: self.world_size,
+            });
         }
         // Large messages to a peer that mapped this rank's segment are
         // copied there (here, on the caller's thread) and travel as a place.
@@ -1207,10 +1207,10 @@ impl Transport for UcxTransport {
 
     fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
         if peer >= self.world_size {
-            return Err(CommError::Invalid(format!(
-                "rank {peer} does not exist in a world of {}",
-                self.world_size
-            )));
+            return Err(CommError::NoSuchRank {
+                peer,
+                world: self.world_size,
+            });
         }
         self.mailbox.take(peer, tag, timeout)
     }

@@ -108,12 +108,12 @@ impl Ring {
 pub fn segment_size_from(value: Option<&str>) -> Result<usize, CommError> {
     match value {
         None => Ok(DEFAULT_SEGMENT),
-        Some(v) => parse_size(v).map_err(|e| {
-            CommError::Invalid(format!(
-                "ZEROPP_SHM_SEGMENT: {e}; give the size of the shared segment a rank sends \
-                 node-local messages from (for example 512M, the default), or 0 to send them \
-                 through UCX alone"
-            ))
+        Some(v) => parse_size(v).map_err(|e| CommError::Setting {
+            name: "ZEROPP_SHM_SEGMENT",
+            problem: format!(
+                "{e}; give the size of the shared segment a rank sends node-local messages \
+                     from (for example 512M, the default), or 0 to send them through UCX alone"
+            ),
         }),
     }
 }
