@@ -2,14 +2,19 @@
 //! communication for clusters with slow links between nodes.
 //!
 //! Layers, one way down: `cli` and `train` → `engine` → `zero` → `comm`.
-//! `zero` holds the ZeRO++ collectives over flat buffers (qwZ, hpZ, qgZ),
-//! which the native engine and the Python bindings (`python/`) both call;
-//! the quantization formats live in `zeropp-quant`.
+//! This crate holds the top three; `zero` (the ZeRO++ collectives over flat
+//! buffers: qwZ, hpZ, qgZ, which the native engine and the Python bindings
+//! both call) and `comm` are the crates `zeropp-zero` and `zeropp-comm`,
+//! re-exported here; the quantization formats live in `zeropp-quant`
+//! (docs/ARCHITECTURE.md).
 
 pub mod cli;
-pub mod comm;
 pub mod engine;
 pub mod launch;
 pub mod planner;
 pub mod train;
-pub mod zero;
+
+/// The communication layer (crate `zeropp-comm`).
+pub use zeropp_comm as comm;
+/// The ZeRO++ collectives (crate `zeropp-zero`).
+pub use zeropp_zero as zero;

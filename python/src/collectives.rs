@@ -1,6 +1,6 @@
 //! `zeropp.torch`'s communication: a job joined through the store of the
 //! user's `torch.distributed` job, and FSDP2's all-gather and
-//! reduce-scatter as the ZeRO++ collectives of `zeropp::zero` (qwZ, hpZ,
+//! reduce-scatter as the ZeRO++ collectives of `zeropp-zero` (qwZ, hpZ,
 //! qgZ, or ZeRO-3's plain rings). Each call is checked at once, runs on the
 //! job's communication thread, and returns an [`Op`] to wait on, so
 //! communication overlaps the caller's compute.
@@ -12,18 +12,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
-use zeropp::comm::collectives::{CommThread, Pending};
-use zeropp::comm::exchange::{self, JoinOptions};
-use zeropp::comm::job::TransportKind;
-use zeropp::comm::{CommError, Communicator, Group};
-use zeropp::zero::host::{Host, HostKernels, HostMover};
-use zeropp::zero::plan::{self, Layout};
-use zeropp::zero::probe::{self, Measured};
-use zeropp::zero::qgz::Reduction;
-use zeropp::zero::residual::Residual;
-use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp::zero::{ZeroError, ZeroGroups, delta, payload, qgz, qwz};
+use zeropp_comm::collectives::{CommThread, Pending};
+use zeropp_comm::exchange::{self, JoinOptions};
+use zeropp_comm::job::TransportKind;
+use zeropp_comm::{CommError, Communicator, Group};
 use zeropp_quant::{Element, QuantFormat};
+use zeropp_zero::host::{Host, HostKernels, HostMover};
+use zeropp_zero::plan::{self, Layout};
+use zeropp_zero::probe::{self, Measured};
+use zeropp_zero::qgz::Reduction;
+use zeropp_zero::residual::Residual;
+use zeropp_zero::traffic::{CountingTransport, Phase};
+use zeropp_zero::{ZeroError, ZeroGroups, delta, payload, qgz, qwz};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::{invalid, to_py};
@@ -100,9 +100,9 @@ impl Job {
         let timeout = Duration::from_secs_f64(timeout_s);
         let ip = match master_addr.as_deref() {
             Some(host) if !host.is_empty() => {
-                let master = zeropp::comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
+                let master = zeropp_comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
                     .map_err(to_py)?;
-                zeropp::comm::rendezvous::local_ip_towards(master).map_err(to_py)?
+                zeropp_comm::rendezvous::local_ip_towards(master).map_err(to_py)?
             }
             _ => std::net::IpAddr::from([127, 0, 0, 1]),
         };
@@ -650,7 +650,7 @@ impl QgzState {
     }
 
     /// Whether the hop inside the node keeps error feedback too (only at
-    /// int4: `zeropp::zero::qgz::first_hop_feedback`).
+    /// int4: `zeropp_zero::qgz::first_hop_feedback`).
     #[getter(first_hop_feedback)]
     fn first_hop_feedback_py(&self) -> bool {
         self.first_hop_feedback()
@@ -684,14 +684,14 @@ impl QgzState {
 }
 
 /// qwZ on weight differences for one FSDP parameter group: this rank's
-/// references of its cross group's shards (`zeropp::zero::delta`).
+/// references of its cross group's shards (`zeropp_zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
     refresh_every: u64,
     fp32: bool,
     pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
     /// The same references for CUDA tensors, on their device.
-    pub(crate) device: Mutex<Option<delta::Reference<zeropp::zero::device::DeviceValues>>>,
+    pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceValues>>>,
 }
 
 impl QwzReference {

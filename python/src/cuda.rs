@@ -17,17 +17,17 @@ use std::time::Duration;
 use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use zeropp::comm::Transport;
-use zeropp::zero::ZeroError;
-use zeropp::zero::device::{DeviceValues, NcclMover};
-use zeropp::zero::plan::Layout;
-use zeropp::zero::qgz::{self, Reduction};
-use zeropp::zero::traffic::{CountingTransport, Phase};
-use zeropp::zero::{delta, qwz};
+use zeropp_comm::Transport;
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
 use zeropp_quant::QuantFormat;
+use zeropp_zero::ZeroError;
+use zeropp_zero::device::{DeviceValues, NcclMover};
+use zeropp_zero::plan::Layout;
+use zeropp_zero::qgz::{self, Reduction};
+use zeropp_zero::traffic::{CountingTransport, Phase};
+use zeropp_zero::{delta, qwz};
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState, QwzReference};
@@ -341,7 +341,7 @@ impl CudaJob {
             ));
         }
         let wire = qwz_bits
-            .map(|b| zeropp::zero::plan::weight_format(b, block).map_err(invalid))
+            .map(|b| zeropp_zero::plan::weight_format(b, block).map_err(invalid))
             .transpose()?;
         let phase = if backward {
             Phase::BackwardGather
@@ -558,7 +558,7 @@ fn residual_slot<'a>(
     slot: &'a mut Option<DeviceQuantizedChunks>,
 ) -> Result<&'a mut DeviceQuantizedChunks, ZeroError> {
     if slot.is_none() {
-        let format = zeropp::zero::residual::format();
+        let format = zeropp_zero::residual::format();
         *slot = Some(DeviceQuantizedChunks::zeroed(gpu, format, 0, 0)?);
     }
     Ok(slot.as_mut().expect("filled above"))

@@ -1,7 +1,7 @@
 //! `zeropp.torch`'s emulated device (`ZEROPP_DEVICE=emulated`): CPU tensors
 //! sent down the device path — torch.py's CUDA branch of FSDP2's all-gather
 //! and reduce-scatter, and the ZeRO++ collectives over the CUDA kernels'
-//! own source (`zeropp::zero::emulated`) — with the host job's transports as
+//! own source (`zeropp_zero::emulated`) — with the host job's transports as
 //! the byte mover and its communication thread as the stream (one ordered
 //! queue). A call returns once its work is queued, with an [`Op`] to wait
 //! on (the emulated device's event); it gives the host path's results bit
@@ -9,7 +9,7 @@
 //! without a GPU.
 
 use pyo3::prelude::*;
-use zeropp::zero::emulated::Emulated;
+use zeropp_zero::emulated::Emulated;
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, Op, QgzState, QwzReference};

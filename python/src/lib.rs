@@ -1,6 +1,6 @@
 //! `zeropp._zeropp`: the Rust side of the `zeropp` Python package. It calls
-//! the library directly — the ZeRO++ collectives of `zeropp::zero`, the
-//! transports of `zeropp::comm`, the quantizers of `zeropp-quant`, the
+//! the library directly — the ZeRO++ collectives of `zeropp-zero`, the
+//! transports of `zeropp-comm`, the quantizers of `zeropp-quant`, the
 //! topology of `zeropp-topology` — over host buffers passed without copies.
 //! The Python package (`python/zeropp/`) does argument checking and torch
 //! glue only.
@@ -35,15 +35,15 @@ pub(crate) trait Failure: std::fmt::Display {
     fn is_peer_failure(&self) -> bool;
 }
 
-impl Failure for zeropp::comm::CommError {
+impl Failure for zeropp_comm::CommError {
     fn is_peer_failure(&self) -> bool {
-        zeropp::comm::CommError::is_peer_failure(self)
+        zeropp_comm::CommError::is_peer_failure(self)
     }
 }
 
-impl Failure for zeropp::zero::ZeroError {
+impl Failure for zeropp_zero::ZeroError {
     fn is_peer_failure(&self) -> bool {
-        zeropp::zero::ZeroError::is_peer_failure(self)
+        zeropp_zero::ZeroError::is_peer_failure(self)
     }
 }
 
@@ -129,7 +129,7 @@ fn routing_plan_json(
 /// grammar; bytes are tokens): `n` bytes for `seed`.
 #[pyfunction]
 fn builtin_corpus<'py>(py: Python<'py>, n: usize, seed: u64) -> Bound<'py, pyo3::types::PyBytes> {
-    pyo3::types::PyBytes::new(py, &zeropp::train::data::builtin_corpus(n, seed))
+    pyo3::types::PyBytes::new(py, &zeropp_corpus::builtin_corpus(n, seed))
 }
 
 #[pymodule]

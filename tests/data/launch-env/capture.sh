@@ -4,7 +4,7 @@
 # bench-cluster/), plus each rank's host identity as zeropp reads it
 # (hostname; boot id / network namespace). Writes one file per launcher,
 # ranks in order, into this directory: the fixtures of
-# src/comm/fixtures.rs. Run as root: bash tests/data/launch-env/capture.sh PYTHON
+# comm/src/fixtures.rs. Run as root: bash tests/data/launch-env/capture.sh PYTHON
 #   mpirun-by-slot.env   mpirun -np 4 (Open MPI's default placement)
 #   mpirun-by-node.env   mpirun -np 4 --map-by node (round robin)
 #   torchrun-2x2.env     torchrun --nnodes 2 --nproc-per-node 2 on each host

@@ -5,7 +5,7 @@
 use zeropp_cuda::CudaError;
 use zeropp_quant::QuantError;
 
-use crate::comm::CommError;
+use zeropp_comm::CommError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ZeroError {

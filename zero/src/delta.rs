@@ -160,14 +160,14 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::host::Host;
-    use crate::zero::testing::on_ranks;
+    use crate::host::Host;
+    use crate::testing::on_ranks;
 
     const CHUNK: usize = 256;
 
     fn wire(delta_bits: u32, every: u64) -> DeltaWire {
         DeltaWire {
-            delta: crate::zero::plan::weight_format(delta_bits, 64).unwrap(),
+            delta: crate::plan::weight_format(delta_bits, 64).unwrap(),
             refresh_every: every,
             fp32: true,
         }
@@ -227,7 +227,7 @@ mod tests {
 
     /// What one int8 quantization of the weights (today's qwZ) is off by.
     fn int8_error(x: &[f32]) -> f32 {
-        let format = crate::zero::plan::weight_format(8, 64).unwrap();
+        let format = crate::plan::weight_format(8, 64).unwrap();
         let q = zeropp_quant::QuantizedTensor::quantize(x, format, Rounding::NearestEven).unwrap();
         max_err(&q.dequantize::<f32>().unwrap(), x)
     }
@@ -261,7 +261,7 @@ mod tests {
 
     #[test]
     fn a_refresh_then_int4_differences_cross_nodes_and_nothing_else() {
-        let int4 = crate::zero::plan::weight_format(4, 64).unwrap();
+        let int4 = crate::plan::weight_format(4, 64).unwrap();
         let (_, _, bytes) = run(6, wire(4, 1000), 1e-3);
         // Rank 0 sends to its one peer on the other node: the weights in
         // f32 once, then five int4 differences (scales counted).

@@ -641,7 +641,7 @@ impl Drop for CommThread {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::inproc::InProcess;
+    use crate::inproc::InProcess;
 
     /// Runs `f(comm)` on `n` in-process ranks and returns their results.
     fn on_ranks<T: Send + 'static>(

@@ -3,7 +3,7 @@
 //! qgZ (two-hop quantized gradient reduce-scatter with f32 sums and error
 //! feedback) — with the plan that turns switches into wire formats, the
 //! payload codecs, the standard groups and the byte counters. The native
-//! engine and the Python bindings both call this module; neither has a
+//! engine and the Python bindings both call this crate; neither has a
 //! copy of it.
 //!
 //! qgZ is written once over two interfaces ([`backend`]): a [`Quantizer`]

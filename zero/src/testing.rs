@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::comm::Communicator;
-use crate::comm::inproc::InProcess;
+use zeropp_comm::Communicator;
+use zeropp_comm::inproc::InProcess;
 
 use super::groups::ZeroGroups;
 use super::host::HostMover;

@@ -9,7 +9,7 @@ use bytes::{Bytes, BytesMut};
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{Element, QuantFormat, Rounding};
 
-use crate::comm::CommError;
+use zeropp_comm::CommError;
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;

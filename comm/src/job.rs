@@ -199,7 +199,7 @@ impl Job {
 
     /// UCX: the worker addresses travel in the rendezvous facts (hex), with
     /// what tells a rank that a peer's process is one it can watch (see
-    /// [`crate::comm::ucx`]: only then may their endpoint use shared memory).
+    /// [`crate::ucx`]: only then may their endpoint use shared memory).
     fn connect_ucx(
         facts: &RankFacts,
         store: Option<&mut TorchrunStore>,

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::Serialize;
 
-use crate::comm::{CommError, SendHandle, Tag, Transport};
+use zeropp_comm::{CommError, SendHandle, Tag, Transport};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -196,7 +196,7 @@ impl Transport for CountingTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::inproc::InProcess;
+    use zeropp_comm::inproc::InProcess;
 
     #[test]
     fn sends_by_another_path_count_like_the_transports_own() {

@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 
-use crate::comm::{CommError, Communicator, Group};
+use zeropp_comm::{CommError, Communicator, Group};
 
 use super::backend::{ByteMover, Hop, Quantizer};
 use super::error::ZeroError;

@@ -85,7 +85,7 @@ impl Transport for InProcess {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::Transport;
+    use crate::Transport;
 
     #[test]
     fn a_missing_rank_or_a_group_without_this_rank_is_a_typed_error() {
@@ -101,12 +101,10 @@ mod tests {
             e.to_string()
                 .contains("rank 5 does not exist in a world of 2")
         );
-        let comm = crate::comm::Communicator::new(
-            std::sync::Arc::new(t),
-            std::time::Duration::from_secs(1),
-        );
-        let other = crate::comm::Group::new(crate::comm::GroupKind::Node(1), vec![1])
-            .expect("a group of rank 1");
+        let comm =
+            crate::Communicator::new(std::sync::Arc::new(t), std::time::Duration::from_secs(1));
+        let other =
+            crate::Group::new(crate::GroupKind::Node(1), vec![1]).expect("a group of rank 1");
         match comm.all_gather_v(&other, Bytes::from_static(b"x")) {
             Err(CommError::NotInGroup { rank: 0, .. }) => {}
             other => panic!("expected NotInGroup, got {other:?}"),

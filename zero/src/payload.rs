@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 use half::bf16;
 use zeropp_quant::{Element, QuantizedChunks};
 
-use crate::comm::CommError;
+use zeropp_comm::CommError;
 
 fn malformed(what: &str, expected: usize, found: usize) -> CommError {
     CommError::Malformed(format!(

@@ -12,8 +12,8 @@
 use bytes::Bytes;
 use zeropp_quant::{QuantFormat, Rounding, swizzled_rank};
 
-use crate::comm::collectives::{Reduce, balanced_bounds};
-use crate::comm::{CommError, Communicator, Group};
+use zeropp_comm::collectives::{Reduce, balanced_bounds};
+use zeropp_comm::{CommError, Communicator, Group};
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
@@ -346,9 +346,9 @@ pub fn ring_f32(c: &Communicator, world: &Group, grad: Vec<f32>) -> Result<Vec<f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::zero::host::Host;
-    use crate::zero::plan::gradient_formats;
-    use crate::zero::testing::on_ranks;
+    use crate::host::Host;
+    use crate::plan::gradient_formats;
+    use crate::testing::on_ranks;
 
     /// Rank r's gradient: small values with one large outlier every 97.
     fn gradient(rank: usize, len: usize) -> Vec<f32> {

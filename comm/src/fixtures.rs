@@ -14,7 +14,7 @@ use super::rendezvous::{PeerInfo, check_layout};
 /// Each rank's variables, in rank order.
 fn ranks(name: &str) -> Vec<HashMap<String, String>> {
     let path = format!(
-        "{}/tests/data/launch-env/{name}.env",
+        "{}/../tests/data/launch-env/{name}.env",
         env!("CARGO_MANIFEST_DIR")
     );
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use crate::comm::{CommError, Group, GroupKind};
+use zeropp_comm::{CommError, Group, GroupKind};
 
 use super::plan::Layout;
 

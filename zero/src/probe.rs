@@ -12,7 +12,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use zeropp_quant::{QuantizedTensor, Rounding};
 
-use crate::comm::{Communicator, Group};
+use zeropp_comm::{Communicator, Group};
 
 use super::ZeroError;
 use super::groups::ZeroGroups;
@@ -451,8 +451,8 @@ fn route_times(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::inproc::InProcess;
     use std::sync::Arc;
+    use zeropp_comm::inproc::InProcess;
 
     /// Every rank's figures from a probe of `nodes` × `g` in-process ranks.
     fn probed(nodes: usize, g: usize, budget: Duration) -> Vec<Measured> {

@@ -8,7 +8,7 @@
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding};
 
-use crate::comm::{Communicator, Group};
+use zeropp_comm::{Communicator, Group};
 
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
