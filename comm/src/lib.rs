@@ -10,6 +10,7 @@ pub mod group;
 pub mod hostlist;
 pub mod inproc;
 pub mod job;
+pub mod launch;
 pub mod mailbox;
 pub mod pool;
 pub mod rendezvous;

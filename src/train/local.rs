@@ -45,7 +45,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         ],
     });
     let _ = std::fs::remove_file(&file);
-    result
+    Ok(result?)
 }
 
 /// The transport of a self-launched run: the one asked for (`--transport`,

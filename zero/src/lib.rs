@@ -22,6 +22,7 @@ pub mod host;
 pub mod hpz;
 pub mod payload;
 pub mod plan;
+pub mod planner;
 pub mod probe;
 pub mod qgz;
 pub mod qwz;

@@ -8,10 +8,41 @@ use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
 use rand::RngExt;
 
-use crate::comm::env::{DEFAULT_PORT, split_host_port};
+use crate::env::{DEFAULT_PORT, split_host_port};
+
+/// Why a launch did not run its ranks to success.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The launch options are wrong; the message says which and how.
+    #[error("{0}")]
+    Options(String),
+    #[error(transparent)]
+    Environment(#[from] crate::env::EnvError),
+    #[error("cannot start {program:?} for rank {rank}: {source}")]
+    Spawn {
+        program: String,
+        rank: usize,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The first rank that failed; the others were stopped.
+    #[error("rank {rank} failed with {status}; the other ranks were stopped")]
+    RankFailed { rank: usize, status: String },
+}
+
+type Result<T> = std::result::Result<T, LaunchError>;
+
+fn options(msg: impl Into<String>) -> LaunchError {
+    LaunchError::Options(msg.into())
+}
 
 /// What to start.
 #[derive(Clone, Debug)]
@@ -46,8 +77,12 @@ pub fn free_port() -> Result<u16> {
             return Ok(port);
         }
     }
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
-    Ok(l.local_addr()?.port())
+    let io = |source| LaunchError::Io {
+        what: "finding a free port",
+        source,
+    };
+    let l = std::net::TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    Ok(l.local_addr().map_err(io)?.port())
 }
 
 fn describe(status: ExitStatus) -> String {
@@ -88,12 +123,12 @@ struct Rank {
 /// failed.
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     if opts.nodes == 0 || opts.ranks_per_node == 0 {
-        bail!("--nodes and --ranks-per-node must be at least 1");
+        return Err(options("--nodes and --ranks-per-node must be at least 1"));
     }
     let Some(program) = opts.command.first() else {
-        bail!(
-            "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`"
-        );
+        return Err(options(
+            "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`",
+        ));
     };
     let world = opts.nodes * opts.ranks_per_node;
     let (local_nodes, master_addr, master_port, token) = match opts.node_rank {
@@ -110,16 +145,21 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         }
         Some(k) => {
             if k >= opts.nodes {
-                bail!("--node-rank {k} is outside --nodes {}", opts.nodes);
+                return Err(options(format!(
+                    "--node-rank {k} is outside --nodes {}",
+                    opts.nodes
+                )));
             }
             let Some(master) = &opts.master else {
-                bail!("--node-rank needs --master-addr HOST[:PORT] (the host of node 0)");
+                return Err(options(
+                    "--node-rank needs --master-addr HOST[:PORT] (the host of node 0)",
+                ));
             };
             let (host, port) = split_host_port(master)?;
             let Ok(token) = std::env::var("ZEROPP_TOKEN") else {
-                bail!(
-                    "a multi-host launch needs ZEROPP_TOKEN set to the same secret on every host"
-                );
+                return Err(options(
+                    "a multi-host launch needs ZEROPP_TOKEN set to the same secret on every host",
+                ));
             };
             (k..k + 1, host, port.unwrap_or(DEFAULT_PORT), token)
         }
@@ -170,9 +210,11 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                     Ok(())
                 });
             }
-            let mut child = cmd
-                .spawn()
-                .with_context(|| format!("cannot start {program:?} for rank {rank}"))?;
+            let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+                program: program.clone(),
+                rank,
+                source,
+            })?;
             if let Some(out) = child.stdout.take() {
                 forwarders.push(forward(rank, out, false));
             }
@@ -190,7 +232,11 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
     loop {
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Some(status) = r.child.try_wait()? {
+            let waited = r.child.try_wait().map_err(|source| LaunchError::Io {
+                what: "waiting for a rank",
+                source,
+            })?;
+            if let Some(status) = waited {
                 r.status = Some(status);
                 if !status.success() && first_failure.is_none() {
                     tracing::error!(
@@ -227,10 +273,10 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         let _ = f.join();
     }
     match first_failure {
-        Some((rank, status, _)) => bail!(
-            "rank {rank} failed with {}; the other ranks were stopped",
-            describe(status)
-        ),
+        Some((rank, status, _)) => Err(LaunchError::RankFailed {
+            rank,
+            status: describe(status),
+        }),
         None => Ok(()),
     }
 }

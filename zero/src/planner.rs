@@ -289,8 +289,8 @@ pub struct FromRun {
 /// Reads a run summary into the plan of that run (`base` gives what the
 /// summary does not: compute, units, overlap). Errors say what is missing.
 pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun, String> {
-    use crate::zero::plan::Switches;
-    use crate::zero::probe::Measured;
+    use crate::plan::Switches;
+    use crate::probe::Measured;
     let field = |k: &str| {
         summary.get(k).filter(|v| !v.is_null()).ok_or_else(|| {
             format!("the summary has no {k:?}: give the JSON `zeropp train --summary-json` writes")
@@ -708,7 +708,7 @@ mod tests {
         serde_json::json!({
             "mode": "zeropp", "world_size": 4, "nodes": 2, "params": 3_758_592,
             "median_step_time_s": 0.9,
-            "switches": crate::zero::plan::Switches::zeropp(256),
+            "switches": crate::plan::Switches::zeropp(256),
             "measured": {
                 "links": {
                     "node": {"bytes_per_s": 2.0e9, "latency_s": 50e-6},
