@@ -9,13 +9,14 @@
 //! (docs/ARCHITECTURE.md).
 
 pub mod cli;
-pub mod engine;
 pub mod train;
 
 /// The communication layer (crate `zeropp-comm`).
 pub use zeropp_comm as comm;
 /// `zeropp launch` (in `zeropp-comm`, with the rest of joining a job).
 pub use zeropp_comm::launch;
+/// The sharding engine (crate `zeropp-engine`).
+pub use zeropp_engine as engine;
 /// The ZeRO++ collectives (crate `zeropp-zero`).
 pub use zeropp_zero as zero;
 /// `zeropp plan`'s cost model (in `zeropp-zero`, beside the switches it

@@ -5,6 +5,8 @@
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+#[cfg(test)]
+mod engine_tests;
 pub mod hf;
 pub mod infer;
 pub mod local;

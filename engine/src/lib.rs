@@ -9,6 +9,7 @@
 pub mod model;
 pub mod optim;
 mod step;
+pub mod testing;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -18,17 +19,17 @@ use bytes::Bytes;
 use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
-use crate::comm::collectives::{CommThread, Pending};
-use crate::comm::{Communicator, Transport};
-use crate::zero::host::{Host, HostMover};
-use crate::zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
-use crate::zero::qgz::Reduction;
-use crate::zero::residual::Residual;
-use crate::zero::traffic::{CountingTransport, Phase, Traffic};
-use crate::zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
 use model::tensors_from_owned;
 pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
+use zeropp_comm::collectives::{CommThread, Pending};
+use zeropp_comm::{Communicator, Transport};
+use zeropp_zero::host::{Host, HostMover};
+use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
+use zeropp_zero::qgz::Reduction;
+use zeropp_zero::residual::Residual;
+use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
+use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]

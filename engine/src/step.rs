@@ -9,9 +9,9 @@ use candle_core::{Tensor, Var};
 
 use super::model::{Tied, extend_with, param_offset, vars_from_flat};
 use super::{Engine, MAX_GRADS_IN_FLIGHT, StepStats};
-use crate::comm::collectives::Pending;
-use crate::zero::ZeroError;
-use crate::zero::traffic::Phase;
+use zeropp_comm::collectives::Pending;
+use zeropp_zero::ZeroError;
+use zeropp_zero::traffic::Phase;
 
 /// Seconds the compute thread spent waiting on communication.
 #[derive(Default)]
