@@ -3,14 +3,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use clap::{Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use zeropp::cli::{bench_collectives, comm_check, example_weights, quant_error};
 use zeropp::launch;
-use zeropp::train::config::{Mode, TrainConfig};
-use zeropp::train::local;
-use zeropp::train::trainer;
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
 
 /// zeropp: ZeRO-3 sharded training with ZeRO++ communication (quantized
@@ -37,7 +34,7 @@ enum Command {
     /// (flags win); the same seed and data give the same losses on every run.
     ///
     /// Example: zeropp train --mode zero3 --steps 100 --summary-json out.json
-    Train(Box<TrainArgs>),
+    Train(Box<zeropp::cli::train::TrainArgs>),
     /// What this machine (or a captured one) is made of: NUMA nodes, GPUs
     /// and the PCIe/NVLink path between each pair, NICs with kind, speed
     /// and locality (virtual ones marked and not routed).
@@ -45,22 +42,7 @@ enum Command {
     /// Examples: zeropp topo; zeropp topo --json;
     /// zeropp topo --sysfs-root captured/; zeropp topo --nvidia-smi-topo topo.txt;
     /// zeropp topo --nccl-xml topo.xml
-    Topo {
-        #[command(subcommand)]
-        action: Option<TopoAction>,
-        /// Read this captured root (holding sys/ and proc/) instead of /.
-        #[arg(long, global = true)]
-        sysfs_root: Option<PathBuf>,
-        /// Parse the text of `nvidia-smi topo -m` instead.
-        #[arg(long, global = true, conflicts_with = "sysfs_root")]
-        nvidia_smi_topo: Option<PathBuf>,
-        /// Read an NCCL topology dump (NCCL_TOPO_DUMP_FILE) instead.
-        #[arg(long, global = true, conflicts_with_all = ["sysfs_root", "nvidia_smi_topo"])]
-        nccl_xml: Option<PathBuf>,
-        /// Print JSON instead of the human view.
-        #[arg(long, global = true)]
-        json: bool,
-    },
+    Topo(zeropp::cli::topo::TopoArgs),
     /// Predict step time and throughput of ZeRO-3 and the ZeRO++ switch
     /// sets (the cost model of `zeropp::planner`), per phase, and recommend one.
     ///
@@ -71,7 +53,7 @@ enum Command {
     Plan(Box<zeropp::cli::plan::PlanArgs>),
     /// Inspect, verify, run or export a checkpoint.
     #[command(subcommand)]
-    Ckpt(CkptCommand),
+    Ckpt(zeropp::cli::ckpt::CkptCommand),
     /// Sample text from a trained checkpoint's model (no Python needed).
     ///
     /// Feeds the prompt's UTF-8 bytes to the model and prints the prompt
@@ -80,22 +62,7 @@ enum Command {
     /// byte each time.
     ///
     /// Example: zeropp generate ckpt/ --prompt "ROMEO:" --max-new-tokens 200
-    Generate {
-        /// A checkpoint, or a checkpoint directory (its latest).
-        dir: PathBuf,
-        #[arg(long)]
-        prompt: String,
-        #[arg(long, default_value_t = 200)]
-        max_new_tokens: usize,
-        /// Softmax temperature; 0: greedy.
-        #[arg(long, default_value_t = 0.8)]
-        temperature: f64,
-        /// Sample from the K most likely bytes (0: all 256).
-        #[arg(long, default_value_t = 40)]
-        top_k: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-    },
+    Generate(zeropp::cli::generate::GenerateArgs),
     /// The CUDA kernels: compile-check them (no GPU needed), benchmark them.
     #[command(subcommand)]
     Cuda(CudaCommand),
@@ -196,263 +163,6 @@ enum Command {
     },
 }
 
-#[derive(clap::Args, Debug)]
-struct TrainArgs {
-    /// A TOML file with any of the settings below (flags override it).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int4
-    /// weight differences + hpZ + qgZ int4 with a rotated hop across
-    /// nodes).
-    #[arg(long, value_enum)]
-    mode: Option<Mode>,
-    /// qwZ: bits of the forward weight gather (8, 4; 0 = off); zeropp's
-    /// default: 4 with --qwz-delta, else 8.
-    #[arg(long)]
-    qwz_bits: Option<u32>,
-    /// hpZ: node-local secondary shards for the backward gather.
-    #[arg(long)]
-    hpz: Option<bool>,
-    /// Ranks sharing an hpZ secondary shard, consecutive local ranks of a
-    /// node (a divisor of --ranks-per-node). Default: the routing plan's
-    /// choice — the node, or an NVLink island on a PCIe box.
-    #[arg(long)]
-    hpz_group: Option<usize>,
-    /// qgZ: two-hop int4 gradient reduce-scatter.
-    #[arg(long)]
-    qgz: Option<bool>,
-    /// Error feedback for qgZ, on both hops (default: on with qgZ).
-    #[arg(long)]
-    error_feedback: Option<bool>,
-    /// qgZ: round gradients stochastically (true) or to nearest (default).
-    #[arg(long)]
-    qgz_stochastic: Option<bool>,
-    /// Values per weight quantization block (qwZ; power of two, 32..65536).
-    #[arg(long)]
-    block: Option<usize>,
-    /// Values per gradient quantization block (qgZ).
-    #[arg(long)]
-    qgz_block: Option<usize>,
-    /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
-    /// Default: the routing plan's — int8, unless the hop inside the node
-    /// is about as slow per rank as the hop across.
-    #[arg(long)]
-    qgz_intra_bits: Option<u32>,
-    /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
-    /// fp32 instead of bf16.
-    #[arg(long)]
-    fp32_comm: Option<bool>,
-    /// qwZ sends weight differences across nodes, at --qwz-bits, against a
-    /// reference every receiver keeps (docs/TRAINING.md); zeropp's default:
-    /// on with qwZ across nodes.
-    #[arg(long)]
-    qwz_delta: Option<bool>,
-    /// Forward gathers of a unit between full refreshes of the qwZ
-    /// references (with --qwz-delta).
-    #[arg(long)]
-    qwz_refresh: Option<usize>,
-    /// qgZ's hop across nodes rotates each block (Walsh–Hadamard) before
-    /// quantizing, spreading outliers over the block; zeropp's default: on
-    /// with qgZ.
-    #[arg(long)]
-    qgz_hadamard: Option<bool>,
-    /// Values per quantization block of qgZ's hop across nodes (default:
-    /// 64 in zeropp mode, else --qgz-block).
-    #[arg(long)]
-    qgz_inter_block: Option<usize>,
-    #[arg(long)]
-    steps: Option<usize>,
-    /// Sequences per rank per step.
-    #[arg(long)]
-    batch: Option<usize>,
-    #[arg(long)]
-    seed: Option<u64>,
-    #[arg(long)]
-    lr: Option<f32>,
-    #[arg(long)]
-    warmup_steps: Option<usize>,
-    /// Skip a step whose loss or gradient is NaN/Inf (no update) instead of
-    /// stopping the run.
-    #[arg(long)]
-    skip_nonfinite: Option<bool>,
-    /// Model width, layers, heads and context length.
-    #[arg(long)]
-    width: Option<usize>,
-    #[arg(long)]
-    layers: Option<usize>,
-    #[arg(long)]
-    heads: Option<usize>,
-    #[arg(long)]
-    context: Option<usize>,
-    /// Tie the head's output matrix to the token embedding.
-    #[arg(long)]
-    tied_head: Option<bool>,
-    /// Train on this UTF-8 text file instead of the built-in corpus.
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// ucx or tcp. Unset: ZEROPP_TRANSPORT when set, else UCX when libucp
-    /// loads (a note says when it does not and TCP is used).
-    #[arg(long, value_name = "ucx|tcp")]
-    transport: Option<zeropp::comm::job::TransportKind>,
-    /// Logical nodes and ranks per node when launching itself.
-    #[arg(long)]
-    nodes: Option<usize>,
-    #[arg(long)]
-    ranks_per_node: Option<usize>,
-    /// Print a progress line every N steps.
-    #[arg(long)]
-    log_every: Option<usize>,
-    /// Batches per rank for the validation loss at the end.
-    #[arg(long)]
-    val_batches: Option<usize>,
-    /// Write one JSON object per step here.
-    #[arg(long)]
-    metrics: Option<PathBuf>,
-    /// Write the end-of-run summary here as JSON (with --compare: both).
-    #[arg(long)]
-    summary_json: Option<PathBuf>,
-    /// Draw the loss curve here as PNG (with --compare: both).
-    #[arg(long)]
-    plot: Option<PathBuf>,
-    /// Save sharded checkpoints in this directory (every --save-every steps
-    /// and at the end).
-    #[arg(long)]
-    checkpoint_dir: Option<PathBuf>,
-    /// Steps between checkpoints (0: only at the end).
-    #[arg(long)]
-    save_every: Option<usize>,
-    /// Checkpoints to keep (0: all; default 3).
-    #[arg(long)]
-    keep: Option<usize>,
-    /// Continue from a checkpoint (or the latest in a checkpoint directory),
-    /// with its settings unless flags or --config say otherwise. A different
-    /// --nodes/--ranks-per-node re-cuts the shards.
-    #[arg(long)]
-    resume: Option<PathBuf>,
-    /// Stop after this step (saving a checkpoint when --checkpoint-dir is
-    /// set); the learning-rate schedule still spans --steps.
-    #[arg(long)]
-    stop_after: Option<usize>,
-    /// Run zero3, then zeropp, with the same seed and data on this machine
-    /// and print them side by side (switch overrides apply to zeropp).
-    #[arg(long)]
-    compare: bool,
-    /// With --compare: measure parity over these seeds (0..5, 0..=4 or
-    /// 1,5,9): per seed ZeRO-3, ZeRO-3 with fp32 communication (the noise
-    /// floor) and ZeRO++; prints the gaps per seed and as mean and spread
-    /// beside the noise floor (--summary-json writes them).
-    #[arg(long, requires = "compare", value_parser = zeropp::train::parity::parse_seeds)]
-    seeds: Option<zeropp::train::parity::Seeds>,
-    /// Timeout of every network wait, in seconds (default 60).
-    #[arg(long)]
-    timeout: Option<f64>,
-}
-
-impl TrainArgs {
-    fn config(&self) -> Result<TrainConfig> {
-        let mut c = match (&self.config, &self.resume) {
-            (Some(p), _) => TrainConfig::from_toml_file(p)?,
-            // Resuming: the checkpoint's settings, flags override them.
-            (None, Some(r)) => {
-                let dir = zeropp::train::checkpoint::resolve(r)?;
-                let mut c = zeropp::train::checkpoint::read_manifest(&dir)?.config;
-                (c.resume, c.stop_after) = (None, None);
-                // How ranks talk is this machine's choice, not the checkpoint's.
-                c.transport = None;
-                c
-            }
-            (None, None) => TrainConfig::default(),
-        };
-        macro_rules! set {
-            ($($field:ident => $target:expr),* $(,)?) => {
-                $(if let Some(v) = self.$field.clone() { $target = v; })*
-            };
-        }
-        set!(mode => c.mode, block => c.block, steps => c.steps, batch => c.batch, seed => c.seed,
-             lr => c.optim.lr, warmup_steps => c.optim.warmup_steps,
-             skip_nonfinite => c.optim.skip_nonfinite, width => c.model.width,
-             layers => c.model.layers, heads => c.model.heads, context => c.model.context,
-             nodes => c.nodes, ranks_per_node => c.ranks_per_node, log_every => c.log_every,
-             qgz_stochastic => c.qgz_stochastic,
-             qgz_block => c.qgz_block, val_batches => c.val_batches,
-             fp32_comm => c.fp32_comm, tied_head => c.model.tied_head,
-             qwz_refresh => c.qwz_refresh);
-        if self.qgz_hadamard.is_some() {
-            c.qgz_hadamard = self.qgz_hadamard;
-        }
-        if self.qgz_inter_block.is_some() {
-            c.qgz_inter_block = self.qgz_inter_block;
-        }
-        if self.qwz_delta.is_some() {
-            c.qwz_delta = self.qwz_delta;
-        }
-        if self.qwz_bits.is_some() {
-            c.qwz_bits = self.qwz_bits;
-        }
-        if self.hpz.is_some() {
-            c.hpz = self.hpz;
-        }
-        if self.hpz_group.is_some() {
-            c.hpz_group = self.hpz_group;
-        }
-        if self.qgz_intra_bits.is_some() {
-            c.qgz_intra_bits = self.qgz_intra_bits;
-        }
-        if self.qgz.is_some() {
-            c.qgz = self.qgz;
-        }
-        if self.error_feedback.is_some() {
-            c.error_feedback = self.error_feedback;
-        }
-        if self.data.is_some() {
-            c.data = self.data.clone();
-        }
-        if self.metrics.is_some() {
-            c.metrics = self.metrics.clone();
-        }
-        if self.summary_json.is_some() {
-            c.summary_json = self.summary_json.clone();
-        }
-        set!(save_every => c.save_every, keep => c.keep);
-        for (flag, field) in [
-            (&self.checkpoint_dir, &mut c.checkpoint_dir),
-            (&self.resume, &mut c.resume),
-        ] {
-            if flag.is_some() {
-                *field = flag.clone();
-            }
-        }
-        if self.stop_after.is_some() {
-            c.stop_after = self.stop_after;
-        }
-        if self.transport.is_some() {
-            c.transport = self.transport;
-        }
-        if self.plot.is_some() {
-            c.plot = self.plot.clone();
-        }
-        c.validate()?;
-        Ok(c)
-    }
-}
-
-#[derive(Subcommand)]
-enum TopoAction {
-    /// Write exactly the files detection reads to OUT.tar.zst (attach it
-    /// to a bug report; unpack with `tar --zstd -xf OUT.tar.zst -C DIR` and
-    /// read it with `zeropp topo --sysfs-root DIR`).
-    Capture { out: PathBuf },
-    /// The routing plan for N nodes like this one, G ranks each: hop
-    /// classes with estimated bandwidth, hpZ group, qgZ bits per hop, each
-    /// rank's NIC and the NCCL/UCX environment, with the reason for each.
-    Plan {
-        #[arg(long)]
-        nodes: usize,
-        #[arg(long)]
-        ranks_per_node: usize,
-    },
-}
-
 #[derive(Subcommand)]
 enum CudaCommand {
     /// Compile every kernel with NVRTC for each architecture and print
@@ -483,60 +193,6 @@ enum CudaCommand {
         #[arg(long, default_value_t = 0)]
         device: usize,
     },
-}
-
-#[derive(Subcommand)]
-enum CkptCommand {
-    /// Print a checkpoint's manifest and verify every shard (size,
-    /// checksum, contents). DIR is a checkpoint or a checkpoint directory
-    /// (its latest). Exits non-zero naming the bad file.
-    Inspect {
-        dir: PathBuf,
-        /// Print the manifest as JSON instead.
-        #[arg(long)]
-        json: bool,
-    },
-    /// Write the checkpoint's full model (fp32).
-    ///
-    /// --format zeropp (the default): one safetensors file OUT, tensors named
-    /// like blocks.0.attn.qkv.weight ([in, out] layout). --format hf: a
-    /// directory OUT that Hugging Face transformers loads as a GPT-2
-    /// (GPT2LMHeadModel.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT):
-    /// config.json, model.safetensors, a byte-level tokenizer).
-    ///
-    /// Example: zeropp ckpt export ckpt/ gpt2-out --format hf
-    Export {
-        dir: PathBuf,
-        out: PathBuf,
-        #[arg(long, value_enum, default_value_t = ExportFormat::Zeropp)]
-        format: ExportFormat,
-    },
-    /// Run the checkpoint's model on text: the next-byte loss (mean
-    /// cross-entropy, each byte predicting the next) and, with --logits,
-    /// the logits as a safetensors file (one tensor "logits",
-    /// [texts, bytes, vocab]).
-    ///
-    /// Example: zeropp ckpt eval ckpt/ --text "to be or not" --json
-    Eval {
-        dir: PathBuf,
-        /// Text to run, as UTF-8 bytes; repeat for a batch (same byte length).
-        #[arg(long, required = true)]
-        text: Vec<String>,
-        /// Write the logits here.
-        #[arg(long)]
-        logits: Option<PathBuf>,
-        /// Print JSON ({"loss", "texts", "bytes"}).
-        #[arg(long)]
-        json: bool,
-    },
-}
-
-#[derive(Clone, Copy, ValueEnum)]
-enum ExportFormat {
-    /// zeropp's own names, one safetensors file.
-    Zeropp,
-    /// A Hugging Face GPT-2 directory.
-    Hf,
 }
 
 #[derive(Subcommand)]
@@ -571,7 +227,7 @@ enum RoundingArg {
 fn run(cli: Cli) -> Result<()> {
     if matches!(
         cli.command,
-        Command::Topo { .. } | Command::Ckpt(_) | Command::Generate { .. }
+        Command::Topo(_) | Command::Ckpt(_) | Command::Generate(_)
     ) {
         // Report-only commands: a closed pipe (`| head`) ends them quietly,
         // as it does any Unix tool. (Commands that talk to peers keep Rust's
@@ -582,174 +238,11 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     match cli.command {
-        Command::Train(args) => {
-            let cfg = args.config()?;
-            match zeropp::comm::env::RankFacts::from_env() {
-                Err(zeropp::comm::env::EnvError::Missing) if args.compare => match &args.seeds {
-                    Some(seeds) => {
-                        zeropp::train::parity::measure(&cfg, &seeds.0, args.timeout)?;
-                    }
-                    None => {
-                        local::compare(&cfg, args.timeout)?;
-                    }
-                },
-                // No launcher around us: be one, over this machine.
-                Err(zeropp::comm::env::EnvError::Missing) => {
-                    local::launch_local(&cfg, args.timeout)?
-                }
-                Ok(_) if args.compare => bail!(
-                    "--compare launches its own runs on this machine; run it outside a launcher"
-                ),
-                Err(e) => return Err(e.into()),
-                Ok(facts) => {
-                    // Under another launcher (torchrun, mpirun, srun): this
-                    // host's cores shared among its ranks, unless the user
-                    // set RAYON_NUM_THREADS (zeropp launch sets it itself).
-                    if let Some(n) = zeropp::launch::compute_threads(facts.local_world_size) {
-                        // SAFETY: no other thread runs yet to read the
-                        // environment concurrently.
-                        unsafe { std::env::set_var("RAYON_NUM_THREADS", n.to_string()) };
-                    }
-                    trainer::run_rank(&cfg)?;
-                }
-            }
-        }
-        Command::Topo {
-            action: Some(TopoAction::Capture { out }),
-            sysfs_root,
-            ..
-        } => {
-            let root = sysfs_root.unwrap_or_else(|| PathBuf::from("/"));
-            zeropp_topology::detect::detect(&root)?;
-            let entries = zeropp_topology::capture::capture(&root);
-            let tar = zeropp_topology::capture::to_tar(&entries).map_err(anyhow::Error::msg)?;
-            let packed = zstd::encode_all(&tar[..], 19).context("compressing the capture")?;
-            std::fs::write(&out, &packed)
-                .with_context(|| format!("cannot write {}", out.display()))?;
-            println!(
-                "captured {} entries ({} bytes) to {}",
-                entries.len(),
-                packed.len(),
-                out.display()
-            );
-        }
-        Command::Topo {
-            action,
-            sysfs_root,
-            nvidia_smi_topo,
-            nccl_xml,
-            json,
-        } => {
-            let read = |f: &PathBuf| {
-                std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))
-            };
-            let topo = match (nvidia_smi_topo, nccl_xml) {
-                (Some(f), _) => zeropp_topology::smi::parse(&read(&f)?).with_context(|| {
-                    format!("{} is not `nvidia-smi topo -m` output", f.display())
-                })?,
-                (_, Some(f)) => {
-                    let host = f.file_stem().map(|s| s.to_string_lossy().into_owned());
-                    zeropp_topology::nccl::parse(&read(&f)?, host.as_deref().unwrap_or("nccl-xml"))
-                        .with_context(|| format!("{} is not an NCCL topology dump", f.display()))?
-                }
-                (None, None) => zeropp_topology::detect::detect(
-                    sysfs_root.as_deref().unwrap_or(std::path::Path::new("/")),
-                )?,
-            };
-            match action {
-                Some(TopoAction::Plan {
-                    nodes,
-                    ranks_per_node,
-                }) => {
-                    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
-                        .map_err(anyhow::Error::msg)?;
-                    if json {
-                        println!("{}", serde_json::to_string_pretty(&plan)?);
-                    } else {
-                        print!("{}", plan.render());
-                    }
-                }
-                _ if json => println!("{}", serde_json::to_string_pretty(&topo)?),
-                _ => print!("{}", topo.render()),
-            }
-        }
+        Command::Train(args) => zeropp::cli::train::run(*args)?,
+        Command::Topo(a) => zeropp::cli::topo::run(a)?,
         Command::Plan(a) => zeropp::cli::plan::run(&a)?,
-        Command::Ckpt(CkptCommand::Inspect { dir, json }) => {
-            let dir = zeropp::train::checkpoint::resolve(&dir)?;
-            let m = zeropp::train::checkpoint::read_manifest(&dir)?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&m)?);
-            } else {
-                print!("{}", zeropp::train::checkpoint::describe(&dir, &m));
-            }
-            zeropp::train::checkpoint::verify(&dir, &m)?;
-            if !json {
-                println!("all {} shards verified", m.shards.len());
-            }
-        }
-        Command::Ckpt(CkptCommand::Export {
-            dir,
-            out,
-            format: ExportFormat::Zeropp,
-        }) => {
-            let dir = zeropp::train::checkpoint::resolve(&dir)?;
-            let m = zeropp::train::checkpoint::read_manifest(&dir)?;
-            let n = zeropp::train::checkpoint::export(&dir, &m, &out)?;
-            println!("wrote {n} tensors of step {} to {}", m.step, out.display());
-        }
-        Command::Ckpt(CkptCommand::Export {
-            dir,
-            out,
-            format: ExportFormat::Hf,
-        }) => {
-            let (n, step) = zeropp::train::hf::export_dir(&dir, &out)?;
-            println!(
-                "wrote a GPT-2 of {n} tensors (step {step}) to {}: \
-                 transformers.GPT2LMHeadModel.from_pretrained({:?})",
-                out.display(),
-                out.display().to_string()
-            );
-        }
-        Command::Ckpt(CkptCommand::Eval {
-            dir,
-            text,
-            logits,
-            json,
-        }) => {
-            let model = zeropp::train::infer::Model::load(&dir)?;
-            let batch = zeropp::train::infer::byte_ids(&text);
-            let (loss, out) = model.loss(&batch)?;
-            if let Some(p) = &logits {
-                zeropp::train::infer::write_logits(p, &out)?;
-            }
-            if json {
-                let j = serde_json::json!({
-                    "loss": loss, "texts": batch.len(), "bytes": batch[0].len()
-                });
-                println!("{j}");
-            } else {
-                println!(
-                    "loss {loss:.4} (next-byte cross-entropy over {} text(s) of {} bytes)",
-                    batch.len(),
-                    batch[0].len()
-                );
-            }
-        }
-        Command::Generate {
-            dir,
-            prompt,
-            max_new_tokens,
-            temperature,
-            top_k,
-            seed,
-        } => {
-            let model = zeropp::train::infer::Model::load(&dir)?;
-            let new =
-                model.generate(prompt.as_bytes(), max_new_tokens, temperature, top_k, seed)?;
-            let mut all = prompt.into_bytes();
-            all.extend(new);
-            println!("{}", String::from_utf8_lossy(&all));
-        }
+        Command::Ckpt(c) => zeropp::cli::ckpt::run(c)?,
+        Command::Generate(a) => zeropp::cli::generate::run(a)?,
         Command::Cuda(CudaCommand::CompileCheck { archs, json }) => {
             zeropp::cli::cuda_cli::compile_check(&archs, json)?;
         }

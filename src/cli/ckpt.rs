@@ -1,0 +1,129 @@
+//! `zeropp ckpt`: inspect and verify a checkpoint, run its model on text,
+//! export it (zeropp's safetensors or a Hugging Face GPT-2).
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Subcommand, ValueEnum};
+
+#[derive(Subcommand, Debug)]
+pub enum CkptCommand {
+    /// Print a checkpoint's manifest and verify every shard (size,
+    /// checksum, contents). DIR is a checkpoint or a checkpoint directory
+    /// (its latest). Exits non-zero naming the bad file.
+    Inspect {
+        dir: PathBuf,
+        /// Print the manifest as JSON instead.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the checkpoint's full model (fp32).
+    ///
+    /// --format zeropp (the default): one safetensors file OUT, tensors named
+    /// like blocks.0.attn.qkv.weight ([in, out] layout). --format hf: a
+    /// directory OUT that Hugging Face transformers loads as a GPT-2
+    /// (GPT2LMHeadModel.from_pretrained(OUT), AutoTokenizer.from_pretrained(OUT):
+    /// config.json, model.safetensors, a byte-level tokenizer).
+    ///
+    /// Example: zeropp ckpt export ckpt/ gpt2-out --format hf
+    Export {
+        dir: PathBuf,
+        out: PathBuf,
+        #[arg(long, value_enum, default_value_t = ExportFormat::Zeropp)]
+        format: ExportFormat,
+    },
+    /// Run the checkpoint's model on text: the next-byte loss (mean
+    /// cross-entropy, each byte predicting the next) and, with --logits,
+    /// the logits as a safetensors file (one tensor "logits",
+    /// [texts, bytes, vocab]).
+    ///
+    /// Example: zeropp ckpt eval ckpt/ --text "to be or not" --json
+    Eval {
+        dir: PathBuf,
+        /// Text to run, as UTF-8 bytes; repeat for a batch (same byte length).
+        #[arg(long, required = true)]
+        text: Vec<String>,
+        /// Write the logits here.
+        #[arg(long)]
+        logits: Option<PathBuf>,
+        /// Print JSON ({"loss", "texts", "bytes"}).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ExportFormat {
+    /// zeropp's own names, one safetensors file.
+    Zeropp,
+    /// A Hugging Face GPT-2 directory.
+    Hf,
+}
+
+/// Runs `zeropp ckpt`.
+pub fn run(command: CkptCommand) -> Result<()> {
+    match command {
+        CkptCommand::Inspect { dir, json } => {
+            let dir = crate::train::checkpoint::resolve(&dir)?;
+            let m = crate::train::checkpoint::read_manifest(&dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&m)?);
+            } else {
+                print!("{}", crate::train::checkpoint::describe(&dir, &m));
+            }
+            crate::train::checkpoint::verify(&dir, &m)?;
+            if !json {
+                println!("all {} shards verified", m.shards.len());
+            }
+        }
+        CkptCommand::Export {
+            dir,
+            out,
+            format: ExportFormat::Zeropp,
+        } => {
+            let dir = crate::train::checkpoint::resolve(&dir)?;
+            let m = crate::train::checkpoint::read_manifest(&dir)?;
+            let n = crate::train::checkpoint::export(&dir, &m, &out)?;
+            println!("wrote {n} tensors of step {} to {}", m.step, out.display());
+        }
+        CkptCommand::Export {
+            dir,
+            out,
+            format: ExportFormat::Hf,
+        } => {
+            let (n, step) = crate::train::hf::export_dir(&dir, &out)?;
+            println!(
+                "wrote a GPT-2 of {n} tensors (step {step}) to {}: \
+                 transformers.GPT2LMHeadModel.from_pretrained({:?})",
+                out.display(),
+                out.display().to_string()
+            );
+        }
+        CkptCommand::Eval {
+            dir,
+            text,
+            logits,
+            json,
+        } => {
+            let model = crate::train::infer::Model::load(&dir)?;
+            let batch = crate::train::infer::byte_ids(&text);
+            let (loss, out) = model.loss(&batch)?;
+            if let Some(p) = &logits {
+                crate::train::infer::write_logits(p, &out)?;
+            }
+            if json {
+                let j = serde_json::json!({
+                    "loss": loss, "texts": batch.len(), "bytes": batch[0].len()
+                });
+                println!("{j}");
+            } else {
+                println!(
+                    "loss {loss:.4} (next-byte cross-entropy over {} text(s) of {} bytes)",
+                    batch.len(),
+                    batch[0].len()
+                );
+            }
+        }
+    }
+    Ok(())
+}
