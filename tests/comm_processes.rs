@@ -101,7 +101,7 @@ fn every_collective_passes_over(
     for &(nodes, per_node) in layouts {
         let child = Command::new(ZEROPP)
             .env("ZEROPP_TRANSPORT", transport)
-            .env("RUST_LOG", "info,zeropp::comm::ucx::shm=debug")
+            .env("RUST_LOG", "info,zeropp_comm::ucx::shm=debug")
             .args([
                 "launch",
                 "--nodes",

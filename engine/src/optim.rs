@@ -3,7 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// AdamW and its schedule (the `[optim]` table of a config; unset keys
+/// take the defaults).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct OptimConfig {
     pub lr: f32,
     /// Fraction of `lr` the cosine decays to.

@@ -125,6 +125,13 @@ fn routing_plan_json(
     serde_json::to_string(&plan).map_err(|e| invalid(e.to_string()))
 }
 
+/// The switches' names (`fully_shard`'s keywords, `zeropp train`'s
+/// settings), from the library's own declaration.
+#[pyfunction]
+fn switch_names() -> Vec<String> {
+    zeropp_zero::plan::Switches::names()
+}
+
 /// `zeropp train`'s built-in corpus (simple English sentences from a small
 /// grammar; bytes are tokens): `n` bytes for `seed`.
 #[pyfunction]
@@ -139,6 +146,7 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(topology_json, m)?)?;
     m.add_function(wrap_pyfunction!(routing_plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_corpus, m)?)?;
+    m.add_function(wrap_pyfunction!(switch_names, m)?)?;
     quant::register(m)?;
     collectives::register(m)?;
     cuda::register(m)?;

@@ -76,22 +76,9 @@ __all__ = [
     "traffic",
 ]
 
-SWITCHES = (
-    "qwz_bits",
-    "hpz",
-    "hpz_group",
-    "qgz",
-    "error_feedback",
-    "qgz_stochastic",
-    "block",
-    "qgz_block",
-    "qgz_intra_bits",
-    "fp32_comm",
-    "qwz_delta",
-    "qwz_refresh",
-    "qgz_hadamard",
-    "qgz_inter_block",
-)
+# The switches' names, as the library declares them (``zeropp train``'s
+# settings and flags carry the same names).
+SWITCHES = tuple(_zeropp.switch_names())
 
 _job = None
 _job_options = None

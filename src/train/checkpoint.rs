@@ -781,11 +781,11 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
         m.nodes,
         m.ranks_per_node,
         m.world_size,
-        m.config.mode,
+        m.config.switches.mode,
         serde_json::to_string(&m.switches.clone().unwrap_or_else(|| m.config.switches()))
             .unwrap_or_default(),
         m.config.model,
-        m.config.seed,
+        m.config.run.seed,
         m.data_next_step,
         m.rng
     );

@@ -1,6 +1,9 @@
-//! Every setting of `zeropp train` in one typed struct, its defaults, and
-//! the switches it asks for: read from flags, a TOML file with the same
-//! names, or a checkpoint's manifest (which embeds it).
+//! Every setting of `zeropp train`, each declared once with its doc, in a
+//! typed tree: the switches, the run, the output, checkpoints, the launch,
+//! and the model and optimizer tables. From each declaration come the
+//! config's field (a key of `--config`'s TOML file and of a checkpoint's
+//! manifest, where the sections sit flat beside `[model]` and `[optim]`),
+//! its default, and its command-line flag with the same doc.
 
 use std::path::{Path, PathBuf};
 
@@ -17,184 +20,321 @@ use crate::zero::plan::Switches;
 pub enum Mode {
     /// Plain ZeRO-3: bf16 gathers over the world, bf16 reduce-scatter.
     Zero3,
-    /// ZeRO++: qwZ int8 + hpZ + qgZ int4.
+    /// ZeRO++: qwZ int4 weight differences + hpZ + qgZ int4 with a rotated
+    /// hop across nodes.
     Zeropp,
 }
 
-/// Every setting of a training run; defaults live here and only here.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TrainConfig {
-    pub mode: Mode,
-    /// Override qwZ bits (0 = off, 8, 4).
-    pub qwz_bits: Option<u32>,
-    pub hpz: Option<bool>,
-    /// Ranks sharing an hpZ secondary shard (divides ranks_per_node); unset:
-    /// the routing plan's choice (the node, or an NVLink island).
-    pub hpz_group: Option<usize>,
-    pub qgz: Option<bool>,
-    /// Error feedback for qgZ (default: on whenever qgZ is).
-    pub error_feedback: Option<bool>,
-    /// qgZ: stochastic rounding of gradients instead of round-to-nearest.
-    pub qgz_stochastic: bool,
-    /// Values per quantization block of the weights (qwZ).
-    pub block: usize,
-    /// Values per quantization block of the gradients (qgZ).
-    pub qgz_block: usize,
-    /// Bits of qgZ's first hop, inside the node (8 or 4); unset: the routing
-    /// plan's choice (int8 unless the hop inside is about as slow as the
-    /// hop across).
-    pub qgz_intra_bits: Option<u32>,
-    /// Unquantized traffic in fp32 instead of bf16.
-    pub fp32_comm: bool,
-    /// qwZ sends weight differences across nodes (at qwZ's bits); unset:
-    /// the mode's default.
-    pub qwz_delta: Option<bool>,
-    /// Forward gathers of a unit between full refreshes of the qwZ
-    /// references.
-    pub qwz_refresh: usize,
-    /// qgZ's hop across nodes rotated (Walsh–Hadamard) before quantizing;
-    /// unset: the mode's default.
-    pub qgz_hadamard: Option<bool>,
-    /// Values per quantization block of qgZ's hop across nodes; unset: the
-    /// mode's default (64 for zeropp, `qgz_block` for zero3).
-    pub qgz_inter_block: Option<usize>,
-    pub steps: usize,
-    /// Sequences per rank per step.
-    pub batch: usize,
-    pub seed: u64,
-    pub model: ModelConfig,
-    pub optim: OptimConfig,
-    /// A UTF-8 text file; the built-in corpus when absent.
-    pub data: Option<PathBuf>,
-    /// tcp or ucx; unset: ZEROPP_TRANSPORT, else tcp.
-    pub transport: Option<TransportKind>,
-    /// Logical nodes and ranks per node when `zeropp train` launches itself.
-    pub nodes: usize,
-    pub ranks_per_node: usize,
-    /// Batches per rank for the validation loss at the end.
-    pub val_batches: usize,
-    /// Print a progress line every this many steps.
-    pub log_every: usize,
-    pub metrics: Option<PathBuf>,
-    pub summary_json: Option<PathBuf>,
-    /// Write the loss curve here as PNG.
-    pub plot: Option<PathBuf>,
-    /// Save sharded checkpoints here (every `save_every` steps and at the
-    /// end), keeping the newest `keep` (0 = all).
-    pub checkpoint_dir: Option<PathBuf>,
-    pub save_every: usize,
-    pub keep: usize,
-    /// Continue from this checkpoint (or the latest under this directory).
-    pub resume: Option<PathBuf>,
-    /// Stop (and save, with a checkpoint directory) after this step, as if
-    /// the run were preempted; the schedule still spans `steps`.
-    pub stop_after: Option<usize>,
+/// How a flag sets its setting: a value replaces it; an optional setting
+/// (the mode's or the plan's to choose while unset) becomes `Some`.
+pub trait Setting {
+    /// What the flag takes.
+    type Flag: Clone;
+    fn set(&mut self, flag: Self::Flag);
 }
 
-impl Default for TrainConfig {
-    fn default() -> Self {
-        TrainConfig {
-            mode: Mode::Zeropp,
-            qwz_bits: None,
-            hpz: None,
-            hpz_group: None,
-            qgz: None,
-            error_feedback: None,
-            qgz_stochastic: false,
-            block: 256,
-            qgz_block: 32,
-            qgz_intra_bits: None,
-            fp32_comm: false,
-            qwz_delta: None,
-            qwz_refresh: crate::zero::plan::DEFAULT_QWZ_REFRESH,
-            qgz_hadamard: None,
-            qgz_inter_block: None,
-            steps: 200,
-            batch: 8,
-            seed: 0,
-            model: ModelConfig::default(),
-            optim: OptimConfig::default(),
-            data: None,
-            transport: None,
-            nodes: 2,
-            ranks_per_node: 2,
-            val_batches: 4,
-            log_every: 10,
-            metrics: None,
-            summary_json: None,
-            plot: None,
-            checkpoint_dir: None,
-            save_every: 0,
-            keep: 3,
-            resume: None,
-            stop_after: None,
-        }
+/// The types a setting holds.
+trait Plain: Clone {}
+impl Plain for bool {}
+impl Plain for u32 {}
+impl Plain for u64 {}
+impl Plain for usize {}
+impl Plain for f32 {}
+impl Plain for PathBuf {}
+impl Plain for Mode {}
+impl Plain for TransportKind {}
+
+impl<T: Plain> Setting for T {
+    type Flag = T;
+    fn set(&mut self, flag: T) {
+        *self = flag;
     }
 }
 
+impl<T: Plain> Setting for Option<T> {
+    type Flag = T;
+    fn set(&mut self, flag: T) {
+        *self = Some(flag);
+    }
+}
+
+/// One section of the config: the struct (its fields flat in the TOML
+/// file), its defaults, and its flags (`Args`: each setting's flag, with
+/// the setting's doc, `None` when not given).
+macro_rules! section {
+    (
+        $(#[doc = $doc:literal])*
+        $name:ident / $args:ident {
+            $( $(#[doc = $fdoc:literal])* $field:ident : $ty:ty = $default:expr ),* $(,)?
+        }
+    ) => {
+        $(#[doc = $doc])*
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(default)]
+        pub struct $name {
+            $( $(#[doc = $fdoc])* pub $field: $ty, )*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                $name { $( $field: $default, )* }
+            }
+        }
+
+        $(#[doc = $doc])*
+        #[derive(clap::Args, Clone, Debug, Default)]
+        pub struct $args {
+            $( $(#[doc = $fdoc])* #[arg(long)] pub $field: Option<<$ty as Setting>::Flag>, )*
+        }
+
+        impl $args {
+            /// Sets what was given on the command line.
+            pub fn apply(&self, c: &mut $name) {
+                $( if let Some(v) = self.$field.clone() { Setting::set(&mut c.$field, v); } )*
+            }
+        }
+
+        impl $name {
+            /// The section's keys, in declaration order.
+            pub const KEYS: &[&str] = &[$(stringify!($field)),*];
+        }
+    };
+}
+
+section! {
+    /// The mode and the ZeRO++ switches (each unset one is the mode's, or
+    /// the routing plan's, to choose).
+    SwitchConfig / SwitchArgs {
+        /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int4
+        /// weight differences + hpZ + qgZ int4 with a rotated hop across
+        /// nodes).
+        mode: Mode = Mode::Zeropp,
+        /// qwZ: bits of the forward weight gather (8, 4; 0 = off); zeropp's
+        /// default: 4 with --qwz-delta, else 8.
+        qwz_bits: Option<u32> = None,
+        /// hpZ: node-local secondary shards for the backward gather.
+        hpz: Option<bool> = None,
+        /// Ranks sharing an hpZ secondary shard, consecutive local ranks of a
+        /// node (a divisor of --ranks-per-node). Default: the routing plan's
+        /// choice — the node, or an NVLink island on a PCIe box.
+        hpz_group: Option<usize> = None,
+        /// qgZ: two-hop int4 gradient reduce-scatter.
+        qgz: Option<bool> = None,
+        /// Error feedback for qgZ, on both hops (default: on with qgZ).
+        error_feedback: Option<bool> = None,
+        /// qgZ: round gradients stochastically (true) or to nearest (default).
+        qgz_stochastic: bool = false,
+        /// Values per weight quantization block (qwZ; power of two, 32..65536).
+        block: usize = 256,
+        /// Values per gradient quantization block (qgZ).
+        qgz_block: usize = 32,
+        /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
+        /// Default: the routing plan's — int8, unless the hop inside the node
+        /// is about as slow per rank as the hop across.
+        qgz_intra_bits: Option<u32> = None,
+        /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
+        /// fp32 instead of bf16.
+        fp32_comm: bool = false,
+        /// qwZ sends weight differences across nodes, at --qwz-bits, against a
+        /// reference every receiver keeps (docs/TRAINING.md); zeropp's default:
+        /// on with qwZ across nodes.
+        qwz_delta: Option<bool> = None,
+        /// Forward gathers of a unit between full refreshes of the qwZ
+        /// references (with --qwz-delta).
+        qwz_refresh: usize = crate::zero::plan::DEFAULT_QWZ_REFRESH,
+        /// qgZ's hop across nodes rotates each block (Walsh–Hadamard) before
+        /// quantizing, spreading outliers over the block; zeropp's default: on
+        /// with qgZ.
+        qgz_hadamard: Option<bool> = None,
+        /// Values per quantization block of qgZ's hop across nodes (default:
+        /// 64 in zeropp mode, else --qgz-block).
+        qgz_inter_block: Option<usize> = None,
+    }
+}
+
+section! {
+    /// What is trained, for how long, on what.
+    RunConfig / RunArgs {
+        /// Optimizer steps (the learning-rate schedule spans them).
+        steps: usize = 200,
+        /// Sequences per rank per step.
+        batch: usize = 8,
+        /// Seed of the weights, the data order and stochastic rounding.
+        seed: u64 = 0,
+        /// Train on this UTF-8 text file instead of the built-in corpus.
+        data: Option<PathBuf> = None,
+        /// Batches per rank for the validation loss at the end.
+        val_batches: usize = 4,
+        /// Print a progress line every N steps.
+        log_every: usize = 10,
+        /// Stop after this step (saving a checkpoint when --checkpoint-dir is
+        /// set); the learning-rate schedule still spans --steps.
+        stop_after: Option<usize> = None,
+    }
+}
+
+section! {
+    /// What the run writes besides its log.
+    OutputConfig / OutputArgs {
+        /// Write one JSON object per step here.
+        metrics: Option<PathBuf> = None,
+        /// Write the end-of-run summary here as JSON (with --compare: both).
+        summary_json: Option<PathBuf> = None,
+        /// Draw the loss curve here as PNG (with --compare: both).
+        plot: Option<PathBuf> = None,
+    }
+}
+
+section! {
+    /// Sharded checkpoints: where, how often, how many, and resuming.
+    CheckpointConfig / CheckpointArgs {
+        /// Save sharded checkpoints in this directory (every --save-every steps
+        /// and at the end).
+        checkpoint_dir: Option<PathBuf> = None,
+        /// Steps between checkpoints (0: only at the end).
+        save_every: usize = 0,
+        /// Checkpoints to keep (0: all; default 3).
+        keep: usize = 3,
+        /// Continue from a checkpoint (or the latest in a checkpoint directory),
+        /// with its settings unless flags or --config say otherwise. A different
+        /// --nodes/--ranks-per-node re-cuts the shards.
+        resume: Option<PathBuf> = None,
+    }
+}
+
+section! {
+    /// How ranks talk, and the job `zeropp train` starts when no launcher
+    /// started it.
+    LaunchConfig / LaunchArgs {
+        /// ucx or tcp. Unset: ZEROPP_TRANSPORT when set, else UCX when libucp
+        /// loads (a note says when it does not and TCP is used).
+        transport: Option<TransportKind> = None,
+        /// Logical nodes when launching itself.
+        nodes: usize = 2,
+        /// Ranks per logical node when launching itself.
+        ranks_per_node: usize = 2,
+    }
+}
+
+/// Every setting of a training run; defaults live in the sections' own
+/// declarations and only there.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    #[serde(flatten)]
+    pub switches: SwitchConfig,
+    #[serde(flatten)]
+    pub run: RunConfig,
+    #[serde(flatten)]
+    pub output: OutputConfig,
+    #[serde(flatten)]
+    pub checkpoint: CheckpointConfig,
+    #[serde(flatten)]
+    pub launch: LaunchConfig,
+    #[serde(default)]
+    pub model: ModelConfig,
+    #[serde(default)]
+    pub optim: OptimConfig,
+}
+
 impl TrainConfig {
-    /// Reads a TOML file of the same settings.
+    /// Every key of the top level of the TOML file (the sections' settings
+    /// flat, then the `model` and `optim` tables).
+    pub fn keys() -> Vec<&'static str> {
+        [
+            SwitchConfig::KEYS,
+            RunConfig::KEYS,
+            OutputConfig::KEYS,
+            CheckpointConfig::KEYS,
+            LaunchConfig::KEYS,
+            &["model", "optim"],
+        ]
+        .concat()
+    }
+
+    /// Reads a TOML file of the same settings; a key that is not one is an
+    /// error naming the keys there are.
     pub fn from_toml_file(path: &Path) -> Result<TrainConfig> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read the config {}", path.display()))?;
-        toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+        Self::from_toml_str(&text).with_context(|| format!("{}", path.display()))
+    }
+
+    /// [`TrainConfig::from_toml_file`] on text.
+    pub fn from_toml_str(text: &str) -> Result<TrainConfig> {
+        let table: toml::Table = toml::from_str(text)?;
+        let keys = Self::keys();
+        if let Some(bad) = table.keys().find(|k| !keys.contains(&k.as_str())) {
+            bail!("unknown setting {bad:?}; the settings are {keys:?}");
+        }
+        table.clone().try_into().map_err(|e| {
+            // Flattened sections lose the key in serde's message: find it.
+            let bad = table.iter().find(|(k, v)| {
+                let one = toml::Table::from_iter([(k.to_string(), (*v).clone())]);
+                one.try_into::<TrainConfig>().is_err()
+            });
+            match bad {
+                Some((k, _)) => anyhow::anyhow!("setting {k:?}: {e}"),
+                None => anyhow::anyhow!("{e}"),
+            }
+        })
     }
 
     /// The switches: the mode's, then each override.
     pub fn switches(&self) -> Switches {
-        let mut s = match self.mode {
-            Mode::Zero3 => Switches::zero3(self.block),
-            Mode::Zeropp => Switches::zeropp(self.block),
+        let c = &self.switches;
+        let mut s = match c.mode {
+            Mode::Zero3 => Switches::zero3(c.block),
+            Mode::Zeropp => Switches::zeropp(c.block),
         };
-        if let Some(b) = self.qwz_bits {
+        if let Some(b) = c.qwz_bits {
             s.qwz_bits = (b != 0).then_some(b);
         }
-        if let Some(h) = self.hpz {
+        if let Some(h) = c.hpz {
             s.hpz = h;
         }
-        if let Some(q) = self.qgz {
+        if let Some(q) = c.qgz {
             s.qgz = q;
         }
-        s.error_feedback = self.error_feedback.unwrap_or(s.qgz);
-        s.qgz_stochastic = self.qgz_stochastic;
-        s.qgz_block = self.qgz_block;
-        if let Some(b) = self.qgz_intra_bits {
+        s.error_feedback = c.error_feedback.unwrap_or(s.qgz);
+        s.qgz_stochastic = c.qgz_stochastic;
+        s.qgz_block = c.qgz_block;
+        if let Some(b) = c.qgz_intra_bits {
             s.qgz_intra_bits = b;
         }
-        s.fp32_comm = self.fp32_comm;
-        if let Some(d) = self.qwz_delta {
+        s.fp32_comm = c.fp32_comm;
+        if let Some(d) = c.qwz_delta {
             s.qwz_delta = d;
         }
-        s.qwz_refresh = self.qwz_refresh;
-        if let Some(h) = self.qgz_hadamard {
+        s.qwz_refresh = c.qwz_refresh;
+        if let Some(h) = c.qgz_hadamard {
             s.qgz_hadamard = h;
         }
-        if let Some(b) = self.qgz_inter_block {
+        if let Some(b) = c.qgz_inter_block {
             s.qgz_inter_block = Some(b);
         }
         s
     }
 
-    /// The switches this config sets itself (the rest are the mode's or
-    /// the plan's to choose), and the switches with `hpz_group` applied.
+    /// The switches with `hpz_group` applied, and the names of those this
+    /// config sets itself (the rest are the mode's or the plan's to choose).
     pub fn wanted_switches(&self) -> (Switches, Vec<&'static str>) {
+        let c = &self.switches;
         let mut asked = Vec::new();
         let mut wanted = self.switches();
-        if let Some(h) = self.hpz_group {
+        if let Some(h) = c.hpz_group {
             wanted.hpz_group = Some(h);
             asked.push("hpz_group");
         }
-        if self.qgz_intra_bits.is_some() {
+        if c.qgz_intra_bits.is_some() {
             asked.push("qgz_intra_bits");
         }
         for (name, set) in [
-            ("qwz_bits", self.qwz_bits.is_some()),
-            ("hpz", self.hpz.is_some()),
-            ("qgz", self.qgz.is_some()),
-            ("error_feedback", self.error_feedback.is_some()),
-            ("qwz_delta", self.qwz_delta.is_some()),
-            ("qgz_hadamard", self.qgz_hadamard.is_some()),
+            ("qwz_bits", c.qwz_bits.is_some()),
+            ("hpz", c.hpz.is_some()),
+            ("qgz", c.qgz.is_some()),
+            ("error_feedback", c.error_feedback.is_some()),
+            ("qwz_delta", c.qwz_delta.is_some()),
+            ("qgz_hadamard", c.qgz_hadamard.is_some()),
         ] {
             if set {
                 asked.push(name);
@@ -203,16 +343,97 @@ impl TrainConfig {
         (wanted, asked)
     }
 
+    /// ZeRO-3 as `--compare` and `--mode zero3` runs it: every ZeRO++
+    /// override cleared.
+    pub fn clear_zeropp_overrides(&mut self) {
+        let c = &mut self.switches;
+        (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
+        (c.qwz_delta, c.qgz_hadamard, c.qgz_inter_block) = (None, None, None);
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.model
             .validate()
             .map_err(|e| anyhow::anyhow!("invalid model: {e}"))?;
-        if self.steps == 0 || self.batch == 0 {
+        if self.run.steps == 0 || self.run.batch == 0 {
             bail!("steps and batch must be at least 1");
         }
-        if self.nodes == 0 || self.ranks_per_node == 0 {
+        if self.launch.nodes == 0 || self.launch.ranks_per_node == 0 {
             bail!("nodes and ranks_per_node must be at least 1");
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_toml_file_and_the_manifest_keep_their_flat_keys() {
+        let c = TrainConfig::from_toml_str(
+            "mode = \"zero3\"\nqwz_bits = 4\nsteps = 7\nmetrics = \"m.jsonl\"\nkeep = 1\n\
+             nodes = 3\n[model]\nwidth = 32\n[optim]\nlr = 0.01\n",
+        )
+        .expect("a valid config");
+        assert_eq!(c.switches.mode, Mode::Zero3);
+        assert_eq!(c.switches.qwz_bits, Some(4));
+        assert_eq!((c.run.steps, c.run.batch), (7, 8));
+        assert_eq!(c.output.metrics, Some(PathBuf::from("m.jsonl")));
+        assert_eq!((c.checkpoint.keep, c.launch.nodes), (1, 3));
+        assert_eq!((c.model.width, c.optim.lr), (32, 0.01));
+        // The manifest's JSON: flat keys, and it reads back the same.
+        let json = serde_json::to_value(&c).expect("serializes");
+        assert_eq!(json["qwz_bits"], 4);
+        assert_eq!(json["steps"], 7);
+        assert_eq!(json["model"]["width"], 32);
+        let back: TrainConfig = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back, c);
+        // And the self-launch's TOML round trip.
+        let text = toml::to_string(&c).expect("writes TOML");
+        assert_eq!(TrainConfig::from_toml_str(&text).expect("reads TOML"), c);
+    }
+
+    #[test]
+    fn an_unknown_setting_is_named_with_the_settings_there_are() {
+        let e = TrainConfig::from_toml_str("stpes = 3\n").unwrap_err();
+        let m = format!("{e:#}");
+        assert!(
+            m.contains("unknown setting \"stpes\"") && m.contains("\"steps\""),
+            "{m}"
+        );
+        let e = TrainConfig::from_toml_str("[model]\nwidht = 3\n").unwrap_err();
+        assert!(format!("{e:#}").contains("widht"), "{e:#}");
+        let e = TrainConfig::from_toml_str("steps = \"many\"\n").unwrap_err();
+        assert!(
+            format!("{e:#}").contains("setting \"steps\": invalid type"),
+            "{e:#}"
+        );
+    }
+
+    #[test]
+    fn the_switch_settings_are_the_switches_python_and_the_summary_name() {
+        let mut here: Vec<&str> = SwitchConfig::KEYS
+            .iter()
+            .copied()
+            .filter(|k| *k != "mode")
+            .collect();
+        let mut there = Switches::names();
+        here.sort_unstable();
+        there.sort_unstable();
+        assert_eq!(here, there);
+    }
+
+    #[test]
+    fn a_flag_replaces_a_value_and_sets_an_optional_setting() {
+        let mut c = TrainConfig::default();
+        let args = SwitchArgs {
+            qwz_bits: Some(8),
+            block: Some(64),
+            ..SwitchArgs::default()
+        };
+        args.apply(&mut c.switches);
+        assert_eq!((c.switches.qwz_bits, c.switches.block), (Some(8), 64));
+        assert_eq!(c.switches.hpz, None);
     }
 }

@@ -26,12 +26,12 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
     let mut cfg = cfg.clone();
-    cfg.transport = default_transport(cfg.transport);
+    cfg.launch.transport = default_transport(cfg.launch.transport);
     let text = toml::to_string(&cfg).context("writing the run's config")?;
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     let result = crate::launch::launch(&crate::launch::LaunchOptions {
-        nodes: cfg.nodes,
-        ranks_per_node: cfg.ranks_per_node,
+        nodes: cfg.launch.nodes,
+        ranks_per_node: cfg.launch.ranks_per_node,
         node_rank: None,
         master: None,
         timeout_s,
@@ -104,26 +104,25 @@ pub fn run_mode(
     tweak: &dyn Fn(&mut TrainConfig),
 ) -> Result<(Summary, Vec<(usize, f32)>)> {
     let mut c = cfg.clone();
-    c.mode = mode;
+    c.switches.mode = mode;
     if mode == Mode::Zero3 {
-        (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
-        (c.qwz_delta, c.qgz_hadamard, c.qgz_inter_block) = (None, None, None);
+        c.clear_zeropp_overrides();
     }
     tweak(&mut c);
-    let metrics = match &cfg.metrics {
+    let metrics = match &cfg.output.metrics {
         Some(p) => per_mode_path(p, name),
         None => dir.join(format!("{name}.jsonl")),
     };
-    c.metrics = Some(metrics.clone());
-    c.summary_json = Some(dir.join(format!("{name}.json")));
+    c.output.metrics = Some(metrics.clone());
+    c.output.summary_json = Some(dir.join(format!("{name}.json")));
     // Each run checkpoints (and resumes) in its own directory.
-    c.checkpoint_dir = cfg.checkpoint_dir.as_ref().map(|d| d.join(name));
-    c.resume = cfg.resume.as_ref().map(|d| d.join(name));
-    c.plot = None;
+    c.checkpoint.checkpoint_dir = cfg.checkpoint.checkpoint_dir.as_ref().map(|d| d.join(name));
+    c.checkpoint.resume = cfg.checkpoint.resume.as_ref().map(|d| d.join(name));
+    c.output.plot = None;
     println!("== {name} ==");
     launch_local(&c, timeout_s).with_context(|| format!("the {name} run failed"))?;
     let summary: Summary = serde_json::from_slice(
-        &std::fs::read(c.summary_json.as_ref().expect("set above"))
+        &std::fs::read(c.output.summary_json.as_ref().expect("set above"))
             .context("reading the run's summary")?,
     )?;
     Ok((summary, read_losses(&metrics)?))
@@ -144,12 +143,12 @@ pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Su
     let _ = std::fs::remove_dir_all(&dir);
     let (z3, zpp) = (&runs[0].0, &runs[1].0);
     print!("{}", comparison_table(z3, zpp));
-    if let Some(p) = &cfg.summary_json {
+    if let Some(p) = &cfg.output.summary_json {
         let both = serde_json::json!({ "zero3": z3, "zeropp": zpp });
         std::fs::write(p, serde_json::to_vec_pretty(&both)?)
             .with_context(|| format!("cannot write {}", p.display()))?;
     }
-    if let Some(p) = &cfg.plot {
+    if let Some(p) = &cfg.output.plot {
         let series: Vec<Series> = runs
             .iter()
             .map(|(s, losses)| Series {

@@ -8,8 +8,10 @@ use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-/// Shape of the model.
+/// Shape of the model (the `[model]` table of a config; unset keys take
+/// the defaults).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct ModelConfig {
     /// Tokens are bytes.
     pub vocab: usize,

@@ -202,7 +202,7 @@ impl Parity {
 /// Runs the three runs of every seed, one after the other, on this
 /// machine; prints the table and writes it to `--summary-json`.
 pub fn measure(cfg: &TrainConfig, seeds: &[u64], timeout_s: Option<f64>) -> Result<Parity> {
-    if cfg.resume.is_some() || cfg.checkpoint_dir.is_some() {
+    if cfg.checkpoint.resume.is_some() || cfg.checkpoint.checkpoint_dir.is_some() {
         bail!("--seeds measures fresh runs: drop --resume and --checkpoint-dir");
     }
     let dir = std::env::temp_dir().join(format!("zeropp-parity-{}", std::process::id()));
@@ -210,8 +210,8 @@ pub fn measure(cfg: &TrainConfig, seeds: &[u64], timeout_s: Option<f64>) -> Resu
     let mut rows = Vec::new();
     for &seed in seeds {
         let mut c = cfg.clone();
-        c.seed = seed;
-        c.plot = None;
+        c.run.seed = seed;
+        c.output.plot = None;
         let run = |mode, name: &str, tweak: &dyn Fn(&mut TrainConfig)| {
             run_mode(
                 &c,
@@ -223,7 +223,7 @@ pub fn measure(cfg: &TrainConfig, seeds: &[u64], timeout_s: Option<f64>) -> Resu
             )
         };
         let (z3, _) = run(Mode::Zero3, "zero3", &|_| {})?;
-        let (f32s, _) = run(Mode::Zero3, "zero3-fp32", &|c| c.fp32_comm = true)?;
+        let (f32s, _) = run(Mode::Zero3, "zero3-fp32", &|c| c.switches.fp32_comm = true)?;
         let (zpp, _) = run(Mode::Zeropp, "zeropp", &|_| {})?;
         let row = SeedRow {
             seed,
@@ -246,7 +246,7 @@ pub fn measure(cfg: &TrainConfig, seeds: &[u64], timeout_s: Option<f64>) -> Resu
     let _ = std::fs::remove_dir_all(&dir);
     let parity = Parity::of(rows);
     print!("{}", parity.render());
-    if let Some(p) = &cfg.summary_json {
+    if let Some(p) = &cfg.output.summary_json {
         std::fs::write(p, serde_json::to_vec_pretty(&parity)?)
             .with_context(|| format!("cannot write {}", p.display()))?;
     }

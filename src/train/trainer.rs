@@ -76,7 +76,7 @@ impl<'a> Trainer<'a> {
                 facts.node_rank
             );
         }
-        let data = Dataset::load(cfg.data.as_deref(), cfg.seed)?;
+        let data = Dataset::load(cfg.run.data.as_deref(), cfg.run.seed)?;
         data.check(layout.world(), cfg.model.context)?;
         // Each node's first rank publishes what the machine is made of;
         // rank 0 merges the nodes' facts and prints the routing plan they
@@ -92,7 +92,7 @@ impl<'a> Trainer<'a> {
         } else {
             serde_json::Value::Null
         };
-        let (transport, table) = match cfg.transport {
+        let (transport, table) = match cfg.launch.transport {
             Some(kind) => Job::connect_over(kind, &facts, published)?,
             None => Job::connect(&facts, published)?,
         };
@@ -119,21 +119,25 @@ impl<'a> Trainer<'a> {
             model: std::sync::Arc::new(cfg.model.clone()),
             switches: resolved.switches.clone(),
             optim: cfg.optim.clone(),
-            seed: cfg.seed,
+            seed: cfg.run.seed,
         };
         let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
-        let start = match &cfg.resume {
+        let start = match &cfg.checkpoint.resume {
             None => 0,
             Some(path) => resume(&mut engine, path, layout, lead)?,
         };
-        let end = cfg.stop_after.unwrap_or(cfg.steps).min(cfg.steps);
+        let end = cfg
+            .run
+            .stop_after
+            .unwrap_or(cfg.run.steps)
+            .min(cfg.run.steps);
         if start >= end {
             bail!(
                 "the checkpoint is at step {start} and this run would stop at step {end}: raise \
                  --steps (or --stop-after) to train further"
             );
         }
-        let tokens_per_step = (layout.world() * cfg.batch * cfg.model.context) as f64;
+        let tokens_per_step = (layout.world() * cfg.run.batch * cfg.model.context) as f64;
         if lead {
             println!(
                 "training {} parameters, {} nodes x {} ranks over {}, mode {:?}, {} steps of {} \
@@ -142,8 +146,8 @@ impl<'a> Trainer<'a> {
                 layout.nodes,
                 layout.ranks_per_node,
                 transport_name.to_uppercase(),
-                cfg.mode,
-                cfg.steps,
+                cfg.switches.mode,
+                cfg.run.steps,
                 tokens_per_step
             );
             println!("switches: {}", serde_json::to_string(&resolved.switches)?);
@@ -152,7 +156,7 @@ impl<'a> Trainer<'a> {
         // as the summary and the manifest, and where each chosen value came
         // from.
         let header = serde_json::json!({ "header": {
-            "mode": format!("{:?}", cfg.mode).to_lowercase(),
+            "mode": format!("{:?}", cfg.switches.mode).to_lowercase(),
             "switches": &resolved.switches,
             "why": &resolved.why,
             "measured": &measured,
@@ -161,18 +165,22 @@ impl<'a> Trainer<'a> {
             "ranks_per_node": layout.ranks_per_node,
             "params": engine.parameter_count(),
             "transport": transport_name,
-            "seed": cfg.seed,
-            "steps": cfg.steps,
+            "seed": cfg.run.seed,
+            "steps": cfg.run.steps,
             "start_step": start,
         }});
         let records = Records::open(cfg, lead, &header, start, end, tokens_per_step)?;
-        let checkpointer = cfg.checkpoint_dir.clone().map(|root| Checkpointer {
-            root,
-            every: cfg.save_every,
-            saved_at: None,
-        });
+        let checkpointer = cfg
+            .checkpoint
+            .checkpoint_dir
+            .clone()
+            .map(|root| Checkpointer {
+                root,
+                every: cfg.checkpoint.save_every,
+                saved_at: None,
+            });
         let validator = Validator {
-            batches: cfg.val_batches.max(1),
+            batches: cfg.run.val_batches.max(1),
         };
         Ok(Trainer {
             cfg,
@@ -226,11 +234,11 @@ impl<'a> Trainer<'a> {
             self.facts.rank,
             self.layout.world(),
             step,
-            cfg.seed,
-            cfg.batch,
+            cfg.run.seed,
+            cfg.run.batch,
             cfg.model.context,
         )?;
-        let lr = cfg.optim.lr_at(step, cfg.steps);
+        let lr = cfg.optim.lr_at(step, cfg.run.steps);
         let t = Instant::now();
         let stats = self.engine.train_step(&x, &y, lr)?;
         Ok((stats, lr, t.elapsed().as_secs_f64()))
@@ -266,7 +274,7 @@ impl<'a> Trainer<'a> {
             .collect();
         let steps_run = (self.end - self.start) as f64;
         let summary = Summary {
-            mode: format!("{:?}", cfg.mode).to_lowercase(),
+            mode: format!("{:?}", cfg.switches.mode).to_lowercase(),
             switches: engine.switches().clone(),
             why: self.resolved.why.clone(),
             measured: self.measured.clone(),
@@ -299,7 +307,7 @@ impl<'a> Trainer<'a> {
             return Ok(None);
         }
         println!("{}", summary.done_line());
-        if let Some(p) = &cfg.plot {
+        if let Some(p) = &cfg.output.plot {
             let series = Series {
                 name: format!("{} (validation {:.3})", summary.mode, summary.val_loss),
                 points: step_points(&r.losses),
@@ -310,7 +318,7 @@ impl<'a> Trainer<'a> {
             );
             plot::loss_curves(p, &title, &[series])?;
         }
-        if let Some(p) = &cfg.summary_json {
+        if let Some(p) = &cfg.output.summary_json {
             std::fs::write(p, serde_json::to_vec_pretty(&summary)?)
                 .with_context(|| format!("cannot write {}", p.display()))?;
         }
@@ -398,7 +406,7 @@ impl Records {
         end: usize,
         tokens_per_step: f64,
     ) -> Result<Records> {
-        let mut file = match (&cfg.metrics, lead) {
+        let mut file = match (&cfg.output.metrics, lead) {
             (Some(p), true) => Some(std::io::BufWriter::new(
                 std::fs::File::create(p)
                     .with_context(|| format!("cannot create {}", p.display()))?,
@@ -410,7 +418,7 @@ impl Records {
         }
         // `zeropp train` hands rank 0 the terminal when it launches itself.
         let bar = if lead {
-            ProgressBar::with_draw_target(Some(cfg.steps as u64), ProgressDrawTarget::stderr())
+            ProgressBar::with_draw_target(Some(cfg.run.steps as u64), ProgressDrawTarget::stderr())
         } else {
             ProgressBar::hidden()
         };
@@ -426,10 +434,10 @@ impl Records {
             file,
             bar,
             tokens_per_step,
-            steps: cfg.steps,
+            steps: cfg.run.steps,
             start,
             end,
-            log_every: cfg.log_every.max(1),
+            log_every: cfg.run.log_every.max(1),
             losses: Vec::new(),
             times: Vec::new(),
             computes: Vec::new(),
@@ -601,7 +609,7 @@ impl Checkpointer {
     ) -> Result<()> {
         let t = Instant::now();
         let rank = engine.plan().layout.rank;
-        let dir = checkpoint::save(engine, cfg, &self.root, step, rank, cfg.keep)?;
+        let dir = checkpoint::save(engine, cfg, &self.root, step, rank, cfg.checkpoint.keep)?;
         records.say(format!(
             "saved checkpoint {} ({:.2} s)",
             dir.display(),
@@ -628,7 +636,7 @@ impl Validator {
     ) -> Result<f32> {
         let mut val = 0.0;
         for i in 0..self.batches {
-            let (x, y) = data.val_batch(rank, i, cfg.batch, cfg.model.context)?;
+            let (x, y) = data.val_batch(rank, i, cfg.run.batch, cfg.model.context)?;
             val += engine.evaluate(&x, &y)?;
         }
         Ok(val / self.batches as f32)
@@ -652,7 +660,7 @@ fn measure_links(
         .iter()
         .map(|p| (p.host.as_str(), p.host_id.as_str()))
         .collect();
-    let probe = cfg.mode == Mode::Zeropp
+    let probe = cfg.switches.mode == Mode::Zeropp
         && layout.world() > 1
         && hosts.len() == layout.nodes
         && crate::zero::probe::enabled();

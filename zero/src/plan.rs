@@ -98,6 +98,16 @@ fn default_qwz_refresh() -> usize {
 }
 
 impl Switches {
+    /// The switches' names, as `zeropp train`'s settings and flags, the
+    /// JSON of a summary and `zeropp.torch.fully_shard`'s keywords spell
+    /// them.
+    pub fn names() -> Vec<String> {
+        match serde_json::to_value(Switches::zero3(256)) {
+            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
+            _ => unreachable!("Switches serialize to an object"),
+        }
+    }
+
     /// ZeRO-3: plain bf16 gathers over the world, plain bf16 reduce-scatter.
     pub fn zero3(block: usize) -> Self {
         Switches {
