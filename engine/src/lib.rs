@@ -6,6 +6,7 @@
 //! and recomputed in backward, and each unit's gradient is reduce-scattered
 //! back to the chunk owners.
 
+mod error;
 pub mod model;
 pub mod optim;
 mod step;
@@ -14,11 +15,11 @@ pub mod testing;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
+pub use error::{EngineError, Result};
 use model::tensors_from_owned;
 pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
@@ -201,22 +202,18 @@ impl Engine {
         timeout: Duration,
     ) -> Result<Engine> {
         let transport = &counter;
-        cfg.model
-            .validate()
-            .map_err(|e| anyhow!("invalid model: {e}"))?;
+        cfg.model.validate().map_err(EngineError::Model)?;
         if transport.world_size() != layout.world() || transport.rank() != layout.rank {
-            bail!(
-                "the transport is rank {} of {}, the layout says rank {} of {} ({} nodes x {})",
-                transport.rank(),
-                transport.world_size(),
-                layout.rank,
-                layout.world(),
-                layout.nodes,
-                layout.ranks_per_node
-            );
+            return Err(EngineError::Layout {
+                transport_rank: transport.rank(),
+                transport_world: transport.world_size(),
+                rank: layout.rank,
+                world: layout.world(),
+                nodes: layout.nodes,
+                ranks_per_node: layout.ranks_per_node,
+            });
         }
-        let plan =
-            Plan::new(layout, &cfg.switches).map_err(|e| anyhow!("invalid switches: {e}"))?;
+        let plan = Plan::new(layout, &cfg.switches).map_err(EngineError::Switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
         let groups = ZeroGroups::new(&layout, plan.hpz_group)?;
@@ -489,8 +486,10 @@ impl Engine {
                     .then_some(self.units[u].residual.chunks_mut());
                 let first =
                     qgz::quantize_first_hop(&Host, &grad, layout, intra, rounding, residual)
-                        .with_context(|| {
-                            format!("quantizing the gradient of {}", self.units[u].name)
+                        .map_err(|source| EngineError::Unit {
+                            what: "quantizing the gradient",
+                            unit: self.units[u].name.clone(),
+                            source,
                         })?;
                 drop(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
@@ -518,11 +517,10 @@ impl Engine {
     /// Waits for unit `u`'s gradient reduce-scatter: this rank's chunk of
     /// the mean.
     fn finish_gradient(&self, u: usize, p: Pending<Vec<f32>, ZeroError>) -> Result<Vec<f32>> {
-        p.wait().with_context(|| {
-            format!(
-                "reduce-scattering the gradient of {}",
-                self.units[u].name.clone()
-            )
+        p.wait().map_err(|source| EngineError::Unit {
+            what: "reduce-scattering the gradient",
+            unit: self.units[u].name.clone(),
+            source,
         })
     }
 
@@ -584,24 +582,24 @@ impl Engine {
     pub fn load_shard_state(&mut self, mut shards: Vec<UnitShard>, step: usize) -> Result<()> {
         let saved: Vec<_> = shards.iter_mut().map(|s| s.reference.take()).collect();
         if shards.len() != self.units.len() {
-            bail!(
+            return Err(EngineError::Checkpoint(format!(
                 "the checkpoint has {} units, this model {}",
                 shards.len(),
                 self.units.len()
-            );
+            )));
         }
         for (su, sh) in self.units.iter_mut().zip(shards) {
             let name = su.name.clone();
             if sh.layout.name != name || sh.layout.chunk != su.chunk {
-                bail!(
+                return Err(EngineError::Checkpoint(format!(
                     "checkpoint unit {:?} ({} values per rank) does not fit unit {name:?} ({} per rank)",
-                    sh.layout.name,
-                    sh.layout.chunk,
-                    su.chunk
-                );
+                    sh.layout.name, sh.layout.chunk, su.chunk
+                )));
             }
             if sh.m.len() != su.chunk || sh.v.len() != su.chunk || sh.master.len() != su.chunk {
-                bail!("checkpoint unit {name:?}: state of the wrong length");
+                return Err(EngineError::Checkpoint(format!(
+                    "checkpoint unit {name:?}: state of the wrong length"
+                )));
             }
             su.master = sh.master;
             su.adam.m = sh.m;
@@ -666,9 +664,9 @@ impl Engine {
         for member in &all {
             let mut at = 0;
             let mut take = |n: usize| -> Result<&[u8]> {
-                let b = member
-                    .get(at..at + n)
-                    .ok_or_else(|| anyhow!("a peer's saved qwZ references are truncated"))?;
+                let b = member.get(at..at + n).ok_or_else(|| {
+                    EngineError::Checkpoint("a peer's saved qwZ references are truncated".into())
+                })?;
                 at += n;
                 Ok(b)
             };

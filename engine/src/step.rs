@@ -4,11 +4,10 @@
 //! all-reduce for the global norm, the loss and the non-finite flags, and
 //! the optimizer step. Evaluation is the forward pass alone.
 
-use anyhow::{Result, anyhow, bail};
 use candle_core::{Tensor, Var};
 
 use super::model::{Tied, extend_with, param_offset, vars_from_flat};
-use super::{Engine, MAX_GRADS_IN_FLIGHT, StepStats};
+use super::{Engine, EngineError, MAX_GRADS_IN_FLIGHT, Result, StepStats};
 use zeropp_comm::collectives::Pending;
 use zeropp_zero::ZeroError;
 use zeropp_zero::traffic::Phase;
@@ -214,7 +213,10 @@ impl Engine {
             }
             upstream = match &input_var {
                 Some(iv) => Some(grads.get(iv.as_tensor()).cloned().ok_or_else(|| {
-                    anyhow!("no gradient reached the input of {}", self.units[u].name)
+                    EngineError::Model(format!(
+                        "no gradient reached the input of {}",
+                        self.units[u].name
+                    ))
                 })?),
                 None => None,
             };
@@ -323,11 +325,12 @@ impl Engine {
             bad_units,
         } = norm;
         if !self.cfg.optim.skip_nonfinite {
-            bail!(
-                "step {}: non-finite loss ({mean_loss}) or gradient (norm {grad_norm}; units {bad_units:?}) \
-                 — lower the learning rate or check the data; --skip-nonfinite true skips such steps",
-                self.step + 1
-            );
+            return Err(EngineError::NonFinite {
+                step: self.step + 1,
+                loss: *mean_loss,
+                grad_norm: *grad_norm,
+                units: bad_units.clone(),
+            });
         }
         for su in &mut self.units {
             su.reset_residuals();

@@ -72,6 +72,17 @@ fn a_layout_that_does_not_match_the_transport_is_an_error() {
     let err = Engine::new(Box::new(t), layout, cfg, Duration::from_secs(1))
         .err()
         .unwrap();
+    assert!(
+        matches!(
+            err,
+            EngineError::Layout {
+                transport_world: 2,
+                world: 4,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
     assert!(err.to_string().contains("rank 0 of 2"), "{err}");
 }
 
