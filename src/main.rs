@@ -319,8 +319,8 @@ fn run(cli: Cli) -> Result<()> {
 /// `/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` or `always`)
 /// turns 512 page faults per 2 MiB into one. The unit-sized buffers of
 /// every step (decoded weights, gradients, payloads) are written whole,
-/// so resident memory barely moves (docs/BENCHMARKS.md); the 3.76M-parameter
-/// one-rank step got 18–27% faster. Everything else is the system allocator.
+/// so resident memory barely moves and small models' steps get faster
+/// (docs/BENCHMARKS.md has both). Everything else is the system allocator.
 struct HugePageAlloc;
 
 const HUGE_PAGE: usize = 2 << 20;
@@ -372,13 +372,12 @@ static ALLOCATOR: HugePageAlloc = HugePageAlloc;
 /// glibc's malloc raises its mmap threshold to the size of every large
 /// buffer freed, after which such buffers come from the heap and their
 /// memory stays with the process: a training step's per-unit buffers then
-/// hold the peak resident set ~15% above what is live (measured on the
-/// 25M-parameter model, docs/BENCHMARKS.md). A fixed threshold keeps
+/// hold the peak resident set well above what is live (docs/BENCHMARKS.md). A fixed threshold keeps
 /// unit-sized buffers mapped and returns them when freed. It sits at 2 MiB,
 /// not lower: below it are the model's activations and their gradients,
 /// allocated and freed by every operation, and a mapped buffer faults on
-/// every page at its first write — at 256 KiB those faults took half of a
-/// small model's step. The trim threshold (16 MiB) lets the heap keep that
+/// every page at its first write, and at lower thresholds those faults
+/// dominated a small model's step. The trim threshold (16 MiB) lets the heap keep that
 /// much free memory at its top instead of returning and refaulting it at
 /// every operation. MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ set by
 /// the user win.

@@ -47,8 +47,8 @@ impl Element for f32 {
     fn from_f32(v: f32) -> Self {
         v
     }
-    // A memcpy: the element loop compiles to 16-byte copies (7% of a
-    // reduce-scatter's profile in the bindings, docs/BENCHMARKS.md).
+    // A memcpy: the element loop compiles to 16-byte copies, which showed
+    // in a reduce-scatter's profile in the bindings (docs/BENCHMARKS.md).
     fn widen_slice(x: &[f32], out: &mut [f32]) {
         let n = x.len().min(out.len());
         out[..n].copy_from_slice(&x[..n]);

@@ -19,8 +19,8 @@ pub struct PlanArgs {
     pub intra_gbps: f64,
     /// One NIC's achievable bandwidth, Gbit/s: what TCP gets through it
     /// (iperf3, or `bench-cluster/run.sh --probe` on the emulated cluster),
-    /// not the port's nominal speed: headers alone take 4.4%, and a shaped
-    /// 5 Mbit/s link gave one TCP flow 86-92% of its rate.
+    /// not the port's nominal speed, of which frame and TCP headers and
+    /// the flow's own behaviour take a share.
     #[arg(long, default_value_t = 1.0)]
     pub nic_gbit: f64,
     #[arg(long, default_value_t = 1)]

@@ -261,9 +261,9 @@ impl CustomOp3 for LayerNormGrad {
 /// where f32's tanh is ±1 (so the GELU's 1 − tanh² vanishes there). Its
 /// absolute error is a few 1e-7; its relative error is poor near 0, which
 /// the GELU never sees (it uses 1 + tanh). libm's `tanhf` per element was a
-/// quarter of a small model's step; `expf` costs a fraction of it. Eigen's
-/// rational tanh was as fast but moved ZeRO++'s 400-step loss by +1.7% on
-/// every seed (docs/TRAINING.md), this one not.
+/// large share of a small model's step; `expf` costs a fraction of it.
+/// Eigen's rational tanh was as fast but moved ZeRO++'s 400-step loss on
+/// every seed (docs/BENCHMARKS.md), this one not.
 #[inline]
 fn tanh_fast(x: f32) -> f32 {
     let x = x.clamp(-9.02, 9.02);

@@ -89,8 +89,9 @@ pub struct Switches {
 /// Forward gathers between qwZ delta refreshes, by default.
 pub const DEFAULT_QWZ_REFRESH: usize = 100;
 
-/// Values per block of qgZ's int4 hop across nodes, by default: blocks of
-/// 128 lost about 4% of final loss on the default model (docs/TRAINING.md).
+/// Values per block of qgZ's int4 hop across nodes, by default: larger
+/// blocks lost final loss on the default model (docs/TRAINING.md has the
+/// sweep).
 pub const DEFAULT_QGZ_INTER_BLOCK: usize = 64;
 
 fn default_qwz_refresh() -> usize {

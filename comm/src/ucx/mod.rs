@@ -54,7 +54,7 @@ const HEADER: usize = 16;
 /// UCX settings zeropp changes from UCX's defaults unless the environment
 /// sets them: (environment variable, `ucp_config_modify` key, value). TCP
 /// segments of 64 KiB instead of 8 KiB carry large messages between hosts
-/// 14–28% faster (docs/BENCHMARKS.md). The key carries no transport prefix:
+/// faster (docs/BENCHMARKS.md has the figures). The key carries no transport prefix:
 /// UCX matches cached keys against each transport's own option names.
 ///
 /// No rendezvous: every message is sent eagerly, its fragments streamed as

@@ -28,6 +28,9 @@ pub const MIN_SHM: usize = 4 << 20;
 pub const DEFAULT_SEGMENT: usize = 512 << 20;
 /// Placements are whole pages, so no two messages share one.
 const PAGE: usize = 4096;
+/// How long `place` waits for a release, per fresh page it would touch:
+/// a fraction of what faulting the page in costs (docs/BENCHMARKS.md).
+const RELEASE_WAIT_PER_PAGE_NS: u64 = 500;
 /// Offsets a release ring holds (one page: head, tail, slots); a receiver
 /// that finds its ring full releases by UCX message instead.
 const RING: usize = PAGE / 8 - 2;
@@ -373,12 +376,12 @@ impl Segment {
     /// Copies `data` into a free range and returns its offset; `None` when
     /// no range is free (the caller sends another way).
     ///
-    /// Pages never touched cost a fault and a zeroing each (about 2.4 µs per
-    /// 4 KiB here against 0.23 µs to copy one into a warm page: a C probe
-    /// writing 64 MiB into a fresh memfd), so when only fresh pages are free
-    /// while receivers hold earlier messages, it first waits a while for a
-    /// release: 0.5 µs per page, a fifth of what the faults would cost,
-    /// yielding the core meanwhile (to the receiver, on a busy host).
+    /// Pages never touched cost a fault and a zeroing each, about ten times
+    /// a copy into a warm page (docs/BENCHMARKS.md has the probe), so when
+    /// only fresh pages are free while receivers hold earlier messages, it
+    /// first waits a while for a release ([`RELEASE_WAIT_PER_PAGE_NS`] a page,
+    /// well under what the faults would cost), yielding the core meanwhile
+    /// (to the receiver, on a busy host).
     pub fn place(&self, data: &[u8], holder: Holder) -> Option<usize> {
         let off = self.reserve(data.len(), holder, true)?;
         // SAFETY: [off, off + len) lies in the mapping and was just handed
@@ -408,7 +411,8 @@ impl Segment {
                 }
                 None => {
                     let fresh_pages = (len / PAGE) as u64;
-                    let until = Instant::now() + Duration::from_nanos(500 * fresh_pages);
+                    let until = Instant::now()
+                        + Duration::from_nanos(RELEASE_WAIT_PER_PAGE_NS * fresh_pages);
                     loop {
                         drop(ranges);
                         std::thread::yield_now();
