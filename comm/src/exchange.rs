@@ -1,8 +1,9 @@
-//! Joining a job whose ranks already share a key-value exchange — the
-//! store of a `torch.distributed` job — instead of zeropp's own rendezvous:
-//! every rank publishes its transport address, host identity and facts
-//! through the caller's `exchange`, which returns everyone's; nodes are
-//! then the hosts the ranks find themselves on, not a launcher's guess.
+//! Joining a job, written once: every rank publishes its transport
+//! address, host identity and facts through the caller's `exchange`, which
+//! returns everyone's — the store of a `torch.distributed` job (the Python
+//! bindings), or zeropp's own rendezvous (`Job::connect`) — then connects
+//! the transport. Nodes are the hosts the ranks find themselves on, or
+//! logical nodes of a given size inside them.
 
 use std::net::{IpAddr, SocketAddr, TcpListener};
 use std::time::Duration;

@@ -1,16 +1,15 @@
-//! Joining a job: rank facts from the environment → transport listener →
-//! rendezvous → TCP mesh → a communicator and the standard groups (world,
-//! this node, this local rank across nodes).
+//! Joining a job: rank facts from the environment → zeropp's rendezvous
+//! (or torchrun's store) as the exchange of [`exchange::join`] → the
+//! transport → a communicator and the standard groups (world, this node,
+//! this local rank across nodes).
 
-use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 
 use super::Transport;
 use super::env::RankFacts;
-use super::rendezvous::{self, PeerInfo, TorchrunStore};
-use super::tcp::{TcpOptions, TcpTransport};
-use super::ucx::{PeerAddress, UcxTransport};
-use super::{CommError, Communicator, Group, GroupKind, io_err};
+use super::exchange;
+use super::rendezvous::{self, PeerInfo};
+use super::{CommError, Communicator, Group, GroupKind};
 
 /// Which transport carries a job's messages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -137,7 +136,10 @@ impl Job {
         Self::connect_over(kind, facts, extra_facts)
     }
 
-    /// [`Job::connect`] over a transport chosen by the caller.
+    /// [`Job::connect`] over a transport chosen by the caller: zeropp's
+    /// rendezvous (or torchrun's store) is the exchange through which
+    /// [`exchange::join`] publishes this rank and connects the transport,
+    /// the one join of every caller.
     pub fn connect_over(
         kind: TransportKind,
         facts: &RankFacts,
@@ -148,93 +150,49 @@ impl Job {
             token: rendezvous::job_token(facts, store.as_mut())?,
             ..facts.clone()
         };
-        match kind {
-            TransportKind::Ucx => Self::connect_ucx(facts, store.as_mut(), extra_facts),
-            TransportKind::Tcp => Self::connect_tcp(facts, store.as_mut(), extra_facts),
-        }
-    }
-
-    fn connect_tcp(
-        facts: &RankFacts,
-        store: Option<&mut TorchrunStore>,
-        extra_facts: serde_json::Value,
-    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
-        let ip = rendezvous::local_ip_towards(master)?;
-        let listener = TcpListener::bind(SocketAddr::new(ip, 0))
-            .map_err(io_err(format!("a transport listener on {ip}")))?;
-        let address = listener
-            .local_addr()
-            .map_err(io_err("the transport listener"))?
-            .to_string();
-        let table = rendezvous::rendezvous(facts, store, address, extra_facts)?;
-        let addresses = table
-            .iter()
-            .map(|p| {
-                if p.address.is_empty() {
-                    return Err(mixed_transports(p.rank, "ucx", facts.rank, "tcp"));
-                }
-                p.address
-                    .parse::<SocketAddr>()
-                    .map_err(|_| CommError::BadAddress {
-                        rank: p.rank,
-                        address: p.address.clone(),
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let options = TcpOptions {
+        let opts = exchange::JoinOptions {
+            kind,
+            rank: facts.rank,
+            world_size: facts.world_size,
             token: facts.token.clone(),
-            connect_timeout: facts.timeout,
-            write_timeout: facts.timeout,
+            ip: rendezvous::local_ip_towards(master)?,
+            timeout: facts.timeout,
+            // The launcher's nodes (the rendezvous checks them against the
+            // hosts).
+            ranks_per_node: Some(facts.local_world_size),
         };
-        let transport = TcpTransport::connect(facts.rank, &addresses, listener, &options)?;
+        let mut table = Vec::new();
+        let joined = exchange::join(&opts, extra_facts, &mut |mine: Vec<u8>| {
+            let published: serde_json::Value = serde_json::from_slice(&mine)
+                .map_err(|e| CommError::Malformed(format!("this rank's own facts: {e}")))?;
+            let facts_out = serde_json::json!({ "published": published });
+            table = rendezvous::rendezvous(facts, store.as_mut(), String::new(), facts_out)?;
+            table
+                .iter()
+                .map(|p| {
+                    serde_json::to_vec(&p.facts["published"])
+                        .map_err(|e| CommError::Malformed(format!("rank {}'s facts: {e}", p.rank)))
+                })
+                .collect()
+        })?;
         tracing::debug!(
-            "rank {} joined: {} ranks on {} nodes over tcp",
+            "rank {} joined: {} ranks on {} nodes over {kind:?}",
             facts.rank,
             facts.world_size,
             facts.nodes()
         );
-        Ok((Box::new(transport), table))
-    }
-
-    /// UCX: the worker addresses travel in the rendezvous facts (hex), with
-    /// what tells a rank that a peer's process is one it can watch (see
-    /// [`crate::ucx`]: only then may their endpoint use shared memory).
-    fn connect_ucx(
-        facts: &RankFacts,
-        store: Option<&mut TorchrunStore>,
-        extra_facts: serde_json::Value,
-    ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
-        let mut table = Vec::new();
-        let me = ProcessIdentity::of_self();
-        let transport = UcxTransport::connect(facts.rank, facts.world_size, |address| {
-            let facts_out = serde_json::json!({
-                "ucx_address": super::ucx::address_to_hex(&address),
-                "process": me,
-                "extra": extra_facts,
-            });
-            table = rendezvous::rendezvous(facts, store, String::new(), facts_out)?;
-            table
-                .iter()
-                .map(|p| {
-                    let hex = p.facts["ucx_address"].as_str().unwrap_or("");
-                    let worker = super::ucx::address_from_hex(hex)
-                        .ok_or_else(|| mixed_transports(p.rank, "tcp", facts.rank, "ucx"))?;
-                    let theirs: Option<ProcessIdentity> =
-                        serde_json::from_value(p.facts["process"].clone()).ok();
-                    let local_pid = theirs
-                        .filter(|t| p.node_rank == facts.node_rank && me.same_host(t))
-                        .map(|t| t.pid);
-                    Ok(PeerAddress { worker, local_pid })
-                })
-                .collect()
-        })?;
-        tracing::debug!("rank {} joined over ucx", facts.rank);
-        // Callers see the facts they published, as over TCP.
-        for p in &mut table {
-            p.facts = p.facts["extra"].take();
+        // Callers see the facts each rank published.
+        for (p, peer) in table.iter_mut().zip(joined.peers) {
+            if p.rank != peer.rank {
+                return Err(CommError::Malformed(format!(
+                    "the rendezvous listed rank {} where the exchange had rank {}",
+                    p.rank, peer.rank
+                )));
+            }
+            p.facts = peer.facts;
         }
-        Ok((Box::new(transport), table))
+        Ok((joined.transport, table))
     }
 
     /// Every rank.
