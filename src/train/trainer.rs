@@ -62,58 +62,15 @@ impl<'a> Trainer<'a> {
     pub fn join(cfg: &'a TrainConfig) -> Result<Trainer<'a>> {
         cfg.validate()?;
         let facts = RankFacts::from_env()?;
-        let layout = Layout {
-            nodes: facts.nodes(),
-            ranks_per_node: facts.local_world_size,
-            rank: facts.rank,
-        };
-        if facts.node_rank * facts.local_world_size + facts.local_rank != facts.rank {
-            bail!(
-                "rank {} is local rank {} of node {}: zeropp needs ranks numbered node by node \
-                 (rank = node x ranks-per-node + local rank); use block distribution in your launcher",
-                facts.rank,
-                facts.local_rank,
-                facts.node_rank
-            );
-        }
+        let layout = rank_layout(&facts)?;
         let data = Dataset::load(cfg.run.data.as_deref(), cfg.run.seed)?;
         data.check(layout.world(), cfg.model.context)?;
-        // Each node's first rank publishes what the machine is made of;
-        // rank 0 merges the nodes' facts and prints the routing plan they
-        // lead to.
-        let published = if facts.local_rank == 0 {
-            match zeropp_topology::detect::detect(Path::new("/")) {
-                Ok(t) => serde_json::json!({ "topology": t }),
-                Err(e) => {
-                    tracing::debug!("no topology facts: {e}");
-                    serde_json::Value::Null
-                }
-            }
-        } else {
-            serde_json::Value::Null
-        };
-        let (transport, table) = match cfg.launch.transport {
-            Some(kind) => Job::connect_over(kind, &facts, published)?,
-            None => Job::connect(&facts, published)?,
-        };
-        // Every rank derives the same plan from the same published facts;
-        // the engine takes its hpZ group from it unless --hpz-group says
-        // otherwise.
-        let routing = cluster_plan(&table, layout.nodes, layout.ranks_per_node);
-        let (wanted, asked) = cfg.wanted_switches();
-        let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(
-            transport,
-            layout.ranks_per_node,
-        ));
-        let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, layout);
-        let measured = measure_links(&counter, &table, layout, cfg, &timed, &facts)?;
-        let resolved =
-            crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
-                .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+        let Connected {
+            counter,
+            resolved,
+            measured,
+        } = connect(cfg, &facts, layout)?;
         let lead = facts.rank == 0;
-        if lead {
-            print_plan(&routing, &resolved, measured.is_some());
-        }
         let transport_name = crate::comm::Transport::name(&*counter);
         let engine_cfg = EngineConfig {
             model: std::sync::Arc::new(cfg.model.clone()),
@@ -324,6 +281,75 @@ impl<'a> Trainer<'a> {
         }
         Ok(Some(summary))
     }
+}
+
+/// This rank's place in the job: nodes of the launcher's
+/// `LOCAL_WORLD_SIZE` ranks, numbered node by node.
+fn rank_layout(facts: &RankFacts) -> Result<Layout> {
+    if facts.node_rank * facts.local_world_size + facts.local_rank != facts.rank {
+        bail!(
+            "rank {} is local rank {} of node {}: zeropp needs ranks numbered node by node \
+             (rank = node x ranks-per-node + local rank); use block distribution in your launcher",
+            facts.rank,
+            facts.local_rank,
+            facts.node_rank
+        );
+    }
+    Ok(Layout {
+        nodes: facts.nodes(),
+        ranks_per_node: facts.local_world_size,
+        rank: facts.rank,
+    })
+}
+
+/// A joined job with its switches chosen.
+struct Connected {
+    /// The transport, counted (the probe's traffic included).
+    counter: std::sync::Arc<crate::zero::traffic::CountingTransport>,
+    resolved: Resolved,
+    measured: Option<Measured>,
+}
+
+/// Joins the job (each node's first rank publishing what its machine is
+/// made of), derives the routing plan from the nodes' facts, measures the
+/// links where that applies, and resolves the switches; rank 0 prints the
+/// plan and the choices.
+fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Connected> {
+    let published = if facts.local_rank == 0 {
+        match zeropp_topology::detect::detect(Path::new("/")) {
+            Ok(t) => serde_json::json!({ "topology": t }),
+            Err(e) => {
+                tracing::debug!("no topology facts: {e}");
+                serde_json::Value::Null
+            }
+        }
+    } else {
+        serde_json::Value::Null
+    };
+    let (transport, table) = match cfg.launch.transport {
+        Some(kind) => Job::connect_over(kind, facts, published)?,
+        None => Job::connect(facts, published)?,
+    };
+    // Every rank derives the same plan from the same published facts; the
+    // engine takes its hpZ group from it unless --hpz-group says otherwise.
+    let routing = cluster_plan(&table, layout.nodes, layout.ranks_per_node);
+    let (wanted, asked) = cfg.wanted_switches();
+    let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(
+        transport,
+        layout.ranks_per_node,
+    ));
+    let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, layout);
+    let measured = measure_links(&counter, &table, layout, cfg, &timed, facts)?;
+    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
+        .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    if facts.rank == 0 {
+        print_plan(&routing, &resolved, measured.is_some());
+    }
+    Ok(Connected {
+        counter,
+        resolved,
+        measured,
+    })
 }
 
 /// What rank 0 prints about the plan before training: the routing report
