@@ -119,19 +119,20 @@ struct Rank {
     status: Option<ExitStatus>,
 }
 
-/// Starts the ranks and waits for them. `Err` names the first rank that
-/// failed.
-pub fn launch(opts: &LaunchOptions) -> Result<()> {
-    if opts.nodes == 0 || opts.ranks_per_node == 0 {
-        return Err(options("--nodes and --ranks-per-node must be at least 1"));
-    }
-    let Some(program) = opts.command.first() else {
-        return Err(options(
-            "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`",
-        ));
-    };
-    let world = opts.nodes * opts.ranks_per_node;
-    let (local_nodes, master_addr, master_port, token) = match opts.node_rank {
+/// Where this launch's ranks meet: the nodes it starts here, rank 0's
+/// rendezvous address and port, and the job's token.
+struct Meeting {
+    local_nodes: std::ops::Range<usize>,
+    master_addr: String,
+    master_port: u16,
+    token: String,
+}
+
+/// The nodes to start and where their ranks meet: all of them around a
+/// free local port (a new token unless ZEROPP_TOKEN is set), or node k of
+/// a multi-host job at `--master-addr` with the job's ZEROPP_TOKEN.
+fn meeting(opts: &LaunchOptions) -> Result<Meeting> {
+    match opts.node_rank {
         None => {
             let port = match &opts.master {
                 Some(m) => split_host_port(m)?.1.unwrap_or(free_port()?),
@@ -141,7 +142,12 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 let bytes: [u8; 16] = rand::rng().random();
                 bytes.iter().map(|b| format!("{b:02x}")).collect()
             });
-            (0..opts.nodes, "127.0.0.1".to_string(), port, token)
+            Ok(Meeting {
+                local_nodes: 0..opts.nodes,
+                master_addr: "127.0.0.1".to_string(),
+                master_port: port,
+                token,
+            })
         }
         Some(k) => {
             if k >= opts.nodes {
@@ -161,74 +167,86 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                     "a multi-host launch needs ZEROPP_TOKEN set to the same secret on every host",
                 ));
             };
-            (k..k + 1, host, port.unwrap_or(DEFAULT_PORT), token)
-        }
-    };
-
-    // The cores are shared among the ranks this launch starts here: each
-    // rank's compute threads (candle's, via RAYON_NUM_THREADS) get their
-    // share unless the user set a count.
-    let here = local_nodes.len() * opts.ranks_per_node;
-    let threads = compute_threads(here);
-    let mut ranks = Vec::new();
-    let mut forwarders = Vec::new();
-    for node in local_nodes {
-        for local in 0..opts.ranks_per_node {
-            let rank = node * opts.ranks_per_node + local;
-            let mut cmd = Command::new(program);
-            cmd.args(&opts.command[1..])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", local.to_string())
-                .env("LOCAL_WORLD_SIZE", opts.ranks_per_node.to_string())
-                .env("NODE_RANK", node.to_string())
-                .env("ZEROPP_NODE_RANK", node.to_string())
-                .env("MASTER_ADDR", &master_addr)
-                .env("MASTER_PORT", master_port.to_string())
-                .env("ZEROPP_TOKEN", &token)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(if rank == 0 && opts.rank0_terminal {
-                    Stdio::inherit()
-                } else {
-                    Stdio::piped()
-                });
-            if let Some(t) = opts.timeout_s {
-                cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
-            }
-            if let Some(n) = threads {
-                cmd.env("RAYON_NUM_THREADS", n.to_string());
-            }
-            // Each rank leads its own process group, so stopping it stops
-            // whatever it started too; and it dies with the launcher instead
-            // of running on as an orphan.
-            // SAFETY: setpgid and prctl are async-signal-safe.
-            unsafe {
-                cmd.pre_exec(|| {
-                    libc::setpgid(0, 0);
-                    libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                    Ok(())
-                });
-            }
-            let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
-                program: program.clone(),
-                rank,
-                source,
-            })?;
-            if let Some(out) = child.stdout.take() {
-                forwarders.push(forward(rank, out, false));
-            }
-            if let Some(err) = child.stderr.take() {
-                forwarders.push(forward(rank, err, true));
-            }
-            ranks.push(Rank {
-                rank,
-                child,
-                status: None,
-            });
+            Ok(Meeting {
+                local_nodes: k..k + 1,
+                master_addr: host,
+                master_port: port.unwrap_or(DEFAULT_PORT),
+                token,
+            })
         }
     }
+}
 
+/// Starts rank `rank` (local rank `local` of node `node`) with the
+/// torchrun-style variables, in a process group of its own that dies with
+/// the launcher; its output is forwarded with the rank as prefix.
+fn spawn(
+    opts: &LaunchOptions,
+    meeting: &Meeting,
+    (node, local): (usize, usize),
+    threads: Option<usize>,
+    forwarders: &mut Vec<std::thread::JoinHandle<()>>,
+) -> Result<Rank> {
+    let program = &opts.command[0];
+    let rank = node * opts.ranks_per_node + local;
+    let mut cmd = Command::new(program);
+    cmd.args(&opts.command[1..])
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", (opts.nodes * opts.ranks_per_node).to_string())
+        .env("LOCAL_RANK", local.to_string())
+        .env("LOCAL_WORLD_SIZE", opts.ranks_per_node.to_string())
+        .env("NODE_RANK", node.to_string())
+        .env("ZEROPP_NODE_RANK", node.to_string())
+        .env("MASTER_ADDR", &meeting.master_addr)
+        .env("MASTER_PORT", meeting.master_port.to_string())
+        .env("ZEROPP_TOKEN", &meeting.token)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(if rank == 0 && opts.rank0_terminal {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        });
+    if let Some(t) = opts.timeout_s {
+        cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
+    }
+    if let Some(n) = threads {
+        cmd.env("RAYON_NUM_THREADS", n.to_string());
+    }
+    // Each rank leads its own process group, so stopping it stops whatever
+    // it started too; and it dies with the launcher instead of running on
+    // as an orphan.
+    // SAFETY: setpgid and prctl are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::setpgid(0, 0);
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+        program: program.clone(),
+        rank,
+        source,
+    })?;
+    if let Some(out) = child.stdout.take() {
+        forwarders.push(forward(rank, out, false));
+    }
+    if let Some(err) = child.stderr.take() {
+        forwarders.push(forward(rank, err, true));
+    }
+    Ok(Rank {
+        rank,
+        child,
+        status: None,
+    })
+}
+
+/// Waits for every rank; after the first failure the others get `grace`
+/// to report and exit. Then every rank's process group is stopped (ranks
+/// still running, and anything an exited rank left holding our output
+/// pipes). The first failure: its rank, status and time.
+fn supervise(ranks: &mut [Rank], grace: Duration) -> Result<Option<(usize, ExitStatus)>> {
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
     loop {
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
@@ -252,14 +270,12 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             break;
         }
         if let Some((_, _, at)) = first_failure
-            && at.elapsed() >= opts.grace
+            && at.elapsed() >= grace
         {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    // Stop every rank's process group: ranks still running after a failure,
-    // and anything an exited rank left behind holding our output pipes.
     for r in ranks.iter_mut() {
         // SAFETY: signalling a process group we created; ESRCH is harmless.
         unsafe {
@@ -269,11 +285,44 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             r.status = r.child.wait().ok();
         }
     }
+    Ok(first_failure.map(|(rank, status, _)| (rank, status)))
+}
+
+/// Starts the ranks and waits for them. `Err` names the first rank that
+/// failed.
+pub fn launch(opts: &LaunchOptions) -> Result<()> {
+    if opts.nodes == 0 || opts.ranks_per_node == 0 {
+        return Err(options("--nodes and --ranks-per-node must be at least 1"));
+    }
+    if opts.command.is_empty() {
+        return Err(options(
+            "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`",
+        ));
+    }
+    let meeting = meeting(opts)?;
+    // The cores are shared among the ranks this launch starts here: each
+    // rank's compute threads (candle's, via RAYON_NUM_THREADS) get their
+    // share unless the user set a count.
+    let threads = compute_threads(meeting.local_nodes.len() * opts.ranks_per_node);
+    let mut ranks = Vec::new();
+    let mut forwarders = Vec::new();
+    for node in meeting.local_nodes.clone() {
+        for local in 0..opts.ranks_per_node {
+            ranks.push(spawn(
+                opts,
+                &meeting,
+                (node, local),
+                threads,
+                &mut forwarders,
+            )?);
+        }
+    }
+    let failed = supervise(&mut ranks, opts.grace)?;
     for f in forwarders {
         let _ = f.join();
     }
-    match first_failure {
-        Some((rank, status, _)) => Err(LaunchError::RankFailed {
+    match failed {
+        Some((rank, status)) => Err(LaunchError::RankFailed {
             rank,
             status: describe(status),
         }),
