@@ -11,7 +11,7 @@ use std::time::Duration;
 use zeropp::comm::Communicator;
 use zeropp::comm::inproc::InProcess;
 use zeropp::zero::emulated::Emulated;
-use zeropp::zero::host::{Host, HostMover};
+use zeropp::zero::host::{Host, HostKernels, HostMover};
 use zeropp::zero::plan::{self, Layout};
 use zeropp::zero::qgz::{self, Feedback, Qgz, Reduction};
 use zeropp::zero::traffic::Phase;
@@ -65,7 +65,7 @@ fn bits(x: &[f32]) -> Vec<u32> {
 /// Runs `case` on every rank of an in-process job with quantizer `q`.
 fn run<Q>(case: Case, q: Q) -> Vec<Seen>
 where
-    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks> + Copy + Send + 'static,
+    Q: HostKernels + Copy + Send + 'static,
 {
     let Case { nodes, g, .. } = case;
     on_ranks(nodes, g, g, move |layout, mover, counter| {
@@ -316,12 +316,7 @@ fn gathers<Q>(
     q: Q,
 ) -> Vec<(Vec<u32>, Vec<u32>, Traffic)>
 where
-    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks>
-        + for<'a> Quantizer<Tensor<'a, half::bf16> = &'a [half::bf16]>
-        + for<'a> Quantizer<TensorMut<'a, half::bf16> = &'a mut [half::bf16]>
-        + Copy
-        + Send
-        + 'static,
+    Q: HostKernels + Copy + Send + 'static,
 {
     let chunk = 300; // not whole blocks of 256
     on_ranks(nodes, g, hpz_group, move |layout, mover, counter| {
@@ -362,12 +357,7 @@ where
 /// gather, and its bytes.
 fn delta_gathers<Q>(nodes: usize, g: usize, bits: u32, q: Q) -> Vec<(Vec<Vec<u16>>, Traffic)>
 where
-    Q: Quantizer<Values = Vec<f32>, Chunks = QuantizedChunks>
-        + for<'a> Quantizer<Tensor<'a, half::bf16> = &'a [half::bf16]>
-        + for<'a> Quantizer<TensorMut<'a, half::bf16> = &'a mut [half::bf16]>
-        + Copy
-        + Send
-        + 'static,
+    Q: HostKernels + Copy + Send + 'static,
 {
     let chunk = 300; // not whole blocks of 64
     on_ranks(nodes, g, g, move |layout, mover, counter| {
@@ -474,6 +464,7 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
         node: &node,
         cross: &cross,
         hpz: &node,
+        hpz_first: 0,
         layout,
         counter: &counter,
         gpu: &gpu,
@@ -533,6 +524,7 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
         node: &node,
         cross: &cross,
         hpz: &node,
+        hpz_first: 0,
         layout,
         counter: &counter,
         gpu: &gpu,
@@ -561,4 +553,94 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
         .map(|v| v.to_bits() as u32)
         .collect();
     assert_eq!(got, host[0].0);
+}
+
+/// FSDP2's calls as `zeropp.torch` makes them on the device
+/// (`zero::fsdp`), one rank, bf16 tensors: the plain gather and
+/// reduce-scatter (NCCL's own) give the input back, qwZ and qgZ give the
+/// host library's bits.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
+    use half::bf16;
+    use zeropp::zero::Hop;
+    use zeropp::zero::device::NcclMover;
+    use zeropp::zero::fsdp::{self, Gather, Scatter};
+    use zeropp_cuda::Gpu;
+    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    let x: Vec<bf16> = gradient(1000, 0, 3)
+        .into_iter()
+        .map(bf16::from_f32)
+        .collect();
+    let f8 = QuantFormat::int8(256).unwrap();
+    let (intra, inter) = plan::gradient_formats(8, 32, Some(128)).unwrap();
+    let qgz = Qgz {
+        intra,
+        inter,
+        rounding: Rounding::NearestEven,
+        reduction: Reduction::Mean,
+        hadamard: true,
+    };
+    fn none<Q: Quantizer>() -> Feedback<'static, Q> {
+        Feedback {
+            first: None,
+            second: None,
+        }
+    }
+    let phase = Phase::ForwardGather;
+    let x2 = x.clone();
+    let host = on_ranks(1, 1, 1, move |layout, m, _| {
+        let (mut gathered, mut summed) = (vec![bf16::ZERO; 1000], vec![bf16::ZERO; 1000]);
+        let how = Gather::Quantized(f8);
+        let (i, mut o) = (&x2[..], &mut gathered[..]);
+        fsdp::all_gather(&Host, m, layout, Hop::World, how, phase, None, &i, &mut o).unwrap();
+        let (i, mut o) = (&x2[..], &mut summed[..]);
+        let how = Scatter::Qgz(qgz, none());
+        fsdp::reduce_scatter(&Host, m, layout, how, Reduction::Mean, &i, &mut o).unwrap();
+        (gathered, summed)
+    });
+    let gpu = Gpu::open(0).unwrap();
+    let comm =
+        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
+    let (world, node, cross) = (comm(), comm(), comm());
+    let layout = Layout {
+        nodes: 1,
+        ranks_per_node: 1,
+        rank: 0,
+    };
+    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
+    let m = NcclMover {
+        world: &world,
+        node: &node,
+        cross: &cross,
+        hpz: &node,
+        hpz_first: 0,
+        layout,
+        counter: &counter,
+        gpu: &gpu,
+    };
+    let dx = gpu.upload(&x).unwrap();
+    let mut out = gpu.zeros::<bf16>(1000).unwrap();
+    let mut call = |gather: Option<Gather>, scatter: Option<Scatter<'_, Gpu>>| {
+        let (i, mut o) = (dx.as_view(), out.as_view_mut());
+        match (gather, scatter) {
+            (Some(how), _) => {
+                fsdp::all_gather(&gpu, &m, layout, Hop::World, how, phase, None, &i, &mut o)
+            }
+            (_, Some(how)) => {
+                fsdp::reduce_scatter(&gpu, &m, layout, how, Reduction::Mean, &i, &mut o)
+            }
+            _ => unreachable!(),
+        }
+        .unwrap();
+        gpu.download(&out.as_view()).unwrap()
+    };
+    assert_eq!(call(Some(Gather::Plain), None), x, "plain gather");
+    assert_eq!(call(None, Some(Scatter::Plain)), x, "plain reduce-scatter");
+    assert_eq!(call(Some(Gather::Quantized(f8)), None), host[0].0, "qwZ");
+    assert_eq!(
+        call(None, Some(Scatter::Qgz(qgz, none()))),
+        host[0].1,
+        "qgZ"
+    );
 }

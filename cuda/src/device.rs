@@ -23,7 +23,9 @@ use crate::toolkit::Toolkit;
 use crate::{CudaError, DriverContext};
 
 /// An element type the kernels read and write on the device.
-pub trait GpuElement: Element + DeviceRepr + ValidAsZeroBits + Default {
+pub trait GpuElement:
+    Element + DeviceRepr + ValidAsZeroBits + Default + bytemuck::Pod + crate::nccl::NcclElement
+{
     /// As kernel names spell it.
     const TAG: &'static str;
 }

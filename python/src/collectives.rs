@@ -9,21 +9,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::exchange::{self, JoinOptions};
 use zeropp_comm::job::TransportKind;
 use zeropp_comm::{CommError, Communicator, Group};
-use zeropp_quant::{Element, QuantFormat};
+use zeropp_quant::QuantFormat;
+use zeropp_zero::fsdp::{self, DeltaSettings, Gather, Scatter};
 use zeropp_zero::host::{Host, HostKernels, HostMover};
 use zeropp_zero::plan::{self, Layout};
 use zeropp_zero::probe::{self, Measured};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
-use zeropp_zero::{ZeroError, ZeroGroups, delta, payload, qgz, qwz};
+use zeropp_zero::{Hop, ZeroError, ZeroGroups, delta, qgz};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::{invalid, to_py};
@@ -351,65 +351,50 @@ impl Job {
                 out.len()
             )));
         }
-        // qwZ over the world; any other gather moves the caller's bytes as
-        // they are.
-        let quantized = match qwz_bits {
-            Some(b) if group.size() == self.layout.world() => {
-                Some(plan::weight_format(b, block).map_err(invalid)?)
-            }
-            _ => None,
-        };
-        let delta = match (delta, quantized) {
-            (Some(d), Some(format)) => Some((d, format)),
-            (Some(_), None) if qwz_bits.is_none() => {
-                return Err(invalid(
-                    "qwZ on weight differences needs qwz_bits (4 or 8): the bits of a difference",
-                ));
-            }
-            _ => None,
-        };
+        let over_world = group.size() == self.layout.world();
+        let settings = delta.as_ref().map(|d| d.get().settings);
+        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
+            .map_err(to_py)?;
         let phase = if backward {
             Phase::BackwardGather
         } else {
             Phase::ForwardGather
         };
-        let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
-        Ok(Op::new(self.layout.rank, self.thread.submit(move |c: &Communicator| {
-            let Some(format) = quantized else {
-                counter.set_phase(phase, 0.0);
-                let parts = c.all_gather_v(&group, Bytes::copy_from_slice(inp.bytes()))?;
-                let o = out.bytes_mut();
-                for (i, p) in parts.iter().enumerate() {
-                    o[i * p.len()..(i + 1) * p.len()].copy_from_slice(p);
-                }
-                return Ok(());
-            };
-            let mover = HostMover {
-                comm: c,
-                counter: &counter,
-                groups: &groups,
-            };
-            if let Some((state, format)) = &delta {
-                let s = state.get();
-                let wire = s.wire(*format, dtype);
-                let mut reference = s.reference.lock().map_err(|_| poisoned())?;
+        let (hop, groups) = match over_world {
+            true => (Hop::World, self.groups.clone()),
+            // A sub-group's gather runs over it as hpZ's group.
+            false => (
+                Hop::Hpz,
+                ZeroGroups {
+                    hpz: group,
+                    ..self.groups.clone()
+                },
+            ),
+        };
+        let (counter, layout) = (self.counter.clone(), self.layout);
+        Ok(Op::new(
+            self.layout.rank,
+            self.thread.submit(move |c: &Communicator| {
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: &groups,
+                };
+                let mut reference = match (&delta, how) {
+                    (Some(state), Gather::Delta(_)) => {
+                        Some(state.get().reference.lock().map_err(|_| poisoned())?)
+                    }
+                    _ => None,
+                };
                 with_dtype!(dtype, T => {
                     let shard: &[T] = inp.typed("input").map_err(bad)?;
                     let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                    delta::gather(
-                        &kernels, &mover, layout, wire, &mut reference, &shard, &mut o, phase,
-                    )?;
+                    let r = reference.as_deref_mut();
+                    fsdp::all_gather(&kernels, &mover, layout, hop, how, phase, r, &shard, &mut o)?;
                 });
-                return Ok(());
-            }
-            with_dtype!(dtype, T => {
-                let shard: &[T] = inp.typed("input").map_err(bad)?;
-                let all = qwz::gather_quantized(&kernels, &mover, layout, &shard, format, phase)?;
-                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                qwz::dequantize_all(&kernels, &all, |r| qwz::gathered_position(layout, r), &mut o)?;
-            });
-            Ok::<(), ZeroError>(())
-        })))
+                Ok::<(), ZeroError>(())
+            }),
+        ))
     }
 
     /// FSDP2's reduce-scatter over the world with `kernels` quantizing:
@@ -458,52 +443,34 @@ impl Job {
         Ok(Op::new(
             self.layout.rank,
             self.thread.submit(move |c: &Communicator| {
-                let sum: Vec<f32> = match &qgz {
-                    Some(state) => {
-                        let s = state.get();
-                        let grad = widened(&inp, dtype)?;
-                        let mover = HostMover {
-                            comm: c,
-                            counter: &counter,
-                            groups: &groups,
-                        };
-                        let mut first = s.residual.lock().map_err(|_| poisoned())?;
-                        let mut second = s.residual_inter.lock().map_err(|_| poisoned())?;
-                        let feedback = qgz::Feedback {
-                            first: s.first_hop_feedback().then_some(first.chunks_mut()),
-                            second: s.error_feedback.then_some(second.chunks_mut()),
-                        };
-                        qgz::reduce_scatter(
-                            &kernels,
-                            &mover,
-                            layout,
-                            s.settings(layout.rank, reduction),
-                            &grad,
-                            feedback,
-                        )?
-                    }
-                    None => {
-                        counter.set_phase(Phase::Gradient, 0.0);
-                        let mut sum = match dtype {
-                            Dtype::Bf16 => {
-                                let mine = qgz::ring_bf16(
-                                    c,
-                                    &groups.world,
-                                    Bytes::copy_from_slice(inp.bytes()),
-                                )?;
-                                let mut v = vec![0f32; mine.len() / 2];
-                                payload::decode_bf16(&mine, &mut v)?;
-                                v
-                            }
-                            _ => qgz::ring_f32(c, &groups.world, widened(&inp, dtype)?)?,
-                        };
-                        reduction.apply(&kernels, &mut sum, layout)?;
-                        sum
-                    }
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: &groups,
                 };
+                let state = qgz.as_ref().map(|q| q.get());
+                let mut first = state
+                    .map(|s| s.residual.lock())
+                    .transpose()
+                    .map_err(|_| poisoned())?;
+                let mut second = state
+                    .map(|s| s.residual_inter.lock())
+                    .transpose()
+                    .map_err(|_| poisoned())?;
                 with_dtype!(dtype, T => {
-                    let o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                    T::narrow_slice(&sum, o);
+                    let x: &[T] = inp.typed("input").map_err(bad)?;
+                    let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                    let how = match (state, &mut first, &mut second) {
+                        (Some(s), Some(first), Some(second)) => Scatter::Qgz(
+                            s.settings(layout.rank, reduction),
+                            qgz::Feedback {
+                                first: s.first_hop_feedback().then_some(first.chunks_mut()),
+                                second: s.error_feedback.then_some(second.chunks_mut()),
+                            },
+                        ),
+                        _ => Scatter::Plain,
+                    };
+                    fsdp::reduce_scatter(&kernels, &mover, layout, how, reduction, &x, &mut o)?;
                 });
                 Ok(())
             }),
@@ -551,16 +518,6 @@ impl Job {
         subgroups.push(group.clone());
         Ok(group)
     }
-}
-
-/// `inp`'s values as f32 (a memcpy for f32 tensors).
-fn widened(inp: &HostBuf, dtype: Dtype) -> Result<Vec<f32>, ZeroError> {
-    Ok(with_dtype!(dtype, T => {
-        let x: &[T] = inp.typed("input").map_err(bad)?;
-        let mut v = vec![0f32; x.len()];
-        T::widen_slice(x, &mut v);
-        v
-    }))
 }
 
 /// `plan::resolve_mode` of a JSON object of overrides, as JSON.
@@ -687,24 +644,10 @@ impl QgzState {
 /// references of its cross group's shards (`zeropp_zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    refresh_every: u64,
-    fp32: bool,
+    pub(crate) settings: DeltaSettings,
     pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
     /// The same references for CUDA tensors, on their device.
     pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceValues>>>,
-}
-
-impl QwzReference {
-    /// The wire of a gather of `dtype` tensors with differences in
-    /// `format`: the hop inside the node as plain FSDP2 would move these
-    /// tensors (bf16 ones in bf16, others in f32), or f32 when asked.
-    pub(crate) fn wire(&self, format: QuantFormat, dtype: Dtype) -> delta::DeltaWire {
-        delta::DeltaWire {
-            delta: format,
-            refresh_every: self.refresh_every,
-            fp32: self.fp32 || dtype != Dtype::Bf16,
-        }
-    }
 }
 
 #[pymethods]
@@ -718,8 +661,10 @@ impl QwzReference {
             ));
         }
         Ok(QwzReference {
-            refresh_every,
-            fp32,
+            settings: DeltaSettings {
+                refresh_every,
+                fp32,
+            },
             reference: Mutex::new(None),
             device: Mutex::new(None),
         })

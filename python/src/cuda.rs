@@ -21,13 +21,13 @@ use zeropp_comm::Transport;
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
-use zeropp_quant::QuantFormat;
 use zeropp_zero::ZeroError;
 use zeropp_zero::device::{DeviceValues, NcclMover};
+use zeropp_zero::fsdp::{self, Gather, Scatter};
 use zeropp_zero::plan::Layout;
 use zeropp_zero::qgz::{self, Reduction};
 use zeropp_zero::traffic::{CountingTransport, Phase};
-use zeropp_zero::{delta, qwz};
+use zeropp_zero::{ByteMover, Hop, delta};
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState, QwzReference};
@@ -140,10 +140,6 @@ fn comm_of<'a>(comms: &'a Comms, layout: Layout, ranks: &[usize]) -> PyResult<&'
                  groups), made with add_group first"
             ))
         })
-}
-
-fn peers(ranks: &[usize], me: usize) -> impl Iterator<Item = usize> + '_ {
-    ranks.iter().copied().filter(move |&r| r != me)
 }
 
 impl CudaJob {
@@ -313,9 +309,10 @@ impl CudaJob {
 
     /// FSDP2's all-gather on the device: `numel` values of `dtype` at
     /// `inp` (this rank's shard) into `out` (every member's, group order),
-    /// on CUDA stream `stream`. Over the world with `qwz_bits`: qwZ
-    /// (quantize, NCCL all-gather of codes and scales, dequantize into
-    /// place); otherwise NCCL's all-gather of the caller's bytes.
+    /// on CUDA stream `stream`: `zero::fsdp::all_gather`, as on the host.
+    /// Over the world with `qwz_bits`: qwZ (quantize, NCCL all-gather of
+    /// codes and scales, dequantize into place); otherwise NCCL's
+    /// all-gather of the caller's bytes.
     /// `backward` counts the bytes as the backward gather's.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
                         backward=false, delta=None))]
@@ -335,104 +332,59 @@ impl CudaJob {
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<()> {
         let dtype = Dtype::parse(dtype)?;
-        if delta.is_some() && qwz_bits.is_none() {
-            return Err(invalid(
-                "qwZ on weight differences needs qwz_bits (4 or 8): the bits of a difference",
-            ));
-        }
-        let wire = qwz_bits
-            .map(|b| zeropp_zero::plan::weight_format(b, block).map_err(invalid))
-            .transpose()?;
+        let layout = self.layout;
+        let over_world = ranks.len() == layout.world();
+        let settings = delta.as_ref().map(|d| d.get().settings);
+        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
+            .map_err(to_py)?;
         let phase = if backward {
             Phase::BackwardGather
         } else {
             Phase::ForwardGather
         };
-        let layout = self.layout;
         let counter = self.counter.clone();
-        let plain = self.on_side(py, |side| {
+        self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;
-            let comm = comm_of(comms, layout, &ranks)?;
-            let size = comm.size();
-            // qwZ over the world only; a sub-group gathers the bytes as
-            // they are.
-            let mover = || NcclMover {
-                world: &comms.world,
-                node: &comms.node,
-                cross: &comms.cross,
-                hpz: &comms.node,
-                layout,
-                counter: &counter,
-                gpu,
+            let group = comm_of(comms, layout, &ranks)?;
+            let (hop, hpz) = match over_world {
+                true => (Hop::World, None),
+                // A sub-group's gather runs over it as hpZ's group.
+                false => (Hop::Hpz, Some((group, ranks[0]))),
             };
-            let result = match wire.filter(|_| size == layout.world()) {
-                Some(format) if delta.is_some() => {
-                    let state = delta.as_ref().expect("checked").get();
-                    let mut reference = state.device.lock().map_err(|_| {
+            let mut reference = match (&delta, how) {
+                (Some(state), Gather::Delta(_)) => {
+                    Some(state.get().device.lock().map_err(|_| {
                         self.error(
                             Some(comms),
                             CudaError::Invalid(ZeroError::Poisoned("qwZ reference").to_string()),
                         )
-                    })?;
-                    with_gpu_dtype(
-                        dtype,
-                        GatherDelta {
-                            gpu,
-                            mover: mover(),
-                            inp,
-                            out,
-                            numel,
-                            wire: state.wire(format, dtype),
-                            phase,
-                            reference: &mut reference,
-                        },
-                    )
+                    })?)
                 }
-                Some(format) => with_gpu_dtype(
-                    dtype,
-                    GatherQuantized {
-                        gpu,
-                        mover: mover(),
-                        inp,
-                        out,
-                        numel,
-                        format,
-                        phase,
-                    },
-                ),
-                None => (|| {
-                    let bytes = numel * dtype.size();
-                    // SAFETY: the caller's tensors hold these bytes on this
-                    // device and are not touched until the call returns.
-                    let src = unsafe { gpu.borrow::<u8>(inp, bytes) }?;
-                    let mut dst = unsafe { gpu.borrow::<u8>(out, bytes * size) }?;
-                    if bytes == 0 {
-                        return Ok(());
-                    }
-                    comm.all_gather_bytes(&src.view(), &mut dst.view_mut())
-                })(),
+                _ => None,
             };
-            result.map_err(|e| self.error(Some(comms), e))?;
-            Ok(wire.is_none() || size != layout.world())
-        })?;
-        if plain {
-            // NCCL's own gather: what each peer must receive (its rings may
-            // route it through neighbours). qwZ's mover counted its own.
-            let sent = (numel * dtype.size()) as u64;
-            for p in peers(&ranks, layout.rank) {
-                self.counter.count_outside(phase, 0.0, p, sent);
-            }
-        }
-        Ok(())
+            let call = GatherCall {
+                gpu,
+                mover: mover(gpu, comms, layout, &counter, hpz),
+                hop,
+                how,
+                phase,
+                reference: reference.as_deref_mut(),
+                inp,
+                out,
+                numel,
+            };
+            with_gpu_dtype(dtype, call).map_err(|e| self.error(Some(comms), e))
+        })
     }
 
     /// FSDP2's gradient reduce-scatter over the world on the device:
     /// `numel` values of `dtype` at `inp` (W equal chunks) into `out` (this
     /// rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
-    /// `dtype`, or (`mean`) its average. With `qgz` (f32 only): the
-    /// two-hop quantized reduce-scatter of `zero::qgz`, the sum or (`mean`)
-    /// the mean over all W ranks, with that state's error feedback (kept
-    /// compressed on the device, as the host keeps it).
+    /// `dtype`, or (`mean`) its average. With `qgz`: the two-hop quantized
+    /// reduce-scatter of `zero::qgz` (f32 sums, rounded to `dtype` once),
+    /// the sum or (`mean`) the mean over all W ranks, with that state's
+    /// error feedback (kept compressed on the device, as the host keeps
+    /// it). Both are `zero::fsdp::reduce_scatter`, as on the host.
     #[pyo3(signature = (out, inp, numel, dtype, stream, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
@@ -454,12 +406,6 @@ impl CudaJob {
                 "reduce-scatter of {numel} values over {w} ranks: not W equal chunks"
             )));
         }
-        let chunk = numel / w;
-        if qgz.is_some() && dtype != Dtype::F32 {
-            return Err(invalid(
-                "qgZ on the device reduces float32 gradients; cast the input (zeropp.torch does)",
-            ));
-        }
         let me = l.rank;
         let state = qgz.as_ref().map(|q| q.get());
         let reduction = if mean {
@@ -470,64 +416,25 @@ impl CudaJob {
         let counter = self.counter.clone();
         self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;
-            let result = match state {
-                Some(s) => (|| -> Result<(), ZeroError> {
-                    // SAFETY: the caller's tensors hold these values on
-                    // this device and are not touched until the call
-                    // returns.
-                    let grad = DeviceValues::Borrowed(unsafe { gpu.borrow::<f32>(inp, numel) }?);
-                    let mut o = unsafe { gpu.borrow::<f32>(out, chunk) }?;
-                    let mover = NcclMover {
-                        world: &comms.world,
-                        node: &comms.node,
-                        cross: &comms.cross,
-                        hpz: &comms.node,
-                        layout: l,
-                        counter: &counter,
-                        gpu,
-                    };
-                    let mut fb = s
-                        .device_feedback
-                        .lock()
-                        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
-                    let DeviceFeedback { first, second } = &mut *fb;
-                    let feedback = qgz::Feedback {
-                        first: match s.first_hop_feedback() {
-                            true => Some(residual_slot(gpu, first)?),
-                            false => None,
-                        },
-                        second: match s.error_feedback {
-                            true => Some(residual_slot(gpu, second)?),
-                            false => None,
-                        },
-                    };
-                    let settings = s.settings(me, reduction);
-                    let sum = qgz::reduce_scatter(gpu, &mover, l, settings, &grad, feedback)?;
-                    gpu.copy(&sum.view(), &mut o.view_mut())?;
-                    Ok(())
-                })()
-                .map_err(zero_to_cuda),
-                None => with_gpu_dtype(
-                    dtype,
-                    SumScatter {
-                        gpu,
-                        comm: &comms.world,
-                        inp,
-                        out,
-                        numel,
-                        mean,
-                    },
-                ),
+            let mut fb = state
+                .map(|s| s.device_feedback.lock())
+                .transpose()
+                .map_err(|_| {
+                    let e = ZeroError::Poisoned("error-feedback buffer").to_string();
+                    self.error(Some(comms), CudaError::Invalid(e))
+                })?;
+            let call = ScatterCall {
+                gpu,
+                mover: mover(gpu, comms, l, &counter, None),
+                qgz: state.zip(fb.as_deref_mut()),
+                me,
+                reduction,
+                inp,
+                out,
+                numel,
             };
-            result.map_err(|e| self.error(Some(comms), e))
-        })?;
-        if state.is_none() {
-            let bytes = (chunk * dtype.size()) as u64;
-            for p in (0..w).filter(|&p| p != me) {
-                self.counter.count_outside(Phase::Gradient, 0.0, p, bytes);
-            }
-        }
-        Ok(())
+            with_gpu_dtype(dtype, call).map_err(|e| self.error(Some(comms), e))
+        })
     }
 }
 
@@ -564,9 +471,32 @@ fn residual_slot<'a>(
     Ok(slot.as_mut().expect("filled above"))
 }
 
+/// The byte mover of a call: the job's communicators, with hpZ's group the
+/// node's or `hpz` (a sub-group's communicator and its first rank).
+fn mover<'a>(
+    gpu: &'a Gpu,
+    comms: &'a Comms,
+    layout: Layout,
+    counter: &'a CountingTransport,
+    hpz: Option<(&'a NcclComm, usize)>,
+) -> NcclMover<'a> {
+    let node_first = layout.node() * layout.ranks_per_node;
+    let (hpz, hpz_first) = hpz.unwrap_or((&comms.node, node_first));
+    NcclMover {
+        world: &comms.world,
+        node: &comms.node,
+        cross: &comms.cross,
+        hpz,
+        hpz_first,
+        layout,
+        counter,
+        gpu,
+    }
+}
+
 /// One generic step over the element type of a call.
 trait OnDtype {
-    fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError>;
+    fn run<T: GpuElement>(self) -> Result<(), CudaError>;
 }
 
 fn with_gpu_dtype(dtype: Dtype, job: impl OnDtype) -> Result<(), CudaError> {
@@ -577,94 +507,83 @@ fn with_gpu_dtype(dtype: Dtype, job: impl OnDtype) -> Result<(), CudaError> {
     }
 }
 
-struct GatherQuantized<'a> {
+/// `fsdp::all_gather` on the caller's device pointers.
+struct GatherCall<'a> {
     gpu: &'a Gpu,
     mover: NcclMover<'a>,
+    hop: Hop,
+    how: Gather,
+    phase: Phase,
+    reference: Option<&'a mut Option<delta::Reference<DeviceValues>>>,
     inp: u64,
     out: u64,
     numel: usize,
-    format: QuantFormat,
-    phase: Phase,
 }
 
-impl OnDtype for GatherQuantized<'_> {
-    fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
-        let layout = self.mover.layout;
+impl OnDtype for GatherCall<'_> {
+    fn run<T: GpuElement>(self) -> Result<(), CudaError> {
+        let size = self.mover.size(self.hop);
         // SAFETY: the caller's tensors hold these values on this device and
         // are not touched until the call returns.
         let shard = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
-        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * layout.world()) }?;
-        if self.numel == 0 {
-            return Ok(());
-        }
-        let (gpu, m) = (self.gpu, &self.mover);
-        (|| -> Result<(), ZeroError> {
-            let all =
-                qwz::gather_quantized(gpu, m, layout, &shard.view(), self.format, self.phase)?;
-            let position = |r| qwz::gathered_position(layout, r);
-            qwz::dequantize_all(gpu, &all, position, &mut out.view_mut())
-        })()
-        .map_err(zero_to_cuda)
-    }
-}
-
-/// qwZ on weight differences on the device (`zero::delta`) into the
-/// caller's output, against a parameter group's device references.
-struct GatherDelta<'a> {
-    gpu: &'a Gpu,
-    mover: NcclMover<'a>,
-    inp: u64,
-    out: u64,
-    numel: usize,
-    wire: delta::DeltaWire,
-    phase: Phase,
-    reference: &'a mut Option<delta::Reference<DeviceValues>>,
-}
-
-impl OnDtype for GatherDelta<'_> {
-    fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
-        let layout = self.mover.layout;
-        // SAFETY: the caller's tensors hold these values on this device and
-        // are not touched until the call returns.
-        let shard = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
-        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * layout.world()) }?;
-        if self.numel == 0 {
-            return Ok(());
-        }
-        delta::gather(
-            self.gpu,
-            &self.mover,
+        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel * size) }?;
+        let (gpu, m, layout) = (self.gpu, &self.mover, self.mover.layout);
+        let (hop, how, phase) = (self.hop, self.how, self.phase);
+        fsdp::all_gather(
+            gpu,
+            m,
             layout,
-            self.wire,
+            hop,
+            how,
+            phase,
             self.reference,
             &shard.view(),
             &mut out.view_mut(),
-            self.phase,
         )
         .map_err(zero_to_cuda)
     }
 }
 
-struct SumScatter<'a> {
+/// `fsdp::reduce_scatter` on the caller's device pointers, with a qgZ
+/// state and its feedback on this device, or plain.
+struct ScatterCall<'a> {
     gpu: &'a Gpu,
-    comm: &'a NcclComm,
+    mover: NcclMover<'a>,
+    qgz: Option<(&'a QgzState, &'a mut DeviceFeedback)>,
+    me: usize,
+    reduction: Reduction,
     inp: u64,
     out: u64,
     numel: usize,
-    mean: bool,
 }
 
-impl OnDtype for SumScatter<'_> {
-    fn run<T: GpuElement + zeropp_cuda::nccl::NcclElement>(self) -> Result<(), CudaError> {
-        let w = self.comm.size();
-        // SAFETY: as in `GatherQuantized::run`.
-        let inp = unsafe { self.gpu.borrow::<T>(self.inp, self.numel) }?;
-        let mut out = unsafe { self.gpu.borrow::<T>(self.out, self.numel / w) }?;
-        if self.numel == 0 {
-            return Ok(());
-        }
-        self.comm
-            .reduce_scatter(&inp.view(), &mut out.view_mut(), self.mean)
+impl OnDtype for ScatterCall<'_> {
+    fn run<T: GpuElement>(self) -> Result<(), CudaError> {
+        let (gpu, m, layout) = (self.gpu, &self.mover, self.mover.layout);
+        // SAFETY: as in `GatherCall::run`.
+        let grad = unsafe { gpu.borrow::<T>(self.inp, self.numel) }?;
+        let mut out = unsafe { gpu.borrow::<T>(self.out, self.numel / layout.world()) }?;
+        (|| -> Result<(), ZeroError> {
+            let how = match self.qgz {
+                Some((s, DeviceFeedback { first, second })) => Scatter::Qgz(
+                    s.settings(self.me, self.reduction),
+                    qgz::Feedback {
+                        first: match s.first_hop_feedback() {
+                            true => Some(residual_slot(gpu, first)?),
+                            false => None,
+                        },
+                        second: match s.error_feedback {
+                            true => Some(residual_slot(gpu, second)?),
+                            false => None,
+                        },
+                    },
+                ),
+                None => Scatter::Plain,
+            };
+            let (x, mut o) = (grad.view(), out.view_mut());
+            fsdp::reduce_scatter(gpu, m, layout, how, self.reduction, &x, &mut o)
+        })()
+        .map_err(zero_to_cuda)
     }
 }
 

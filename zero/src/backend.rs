@@ -244,6 +244,56 @@ pub trait ByteMover<Q: Quantizer> {
         all: &mut Q::Values,
         fp32: bool,
     ) -> Result<(), ZeroError>;
+
+    /// ZeRO-3's gather: every member's `mine` (a caller's tensor) into
+    /// `all` (the group's size times as long, member j's at
+    /// `j · len(mine)`), the bytes as they are.
+    fn all_gather_tensor<T: GpuElement>(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Tensor<'_, T>,
+        all: &mut Q::TensorMut<'_, T>,
+    ) -> Result<(), ZeroError>;
+
+    /// ZeRO-3's reduce-scatter: `x` (the group's size equal chunks, member
+    /// order) summed over the members, this member's chunk into `out`; with
+    /// `mean`, divided by the group's size (by `q`, or inside the reduction
+    /// where the transport offers an average). The host sums bf16 tensors
+    /// in a bf16 ring and others in f32; NCCL sums in `T`.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_tensor<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        x: &Q::Tensor<'_, T>,
+        out: &mut Q::TensorMut<'_, T>,
+        mean: bool,
+    ) -> Result<(), ZeroError>;
+}
+
+/// Checks a plain gather of `mine` values into `all` over `members` ranks.
+pub fn check_gather_len(mine: usize, all: usize, members: usize) -> Result<(), ZeroError> {
+    if all == mine * members {
+        return Ok(());
+    }
+    Err(ZeroError::Invalid(format!(
+        "an all-gather of {mine} values over {members} ranks does not fill {all} values"
+    )))
+}
+
+/// Checks a plain reduce-scatter of `x` values into `out` over `members`
+/// ranks (`members` equal chunks).
+pub fn check_scatter_len(x: usize, out: usize, members: usize) -> Result<(), ZeroError> {
+    if x == out * members {
+        return Ok(());
+    }
+    Err(ZeroError::Invalid(format!(
+        "a reduce-scatter of {x} values over {members} ranks needs an output of {} values, \
+         not {out}",
+        x / members.max(1)
+    )))
 }
 
 /// A chunked buffer's `(format, chunk_len, count)`, as

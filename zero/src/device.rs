@@ -11,7 +11,7 @@ use zeropp_quant::{QuantFormat, Rounding};
 
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    scale_fraction,
+    check_gather_len, check_scatter_len, scale_fraction,
 };
 use super::error::ZeroError;
 use super::plan::Layout;
@@ -357,6 +357,8 @@ pub struct NcclMover<'a> {
     pub cross: &'a NcclComm,
     /// This rank's hpZ group: the node's communicator or a sub-group's.
     pub hpz: &'a NcclComm,
+    /// The first global rank of the hpZ group (consecutive ranks).
+    pub hpz_first: usize,
     pub layout: Layout,
     pub counter: &'a CountingTransport,
     /// The device whose stream the communicators use (for the casts of a
@@ -433,10 +435,16 @@ impl NcclMover<'_> {
             Hop::World => (0..l.world()).collect(),
             Hop::Node => (node * g..(node + 1) * g).collect(),
             Hop::Cross => (0..l.nodes).map(|n| n * g + local).collect(),
-            Hop::Hpz => {
-                let h = self.hpz.size();
-                let first = l.rank / h * h;
-                (first..first + h).collect()
+            Hop::Hpz => (self.hpz_first..self.hpz_first + self.hpz.size()).collect(),
+        }
+    }
+
+    /// Counts `each` bytes of plain values sent to every other member of
+    /// `hop`.
+    fn count_plain(&self, hop: Hop, phase: Phase, each: u64) {
+        for peer in self.members(hop) {
+            if peer != self.layout.rank {
+                self.counter.count_outside(phase, 0.0, peer, each);
             }
         }
     }
@@ -472,13 +480,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
         let len = mine.len();
-        if all.len() != len * comm.size() {
-            return Err(ZeroError::Invalid(format!(
-                "an all-gather of {len} values over {} ranks does not fill {} values",
-                comm.size(),
-                all.len()
-            )));
-        }
+        check_gather_len(len, all.len(), comm.size())?;
         let each = if fp32 {
             let mut out = all.view_mut();
             comm.all_gather_bytes(&bytes_of(mine.view()), &mut view_bytes_mut(&mut out))?;
@@ -493,11 +495,52 @@ impl ByteMover<Gpu> for NcclMover<'_> {
             gpu.widen(&got.as_view(), &mut all.view_mut())?;
             len as u64 * 2
         };
-        for peer in self.members(hop) {
-            if peer != self.layout.rank {
-                self.counter.count_outside(phase, 0.0, peer, each);
-            }
+        self.count_plain(hop, phase, each);
+        Ok(())
+    }
+
+    fn all_gather_tensor<T: GpuElement>(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &CudaView<'_, T>,
+        all: &mut CudaViewMut<'_, T>,
+    ) -> Result<(), ZeroError> {
+        let comm = self.comm(hop);
+        check_gather_len(mine.len(), all.len(), comm.size())?;
+        let bytes = mine.len() * std::mem::size_of::<T>();
+        if bytes == 0 {
+            return Ok(());
         }
+        // SAFETY: f32, bf16 and f16 (GpuElement: Pod) are plain bytes, and
+        // the bytes written are such values sent by a peer.
+        let src = unsafe { mine.transmute::<u8>(bytes) }.expect("a tensor holds its bytes");
+        // SAFETY: as above.
+        let mut dst = unsafe { all.transmute_mut::<u8>(bytes * comm.size()) }
+            .expect("a tensor holds its bytes");
+        comm.all_gather_bytes(&src, &mut dst)?;
+        // NCCL's own gather: what each peer must receive (its rings may
+        // route it through neighbours).
+        self.count_plain(hop, phase, bytes as u64);
+        Ok(())
+    }
+
+    fn reduce_scatter_tensor<T: GpuElement>(
+        &self,
+        _: &Gpu,
+        hop: Hop,
+        phase: Phase,
+        x: &CudaView<'_, T>,
+        out: &mut CudaViewMut<'_, T>,
+        mean: bool,
+    ) -> Result<(), ZeroError> {
+        let comm = self.comm(hop);
+        check_scatter_len(x.len(), out.len(), comm.size())?;
+        if x.is_empty() {
+            return Ok(());
+        }
+        comm.reduce_scatter(x, out, mean)?;
+        self.count_plain(hop, phase, (out.len() * std::mem::size_of::<T>()) as u64);
         Ok(())
     }
 

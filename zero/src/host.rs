@@ -10,14 +10,17 @@ use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rou
 
 use zeropp_comm::{Communicator, Group};
 
+use bytes::Bytes;
+use zeropp_comm::CommError;
+
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    scale_fraction,
+    check_gather_len, check_scatter_len, scale_fraction,
 };
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
-use super::payload;
 use super::traffic::{CountingTransport, Phase};
+use super::{payload, qgz};
 
 /// The kernels of a backend whose buffers live in host memory, on slices
 /// already checked to fit: [`Quantizer`] follows for every such set.
@@ -397,7 +400,7 @@ fn shape(q: &QuantizedChunks) -> Shape {
     (q.format, q.chunk_len, q.count)
 }
 
-impl<Q: Quantizer<Chunks = QuantizedChunks, Values = Vec<f32>>> ByteMover<Q> for HostMover<'_> {
+impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.group(hop).size()
     }
@@ -452,13 +455,7 @@ impl<Q: Quantizer<Chunks = QuantizedChunks, Values = Vec<f32>>> ByteMover<Q> for
     ) -> Result<(), ZeroError> {
         let group = self.group(hop);
         let len = mine.len();
-        if all.len() != len * group.size() {
-            return Err(ZeroError::Invalid(format!(
-                "an all-gather of {len} values over {} ranks does not fill {} values",
-                group.size(),
-                all.len()
-            )));
-        }
+        check_gather_len(len, all.len(), group.size())?;
         self.counter.set_phase(phase, 0.0);
         let wire = if fp32 {
             payload::encode_f32(mine)
@@ -475,5 +472,62 @@ impl<Q: Quantizer<Chunks = QuantizedChunks, Values = Vec<f32>>> ByteMover<Q> for
             }
         }
         Ok(())
+    }
+
+    fn all_gather_tensor<T: GpuElement>(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: &&[T],
+        all: &mut &mut [T],
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        check_gather_len(mine.len(), all.len(), group.size())?;
+        self.counter.set_phase(phase, 0.0);
+        let mine: &[u8] = bytemuck::cast_slice(mine);
+        let parts = self
+            .comm
+            .all_gather_v(group, Bytes::copy_from_slice(mine))?;
+        let all: &mut [u8] = bytemuck::cast_slice_mut(all);
+        for (j, part) in parts.iter().enumerate() {
+            if part.len() != mine.len() {
+                return Err(ZeroError::Comm(CommError::Malformed(format!(
+                    "an all-gather of {} bytes got {} from member {j}",
+                    mine.len(),
+                    part.len()
+                ))));
+            }
+            all[j * mine.len()..(j + 1) * mine.len()].copy_from_slice(part);
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_tensor<T: GpuElement>(
+        &self,
+        q: &K,
+        hop: Hop,
+        phase: Phase,
+        x: &&[T],
+        out: &mut &mut [T],
+        mean: bool,
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        check_scatter_len(x.len(), out.len(), group.size())?;
+        self.counter.set_phase(phase, 0.0);
+        let mut sum = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
+            let bytes = Bytes::copy_from_slice(bytemuck::cast_slice(x));
+            let mine = qgz::ring_bf16(self.comm, group, bytes)?;
+            let mut v = vec![0f32; mine.len() / 2];
+            payload::decode_bf16(&mine, &mut v)?;
+            v
+        } else {
+            let mut wide = vec![0f32; x.len()];
+            HostKernels::widen(q, x, &mut wide)?;
+            qgz::ring_f32(self.comm, group, wide)?
+        };
+        if mean {
+            HostKernels::divide(q, &mut sum, group.size() as f32)?;
+        }
+        HostKernels::narrow(q, &sum, out)
     }
 }

@@ -17,6 +17,7 @@ pub mod delta;
 pub mod device;
 pub mod emulated;
 pub mod error;
+pub mod fsdp;
 pub mod groups;
 pub mod host;
 pub mod hpz;
