@@ -439,36 +439,64 @@ fn qwz_and_hpz_gather_the_same_weights_on_every_backend() {
     }
 }
 
+/// One rank on GPU 0: NCCL communicators of one for the world, the node
+/// and across nodes, and the counters its mover counts in.
+struct OneGpu {
+    gpu: zeropp_cuda::Gpu,
+    world: zeropp_cuda::nccl::NcclComm,
+    node: zeropp_cuda::nccl::NcclComm,
+    cross: zeropp_cuda::nccl::NcclComm,
+    counter: CountingTransport,
+}
+
+impl OneGpu {
+    const LAYOUT: Layout = Layout {
+        nodes: 1,
+        ranks_per_node: 1,
+        rank: 0,
+    };
+
+    fn open() -> OneGpu {
+        use zeropp_cuda::nccl::{NcclComm, NcclId};
+        let gpu = zeropp_cuda::Gpu::open(0).unwrap();
+        let comm = || {
+            NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap()
+        };
+        let (world, node, cross) = (comm(), comm(), comm());
+        let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
+        OneGpu {
+            gpu,
+            world,
+            node,
+            cross,
+            counter,
+        }
+    }
+
+    fn mover(&self) -> zeropp::zero::device::NcclMover<'_> {
+        zeropp::zero::device::NcclMover {
+            world: &self.world,
+            node: &self.node,
+            cross: &self.cross,
+            hpz: &self.node,
+            hpz_first: 0,
+            layout: OneGpu::LAYOUT,
+            counter: &self.counter,
+            gpu: &self.gpu,
+        }
+    }
+}
+
 /// The device itself: one rank, NCCL communicators of one, against the
 /// host library on the same gradients.
 #[test]
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
-    use zeropp::zero::device::{DeviceValues, NcclMover};
-    use zeropp_cuda::Gpu;
-    use zeropp_cuda::nccl::{NcclComm, NcclId};
+    use zeropp::zero::device::DeviceValues;
     let case = CASES[0];
     let host = run(case, Host);
-    let gpu = Gpu::open(0).unwrap();
-    let comm =
-        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
-    let (world, node, cross) = (comm(), comm(), comm());
-    let layout = Layout {
-        nodes: 1,
-        ranks_per_node: 1,
-        rank: 0,
-    };
-    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
-    let mover = NcclMover {
-        world: &world,
-        node: &node,
-        cross: &cross,
-        hpz: &node,
-        hpz_first: 0,
-        layout,
-        counter: &counter,
-        gpu: &gpu,
-    };
+    let one = OneGpu::open();
+    let (gpu, layout, mover) = (&one.gpu, OneGpu::LAYOUT, one.mover());
     let f4 = QuantFormat::int4(32).unwrap();
     let settings = Qgz {
         intra: f4,
@@ -484,17 +512,13 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
             first: Some(&mut r1),
             second: Some(&mut r2),
         };
-        let out = qgz::reduce_scatter(&gpu, &mover, layout, settings, &grad, feedback).unwrap();
+        let out = qgz::reduce_scatter(gpu, &mover, layout, settings, &grad, feedback).unwrap();
         let got = gpu.download(&out.view()).unwrap();
         assert_eq!(bits(&got), host[0].results[call], "call {call}");
         let (h1, h2) = &host[0].residuals[call];
+        assert_eq!(&r1.to_host(gpu).unwrap(), h1, "call {call}: first residual");
         assert_eq!(
-            &r1.to_host(&gpu).unwrap(),
-            h1,
-            "call {call}: first residual"
-        );
-        assert_eq!(
-            &r2.to_host(&gpu).unwrap(),
+            &r2.to_host(gpu).unwrap(),
             h2,
             "call {call}: second residual"
         );
@@ -505,30 +529,9 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_gathers_qwz_as_the_host_library_does() {
-    use zeropp::zero::device::NcclMover;
-    use zeropp_cuda::Gpu;
-    use zeropp_cuda::nccl::{NcclComm, NcclId};
     let host = gathers(1, 1, 1, 8, Host);
-    let gpu = Gpu::open(0).unwrap();
-    let comm =
-        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
-    let (world, node, cross) = (comm(), comm(), comm());
-    let layout = Layout {
-        nodes: 1,
-        ranks_per_node: 1,
-        rank: 0,
-    };
-    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
-    let mover = NcclMover {
-        world: &world,
-        node: &node,
-        cross: &cross,
-        hpz: &node,
-        hpz_first: 0,
-        layout,
-        counter: &counter,
-        gpu: &gpu,
-    };
+    let one = OneGpu::open();
+    let (gpu, layout, mover) = (&one.gpu, OneGpu::LAYOUT, one.mover());
     let shard: Vec<half::bf16> = gradient(300, 0, 9)
         .into_iter()
         .map(half::bf16::from_f32)
@@ -536,7 +539,7 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
     let ds = gpu.upload(&shard).unwrap();
     let f8 = QuantFormat::int8(256).unwrap();
     let all = qwz::gather_quantized::<_, _, half::bf16>(
-        &gpu,
+        gpu,
         &mover,
         layout,
         &ds.as_view(),
@@ -545,7 +548,7 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
     )
     .unwrap();
     let mut out = gpu.zeros::<half::bf16>(300).unwrap();
-    qwz::dequantize_all::<_, half::bf16>(&gpu, &all, |r| r, &mut out.as_view_mut()).unwrap();
+    qwz::dequantize_all::<_, half::bf16>(gpu, &all, |r| r, &mut out.as_view_mut()).unwrap();
     let got: Vec<u32> = gpu
         .download(&out.as_view())
         .unwrap()
@@ -564,10 +567,8 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
 fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
     use half::bf16;
     use zeropp::zero::Hop;
-    use zeropp::zero::device::NcclMover;
     use zeropp::zero::fsdp::{self, Gather, Scatter};
     use zeropp_cuda::Gpu;
-    use zeropp_cuda::nccl::{NcclComm, NcclId};
     let x: Vec<bf16> = gradient(1000, 0, 3)
         .into_iter()
         .map(bf16::from_f32)
@@ -599,36 +600,18 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
         fsdp::reduce_scatter(&Host, m, layout, how, Reduction::Mean, &i, &mut o).unwrap();
         (gathered, summed)
     });
-    let gpu = Gpu::open(0).unwrap();
-    let comm =
-        || NcclComm::init(&gpu, &NcclId::new().unwrap(), 0, 1, Duration::from_secs(30)).unwrap();
-    let (world, node, cross) = (comm(), comm(), comm());
-    let layout = Layout {
-        nodes: 1,
-        ranks_per_node: 1,
-        rank: 0,
-    };
-    let counter = CountingTransport::new(Box::new(InProcess::world(1).pop().unwrap()), 1);
-    let m = NcclMover {
-        world: &world,
-        node: &node,
-        cross: &cross,
-        hpz: &node,
-        hpz_first: 0,
-        layout,
-        counter: &counter,
-        gpu: &gpu,
-    };
+    let one = OneGpu::open();
+    let (gpu, layout, m) = (&one.gpu, OneGpu::LAYOUT, one.mover());
     let dx = gpu.upload(&x).unwrap();
     let mut out = gpu.zeros::<bf16>(1000).unwrap();
     let mut call = |gather: Option<Gather>, scatter: Option<Scatter<'_, Gpu>>| {
         let (i, mut o) = (dx.as_view(), out.as_view_mut());
         match (gather, scatter) {
             (Some(how), _) => {
-                fsdp::all_gather(&gpu, &m, layout, Hop::World, how, phase, None, &i, &mut o)
+                fsdp::all_gather(gpu, &m, layout, Hop::World, how, phase, None, &i, &mut o)
             }
             (_, Some(how)) => {
-                fsdp::reduce_scatter(&gpu, &m, layout, how, Reduction::Mean, &i, &mut o)
+                fsdp::reduce_scatter(gpu, &m, layout, how, Reduction::Mean, &i, &mut o)
             }
             _ => unreachable!(),
         }

@@ -355,11 +355,7 @@ impl Job {
         let settings = delta.as_ref().map(|d| d.get().settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
-        let phase = if backward {
-            Phase::BackwardGather
-        } else {
-            Phase::ForwardGather
-        };
+        let phase = Phase::gather(backward);
         let (hop, groups) = match over_world {
             true => (Hop::World, self.groups.clone()),
             // A sub-group's gather runs over it as hpZ's group.
@@ -371,30 +367,22 @@ impl Job {
                 },
             ),
         };
-        let (counter, layout) = (self.counter.clone(), self.layout);
-        Ok(Op::new(
-            self.layout.rank,
-            self.thread.submit(move |c: &Communicator| {
-                let mover = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups: &groups,
-                };
-                let mut reference = match (&delta, how) {
-                    (Some(state), Gather::Delta(_)) => {
-                        Some(state.get().reference.lock().map_err(|_| poisoned())?)
-                    }
-                    _ => None,
-                };
-                with_dtype!(dtype, T => {
-                    let shard: &[T] = inp.typed("input").map_err(bad)?;
-                    let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                    let r = reference.as_deref_mut();
-                    fsdp::all_gather(&kernels, &mover, layout, hop, how, phase, r, &shard, &mut o)?;
-                });
-                Ok::<(), ZeroError>(())
-            }),
-        ))
+        let layout = self.layout;
+        Ok(self.submit(groups, move |mover| {
+            let mut reference = match (&delta, how) {
+                (Some(state), Gather::Delta(_)) => {
+                    Some(state.get().reference.lock().map_err(|_| poisoned())?)
+                }
+                _ => None,
+            };
+            with_dtype!(dtype, T => {
+                let shard: &[T] = inp.typed("input").map_err(bad)?;
+                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                let r = reference.as_deref_mut();
+                fsdp::all_gather(&kernels, mover, layout, hop, how, phase, r, &shard, &mut o)?;
+            });
+            Ok(())
+        }))
     }
 
     /// FSDP2's reduce-scatter over the world with `kernels` quantizing:
@@ -434,47 +422,55 @@ impl Job {
                 out.len()
             )));
         }
-        let reduction = if mean {
-            Reduction::Mean
-        } else {
-            Reduction::Sum
-        };
-        let (counter, groups, layout) = (self.counter.clone(), self.groups.clone(), self.layout);
-        Ok(Op::new(
+        let reduction = Reduction::mean_if(mean);
+        let layout = self.layout;
+        Ok(self.submit(self.groups.clone(), move |mover| {
+            let state = qgz.as_ref().map(|q| q.get());
+            let mut first = state
+                .map(|s| s.residual.lock())
+                .transpose()
+                .map_err(|_| poisoned())?;
+            let mut second = state
+                .map(|s| s.residual_inter.lock())
+                .transpose()
+                .map_err(|_| poisoned())?;
+            with_dtype!(dtype, T => {
+                let x: &[T] = inp.typed("input").map_err(bad)?;
+                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                let how = match (state, &mut first, &mut second) {
+                    (Some(s), Some(first), Some(second)) => Scatter::Qgz(
+                        s.settings(layout.rank, reduction),
+                        qgz::Feedback {
+                            first: s.first_hop_feedback().then_some(first.chunks_mut()),
+                            second: s.error_feedback.then_some(second.chunks_mut()),
+                        },
+                    ),
+                    _ => Scatter::Plain,
+                };
+                fsdp::reduce_scatter(&kernels, mover, layout, how, reduction, &x, &mut o)?;
+            });
+            Ok(())
+        }))
+    }
+
+    /// Runs `f` on the communication thread with a byte mover over
+    /// `groups`: the collective in flight.
+    fn submit(
+        &self,
+        groups: ZeroGroups,
+        f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> Op {
+        let counter = self.counter.clone();
+        Op::new(
             self.layout.rank,
             self.thread.submit(move |c: &Communicator| {
-                let mover = HostMover {
+                f(&HostMover {
                     comm: c,
                     counter: &counter,
                     groups: &groups,
-                };
-                let state = qgz.as_ref().map(|q| q.get());
-                let mut first = state
-                    .map(|s| s.residual.lock())
-                    .transpose()
-                    .map_err(|_| poisoned())?;
-                let mut second = state
-                    .map(|s| s.residual_inter.lock())
-                    .transpose()
-                    .map_err(|_| poisoned())?;
-                with_dtype!(dtype, T => {
-                    let x: &[T] = inp.typed("input").map_err(bad)?;
-                    let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                    let how = match (state, &mut first, &mut second) {
-                        (Some(s), Some(first), Some(second)) => Scatter::Qgz(
-                            s.settings(layout.rank, reduction),
-                            qgz::Feedback {
-                                first: s.first_hop_feedback().then_some(first.chunks_mut()),
-                                second: s.error_feedback.then_some(second.chunks_mut()),
-                            },
-                        ),
-                        _ => Scatter::Plain,
-                    };
-                    fsdp::reduce_scatter(&kernels, &mover, layout, how, reduction, &x, &mut o)?;
-                });
-                Ok(())
+                })
             }),
-        ))
+        )
     }
 
     pub(crate) fn layout(&self) -> Layout {

@@ -337,11 +337,7 @@ impl CudaJob {
         let settings = delta.as_ref().map(|d| d.get().settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
-        let phase = if backward {
-            Phase::BackwardGather
-        } else {
-            Phase::ForwardGather
-        };
+        let phase = Phase::gather(backward);
         let counter = self.counter.clone();
         self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;
@@ -408,11 +404,7 @@ impl CudaJob {
         }
         let me = l.rank;
         let state = qgz.as_ref().map(|q| q.get());
-        let reduction = if mean {
-            Reduction::Mean
-        } else {
-            Reduction::Sum
-        };
+        let reduction = Reduction::mean_if(mean);
         let counter = self.counter.clone();
         self.on_side(py, |side| {
             let (gpu, comms) = side.on_stream(stream)?;

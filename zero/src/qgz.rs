@@ -55,6 +55,14 @@ pub enum Reduction {
 }
 
 impl Reduction {
+    /// The mean when `mean`, else the sum.
+    pub fn mean_if(mean: bool) -> Reduction {
+        match mean {
+            true => Reduction::Mean,
+            false => Reduction::Sum,
+        }
+    }
+
     /// `sum` turned into what was asked for, on `q`'s memory.
     pub fn apply<Q: Quantizer>(
         self,

@@ -20,6 +20,16 @@ pub enum Phase {
     Other = 3,
 }
 
+impl Phase {
+    /// The phase of a weight gather: the backward's, or the forward's.
+    pub fn gather(backward: bool) -> Phase {
+        match backward {
+            true => Phase::BackwardGather,
+            false => Phase::ForwardGather,
+        }
+    }
+}
+
 /// Bytes sent on one hop class.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct HopBytes {
