@@ -279,7 +279,8 @@ impl TrainConfig {
         })
     }
 
-    /// The switches: the mode's, then each override.
+    /// The switches: the mode's, then each override
+    /// (`Switches::settle_overrides`, as `zeropp.torch` reads them).
     pub fn switches(&self) -> Switches {
         let c = &self.switches;
         let mut s = match c.mode {
@@ -287,7 +288,7 @@ impl TrainConfig {
             Mode::Zeropp => Switches::zeropp(c.block),
         };
         if let Some(b) = c.qwz_bits {
-            s.qwz_bits = (b != 0).then_some(b);
+            s.qwz_bits = Some(b);
         }
         if let Some(h) = c.hpz {
             s.hpz = h;
@@ -295,7 +296,9 @@ impl TrainConfig {
         if let Some(q) = c.qgz {
             s.qgz = q;
         }
-        s.error_feedback = c.error_feedback.unwrap_or(s.qgz);
+        if let Some(e) = c.error_feedback {
+            s.error_feedback = e;
+        }
         s.qgz_stochastic = c.qgz_stochastic;
         s.qgz_block = c.qgz_block;
         if let Some(b) = c.qgz_intra_bits {
@@ -312,35 +315,37 @@ impl TrainConfig {
         if let Some(b) = c.qgz_inter_block {
             s.qgz_inter_block = Some(b);
         }
+        s.settle_overrides(&self.asked_switches());
         s
     }
 
-    /// The switches with `hpz_group` applied, and the names of those this
-    /// config sets itself (the rest are the mode's or the plan's to choose).
-    pub fn wanted_switches(&self) -> (Switches, Vec<&'static str>) {
+    /// The names of the switches this config sets itself (the rest are the
+    /// mode's or the plan's to choose).
+    fn asked_switches(&self) -> Vec<&'static str> {
         let c = &self.switches;
-        let mut asked = Vec::new();
-        let mut wanted = self.switches();
-        if let Some(h) = c.hpz_group {
-            wanted.hpz_group = Some(h);
-            asked.push("hpz_group");
-        }
-        if c.qgz_intra_bits.is_some() {
-            asked.push("qgz_intra_bits");
-        }
-        for (name, set) in [
+        [
+            ("hpz_group", c.hpz_group.is_some()),
+            ("qgz_intra_bits", c.qgz_intra_bits.is_some()),
             ("qwz_bits", c.qwz_bits.is_some()),
             ("hpz", c.hpz.is_some()),
             ("qgz", c.qgz.is_some()),
             ("error_feedback", c.error_feedback.is_some()),
             ("qwz_delta", c.qwz_delta.is_some()),
             ("qgz_hadamard", c.qgz_hadamard.is_some()),
-        ] {
-            if set {
-                asked.push(name);
-            }
+        ]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect()
+    }
+
+    /// The switches with `hpz_group` applied, and the names of those this
+    /// config sets itself (the rest are the mode's or the plan's to choose).
+    pub fn wanted_switches(&self) -> (Switches, Vec<&'static str>) {
+        let mut wanted = self.switches();
+        if let Some(h) = self.switches.hpz_group {
+            wanted.hpz_group = Some(h);
         }
-        (wanted, asked)
+        (wanted, self.asked_switches())
     }
 
     /// ZeRO-3 as `--compare` and `--mode zero3` runs it: every ZeRO++
@@ -368,6 +373,42 @@ impl TrainConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_trainer_and_zeropp_torch_read_overrides_alike() {
+        // The same overrides as a config file and as fully_shard's
+        // keywords (JSON): the same switches, the same reasons.
+        use crate::zero::plan::{Layout, resolve, resolve_mode};
+        let layout = Layout {
+            nodes: 2,
+            ranks_per_node: 2,
+            rank: 0,
+        };
+        let routing = Err("no routing plan in this test".to_string());
+        for (mode, overrides) in [
+            ("zeropp", "{}"),
+            ("zero3", "{}"),
+            ("zeropp", r#"{"qwz_bits": 0}"#),
+            ("zeropp", r#"{"qwz_bits": 8, "qwz_delta": false}"#),
+            ("zero3", r#"{"qgz": true}"#),
+            ("zeropp", r#"{"qgz": false}"#),
+            ("zeropp", r#"{"qgz": true, "error_feedback": false}"#),
+            ("zero3", r#"{"hpz": true, "hpz_group": 1}"#),
+            ("zeropp", r#"{"qgz_intra_bits": 8, "qgz_hadamard": false}"#),
+        ] {
+            let json: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_str(overrides).unwrap();
+            let mut toml = format!("mode = \"{mode}\"\n");
+            for (k, v) in &json {
+                toml += &format!("{k} = {v}\n");
+            }
+            let cfg = TrainConfig::from_toml_str(&toml).unwrap();
+            let (wanted, asked) = cfg.wanted_switches();
+            let native = resolve(wanted, &asked, layout, &routing, None).unwrap();
+            let torch = resolve_mode(mode, &json, layout, &routing, None).unwrap();
+            assert_eq!(native, torch, "{mode} {overrides}");
+        }
+    }
 
     #[test]
     fn the_toml_file_and_the_manifest_keep_their_flat_keys() {

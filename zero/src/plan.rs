@@ -154,6 +154,19 @@ impl Switches {
         }
     }
 
+    /// What every caller does after applying overrides (`asked` names
+    /// them), so `zeropp train` and `zeropp.torch` read them alike:
+    /// `qwz_bits = 0` turns qwZ off, as None does; error feedback that was
+    /// not asked for follows qgZ.
+    pub fn settle_overrides(&mut self, asked: &[&str]) {
+        if self.qwz_bits == Some(0) {
+            self.qwz_bits = None;
+        }
+        if !asked.contains(&"error_feedback") {
+            self.error_feedback = self.qgz;
+        }
+    }
+
     /// DeepSpeed's ZeRO++ as published: qwZ int8 on the weights
     /// themselves, hpZ, qgZ int4 with error feedback, no rotation.
     pub fn zeropp_published(block: usize) -> Self {
@@ -276,9 +289,10 @@ pub fn resolve_mode(
         }
         obj.insert(k.clone(), v.clone());
     }
-    let s: Switches =
+    let mut s: Switches =
         serde_json::from_value(value).map_err(|e| format!("a switch has the wrong type: {e}"))?;
     let asked: Vec<&str> = overrides.keys().map(String::as_str).collect();
+    s.settle_overrides(&asked);
     let measured = measured.filter(|_| mode == "zeropp");
     resolve(s, &asked, layout, routing, measured).map_err(|e| format!("invalid switches: {e}"))
 }
@@ -737,6 +751,21 @@ mod tests {
         // What ran is written as a JSON object with these names.
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["switches"]["hpz_group"], view.plan.hpz_group);
+    }
+
+    #[test]
+    fn qwz_bits_0_is_off_and_error_feedback_follows_qgz_unless_asked() {
+        let run = |mode: &str, o: &str| {
+            let json = serde_json::from_str(o).unwrap();
+            resolve_mode(mode, &json, layout(), &routing(), None)
+                .unwrap()
+                .switches
+        };
+        assert_eq!(run("zeropp", r#"{"qwz_bits": 0}"#).qwz_bits, None);
+        assert!(run("zero3", r#"{"qgz": true}"#).error_feedback);
+        assert!(!run("zeropp", r#"{"qgz": false}"#).error_feedback);
+        let asked = run("zeropp", r#"{"error_feedback": false}"#);
+        assert!(asked.qgz && !asked.error_feedback);
     }
 
     #[test]
