@@ -1,5 +1,5 @@
 //! `zeropp plan`: its command line and what it prints (the model itself
-//! is [`crate::planner`]).
+//! is [`zeropp_topology::cost`], fed by [`crate::planner`]).
 
 use std::path::PathBuf;
 
@@ -123,7 +123,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.overlap) {
         bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
     }
-    let input = crate::planner::PlanInput {
+    let input = zeropp_topology::cost::PlanInput {
         params: a.params,
         nodes: a.nodes,
         ranks_per_node: a.ranks_per_node,
@@ -178,9 +178,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         }
     } else {
         let tokens = a.tokens_per_rank * input.world() as f64;
-        print!("{}", crate::planner::render(&input, tokens));
+        print!("{}", zeropp_topology::cost::render(&input, tokens));
         if let Some(r) = this_run {
-            println!("{}", crate::planner::render_run(&r));
+            println!("{}", zeropp_topology::cost::render_run(&r));
         }
     }
     Ok(())

@@ -9,6 +9,7 @@
 //! needs root or a GPU.
 
 pub mod capture;
+pub mod cost;
 pub mod detect;
 pub mod nccl;
 pub mod nvml;
