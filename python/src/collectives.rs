@@ -16,6 +16,7 @@ use zeropp_comm::exchange::{self, JoinOptions};
 use zeropp_comm::job::TransportKind;
 use zeropp_comm::{CommError, Communicator, Group};
 use zeropp_quant::QuantFormat;
+use zeropp_zero::device_job::DeviceFeedback;
 use zeropp_zero::fsdp::{self, DeltaSettings, Gather, Scatter};
 use zeropp_zero::host::{Host, HostKernels, HostMover};
 use zeropp_zero::plan::{self, Layout};
@@ -544,7 +545,7 @@ pub struct QgzState {
     residual: Arc<Mutex<Residual>>,
     residual_inter: Arc<Mutex<Residual>>,
     /// The same state for CUDA tensors, on their device.
-    pub(crate) device_feedback: Mutex<crate::cuda::DeviceFeedback>,
+    pub(crate) device_feedback: Mutex<DeviceFeedback>,
 }
 
 impl QgzState {
@@ -582,6 +583,7 @@ impl QgzState {
     ) -> PyResult<QgzState> {
         let (intra, inter) =
             plan::gradient_formats(intra_bits, block, inter_block).map_err(invalid)?;
+        let first_hop = qgz::first_hop_feedback(error_feedback, intra);
         Ok(QgzState {
             intra,
             inter,
@@ -592,7 +594,7 @@ impl QgzState {
             calls: AtomicU64::new(0),
             residual: Default::default(),
             residual_inter: Default::default(),
-            device_feedback: Default::default(),
+            device_feedback: Mutex::new(DeviceFeedback::new(first_hop, error_feedback)),
         })
     }
 
@@ -631,7 +633,7 @@ impl QgzState {
             }
         }
         if let Ok(mut f) = self.device_feedback.lock() {
-            *f = Default::default();
+            f.reset();
         }
     }
 }

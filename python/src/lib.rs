@@ -90,14 +90,6 @@ pub(crate) fn invalid(msg: impl Into<String>) -> PyErr {
     })
 }
 
-/// Another rank's failure, described by the bindings.
-pub(crate) fn peer_failed(msg: impl Into<String>) -> PyErr {
-    to_py(Raised {
-        peer: true,
-        message: msg.into(),
-    })
-}
-
 /// What `zeropp topo --json` reports of this machine (or of a captured
 /// tree under `sysfs_root`), as JSON.
 #[pyfunction]

@@ -109,6 +109,31 @@ pub struct Prediction {
 }
 
 impl PlanInput {
+    /// The emulated 2 x 2 cluster of docs/BENCHMARKS.md: the default
+    /// model (138,240 parameters once padded for 4 ranks), TCP on loopback
+    /// inside a node, each node's egress shaped to `mbit` Mbit/s.
+    pub fn emulated_cluster(mbit: f64) -> PlanInput {
+        PlanInput {
+            params: 138_240.0,
+            nodes: 2,
+            ranks_per_node: 2,
+            intra_gbps: 1.0,
+            nic_gbit: mbit / 1000.0,
+            nics_per_node: 1,
+            alpha_s: 100e-6,
+            compute_s: 0.60,
+            quant_gbps: 2.0,
+            units: 4,
+            block: 256.0,
+            qgz_block: 32.0,
+            // The recorded runs used int4 on both qgZ hops.
+            qgz_intra_bits: 4,
+            qgz_inter_block: 64.0,
+            qwz_refresh: 100.0,
+            overlap: 1.0,
+        }
+    }
+
     pub fn world(&self) -> f64 {
         (self.nodes * self.ranks_per_node) as f64
     }
@@ -407,29 +432,8 @@ mod tests {
         }
     }
 
-    /// The emulated 2 x 2 cluster of docs/BENCHMARKS.md: the default
-    /// model (138,240 parameters once padded for 4 ranks), TCP on loopback
-    /// inside a node, each node's egress shaped to `mbit` Mbit/s.
     fn emulated(mbit: f64) -> PlanInput {
-        PlanInput {
-            params: 138_240.0,
-            nodes: 2,
-            ranks_per_node: 2,
-            intra_gbps: 1.0,
-            nic_gbit: mbit / 1000.0,
-            nics_per_node: 1,
-            alpha_s: 100e-6,
-            compute_s: 0.60,
-            quant_gbps: 2.0,
-            units: 4,
-            block: 256.0,
-            qgz_block: 32.0,
-            // The recorded runs used int4 on both qgZ hops.
-            qgz_intra_bits: 4,
-            qgz_inter_block: 64.0,
-            qwz_refresh: 100.0,
-            overlap: 1.0,
-        }
+        PlanInput::emulated_cluster(mbit)
     }
 
     #[test]

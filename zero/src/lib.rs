@@ -15,6 +15,7 @@
 pub mod backend;
 pub mod delta;
 pub mod device;
+pub mod device_job;
 pub mod emulated;
 pub mod error;
 pub mod fsdp;

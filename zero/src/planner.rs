@@ -127,28 +127,6 @@ mod tests {
     use super::*;
     use zeropp_topology::cost::config;
 
-    /// The emulated cluster of `zeropp_topology::cost`'s tests at 1 Mbit/s.
-    fn emulated(mbit: f64) -> PlanInput {
-        PlanInput {
-            params: 138_240.0,
-            nodes: 2,
-            ranks_per_node: 2,
-            intra_gbps: 1.0,
-            nic_gbit: mbit / 1000.0,
-            nics_per_node: 1,
-            alpha_s: 100e-6,
-            compute_s: 0.60,
-            quant_gbps: 2.0,
-            units: 4,
-            block: 256.0,
-            qgz_block: 32.0,
-            qgz_intra_bits: 4,
-            qgz_inter_block: 64.0,
-            qwz_refresh: 100.0,
-            overlap: 1.0,
-        }
-    }
-
     /// A summary as `zeropp train --summary-json` writes it on 2 hosts x 2
     /// ranks with the links measured at join.
     fn run_summary() -> serde_json::Value {
@@ -170,7 +148,7 @@ mod tests {
 
     #[test]
     fn a_run_summary_gives_its_links_layout_and_switches() {
-        let base = emulated(1.0);
+        let base = PlanInput::emulated_cluster(1.0);
         let r = from_run(&run_summary(), &base).unwrap();
         let i = &r.input;
         assert_eq!((i.nodes, i.ranks_per_node, i.params), (2, 2, 3_758_592.0));
