@@ -168,7 +168,7 @@ pub fn join(
                     .collect()
             })?;
             let hosts = layout.ok_or_else(|| {
-                CommError::Invalid("UCX connected without exchanging addresses".into())
+                CommError::Join("UCX connected without exchanging addresses".into())
             })?;
             (Box::new(t), table, hosts)
         }
@@ -195,12 +195,12 @@ fn layout_of(all: &[Published], opts: &JoinOptions) -> Result<HostLayout, CommEr
         .iter()
         .map(|p| (p.hostname.clone(), p.host_id.clone()))
         .collect();
-    let hosts = host_layout(&ids).map_err(CommError::Invalid)?;
+    let hosts = host_layout(&ids).map_err(CommError::Join)?;
     let Some(g) = opts.ranks_per_node else {
         return Ok(hosts);
     };
     if g == 0 || !hosts.ranks_per_node.is_multiple_of(g) {
-        return Err(CommError::Invalid(format!(
+        return Err(CommError::Join(format!(
             "ranks_per_node={g}: logical nodes must divide the {} ranks each host runs ({} \
              ranks on {} host(s))",
             hosts.ranks_per_node, opts.world_size, hosts.nodes
@@ -214,7 +214,7 @@ fn layout_of(all: &[Published], opts: &JoinOptions) -> Result<HostLayout, CommEr
 
 fn decode_all(all: &[Vec<u8>], opts: &JoinOptions) -> Result<Vec<Published>, CommError> {
     if all.len() != opts.world_size {
-        return Err(CommError::Invalid(format!(
+        return Err(CommError::Join(format!(
             "the exchange returned {} ranks' facts for a world of {}",
             all.len(),
             opts.world_size
@@ -230,7 +230,7 @@ fn decode_all(all: &[Vec<u8>], opts: &JoinOptions) -> Result<Vec<Published>, Com
                 ))
             })?;
             if p.rank != r || p.world_size != opts.world_size {
-                return Err(CommError::Invalid(format!(
+                return Err(CommError::Join(format!(
                     "rank {r}'s entry says rank {} of {} and this rank {} of {}: the ranks \
                      disagree on the job (mismatched world sizes?)",
                     p.rank, p.world_size, opts.rank, opts.world_size

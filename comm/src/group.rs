@@ -50,7 +50,7 @@ impl GroupKind {
             if v < limit {
                 Ok(v as u32)
             } else {
-                Err(CommError::Invalid(format!(
+                Err(CommError::Group(format!(
                     "{what} {v}: zeropp's group ids hold values below {limit}"
                 )))
             }
@@ -61,7 +61,7 @@ impl GroupKind {
             GroupKind::Cross(l) => (2, fits("local rank", l)?),
             GroupKind::Run { first, size } => {
                 if size == 0 || size > MAX_RUN || first >= MAX_RUN_FIRST {
-                    return Err(CommError::Invalid(format!(
+                    return Err(CommError::Group(format!(
                         "a group of {size} consecutive ranks from rank {first}: zeropp's \
                          sub-groups hold 1 to {MAX_RUN} ranks starting below rank \
                          {MAX_RUN_FIRST} (a whole node is its node group)"
@@ -93,14 +93,14 @@ impl Group {
         sorted.sort_unstable();
         sorted.dedup();
         if sorted.len() != ranks.len() || ranks.is_empty() {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Group(format!(
                 "group {kind:?} must list distinct ranks, got {ranks:?}"
             )));
         }
         if let GroupKind::Run { first, size } = kind
             && !ranks.iter().copied().eq(first..first + size)
         {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Group(format!(
                 "group {kind:?} must be ranks {first}..{}, got {ranks:?}",
                 first + size
             )));

@@ -62,7 +62,7 @@ impl TransportKind {
 
 /// The error of ranks that picked different transports.
 pub(crate) fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
-    CommError::Invalid(format!(
+    CommError::Join(format!(
         "rank {them} uses the {theirs} transport and rank {me} {mine}: set ZEROPP_TRANSPORT \
          to the same value (ucx or tcp) for every rank (unset, each rank picks UCX when libucp \
          loads on its host)"

@@ -68,6 +68,18 @@ pub enum CommError {
     /// what is wrong and what to give instead.
     #[error("{name}: {problem}")]
     Setting { name: &'static str, problem: String },
+    /// Joining the job failed: the ranks disagree on it, one did not
+    /// arrive in time, or the store or rendezvous that meets them failed.
+    /// The message says what to check.
+    #[error("joining the job: {0}")]
+    Join(String),
+    /// A UCX call failed (`what` failed; its status as UCX describes it).
+    #[error("UCX {what}: {status}")]
+    Ucx { what: String, status: String },
+    /// A group zeropp cannot form (its ranks, its size, its id).
+    #[error("invalid group: {0}")]
+    Group(String),
+    /// A call's arguments do not fit together (sizes, ranges, a root).
     #[error("invalid call: {0}")]
     Invalid(String),
     #[error("malformed message: {0}")]

@@ -47,7 +47,7 @@ const REPLY_ERROR: u64 = 1;
 const MAX_HELLO: u64 = 1 << 20;
 
 fn failure(msg: String) -> CommError {
-    CommError::Invalid(format!("rendezvous failed: {msg}"))
+    CommError::Join(format!("rendezvous failed: {msg}"))
 }
 
 /// This host's name, for logs and the rendezvous table.

@@ -151,7 +151,7 @@ impl TcpTransport {
                     reason: format!("refused the connection or answered wrongly ({reason}); is it the same job (token, world size)?"),
                 })?;
             if answer != peer {
-                return Err(CommError::Invalid(format!(
+                return Err(CommError::Join(format!(
                     "the listener at {addr} answered as rank {answer}, expected rank {peer}: \
                      two ranks share one address, or the rendezvous table is wrong"
                 )));
@@ -197,7 +197,7 @@ impl TcpTransport {
                         let absent: Vec<usize> = (rank + 1..world_size)
                             .filter(|&p| streams[p].is_none())
                             .collect();
-                        return Err(CommError::Invalid(format!(
+                        return Err(CommError::Join(format!(
                             "ranks {absent:?} did not connect within {:?}; they failed to start \
                              or cannot reach this host",
                             options.connect_timeout
@@ -329,10 +329,10 @@ impl TcpTransport {
     fn peer(&self, peer: usize) -> Result<&Peer, CommError> {
         match self.peers.get(peer) {
             Some(Some(p)) => Ok(p),
-            _ => Err(CommError::Invalid(format!(
-                "rank {peer} is not a peer of rank {} in a world of {}",
-                self.rank, self.world_size
-            ))),
+            _ => Err(CommError::NoSuchRank {
+                peer,
+                world: self.world_size,
+            }),
         }
     }
 }

@@ -60,7 +60,7 @@ impl TorchStore {
                     std::thread::sleep(Duration::from_millis(100));
                 }
                 Err(e) => {
-                    return Err(CommError::Invalid(format!(
+                    return Err(CommError::Join(format!(
                         "cannot reach torchrun's store at {addr} within {timeout:?}: {e}; \
                          check MASTER_ADDR/MASTER_PORT"
                     )));
@@ -146,7 +146,7 @@ impl TorchStore {
                 "torch's store answered a cancelled wait with {answer}"
             )));
         }
-        Err(CommError::Invalid(format!(
+        Err(CommError::Join(format!(
             "timed out after {timeout:?} waiting in torchrun's store for {} key(s) such as {:?}: \
              a rank did not arrive (raise ZEROPP_TIMEOUT_S if it is just slow)",
             keys.len(),

@@ -26,7 +26,7 @@ impl ZeroGroups {
     pub fn new(l: &Layout, hpz_group: usize) -> Result<ZeroGroups, CommError> {
         let g = l.ranks_per_node;
         if hpz_group == 0 || !g.is_multiple_of(hpz_group) {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Group(format!(
                 "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node"
             )));
         }

@@ -234,7 +234,10 @@ impl Wake {
 }
 
 fn fail(what: &str, ucp: &Ucp, s: ucs_status_t) -> CommError {
-    CommError::Invalid(format!("UCX {what} failed: {}", ucp.describe(s)))
+    CommError::Ucx {
+        what: format!("{what} failed"),
+        status: ucp.describe(s),
+    }
 }
 
 /// Everything the progress thread owns.
@@ -313,7 +316,10 @@ impl AsRef<[u8]> for RecvBuf {
 
 impl Worker {
     fn create() -> Result<Worker, CommError> {
-        let ucp = Box::new(Ucp::load().map_err(CommError::Invalid)?);
+        let ucp = Box::new(Ucp::load().map_err(|status| CommError::Ucx {
+            what: "library".into(),
+            status,
+        })?);
         let mut config = ptr::null_mut();
         // SAFETY: prototypes from ucp.h; out-pointers are valid locals.
         unsafe {
@@ -435,10 +441,10 @@ impl Worker {
             // SAFETY: the address bytes outlive the call (UCX copies them).
             let s = unsafe { (self.ucp.ep_create)(self.worker, p.as_ptr(), &mut ep) };
             if s != UCS_OK {
-                return Err(CommError::Invalid(format!(
-                    "UCX could not reach rank {peer} from rank {rank}: {}",
-                    self.ucp.describe(s)
-                )));
+                return Err(CommError::Ucx {
+                    what: format!("could not reach rank {peer} from rank {rank}"),
+                    status: self.ucp.describe(s),
+                });
             }
             self.eps.push(ep);
             self.err_contexts.push(ctx);
@@ -730,7 +736,7 @@ impl UcxTransport {
         let address = addr_rx.recv().map_err(|_| CommError::Closed)??;
         let table = exchange(address)?;
         if table.len() != world_size {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Join(format!(
                 "{} UCX addresses for {world_size} ranks",
                 table.len()
             )));

@@ -598,12 +598,12 @@ impl PeerSegment {
         // SAFETY: fcntl on a descriptor we own.
         let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
         if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Malformed(format!(
                 "{path} is not sealed against shrinking: not a zeropp segment"
             )));
         }
         if me >= world || actual < size || size <= control_len {
-            return Err(CommError::Invalid(format!(
+            return Err(CommError::Malformed(format!(
                 "{path} holds {actual} bytes, the peer announced {size}"
             )));
         }
