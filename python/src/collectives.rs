@@ -404,7 +404,7 @@ impl Job {
     ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
         let w = self.layout.world();
-        if ranks.len() != w || ranks.iter().enumerate().any(|(i, &r)| i != r) {
+        if !self.layout.is_world(&ranks) {
             return Err(invalid(format!(
                 "reduce-scatter over ranks {ranks:?}: zeropp shards over the whole job (ranks \
                  0..{w}); use a 1-D mesh (HSDP meshes are not supported)"
@@ -441,10 +441,7 @@ impl Job {
                 let how = match (state, &mut first, &mut second) {
                     (Some(s), Some(first), Some(second)) => Scatter::Qgz(
                         s.settings(layout.rank, reduction),
-                        qgz::Feedback {
-                            first: s.first_hop_feedback().then_some(first.chunks_mut()),
-                            second: s.error_feedback.then_some(second.chunks_mut()),
-                        },
+                        qgz::Feedback::kept(s.keeps(), first.chunks_mut(), second.chunks_mut()),
                     ),
                     _ => Scatter::Plain,
                 };
@@ -488,21 +485,10 @@ impl Job {
 
     /// The world, or a sub-group of consecutive ranks inside one node.
     fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
-        let (w, g) = (self.layout.world(), self.layout.ranks_per_node);
-        if ranks.len() == w && ranks.iter().enumerate().all(|(i, &r)| i == r) {
+        if self.layout.is_world(ranks) {
             return Ok(self.groups.world.clone());
         }
-        let consecutive = ranks.windows(2).all(|p| p[1] == p[0] + 1);
-        let (first, last) = (ranks.first().copied(), ranks.last().copied());
-        let inside = matches!((first, last), (Some(f), Some(l)) if l < w && f / g == l / g);
-        if !consecutive || !inside || !ranks.contains(&self.layout.rank) {
-            return Err(invalid(format!(
-                "zeropp gathers over the world (ranks 0..{w}) or over consecutive ranks of one \
-                 node that include this rank {} (FSDP2's reshard_after_forward=<int> groups); \
-                 got ranks {ranks:?}: use a 1-D mesh over the whole job",
-                self.layout.rank
-            )));
-        }
+        self.layout.check_subgroup(ranks).map_err(invalid)?;
         let mut subgroups = self
             .subgroups
             .lock()
@@ -565,6 +551,11 @@ impl QgzState {
     pub(crate) fn first_hop_feedback(&self) -> bool {
         qgz::first_hop_feedback(self.error_feedback, self.intra)
     }
+
+    /// Whether each hop keeps error feedback: (inside the node, across).
+    pub(crate) fn keeps(&self) -> (bool, bool) {
+        (self.first_hop_feedback(), self.error_feedback)
+    }
 }
 
 #[pymethods]
@@ -583,7 +574,6 @@ impl QgzState {
     ) -> PyResult<QgzState> {
         let (intra, inter) =
             plan::gradient_formats(intra_bits, block, inter_block).map_err(invalid)?;
-        let first_hop = qgz::first_hop_feedback(error_feedback, intra);
         Ok(QgzState {
             intra,
             inter,
@@ -594,7 +584,7 @@ impl QgzState {
             calls: AtomicU64::new(0),
             residual: Default::default(),
             residual_inter: Default::default(),
-            device_feedback: Mutex::new(DeviceFeedback::new(first_hop, error_feedback)),
+            device_feedback: Default::default(),
         })
     }
 

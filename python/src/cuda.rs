@@ -120,7 +120,7 @@ impl CudaJob {
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<()> {
         let dtype = Dtype::parse(dtype)?;
-        let over_world = ranks.len() == self.job.layout().world();
+        let over_world = self.job.layout().is_world(&ranks);
         let settings = delta.as_ref().map(|d| d.get().settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
@@ -186,8 +186,8 @@ impl CudaJob {
                 stream,
                 reduction,
                 qgz: state
-                    .map(|s| s.settings(rank, reduction))
-                    .zip(feedback.as_deref_mut()),
+                    .zip(feedback.as_deref_mut())
+                    .map(|(s, fb)| (s.settings(rank, reduction), s.keeps(), fb)),
             };
             with_gpu_dtype(dtype, OnJob::Scatter(&self.job, call))
         })

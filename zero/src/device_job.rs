@@ -52,9 +52,9 @@ impl Comms {
     /// The communicator of group `ranks`: the world, this node, or an
     /// added sub-group.
     fn of(&self, layout: Layout, ranks: &[usize]) -> Result<&NcclComm, ZeroError> {
-        let (w, g) = (layout.world(), layout.ranks_per_node);
+        let g = layout.ranks_per_node;
         let node_first = layout.node() * g;
-        if ranks.iter().copied().eq(0..w) {
+        if layout.is_world(ranks) {
             return Ok(&self.world);
         }
         if ranks.iter().copied().eq(node_first..node_first + g) {
@@ -136,33 +136,22 @@ pub struct DeviceScatter<'a> {
     pub numel: usize,
     pub stream: usize,
     pub reduction: Reduction,
-    /// qgZ's settings for this call and the group's feedback on this
+    /// qgZ's settings for this call, which hops keep error feedback
+    /// (inside the node, across), and the group's residuals on this
     /// device; None: NCCL's own reduce-scatter.
-    pub qgz: Option<(qgz::Qgz, &'a mut DeviceFeedback)>,
+    pub qgz: Option<(qgz::Qgz, (bool, bool), &'a mut DeviceFeedback)>,
 }
 
 /// qgZ's error feedback on the device for one parameter group: each hop's
 /// residual, compressed as on the host (`zero::residual`'s format), made on
-/// first use, kept where the settings say.
+/// first use.
 #[derive(Default)]
 pub struct DeviceFeedback {
-    /// Whether each hop keeps feedback.
-    pub first_hop: bool,
-    pub second_hop: bool,
     first: Option<DeviceQuantizedChunks>,
     second: Option<DeviceQuantizedChunks>,
 }
 
 impl DeviceFeedback {
-    /// Empty feedback for the hops that keep it.
-    pub fn new(first_hop: bool, second_hop: bool) -> DeviceFeedback {
-        DeviceFeedback {
-            first_hop,
-            second_hop,
-            ..Default::default()
-        }
-    }
-
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
         [&self.first, &self.second]
@@ -177,17 +166,16 @@ impl DeviceFeedback {
         (self.first, self.second) = (None, None);
     }
 
-    fn feedback<'a>(&'a mut self, gpu: &Gpu) -> Result<qgz::Feedback<'a, Gpu>, ZeroError> {
-        let DeviceFeedback {
-            first_hop,
-            second_hop,
-            first,
-            second,
-        } = self;
-        Ok(qgz::Feedback {
-            first: first_hop.then(|| residual_slot(gpu, first)).transpose()?,
-            second: second_hop.then(|| residual_slot(gpu, second)).transpose()?,
-        })
+    /// The residuals of the hops that keep feedback (`keeps`: inside the
+    /// node, across nodes).
+    fn feedback<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        keeps: (bool, bool),
+    ) -> Result<qgz::Feedback<'a, Gpu>, ZeroError> {
+        let first = residual_slot(gpu, &mut self.first)?;
+        let second = residual_slot(gpu, &mut self.second)?;
+        Ok(qgz::Feedback::kept(keeps, first, second))
     }
 }
 
@@ -297,21 +285,12 @@ impl DeviceJob {
     /// Joins the communicator of sub-group `ranks` (consecutive ranks of
     /// this node, this rank among them) from `id`, made by its first rank.
     pub fn add_group(&self, ranks: Vec<usize>, id: &NcclId) -> Result<(), ZeroError> {
-        let (l, g) = (self.layout, self.layout.ranks_per_node);
-        let consecutive = ranks.windows(2).all(|p| p[1] == p[0] + 1);
-        let one_node = matches!((ranks.first(), ranks.last()),
-            (Some(f), Some(z)) if f / g == z / g && *z < l.world());
-        let Some(me) = ranks.iter().position(|&r| r == l.rank) else {
-            return Err(ZeroError::Invalid(format!(
-                "ranks {ranks:?} do not include this rank {}",
-                l.rank
-            )));
-        };
-        if !consecutive || !one_node {
-            return Err(ZeroError::Invalid(format!(
-                "ranks {ranks:?}: zeropp's sub-groups are consecutive ranks of one node"
-            )));
-        }
+        let l = self.layout;
+        l.check_subgroup(&ranks).map_err(ZeroError::Invalid)?;
+        let me = ranks
+            .iter()
+            .position(|&r| r == l.rank)
+            .expect("checked above");
         let timeout = self.timeout;
         self.on_side(|side| {
             let Side { gpu, comms } = side;
@@ -392,7 +371,7 @@ impl DeviceJob {
                 let grad = unsafe { gpu.borrow::<T>(c.inp, c.numel) }?;
                 let mut out = unsafe { gpu.borrow::<T>(c.out, c.numel / w) }?;
                 let how = match c.qgz {
-                    Some((settings, fb)) => Scatter::Qgz(settings, fb.feedback(gpu)?),
+                    Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(gpu, keeps)?),
                     None => Scatter::Plain,
                 };
                 let (x, mut o) = (grad.view(), out.view_mut());

@@ -31,6 +31,30 @@ impl Layout {
     pub fn node_of(&self, rank: usize) -> usize {
         rank / self.ranks_per_node
     }
+
+    /// Whether `ranks` is the whole world, in rank order.
+    pub fn is_world(&self, ranks: &[usize]) -> bool {
+        ranks.iter().copied().eq(0..self.world())
+    }
+
+    /// Checks a group a collective may run over besides the world:
+    /// consecutive ranks of one node that include this rank (FSDP2's
+    /// `reshard_after_forward=<int>` groups, hpZ's).
+    pub fn check_subgroup(&self, ranks: &[usize]) -> Result<(), String> {
+        let consecutive = ranks.windows(2).all(|p| p[1] == p[0] + 1);
+        let inside = matches!((ranks.first(), ranks.last()),
+            (Some(&f), Some(&l)) if l < self.world() && self.node_of(f) == self.node_of(l));
+        if consecutive && inside && ranks.contains(&self.rank) {
+            return Ok(());
+        }
+        Err(format!(
+            "zeropp gathers over the world (ranks 0..{}) or over consecutive ranks of one node \
+             that include this rank {} (FSDP2's reshard_after_forward=<int> groups); got ranks \
+             {ranks:?}: use a 1-D mesh over the whole job",
+            self.world(),
+            self.rank
+        ))
+    }
 }
 
 /// The ZeRO++ switches, each independent.
@@ -751,6 +775,23 @@ mod tests {
         // What ran is written as a JSON object with these names.
         let j = serde_json::to_value(&r).unwrap();
         assert_eq!(j["switches"]["hpz_group"], view.plan.hpz_group);
+    }
+
+    #[test]
+    fn a_subgroup_is_consecutive_ranks_of_this_rank_s_node() {
+        let l = Layout {
+            nodes: 2,
+            ranks_per_node: 4,
+            rank: 5,
+        };
+        assert!(l.is_world(&[0, 1, 2, 3, 4, 5, 6, 7]) && !l.is_world(&[0, 1, 2, 3]));
+        for ok in [&[4, 5][..], &[5], &[4, 5, 6, 7], &[5, 6]] {
+            assert!(l.check_subgroup(ok).is_ok(), "{ok:?}");
+        }
+        for bad in [&[4, 6][..], &[6, 7], &[3, 4, 5], &[], &[5, 8]] {
+            let e = l.check_subgroup(bad).unwrap_err();
+            assert!(e.contains("consecutive ranks of one node"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -289,6 +289,17 @@ pub struct Feedback<'a, Q: Quantizer> {
     pub second: Option<&'a mut Q::Chunks>,
 }
 
+impl<'a, Q: Quantizer> Feedback<'a, Q> {
+    /// The residuals of the hops that keep feedback (`keeps`: inside the
+    /// node, across nodes).
+    pub fn kept(keeps: (bool, bool), first: &'a mut Q::Chunks, second: &'a mut Q::Chunks) -> Self {
+        Feedback {
+            first: keeps.0.then_some(first),
+            second: keeps.1.then_some(second),
+        }
+    }
+}
+
 /// The whole qgZ reduce-scatter of `grad` (every rank's full gradient, W
 /// equal chunks): this rank's chunk of the sum or mean over the world.
 pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
