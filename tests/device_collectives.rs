@@ -129,7 +129,7 @@ fn on_ranks<R: Send + 'static>(
                 let mover = HostMover {
                     comm: &comm,
                     counter: &counter,
-                    groups: &groups,
+                    groups: groups.clone(),
                 };
                 body(layout, &mover, &counter)
             })

@@ -336,7 +336,7 @@ impl Engine {
                 let mover = HostMover {
                     comm: c,
                     counter: &counter,
-                    groups: &groups,
+                    groups: groups.clone(),
                 };
                 let mut full = vec![0f32; padded];
                 let mut reference = reference
@@ -361,7 +361,7 @@ impl Engine {
                 let mover = HostMover {
                     comm: c,
                     counter: &counter,
-                    groups: &groups,
+                    groups: groups.clone(),
                 };
                 let chunks = qwz::gather_chunks(&Host, &mover, layout, &mine, phase)?;
                 Ok(Gathered::Quantized {
@@ -395,7 +395,7 @@ impl Engine {
                 let mover = HostMover {
                     comm: c,
                     counter: &counter,
-                    groups: &groups,
+                    groups: groups.clone(),
                 };
                 Ok(Gathered::Quantized {
                     chunks: hpz::gather_quantized(&Host, &mover, &secondary)?,
@@ -506,7 +506,7 @@ impl Engine {
                     let mover = HostMover {
                         comm: c,
                         counter: &counter,
-                        groups: &groups,
+                        groups: groups.clone(),
                     };
                     qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
                 }))

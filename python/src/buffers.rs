@@ -84,6 +84,11 @@ impl HostBuf {
         self.buf.len_bytes()
     }
 
+    /// Where the buffer starts.
+    pub fn address(&self) -> u64 {
+        self.buf.buf_ptr() as u64
+    }
+
     pub fn bytes(&self) -> &[u8] {
         if self.len() == 0 {
             return &[];

@@ -15,10 +15,11 @@ use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::exchange::{self, JoinOptions};
 use zeropp_comm::job::TransportKind;
 use zeropp_comm::{CommError, Communicator, Group};
-use zeropp_quant::QuantFormat;
+use zeropp_cuda::device::DeviceQuantizedChunks;
+use zeropp_quant::{QuantFormat, QuantizedChunks};
 use zeropp_zero::device_job::DeviceFeedback;
 use zeropp_zero::fsdp::{self, DeltaSettings, Gather, Scatter};
-use zeropp_zero::host::{Host, HostKernels, HostMover};
+use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::plan::{self, Layout};
 use zeropp_zero::probe::{self, Measured};
 use zeropp_zero::qgz::Reduction;
@@ -33,6 +34,8 @@ use crate::{invalid, to_py};
 /// routing plan.
 #[pyclass(frozen)]
 pub struct Job {
+    /// The job's communicator, used on `thread` alone.
+    comm: Arc<Communicator>,
     thread: CommThread,
     counter: Arc<CountingTransport>,
     layout: Layout,
@@ -161,7 +164,8 @@ impl Job {
         // emulate a cluster whose links are not these.
         let probes = ranks_per_node.is_none() && layout.world() > 1 && probe::enabled();
         Ok(Job {
-            thread: CommThread::new(comm),
+            thread: CommThread::new(comm.clone()),
+            comm,
             counter,
             layout,
             groups,
@@ -257,86 +261,6 @@ impl Job {
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
-        self.all_gather_on(
-            Host, out, inp, dtype, ranks, qwz_bits, block, backward, delta,
-        )
-    }
-
-    /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
-    /// order) into `out` (this rank's chunk of the sum, or of the mean when
-    /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
-    /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
-    #[pyo3(signature = (out, inp, dtype, ranks, mean, qgz=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
-        &self,
-        out: &Bound<'_, PyAny>,
-        inp: &Bound<'_, PyAny>,
-        dtype: &str,
-        ranks: Vec<usize>,
-        mean: bool,
-        qgz: Option<Py<QgzState>>,
-    ) -> PyResult<Op> {
-        self.reduce_scatter_on(Host, out, inp, dtype, ranks, mean, qgz)
-    }
-}
-
-impl Job {
-    /// What `mode` resolves by: for `"zeropp"` on a job that probes, the
-    /// job's links and routes, measured on its communication thread the
-    /// first time (after whatever it was doing) and kept.
-    fn measured(&self, py: Python<'_>, mode: &str) -> PyResult<Option<Measured>> {
-        if !self.probes || mode != "zeropp" {
-            return Ok(None);
-        }
-        let mut kept = self
-            .measured
-            .lock()
-            .map_err(|_| to_py(ZeroError::Poisoned("record of the measured links")))?;
-        if kept.is_none() {
-            let (counter, groups, layout) =
-                (self.counter.clone(), self.groups.clone(), self.layout);
-            let pending = self.thread.submit(move |c: &Communicator| {
-                counter.set_phase(Phase::Other, 0.0);
-                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], layout);
-                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
-            });
-            let m = py.detach(|| pending.wait()).map_err(|e| {
-                to_py(crate::Raised {
-                    peer: e.is_peer_failure(),
-                    message: format!("measuring the links for mode=\"zeropp\": {e}"),
-                })
-            })?;
-            *kept = Some(m);
-        }
-        Ok(kept.clone())
-    }
-}
-
-fn poisoned() -> ZeroError {
-    ZeroError::Poisoned("error-feedback buffer")
-}
-
-impl Job {
-    /// FSDP2's all-gather with `kernels` quantizing: `inp` (this rank's
-    /// shard, `dtype` values) into
-    /// `out` (every member's shard in group order). Over the world with
-    /// `qwz_bits`: qwZ (quantized, across nodes then inside); over the
-    /// world without: one ring; over the sub-group `ranks` (hpZ's, inside
-    /// a node): one ring there.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn all_gather_on<K: HostKernels + Copy + Send + 'static>(
-        &self,
-        kernels: K,
-        out: &Bound<'_, PyAny>,
-        inp: &Bound<'_, PyAny>,
-        dtype: &str,
-        ranks: Vec<usize>,
-        qwz_bits: Option<u32>,
-        block: usize,
-        backward: bool,
-        delta: Option<Py<QwzReference>>,
-    ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
         let (out, inp) = (
             HostBuf::new(out, true, "output")?,
@@ -380,21 +304,20 @@ impl Job {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
                 let r = reference.as_deref_mut();
-                fsdp::all_gather(&kernels, mover, layout, hop, how, phase, r, &shard, &mut o)?;
+                fsdp::all_gather(&Host, mover, layout, hop, how, phase, r, &shard, &mut o)?;
             });
             Ok(())
         }))
     }
 
-    /// FSDP2's reduce-scatter over the world with `kernels` quantizing:
-    /// `inp` (W equal chunks, rank
+    /// FSDP2's reduce-scatter over the world: `inp` (W equal chunks, rank
     /// order) into `out` (this rank's chunk of the sum, or of the mean when
     /// `mean`). With `qgz`: the two-hop quantized all-to-all with f32 sums
     /// and that state's error feedback; without: ZeRO-3's ring in `dtype`.
+    #[pyo3(signature = (out, inp, dtype, ranks, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn reduce_scatter_on<K: HostKernels + Copy + Send + 'static>(
+    fn reduce_scatter(
         &self,
-        kernels: K,
         out: &Bound<'_, PyAny>,
         inp: &Bound<'_, PyAny>,
         dtype: &str,
@@ -445,12 +368,50 @@ impl Job {
                     ),
                     _ => Scatter::Plain,
                 };
-                fsdp::reduce_scatter(&kernels, mover, layout, how, reduction, &x, &mut o)?;
+                fsdp::reduce_scatter(&Host, mover, layout, how, reduction, &x, &mut o)?;
             });
             Ok(())
         }))
     }
+}
 
+impl Job {
+    /// What `mode` resolves by: for `"zeropp"` on a job that probes, the
+    /// job's links and routes, measured on its communication thread the
+    /// first time (after whatever it was doing) and kept.
+    fn measured(&self, py: Python<'_>, mode: &str) -> PyResult<Option<Measured>> {
+        if !self.probes || mode != "zeropp" {
+            return Ok(None);
+        }
+        let mut kept = self
+            .measured
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("record of the measured links")))?;
+        if kept.is_none() {
+            let (counter, groups, layout) =
+                (self.counter.clone(), self.groups.clone(), self.layout);
+            let pending = self.thread.submit(move |c: &Communicator| {
+                counter.set_phase(Phase::Other, 0.0);
+                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], layout);
+                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
+            });
+            let m = py.detach(|| pending.wait()).map_err(|e| {
+                to_py(crate::Raised {
+                    peer: e.is_peer_failure(),
+                    message: format!("measuring the links for mode=\"zeropp\": {e}"),
+                })
+            })?;
+            *kept = Some(m);
+        }
+        Ok(kept.clone())
+    }
+}
+
+fn poisoned() -> ZeroError {
+    ZeroError::Poisoned("error-feedback buffer")
+}
+
+impl Job {
     /// Runs `f` on the communication thread with a byte mover over
     /// `groups`: the collective in flight.
     fn submit(
@@ -465,10 +426,27 @@ impl Job {
                 f(&HostMover {
                     comm: c,
                     counter: &counter,
-                    groups: &groups,
+                    groups,
                 })
             }),
         )
+    }
+
+    /// Runs `f` on the communication thread (one ordered queue, the
+    /// emulated device's stream): the call in flight.
+    pub(crate) fn queue(&self, f: impl FnOnce() -> Result<(), ZeroError> + Send + 'static) -> Op {
+        Op::new(
+            self.layout.rank,
+            self.thread.submit(move |_: &Communicator| f()),
+        )
+    }
+
+    pub(crate) fn communicator(&self) -> Arc<Communicator> {
+        self.comm.clone()
+    }
+
+    pub(crate) fn groups(&self) -> &ZeroGroups {
+        &self.groups
     }
 
     pub(crate) fn layout(&self) -> Layout {
@@ -484,7 +462,7 @@ impl Job {
     }
 
     /// The world, or a sub-group of consecutive ranks inside one node.
-    fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
+    pub(crate) fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
         if self.layout.is_world(ranks) {
             return Ok(self.groups.world.clone());
         }
@@ -531,7 +509,9 @@ pub struct QgzState {
     residual: Arc<Mutex<Residual>>,
     residual_inter: Arc<Mutex<Residual>>,
     /// The same state for CUDA tensors, on their device.
-    pub(crate) device_feedback: Mutex<DeviceFeedback>,
+    pub(crate) device_feedback: Mutex<DeviceFeedback<DeviceQuantizedChunks>>,
+    /// The same state on the emulated device.
+    pub(crate) emulated_feedback: Mutex<DeviceFeedback<QuantizedChunks>>,
 }
 
 impl QgzState {
@@ -585,6 +565,7 @@ impl QgzState {
             residual: Default::default(),
             residual_inter: Default::default(),
             device_feedback: Default::default(),
+            emulated_feedback: Default::default(),
         })
     }
 
@@ -611,7 +592,12 @@ impl QgzState {
     /// compressed: about 1.125 a value).
     fn residual_bytes(&self) -> usize {
         let a = self.residual.lock().map(|r| r.bytes()).unwrap_or(0);
-        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0);
+        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0)
+            + self
+                .emulated_feedback
+                .lock()
+                .map(|f| f.bytes())
+                .unwrap_or(0);
         a + d + self.residual_inter.lock().map(|r| r.bytes()).unwrap_or(0)
     }
 
@@ -623,6 +609,9 @@ impl QgzState {
             }
         }
         if let Ok(mut f) = self.device_feedback.lock() {
+            f.reset();
+        }
+        if let Ok(mut f) = self.emulated_feedback.lock() {
             f.reset();
         }
     }

@@ -3,21 +3,18 @@
 //! kernels over NCCL communicators, on the caller's current stream). The
 //! job's layout, switches and byte counters are the host job's ([`Job`]);
 //! the NCCL ids travel through the torch store (Python does the exchange).
-//! Each call releases the GIL while it runs.
+//! Each call releases the GIL while it runs. The calls themselves are the
+//! device path's, written once for every device ([`crate::device`]).
 
-use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use zeropp_cuda::GpuElement;
+use zeropp_cuda::Gpu;
 use zeropp_cuda::nccl::NcclId;
-use zeropp_zero::ZeroError;
-use zeropp_zero::device_job::{DeviceGather, DeviceJob, DeviceScatter};
-use zeropp_zero::fsdp::Gather;
-use zeropp_zero::qgz::Reduction;
-use zeropp_zero::traffic::Phase;
+use zeropp_zero::device_job::DeviceJob;
 
 use crate::buffers::Dtype;
 use crate::collectives::{Job, QgzState, QwzReference};
+use crate::device::{self, GatherCall, ScatterCall};
 use crate::to_py;
 
 /// A fresh NCCL id (128 bytes): made by one member of a communicator and
@@ -45,7 +42,7 @@ pub fn cuda_status() -> String {
 /// The CUDA half of a joined job (`zeropp_zero::device_job::DeviceJob`).
 #[pyclass(frozen)]
 pub struct CudaJob {
-    job: DeviceJob,
+    job: DeviceJob<Gpu>,
 }
 
 #[pymethods]
@@ -119,35 +116,24 @@ impl CudaJob {
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(dtype)?;
-        let over_world = self.job.layout().is_world(&ranks);
-        let settings = delta.as_ref().map(|d| d.get().settings);
-        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
-            .map_err(to_py)?;
-        py.detach(|| {
-            let mut reference = match (&delta, how) {
-                (Some(state), Gather::Delta(_)) => Some(
-                    state
-                        .get()
-                        .device
-                        .lock()
-                        .map_err(|_| ZeroError::Poisoned("qwZ reference"))?,
-                ),
-                _ => None,
-            };
-            let call = DeviceGather {
-                out,
-                inp,
-                numel,
-                ranks: &ranks,
-                stream,
-                how,
-                phase: Phase::gather(backward),
-                reference: reference.as_deref_mut(),
-            };
-            with_gpu_dtype(dtype, OnJob::Gather(&self.job, call))
-        })
-        .map_err(to_py)
+        let delta = delta.as_ref().map(|d| d.get());
+        let call = GatherCall::new(
+            &self.job,
+            (out, inp, numel),
+            Dtype::parse(dtype)?,
+            ranks,
+            stream,
+            (qwz_bits, block),
+            backward,
+            delta,
+        )
+        .map_err(to_py)?;
+        // SAFETY: zeropp.torch passes the data pointers of live CUDA
+        // tensors on this job's device holding these sizes (FSDP2's
+        // buffers, untouched until the call returns) and
+        // torch.cuda.current_stream().
+        py.detach(|| unsafe { device::all_gather(&self.job, &call, delta) })
+            .map_err(to_py)
     }
 
     /// FSDP2's gradient reduce-scatter over the world on the device:
@@ -171,54 +157,18 @@ impl CudaJob {
         mean: bool,
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<()> {
-        let dtype = Dtype::parse(dtype)?;
-        let (rank, reduction) = (self.job.layout().rank, Reduction::mean_if(mean));
-        py.detach(|| {
-            let state = qgz.as_ref().map(|q| q.get());
-            let mut feedback = state
-                .map(|s| s.device_feedback.lock())
-                .transpose()
-                .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
-            let call = DeviceScatter {
-                out,
-                inp,
-                numel,
-                stream,
-                reduction,
-                qgz: state
-                    .zip(feedback.as_deref_mut())
-                    .map(|(s, fb)| (s.settings(rank, reduction), s.keeps(), fb)),
-            };
-            with_gpu_dtype(dtype, OnJob::Scatter(&self.job, call))
-        })
-        .map_err(to_py)
-    }
-}
-
-/// A device job's call, to run at the element type of its tensors.
-enum OnJob<'a> {
-    Gather(&'a DeviceJob, DeviceGather<'a>),
-    Scatter(&'a DeviceJob, DeviceScatter<'a>),
-}
-
-impl OnJob<'_> {
-    fn run<T: GpuElement>(self) -> Result<(), ZeroError> {
-        // SAFETY: zeropp.torch passes the data pointers of live CUDA
-        // tensors on this job's device holding these sizes (FSDP2's
-        // buffers, untouched until the call returns) and
-        // torch.cuda.current_stream().
-        match self {
-            OnJob::Gather(job, c) => unsafe { job.all_gather::<T>(c) },
-            OnJob::Scatter(job, c) => unsafe { job.reduce_scatter::<T>(c) },
-        }
-    }
-}
-
-fn with_gpu_dtype(dtype: Dtype, call: OnJob<'_>) -> Result<(), ZeroError> {
-    match dtype {
-        Dtype::F32 => call.run::<f32>(),
-        Dtype::Bf16 => call.run::<bf16>(),
-        Dtype::F16 => call.run::<f16>(),
+        let call = ScatterCall {
+            out,
+            inp,
+            numel,
+            dtype: Dtype::parse(dtype)?,
+            stream,
+            mean,
+        };
+        let qgz = qgz.as_ref().map(|q| q.get());
+        // SAFETY: as in `all_gather`.
+        py.detach(|| unsafe { device::reduce_scatter(&self.job, &call, qgz) })
+            .map_err(to_py)
     }
 }
 

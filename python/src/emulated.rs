@@ -1,51 +1,86 @@
 //! `zeropp.torch`'s emulated device (`ZEROPP_DEVICE=emulated`): CPU tensors
 //! sent down the device path — torch.py's CUDA branch of FSDP2's all-gather
-//! and reduce-scatter, and the ZeRO++ collectives over the CUDA kernels'
-//! own source (`zeropp_zero::emulated`) — with the host job's transports as
-//! the byte mover and its communication thread as the stream (one ordered
-//! queue). A call returns once its work is queued, with an [`Op`] to wait
-//! on (the emulated device's event); it gives the host path's results bit
-//! for bit, so CI runs the device path's orchestration in real FSDP2 steps
-//! without a GPU.
+//! and reduce-scatter, and the device job itself
+//! (`zeropp_zero::device_job::DeviceJob`, its communicators, group lookup,
+//! state on the device and failure handling) on
+//! `zeropp_zero::emulated::EmulatedDevice`: the CUDA kernels' own source on
+//! host memory, the host job's groups as communicators and its
+//! communication thread as the stream (one ordered queue). A call returns
+//! once its work is queued, with an [`Op`] to wait on (the emulated
+//! device's event); it gives the host path's results bit for bit, so CI
+//! runs the device path's orchestration in real FSDP2 steps without a GPU.
+
+use std::sync::Arc;
 
 use pyo3::prelude::*;
-use zeropp_zero::emulated::Emulated;
+use zeropp_zero::device_job::DeviceJob;
+use zeropp_zero::emulated::EmulatedDevice;
 
-use crate::buffers::Dtype;
+use crate::buffers::{Dtype, HostBuf};
 use crate::collectives::{Job, Op, QgzState, QwzReference};
-use crate::invalid;
+use crate::device::{self, GatherCall, ScatterCall};
+use crate::{invalid, to_py};
 
 /// The emulated device of a joined job: the same calls as `CudaJob`, on
 /// host buffers.
 #[pyclass(frozen)]
 pub struct EmulatedJob {
-    job: Py<Job>,
+    host: Py<Job>,
+    job: Arc<DeviceJob<EmulatedDevice>>,
 }
 
-fn check_numel(what: &str, numel: usize, dtype: Dtype, bytes: usize) -> PyResult<()> {
-    if numel * dtype.size() == bytes {
-        Ok(())
-    } else {
-        Err(invalid(format!(
-            "{what}: {numel} values of {} bytes where the buffer holds {bytes} bytes",
-            dtype.size()
-        )))
+/// `obj`'s buffer, holding `numel` values of `dtype`.
+fn buffer(
+    obj: &Bound<'_, PyAny>,
+    writable: bool,
+    what: &str,
+    numel: usize,
+    dtype: Dtype,
+) -> PyResult<HostBuf> {
+    let buf = HostBuf::new(obj, writable, what)?;
+    if numel * dtype.size() != buf.len() {
+        return Err(invalid(format!(
+            "{what}: {numel} values of {} bytes where the buffer holds {} bytes",
+            dtype.size(),
+            buf.len()
+        )));
     }
+    Ok(buf)
 }
 
 #[pymethods]
 impl EmulatedJob {
+    /// The emulated device of `job`, its communicators joined at once
+    /// (the host job's world, node and cross-node groups).
     #[new]
-    fn new(job: Py<Job>) -> EmulatedJob {
-        EmulatedJob { job }
+    fn new(host: Py<Job>) -> PyResult<EmulatedJob> {
+        let h = host.get();
+        let device = EmulatedDevice {
+            comm: h.communicator(),
+        };
+        let job = DeviceJob::new(device, 0, h.layout(), h.counter(), h.timeout());
+        let g = h.groups();
+        job.connect(&g.world, &g.node, &g.cross).map_err(to_py)?;
+        Ok(EmulatedJob {
+            host,
+            job: Arc::new(job),
+        })
     }
 
-    /// Every group of the job has its (host) communicator already.
-    fn has_group(&self, _ranks: Vec<usize>) -> bool {
-        true
+    /// Whether group `ranks` has a communicator (the world, this node, or
+    /// an added sub-group).
+    fn has_group(&self, ranks: Vec<usize>) -> PyResult<bool> {
+        self.job.has_group(&ranks).map_err(to_py)
     }
 
-    /// `CudaJob.all_gather` on host buffers, queued on the job's one
+    /// Joins the communicator of sub-group `ranks` (consecutive ranks of
+    /// this node, this rank among them): the host job's group of them.
+    fn add_group(&self, ranks: Vec<usize>) -> PyResult<()> {
+        let group = self.host.get().group_of(&ranks)?;
+        self.job.add_group(ranks, &group).map_err(to_py)
+    }
+
+    /// `CudaJob.all_gather` on host buffers, queued on the device's one
     /// queue (`stream` names no other): an [`Op`] to wait on.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
                         backward=false, delta=None))]
@@ -63,14 +98,29 @@ impl EmulatedJob {
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
-        let _ = stream;
         let d = Dtype::parse(dtype)?;
-        let job = self.job.get();
-        let inp_bytes = crate::buffers::HostBuf::new(inp, false, "input")?.len();
-        check_numel("all-gather input", numel, d, inp_bytes)?;
-        job.all_gather_on(
-            Emulated, out, inp, dtype, ranks, qwz_bits, block, backward, delta,
+        let size = ranks.len();
+        let inp = buffer(inp, false, "all-gather input", numel, d)?;
+        let out = buffer(out, true, "all-gather output", numel * size, d)?;
+        let call = GatherCall::new(
+            &self.job,
+            (out.address(), inp.address(), numel),
+            d,
+            ranks,
+            stream,
+            (qwz_bits, block),
+            backward,
+            delta.as_ref().map(|d| d.get()),
         )
+        .map_err(to_py)?;
+        let job = self.job.clone();
+        Ok(self.host.get().queue(move || {
+            let _held = (&inp, &out);
+            // SAFETY: `inp` and `out` are live host buffers of these sizes,
+            // held by this closure; Python hands them to this call alone
+            // until its Op is waited for.
+            unsafe { device::all_gather(&job, &call, delta.as_ref().map(|d| d.get())) }
+        }))
     }
 
     /// `CudaJob.reduce_scatter` on host buffers: the sum in `dtype`, or
@@ -88,13 +138,24 @@ impl EmulatedJob {
         mean: bool,
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
-        let _ = stream;
         let d = Dtype::parse(dtype)?;
-        let job = self.job.get();
-        let inp_bytes = crate::buffers::HostBuf::new(inp, false, "input")?.len();
-        check_numel("reduce-scatter input", numel, d, inp_bytes)?;
-        let world: Vec<usize> = (0..job.layout().world()).collect();
-        job.reduce_scatter_on(Emulated, out, inp, dtype, world, mean, qgz)
+        let w = self.job.layout().world();
+        let inp = buffer(inp, false, "reduce-scatter input", numel, d)?;
+        let out = buffer(out, true, "reduce-scatter output", numel / w, d)?;
+        let call = ScatterCall {
+            out: out.address(),
+            inp: inp.address(),
+            numel,
+            dtype: d,
+            stream,
+            mean,
+        };
+        let job = self.job.clone();
+        Ok(self.host.get().queue(move || {
+            let _held = (&inp, &out);
+            // SAFETY: as in `all_gather`.
+            unsafe { device::reduce_scatter(&job, &call, qgz.as_ref().map(|q| q.get())) }
+        }))
     }
 }
 

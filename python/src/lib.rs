@@ -8,6 +8,7 @@
 mod buffers;
 mod collectives;
 mod cuda;
+mod device;
 mod emulated;
 mod quant;
 

@@ -255,6 +255,9 @@ def _cuda_group(cj, ranks):
     its first use (FSDP2 gathers over it in backward, every member at once)."""
     if cj.has_group(ranks):
         return
+    if isinstance(cj, _zeropp.EmulatedJob):
+        cj.add_group(ranks)  # the host job's group of these ranks
+        return
     store = dist.distributed_c10d._get_default_store()
     key = f"zeropp/job0/nccl/sub/{ranks[0]}-{len(ranks)}"
     if dist.get_rank() == ranks[0]:

@@ -1,15 +1,21 @@
-//! The CUDA half of a joined job: one device, its kernels, and the NCCL
-//! communicators of the job's groups (the world, this node, this local
-//! rank's ranks across nodes, hpZ sub-groups), with FSDP2's two calls
-//! ([`super::fsdp`]) on the caller's stream and what a failure does
-//! (every communicator aborted, the dead rank named). The layout, the
-//! byte counters and the deadline are the host job's; the NCCL ids travel
-//! however the caller exchanges them (`zeropp.torch`: the torch store).
+//! The device half of a joined job, written once for every device: one
+//! device with zeropp's kernels, the communicators of the job's groups
+//! (the world, this node, this local rank's ranks across nodes, hpZ
+//! sub-groups), FSDP2's two calls ([`super::fsdp`]) on the caller's
+//! pointers and stream, and what a failure does (every communicator
+//! aborted, the dead rank named). A [`Device`] says what differs: the CUDA
+//! device with NCCL ([`Gpu`]), or the emulated device
+//! ([`super::emulated::EmulatedDevice`]: the CUDA kernels' source on host
+//! memory, the host transports as communicators). The layout, the byte
+//! counters and the deadline are the host job's; the communicators' ids
+//! travel however the caller exchanges them (`zeropp.torch`: the torch
+//! store).
 //!
-//! Each call returns once its kernels have reported bad input and its
-//! NCCL collectives have finished within the job's deadline; what follows
-//! the last of them (a scaling kernel, the frees) is left queued on the
-//! stream, where the caller's next use of the output waits for it.
+//! On CUDA each call returns once its kernels have reported bad input and
+//! its NCCL collectives have finished within the job's deadline; what
+//! follows the last of them (a scaling kernel, the frees) is left queued
+//! on the stream, where the caller's next use of the output waits for it.
+//! The emulated device's stream is the queue its caller runs the calls on.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,30 +25,103 @@ use zeropp_comm::Transport;
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
+use zeropp_quant::QuantizedChunks;
 
 use super::delta::Reference;
-use super::device::{DeviceValues, NcclMover};
+use super::device::NcclMover;
 use super::error::ZeroError;
 use super::fsdp::{self, Gather, Scatter};
 use super::plan::Layout;
 use super::qgz::{self, Reduction};
 use super::traffic::{CountingTransport, Phase};
-use super::{ByteMover, Hop};
+use super::{ByteMover, Hop, Quantizer};
 
-/// How long a failed NCCL call waits for the host transport to see which
+/// How long a failed collective waits for the host transport to see which
 /// rank died (its connections close with the process).
 const NAME_THE_DEAD: Duration = Duration::from_secs(3);
 
-struct Comms {
-    world: NcclComm,
-    node: NcclComm,
-    cross: NcclComm,
-    /// hpZ groups smaller than the node, by their ranks.
-    subgroups: Vec<(Vec<usize>, NcclComm)>,
+/// A caller's tensor of `T` on device `D`, to read.
+pub type TensorOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::Tensor<'a, T>;
+/// A caller's tensor of `T` on device `D`, to write.
+pub type TensorMutOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::TensorMut<'a, T>;
+/// f32 values on device `D`.
+pub type ValuesOf<D> = <<D as Device>::Kernels as Quantizer>::Values;
+/// Quantized chunks on device `D`.
+pub type ChunksOf<D> = <<D as Device>::Kernels as Quantizer>::Chunks;
+
+/// What a device job runs on: zeropp's kernels on the device's memory, a
+/// communicator per group, and the caller's pointers and stream.
+pub trait Device {
+    /// The kernels, on this device's memory.
+    type Kernels: Quantizer;
+    /// A communicator: one group's members, joined.
+    type Comm;
+    /// What a communicator's members share to join it (made by its first
+    /// member).
+    type Id: ?Sized;
+    /// The byte mover of one call.
+    type Mover<'a>: ByteMover<Self::Kernels>
+    where
+        Self: 'a;
+
+    fn kernels(&self) -> &Self::Kernels;
+
+    /// Joins the communicator `id` as member `rank` of `size`.
+    fn join(
+        &self,
+        id: &Self::Id,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<Self::Comm, ZeroError>;
+
+    /// Ends `comm` after a failure: its work stops holding the stream and
+    /// none waits for the dead at exit.
+    fn abort(comm: &Self::Comm);
+
+    /// The device and `comms` queue their work on `stream` from now on.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device (the caller's current
+    /// one), live for the call it is passed to.
+    unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<Self::Comm>);
+
+    /// The byte mover of a call over `comms`, with hpZ's group `hpz` (its
+    /// communicator and first rank).
+    fn mover<'a>(
+        &'a self,
+        comms: &'a Comms<Self::Comm>,
+        layout: Layout,
+        counter: &'a CountingTransport,
+        hpz: (&'a Self::Comm, usize),
+    ) -> Self::Mover<'a>;
+
+    /// `f` on the caller's tensors: `inp.1` values of `T` at address
+    /// `inp.0`, `out.1` at `out.0`.
+    ///
+    /// # Safety
+    /// Both addresses hold that many values of `T` in this device's memory,
+    /// `out` not overlapping `inp`, untouched by anything else until the
+    /// call returns.
+    unsafe fn with_tensors<T: GpuElement>(
+        &self,
+        inp: (u64, usize),
+        out: (u64, usize),
+        f: impl FnOnce(&TensorOf<'_, Self, T>, &mut TensorMutOf<'_, Self, T>) -> Result<(), ZeroError>,
+    ) -> Result<(), ZeroError>;
 }
 
-impl Comms {
-    fn all(&self) -> impl Iterator<Item = &NcclComm> {
+/// The communicators of a job's groups.
+pub struct Comms<C> {
+    pub world: C,
+    pub node: C,
+    pub cross: C,
+    /// hpZ groups smaller than the node, by their ranks.
+    pub subgroups: Vec<(Vec<usize>, C)>,
+}
+
+impl<C> Comms<C> {
+    pub fn all(&self) -> impl Iterator<Item = &C> {
         let subgroups = self.subgroups.iter().map(|(_, c)| c);
         [&self.world, &self.node, &self.cross]
             .into_iter()
@@ -51,7 +130,7 @@ impl Comms {
 
     /// The communicator of group `ranks`: the world, this node, or an
     /// added sub-group.
-    fn of(&self, layout: Layout, ranks: &[usize]) -> Result<&NcclComm, ZeroError> {
+    fn of(&self, layout: Layout, ranks: &[usize]) -> Result<&C, ZeroError> {
         let g = layout.ranks_per_node;
         let node_first = layout.node() * g;
         if layout.is_world(ranks) {
@@ -66,32 +145,30 @@ impl Comms {
             .map(|(_, c)| c)
             .ok_or_else(|| {
                 ZeroError::Invalid(format!(
-                    "no NCCL communicator for ranks {ranks:?}: zeropp gathers over the world or \
-                     over consecutive ranks of one node (FSDP2's reshard_after_forward=<int> \
-                     groups), made with add_group first"
+                    "no communicator for ranks {ranks:?}: zeropp gathers over the world or over \
+                     consecutive ranks of one node (FSDP2's reshard_after_forward=<int> groups), \
+                     made with add_group first"
                 ))
             })
     }
 }
 
-struct Side {
-    gpu: Gpu,
-    comms: Option<Comms>,
+struct Side<D: Device> {
+    device: D,
+    comms: Option<Comms<D::Comm>>,
 }
 
-impl Side {
+impl<D: Device> Side<D> {
     /// The device and the job's communicators, all queuing their work on
     /// `stream` from now on.
     ///
     /// # Safety
-    /// `stream` is a live CUDA stream of this device (the caller's current
-    /// one), live for the call it is passed to.
-    unsafe fn on_stream(&mut self, stream: usize) -> Result<(&Gpu, &Comms), ZeroError> {
+    /// As [`Device::use_stream`].
+    unsafe fn on_stream(&mut self, stream: usize) -> Result<(&D, &Comms<D::Comm>), ZeroError> {
         let comms = self.comms.as_ref().ok_or_else(not_connected)?;
         // SAFETY: the caller's promise.
-        unsafe { self.gpu.use_stream(stream) };
-        comms.all().for_each(|c| c.use_stream(self.gpu.stream()));
-        Ok((&self.gpu, comms))
+        unsafe { self.device.use_stream(stream, comms) };
+        Ok((&self.device, comms))
     }
 }
 
@@ -99,12 +176,12 @@ fn not_connected() -> ZeroError {
     ZeroError::Invalid("connect the job's communicators first".into())
 }
 
-/// The CUDA half of a joined job (module docs).
-pub struct DeviceJob {
-    side: Mutex<Side>,
+/// The device half of a joined job (module docs).
+pub struct DeviceJob<D: Device> {
+    side: Mutex<Side<D>>,
     /// Set by the first peer failure: every communicator is aborted then.
     dead: AtomicBool,
-    device: usize,
+    index: usize,
     layout: Layout,
     counter: Arc<CountingTransport>,
     timeout: Duration,
@@ -112,25 +189,25 @@ pub struct DeviceJob {
 
 /// One all-gather on the caller's device pointers: `numel` values at `inp`
 /// (this rank's shard) into `out` (every member's, group order).
-pub struct DeviceGather<'a> {
+pub struct DeviceGather<'a, V> {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
     /// The group's ranks (the world, or a sub-group made with
     /// [`DeviceJob::add_group`]).
     pub ranks: &'a [usize],
-    /// The caller's current CUDA stream.
+    /// The caller's current stream.
     pub stream: usize,
     pub how: Gather,
     pub phase: Phase,
-    /// The parameter group's references on this device, for
-    /// [`Gather::Delta`].
-    pub reference: Option<&'a mut Option<Reference<DeviceValues>>>,
+    /// The parameter group's references on this device (`V`: its f32
+    /// values), for [`Gather::Delta`].
+    pub reference: Option<&'a mut Option<Reference<V>>>,
 }
 
 /// One reduce-scatter over the world on the caller's device pointers:
 /// `numel` values at `inp` (W equal chunks) into `out` (this rank's).
-pub struct DeviceScatter<'a> {
+pub struct DeviceScatter<'a, C> {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
@@ -138,29 +215,57 @@ pub struct DeviceScatter<'a> {
     pub reduction: Reduction,
     /// qgZ's settings for this call, which hops keep error feedback
     /// (inside the node, across), and the group's residuals on this
-    /// device; None: NCCL's own reduce-scatter.
-    pub qgz: Option<(qgz::Qgz, (bool, bool), &'a mut DeviceFeedback)>,
+    /// device (`C`: its quantized chunks); None: the communicator's own
+    /// reduce-scatter.
+    pub qgz: Option<(qgz::Qgz, (bool, bool), &'a mut DeviceFeedback<C>)>,
 }
 
-/// qgZ's error feedback on the device for one parameter group: each hop's
+/// Bytes a buffer of quantized chunks holds.
+pub trait HeldBytes {
+    fn held_bytes(&self) -> usize;
+}
+
+impl HeldBytes for DeviceQuantizedChunks {
+    fn held_bytes(&self) -> usize {
+        self.format.total_bytes(self.chunk_len) * self.count
+    }
+}
+
+impl HeldBytes for QuantizedChunks {
+    fn held_bytes(&self) -> usize {
+        self.format.total_bytes(self.chunk_len) * self.count
+    }
+}
+
+/// qgZ's error feedback on a device for one parameter group: each hop's
 /// residual, compressed as on the host (`zero::residual`'s format), made on
 /// first use.
-#[derive(Default)]
-pub struct DeviceFeedback {
-    first: Option<DeviceQuantizedChunks>,
-    second: Option<DeviceQuantizedChunks>,
+pub struct DeviceFeedback<C> {
+    first: Option<C>,
+    second: Option<C>,
 }
 
-impl DeviceFeedback {
+impl<C> Default for DeviceFeedback<C> {
+    fn default() -> Self {
+        DeviceFeedback {
+            first: None,
+            second: None,
+        }
+    }
+}
+
+impl<C: HeldBytes> DeviceFeedback<C> {
     /// Bytes held on the device.
     pub fn bytes(&self) -> usize {
         [&self.first, &self.second]
             .into_iter()
             .flatten()
-            .map(|c| c.codes.len() + 4 * (c.block_max.len() + c.block_min.len()))
+            .map(HeldBytes::held_bytes)
             .sum()
     }
+}
 
+impl<C> DeviceFeedback<C> {
     /// The feedback starts over.
     pub fn reset(&mut self) {
         (self.first, self.second) = (None, None);
@@ -168,54 +273,30 @@ impl DeviceFeedback {
 
     /// The residuals of the hops that keep feedback (`keeps`: inside the
     /// node, across nodes).
-    fn feedback<'a>(
+    fn feedback<'a, Q: Quantizer<Chunks = C>>(
         &'a mut self,
-        gpu: &Gpu,
+        q: &Q,
         keeps: (bool, bool),
-    ) -> Result<qgz::Feedback<'a, Gpu>, ZeroError> {
-        let first = residual_slot(gpu, &mut self.first)?;
-        let second = residual_slot(gpu, &mut self.second)?;
+    ) -> Result<qgz::Feedback<'a, Q>, ZeroError> {
+        let first = residual_slot(q, &mut self.first)?;
+        let second = residual_slot(q, &mut self.second)?;
         Ok(qgz::Feedback::kept(keeps, first, second))
     }
 }
 
 /// The residual in `slot`, made empty on first use (`zero::qgz` gives it
 /// its shape, from zeros).
-fn residual_slot<'a>(
-    gpu: &Gpu,
-    slot: &'a mut Option<DeviceQuantizedChunks>,
-) -> Result<&'a mut DeviceQuantizedChunks, ZeroError> {
+fn residual_slot<'a, Q: Quantizer>(
+    q: &Q,
+    slot: &'a mut Option<Q::Chunks>,
+) -> Result<&'a mut Q::Chunks, ZeroError> {
     if slot.is_none() {
-        let format = super::residual::format();
-        *slot = Some(DeviceQuantizedChunks::zeroed(gpu, format, 0, 0)?);
+        *slot = Some(q.chunks(super::residual::format(), 0, 0)?);
     }
     Ok(slot.as_mut().expect("filled above"))
 }
 
-/// The byte mover of a call: the job's communicators, with hpZ's group the
-/// node's or `hpz` (a sub-group's communicator and its first rank).
-fn mover<'a>(
-    gpu: &'a Gpu,
-    comms: &'a Comms,
-    layout: Layout,
-    counter: &'a CountingTransport,
-    hpz: Option<(&'a NcclComm, usize)>,
-) -> NcclMover<'a> {
-    let node_first = layout.node() * layout.ranks_per_node;
-    let (hpz, hpz_first) = hpz.unwrap_or((&comms.node, node_first));
-    NcclMover {
-        world: &comms.world,
-        node: &comms.node,
-        cross: &comms.cross,
-        hpz,
-        hpz_first,
-        layout,
-        counter,
-        gpu,
-    }
-}
-
-impl DeviceJob {
+impl DeviceJob<Gpu> {
     /// Opens CUDA device `device` (compiling or loading zeropp's kernels
     /// for it) for a job of `layout` counting in `counter`; the
     /// communicators come next, with [`DeviceJob::connect`].
@@ -224,45 +305,64 @@ impl DeviceJob {
         layout: Layout,
         counter: Arc<CountingTransport>,
         timeout: Duration,
-    ) -> Result<DeviceJob, ZeroError> {
+    ) -> Result<DeviceJob<Gpu>, ZeroError> {
         let gpu = Gpu::open_shared(device)?;
-        Ok(DeviceJob {
-            side: Mutex::new(Side { gpu, comms: None }),
+        Ok(DeviceJob::new(gpu, device, layout, counter, timeout))
+    }
+}
+
+impl<D: Device> DeviceJob<D> {
+    /// The job's half on `device` (number `index`), for a job of `layout`
+    /// counting in `counter`; the communicators come next, with
+    /// [`DeviceJob::connect`].
+    pub fn new(
+        device: D,
+        index: usize,
+        layout: Layout,
+        counter: Arc<CountingTransport>,
+        timeout: Duration,
+    ) -> DeviceJob<D> {
+        DeviceJob {
+            side: Mutex::new(Side {
+                device,
+                comms: None,
+            }),
             dead: AtomicBool::new(false),
-            device,
+            index,
             layout,
             counter,
             timeout,
-        })
+        }
     }
 
+    /// The device's number.
     pub fn device(&self) -> usize {
-        self.device
+        self.index
     }
 
     pub fn layout(&self) -> Layout {
         self.layout
     }
 
-    /// Joins the job's three NCCL communicators: the world (`world`, made
-    /// by rank 0), this node's ranks (`node`, made by the node's first
-    /// rank) and this local rank's ranks across nodes (`cross`, made by
-    /// that rank on node 0). Every rank calls it in the same order.
-    pub fn connect(&self, world: &NcclId, node: &NcclId, cross: &NcclId) -> Result<(), ZeroError> {
+    /// Joins the job's three communicators: the world (`world`, made by
+    /// rank 0), this node's ranks (`node`, made by the node's first rank)
+    /// and this local rank's ranks across nodes (`cross`, made by that
+    /// rank on node 0). Every rank calls it in the same order.
+    pub fn connect(&self, world: &D::Id, node: &D::Id, cross: &D::Id) -> Result<(), ZeroError> {
         let (l, timeout) = (self.layout, self.timeout);
         let g = l.ranks_per_node;
         self.on_side(|side| {
             if side.comms.is_some() {
                 return Err(ZeroError::Invalid(
-                    "the NCCL communicators of this job are already joined".into(),
+                    "the communicators of this job are already joined".into(),
                 ));
             }
-            let gpu = &side.gpu;
-            let comms = (|| -> Result<Comms, CudaError> {
+            let d = &side.device;
+            let comms = (|| -> Result<Comms<D::Comm>, ZeroError> {
                 Ok(Comms {
-                    world: NcclComm::init(gpu, world, l.rank, l.world(), timeout)?,
-                    node: NcclComm::init(gpu, node, l.local(), g, timeout)?,
-                    cross: NcclComm::init(gpu, cross, l.node(), l.nodes, timeout)?,
+                    world: d.join(world, l.rank, l.world(), timeout)?,
+                    node: d.join(node, l.local(), g, timeout)?,
+                    cross: d.join(cross, l.node(), l.nodes, timeout)?,
                     subgroups: Vec::new(),
                 })
             })()
@@ -284,7 +384,7 @@ impl DeviceJob {
 
     /// Joins the communicator of sub-group `ranks` (consecutive ranks of
     /// this node, this rank among them) from `id`, made by its first rank.
-    pub fn add_group(&self, ranks: Vec<usize>, id: &NcclId) -> Result<(), ZeroError> {
+    pub fn add_group(&self, ranks: Vec<usize>, id: &D::Id) -> Result<(), ZeroError> {
         let l = self.layout;
         l.check_subgroup(&ranks).map_err(ZeroError::Invalid)?;
         let me = ranks
@@ -293,9 +393,10 @@ impl DeviceJob {
             .expect("checked above");
         let timeout = self.timeout;
         self.on_side(|side| {
-            let Side { gpu, comms } = side;
+            let Side { device, comms } = side;
             let comms = comms.as_mut().ok_or_else(not_connected)?;
-            let comm = NcclComm::init(gpu, id, me, ranks.len(), timeout)
+            let comm = device
+                .join(id, me, ranks.len(), timeout)
                 .map_err(|e| self.failed(Some(comms), e))?;
             comms.subgroups.push((ranks, comm));
             Ok(())
@@ -303,56 +404,53 @@ impl DeviceJob {
     }
 
     /// FSDP2's all-gather on the device: `fsdp::all_gather` on the
-    /// caller's pointers, over NCCL on the caller's stream.
+    /// caller's pointers, over the group's communicator on the caller's
+    /// stream.
     ///
     /// # Safety
     /// `c.inp` holds `c.numel` values of `T` and `c.out` the group's size
-    /// times as many, on this device, untouched by anything else until
-    /// the call returns; `c.stream` is a live stream of this device.
-    pub unsafe fn all_gather<T: GpuElement>(&self, c: DeviceGather<'_>) -> Result<(), ZeroError> {
+    /// times as many, in this device's memory, untouched by anything else
+    /// until the call returns; `c.stream` is a live stream of this device.
+    pub unsafe fn all_gather<T: GpuElement>(
+        &self,
+        c: DeviceGather<'_, ValuesOf<D>>,
+    ) -> Result<(), ZeroError> {
         let (layout, counter) = (self.layout, &*self.counter);
-        let over_world = c.ranks.len() == layout.world();
+        let over_world = layout.is_world(c.ranks);
         self.on_side(|side| {
             // SAFETY: the caller's promise.
-            let (gpu, comms) = unsafe { side.on_stream(c.stream) }?;
+            let (device, comms) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
                 let group = comms.of(layout, c.ranks)?;
+                let node_first = layout.node() * layout.ranks_per_node;
                 let (hop, hpz) = match over_world {
-                    true => (Hop::World, None),
+                    true => (Hop::World, (&comms.node, node_first)),
                     // A sub-group's gather runs over it as hpZ's group.
-                    false => (Hop::Hpz, Some((group, c.ranks[0]))),
+                    false => (Hop::Hpz, (group, c.ranks[0])),
                 };
-                let m = mover(gpu, comms, layout, counter, hpz);
+                let m = device.mover(comms, layout, counter, hpz);
+                let size = m.size(hop);
+                let (q, how, phase, reference) = (device.kernels(), c.how, c.phase, c.reference);
+                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                    fsdp::all_gather(q, &m, layout, hop, how, phase, reference, x, o)
+                };
                 // SAFETY: the caller's promise.
-                let shard = unsafe { gpu.borrow::<T>(c.inp, c.numel) }?;
-                let mut out = unsafe { gpu.borrow::<T>(c.out, c.numel * m.size(hop)) }?;
-                let (x, mut o) = (shard.view(), out.view_mut());
-                fsdp::all_gather(
-                    gpu,
-                    &m,
-                    layout,
-                    hop,
-                    c.how,
-                    c.phase,
-                    c.reference,
-                    &x,
-                    &mut o,
-                )
+                unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel * size), run) }
             })();
-            result.map_err(|e| self.failed_zero(comms, e))
+            result.map_err(|e| self.failed(Some(comms), e))
         })
     }
 
     /// FSDP2's reduce-scatter over the world on the device:
-    /// `fsdp::reduce_scatter` on the caller's pointers (qgZ, or NCCL's own
-    /// sum or average in `T`).
+    /// `fsdp::reduce_scatter` on the caller's pointers (qgZ, or the
+    /// communicator's own sum or average in `T`).
     ///
     /// # Safety
     /// As [`DeviceJob::all_gather`]: `c.inp` holds `c.numel` values of `T`,
     /// `c.out` a W-th of them.
     pub unsafe fn reduce_scatter<T: GpuElement>(
         &self,
-        c: DeviceScatter<'_>,
+        c: DeviceScatter<'_, ChunksOf<D>>,
     ) -> Result<(), ZeroError> {
         let (layout, counter) = (self.layout, &*self.counter);
         let w = layout.world();
@@ -364,32 +462,35 @@ impl DeviceJob {
         }
         self.on_side(|side| {
             // SAFETY: the caller's promise.
-            let (gpu, comms) = unsafe { side.on_stream(c.stream) }?;
+            let (device, comms) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
-                let m = mover(gpu, comms, layout, counter, None);
-                // SAFETY: the caller's promise.
-                let grad = unsafe { gpu.borrow::<T>(c.inp, c.numel) }?;
-                let mut out = unsafe { gpu.borrow::<T>(c.out, c.numel / w) }?;
+                let node_first = layout.node() * layout.ranks_per_node;
+                let m = device.mover(comms, layout, counter, (&comms.node, node_first));
+                let q = device.kernels();
                 let how = match c.qgz {
-                    Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(gpu, keeps)?),
+                    Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(q, keeps)?),
                     None => Scatter::Plain,
                 };
-                let (x, mut o) = (grad.view(), out.view_mut());
-                fsdp::reduce_scatter(gpu, &m, layout, how, c.reduction, &x, &mut o)
+                let reduction = c.reduction;
+                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                    fsdp::reduce_scatter(q, &m, layout, how, reduction, x, o)
+                };
+                // SAFETY: the caller's promise.
+                unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel / w), run) }
             })();
-            result.map_err(|e| self.failed_zero(comms, e))
+            result.map_err(|e| self.failed(Some(comms), e))
         })
     }
 
     /// Runs `f` on the device side, refusing once a peer failed.
     fn on_side<R>(
         &self,
-        f: impl FnOnce(&mut Side) -> Result<R, ZeroError>,
+        f: impl FnOnce(&mut Side<D>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
         if self.dead.load(Ordering::Relaxed) {
             return Err(ZeroError::Device(CudaError::Peer(
-                "an earlier NCCL failure (a rank died or hung) ended this job's communicators; \
-                 the job cannot continue"
+                "an earlier failure of a collective (a rank died or hung) ended this job's \
+                 communicators; the job cannot continue"
                     .into(),
             )));
         }
@@ -400,25 +501,17 @@ impl DeviceJob {
         f(&mut side)
     }
 
-    /// A collective's failure: a device failure goes through
-    /// [`DeviceJob::failed`]; bad input stays what it is.
-    fn failed_zero(&self, comms: &Comms, e: ZeroError) -> ZeroError {
-        match e {
-            ZeroError::Device(e) => self.failed(Some(comms), e),
-            e if e.is_peer_failure() => self.failed(Some(comms), CudaError::Peer(e.to_string())),
-            e => e,
-        }
-    }
-
-    /// A device failure. On a peer's failure every communicator of the job
-    /// is aborted (their kernels stop holding the stream, and none waits
-    /// for the dead at exit), and the error names the rank that died when
-    /// the host job's connections saw it (NCCL itself cannot say).
-    fn failed(&self, comms: Option<&Comms>, e: CudaError) -> ZeroError {
+    /// A collective's failure. Bad input stays what it is. On a peer's
+    /// failure every communicator of the job is aborted (their work stops
+    /// holding the stream, and none waits for the dead at exit), and the
+    /// error names the rank that died when the host job's connections saw
+    /// it (NCCL itself cannot say). Another device failure may still be a
+    /// peer's death in disguise: it names the dead when one is known.
+    fn failed(&self, comms: Option<&Comms<D::Comm>>, e: ZeroError) -> ZeroError {
         let m = match e {
-            CudaError::Peer(m) => m,
-            e => {
-                // Another failure may still be a peer's death in disguise.
+            ZeroError::Device(CudaError::Peer(m)) => m,
+            e if e.is_peer_failure() => e.to_string(),
+            ZeroError::Device(e) => {
                 return match self.counter.first_death() {
                     Some((rank, why)) => ZeroError::Device(CudaError::Peer(format!(
                         "rank {rank} failed: {why}; here: {e}"
@@ -426,10 +519,11 @@ impl DeviceJob {
                     None => ZeroError::Device(e),
                 };
             }
+            e => return e,
         };
         self.dead.store(true, Ordering::Relaxed);
         if let Some(c) = comms {
-            c.all().for_each(NcclComm::abort);
+            c.all().for_each(D::abort);
         }
         let deadline = Instant::now() + NAME_THE_DEAD;
         let m = loop {
@@ -442,5 +536,420 @@ impl DeviceJob {
             std::thread::sleep(Duration::from_millis(50));
         };
         ZeroError::Device(CudaError::Peer(m))
+    }
+}
+
+/// The CUDA device: zeropp's CUDA kernels, NCCL communicators.
+impl Device for Gpu {
+    type Kernels = Gpu;
+    type Comm = NcclComm;
+    type Id = NcclId;
+    type Mover<'a> = NcclMover<'a>;
+
+    fn kernels(&self) -> &Gpu {
+        self
+    }
+
+    fn join(
+        &self,
+        id: &NcclId,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<NcclComm, ZeroError> {
+        Ok(NcclComm::init(self, id, rank, size, timeout)?)
+    }
+
+    fn abort(comm: &NcclComm) {
+        comm.abort();
+    }
+
+    unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<NcclComm>) {
+        // SAFETY: the caller's promise.
+        unsafe { Gpu::use_stream(self, stream) };
+        comms.all().for_each(|c| c.use_stream(self.stream()));
+    }
+
+    fn mover<'a>(
+        &'a self,
+        comms: &'a Comms<NcclComm>,
+        layout: Layout,
+        counter: &'a CountingTransport,
+        (hpz, hpz_first): (&'a NcclComm, usize),
+    ) -> NcclMover<'a> {
+        NcclMover {
+            world: &comms.world,
+            node: &comms.node,
+            cross: &comms.cross,
+            hpz,
+            hpz_first,
+            layout,
+            counter,
+            gpu: self,
+        }
+    }
+
+    unsafe fn with_tensors<T: GpuElement>(
+        &self,
+        (inp, n_in): (u64, usize),
+        (out, n_out): (u64, usize),
+        f: impl FnOnce(&TensorOf<'_, Self, T>, &mut TensorMutOf<'_, Self, T>) -> Result<(), ZeroError>,
+    ) -> Result<(), ZeroError> {
+        // SAFETY: the caller's promise.
+        let x = unsafe { self.borrow::<T>(inp, n_in) }?;
+        let mut o = unsafe { self.borrow::<T>(out, n_out) }?;
+        f(&x.view(), &mut o.view_mut())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use half::bf16;
+    use zeropp_quant::Rounding;
+
+    use super::*;
+    use crate::ZeroGroups;
+    use crate::emulated::EmulatedDevice;
+    use crate::fsdp::DeltaSettings;
+    use crate::host::{Host, HostMover};
+    use crate::plan;
+    use crate::testing::{Rank, bf16s, gradient as values, on_world};
+
+    fn bits(x: &[bf16]) -> Vec<u32> {
+        x.iter().map(|v| u32::from(v.to_bits())).collect()
+    }
+
+    fn f32_bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Rank `r`'s device job on the emulated device, connected over the
+    /// standard groups.
+    fn emulated_job(r: &Rank) -> DeviceJob<EmulatedDevice> {
+        let device = EmulatedDevice {
+            comm: r.comm.clone(),
+        };
+        let timeout = Duration::from_secs(30);
+        let job = DeviceJob::new(device, 0, r.layout, r.counter.clone(), timeout);
+        let g = &r.groups;
+        job.connect(&g.world, &g.node, &g.cross).unwrap();
+        job
+    }
+
+    /// qgZ at int4 inside the node (both hops keep error feedback).
+    fn qgz_settings() -> (qgz::Qgz, (bool, bool)) {
+        let (intra, inter) = plan::gradient_formats(4, 32, Some(128)).unwrap();
+        let q = qgz::Qgz {
+            intra,
+            inter,
+            rounding: Rounding::NearestEven,
+            reduction: Reduction::Mean,
+            hadamard: true,
+        };
+        (q, (qgz::first_hop_feedback(true, intra), true))
+    }
+
+    const LEN: usize = 8 * 96;
+
+    fn delta() -> Option<DeltaSettings> {
+        Some(DeltaSettings {
+            refresh_every: 4,
+            fp32: false,
+        })
+    }
+
+    /// The hpZ sub-group of this rank: two consecutive ranks of its node.
+    fn pair(l: Layout) -> Vec<usize> {
+        let first = l.rank / 2 * 2;
+        vec![first, first + 1]
+    }
+
+    /// Every kind of FSDP2 call through the host library: the outputs' bits.
+    fn on_host(r: &Rank) -> Vec<Vec<u32>> {
+        let (l, m) = (r.layout, r.mover());
+        let shard = bf16s(&values(l.rank + 10, LEN / 8));
+        let mut outs = Vec::new();
+        let mut reference = None;
+        for (bits_, delta, calls) in [(None, None, 1), (Some(4), None, 1), (Some(4), delta(), 2)] {
+            let how = Gather::choose(bits_, 256, true, delta, true).unwrap();
+            for _ in 0..calls {
+                let mut out = vec![bf16::ZERO; LEN];
+                let (x, mut o) = (&shard[..], &mut out[..]);
+                let phase = Phase::ForwardGather;
+                let r = Some(&mut reference);
+                fsdp::all_gather(&Host, &m, l, Hop::World, how, phase, r, &x, &mut o).unwrap();
+                outs.push(bits(&out));
+            }
+        }
+        // hpZ's gather inside a pair of the node's ranks.
+        let ranks = pair(l);
+        let hpz = ZeroGroups::run_or_node(&r.groups.node, ranks[0], 2).unwrap();
+        let m2 = HostMover {
+            groups: ZeroGroups {
+                hpz,
+                ..r.groups.clone()
+            },
+            ..r.mover()
+        };
+        let mut out = vec![bf16::ZERO; 2 * shard.len()];
+        let (x, mut o) = (&shard[..], &mut out[..]);
+        let phase = Phase::BackwardGather;
+        fsdp::all_gather(
+            &Host,
+            &m2,
+            l,
+            Hop::Hpz,
+            Gather::Plain,
+            phase,
+            None,
+            &x,
+            &mut o,
+        )
+        .unwrap();
+        outs.push(bits(&out));
+        let grad = values(l.rank, LEN);
+        for reduction in [Reduction::Sum, Reduction::Mean] {
+            let mut out = vec![0f32; LEN / 8];
+            let (x, mut o) = (&grad[..], &mut out[..]);
+            fsdp::reduce_scatter(&Host, &m, l, Scatter::Plain, reduction, &x, &mut o).unwrap();
+            outs.push(f32_bits(&out));
+        }
+        let mut fb = DeviceFeedback::<QuantizedChunks>::default();
+        let (settings, keeps) = qgz_settings();
+        for _ in 0..2 {
+            let mut out = vec![0f32; LEN / 8];
+            let (x, mut o) = (&grad[..], &mut out[..]);
+            let how = Scatter::Qgz(settings, fb.feedback(&Host, keeps).unwrap());
+            fsdp::reduce_scatter(&Host, &m, l, how, Reduction::Mean, &x, &mut o).unwrap();
+            outs.push(f32_bits(&out));
+        }
+        outs
+    }
+
+    type Job = DeviceJob<EmulatedDevice>;
+
+    /// FSDP2's gather in place: `shard` copied into run `at` of `out`, then
+    /// gathered from there.
+    fn gather(
+        job: &Job,
+        shard: &[bf16],
+        (out, at): (&mut [bf16], usize),
+        ranks: &[usize],
+        how: Gather,
+        phase: Phase,
+        reference: Option<&mut Option<Reference<Vec<f32>>>>,
+    ) {
+        let n = shard.len();
+        out[at * n..(at + 1) * n].copy_from_slice(shard);
+        let c = DeviceGather {
+            out: out.as_mut_ptr() as u64,
+            inp: out[at * n..].as_ptr() as u64,
+            numel: n,
+            ranks,
+            stream: 0,
+            how,
+            phase,
+            reference,
+        };
+        // SAFETY: `out` holds the group's size times `n` values, the
+        // input is its run `at`.
+        unsafe { job.all_gather::<bf16>(c) }.unwrap();
+    }
+
+    fn scatter(
+        job: &Job,
+        grad: &[f32],
+        qgz: Option<(qgz::Qgz, (bool, bool), &mut DeviceFeedback<QuantizedChunks>)>,
+        reduction: Reduction,
+    ) -> Vec<u32> {
+        let mut out = vec![0f32; grad.len() / job.layout().world()];
+        let c = DeviceScatter {
+            out: out.as_mut_ptr() as u64,
+            inp: grad.as_ptr() as u64,
+            numel: grad.len(),
+            stream: 0,
+            reduction,
+            qgz,
+        };
+        // SAFETY: `grad` holds `numel` values, `out` a W-th of them.
+        unsafe { job.reduce_scatter::<f32>(c) }.unwrap();
+        f32_bits(&out)
+    }
+
+    /// The same calls through the device job on the emulated device, on
+    /// "device" addresses; the gathers in place as FSDP2 runs them (the
+    /// input is this rank's run of the output).
+    fn on_emulated(r: &Rank) -> Vec<Vec<u32>> {
+        let l = r.layout;
+        let job = emulated_job(r);
+        let shard = bf16s(&values(l.rank + 10, LEN / 8));
+        let n = shard.len();
+        let mut outs = Vec::new();
+        let mut reference = None;
+        let world: Vec<usize> = (0..l.world()).collect();
+        for (bits_, delta, calls) in [(None, None, 1), (Some(4), None, 1), (Some(4), delta(), 2)] {
+            let how = Gather::choose(bits_, 256, true, delta, true).unwrap();
+            for _ in 0..calls {
+                let mut out = vec![bf16::ZERO; LEN];
+                let phase = Phase::ForwardGather;
+                gather(
+                    &job,
+                    &shard,
+                    (&mut out, l.rank),
+                    &world,
+                    how,
+                    phase,
+                    Some(&mut reference),
+                );
+                outs.push(bits(&out));
+            }
+        }
+        let ranks = pair(l);
+        assert!(!job.has_group(&ranks).unwrap());
+        let group = ZeroGroups::run_or_node(&r.groups.node, ranks[0], 2).unwrap();
+        job.add_group(ranks.clone(), &group).unwrap();
+        assert!(job.has_group(&ranks).unwrap());
+        let mut out = vec![bf16::ZERO; 2 * n];
+        let phase = Phase::BackwardGather;
+        gather(
+            &job,
+            &shard,
+            (&mut out, l.rank % 2),
+            &ranks,
+            Gather::Plain,
+            phase,
+            None,
+        );
+        outs.push(bits(&out));
+        let grad = values(l.rank, LEN);
+        for reduction in [Reduction::Sum, Reduction::Mean] {
+            outs.push(scatter(&job, &grad, None, reduction));
+        }
+        let mut fb = DeviceFeedback::<QuantizedChunks>::default();
+        let (settings, keeps) = qgz_settings();
+        for _ in 0..2 {
+            outs.push(scatter(
+                &job,
+                &grad,
+                Some((settings, keeps, &mut fb)),
+                Reduction::Mean,
+            ));
+        }
+        assert!(fb.bytes() > 0, "both hops keep their residuals");
+        outs
+    }
+
+    #[test]
+    fn the_device_job_on_the_emulated_device_gives_the_hosts_results_bit_for_bit() {
+        let timeout = Duration::from_secs(30);
+        let host = on_world(2, 4, timeout, |r| on_host(&r));
+        let emulated = on_world(2, 4, timeout, |r| on_emulated(&r));
+        assert_eq!(host.len(), 8);
+        for (rank, (h, e)) in host.iter().zip(&emulated).enumerate() {
+            assert_eq!(h.len(), e.len());
+            for (call, (a, b)) in h.iter().zip(e).enumerate() {
+                assert_eq!(a, b, "rank {rank}, call {call}");
+            }
+        }
+        // The plain gather is exact: every rank's shard in rank order.
+        let expect: Vec<u32> = (0..8)
+            .flat_map(|r| bits(&bf16s(&values(r + 10, LEN / 8))))
+            .collect();
+        assert_eq!(emulated[3][0], expect);
+    }
+
+    #[test]
+    fn the_device_job_refuses_bad_calls_with_what_to_do() {
+        let timeout = Duration::from_secs(30);
+        let errors = on_world(1, 4, timeout, move |r| {
+            let device = EmulatedDevice {
+                comm: r.comm.clone(),
+            };
+            let job = DeviceJob::new(device, 0, r.layout, r.counter.clone(), timeout);
+            let not_connected = job.has_group(&[0, 1]).unwrap_err().to_string();
+            let g = &r.groups;
+            job.connect(&g.world, &g.node, &g.cross).unwrap();
+            let twice = job.connect(&g.world, &g.node, &g.cross).unwrap_err();
+            let (x, mut out) = ([1f32; 4], [0f32; 8]);
+            let ranks = [0, 1];
+            let mut gather = |inp: u64, ranks: &[usize]| {
+                let c = DeviceGather {
+                    out: out.as_mut_ptr() as u64,
+                    inp,
+                    numel: 4,
+                    ranks,
+                    stream: 0,
+                    how: Gather::Plain,
+                    phase: Phase::ForwardGather,
+                    reference: None,
+                };
+                // SAFETY: refused before anything is read (no such group;
+                // a misaligned address).
+                unsafe { job.all_gather::<f32>(c) }.unwrap_err().to_string()
+            };
+            let no_group = gather(x.as_ptr() as u64, &ranks);
+            let c = DeviceScatter {
+                out: out.as_mut_ptr() as u64,
+                inp: x.as_ptr() as u64,
+                numel: 6,
+                stream: 0,
+                reduction: Reduction::Sum,
+                qgz: None,
+            };
+            // SAFETY: refused before anything is read.
+            let uneven = unsafe { job.reduce_scatter::<f32>(c) }.unwrap_err();
+            let bad_sub = job.add_group(vec![1, 3], &g.node).unwrap_err();
+            [
+                not_connected,
+                twice.to_string(),
+                no_group,
+                uneven.to_string(),
+                bad_sub.to_string(),
+            ]
+        });
+        let [not_connected, twice, no_group, uneven, bad_sub] = &errors[0];
+        assert!(not_connected.contains("connect"), "{not_connected}");
+        assert!(twice.contains("already joined"), "{twice}");
+        assert!(no_group.contains("add_group"), "{no_group}");
+        assert!(uneven.contains("not W equal chunks"), "{uneven}");
+        assert!(bad_sub.contains("consecutive"), "{bad_sub}");
+    }
+
+    #[test]
+    fn a_dead_rank_is_named_and_the_job_refuses_to_go_on() {
+        let timeout = Duration::from_secs(10);
+        let started = Instant::now();
+        let got = on_world(2, 1, timeout, |r| {
+            let job = emulated_job(&r);
+            if r.layout.rank == 1 {
+                // Rank 1 dies: its transport closes with its thread.
+                return None;
+            }
+            let x = [1f32; 4];
+            let mut out = [0f32; 8];
+            let ranks = [0, 1];
+            let mut gather = || {
+                let c = DeviceGather {
+                    out: out.as_mut_ptr() as u64,
+                    inp: x.as_ptr() as u64,
+                    numel: 4,
+                    ranks: &ranks,
+                    stream: 0,
+                    how: Gather::Plain,
+                    phase: Phase::ForwardGather,
+                    reference: None,
+                };
+                // SAFETY: `x` holds 4 values, `out` 8.
+                unsafe { job.all_gather::<f32>(c) }.unwrap_err()
+            };
+            let first = gather();
+            let next = gather();
+            Some((first.is_peer_failure(), first.to_string(), next.to_string()))
+        });
+        let (peer, first, next) = got[0].clone().unwrap();
+        assert!(peer, "{first}");
+        assert!(first.contains("rank 1"), "{first}");
+        assert!(next.contains("earlier failure"), "{next}");
+        assert!(started.elapsed() < timeout, "named within the deadline");
     }
 }

@@ -15,8 +15,17 @@ use zeropp_cuda::kernels::{
 use zeropp_cuda_emu as emu;
 use zeropp_quant::{QuantError, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding, Scheme};
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use zeropp_comm::{Communicator, Group};
+
+use super::ZeroGroups;
+use super::device_job::{Comms, Device};
 use super::error::{ZeroError, quant_failure};
-use super::host::{Host, HostKernels};
+use super::host::{Host, HostKernels, HostMover};
+use super::plan::Layout;
+use super::traffic::CountingTransport;
 
 /// The CUDA kernels on host memory.
 #[derive(Clone, Copy, Debug, Default)]
@@ -303,6 +312,111 @@ fn cast<A: GpuElement, B: GpuElement>(name: &str, x: &[A], y: &mut [B]) -> Resul
                 x.len() as u64,
             )
         };
+    }
+    Ok(())
+}
+
+/// The emulated device of a device job ([`super::device_job::Device`]):
+/// "device" memory is host memory, the kernels are [`Emulated`], a
+/// communicator is one of the host job's groups, moved by its transports
+/// (the ids: the groups themselves). Its stream is whatever queue the
+/// caller runs the calls on (`zeropp.torch`: the host job's communication
+/// thread, one ordered queue).
+pub struct EmulatedDevice {
+    pub comm: Arc<Communicator>,
+}
+
+impl Device for EmulatedDevice {
+    type Kernels = Emulated;
+    type Comm = Arc<Group>;
+    type Id = Arc<Group>;
+    type Mover<'a> = HostMover<'a>;
+
+    fn kernels(&self) -> &Emulated {
+        &Emulated
+    }
+
+    fn join(
+        &self,
+        id: &Arc<Group>,
+        rank: usize,
+        size: usize,
+        _timeout: Duration,
+    ) -> Result<Arc<Group>, ZeroError> {
+        if id.size() != size || rank >= size {
+            return Err(ZeroError::Invalid(format!(
+                "joining member {rank} of a {size}-rank communicator with a group of ranks {:?}",
+                id.ranks()
+            )));
+        }
+        Ok(id.clone())
+    }
+
+    /// The host transports end a collective with a dead peer themselves
+    /// (their deadline); nothing holds a stream.
+    fn abort(_comm: &Arc<Group>) {}
+
+    unsafe fn use_stream(&mut self, _stream: usize, _comms: &Comms<Arc<Group>>) {}
+
+    fn mover<'a>(
+        &'a self,
+        comms: &'a Comms<Arc<Group>>,
+        _layout: Layout,
+        counter: &'a CountingTransport,
+        (hpz, _): (&'a Arc<Group>, usize),
+    ) -> HostMover<'a> {
+        HostMover {
+            comm: &self.comm,
+            counter,
+            groups: ZeroGroups {
+                world: comms.world.clone(),
+                node: comms.node.clone(),
+                cross: comms.cross.clone(),
+                hpz: hpz.clone(),
+            },
+        }
+    }
+
+    unsafe fn with_tensors<T: GpuElement>(
+        &self,
+        (inp, n_in): (u64, usize),
+        (out, n_out): (u64, usize),
+        f: impl FnOnce(&&[T], &mut &mut [T]) -> Result<(), ZeroError>,
+    ) -> Result<(), ZeroError> {
+        let size = std::mem::size_of::<T>() as u64;
+        check_host_address::<T>(inp, n_in)?;
+        check_host_address::<T>(out, n_out)?;
+        // FSDP2 gathers in place: its input is this rank's run of the
+        // output. Read from a copy then, so the two never alias.
+        let overlaps = n_in > 0
+            && n_out > 0
+            && inp < out + n_out as u64 * size
+            && out < inp + n_in as u64 * size;
+        // SAFETY (both): the caller's promise; the addresses were checked
+        // non-null and aligned above.
+        let x: &[T] = match n_in {
+            0 => &[],
+            _ => unsafe { std::slice::from_raw_parts(inp as *const T, n_in) },
+        };
+        let copy = overlaps.then(|| x.to_vec());
+        let x = copy.as_deref().unwrap_or(x);
+        let mut o: &mut [T] = match n_out {
+            0 => &mut [],
+            _ => unsafe { std::slice::from_raw_parts_mut(out as *mut T, n_out) },
+        };
+        f(&x, &mut o)
+    }
+}
+
+/// Refuses an address that cannot hold `len` values of `T` (null, or not
+/// aligned to them).
+fn check_host_address<T>(ptr: u64, len: usize) -> Result<(), ZeroError> {
+    let size = std::mem::size_of::<T>() as u64;
+    if len > 0 && (ptr == 0 || !ptr.is_multiple_of(size)) {
+        return Err(ZeroError::Invalid(format!(
+            "address {ptr:#x} does not hold aligned {size}-byte values; pass a contiguous tensor \
+             of that type"
+        )));
     }
     Ok(())
 }

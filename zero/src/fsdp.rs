@@ -166,18 +166,7 @@ mod tests {
     use super::*;
     use crate::emulated::Emulated;
     use crate::host::{Host, HostKernels, HostMover};
-    use crate::testing::on_ranks;
-
-    /// Rank r's full gradient of `len` values.
-    fn gradient(rank: usize, len: usize) -> Vec<f32> {
-        (0..len)
-            .map(|i| ((i * 7 + rank * 3) as f32 * 0.37).sin() * 0.01)
-            .collect()
-    }
-
-    fn bf16s(x: &[f32]) -> Vec<bf16> {
-        x.iter().map(|&v| bf16::from_f32(v)).collect()
-    }
+    use crate::testing::{bf16s, gradient, on_ranks};
 
     #[test]
     fn a_plain_reduce_scatter_is_the_sum_or_mean_of_every_ranks_chunk() {

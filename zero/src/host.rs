@@ -382,7 +382,7 @@ impl<K: HostKernels> Quantizer for K {
 pub struct HostMover<'a> {
     pub comm: &'a Communicator,
     pub counter: &'a CountingTransport,
-    pub groups: &'a ZeroGroups,
+    pub groups: ZeroGroups,
 }
 
 impl HostMover<'_> {

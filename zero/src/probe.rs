@@ -380,7 +380,7 @@ fn route_times(
     let mover = HostMover {
         comm: c,
         counter,
-        groups,
+        groups: groups.clone(),
     };
     let bytes = |x: &[bf16]| Bytes::copy_from_slice(bytemuck::cast_slice(x));
     // Each route starts with every rank ready (no rank's late start is

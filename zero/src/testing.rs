@@ -12,13 +12,46 @@ use super::host::HostMover;
 use super::plan::Layout;
 use super::traffic::CountingTransport;
 
-/// Runs `f` on every rank of `nodes` × `g` (hpZ over the node); each
-/// rank's result and the bytes it sent across nodes, in rank order.
-pub fn on_ranks<R: Send + 'static>(
+/// Rank `rank`'s test values (a full gradient, or with another seed a
+/// shard): `len` small, distinct values.
+pub fn gradient(rank: usize, len: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| ((i * 7 + rank * 3) as f32 * 0.37).sin() * 0.01)
+        .collect()
+}
+
+pub fn bf16s(x: &[f32]) -> Vec<half::bf16> {
+    x.iter().map(|&v| half::bf16::from_f32(v)).collect()
+}
+
+/// One rank of an in-process world.
+pub struct Rank {
+    pub layout: Layout,
+    pub comm: Arc<Communicator>,
+    pub counter: Arc<CountingTransport>,
+    /// The standard groups, hpZ over the node.
+    pub groups: ZeroGroups,
+}
+
+impl Rank {
+    /// The host byte mover over the standard groups.
+    pub fn mover(&self) -> HostMover<'_> {
+        HostMover {
+            comm: &self.comm,
+            counter: &self.counter,
+            groups: self.groups.clone(),
+        }
+    }
+}
+
+/// Runs `f` on every rank of `nodes` × `g` with `timeout` as the
+/// transports' deadline; each rank's result, in rank order.
+pub fn on_world<R: Send + 'static>(
     nodes: usize,
     g: usize,
-    f: impl Fn(Layout, &HostMover<'_>) -> R + Send + Sync + 'static,
-) -> Vec<(R, u64)> {
+    timeout: Duration,
+    f: impl Fn(Rank) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let f = Arc::new(f);
     let handles: Vec<_> = InProcess::world(nodes * g)
         .into_iter()
@@ -27,20 +60,17 @@ pub fn on_ranks<R: Send + 'static>(
             let f = f.clone();
             std::thread::spawn(move || {
                 let counter = Arc::new(CountingTransport::new(Box::new(t), g));
-                let comm = Communicator::new(counter.clone(), Duration::from_secs(30));
                 let layout = Layout {
                     nodes,
                     ranks_per_node: g,
                     rank,
                 };
-                let groups = ZeroGroups::new(&layout, g).expect("the standard groups");
-                let mover = HostMover {
-                    comm: &comm,
-                    counter: &counter,
-                    groups: &groups,
-                };
-                let r = f(layout, &mover);
-                (r, counter.traffic().total().inter_node)
+                f(Rank {
+                    layout,
+                    comm: Arc::new(Communicator::new(counter.clone(), timeout)),
+                    counter,
+                    groups: ZeroGroups::new(&layout, g).expect("the standard groups"),
+                })
             })
         })
         .collect();
@@ -48,4 +78,17 @@ pub fn on_ranks<R: Send + 'static>(
         .into_iter()
         .map(|h| h.join().expect("a rank panicked"))
         .collect()
+}
+
+/// Runs `f` on every rank of `nodes` × `g` (hpZ over the node); each
+/// rank's result and the bytes it sent across nodes, in rank order.
+pub fn on_ranks<R: Send + 'static>(
+    nodes: usize,
+    g: usize,
+    f: impl Fn(Layout, &HostMover<'_>) -> R + Send + Sync + 'static,
+) -> Vec<(R, u64)> {
+    on_world(nodes, g, Duration::from_secs(30), move |r| {
+        let out = f(r.layout, &r.mover());
+        (out, r.counter.traffic().total().inter_node)
+    })
 }

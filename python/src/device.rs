@@ -1,0 +1,185 @@
+//! The device path's calls, written once for every device
+//! (`zeropp_zero::device_job::DeviceJob` on CUDA, `CudaJob`, or on the
+//! emulated device, `EmulatedJob`): FSDP2's all-gather and reduce-scatter
+//! on the caller's device addresses, with the parameter group's state
+//! (qwZ references, qgZ error feedback) held on that device.
+
+use std::sync::Mutex;
+
+use half::{bf16, f16};
+use zeropp_cuda::Gpu;
+use zeropp_quant::QuantizedChunks;
+use zeropp_zero::ZeroError;
+use zeropp_zero::delta::Reference;
+use zeropp_zero::device::DeviceValues;
+use zeropp_zero::device_job::{
+    ChunksOf, Device, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter, ValuesOf,
+};
+use zeropp_zero::emulated::EmulatedDevice;
+use zeropp_zero::fsdp::Gather;
+use zeropp_zero::qgz::Reduction;
+use zeropp_zero::traffic::Phase;
+
+use crate::buffers::Dtype;
+use crate::collectives::{QgzState, QwzReference};
+
+/// Where a device keeps a parameter group's state.
+pub(crate) trait DeviceState: Device + Sized {
+    /// qgZ's error feedback on this device.
+    fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
+    /// qwZ's references on this device.
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<ValuesOf<Self>>>>;
+}
+
+impl DeviceState for Gpu {
+    fn feedback(
+        s: &QgzState,
+    ) -> &Mutex<DeviceFeedback<zeropp_cuda::device::DeviceQuantizedChunks>> {
+        &s.device_feedback
+    }
+
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceValues>>> {
+        &r.device
+    }
+}
+
+impl DeviceState for EmulatedDevice {
+    fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<QuantizedChunks>> {
+        &s.emulated_feedback
+    }
+
+    /// The emulated device's memory is the host's: the host path's
+    /// references (one process sends CPU tensors down one path).
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<Vec<f32>>>> {
+        &r.reference
+    }
+}
+
+/// One all-gather's arguments: `numel` values of `dtype` at address `inp`
+/// into `out`, over group `ranks`, on stream `stream`.
+pub(crate) struct GatherCall {
+    pub out: u64,
+    pub inp: u64,
+    pub numel: usize,
+    pub dtype: Dtype,
+    pub ranks: Vec<usize>,
+    pub stream: usize,
+    pub how: Gather,
+    pub backward: bool,
+}
+
+impl GatherCall {
+    /// The gather FSDP2 asks for (`Gather::choose`), checked before
+    /// anything runs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new<D: Device>(
+        job: &DeviceJob<D>,
+        (out, inp, numel): (u64, u64, usize),
+        dtype: Dtype,
+        ranks: Vec<usize>,
+        stream: usize,
+        (qwz_bits, block): (Option<u32>, usize),
+        backward: bool,
+        delta: Option<&QwzReference>,
+    ) -> Result<GatherCall, ZeroError> {
+        let over_world = job.layout().is_world(&ranks);
+        let settings = delta.map(|d| d.settings);
+        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)?;
+        Ok(GatherCall {
+            out,
+            inp,
+            numel,
+            dtype,
+            ranks,
+            stream,
+            how,
+            backward,
+        })
+    }
+}
+
+/// One reduce-scatter's arguments: `numel` values of `dtype` at address
+/// `inp` (W equal chunks) into `out`, the sum or (`mean`) the mean.
+pub(crate) struct ScatterCall {
+    pub out: u64,
+    pub inp: u64,
+    pub numel: usize,
+    pub dtype: Dtype,
+    pub stream: usize,
+    pub mean: bool,
+}
+
+/// FSDP2's all-gather on `job`'s device, with `delta`'s references there.
+///
+/// # Safety
+/// `c.inp` holds `c.numel` values of `c.dtype` and `c.out` the group's
+/// size times as many, in the device's memory, untouched by anything else
+/// until the call returns; `c.stream` is a live stream of the device.
+pub(crate) unsafe fn all_gather<D: DeviceState>(
+    job: &DeviceJob<D>,
+    c: &GatherCall,
+    delta: Option<&QwzReference>,
+) -> Result<(), ZeroError> {
+    let mut reference = match (delta, c.how) {
+        (Some(state), Gather::Delta(_)) => Some(
+            D::reference(state)
+                .lock()
+                .map_err(|_| ZeroError::Poisoned("qwZ reference"))?,
+        ),
+        _ => None,
+    };
+    let call = DeviceGather {
+        out: c.out,
+        inp: c.inp,
+        numel: c.numel,
+        ranks: &c.ranks,
+        stream: c.stream,
+        how: c.how,
+        phase: Phase::gather(c.backward),
+        reference: reference.as_deref_mut(),
+    };
+    // SAFETY: the caller's promise.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => job.all_gather::<f32>(call),
+            Dtype::Bf16 => job.all_gather::<bf16>(call),
+            Dtype::F16 => job.all_gather::<f16>(call),
+        }
+    }
+}
+
+/// FSDP2's reduce-scatter over the world on `job`'s device: the
+/// communicator's own, or qgZ with `qgz`'s settings and its error feedback
+/// there.
+///
+/// # Safety
+/// As [`all_gather`]: `c.inp` holds `c.numel` values, `c.out` a W-th.
+pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
+    job: &DeviceJob<D>,
+    c: &ScatterCall,
+    qgz: Option<&QgzState>,
+) -> Result<(), ZeroError> {
+    let (rank, reduction) = (job.layout().rank, Reduction::mean_if(c.mean));
+    let mut feedback = qgz
+        .map(|s| D::feedback(s).lock())
+        .transpose()
+        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
+    let call = DeviceScatter {
+        out: c.out,
+        inp: c.inp,
+        numel: c.numel,
+        stream: c.stream,
+        reduction,
+        qgz: qgz
+            .zip(feedback.as_deref_mut())
+            .map(|(s, fb)| (s.settings(rank, reduction), s.keeps(), fb)),
+    };
+    // SAFETY: the caller's promise.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => job.reduce_scatter::<f32>(call),
+            Dtype::Bf16 => job.reduce_scatter::<bf16>(call),
+            Dtype::F16 => job.reduce_scatter::<f16>(call),
+        }
+    }
+}
