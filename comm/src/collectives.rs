@@ -586,28 +586,29 @@ impl<T, E: From<CommError>> Pending<T, E> {
     }
 }
 
-type Job = Box<dyn FnOnce(&Communicator) + Send>;
+/// A closure queued on a [`CommThread`].
+type Task = Box<dyn FnOnce(&Communicator) + Send>;
 
 /// A thread that runs collectives in submission order, so the caller can
 /// start the next gather and compute while it runs.
 pub struct CommThread {
-    jobs: Option<mpsc::Sender<Job>>,
+    tasks: Option<mpsc::Sender<Task>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl CommThread {
     pub fn new(comm: Arc<Communicator>) -> Self {
-        let (jobs, rx) = mpsc::channel::<Job>();
+        let (tasks, rx) = mpsc::channel::<Task>();
         let thread = std::thread::Builder::new()
             .name("zeropp-comm".into())
             .spawn(move || {
-                for job in rx {
-                    job(&comm);
+                for task in rx {
+                    task(&comm);
                 }
             })
             .expect("spawning the communication thread");
         CommThread {
-            jobs: Some(jobs),
+            tasks: Some(tasks),
             thread: Some(thread),
         }
     }
@@ -618,12 +619,12 @@ impl CommThread {
         f: impl FnOnce(&Communicator) -> Result<T, E> + Send + 'static,
     ) -> Pending<T, E> {
         let (tx, rx) = mpsc::channel();
-        let job: Job = Box::new(move |c| {
+        let task: Task = Box::new(move |c| {
             let _ = tx.send(f(c));
         });
-        if let Some(jobs) = &self.jobs {
+        if let Some(tasks) = &self.tasks {
             // If the thread is gone the receiver reports `Closed`.
-            let _ = jobs.send(job);
+            let _ = tasks.send(task);
         }
         Pending { rx }
     }
@@ -631,7 +632,7 @@ impl CommThread {
 
 impl Drop for CommThread {
     fn drop(&mut self) {
-        self.jobs.take();
+        self.tasks.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

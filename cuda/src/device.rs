@@ -341,7 +341,7 @@ impl Gpu {
         let format = out.format;
         self.quantize_chunks(
             input,
-            QuantizeJob {
+            QuantizeLaunch {
                 format,
                 chunk_len: out.len,
                 count: 1,
@@ -365,7 +365,7 @@ impl Gpu {
     ) -> Result<(), CudaError> {
         out.check()?;
         size_check("input values", out.len, input.len())?;
-        let job = QuantizeJob {
+        let launch = QuantizeLaunch {
             format: out.format,
             chunk_len: out.len,
             count: 1,
@@ -376,7 +376,7 @@ impl Gpu {
         };
         self.quantize_chunks(
             input,
-            job,
+            launch,
             &mut out.codes,
             &mut out.block_max,
             &mut out.block_min,
@@ -405,7 +405,7 @@ impl Gpu {
         }
         self.quantize_chunks(
             input,
-            QuantizeJob {
+            QuantizeLaunch {
                 format: out.format,
                 chunk_len,
                 count: world,
@@ -423,28 +423,28 @@ impl Gpu {
     fn quantize_chunks<T: GpuElement>(
         &self,
         input: &CudaView<'_, T>,
-        job: QuantizeJob,
+        launch: QuantizeLaunch,
         codes: &mut CudaViewMut<'_, u8>,
         bmax: &mut CudaViewMut<'_, f32>,
         bmin: &mut CudaViewMut<'_, f32>,
     ) -> Result<(), CudaError> {
-        let f = job.format;
-        let blocks = (f.num_blocks(job.chunk_len) * job.count) as u64;
+        let f = launch.format;
+        let blocks = (f.num_blocks(launch.chunk_len) * launch.count) as u64;
         if blocks == 0 {
             return Ok(());
         }
-        let (name, seed) = quantize_kernel(T::TAG, &f, job.rounding);
+        let (name, seed) = quantize_kernel(T::TAG, &f, launch.rounding);
         let func = self.function("quantize", &name)?;
         let cfg = grid_config(quantize_grid(&f, blocks), &name)?;
         let mut err = self.err.lock().expect("error slots poisoned");
         self.reset_err(&mut err)?;
         let (chunk_len, count, nodes, rpn, block, part) = (
-            job.chunk_len as u64,
-            job.count as u32,
-            job.nodes as u32,
-            job.rpn as u32,
+            launch.chunk_len as u64,
+            launch.count as u32,
+            launch.nodes as u32,
+            launch.rpn as u32,
             f.block as u32,
-            u32::from(job.part_seeds),
+            u32::from(launch.part_seeds),
         );
         let mut b = self.stream.launch_builder(&func);
         b.arg(input)
@@ -467,20 +467,20 @@ impl Gpu {
         let Some(fault) = decode_fault(key) else {
             return Ok(());
         };
-        let nb = f.num_blocks(job.chunk_len) as u64;
+        let nb = f.num_blocks(launch.chunk_len) as u64;
         let gb = match fault {
             Fault::NonFinite { block, .. } | Fault::RangeOverflow { block } => block,
         };
         let (p, block) = ((gb / nb) as usize, (gb % nb) as usize);
-        let rank = (p % job.nodes) * job.rpn + p / job.nodes;
+        let rank = (p % launch.nodes) * launch.rpn + p / launch.nodes;
         let e = match fault {
             Fault::RangeOverflow { .. } => {
-                let (min, max) = self.block_range(input, rank * job.chunk_len, block, f)?;
+                let (min, max) = self.block_range(input, rank * launch.chunk_len, block, f)?;
                 QuantError::RangeOverflow { block, min, max }
             }
             Fault::NonFinite { offset, .. } => {
                 let index = block * f.block + offset as usize;
-                let at = rank * job.chunk_len + index;
+                let at = rank * launch.chunk_len + index;
                 let value = self.download(&input.slice(at..at + 1))?[0].to_f32();
                 QuantError::NonFinite {
                     block,
@@ -489,7 +489,7 @@ impl Gpu {
                 }
             }
         };
-        Err(if job.count == 1 {
+        Err(if launch.count == 1 {
             e.into()
         } else {
             CudaError::Invalid(format!("chunk at swizzled position {p}: {e}"))
@@ -807,7 +807,8 @@ impl Gpu {
     }
 }
 
-struct QuantizeJob {
+/// One quantize kernel's launch: its format, chunks and rounding.
+struct QuantizeLaunch {
     format: QuantFormat,
     chunk_len: usize,
     count: usize,

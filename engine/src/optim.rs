@@ -1,42 +1,29 @@
 //! AdamW on a primary shard, and the learning-rate schedule (linear warm-up,
 //! cosine decay to a floor).
 
-use serde::{Deserialize, Serialize};
-
-/// AdamW and its schedule (the `[optim]` table of a config; unset keys
-/// take the defaults).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OptimConfig {
-    pub lr: f32,
-    /// Fraction of `lr` the cosine decays to.
-    pub min_lr_ratio: f32,
-    pub warmup_steps: usize,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-    /// Clip the global gradient norm to this (0 = no clipping).
-    pub max_grad_norm: f32,
-    /// A step with a non-finite loss or gradient is skipped (no update)
-    /// instead of stopping the run.
-    #[serde(default)]
-    pub skip_nonfinite: bool,
-}
-
-impl Default for OptimConfig {
-    fn default() -> Self {
-        OptimConfig {
-            lr: 3e-3,
-            min_lr_ratio: 0.1,
-            warmup_steps: 20,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            max_grad_norm: 1.0,
-            skip_nonfinite: false,
-        }
+zeropp_settings::section! {
+    /// AdamW and its schedule (the `[optim]` table of a config; unset keys
+    /// take the defaults).
+    OptimConfig / OptimArgs [deny_unknown_fields] {
+        /// Peak learning rate.
+        lr: f32 = 3e-3,
+        /// Fraction of the peak learning rate the cosine decays to.
+        min_lr_ratio: f32 = 0.1,
+        /// Steps of linear warm-up before the cosine decay.
+        warmup_steps: usize = 20,
+        /// AdamW's decay of the gradient's running mean.
+        beta1: f32 = 0.9,
+        /// AdamW's decay of the squared gradient's running mean.
+        beta2: f32 = 0.95,
+        /// AdamW's epsilon.
+        eps: f32 = 1e-8,
+        /// AdamW's decoupled weight decay.
+        weight_decay: f32 = 0.1,
+        /// Clip the global gradient norm to this (0 = no clipping).
+        max_grad_norm: f32 = 1.0,
+        /// Skip a step whose loss or gradient is NaN/Inf (no update) instead
+        /// of stopping the run.
+        skip_nonfinite: bool = false,
     }
 }
 

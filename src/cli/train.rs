@@ -7,9 +7,11 @@ use std::path::PathBuf;
 
 use anyhow::{Result, bail};
 
+use crate::engine::optim::OptimArgs;
 use crate::train::config::{
     CheckpointArgs, LaunchArgs, OutputArgs, RunArgs, SwitchArgs, TrainConfig,
 };
+use crate::train::model::ModelArgs;
 use crate::train::{local, trainer};
 
 #[derive(clap::Args, Debug)]
@@ -47,43 +49,6 @@ pub struct TrainArgs {
     pub timeout: Option<f64>,
 }
 
-/// The flags of the `[model]` table (its vocabulary is the 256 byte
-/// values, not a flag).
-#[derive(clap::Args, Debug, Default)]
-pub struct ModelArgs {
-    /// Model width.
-    #[arg(long)]
-    pub width: Option<usize>,
-    /// Transformer blocks.
-    #[arg(long)]
-    pub layers: Option<usize>,
-    /// Attention heads (they divide the width).
-    #[arg(long)]
-    pub heads: Option<usize>,
-    /// Context length (tokens per sequence).
-    #[arg(long)]
-    pub context: Option<usize>,
-    /// Tie the head's output matrix to the token embedding.
-    #[arg(long)]
-    pub tied_head: Option<bool>,
-}
-
-/// The flags of the `[optim]` table (AdamW's other settings are keys of
-/// the table only).
-#[derive(clap::Args, Debug, Default)]
-pub struct OptimArgs {
-    /// Peak learning rate.
-    #[arg(long)]
-    pub lr: Option<f32>,
-    /// Steps of linear warm-up before the cosine decay.
-    #[arg(long)]
-    pub warmup_steps: Option<usize>,
-    /// Skip a step whose loss or gradient is NaN/Inf (no update) instead of
-    /// stopping the run.
-    #[arg(long)]
-    pub skip_nonfinite: Option<bool>,
-}
-
 impl TrainArgs {
     /// The run's config: `--config`'s file, else the checkpoint being
     /// resumed, else the defaults; then every flag given.
@@ -106,16 +71,8 @@ impl TrainArgs {
         self.output.apply(&mut c.output);
         self.checkpoint.apply(&mut c.checkpoint);
         self.launch.apply(&mut c.launch);
-        let (m, o) = (&self.model, &self.optim);
-        macro_rules! set {
-            ($($flag:expr => $target:expr),* $(,)?) => {
-                $(if let Some(v) = $flag { $target = v; })*
-            };
-        }
-        set!(m.width => c.model.width, m.layers => c.model.layers, m.heads => c.model.heads,
-             m.context => c.model.context, m.tied_head => c.model.tied_head,
-             o.lr => c.optim.lr, o.warmup_steps => c.optim.warmup_steps,
-             o.skip_nonfinite => c.optim.skip_nonfinite);
+        self.model.apply(&mut c.model);
+        self.optim.apply(&mut c.optim);
         c.validate()?;
         Ok(c)
     }
@@ -152,4 +109,89 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn config(flags: &[&str]) -> Result<TrainConfig> {
+        let argv = std::iter::once("zeropp-train").chain(flags.iter().copied());
+        Cli::try_parse_from(argv)?.train.config()
+    }
+
+    #[test]
+    fn every_model_and_optimizer_setting_is_a_flag_over_the_defaults() {
+        let c = config(&[
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--vocab",
+            "300",
+            "--tied-head",
+            "true",
+            "--lr",
+            "0.01",
+            "--weight-decay",
+            "0.05",
+            "--beta2",
+            "0.99",
+            "--skip-nonfinite",
+            "true",
+        ])
+        .unwrap();
+        assert_eq!((c.model.width, c.model.heads, c.model.vocab), (32, 2, 300));
+        assert!(c.model.tied_head && c.optim.skip_nonfinite);
+        assert_eq!(
+            (c.optim.lr, c.optim.weight_decay, c.optim.beta2),
+            (0.01, 0.05, 0.99)
+        );
+        // What no flag set keeps its declared default.
+        let d = TrainConfig::default();
+        assert_eq!(
+            (c.model.layers, c.optim.beta1),
+            (d.model.layers, d.optim.beta1)
+        );
+        // Each table's keys are its flags' names: one declaration.
+        for (keys, table) in [
+            (crate::train::model::ModelConfig::KEYS, "model"),
+            (crate::engine::optim::OptimConfig::KEYS, "optim"),
+        ] {
+            let json = serde_json::to_value(&d).unwrap();
+            let mut written: Vec<&str> = json[table]
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(|k| k.as_str())
+                .collect();
+            let mut declared = keys.to_vec();
+            written.sort_unstable();
+            declared.sort_unstable();
+            assert_eq!(written, declared, "[{table}]");
+            for k in keys {
+                let flag = format!("--{}", k.replace('_', "-"));
+                let value = match json[table][k].is_boolean() {
+                    true => "true",
+                    false => "1",
+                };
+                let argv = ["zeropp-train", &flag, value];
+                assert!(Cli::try_parse_from(argv).is_ok(), "{flag} {value}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_vocabulary_smaller_than_the_bytes_is_refused() {
+        let e = config(&["--vocab", "100"]).unwrap_err();
+        assert!(format!("{e:#}").contains("at least 256"), "{e:#}");
+    }
 }

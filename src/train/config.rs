@@ -14,6 +14,7 @@ use crate::comm::job::TransportKind;
 use crate::engine::optim::OptimConfig;
 use crate::train::model::ModelConfig;
 use crate::zero::plan::Switches;
+use zeropp_settings::{Setting, section};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -25,80 +26,12 @@ pub enum Mode {
     Zeropp,
 }
 
-/// How a flag sets its setting: a value replaces it; an optional setting
-/// (the mode's or the plan's to choose while unset) becomes `Some`.
-pub trait Setting {
-    /// What the flag takes.
-    type Flag: Clone;
-    fn set(&mut self, flag: Self::Flag);
-}
-
-/// The types a setting holds.
-trait Plain: Clone {}
-impl Plain for bool {}
-impl Plain for u32 {}
-impl Plain for u64 {}
-impl Plain for usize {}
-impl Plain for f32 {}
-impl Plain for PathBuf {}
-impl Plain for Mode {}
-impl Plain for TransportKind {}
-
-impl<T: Plain> Setting for T {
-    type Flag = T;
-    fn set(&mut self, flag: T) {
+/// The mode is set by its flag.
+impl Setting for Mode {
+    type Flag = Mode;
+    fn set(&mut self, flag: Mode) {
         *self = flag;
     }
-}
-
-impl<T: Plain> Setting for Option<T> {
-    type Flag = T;
-    fn set(&mut self, flag: T) {
-        *self = Some(flag);
-    }
-}
-
-/// One section of the config: the struct (its fields flat in the TOML
-/// file), its defaults, and its flags (`Args`: each setting's flag, with
-/// the setting's doc, `None` when not given).
-macro_rules! section {
-    (
-        $(#[doc = $doc:literal])*
-        $name:ident / $args:ident {
-            $( $(#[doc = $fdoc:literal])* $field:ident : $ty:ty = $default:expr ),* $(,)?
-        }
-    ) => {
-        $(#[doc = $doc])*
-        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-        #[serde(default)]
-        pub struct $name {
-            $( $(#[doc = $fdoc])* pub $field: $ty, )*
-        }
-
-        impl Default for $name {
-            fn default() -> Self {
-                $name { $( $field: $default, )* }
-            }
-        }
-
-        $(#[doc = $doc])*
-        #[derive(clap::Args, Clone, Debug, Default)]
-        pub struct $args {
-            $( $(#[doc = $fdoc])* #[arg(long)] pub $field: Option<<$ty as Setting>::Flag>, )*
-        }
-
-        impl $args {
-            /// Sets what was given on the command line.
-            pub fn apply(&self, c: &mut $name) {
-                $( if let Some(v) = self.$field.clone() { Setting::set(&mut c.$field, v); } )*
-            }
-        }
-
-        impl $name {
-            /// The section's keys, in declaration order.
-            pub const KEYS: &[&str] = &[$(stringify!($field)),*];
-        }
-    };
 }
 
 section! {

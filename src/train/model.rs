@@ -6,36 +6,25 @@
 use candle_core::{DType, Result, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
-use serde::{Deserialize, Serialize};
 
-/// Shape of the model (the `[model]` table of a config; unset keys take
-/// the defaults).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ModelConfig {
-    /// Tokens are bytes.
-    pub vocab: usize,
-    /// Context length (tokens per sequence).
-    pub context: usize,
-    pub width: usize,
-    pub layers: usize,
-    pub heads: usize,
-    /// The head's output matrix is the token embedding, transposed (GPT-2
-    /// style): `vocab × width` fewer parameters.
-    #[serde(default)]
-    pub tied_head: bool,
-}
-
-impl Default for ModelConfig {
-    fn default() -> Self {
-        ModelConfig {
-            vocab: 256,
-            context: 64,
-            width: 64,
-            layers: 2,
-            heads: 4,
-            tied_head: false,
-        }
+zeropp_settings::section! {
+    /// Shape of the model (the `[model]` table of a config; unset keys take
+    /// the defaults).
+    ModelConfig / ModelArgs [deny_unknown_fields] {
+        /// Token ids: tokens are bytes, so at least 256 (more leaves rows
+        /// of the embedding unused).
+        vocab: usize = 256,
+        /// Context length (tokens per sequence).
+        context: usize = 64,
+        /// Model width.
+        width: usize = 64,
+        /// Transformer blocks.
+        layers: usize = 2,
+        /// Attention heads (they divide the width).
+        heads: usize = 4,
+        /// Tie the head's output matrix to the token embedding, transposed
+        /// (GPT-2 style): vocab × width fewer parameters.
+        tied_head: bool = false,
     }
 }
 
@@ -47,8 +36,14 @@ impl ModelConfig {
                 self.width, self.heads
             ));
         }
-        if self.context == 0 || self.vocab == 0 {
-            return Err("context and vocab must be positive".into());
+        if self.context == 0 {
+            return Err("context must be positive".into());
+        }
+        if self.vocab < 256 {
+            return Err(format!(
+                "vocab {} is too small: tokens are bytes, so it must be at least 256",
+                self.vocab
+            ));
         }
         Ok(())
     }
