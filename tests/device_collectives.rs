@@ -75,7 +75,6 @@ where
             intra,
             inter,
             rounding: Rounding::NearestEven,
-            reduction: case.reduction,
             hadamard: case.hadamard,
         };
         let (mut r1, mut r2) = (
@@ -93,7 +92,8 @@ where
                 first: (case.feedback && qgz::first_hop_feedback(true, intra)).then_some(&mut r1),
                 second: case.feedback.then_some(&mut r2),
             };
-            let out = qgz::reduce_scatter(&q, mover, layout, settings, &grad, feedback).unwrap();
+            let s = (settings, case.reduction);
+            let out = qgz::reduce_scatter(&q, mover, layout, s, &grad, feedback).unwrap();
             assert_eq!(out.len(), case.chunk);
             seen.results.push(bits(&out));
             seen.residuals.push((r1.clone(), r2.clone()));
@@ -502,7 +502,6 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
         intra: f4,
         inter: f4,
         rounding: Rounding::NearestEven,
-        reduction: case.reduction,
         hadamard: false,
     };
     let (mut r1, mut r2) = (gpu.chunks(f4, 0, 0).unwrap(), gpu.chunks(f4, 0, 0).unwrap());
@@ -512,7 +511,8 @@ fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
             first: Some(&mut r1),
             second: Some(&mut r2),
         };
-        let out = qgz::reduce_scatter(gpu, &mover, layout, settings, &grad, feedback).unwrap();
+        let s = (settings, case.reduction);
+        let out = qgz::reduce_scatter(gpu, &mover, layout, s, &grad, feedback).unwrap();
         let got = gpu.download(&out.view()).unwrap();
         assert_eq!(bits(&got), host[0].results[call], "call {call}");
         let (h1, h2) = &host[0].residuals[call];
@@ -579,7 +579,6 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
         intra,
         inter,
         rounding: Rounding::NearestEven,
-        reduction: Reduction::Mean,
         hadamard: true,
     };
     fn none<Q: Quantizer>() -> Feedback<'static, Q> {

@@ -363,7 +363,7 @@ impl Job {
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
                 let how = match (state, &mut first, &mut second) {
                     (Some(s), Some(first), Some(second)) => Scatter::Qgz(
-                        s.settings(layout.rank, reduction),
+                        s.settings(layout.rank),
                         qgz::Feedback::kept(s.keeps(), first.chunks_mut(), second.chunks_mut()),
                     ),
                     _ => Scatter::Plain,
@@ -517,13 +517,12 @@ pub struct QgzState {
 impl QgzState {
     /// This group's next reduce-scatter on `rank`: its formats, and its
     /// rounding (call numbers counted per group, `qgz::rounding`).
-    pub(crate) fn settings(&self, rank: usize, reduction: Reduction) -> qgz::Qgz {
+    pub(crate) fn settings(&self, rank: usize) -> qgz::Qgz {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         qgz::Qgz {
             intra: self.intra,
             inter: self.inter,
             rounding: qgz::rounding(self.stochastic, self.seed, call, 0, rank),
-            reduction,
             hadamard: self.hadamard,
         }
     }

@@ -172,7 +172,7 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
         reduction,
         qgz: qgz
             .zip(feedback.as_deref_mut())
-            .map(|(s, fb)| (s.settings(rank, reduction), s.keeps(), fb)),
+            .map(|(s, fb)| (s.settings(rank), s.keeps(), fb)),
     };
     // SAFETY: the caller's promise.
     unsafe {

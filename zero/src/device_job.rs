@@ -643,7 +643,6 @@ mod tests {
             intra,
             inter,
             rounding: Rounding::NearestEven,
-            reduction: Reduction::Mean,
             hadamard: true,
         };
         (q, (qgz::first_hop_feedback(true, intra), true))

@@ -122,8 +122,7 @@ pub enum Scatter<'a, Q: Quantizer> {
     /// ZeRO-3's reduce-scatter in the tensor's type (the host's rings,
     /// NCCL's on the device).
     Plain,
-    /// qgZ with these settings (their reduction is the call's) and this
-    /// error feedback.
+    /// qgZ with these settings and this error feedback.
     Qgz(qgz::Qgz, qgz::Feedback<'a, Q>),
 }
 
@@ -150,10 +149,9 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             m.reduce_scatter_tensor(q, Hop::World, Phase::Gradient, grad, out, mean)
         }
         Scatter::Qgz(s, feedback) => {
-            let s = qgz::Qgz { reduction, ..s };
             let mut g = q.values(len)?;
             q.load_tensor(grad, &mut g, 0)?;
-            let sum = qgz::reduce_scatter(q, m, layout, s, &g, feedback)?;
+            let sum = qgz::reduce_scatter(q, m, layout, (s, reduction), &g, feedback)?;
             q.store_values(&sum, 0, out, 0, q.len(&sum))
         }
     }
@@ -237,7 +235,6 @@ mod tests {
                         intra,
                         inter,
                         rounding: zeropp_quant::Rounding::NearestEven,
-                        reduction,
                         hadamard: true,
                     },
                     qgz::Feedback {

@@ -436,14 +436,14 @@ fn route_times(
         intra,
         inter,
         rounding: Rounding::NearestEven,
-        reduction: Reduction::Mean,
         hadamard: s.qgz_hadamard,
     };
     let none = Feedback {
         first: None,
         second: None,
     };
-    qgz::reduce_scatter(&Host, &mover, layout, settings, &g32, none)?;
+    let mean = (settings, Reduction::Mean);
+    qgz::reduce_scatter(&Host, &mover, layout, mean, &g32, none)?;
     let reduce_qgz = t.elapsed().as_secs_f64();
     Ok([gather_plain, gather_qwz, reduce_plain, reduce_qgz])
 }

@@ -277,7 +277,6 @@ pub struct Qgz {
     pub intra: QuantFormat,
     pub inter: QuantFormat,
     pub rounding: Rounding,
-    pub reduction: Reduction,
     /// The hop across nodes rotated block by block (Walsh–Hadamard).
     pub hadamard: bool,
 }
@@ -301,12 +300,13 @@ impl<'a, Q: Quantizer> Feedback<'a, Q> {
 }
 
 /// The whole qgZ reduce-scatter of `grad` (every rank's full gradient, W
-/// equal chunks): this rank's chunk of the sum or mean over the world.
+/// equal chunks): this rank's chunk of the sum or mean (`reduction`) over
+/// the world.
 pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
     q: &Q,
     m: &M,
     layout: Layout,
-    s: Qgz,
+    (s, reduction): (Qgz, Reduction),
     grad: &Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
@@ -317,7 +317,7 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         residual: feedback.second,
         hadamard: s.hadamard,
     };
-    exchange(q, m, layout, first, second, s.reduction)
+    exchange(q, m, layout, first, second, reduction)
 }
 
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
@@ -392,7 +392,6 @@ mod tests {
                 intra,
                 inter,
                 rounding: Rounding::NearestEven,
-                reduction: Reduction::Mean,
                 hadamard,
             };
             let none = Feedback {
@@ -400,6 +399,7 @@ mod tests {
                 second: None,
             };
             let grad = gradient(layout.rank, len);
+            let s = (s, Reduction::Mean);
             let got = reduce_scatter(&Host, mover, layout, s, &grad, none).unwrap();
             let chunk = len / 4;
             let at = layout.rank * chunk;
