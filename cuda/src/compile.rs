@@ -192,7 +192,10 @@ fn check(r: sys::nvrtcResult, what: &str) -> Result<(), CudaError> {
     if r == sys::nvrtcResult::NVRTC_SUCCESS {
         Ok(())
     } else {
-        Err(CudaError::Invalid(format!("NVRTC {what} failed: {r:?}")))
+        Err(CudaError::Nvrtc {
+            what: what.into(),
+            status: format!("{r:?}"),
+        })
     }
 }
 

@@ -74,6 +74,20 @@ pub enum CudaError {
     },
     #[error(transparent)]
     Quant(#[from] zeropp_quant::QuantError),
+    /// The CUDA toolkit's libraries or headers could not be found or
+    /// loaded (the search's own message: what was looked for, where).
+    #[error("{0}")]
+    Toolkit(String),
+    /// An NVRTC call failed.
+    #[error("NVRTC {what} failed: {status}")]
+    Nvrtc { what: String, status: String },
+    /// NCCL (libnccl.so.2) could not be loaded or lacks what zeropp calls.
+    #[error("{0}")]
+    NcclLibrary(String),
+    /// An NCCL call, or the CUDA work around it, failed on this rank.
+    #[error("{what}: {detail}")]
+    Nccl { what: String, detail: String },
+    /// A call's arguments do not fit together (sizes, ranks, grids).
     #[error("{0}")]
     Invalid(String),
     /// Another rank died, hung or became unreachable (an NCCL timeout or

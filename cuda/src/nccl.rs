@@ -172,7 +172,7 @@ fn api() -> Result<&'static Api, CudaError> {
     static API: OnceLock<Result<Api, String>> = OnceLock::new();
     API.get_or_init(load)
         .as_ref()
-        .map_err(|e| CudaError::Invalid(e.clone()))
+        .map_err(|e| CudaError::NcclLibrary(e.clone()))
 }
 
 /// The NCCL this process already loaded (PyTorch's), if any: one NCCL per
@@ -245,10 +245,10 @@ pub fn version() -> Result<String, CudaError> {
     // SAFETY: plain out-parameter.
     let r = unsafe { (a.get_version)(&mut v) };
     if r != SUCCESS {
-        return Err(CudaError::Invalid(format!(
-            "ncclGetVersion: {}",
-            a.describe(r)
-        )));
+        return Err(CudaError::Nccl {
+            what: "ncclGetVersion".into(),
+            detail: a.describe(r),
+        });
     }
     Ok(format!("{}.{}.{}", v / 10000, (v % 10000) / 100, v % 100))
 }
@@ -265,10 +265,10 @@ impl NcclId {
         // SAFETY: `id` is a valid out-parameter of the right size.
         let r = unsafe { (a.get_unique_id)(&mut id) };
         if r != SUCCESS {
-            return Err(CudaError::Invalid(format!(
-                "ncclGetUniqueId: {}",
-                a.describe(r)
-            )));
+            return Err(CudaError::Nccl {
+                what: "ncclGetUniqueId".into(),
+                detail: a.describe(r),
+            });
         }
         Ok(NcclId(id))
     }
@@ -326,7 +326,10 @@ impl NcclComm {
         let api = api()?;
         gpu.context()
             .bind_to_thread()
-            .map_err(|e| CudaError::Invalid(format!("binding the CUDA context: {e}")))?;
+            .map_err(|e| CudaError::Nccl {
+                what: "binding the CUDA context".into(),
+                detail: e.to_string(),
+            })?;
         let mut config = Config {
             size: std::mem::size_of::<Config>(),
             magic: 0xcafe_beef,
@@ -344,10 +347,10 @@ impl NcclComm {
             (api.init_rank_config)(&mut comm, size as c_int, id.0, rank as c_int, &mut config)
         };
         if r != SUCCESS && r != IN_PROGRESS {
-            return Err(CudaError::Invalid(format!(
-                "creating the NCCL communicator (rank {rank} of {size}): {}",
-                api.describe(r)
-            )));
+            return Err(CudaError::Nccl {
+                what: format!("creating the NCCL communicator (rank {rank} of {size})"),
+                detail: api.describe(r),
+            });
         }
         let c = NcclComm {
             api,
@@ -418,17 +421,13 @@ impl NcclComm {
     }
 
     fn fail(&self, what: &str, r: NcclResult) -> CudaError {
-        let make = if r == REMOTE_ERROR || r == SYSTEM_ERROR {
-            CudaError::Peer
+        let what = format!("NCCL {what} failed on rank {} of {}", self.rank, self.size);
+        let detail = self.api.describe(r);
+        if r == REMOTE_ERROR || r == SYSTEM_ERROR {
+            CudaError::Peer(format!("{what}: {detail}"))
         } else {
-            CudaError::Invalid
-        };
-        make(format!(
-            "NCCL {what} failed on rank {} of {}: {}",
-            self.rank,
-            self.size,
-            self.api.describe(r)
-        ))
+            CudaError::Nccl { what, detail }
+        }
     }
 
     /// Aborts the communicator (once): NCCL's way out of a stuck or failed
@@ -472,7 +471,10 @@ impl NcclComm {
         let event = self
             .stream()
             .record_event(None)
-            .map_err(|e| CudaError::Invalid(format!("NCCL {what}: recording an event: {e}")))?;
+            .map_err(|e| CudaError::Nccl {
+                what: format!("NCCL {what}: recording an event"),
+                detail: e.to_string(),
+            })?;
         loop {
             match event.try_is_complete() {
                 Ok(true) => return Ok(()),
@@ -482,7 +484,12 @@ impl NcclComm {
                     std::thread::sleep(Duration::from_micros(50));
                 }
                 Ok(false) => return Err(self.timed_out(what)),
-                Err(e) => return Err(CudaError::Invalid(format!("NCCL {what}: {e}"))),
+                Err(e) => {
+                    return Err(CudaError::Nccl {
+                        what: format!("NCCL {what}"),
+                        detail: e.to_string(),
+                    });
+                }
             }
         }
     }

@@ -44,7 +44,7 @@ impl Toolkit {
         match found {
             Ok(tk) => Ok(tk.clone()),
             // Rebuild the error for this caller; the search is done once.
-            Err(msg) => Err(CudaError::Invalid(msg.clone())),
+            Err(msg) => Err(CudaError::Toolkit(msg.clone())),
         }
     }
 
@@ -54,7 +54,10 @@ impl Toolkit {
         // SAFETY: `find` made the library loadable; plain out-parameters.
         let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
         if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
-            return Err(CudaError::Invalid(format!("nvrtcVersion failed: {r:?}")));
+            return Err(CudaError::Nvrtc {
+                what: "nvrtcVersion".into(),
+                status: format!("{r:?}"),
+            });
         }
         Ok((major, minor))
     }
