@@ -13,7 +13,13 @@ device count; ranks that share a GPU pose as separate hosts to NCCL, which
 refuses two ranks on one device otherwise).
 ``--ranks-per-node G`` makes logical nodes of G ranks (default: the hosts).
 Writes per-step metrics (``--metrics``, JSON lines) and a summary
-(``--summary-json``) with the conventions of ``zeropp train``.
+(``--summary-json``) with the conventions of ``zeropp train``, and the
+median time of the backward pass (``median_backward_s``, its collectives
+finished). ``--local-reduce-scatter`` replaces the gradient reduce-scatter
+of any mode by a local copy of this rank's chunk (no communication): the
+difference between a run's backward and that run's is how much of the
+reduce-scatter the backward's compute did not hide (python/check-on-gpu.sh
+reports it for zeropp and FSDP2).
 """
 
 import argparse
@@ -29,8 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 import zeropp
 import zeropp.torch
@@ -136,7 +143,35 @@ def parse_args(argv=None):
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--local-reduce-scatter",
+        action="store_true",
+        help="reduce-scatter gradients locally (no communication), to time the backward's "
+        "compute alone",
+    )
     return p.parse_args(argv)
+
+
+class _Done(dist.Work):
+    def wait(self, timeout=None):
+        return True
+
+    def is_completed(self):
+        return True
+
+
+class LocalReduceScatter(ReduceScatter):
+    """FSDP2's gradient reduce-scatter without communication: this rank's
+    chunk of its own gradient (averaged as if every rank had the same), so
+    the backward runs its compute alone."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        w, r = group.size(), dist.get_rank(group)
+        output_tensor.copy_(input_tensor.view(w, -1)[r].view_as(output_tensor))
+        return _Done() if async_op else None
 
 
 def switch_value(raw):
@@ -265,6 +300,10 @@ def main(argv=None):
     switches = shard(
         model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None, device
     )
+    if args.local_reduce_scatter:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_custom_reduce_scatter(LocalReduceScatter())
     zjob = zeropp.torch.job() if args.mode in ("zeropp", "zero3") else None
     nodes = zjob.nodes if zjob else world // g
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -286,7 +325,7 @@ def main(argv=None):
             f"on {device.type}",
             flush=True,
         )
-    losses, times, across, inside = [], [], [], []
+    losses, times, backward_times, across, inside = [], [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
     for step in range(args.steps):
         x, y = data.batch(step, args.batch, args.context, device=device)
@@ -295,7 +334,13 @@ def main(argv=None):
         t0 = time.perf_counter()
         logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        tb = time.perf_counter()
         loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        backward_times.append(time.perf_counter() - tb)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -380,6 +425,8 @@ def main(argv=None):
         "val_loss": sum(val) / len(val),
         "tokens_per_s": tokens_per_step / statistics.median(times),
         "median_step_time_s": statistics.median(times),
+        "median_backward_s": statistics.median(backward_times),
+        "local_reduce_scatter": args.local_reduce_scatter,
         "bytes_per_step": {
             "intra_node": statistics.fmean(inside) if inside else None,
             "inter_node": statistics.fmean(across) if across else None,

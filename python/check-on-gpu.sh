@@ -12,10 +12,12 @@
 #    path's within 1e-3, ZeRO-3 mode equals FSDP2 over NCCL, bf16 ZeRO++
 #    trains like bf16 FSDP2, a quarter of the bytes across nodes, a killed
 #    rank named by the others);
-# 3. step times of zeropp.torch and FSDP2 over NCCL on the same model.
+# 3. step times of zeropp.torch and FSDP2 over NCCL on the same model, and
+#    how much of each one's backward reduce-scatter is exposed (its backward
+#    against the same run with the reduce-scatter replaced by a local copy).
 #
 # ZEROPP_GPU_PARTS picks parts (default "torch kernels bench": at most 7, 4
-# and 2 minutes by their time limits; the usual run is well under). Where one
+# and 5 minutes by their time limits; the usual run is well under). Where one
 # call may take 10 minutes, run "torch" in one and "kernels bench" in the next.
 # Writes logs and summaries to $ZEROPP_GPU_RESULTS (default: $OUT when set,
 # else /tmp/zeropp-gpu-results). Exits non-zero if anything failed.
@@ -81,9 +83,12 @@ if [[ $parts == *" bench "* ]]; then
   bench=(--width 384 --layers 2 --heads 6 --context 32 --batch 2 --bf16 --steps 20
     --ranks-per-node 2 --device cuda --log-every 1000)
   for mode in zeropp fsdp2; do
-    step "bench-$mode" 90 "$python" -m torch.distributed.run --standalone --nproc-per-node 4 \
-      examples/torch_gpt.py --mode "$mode" "${bench[@]}" \
-      --summary-json "$results/bench-$mode.json"
+    for local in "" --local-reduce-scatter; do
+      name=bench-$mode${local:+-local}
+      step "$name" 75 "$python" -m torch.distributed.run --standalone --nproc-per-node 4 \
+        examples/torch_gpt.py --mode "$mode" "${bench[@]}" ${local:+"$local"} \
+        --summary-json "$results/$name.json"
+    done
   done
 fi
 
@@ -98,10 +103,16 @@ if f.exists():
     print(json.dumps(json.loads(f.read_text()), indent=1))
 t = {}
 for m in ("zeropp", "fsdp2"):
-    p = r / f"bench-{m}.json"
+    p, local = r / f"bench-{m}.json", r / f"bench-{m}-local.json"
     if p.exists():
-        t[m] = json.loads(p.read_text())["median_step_time_s"]
-        print(f"bench {m}: median step {t[m]:.4f} s")
+        s = json.loads(p.read_text())
+        t[m] = s["median_step_time_s"]
+        print(f"bench {m}: median step {t[m]:.4f} s, backward {s['median_backward_s']:.4f} s")
+        if local.exists():
+            alone = json.loads(local.read_text())["median_backward_s"]
+            exposed = s["median_backward_s"] - alone
+            print(f"bench {m}: backward without the reduce-scatter {alone:.4f} s: "
+                  f"{exposed:.4f} s of the reduce-scatter exposed")
 if len(t) == 2:
     print(f"bench zeropp / fsdp2 step time: {t['zeropp'] / t['fsdp2']:.3f}")
 PY

@@ -3,6 +3,7 @@ torchrun: parity with plain FSDP2, ZeRO++ loss and bytes, the collectives as
 FSDP2 calls them, bad input, and a rank that dies mid-step."""
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -60,6 +61,24 @@ def test_weight_differences_train_alike_on_fewer_bytes_across_nodes(tmp_path):
     assert abs(gap) <= 0.02, f"final loss {delta['final_loss']} against {zpp['final_loss']}"
     ratio = delta["bytes_per_step"]["inter_node"] / zpp["bytes_per_step"]["inter_node"]
     assert ratio <= 0.75, f"bytes across nodes: {ratio:.3f} of ZeRO++'s"
+
+
+def test_a_local_reduce_scatter_times_the_backward_without_its_communication(tmp_path):
+    # examples/torch_gpt.py --local-reduce-scatter, which check-on-gpu.sh
+    # times the exposed reduce-scatter by: FSDP2's reduce-scatter becomes a
+    # local copy in any mode, so no gradient byte moves and the backward's
+    # time is its compute's.
+    common = ("--ranks-per-node", 2, "--switch", "qwz_delta=false")
+    real = train(tmp_path, "zeropp", *common, steps=3)
+    local = train(tmp_path, "zeropp", *common, "--local-reduce-scatter", steps=3)
+    assert local["local_reduce_scatter"] is True and real["local_reduce_scatter"] is False
+    assert local["median_backward_s"] > 0 and real["median_backward_s"] > 0
+    # The same gathers, no gradient: fewer bytes by the gradient's share.
+    for hop in ("intra_node", "inter_node"):
+        assert local["bytes_per_step"][hop] < real["bytes_per_step"][hop], (hop, local, real)
+    fsdp2 = train(tmp_path, "fsdp2", "--ranks-per-node", 2, "--local-reduce-scatter", steps=3)
+    assert fsdp2["median_backward_s"] > 0
+    assert all(math.isfinite(x) for x in fsdp2["losses"]), fsdp2["losses"]
 
 
 def test_on_one_host_the_job_measures_its_links_and_chooses_by_them(tmp_path):
