@@ -164,3 +164,247 @@ fn a_nan_gradient_step_can_be_skipped_without_touching_the_weights() {
         assert!(stats[4].loss < stats[0].loss);
     }
 }
+
+/// One rank's outputs of every collective the engine runs on unit `u`
+/// (two forward gathers, two gradient reduce-scatters), first through the
+/// engine, then through `zero::fsdp` — FSDP2's calls, which the host
+/// bindings and the device job run — on the same inputs and groups.
+fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
+    use half::bf16;
+    use zeropp_zero::fsdp::{self, Gather, Scatter};
+    use zeropp_zero::host::HostKernels;
+    use zeropp_zero::{Hop, qgz::Feedback};
+
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+    let (padded, layout, plan) = (e.units[u].padded, e.plan.layout, e.plan.clone());
+    let grad: Vec<f32> = (0..padded)
+        .map(|i| ((i * 7 + rank * 3) as f32 * 0.37).sin() * 0.01)
+        .collect();
+    let mut engine = Vec::new();
+    for _ in 0..2 {
+        let p = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
+        engine.push(bits(&e.decode_full(u, &p.wait().unwrap()).unwrap()));
+    }
+    for _ in 0..2 {
+        let p = e.start_gradient(u, grad.clone()).unwrap();
+        engine.push(bits(&e.finish_gradient(u, p).unwrap()));
+    }
+    let (master, counter, groups) = (
+        e.units[u].master.clone(),
+        e.counter.clone(),
+        e.groups.clone(),
+    );
+    let fsdp = e
+        .thread
+        .submit(
+            move |c: &Communicator| -> Result<Vec<Vec<u32>>, ZeroError> {
+                let m = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups,
+                };
+                let (world, mut outs) = (layout.world(), Vec::new());
+                let phase = Phase::ForwardGather;
+                let mut reference = None;
+                for _ in 0..2 {
+                    let mut full = vec![0f32; master.len() * world];
+                    let (x, mut o) = (&master[..], &mut full[..]);
+                    match plan.weights {
+                        WeightWire::Bf16 => {
+                            // FSDP2 gathers the bf16 parameters.
+                            let mut shard = vec![bf16::ZERO; master.len()];
+                            Host.narrow(&master, &mut shard)?;
+                            let mut all = vec![bf16::ZERO; full.len()];
+                            let (x, mut o) = (&shard[..], &mut all[..]);
+                            let how = Gather::Plain;
+                            fsdp::all_gather(
+                                &Host,
+                                &m,
+                                layout,
+                                Hop::World,
+                                how,
+                                phase,
+                                None,
+                                &x,
+                                &mut o,
+                            )?;
+                            Host.widen(&all, &mut full)?;
+                        }
+                        WeightWire::F32 => {
+                            let how = Gather::Plain;
+                            fsdp::all_gather(
+                                &Host,
+                                &m,
+                                layout,
+                                Hop::World,
+                                how,
+                                phase,
+                                None,
+                                &x,
+                                &mut o,
+                            )?;
+                        }
+                        WeightWire::Quantized(f) => {
+                            let how = Gather::Quantized(f);
+                            fsdp::all_gather(
+                                &Host,
+                                &m,
+                                layout,
+                                Hop::World,
+                                how,
+                                phase,
+                                None,
+                                &x,
+                                &mut o,
+                            )?;
+                        }
+                        WeightWire::Delta(d) => {
+                            let (how, r) = (Gather::Delta(d), Some(&mut reference));
+                            fsdp::all_gather(
+                                &Host,
+                                &m,
+                                layout,
+                                Hop::World,
+                                how,
+                                phase,
+                                r,
+                                &x,
+                                &mut o,
+                            )?;
+                        }
+                    }
+                    outs.push(bits(&full));
+                }
+                let (mut r1, mut r2) = (Residual::none(), Residual::none());
+                for _ in 0..2 {
+                    let mut out = vec![0f32; grad.len() / world];
+                    let (x, mut o) = (&grad[..], &mut out[..]);
+                    match plan.grads {
+                        GradWire::RingBf16 => {
+                            // FSDP2's bf16 sum, divided by W in f32 (as the
+                            // engine averages).
+                            let mut g16 = vec![bf16::ZERO; grad.len()];
+                            Host.narrow(&grad, &mut g16)?;
+                            let mut sum = vec![bf16::ZERO; out.len()];
+                            let (x, mut o) = (&g16[..], &mut sum[..]);
+                            fsdp::reduce_scatter(
+                                &Host,
+                                &m,
+                                layout,
+                                Scatter::Plain,
+                                Reduction::Sum,
+                                &x,
+                                &mut o,
+                            )?;
+                            Host.widen(&sum, &mut out)?;
+                            Host.divide(&mut out, world as f32)?;
+                        }
+                        GradWire::RingF32 => {
+                            fsdp::reduce_scatter(
+                                &Host,
+                                &m,
+                                layout,
+                                Scatter::Plain,
+                                Reduction::Mean,
+                                &x,
+                                &mut o,
+                            )?;
+                        }
+                        GradWire::TwoHop {
+                            intra,
+                            inter,
+                            error_feedback,
+                            stochastic,
+                            hadamard,
+                        } => {
+                            assert!(!stochastic, "round to nearest, as both sides do");
+                            let s = qgz::Qgz {
+                                intra,
+                                inter,
+                                rounding: zeropp_quant::Rounding::NearestEven,
+                                hadamard,
+                            };
+                            let keeps = (
+                                qgz::first_hop_feedback(error_feedback, intra),
+                                error_feedback,
+                            );
+                            let fb = Feedback::kept(keeps, r1.chunks_mut(), r2.chunks_mut());
+                            let how = Scatter::Qgz(s, fb);
+                            fsdp::reduce_scatter(
+                                &Host,
+                                &m,
+                                layout,
+                                how,
+                                Reduction::Mean,
+                                &x,
+                                &mut o,
+                            )?;
+                        }
+                    }
+                    outs.push(bits(&out));
+                }
+                Ok(outs)
+            },
+        )
+        .wait()
+        .unwrap();
+    [engine, fsdp]
+}
+
+#[test]
+fn the_engine_and_fsdp2s_calls_agree_per_collective() {
+    // Every wire the engine runs: bf16 and fp32 rings (ZeRO-3), qwZ int8
+    // with int8 qgZ, and weight differences with int4 qgZ and both
+    // error-feedback hops; each call twice (references and residuals carry
+    // over). Bit for bit, on 2 x 2 ranks.
+    let cases = [
+        Switches::zero3(32),
+        Switches {
+            fp32_comm: true,
+            ..Switches::zero3(32)
+        },
+        Switches {
+            qwz_bits: Some(8),
+            qwz_delta: false,
+            hpz: false,
+            qgz_intra_bits: 8,
+            ..Switches::zeropp(32)
+        },
+        Switches {
+            hpz: false,
+            ..Switches::zeropp(32)
+        },
+    ];
+    for switches in cases {
+        let handles: Vec<_> = InProcess::world(4)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let switches = switches.clone();
+                std::thread::spawn(move || {
+                    let cfg = EngineConfig {
+                        model: Arc::new(mlp()),
+                        switches,
+                        optim: OptimConfig::default(),
+                        seed: 3,
+                    };
+                    let layout = Layout {
+                        nodes: 2,
+                        ranks_per_node: 2,
+                        rank,
+                    };
+                    let t = Box::new(t);
+                    let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
+                    (both_ways(&mut e, 1, rank), e.plan.clone())
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let ([engine, fsdp], plan) = h.join().unwrap();
+            assert_eq!((engine.len(), fsdp.len()), (4, 4));
+            for (call, (a, b)) in engine.iter().zip(&fsdp).enumerate() {
+                assert!(a == b, "{plan:?}: rank {rank}, call {call} differs");
+            }
+        }
+    }
+}
