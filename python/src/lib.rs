@@ -122,7 +122,10 @@ fn routing_plan_json(
 /// settings), from the library's own declaration.
 #[pyfunction]
 fn switch_names() -> Vec<String> {
-    zeropp_zero::plan::Switches::names()
+    zeropp_zero::plan::Switches::NAMES
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
 /// `zeropp train`'s built-in corpus (simple English sentences from a small

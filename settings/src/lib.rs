@@ -36,6 +36,45 @@ impl<T: Clone> Setting for Option<T> {
     }
 }
 
+/// How a config asks for a setting the mode or a plan may choose instead:
+/// an `Option` asks when it is set; a plain value always gives itself, and
+/// counts as asked when it is not its default.
+pub trait Asked: PartialEq {
+    /// The value asked for.
+    type Value;
+    /// The value, when the config gives one.
+    fn asked(&self) -> Option<Self::Value>;
+    /// Whether the config asks for this setting itself (`default`: the
+    /// setting's declared default).
+    fn is_asked(&self, default: &Self) -> bool;
+}
+
+impl<T: Clone + PartialEq> Asked for Option<T> {
+    type Value = T;
+    fn asked(&self) -> Option<T> {
+        self.clone()
+    }
+    fn is_asked(&self, _default: &Self) -> bool {
+        self.is_some()
+    }
+}
+
+/// Plain settings give their value.
+macro_rules! given {
+    ($($t:ty),*) => {$(
+        impl Asked for $t {
+            type Value = $t;
+            fn asked(&self) -> Option<$t> {
+                Some(self.clone())
+            }
+            fn is_asked(&self, default: &Self) -> bool {
+                self != default
+            }
+        }
+    )*};
+}
+given!(bool, u32, u64, usize, f32, PathBuf);
+
 /// One section of the config: the struct (with `[serde attributes]` after
 /// the names, e.g. `[deny_unknown_fields]` for a table of its own), its
 /// defaults, and its flags (`Args`: each setting's flag, with the

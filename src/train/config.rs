@@ -14,7 +14,7 @@ use crate::comm::job::TransportKind;
 use crate::engine::optim::OptimConfig;
 use crate::train::model::ModelConfig;
 use crate::zero::plan::Switches;
-use zeropp_settings::{Setting, section};
+use zeropp_settings::{Asked, Setting, section};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -34,56 +34,51 @@ impl Setting for Mode {
     }
 }
 
-section! {
-    /// The mode and the ZeRO++ switches (each unset one is the mode's, or
-    /// the routing plan's, to choose).
-    SwitchConfig / SwitchArgs {
-        /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int4
-        /// weight differences + hpZ + qgZ int4 with a rotated hop across
-        /// nodes).
-        mode: Mode = Mode::Zeropp,
-        /// qwZ: bits of the forward weight gather (8, 4; 0 = off); zeropp's
-        /// default: 4 with --qwz-delta, else 8.
-        qwz_bits: Option<u32> = None,
-        /// hpZ: node-local secondary shards for the backward gather.
-        hpz: Option<bool> = None,
-        /// Ranks sharing an hpZ secondary shard, consecutive local ranks of a
-        /// node (a divisor of --ranks-per-node). Default: the routing plan's
-        /// choice — the node, or an NVLink island on a PCIe box.
-        hpz_group: Option<usize> = None,
-        /// qgZ: two-hop int4 gradient reduce-scatter.
-        qgz: Option<bool> = None,
-        /// Error feedback for qgZ, on both hops (default: on with qgZ).
-        error_feedback: Option<bool> = None,
-        /// qgZ: round gradients stochastically (true) or to nearest (default).
-        qgz_stochastic: bool = false,
-        /// Values per weight quantization block (qwZ; power of two, 32..65536).
-        block: usize = 256,
-        /// Values per gradient quantization block (qgZ).
-        qgz_block: usize = 32,
-        /// Bits of qgZ's first hop, inside the node (8 or 4; across nodes: 4).
-        /// Default: the routing plan's — int8, unless the hop inside the node
-        /// is about as slow per rank as the hop across.
-        qgz_intra_bits: Option<u32> = None,
-        /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
-        /// fp32 instead of bf16.
-        fp32_comm: bool = false,
-        /// qwZ sends weight differences across nodes, at --qwz-bits, against a
-        /// reference every receiver keeps (docs/TRAINING.md); zeropp's default:
-        /// on with qwZ across nodes.
-        qwz_delta: Option<bool> = None,
-        /// Forward gathers of a unit between full refreshes of the qwZ
-        /// references (with --qwz-delta).
-        qwz_refresh: usize = crate::zero::plan::DEFAULT_QWZ_REFRESH,
-        /// qgZ's hop across nodes rotates each block (Walsh–Hadamard) before
-        /// quantizing, spreading outliers over the block; zeropp's default: on
-        /// with qgZ.
-        qgz_hadamard: Option<bool> = None,
-        /// Values per quantization block of qgZ's hop across nodes (default:
-        /// 64 in zeropp mode, else --qgz-block).
-        qgz_inter_block: Option<usize> = None,
-    }
+/// `SwitchConfig` and its flags (`SwitchArgs`) from the switches' one
+/// declaration (`zeropp_zero::with_switches!`), after the mode.
+macro_rules! switch_config {
+    (
+        $( $(#[doc = $doc:literal])* $field:ident : $resolved:ty as $asked:ty = $default:expr ),*
+        $(,)?
+    ) => {
+        section! {
+            /// The mode and the ZeRO++ switches (each unset one is the mode's, or
+            /// the routing plan's, to choose).
+            SwitchConfig / SwitchArgs {
+                /// zero3 (all switches off, bf16 communication) or zeropp (qwZ int4
+                /// weight differences + hpZ + qgZ int4 with a rotated hop across
+                /// nodes).
+                mode: Mode = Mode::Zeropp,
+                $( $(#[doc = $doc])* $field: $asked = $default, )*
+            }
+        }
+
+        impl SwitchConfig {
+            /// Sets on `s` each switch this config gives.
+            fn give(&self, s: &mut Switches) {
+                $(
+                    if let Some(v) = Asked::asked(&self.$field) {
+                        Setting::set(&mut s.$field, v);
+                    }
+                )*
+            }
+
+            /// The names of the switches this config asks for itself (the
+            /// rest are the mode's or the plan's to choose): those set, and
+            /// the plain ones that are not their default.
+            pub fn asked(&self) -> Vec<&'static str> {
+                let mut names = Vec::new();
+                $(
+                    if Asked::is_asked(&self.$field, &$default) {
+                        names.push(stringify!($field));
+                    }
+                )*
+                names
+            }
+        }
+    };
 }
+crate::zero::with_switches!(switch_config);
 
 section! {
     /// What is trained, for how long, on what.
@@ -212,7 +207,7 @@ impl TrainConfig {
         })
     }
 
-    /// The switches: the mode's, then each override
+    /// The switches: the mode's, then each one this config gives
     /// (`Switches::settle_overrides`, as `zeropp.torch` reads them).
     pub fn switches(&self) -> Switches {
         let c = &self.switches;
@@ -220,65 +215,15 @@ impl TrainConfig {
             Mode::Zero3 => Switches::zero3(c.block),
             Mode::Zeropp => Switches::zeropp(c.block),
         };
-        if let Some(b) = c.qwz_bits {
-            s.qwz_bits = Some(b);
-        }
-        if let Some(h) = c.hpz {
-            s.hpz = h;
-        }
-        if let Some(q) = c.qgz {
-            s.qgz = q;
-        }
-        if let Some(e) = c.error_feedback {
-            s.error_feedback = e;
-        }
-        s.qgz_stochastic = c.qgz_stochastic;
-        s.qgz_block = c.qgz_block;
-        if let Some(b) = c.qgz_intra_bits {
-            s.qgz_intra_bits = b;
-        }
-        s.fp32_comm = c.fp32_comm;
-        if let Some(d) = c.qwz_delta {
-            s.qwz_delta = d;
-        }
-        s.qwz_refresh = c.qwz_refresh;
-        if let Some(h) = c.qgz_hadamard {
-            s.qgz_hadamard = h;
-        }
-        if let Some(b) = c.qgz_inter_block {
-            s.qgz_inter_block = Some(b);
-        }
-        s.settle_overrides(&self.asked_switches());
+        c.give(&mut s);
+        s.settle_overrides(&c.asked());
         s
     }
 
-    /// The names of the switches this config sets itself (the rest are the
-    /// mode's or the plan's to choose).
-    fn asked_switches(&self) -> Vec<&'static str> {
-        let c = &self.switches;
-        [
-            ("hpz_group", c.hpz_group.is_some()),
-            ("qgz_intra_bits", c.qgz_intra_bits.is_some()),
-            ("qwz_bits", c.qwz_bits.is_some()),
-            ("hpz", c.hpz.is_some()),
-            ("qgz", c.qgz.is_some()),
-            ("error_feedback", c.error_feedback.is_some()),
-            ("qwz_delta", c.qwz_delta.is_some()),
-            ("qgz_hadamard", c.qgz_hadamard.is_some()),
-        ]
-        .into_iter()
-        .filter_map(|(name, set)| set.then_some(name))
-        .collect()
-    }
-
-    /// The switches with `hpz_group` applied, and the names of those this
-    /// config sets itself (the rest are the mode's or the plan's to choose).
+    /// The switches, and the names of those this config asks for itself
+    /// (the rest are the mode's or the plan's to choose).
     pub fn wanted_switches(&self) -> (Switches, Vec<&'static str>) {
-        let mut wanted = self.switches();
-        if let Some(h) = self.switches.hpz_group {
-            wanted.hpz_group = Some(h);
-        }
-        (wanted, self.asked_switches())
+        (self.switches(), self.switches.asked())
     }
 
     /// ZeRO-3 as `--compare` and `--mode zero3` runs it: every ZeRO++
@@ -328,6 +273,14 @@ mod tests {
             ("zeropp", r#"{"qgz": true, "error_feedback": false}"#),
             ("zero3", r#"{"hpz": true, "hpz_group": 1}"#),
             ("zeropp", r#"{"qgz_intra_bits": 8, "qgz_hadamard": false}"#),
+            (
+                "zeropp",
+                r#"{"qgz_inter_block": 32, "block": 128, "qwz_refresh": 7}"#,
+            ),
+            (
+                "zero3",
+                r#"{"qgz": true, "qgz_stochastic": true, "fp32_comm": true}"#,
+            ),
         ] {
             let json: serde_json::Map<String, serde_json::Value> =
                 serde_json::from_str(overrides).unwrap();
@@ -392,7 +345,7 @@ mod tests {
             .copied()
             .filter(|k| *k != "mode")
             .collect();
-        let mut there = Switches::names();
+        let mut there = Switches::NAMES.to_vec();
         here.sort_unstable();
         there.sort_unstable();
         assert_eq!(here, there);

@@ -57,57 +57,101 @@ impl Layout {
     }
 }
 
-/// The ZeRO++ switches, each independent.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Switches {
-    /// qwZ: quantize the forward weight all-gather to this many bits (8 or 4).
-    pub qwz_bits: Option<u32>,
-    /// hpZ: keep a node-local secondary shard for the backward gather.
-    pub hpz: bool,
-    /// Ranks sharing one hpZ secondary shard: consecutive local ranks of a
-    /// node (an NVLink island on a PCIe box); `None`: the whole node. Must
-    /// divide the ranks per node.
-    #[serde(default)]
-    pub hpz_group: Option<usize>,
-    /// qgZ: two-hop int4 all-to-all gradient reduce-scatter.
-    pub qgz: bool,
-    /// Error feedback for qgZ: carry what quantization dropped to the next
-    /// step, on its int4 hops (an int8 first hop runs without: see
-    /// `qgz::first_hop_feedback`).
-    pub error_feedback: bool,
-    /// qgZ rounds gradients stochastically (unbiased) instead of to nearest.
-    pub qgz_stochastic: bool,
-    /// Values per quantization block of the weights (qwZ).
-    pub block: usize,
-    /// Values per quantization block of the gradients (qgZ): smaller than
-    /// the weights' because gradients have heavier tails.
-    pub qgz_block: usize,
-    /// Bits of the first qgZ hop, inside the node (8 or 4); the hop across
-    /// nodes is always int4.
-    pub qgz_intra_bits: u32,
-    /// Unquantized traffic (weights without qwZ, gradients without qgZ) in
-    /// fp32 instead of bf16: exact data parallelism, for checking and for
-    /// fast links.
-    #[serde(default)]
-    pub fp32_comm: bool,
-    /// qwZ sends weight differences across nodes (`zero::delta`): what each
-    /// shard changed since the last gather, at `qwz_bits`, against a
-    /// reference every receiver keeps; inside the node the plain wire.
-    #[serde(default)]
-    pub qwz_delta: bool,
-    /// Forward gathers of a unit between full refreshes of its references
-    /// (the weights themselves, in the plain wire), with `qwz_delta`.
-    #[serde(default = "default_qwz_refresh")]
-    pub qwz_refresh: usize,
-    /// qgZ's hop across nodes rotates each block by a Walsh–Hadamard
-    /// matrix before quantizing (and back after summing), spreading
-    /// outliers over their block.
-    #[serde(default)]
-    pub qgz_hadamard: bool,
-    /// Values per quantization block of qgZ's hop across nodes; `None`:
-    /// `qgz_block`.
-    #[serde(default)]
-    pub qgz_inter_block: Option<usize>,
+/// Every ZeRO++ switch, declared once: its name, doc, the type it has
+/// once resolved, and how a config asks for it (`resolved as asked =
+/// default`: an `Option` a config leaves unset is the mode's or the plan's
+/// to choose). Calls `$callback! { ... }` with the list, so each form the
+/// switches take is made from it: [`Switches`] here, `zeropp train`'s
+/// settings and flags (`SwitchConfig`, `SwitchArgs`) in the application.
+#[macro_export]
+macro_rules! with_switches {
+    ($callback:ident) => {
+        $callback! {
+            /// qwZ: bits of the forward weight gather (8 or 4; 0 = off);
+            /// zeropp's default: 4 with qwz_delta, else 8.
+            qwz_bits: Option<u32> as Option<u32> = None,
+            /// hpZ: a node-local secondary shard of the weights for the
+            /// backward gather, which then stays inside its group.
+            hpz: bool as Option<bool> = None,
+            /// Ranks sharing an hpZ secondary shard: consecutive local ranks
+            /// of a node (a divisor of the ranks per node). Unset: the
+            /// routing plan's choice — the node, or an NVLink island on a
+            /// PCIe box.
+            hpz_group: Option<usize> as Option<usize> = None,
+            /// qgZ: the two-hop quantized gradient reduce-scatter (inside the
+            /// node, then across), summed in f32.
+            qgz: bool as Option<bool> = None,
+            /// Error feedback for qgZ: what quantizing dropped is carried to
+            /// the next step, on its int4 hops (an int8 first hop runs
+            /// without). Default: on with qgZ.
+            error_feedback: bool as Option<bool> = None,
+            /// qgZ rounds gradients stochastically (unbiased) instead of to
+            /// nearest.
+            qgz_stochastic: bool as bool = false,
+            /// Values per weight quantization block (qwZ; a power of two,
+            /// 32..65536).
+            block: usize as usize = 256,
+            /// Values per gradient quantization block (qgZ): smaller than
+            /// the weights' because gradients have heavier tails.
+            qgz_block: usize as usize = 32,
+            /// Bits of qgZ's first hop, inside the node (8 or 4; across
+            /// nodes: 4). Default: the routing plan's — int8, unless the hop
+            /// inside the node is about as slow per rank as the hop across.
+            qgz_intra_bits: u32 as Option<u32> = None,
+            /// Unquantized traffic (weights without qwZ, gradients without
+            /// qgZ) in fp32 instead of bf16: exact data parallelism, for
+            /// checking and for fast links.
+            fp32_comm: bool as bool = false,
+            /// qwZ sends weight differences across nodes (`zero::delta`):
+            /// what each shard changed since the last gather, at qwz_bits,
+            /// against a reference every receiver keeps; inside the node the
+            /// plain wire (docs/TRAINING.md). zeropp's default: on with qwZ
+            /// across nodes.
+            qwz_delta: bool as Option<bool> = None,
+            /// Forward gathers of a unit between full refreshes of its qwZ
+            /// references (the weights themselves, in the plain wire), with
+            /// qwz_delta.
+            qwz_refresh: usize as usize = $crate::plan::DEFAULT_QWZ_REFRESH,
+            /// qgZ's hop across nodes rotates each block by a Walsh–Hadamard
+            /// matrix before quantizing (and back after summing), spreading
+            /// outliers over their block. zeropp's default: on with qgZ.
+            qgz_hadamard: bool as Option<bool> = None,
+            /// Values per quantization block of qgZ's hop across nodes.
+            /// Unset: 64 in zeropp mode, else qgz_block.
+            qgz_inter_block: Option<usize> as Option<usize> = None,
+        }
+    };
+}
+
+/// [`Switches`] from [`with_switches!`]'s list.
+macro_rules! resolved_switches {
+    (
+        $( $(#[doc = $doc:literal])* $field:ident : $resolved:ty as $asked:ty = $default:expr ),*
+        $(,)?
+    ) => {
+        /// The ZeRO++ switches, each independent, as a job runs them
+        /// (declared in [`with_switches!`]). A switch missing from what is
+        /// read (an older summary or manifest) is ZeRO-3's.
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(default)]
+        pub struct Switches {
+            $( $(#[doc = $doc])* pub $field: $resolved, )*
+        }
+
+        impl Switches {
+            /// The switches' names, as `zeropp train`'s settings and flags,
+            /// the JSON of a summary and `zeropp.torch.fully_shard`'s
+            /// keywords spell them.
+            pub const NAMES: &[&str] = &[$(stringify!($field)),*];
+        }
+    };
+}
+with_switches!(resolved_switches);
+
+impl Default for Switches {
+    fn default() -> Self {
+        Switches::zero3(256)
+    }
 }
 
 /// Forward gathers between qwZ delta refreshes, by default.
@@ -118,21 +162,7 @@ pub const DEFAULT_QWZ_REFRESH: usize = 100;
 /// sweep).
 pub const DEFAULT_QGZ_INTER_BLOCK: usize = 64;
 
-fn default_qwz_refresh() -> usize {
-    DEFAULT_QWZ_REFRESH
-}
-
 impl Switches {
-    /// The switches' names, as `zeropp train`'s settings and flags, the
-    /// JSON of a summary and `zeropp.torch.fully_shard`'s keywords spell
-    /// them.
-    pub fn names() -> Vec<String> {
-        match serde_json::to_value(Switches::zero3(256)) {
-            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
-            _ => unreachable!("Switches serialize to an object"),
-        }
-    }
-
     /// ZeRO-3: plain bf16 gathers over the world, plain bf16 reduce-scatter.
     pub fn zero3(block: usize) -> Self {
         Switches {
