@@ -208,70 +208,23 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
                 let mut reference = None;
                 for _ in 0..2 {
                     let mut full = vec![0f32; master.len() * world];
-                    let (x, mut o) = (&master[..], &mut full[..]);
-                    match plan.weights {
-                        WeightWire::Bf16 => {
-                            // FSDP2 gathers the bf16 parameters.
-                            let mut shard = vec![bf16::ZERO; master.len()];
-                            Host.narrow(&master, &mut shard)?;
-                            let mut all = vec![bf16::ZERO; full.len()];
-                            let (x, mut o) = (&shard[..], &mut all[..]);
-                            let how = Gather::Plain;
-                            fsdp::all_gather(
-                                &Host,
-                                &m,
-                                layout,
-                                Hop::World,
-                                how,
-                                phase,
-                                None,
-                                &x,
-                                &mut o,
-                            )?;
-                            Host.widen(&all, &mut full)?;
-                        }
-                        WeightWire::F32 => {
-                            let how = Gather::Plain;
-                            fsdp::all_gather(
-                                &Host,
-                                &m,
-                                layout,
-                                Hop::World,
-                                how,
-                                phase,
-                                None,
-                                &x,
-                                &mut o,
-                            )?;
-                        }
-                        WeightWire::Quantized(f) => {
-                            let how = Gather::Quantized(f);
-                            fsdp::all_gather(
-                                &Host,
-                                &m,
-                                layout,
-                                Hop::World,
-                                how,
-                                phase,
-                                None,
-                                &x,
-                                &mut o,
-                            )?;
-                        }
-                        WeightWire::Delta(d) => {
-                            let (how, r) = (Gather::Delta(d), Some(&mut reference));
-                            fsdp::all_gather(
-                                &Host,
-                                &m,
-                                layout,
-                                Hop::World,
-                                how,
-                                phase,
-                                r,
-                                &x,
-                                &mut o,
-                            )?;
-                        }
+                    let how = match plan.weights {
+                        WeightWire::Quantized(f) => Gather::Quantized(f),
+                        WeightWire::Delta(d) => Gather::Delta(d),
+                        WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
+                    };
+                    let r = matches!(how, Gather::Delta(_)).then_some(&mut reference);
+                    if plan.weights == WeightWire::Bf16 {
+                        // FSDP2 gathers the bf16 parameters.
+                        let mut shard = vec![bf16::ZERO; master.len()];
+                        Host.narrow(&master, &mut shard)?;
+                        let mut all = vec![bf16::ZERO; full.len()];
+                        let (x, mut o) = (&shard[..], &mut all[..]);
+                        fsdp::all_gather(&Host, &m, layout, Hop::World, how, phase, r, &x, &mut o)?;
+                        Host.widen(&all, &mut full)?;
+                    } else {
+                        let (x, mut o) = (&master[..], &mut full[..]);
+                        fsdp::all_gather(&Host, &m, layout, Hop::World, how, phase, r, &x, &mut o)?;
                     }
                     outs.push(bits(&full));
                 }
