@@ -131,12 +131,10 @@ impl<C> Comms<C> {
     /// The communicator of group `ranks`: the world, this node, or an
     /// added sub-group.
     fn of(&self, layout: Layout, ranks: &[usize]) -> Result<&C, ZeroError> {
-        let g = layout.ranks_per_node;
-        let node_first = layout.node() * g;
         if layout.is_world(ranks) {
             return Ok(&self.world);
         }
-        if ranks.iter().copied().eq(node_first..node_first + g) {
+        if is_this_node(layout, ranks) {
             return Ok(&self.node);
         }
         self.subgroups
@@ -151,6 +149,13 @@ impl<C> Comms<C> {
                 ))
             })
     }
+}
+
+/// Whether `ranks` are this rank's node, in order.
+fn is_this_node(layout: Layout, ranks: &[usize]) -> bool {
+    let g = layout.ranks_per_node;
+    let first = layout.node() * g;
+    ranks.iter().copied().eq(first..first + g)
 }
 
 struct Side<D: Device> {
@@ -179,6 +184,10 @@ fn not_connected() -> ZeroError {
 /// The device half of a joined job (module docs).
 pub struct DeviceJob<D: Device> {
     side: Mutex<Side<D>>,
+    /// The sub-groups joined so far, by their ranks (None before
+    /// `connect`): what `has_group` reads without waiting for a collective
+    /// that holds the device.
+    joined: Mutex<Option<Vec<Vec<usize>>>>,
     /// Set by the first peer failure: every communicator is aborted then.
     dead: AtomicBool,
     index: usize,
@@ -327,6 +336,7 @@ impl<D: Device> DeviceJob<D> {
                 device,
                 comms: None,
             }),
+            joined: Mutex::new(None),
             dead: AtomicBool::new(false),
             index,
             layout,
@@ -368,6 +378,7 @@ impl<D: Device> DeviceJob<D> {
             })()
             .map_err(|e| self.failed(None, e))?;
             side.comms = Some(comms);
+            *self.joined()? = Some(Vec::new());
             Ok(())
         })
     }
@@ -375,11 +386,16 @@ impl<D: Device> DeviceJob<D> {
     /// Whether group `ranks` has a communicator (the world, this node, or
     /// an added sub-group).
     pub fn has_group(&self, ranks: &[usize]) -> Result<bool, ZeroError> {
-        let layout = self.layout;
-        self.on_side(|side| {
-            let comms = side.comms.as_ref().ok_or_else(not_connected)?;
-            Ok(comms.of(layout, ranks).is_ok())
-        })
+        let l = self.layout;
+        let joined = self.joined()?;
+        let subgroups = joined.as_ref().ok_or_else(not_connected)?;
+        Ok(l.is_world(ranks) || is_this_node(l, ranks) || subgroups.iter().any(|r| r == ranks))
+    }
+
+    fn joined(&self) -> Result<std::sync::MutexGuard<'_, Option<Vec<Vec<usize>>>>, ZeroError> {
+        self.joined
+            .lock()
+            .map_err(|_| ZeroError::Poisoned("groups of this device job"))
     }
 
     /// Joins the communicator of sub-group `ranks` (consecutive ranks of
@@ -398,6 +414,9 @@ impl<D: Device> DeviceJob<D> {
             let comm = device
                 .join(id, me, ranks.len(), timeout)
                 .map_err(|e| self.failed(Some(comms), e))?;
+            self.joined()?
+                .get_or_insert_with(Vec::new)
+                .push(ranks.clone());
             comms.subgroups.push((ranks, comm));
             Ok(())
         })

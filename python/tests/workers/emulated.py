@@ -45,15 +45,26 @@ def main():
     returned = time.monotonic() - t0
     pending = not work.is_completed()
     check("the call returns before its work is done", rank != 0 or (pending and returned < 0.5))
+    # A second call while the first still waits for the others: queued
+    # behind it at once (nothing on the caller's side waits for the device).
+    out2 = torch.empty(world * 5000)
+    t0 = time.monotonic()
+    work2 = zt.ZeroppAllGather(job, zpp)(out2, shard, group, async_op=True)
+    returned = time.monotonic() - t0
+    check("a second call is queued behind it at once", rank != 0 or returned < 0.5, returned)
     work.wait()
-    check("wait orders it: qwZ equals the host path's", torch.equal(out, host_out))
+    work2.wait()
+    check(
+        "wait orders them: qwZ equals the host path's",
+        torch.equal(out, host_out) and torch.equal(out2, host_out),
+    )
     rs = zt.ZeroppReduceScatter(job, zpp)
     dev_grad = torch.empty(5000)
     rs(dev_grad, grad, group, dist.ReduceOp.AVG, async_op=True).wait()
     check("qgZ equals the host path's", torch.equal(dev_grad, host_grad))
     check(
         "both took their paths",
-        zt.device_calls()["emulated"] == {"all_gather": 1, "reduce_scatter": 1},
+        zt.device_calls()["emulated"] == {"all_gather": 2, "reduce_scatter": 1},
     )
 
     # A NaN in every rank's gradient: found by the quantize kernel after the
