@@ -89,6 +89,13 @@ impl HostBuf {
         self.buf.buf_ptr() as u64
     }
 
+    /// Whether the two buffers share memory (FSDP2's in-place gather: its
+    /// input is this rank's run of the output).
+    pub fn overlaps(&self, other: &HostBuf) -> bool {
+        let (a, b) = (self.address(), other.address());
+        self.len() > 0 && other.len() > 0 && a < b + other.len() as u64 && b < a + self.len() as u64
+    }
+
     pub fn bytes(&self) -> &[u8] {
         if self.len() == 0 {
             return &[];

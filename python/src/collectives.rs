@@ -302,6 +302,10 @@ impl Job {
             };
             with_dtype!(dtype, T => {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
+                // FSDP2 gathers in place: read the input from a copy then,
+                // so it and the output never alias.
+                let copy = out.overlaps(&inp).then(|| shard.to_vec());
+                let shard = copy.as_deref().unwrap_or(shard);
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
                 let r = reference.as_deref_mut();
                 fsdp::all_gather(&Host, mover, layout, hop, how, phase, r, &shard, &mut o)?;

@@ -99,6 +99,12 @@ impl EmulatedJob {
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
         let d = Dtype::parse(dtype)?;
+        if !self.job.has_group(&ranks).map_err(to_py)? {
+            return Err(invalid(format!(
+                "all-gather over ranks {ranks:?}: no communicator for them; zeropp gathers over \
+                 the world or over consecutive ranks of one node, joined with add_group first"
+            )));
+        }
         let size = ranks.len();
         let inp = buffer(inp, false, "all-gather input", numel, d)?;
         let out = buffer(out, true, "all-gather output", numel * size, d)?;

@@ -135,7 +135,7 @@ def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_pa
 def test_the_emulated_device_is_asynchronous_and_raises_at_wait():
     p = torchrun(WORKERS / "emulated.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 6, p.stdout
+    assert len(oks) == 7, p.stdout
 
 
 def test_the_collectives_as_fsdp2_calls_them_and_bad_input():

@@ -11,9 +11,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from checks import check
+from checks import check, expect_error
 
 import zeropp.torch as zt
+from zeropp._buffers import host_bytes
 
 
 def main():
@@ -65,6 +66,17 @@ def main():
     check(
         "both took their paths",
         zt.device_calls()["emulated"] == {"all_gather": 2, "reduce_scatter": 1},
+    )
+
+    # A group never joined (ranks 1 and 2 straddle the two logical nodes):
+    # refused at the call, before anything is queued.
+    cj = zt._cuda(shard.device)
+    expect_error(
+        "a gather over a group never joined is refused at the call",
+        lambda: cj.all_gather(
+            host_bytes(torch.empty(2 * 5000)), host_bytes(shard), 5000, "float32", [1, 2], 0
+        ),
+        "add_group",
     )
 
     # A NaN in every rank's gradient: found by the quantize kernel after the
