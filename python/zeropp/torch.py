@@ -404,17 +404,13 @@ class _Work(dist.Work):
     """A zeropp collective in flight, as FSDP2 expects from async_op=True; it
     keeps the tensors alive until it is waited on."""
 
-    def __init__(self, op, *tensors, then=None):
+    def __init__(self, op, *tensors):
         super().__init__()
         self._op = op
         self._tensors = tensors
-        self._then = then
 
     def wait(self, timeout=None):
         self._op.wait()
-        then, self._then = self._then, None
-        if then is not None:
-            then()
         self._tensors = ()
         return True
 
@@ -425,17 +421,13 @@ class _Work(dist.Work):
         return self.is_completed()
 
 
-def _device_work(op, async_op, tensors, then=None):
+def _device_work(op, async_op, tensors):
     """The device path's answer to FSDP2. On the emulated device ``op`` is
-    in flight on the device's queue: its Work's ``wait`` orders what follows
-    (then runs ``then``, the step that finishes the output). On CUDA the
-    work is queued on the caller's stream (``op`` is None): ``then`` is
-    queued behind it at once."""
+    in flight on the device's queue: its Work's ``wait`` orders what follows.
+    On CUDA the work is queued on the caller's stream (``op`` is None)."""
     if op is None:
-        if then is not None:
-            then()
         return _Done() if async_op else None
-    work = _Work(op, *tensors, then=then)
+    work = _Work(op, *tensors)
     if async_op:
         return work
     work.wait()
@@ -558,8 +550,8 @@ class ZeroppReduceScatter(ReduceScatter):
                 "leave FSDP2's gradient_divide_factor unset"
             )
         if _on_device(output_tensor):
-            op, then, tensors = self._cuda(output_tensor, input_tensor, group, mean)
-            return _device_work(op, async_op, tensors, then)
+            op, tensors = self._cuda(output_tensor, input_tensor, group, mean)
+            return _device_work(op, async_op, tensors)
         work = _Work(
             self._job.reduce_scatter(
                 host_bytes(output_tensor, "reduce-scatter output"),
@@ -594,40 +586,19 @@ class ZeroppReduceScatter(ReduceScatter):
                 f"output of {n // world} such values, not {output_tensor.numel()} "
                 f"{output_tensor.dtype}"
             )
-        dev, stream = output_tensor.device, _stream(output_tensor.device)
-        state = self.qgz_state
-        tensors = (output_tensor, input_tensor)
-        if state is None:
-            op = cj.reduce_scatter(
-                _device_args(cj, output_tensor, "reduce-scatter output"),
-                _device_args(cj, input_tensor, "reduce-scatter input"),
-                n,
-                dtype_name(input_tensor),
-                stream,
-                mean,
-            )
-            return op, None, tensors
-        # qgZ sums in f32 on the device: the sum, or the mean over all W ranks.
-        inp = input_tensor if input_tensor.dtype == torch.float32 else input_tensor.float()
-        out = output_tensor if output_tensor.dtype == torch.float32 else None
-        if out is None:
-            out = torch.empty(output_tensor.numel(), dtype=torch.float32, device=dev)
+        # In the tensors' own dtype: qgZ sums in f32 on the device and rounds
+        # to it once (the sum, or the mean over all W ranks); without qgZ the
+        # communicator's own reduce-scatter.
         op = cj.reduce_scatter(
-            _device_args(cj, out, "reduce-scatter output"),
-            _device_args(cj, inp, "reduce-scatter input"),
+            _device_args(cj, output_tensor, "reduce-scatter output"),
+            _device_args(cj, input_tensor, "reduce-scatter input"),
             n,
-            "float32",
-            stream,
+            dtype_name(input_tensor),
+            _stream(output_tensor.device),
             mean,
-            qgz=state,
+            qgz=self.qgz_state,
         )
-        then = None
-        if out is not output_tensor:
-
-            def then():
-                output_tensor.copy_(out.view_as(output_tensor))
-
-        return op, then, (*tensors, inp, out)
+        return op, (output_tensor, input_tensor)
 
 
 def _check_dtypes(module, mp_policy):
