@@ -16,19 +16,6 @@ pub trait Setting {
     fn set(&mut self, flag: Self::Flag);
 }
 
-/// Settings of these types take a flag of the same type.
-macro_rules! plain {
-    ($($t:ty),*) => {$(
-        impl Setting for $t {
-            type Flag = $t;
-            fn set(&mut self, flag: $t) {
-                *self = flag;
-            }
-        }
-    )*};
-}
-plain!(bool, u32, u64, usize, f32, PathBuf);
-
 impl<T: Clone> Setting for Option<T> {
     type Flag = T;
     fn set(&mut self, flag: T) {
@@ -59,9 +46,17 @@ impl<T: Clone + PartialEq> Asked for Option<T> {
     }
 }
 
-/// Plain settings give their value.
-macro_rules! given {
+/// Settings of these plain types take a flag of the same type, and give
+/// their value ([`Asked`]).
+macro_rules! plain {
     ($($t:ty),*) => {$(
+        impl Setting for $t {
+            type Flag = $t;
+            fn set(&mut self, flag: $t) {
+                *self = flag;
+            }
+        }
+
         impl Asked for $t {
             type Value = $t;
             fn asked(&self) -> Option<$t> {
@@ -73,7 +68,7 @@ macro_rules! given {
         }
     )*};
 }
-given!(bool, u32, u64, usize, f32, PathBuf);
+plain!(bool, u32, u64, usize, f32, PathBuf);
 
 /// One section of the config: the struct (with `[serde attributes]` after
 /// the names, e.g. `[deny_unknown_fields]` for a table of its own), its

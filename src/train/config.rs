@@ -339,19 +339,6 @@ mod tests {
     }
 
     #[test]
-    fn the_switch_settings_are_the_switches_python_and_the_summary_name() {
-        let mut here: Vec<&str> = SwitchConfig::KEYS
-            .iter()
-            .copied()
-            .filter(|k| *k != "mode")
-            .collect();
-        let mut there = Switches::NAMES.to_vec();
-        here.sort_unstable();
-        there.sort_unstable();
-        assert_eq!(here, there);
-    }
-
-    #[test]
     fn a_flag_replaces_a_value_and_sets_an_optional_setting() {
         let mut c = TrainConfig::default();
         let args = SwitchArgs {
