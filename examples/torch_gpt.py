@@ -6,8 +6,11 @@ either PyTorch's own or zeropp's.
 
 Modes: ``zeropp`` (qwZ + hpZ + qgZ through zeropp), ``zero3`` (plain
 communication through zeropp's transports), ``fsdp2`` (FSDP2 over gloo, or
-NCCL with ``--device cuda``) and ``hsdp`` (FSDP2 sharded inside each node,
-replicated across nodes).
+NCCL with ``--device cuda``) and ``hsdp`` (``fsdp2`` on the ``hsdp`` mesh).
+Meshes (``--mesh``): ``world`` (1-D over the job), ``hsdp`` (2-D:
+replicated across nodes, sharded inside each) and ``sub`` (the 1-D
+data-parallel sub-mesh of a (dp, 2) mesh, as next to tensor parallelism:
+ranks r, r+2, ... shard one model, so two copies train apart).
 ``--device cuda`` trains on the GPUs (rank r on device LOCAL_RANK mod the
 device count; ranks that share a GPU pose as separate hosts to NCCL, which
 refuses two ranks on one device otherwise).
@@ -113,6 +116,7 @@ class Llama(nn.Module):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--mode", choices=["zeropp", "zero3", "fsdp2", "hsdp"], default="zeropp")
+    p.add_argument("--mesh", choices=["world", "hsdp", "sub"], default="world")
     p.add_argument(
         "--model",
         choices=["gpt", "llama"],
@@ -223,12 +227,16 @@ def shard(model, args, world, ranks_per_node, device):
         else None
     )
     kw = {"mp_policy": mp} if mp is not None else {}
-    if args.mode == "hsdp":
+    if args.mesh == "hsdp":
         kw["mesh"] = init_device_mesh(
             device.type,
             (world // ranks_per_node, ranks_per_node),
             mesh_dim_names=("replicate", "shard"),
         )
+    elif args.mesh == "sub":
+        kw["mesh"] = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "other"))[
+            "dp"
+        ]
     else:
         kw["mesh"] = job_mesh(device)
     if args.mode in ("zeropp", "zero3"):
@@ -284,6 +292,8 @@ def open_device(kind):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.mode == "hsdp":
+        args.mode, args.mesh = "fsdp2", "hsdp"
     torch.set_num_threads(args.threads)
     device = open_device(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -298,7 +308,7 @@ def main(argv=None):
     model = kind(args.width, args.layers, args.heads, args.context).to(device)
     params = sum(p.numel() for p in model.parameters())
     switches = shard(
-        model, args, world, g if args.ranks_per_node or args.mode == "hsdp" else None, device
+        model, args, world, g if args.ranks_per_node or args.mesh == "hsdp" else None, device
     )
     if args.local_reduce_scatter:
         for m in model.modules():
@@ -413,6 +423,7 @@ def main(argv=None):
     tail = losses[-10:]
     summary = {
         "mode": args.mode,
+        "mesh": args.mesh,
         "model": args.model,
         "device": device.type,
         "switches": switches,
@@ -436,6 +447,10 @@ def main(argv=None):
     summary["thread_cpu_s"] = thread_cpu_s()
     if zjob:
         summary["why"] = zeropp.torch.resolved_switches()[args.mode]["why"]
+        # The mesh dimensions zeropp served, and this rank's bytes by phase
+        # and hop (HSDP's replicate all-reduce is its own phase).
+        summary["mesh_dims"] = zeropp.torch.resolved_switches()[args.mode]["mesh"]
+        summary["traffic"] = zeropp.torch.traffic()
         summary["measured"] = zeropp.torch.measured()
     if run is not None:
         summary["run_bytes"] = {"intra_node": run[0], "inter_node": run[1]}
@@ -458,7 +473,7 @@ def main(argv=None):
     return 0
 
 
-PHASES = ("forward_gather", "backward_gather", "gradient", "other")
+PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate")
 
 
 def thread_cpu_s():

@@ -12,6 +12,14 @@ module FSDP2 sharded zeropp's communication.
 ``zeropp`` is ZeRO++ (or what the job's measured links choose on real
 hosts). ``--ranks-per-node G`` makes logical nodes of G ranks. Prints the
 losses; ``--summary-json`` writes them with zeropp's traffic.
+
+``--tp T`` adds tensor parallelism as torchtitan's ``parallelize_llama``
+does: a (dp, tp) mesh, ``apply_tp`` on the ``tp`` dimension (the attention
+and feed-forward projections column- then row-wise), then ``apply_fsdp``
+on the ``dp`` dimension; zeropp serves FSDP2's collectives on ``dp`` and
+PyTorch keeps the tensor-parallel ones::
+
+    torchrun --standalone --nproc-per-node 4 examples/torchtitan_llama.py --tp 2 --zeropp zeropp
 """
 
 import argparse
@@ -24,6 +32,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import zeropp
@@ -68,6 +81,25 @@ def apply_fsdp(
     fully_shard(model, **fsdp_config)
 
 
+def apply_tp(model, tp_mesh):
+    """torchtitan's apply_tp for the transformer blocks (without sequence
+    parallelism), its names mapped onto transformers' Llama: wq/wk/wv →
+    q_proj/k_proj/v_proj and w1/w3 → gate_proj/up_proj column-wise, wo →
+    o_proj and w2 → down_proj row-wise. transformers' attention reshapes
+    with -1 heads, so each rank runs its own heads."""
+    for transformer_block in model.model.layers:
+        layer_plan = {
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        }
+        parallelize_module(transformer_block, tp_mesh, layer_plan)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--zeropp", choices=["none", "zero3", "zeropp"], default="zeropp")
@@ -75,6 +107,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="bf16 parameters (fp32 reductions)")
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (dp = world / tp)")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -92,7 +125,17 @@ def main():
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (world,))
+    if world % args.tp:
+        raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
+    dp = world // args.tp
+    if args.tp > 1:
+        world_mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
+        apply_tp(model, world_mesh["tp"])
+        mesh = world_mesh["dp"]
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    # The ranks of one tensor-parallel group train on the same batches.
+    dp_rank = mesh.get_local_rank()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=torch.float32)
     if args.zeropp != "none":
@@ -101,7 +144,7 @@ def main():
     corpus = torch.frombuffer(
         bytearray(zeropp.builtin_corpus(1 << 20, args.seed)), dtype=torch.uint8
     )
-    g = torch.Generator().manual_seed(args.seed * 7919 + rank)
+    g = torch.Generator().manual_seed(args.seed * 7919 + dp_rank)
     losses = []
     for _ in range(args.steps):
         starts = torch.randint(0, len(corpus) - 33, (4,), generator=g)
@@ -115,9 +158,10 @@ def main():
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-    summary = {"zeropp": args.zeropp, "losses": losses}
+    summary = {"zeropp": args.zeropp, "tp": args.tp, "losses": losses}
     if args.zeropp != "none":
         summary["switches"] = zeropp.torch.resolved_switches()[args.zeropp]["switches"]
+        summary["mesh_dims"] = zeropp.torch.resolved_switches()[args.zeropp]["mesh"]
         summary["traffic"] = zeropp.torch.traffic()
     if rank == 0:
         print(f"{args.zeropp}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)

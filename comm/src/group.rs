@@ -24,6 +24,10 @@ pub enum GroupKind {
     /// The `n`-th group of a caller's own numbering (tools and tests): every
     /// member numbers its groups alike.
     Numbered(usize),
+    /// A group whose number its members agreed on through the job's store
+    /// (a mesh dimension's groups in `zeropp.torch`): one number per set of
+    /// ranks in the whole job.
+    Agreed(usize),
 }
 
 /// Bits of a group id (the top of a message tag).
@@ -70,6 +74,7 @@ impl GroupKind {
                 (3, ((first as u32) << RUN_SIZE_BITS) | (size as u32 - 1))
             }
             GroupKind::Numbered(n) => (4, fits("group number", n)?),
+            GroupKind::Agreed(n) => (5, fits("agreed group number", n)?),
         };
         Ok((kind << PAYLOAD_BITS) | payload)
     }
@@ -168,6 +173,7 @@ mod tests {
             }
         }
         all.extend((0..8).map(GroupKind::Numbered));
+        all.extend((0..8).map(GroupKind::Agreed));
         all
     }
 

@@ -5,6 +5,7 @@
 //! job's communication thread, and returns an [`Op`] to wait on, so
 //! communication overlaps the caller's compute.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +15,7 @@ use pyo3::types::{PyBytes, PyList};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::exchange::{self, JoinOptions};
 use zeropp_comm::job::TransportKind;
-use zeropp_comm::{CommError, Communicator, Group};
+use zeropp_comm::{CommError, Communicator, Group, GroupKind};
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_quant::{QuantFormat, QuantizedChunks};
 use zeropp_zero::device_job::DeviceFeedback;
@@ -25,7 +26,7 @@ use zeropp_zero::probe::{self, Measured};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
-use zeropp_zero::{Hop, ZeroError, ZeroGroups, delta, qgz};
+use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, qgz};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::{invalid, to_py};
@@ -40,7 +41,13 @@ pub struct Job {
     counter: Arc<CountingTransport>,
     layout: Layout,
     groups: ZeroGroups,
-    subgroups: Mutex<Vec<Arc<Group>>>,
+    /// Every group this rank has made, by its ranks (one set of ranks is
+    /// one group, with one sequence of calls).
+    known: Mutex<HashMap<Vec<usize>, Arc<Group>>>,
+    /// The mesh dimensions zeropp serves: the whole job first, then those
+    /// `add_mesh_dim` registered (FSDP2's shard dimension of a sub-mesh or
+    /// an HSDP mesh, HSDP's replicate dimension).
+    dims: Mutex<Vec<Arc<MeshDim>>>,
     routing: Result<zeropp_topology::plan::ClusterView, String>,
     /// Whether this job measures its links (nodes that are hosts, more
     /// than one rank, ZEROPP_PROBE not 0): once, when `mode="zeropp"` is
@@ -163,13 +170,23 @@ impl Job {
         // Real nodes' links are measured; logical nodes (ranks_per_node)
         // emulate a cluster whose links are not these.
         let probes = ranks_per_node.is_none() && layout.world() > 1 && probe::enabled();
+        let known = [&groups.world, &groups.node, &groups.cross]
+            .into_iter()
+            .map(|g| (g.ranks().to_vec(), g.clone()))
+            .collect();
+        let world = MeshDim {
+            ranks: (0..layout.world()).collect(),
+            layout,
+            groups: groups.clone(),
+        };
         Ok(Job {
             thread: CommThread::new(comm.clone()),
             comm,
             counter,
             layout,
             groups,
-            subgroups: Mutex::new(Vec::new()),
+            known: Mutex::new(known),
+            dims: Mutex::new(vec![Arc::new(world)]),
             routing,
             probes,
             measured: Mutex::new(None),
@@ -217,14 +234,82 @@ impl Job {
     /// the routing plan and, for `"zeropp"`, the links and routes this
     /// job measures (the first call measures: every rank calls it in the
     /// same order), checked: JSON `{"switches": {...}, "why": {...}}`.
-    fn resolve_switches(&self, py: Python<'_>, mode: &str, overrides: &str) -> PyResult<String> {
+    #[pyo3(signature = (mode, overrides, ranks=None))]
+    fn resolve_switches(
+        &self,
+        py: Python<'_>,
+        mode: &str,
+        overrides: &str,
+        ranks: Option<Vec<usize>>,
+    ) -> PyResult<String> {
+        let layout = match ranks {
+            Some(ranks) => self.dim(&ranks)?.layout,
+            None => self.layout,
+        };
         resolve(
             mode,
             overrides,
-            self.layout,
+            layout,
             &self.routing,
             self.measured(py, mode)?.as_ref(),
         )
+    }
+
+    /// Registers the mesh dimension over `ranks` (global ranks, ascending;
+    /// this rank among them) for the collectives FSDP2 runs over it, and
+    /// the runs of `hpz_group` of its ranks inside a node its backward
+    /// gathers use. `agree` takes a set of ranks and returns the number
+    /// every member gives that set (through the job's store). Returns the
+    /// dimension's layout: (nodes, ranks per node, this rank's position).
+    #[pyo3(signature = (ranks, agree, hpz_group=None))]
+    fn add_mesh_dim(
+        &self,
+        py: Python<'_>,
+        ranks: Vec<usize>,
+        agree: Py<PyAny>,
+        hpz_group: Option<usize>,
+    ) -> PyResult<(usize, usize, usize)> {
+        let mut number = |set: &[usize]| -> Result<usize, CommError> {
+            agree
+                .bind(py)
+                .call1((set.to_vec(),))
+                .and_then(|n| n.extract::<usize>())
+                .map_err(|e| bad(format!("agreeing on a number for the group {set:?}: {e}")))
+        };
+        let dim = match self.find_dim(&ranks)? {
+            Some(dim) => dim,
+            None => {
+                let layout = self.layout.of_ranks(&ranks).map_err(invalid)?;
+                let groups = ZeroGroups::of_ranks(&layout, &ranks, |set| {
+                    self.group_of_set(set, &mut number)
+                })
+                .map_err(to_py)?;
+                let dim = Arc::new(MeshDim {
+                    ranks,
+                    layout,
+                    groups,
+                });
+                self.dims
+                    .lock()
+                    .map_err(|_| to_py(ZeroError::Poisoned("the job's mesh dimensions")))?
+                    .push(dim.clone());
+                dim
+            }
+        };
+        let l = dim.layout;
+        if let Some(h) = hpz_group.filter(|&h| h > 1 && h < l.ranks_per_node) {
+            if !l.ranks_per_node.is_multiple_of(h) {
+                return Err(invalid(format!(
+                    "an hpZ group of {h} ranks does not divide the {} ranks this mesh \
+                     dimension holds on a node",
+                    l.ranks_per_node
+                )));
+            }
+            let first = l.rank / h * h;
+            self.group_of_set(dim.ranks[first..first + h].to_vec(), &mut number)
+                .map_err(to_py)?;
+        }
+        Ok((l.nodes, l.ranks_per_node, l.rank))
     }
 
     /// What was measured, as JSON: the links and the two collectives timed
@@ -266,7 +351,7 @@ impl Job {
             HostBuf::new(out, true, "output")?,
             HostBuf::new(inp, false, "input")?,
         );
-        let group = self.group_of(&ranks)?;
+        let (dim, hop, group) = self.gather_group(&ranks)?;
         if out.len() != inp.len() * group.size() {
             return Err(invalid(format!(
                 "all-gather of {} input bytes over {} ranks needs an output of {} bytes, not {}",
@@ -276,23 +361,17 @@ impl Job {
                 out.len()
             )));
         }
-        let over_world = group.size() == self.layout.world();
+        let over_world = hop == Hop::World;
         let settings = delta.as_ref().map(|d| d.get().settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
         let phase = Phase::gather(backward);
-        let (hop, groups) = match over_world {
-            true => (Hop::World, self.groups.clone()),
-            // A sub-group's gather runs over it as hpZ's group.
-            false => (
-                Hop::Hpz,
-                ZeroGroups {
-                    hpz: group,
-                    ..self.groups.clone()
-                },
-            ),
+        // A sub-group's gather runs over it as hpZ's group.
+        let groups = ZeroGroups {
+            hpz: group,
+            ..dim.groups.clone()
         };
-        let layout = self.layout;
+        let layout = dim.layout;
         Ok(self.submit(groups, move |mover| {
             let mut reference = match (&delta, how) {
                 (Some(state), Gather::Delta(_)) => {
@@ -330,13 +409,8 @@ impl Job {
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
         let dtype = Dtype::parse(dtype)?;
-        let w = self.layout.world();
-        if !self.layout.is_world(&ranks) {
-            return Err(invalid(format!(
-                "reduce-scatter over ranks {ranks:?}: zeropp shards over the whole job (ranks \
-                 0..{w}); use a 1-D mesh (HSDP meshes are not supported)"
-            )));
-        }
+        let dim = self.dim(&ranks)?;
+        let w = dim.layout.world();
         let (out, inp) = (
             HostBuf::new(out, true, "output")?,
             HostBuf::new(inp, false, "input")?,
@@ -351,8 +425,8 @@ impl Job {
             )));
         }
         let reduction = Reduction::mean_if(mean);
-        let layout = self.layout;
-        Ok(self.submit(self.groups.clone(), move |mover| {
+        let layout = dim.layout;
+        Ok(self.submit(dim.groups.clone(), move |mover| {
             let state = qgz.as_ref().map(|q| q.get());
             let mut first = state
                 .map(|s| s.residual.lock())
@@ -373,6 +447,63 @@ impl Job {
                     _ => Scatter::Plain,
                 };
                 fsdp::reduce_scatter(&Host, mover, layout, how, reduction, &x, &mut o)?;
+            });
+            Ok(())
+        }))
+    }
+
+    /// HSDP's all-reduce over its replicate dimension `ranks` (registered
+    /// with `add_mesh_dim`): `buf` (`dtype` values, in place) becomes the
+    /// sum over the dimension, or the mean when `mean`, the same on every
+    /// member. With `state`: quantized (`zeropp_zero::allreduce`: int4
+    /// blocks, f32 sums, that state's error feedback); without: ZeRO-3's
+    /// reduce-scatter and all-gather in `dtype`.
+    #[pyo3(signature = (buf, dtype, ranks, mean, state=None))]
+    fn all_reduce(
+        &self,
+        buf: &Bound<'_, PyAny>,
+        dtype: &str,
+        ranks: Vec<usize>,
+        mean: bool,
+        state: Option<Py<AllReduceState>>,
+    ) -> PyResult<Op> {
+        let dtype = Dtype::parse(dtype)?;
+        let dim = self.dim(&ranks)?;
+        let buf = HostBuf::new(buf, true, "all-reduce buffer")?;
+        let (members, rank) = (dim.layout.world(), self.layout.rank);
+        let reduction = Reduction::mean_if(mean);
+        Ok(self.submit(dim.groups.clone(), move |mover| {
+            with_dtype!(dtype, T => {
+                let x: &mut [T] = buf.typed_mut("buffer").map_err(bad)?;
+                let len = x.len();
+                // Padded to whole parts; the input read from a copy, since
+                // the buffer is the output too.
+                let mut input = vec![T::default(); len.div_ceil(members) * members];
+                input[..len].copy_from_slice(x);
+                match &state {
+                    None => {
+                        let mut out = vec![T::default(); input.len()];
+                        mover.all_reduce_tensor(
+                            &Host, Hop::World, Phase::Replicate, &input, &mut out, mean,
+                        )?;
+                        x.copy_from_slice(&out[..len]);
+                    }
+                    Some(state) => {
+                        let state = state.get();
+                        let mut sent = state.sent.lock().map_err(|_| poisoned())?;
+                        let mut owned = state.owned.lock().map_err(|_| poisoned())?;
+                        let feedback = allreduce::ReplicaFeedback {
+                            sent: state.error_feedback.then(|| sent.chunks_mut()),
+                            owned: state.error_feedback.then(|| owned.chunks_mut()),
+                        };
+                        let s = state.settings(rank);
+                        let mut o: &mut [T] = x;
+                        allreduce::all_reduce(
+                            &Host, mover, (Hop::World, Phase::Replicate), s, reduction, feedback,
+                            &&input[..len], &mut o,
+                        )?;
+                    }
+                }
             });
             Ok(())
         }))
@@ -471,18 +602,100 @@ impl Job {
             return Ok(self.groups.world.clone());
         }
         self.layout.check_subgroup(ranks).map_err(invalid)?;
-        let mut subgroups = self
-            .subgroups
+        self.group_of_set(ranks.to_vec(), |_| {
+            Err(bad("consecutive ranks of a node make a run".into()))
+        })
+        .map_err(to_py)
+    }
+
+    /// The group of `ranks`: the one this rank already made of them, else
+    /// a new one — a run of consecutive ranks inside a node by its place,
+    /// any other set by the number `agree` gives it.
+    fn group_of_set(
+        &self,
+        ranks: Vec<usize>,
+        mut agree: impl FnMut(&[usize]) -> Result<usize, CommError>,
+    ) -> Result<Arc<Group>, CommError> {
+        let mut known = self
+            .known
             .lock()
-            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?;
-        if let Some(existing) = subgroups.iter().find(|s| s.ranks() == ranks) {
-            return Ok(existing.clone());
+            .map_err(|_| bad("the job's groups were poisoned by a panic".into()))?;
+        if let Some(group) = known.get(&ranks) {
+            return Ok(group.clone());
         }
-        let group =
-            ZeroGroups::run_or_node(&self.groups.node, ranks[0], ranks.len()).map_err(to_py)?;
-        subgroups.push(group.clone());
+        let kind = match self.layout.check_subgroup(&ranks) {
+            Ok(()) => GroupKind::Run {
+                first: ranks[0],
+                size: ranks.len(),
+            },
+            Err(_) => GroupKind::Agreed(agree(&ranks)?),
+        };
+        let group = Arc::new(Group::new(kind, ranks.clone())?);
+        known.insert(ranks, group.clone());
         Ok(group)
     }
+
+    /// The registered mesh dimension over exactly `ranks`, if any.
+    fn find_dim(&self, ranks: &[usize]) -> PyResult<Option<Arc<MeshDim>>> {
+        let dims = self
+            .dims
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("the job's mesh dimensions")))?;
+        Ok(dims.iter().find(|d| d.ranks == ranks).cloned())
+    }
+
+    /// The mesh dimension over `ranks`: the whole job, or one registered.
+    fn dim(&self, ranks: &[usize]) -> PyResult<Arc<MeshDim>> {
+        self.find_dim(ranks)?.ok_or_else(|| {
+            invalid(format!(
+                "a collective over ranks {ranks:?}, which is no mesh dimension zeropp was \
+                 given: zeropp serves the meshes of the modules zeropp.torch.fully_shard or \
+                 enable sharded (the whole job ranks 0..{}, or a dimension they registered)",
+                self.layout.world()
+            ))
+        })
+    }
+
+    /// What an all-gather over `ranks` runs over: a mesh dimension (its
+    /// world), or a run of its ranks inside one of its nodes (FSDP2's
+    /// `reshard_after_forward=<int>` groups: hpZ's).
+    fn gather_group(&self, ranks: &[usize]) -> PyResult<(Arc<MeshDim>, Hop, Arc<Group>)> {
+        if let Some(dim) = self.find_dim(ranks)? {
+            let world = dim.groups.world.clone();
+            return Ok((dim, Hop::World, world));
+        }
+        let dims = self
+            .dims
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("the job's mesh dimensions")))?
+            .clone();
+        for dim in dims {
+            let inside = ranks.iter().all(|r| dim.groups.node.ranks().contains(r));
+            if !inside || !ranks.contains(&self.layout.rank) {
+                continue;
+            }
+            if let Some(known) = self.known.lock().ok().and_then(|k| k.get(ranks).cloned()) {
+                return Ok((dim, Hop::Hpz, known));
+            }
+            if self.layout.check_subgroup(ranks).is_ok() {
+                return Ok((dim, Hop::Hpz, self.group_of(ranks)?));
+            }
+        }
+        Err(invalid(format!(
+            "an all-gather over ranks {ranks:?}: zeropp gathers over a mesh dimension it was \
+             given or over a run of its ranks inside a node (FSDP2's \
+             reshard_after_forward=<int> groups: pass reshard_after_forward to \
+             zeropp.torch.fully_shard, or call enable after sharding)"
+        )))
+    }
+}
+
+/// A mesh dimension zeropp serves: its ranks, its layout (nodes, ranks per
+/// node, this rank's position) and its groups.
+struct MeshDim {
+    ranks: Vec<usize>,
+    layout: Layout,
+    groups: ZeroGroups,
 }
 
 /// `plan::resolve_mode` of a JSON object of overrides, as JSON.
@@ -616,6 +829,82 @@ impl QgzState {
         }
         if let Ok(mut f) = self.emulated_feedback.lock() {
             f.reset();
+        }
+    }
+}
+
+/// The quantized all-reduce of one FSDP parameter group across HSDP's
+/// replicate dimension: its format and what each of its two quantizations
+/// dropped last step (error feedback).
+#[pyclass(frozen)]
+pub struct AllReduceState {
+    format: QuantFormat,
+    hadamard: bool,
+    error_feedback: bool,
+    stochastic: bool,
+    seed: u64,
+    calls: AtomicU64,
+    sent: Mutex<Residual>,
+    owned: Mutex<Residual>,
+}
+
+impl AllReduceState {
+    /// This group's next all-reduce on `rank` (call numbers counted per
+    /// group, `qgz::rounding`).
+    fn settings(&self, rank: usize) -> allreduce::QuantizedAllReduce {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        allreduce::QuantizedAllReduce {
+            format: self.format,
+            rounding: qgz::rounding(self.stochastic, self.seed, call, 1, rank),
+            hadamard: self.hadamard,
+        }
+    }
+}
+
+#[pymethods]
+impl AllReduceState {
+    /// int4 blocks of `block` values (a power of two), rotated first with
+    /// `hadamard`, error feedback on both quantizations with
+    /// `error_feedback`.
+    #[new]
+    #[pyo3(signature = (block=64, error_feedback=true, hadamard=true, stochastic=false, seed=0))]
+    fn new(
+        block: usize,
+        error_feedback: bool,
+        hadamard: bool,
+        stochastic: bool,
+        seed: u64,
+    ) -> PyResult<AllReduceState> {
+        let format = QuantFormat::int4(block).map_err(|e| invalid(e.to_string()))?;
+        Ok(AllReduceState {
+            format,
+            hadamard,
+            error_feedback,
+            stochastic,
+            seed,
+            calls: AtomicU64::new(0),
+            sent: Default::default(),
+            owned: Default::default(),
+        })
+    }
+
+    #[getter]
+    fn error_feedback(&self) -> bool {
+        self.error_feedback
+    }
+
+    /// Bytes of error-feedback state held (compressed: about 1.125 a value).
+    fn residual_bytes(&self) -> usize {
+        let a = self.sent.lock().map(|r| r.bytes()).unwrap_or(0);
+        a + self.owned.lock().map(|r| r.bytes()).unwrap_or(0)
+    }
+
+    /// Error feedback starts over (after a checkpoint load).
+    fn reset(&self) {
+        for r in [&self.sent, &self.owned] {
+            if let Ok(mut r) = r.lock() {
+                *r = Residual::none();
+            }
         }
     }
 }
@@ -763,6 +1052,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
     m.add_class::<QgzState>()?;
     m.add_class::<QwzReference>()?;
+    m.add_class::<AllReduceState>()?;
     m.add_class::<Op>()?;
     Ok(())
 }

@@ -307,12 +307,13 @@ def measured():
 
 def traffic():
     """Bytes this rank sent through zeropp, by phase (forward_gather,
-    backward_gather, gradient, other) and hop (intra_node, inter_node), with
+    backward_gather, gradient, other, and replicate: HSDP's all-reduce
+    across its replicate dimension) and hop (intra_node, inter_node), with
     the block scales apart."""
     return json.loads(job().traffic_json())
 
 
-_PHASES = ("forward_gather", "backward_gather", "gradient", "other")
+_PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate")
 _HOPS = ("intra_node", "inter_node")
 
 
@@ -330,8 +331,8 @@ class TrafficLog:
     """Bytes this rank sent through zeropp since the previous call, as flat
     numbers a framework's logger takes: ``zeropp/inter_node_bytes``,
     ``zeropp/<phase>/<hop>_bytes`` and ``..._scale_bytes`` for every phase
-    (forward_gather, backward_gather, gradient, other) and hop (intra_node,
-    inter_node). With Accelerate: ``accelerator.log(log(), step=step)``."""
+    (forward_gather, backward_gather, gradient, other, replicate) and hop
+    (intra_node, inter_node). With Accelerate: ``accelerator.log(log(), step=step)``."""
 
     def __init__(self):
         self._last = None
@@ -515,14 +516,106 @@ class ZeroppAllGather(AllGather):
         )
 
 
+class _Replicate:
+    """HSDP's gradient all-reduce across the replicate dimension ``ranks``
+    for one FSDP module: quantized (int4 blocks of qgZ's hop across nodes,
+    rotated with ``qgz_hadamard``, error feedback with ``error_feedback``,
+    held here) where ``switches`` (resolved on that dimension's layout)
+    keep qgZ, else ZeRO-3's reduce-scatter and all-gather in the gradient's
+    dtype."""
+
+    def __init__(self, zjob, ranks, switches, seed):
+        self.job, self.ranks = zjob, list(ranks)
+        self.settings = (tuple(ranks), json.dumps(switches, sort_keys=True), seed)
+        self.state = None
+        if switches["qgz"]:
+            self.state = _zeropp.AllReduceState(
+                block=switches["qgz_inter_block"] or switches["qgz_block"],
+                error_feedback=switches["error_feedback"],
+                hadamard=switches["qgz_hadamard"],
+                stochastic=switches["qgz_stochastic"],
+                seed=seed,
+            )
+
+    def all_reduce(self, tensor, op):
+        if op == dist.ReduceOp.AVG:
+            mean = True
+        elif op == dist.ReduceOp.SUM:
+            mean = False
+        else:
+            raise ZeroppError(
+                f"all-reduce with {op}: zeropp sums or averages gradients (SUM or AVG); "
+                "leave FSDP2's gradient_divide_factor unset"
+            )
+        op = self.job.all_reduce(
+            host_bytes(tensor, "all-reduce buffer"),
+            dtype_name(tensor),
+            self.ranks,
+            mean,
+            state=self.state,
+        )
+        return _Work(op, tensor)
+
+
+# The all-reduce FSDP2 issues next, across an HSDP mesh's replicate
+# dimension: the reduce-scatter that precedes it (on the same thread, the
+# same output tensor) names the module it belongs to.
+_next_all_reduce = [None]
+
+
+class _ServedReplicateGroup:
+    """FSDP2's replicate process group of an HSDP mesh, with its all-reduce
+    (the only collective FSDP2 runs on it once sharded) run by zeropp for
+    the module whose reduce-scatter just ran; everything else is the
+    group's own."""
+
+    def __init__(self, pg):
+        self._zeropp_served = pg
+
+    def __getattr__(self, name):
+        return getattr(self._zeropp_served, name)
+
+    def size(self):
+        return self._zeropp_served.size()
+
+    def rank(self):
+        return self._zeropp_served.rank()
+
+    def allreduce(self, tensors, opts=None):
+        pending, _next_all_reduce[0] = _next_all_reduce[0], None
+        tensor = tensors[0]
+        if pending is None or pending[0] is not tensor:
+            raise ZeroppError(
+                "an all-reduce across HSDP's replicate dimension that no zeropp reduce-scatter "
+                "preceded: zeropp runs the gradient all-reduce FSDP2 issues after its "
+                "reduce-scatter, nothing else on that group"
+            )
+        op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+        return pending[1].all_reduce(tensor, op)
+
+
+def _serve_replicate(mesh_info):
+    """zeropp runs the all-reduce of HSDP's ``mesh_info`` (once per mesh)."""
+    pg = mesh_info.replicate_process_group
+    if not isinstance(pg, _ServedReplicateGroup):
+        mesh_info.replicate_process_group = _ServedReplicateGroup(pg)
+
+
 class ZeroppReduceScatter(ReduceScatter):
     """FSDP2's gradient reduce-scatter through zeropp: qgZ (two hops,
     quantized, f32 sums, error feedback held here, per parameter group) or
-    ZeRO-3's ring."""
+    ZeRO-3's ring; on HSDP's mesh, followed by zeropp's all-reduce across
+    the replicate dimension (``replicate``)."""
 
-    def __init__(self, zjob, switches, seed=0):
+    def __init__(self, zjob, switches, seed=0, replicate=None):
         self._job = zjob
-        self.settings = (zjob, dict(switches), seed)
+        self.replicate = replicate
+        self.settings = (
+            zjob,
+            dict(switches),
+            seed,
+            None if replicate is None else replicate.settings,
+        )
         # qgZ's settings and error feedback (host and device), per group.
         self.qgz_state = None
         if switches["qgz"]:
@@ -564,6 +657,8 @@ class ZeroppReduceScatter(ReduceScatter):
             output_tensor,
             input_tensor,
         )
+        if self.replicate is not None:
+            _next_all_reduce[0] = (output_tensor, self.replicate)
         if async_op:
             return work
         work.wait()
@@ -619,6 +714,127 @@ def _check_dtypes(module, mp_policy):
             )
 
 
+def _agree(ranks):
+    """The number every member of ``ranks`` gives that set of ranks (the
+    id of its zeropp group): the first member to ask draws it from the job's
+    counter in the store, the others read it."""
+    store = dist.distributed_c10d._get_default_store()
+    mine = store.add("zeropp/job0/groups", 1)
+    key = "zeropp/job0/group/" + ",".join(str(r) for r in ranks)
+    return int(store.compare_set(key, "", str(mine)))
+
+
+def _mesh_groups(mesh):
+    """The process groups FSDP2 reads off ``mesh``: the dimension it shards
+    over (the last) and, on HSDP's 2-D mesh, the one it replicates over (the
+    first). None stands for the default process group's world."""
+    if mesh is None:
+        return None, None
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    if mesh.ndim == 2:
+        return mesh.get_group(1), mesh.get_group(0)
+    raise ZeroppError(
+        f"a {mesh.ndim}-D mesh: FSDP2 and zeropp take a 1-D mesh or HSDP's 2-D (replicate, "
+        "shard) mesh; with tensor or context parallelism pass the data-parallel sub-mesh "
+        '(world_mesh["dp"], or world_mesh["dp_replicate", "dp_shard"] for HSDP)'
+    )
+
+
+def _group_ranks(pg):
+    if pg is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(pg))
+
+
+class _Served:
+    """What zeropp serves of one FSDP2 mesh: the dimension FSDP2 shards over
+    (its ranks laid out on their nodes, and the switches resolved on that
+    layout) and, on HSDP's 2-D mesh, the replicate dimension (its gradient
+    all-reduce, quantized with error feedback where the switches resolved
+    on its own layout keep qgZ)."""
+
+    def __init__(self, zjob, mode, switches, seed, shard_pg, replicate_pg, device):
+        self.job, self.mode, self.seed = zjob, mode, seed
+        self.shard_ranks = _group_ranks(shard_pg)
+        self.replicate_ranks = None if replicate_pg is None else _group_ranks(replicate_pg)
+        sub = self.shard_ranks != list(range(zjob.world_size))
+        if (sub or self.replicate_ranks is not None) and device:
+            raise ZeroppError(
+                f"a mesh over ranks {self.shard_ranks} (shard) and {self.replicate_ranks} "
+                "(replicate): zeropp serves sub-meshes and HSDP meshes on CPU tensors (its host "
+                "path) so far; on CUDA tensors (or ZEROPP_DEVICE=emulated) shard over the whole "
+                "job on a 1-D mesh"
+            )
+        if self.replicate_ranks is not None and len(self.shard_ranks) == 1:
+            raise ZeroppError(
+                f"an HSDP mesh whose shard dimension holds 1 rank: nothing is sharded (that is "
+                f"replication); shard over the ranks {self.replicate_ranks} with a 1-D mesh"
+            )
+        nodes, g, _ = zjob.add_mesh_dim(self.shard_ranks, _agree)
+        self.ranks_per_node = g
+        resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches), self.shard_ranks))
+        self.switches = resolved["switches"]
+        mesh = {"shard": {"ranks": self.shard_ranks, "nodes": nodes, "ranks_per_node": g}}
+        self.replicate = None
+        if self.replicate_ranks is not None:
+            rnodes, rg, _ = zjob.add_mesh_dim(self.replicate_ranks, _agree)
+            rep = json.loads(
+                zjob.resolve_switches(mode, json.dumps(switches), self.replicate_ranks)
+            )
+            self.replicate = _Replicate(zjob, self.replicate_ranks, rep["switches"], seed)
+            mesh["replicate"] = {
+                "ranks": self.replicate_ranks,
+                "nodes": rnodes,
+                "ranks_per_node": rg,
+                "quantized": self.replicate.state is not None,
+                "why": rep["why"].get("qgz", "the mode's default"),
+            }
+        resolved["mesh"] = mesh
+        _switches_used[mode] = resolved
+
+    def hpz_group(self):
+        """The ranks of the shard dimension sharing a secondary shard, or
+        None (hpZ off, or a group as large as the dimension)."""
+        s = self.switches
+        h = s["hpz_group"] if s["hpz"] else None
+        return h if h is not None and 1 < h < len(self.shard_ranks) else None
+
+    def keep_secondary(self, reshard_after_forward):
+        """Registers the hpZ groups of FSDP2's ``reshard_after_forward=<int>``
+        (runs of that many of the dimension's ranks inside a node)."""
+        rafs = reshard_after_forward
+        if isinstance(rafs, bool) or not isinstance(rafs, int) or rafs <= 1:
+            return
+        g = self.ranks_per_node
+        if rafs < len(self.shard_ranks) and (rafs > g or g % rafs):
+            raise ZeroppError(
+                f"reshard_after_forward={rafs}: hpZ keeps its secondary shard inside a "
+                f"node, which holds {g} ranks of this mesh dimension; use a divisor of {g}"
+            )
+        if rafs < len(self.shard_ranks):
+            self.job.add_mesh_dim(self.shard_ranks, _agree, hpz_group=rafs)
+
+    def replicate_settings(self):
+        return None if self.replicate is None else self.replicate.settings
+
+    def collectives(self):
+        return (
+            ZeroppAllGather(self.job, self.switches),
+            ZeroppReduceScatter(self.job, self.switches, seed=self.seed, replicate=self.replicate),
+        )
+
+    def install(self, module):
+        """zeropp's collectives on ``module`` (an FSDPModule), and on HSDP's
+        mesh its all-reduce across the replicate dimension."""
+        ag, rs = self.collectives()
+        module.set_custom_all_gather(ag)
+        module.set_custom_reduce_scatter(rs)
+        if self.replicate is not None:
+            for group in module._get_fsdp_state()._fsdp_param_groups:
+                _serve_replicate(group.mesh_info)
+
+
 def fully_shard(
     module,
     *,
@@ -643,37 +859,25 @@ def fully_shard(
     int8). ``seed`` seeds qgZ's
     stochastic rounding. Other keyword arguments (``mesh``, ``mp_policy``,
     ``reshard_after_forward``, ...) go to FSDP2; with hpZ,
-    ``reshard_after_forward`` defaults to the hpZ group. Returns the module.
+    ``reshard_after_forward`` defaults to the hpZ group. ``mesh`` is any
+    mesh FSDP2 takes: the whole job, a 1-D mesh over part of it (the
+    data-parallel sub-mesh next to tensor parallelism), or HSDP's 2-D
+    (replicate, shard) mesh, whose all-reduce across the replicate
+    dimension zeropp quantizes (int4, error feedback) where qgZ is kept
+    there. Returns the module.
     """
     switches = {k: kwargs.pop(k) for k in list(kwargs) if k in SWITCHES}
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
-    resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches)))
-    s = resolved["switches"]
-    _switches_used[mode] = resolved
-    world = zjob.world_size
     mesh = kwargs.get("mesh")
-    if mesh is not None and (mesh.ndim != 1 or mesh.size() != world):
-        raise ZeroppError(
-            f"a {mesh.ndim}-D mesh of {mesh.size()} ranks: zeropp shards over the whole job "
-            f"({world} ranks) on a 1-D mesh; HSDP is what hpZ replaces"
-        )
+    shard_pg, replicate_pg = _mesh_groups(mesh)
     _check_dtypes(module, kwargs.get("mp_policy"))
+    device = _emulated() or (mesh is not None and mesh.device_type == "cuda")
+    served = _Served(zjob, mode, switches, seed, shard_pg, replicate_pg, device)
     if "reshard_after_forward" not in kwargs:
-        hpz_group = s["hpz_group"] if s["hpz"] else None
-        kwargs["reshard_after_forward"] = (
-            hpz_group if hpz_group is not None and 1 < hpz_group < world else True
-        )
-    elif s["hpz"] and kwargs["reshard_after_forward"] is not True:
-        rafs = kwargs["reshard_after_forward"]
-        if isinstance(rafs, int) and not isinstance(rafs, bool):
-            if rafs > zjob.ranks_per_node or zjob.ranks_per_node % rafs:
-                raise ZeroppError(
-                    f"reshard_after_forward={rafs}: hpZ keeps its secondary shard inside a "
-                    f"node of {zjob.ranks_per_node} ranks; use a divisor of it"
-                )
+        kwargs["reshard_after_forward"] = served.hpz_group() or True
+    served.keep_secondary(kwargs["reshard_after_forward"])
     sharded = _fsdp_fully_shard(module, **kwargs)
-    sharded.set_custom_all_gather(ZeroppAllGather(zjob, s))
-    sharded.set_custom_reduce_scatter(ZeroppReduceScatter(zjob, s, seed=seed))
+    served.install(sharded)
     return sharded
 
 
@@ -682,16 +886,19 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
     ``model``, whoever called ``fully_shard`` (the Hugging Face Trainer,
     Accelerate, torchtitan's ``apply_fsdp``, your own loop) — into a zeropp
     one: zeropp's all-gather and reduce-scatter on each, with ``mode`` and
-    the switches of :func:`fully_shard`. With hpZ, each module that reshards
-    after forward keeps its secondary shard inside the hpZ group from here
-    on, as ``fully_shard(reshard_after_forward=<hpZ group>)`` would have.
+    the switches of :func:`fully_shard`, over whatever mesh FSDP2 was given
+    (the whole job, a sub-mesh such as torchtitan's ``dp_shard`` next to
+    tensor parallelism, or HSDP's 2-D mesh, whose replicate all-reduce
+    zeropp then runs too). With hpZ, each module that reshards after
+    forward keeps its secondary shard inside the hpZ group from here on,
+    as ``fully_shard(reshard_after_forward=<hpZ group>)`` would have.
 
     Call it after sharding and before the next step (every rank, the same
     model). Calling it again with the same settings changes nothing (error
     feedback is kept); with other settings it installs them (error feedback
     starts over). Refuses, with a ``ZeroppError``, a model with no FSDP2
-    module, a 2-D (HSDP) mesh, a mesh that is not the whole job, or a module
-    with several parameter groups. Returns ``model``.
+    module, a mesh zeropp cannot serve (it says why), or a module with
+    several parameter groups. Returns ``model``.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -699,10 +906,6 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
     if unknown:
         raise ZeroppError(f"unknown switches {unknown}; zeropp's switches are {sorted(SWITCHES)}")
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
-    resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches)))
-    s = resolved["switches"]
-    _switches_used[mode] = resolved
-    world = zjob.world_size
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not sharded:
         raise ZeroppError(
@@ -710,7 +913,7 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
             "(torch.distributed.fsdp.fully_shard, or the framework's FSDP2 setting), "
             "or call zeropp.torch.fully_shard instead"
         )
-    hpz = s["hpz_group"] if s["hpz"] else None
+    served_by_mesh = {}
     hpz_infos = {}
     for m in sharded:
         groups = m._get_fsdp_state()._fsdp_param_groups
@@ -721,25 +924,31 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
                 "modules sharded with one (fully_shard on each module, not several groups)"
             )
         for group in groups:
-            mesh = group.mesh_info.mesh
-            if mesh.ndim != 1 or mesh.size() != world:
-                raise ZeroppError(
-                    f"{name} is sharded on a {mesh.ndim}-D mesh of {mesh.size()} ranks: zeropp "
-                    f"shards over the whole job ({world} ranks) on a 1-D mesh; HSDP is what "
-                    "hpZ replaces (shard with FSDP2 over the world, then enable)"
+            info = group.mesh_info
+            replicate_pg = getattr(info, "replicate_process_group", None)
+            replicate_pg = getattr(replicate_pg, "_zeropp_served", replicate_pg)
+            key = (tuple(_group_ranks(info.shard_process_group)), id(replicate_pg))
+            if key not in served_by_mesh:
+                device = _emulated() or info.mesh.device_type == "cuda"
+                served_by_mesh[key] = _Served(
+                    zjob, mode, switches, seed, info.shard_process_group, replicate_pg, device
                 )
+            served = served_by_mesh[key]
+            s = served.switches
             for p in group.fsdp_params:
                 _check_param_dtype(name, p.mp_policy.param_dtype or p.sharded_param.dtype)
+            rs_settings = (zjob, s, seed, served.replicate_settings())
             same = (
                 isinstance(group._all_gather_comm, ZeroppAllGather)
                 and group._all_gather_comm.settings == (zjob, s)
                 and isinstance(group._reduce_scatter_comm, ZeroppReduceScatter)
-                and group._reduce_scatter_comm.settings == (zjob, s, seed)
+                and group._reduce_scatter_comm.settings == rs_settings
             )
             if not same:
-                m.set_custom_all_gather(ZeroppAllGather(zjob, s))
-                m.set_custom_reduce_scatter(ZeroppReduceScatter(zjob, s, seed=seed))
-            if hpz is not None and 1 < hpz < world and group.post_forward_mesh_info is not None:
+                served.install(m)
+            hpz = served.hpz_group()
+            if hpz is not None and group.post_forward_mesh_info is not None:
+                served.keep_secondary(hpz)
                 _keep_secondary_shard(group, hpz, hpz_infos)
     return model
 
@@ -786,6 +995,10 @@ def reset_error_feedback(module):
             if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
                 rs.qgz_state.reset()
                 reset = True
+            if isinstance(rs, ZeroppReduceScatter) and rs.replicate is not None:
+                if rs.replicate.state is not None:
+                    rs.replicate.state.reset()
+                    reset = True
             ag = group._all_gather_comm
             if isinstance(ag, ZeroppAllGather) and ag.qwz_reference is not None:
                 ag.qwz_reference.reset()

@@ -45,6 +45,33 @@ impl ZeroGroups {
         })
     }
 
+    /// The groups of a mesh dimension over `ranks` (global ranks, laid out
+    /// as `l`: [`Layout::of_ranks`]), hpZ over its node: the dimension is
+    /// the world, its ranks on one node the node, its ranks of one
+    /// position in their node the cross group. `group` gives the group of
+    /// a set of global ranks (the job's own where it has one, so one set
+    /// of ranks is one group with one sequence of calls).
+    pub fn of_ranks(
+        l: &Layout,
+        ranks: &[usize],
+        mut group: impl FnMut(Vec<usize>) -> Result<Arc<Group>, CommError>,
+    ) -> Result<ZeroGroups, CommError> {
+        let g = l.ranks_per_node;
+        if ranks.len() != l.world() || l.rank >= l.world() {
+            return Err(CommError::Group(format!(
+                "ranks {ranks:?} are not laid out as {} nodes x {g}",
+                l.nodes
+            )));
+        }
+        let node = group(ranks[l.node() * g..(l.node() + 1) * g].to_vec())?;
+        Ok(ZeroGroups {
+            world: group(ranks.to_vec())?,
+            cross: group((0..l.nodes).map(|n| ranks[n * g + l.local()]).collect())?,
+            hpz: node.clone(),
+            node,
+        })
+    }
+
     /// The group of `size` consecutive ranks from `first` (inside `node`):
     /// `node` itself when it is those ranks, so one set of ranks is one
     /// group with one sequence of calls.

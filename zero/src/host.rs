@@ -394,6 +394,34 @@ impl HostMover<'_> {
             Hop::Hpz => &self.groups.hpz,
         }
     }
+
+    /// ZeRO-3's all-reduce over `hop`: `x` (a multiple of the members
+    /// long) reduce-scattered as [`ByteMover::reduce_scatter_tensor`] does
+    /// (a bf16 ring for bf16 tensors, f32 otherwise), then every member's
+    /// part gathered into `out` in `T`: the same on every member.
+    #[allow(clippy::too_many_arguments)]
+    pub fn all_reduce_tensor<K: HostKernels, T: GpuElement>(
+        &self,
+        q: &K,
+        hop: Hop,
+        phase: Phase,
+        x: &[T],
+        out: &mut [T],
+        mean: bool,
+    ) -> Result<(), ZeroError> {
+        let members = self.group(hop).size();
+        if !x.len().is_multiple_of(members) || out.len() != x.len() {
+            return Err(ZeroError::Invalid(format!(
+                "an all-reduce of {} values over {members} members into {}: both as long, a \
+                 multiple of the members",
+                x.len(),
+                out.len()
+            )));
+        }
+        let mut part = vec![T::default(); x.len() / members];
+        ByteMover::<K>::reduce_scatter_tensor(self, q, hop, phase, &x, &mut &mut part[..], mean)?;
+        ByteMover::<K>::all_gather_tensor(self, hop, phase, &&part[..], &mut &mut out[..])
+    }
 }
 
 fn shape(q: &QuantizedChunks) -> Shape {

@@ -12,6 +12,7 @@
 //! kernels and NCCL) and the emulated device ([`emulated`]: the CUDA
 //! kernels' source on host buffers, moved by the host transports).
 
+pub mod allreduce;
 pub mod backend;
 pub mod delta;
 pub mod device;

@@ -37,6 +37,52 @@ impl Layout {
         ranks.iter().copied().eq(0..self.world())
     }
 
+    /// The layout of a mesh dimension over `ranks` (global ranks of a job
+    /// laid out as `self`): its nodes are the nodes those ranks are on, and
+    /// this rank is its position among them. The ranks must be ascending
+    /// and hold as many ranks of every node they span, so that position p
+    /// is local rank p mod g of node p / g, as on the whole job.
+    pub fn of_ranks(&self, ranks: &[usize]) -> Result<Layout, String> {
+        let ascending = ranks.windows(2).all(|p| p[0] < p[1]);
+        let position = ranks.iter().position(|&r| r == self.rank);
+        let (Some(&last), true, Some(rank)) = (ranks.last(), ascending, position) else {
+            return Err(format!(
+                "a mesh dimension over ranks {ranks:?}: zeropp serves a dimension whose ranks \
+                 are ascending and include this rank {} (build the mesh with \
+                 init_device_mesh, which orders them so)",
+                self.rank
+            ));
+        };
+        if last >= self.world() {
+            return Err(format!(
+                "a mesh dimension over ranks {ranks:?} in a job of {} ranks",
+                self.world()
+            ));
+        }
+        let mut per_node: Vec<(usize, usize)> = Vec::new();
+        for &r in ranks {
+            match per_node.last_mut() {
+                Some((node, count)) if *node == self.node_of(r) => *count += 1,
+                _ => per_node.push((self.node_of(r), 1)),
+            }
+        }
+        let g = per_node[0].1;
+        if let Some(&(node, count)) = per_node.iter().find(|(_, c)| *c != g) {
+            return Err(format!(
+                "a mesh dimension over ranks {ranks:?} holds {g} ranks of node {} but {count} \
+                 of node {node}: zeropp shards over a dimension with as many ranks on every \
+                 node it spans (nodes of {} ranks); shape the mesh so that each node holds an \
+                 equal part of it",
+                per_node[0].0, self.ranks_per_node
+            ));
+        }
+        Ok(Layout {
+            nodes: per_node.len(),
+            ranks_per_node: g,
+            rank,
+        })
+    }
+
     /// Checks a group a collective may run over besides the world:
     /// consecutive ranks of one node that include this rank (FSDP2's
     /// `reshard_after_forward=<int>` groups, hpZ's).
@@ -449,6 +495,24 @@ fn choose_by_links(
         }
         why.insert("qgz".into(), reason);
     }
+    if layout.nodes == 1 {
+        // A mesh dimension inside one node (HSDP's shard dimension): the
+        // routes were timed across nodes, and inside a node quantizing
+        // saves nothing on a slow link.
+        if !qwz_asked && s.qwz_bits.is_some() {
+            s.qwz_bits = None;
+            s.qwz_delta = false;
+            why.insert(
+                "qwz_bits".into(),
+                "plain: one node, no hop across nodes".into(),
+            );
+        }
+        if !asked.contains(&"qgz") && !asked.contains(&"error_feedback") && s.qgz {
+            s.qgz = false;
+            s.error_feedback = false;
+            why.insert("qgz".into(), "plain: one node, no hop across nodes".into());
+        }
+    }
     if !asked.contains(&"hpz") && s.hpz && layout.nodes == 1 {
         s.hpz = false;
         why.insert(
@@ -822,6 +886,79 @@ mod tests {
             let e = l.check_subgroup(bad).unwrap_err();
             assert!(e.contains("consecutive ranks of one node"), "{bad:?}: {e}");
         }
+    }
+
+    #[test]
+    fn a_mesh_dimension_is_laid_out_on_the_nodes_its_ranks_are_on() {
+        let job = |rank| Layout {
+            nodes: 2,
+            ranks_per_node: 4,
+            rank,
+        };
+        let l = |_job_rank: usize, nodes, g, at| Layout {
+            nodes,
+            ranks_per_node: g,
+            rank: at,
+        };
+        // HSDP's shard dimension inside a node; its replicate dimension.
+        assert_eq!(job(5).of_ranks(&[4, 5, 6, 7]), Ok(l(5, 1, 4, 1)));
+        assert_eq!(job(5).of_ranks(&[1, 5]), Ok(l(5, 2, 1, 1)));
+        // The dp dimension of a (dp, tp=2) mesh: two ranks on each node.
+        assert_eq!(job(6).of_ranks(&[0, 2, 4, 6]), Ok(l(6, 2, 2, 3)));
+        assert_eq!(job(3).of_ranks(&(0..8).collect::<Vec<_>>()), Ok(job(3)));
+        for (bad, says) in [
+            (&[2, 3, 4, 5, 6][..], "holds 2 ranks of node 0 but 3"),
+            (&[3, 4, 5, 6, 7], "holds 1 ranks of node 0 but 4"),
+            (&[5, 4], "ascending"),
+            (&[4, 6], "include this rank 5"),
+            (&[], "include this rank"),
+            (&[5, 9], "in a job of 8 ranks"),
+        ] {
+            let e = job(5).of_ranks(bad).unwrap_err();
+            assert!(e.contains(says), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn inside_one_node_measured_links_keep_the_collectives_plain() {
+        use crate::probe::{Link, Links, Measured, Routes};
+        let slow = Link {
+            bytes_per_s: 4e6,
+            latency_s: 1e-4,
+        };
+        // Timed across nodes, where quantizing paid.
+        let m = Measured {
+            links: Links {
+                node: Some(slow),
+                cross: Some(slow),
+                quantize_per_s: 1e9,
+                dequantize_per_s: 1e9,
+                seconds: 0.1,
+            },
+            routes: Routes {
+                values: 1 << 16,
+                gather_plain: 0.04,
+                gather_qwz: 0.01,
+                reduce_plain: 0.04,
+                reduce_qgz: 0.01,
+                seconds: 0.1,
+            },
+        };
+        let resolve_on = |l: Layout| {
+            resolve_mode("zeropp", &Default::default(), l, &routing(), Some(&m)).unwrap()
+        };
+        let across = resolve_on(layout()).switches;
+        assert!(
+            across.qwz_bits.is_some() && across.qgz && across.hpz,
+            "{across:?}"
+        );
+        let inside = resolve_on(Layout {
+            nodes: 1,
+            ..layout()
+        });
+        let s = inside.switches;
+        assert!(s.qwz_bits.is_none() && !s.qgz && !s.hpz, "{s:?}");
+        assert!(inside.why["qgz"].contains("one node"), "{:?}", inside.why);
     }
 
     #[test]

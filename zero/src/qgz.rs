@@ -80,7 +80,7 @@ impl Reduction {
 /// Makes `r` a zeroed residual of `count` chunks of `chunk_len` values
 /// unless it already is that shape (a residual of another shape cannot be
 /// carried over).
-fn ensure_residual<Q: Quantizer>(
+pub(crate) fn ensure_residual<Q: Quantizer>(
     q: &Q,
     r: &mut Q::Chunks,
     chunk_len: usize,
@@ -94,7 +94,7 @@ fn ensure_residual<Q: Quantizer>(
 }
 
 /// Adds `residual`'s chunks into `x` (chunk i at i · chunk length).
-fn add_residual<Q: Quantizer>(
+pub(crate) fn add_residual<Q: Quantizer>(
     q: &Q,
     residual: &Q::Chunks,
     x: &mut Q::Values,
@@ -109,7 +109,7 @@ fn add_residual<Q: Quantizer>(
 /// Keeps in `residual` what quantizing `x` into `sent` dropped: chunk p of
 /// `sent` holds chunk `source(p)` of `x`, and residual chunk `source(p)`
 /// becomes that chunk of `x` minus what `sent` carries (rounded to nearest).
-fn keep_dropped<Q: Quantizer>(
+pub(crate) fn keep_dropped<Q: Quantizer>(
     q: &Q,
     sent: &Q::Chunks,
     source: impl Fn(usize) -> usize,

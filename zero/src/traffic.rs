@@ -1,5 +1,5 @@
 //! Byte counters: every byte this rank sends, by phase (forward gather,
-//! backward gather, gradient, other) and hop class (inside the node, across
+//! backward gather, gradient, other, HSDP's replicate all-reduce) and hop class (inside the node, across
 //! nodes), payload and block scales separately. Counted in a transport
 //! wrapper, so they are what was actually handed to the network (frame
 //! headers aside).
@@ -18,6 +18,8 @@ pub enum Phase {
     BackwardGather = 1,
     Gradient = 2,
     Other = 3,
+    /// HSDP's gradient all-reduce across its replicate dimension.
+    Replicate = 4,
 }
 
 impl Phase {
@@ -51,6 +53,8 @@ pub struct Traffic {
     pub backward_gather: PhaseBytes,
     pub gradient: PhaseBytes,
     pub other: PhaseBytes,
+    /// HSDP's gradient all-reduce across the replicate dimension.
+    pub replicate: PhaseBytes,
     /// Messages sent, by hop class (each travels with a frame header).
     pub messages: HopBytes,
 }
@@ -62,6 +66,7 @@ impl Traffic {
             Phase::BackwardGather => &mut self.backward_gather,
             Phase::Gradient => &mut self.gradient,
             Phase::Other => &mut self.other,
+            Phase::Replicate => &mut self.replicate,
         }
     }
 
@@ -73,6 +78,7 @@ impl Traffic {
             self.backward_gather,
             self.gradient,
             self.other,
+            self.replicate,
         ] {
             t.intra_node += p.total.intra_node;
             t.inter_node += p.total.inter_node;
@@ -95,6 +101,7 @@ impl Traffic {
             backward_gather: p(self.backward_gather, earlier.backward_gather),
             gradient: p(self.gradient, earlier.gradient),
             other: p(self.other, earlier.other),
+            replicate: p(self.replicate, earlier.replicate),
             messages: d(self.messages, earlier.messages),
         }
     }

@@ -139,14 +139,14 @@ def main():
         expect_error(
             "a group across nodes is refused",
             lambda: zt.ZeroppAllGather(job, z3)(torch.empty(16), torch.zeros(8), odd),
-            "consecutive ranks of one node",
+            "mesh dimension it was given",
         )
     expect_error(
         "a reduce-scatter over a sub-group is refused",
         lambda: zt.ZeroppReduceScatter(job, z3)(
             torch.empty(8), torch.zeros(16), mine, dist.ReduceOp.AVG
         ),
-        "whole job",
+        "no mesh dimension zeropp was given",
     )
     expect_error(
         "a MAX reduce-scatter is refused",
