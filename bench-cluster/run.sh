@@ -26,7 +26,9 @@
 # (--python PATH: the interpreter with torch and zeropp installed; default
 # $ZEROPP_PYTHON or python3): torch-zeropp and torch-zero3 (FSDP2 with
 # zeropp's communication; torch-beyond as beyond), torch-fsdp2 and
-# torch-hsdp (FSDP2's own, over gloo).
+# torch-hsdp (FSDP2's own, over gloo), torch-zeropp-hsdp and
+# torch-zero3-hsdp (zeropp on HSDP's 2-D mesh: FSDP2 sharded inside each
+# node, its all-reduce across nodes through zeropp).
 #
 # --launcher starts the native modes' ranks with: zeropp (default:
 # `zeropp launch --node-rank K` on every node), torchrun (`torchrun --nnodes
@@ -74,7 +76,7 @@ while [ $# -gt 0 ]; do
     --probe-flows) PROBE_FLOWS="$2"; shift 2 ;;
     --probe-seconds) PROBE_SECONDS="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -119,7 +121,10 @@ mode_args() {
     torch-zeropp|torch-zero3|torch-fsdp2|torch-hsdp) echo "--mode ${1#torch-} --bf16" ;;
     torch-beyond) echo "--mode zeropp --bf16 --switch qwz_bits=4 --switch qwz_delta=true --switch qgz_hadamard=true --switch qgz_inter_block=64" ;;
     torch-published) echo "--mode zeropp --bf16 --switch qwz_delta=false --switch qgz_hadamard=false --switch qgz_inter_block=null" ;;
-    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz, beyond, published or torch-{zeropp,zero3,fsdp2,hsdp,beyond,published}" ;;
+    # FSDP2 with zeropp's communication on HSDP's 2-D mesh (sharded inside
+    # each node, replicated across nodes: its all-reduce through zeropp).
+    torch-zeropp-hsdp|torch-zero3-hsdp) m="${1#torch-}"; echo "--mode ${m%-hsdp} --mesh hsdp --bf16" ;;
+    *) die "unknown mode $1: use zero3, zeropp, qwz, hpz, qgz, beyond, published or torch-{zeropp,zero3,fsdp2,hsdp,beyond,published,zeropp-hsdp,zero3-hsdp}" ;;
   esac
 }
 for m in $MODES; do mode_args "$m" >/dev/null; done

@@ -147,7 +147,7 @@ def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
 def test_enable_serves_models_that_fsdp2_already_sharded():
     p = torchrun(WORKERS / "enable.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 10, p.stdout
+    assert len(oks) == 11, p.stdout
 
 
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])
@@ -204,6 +204,60 @@ def test_torchtitans_apply_fsdp_then_enable_matches_fsdp2_and_trains(tmp_path):
     assert t["forward_gather"]["total"]["inter_node"] > 0, t
     assert t["backward_gather"]["total"]["inter_node"] == 0, t
     assert t["backward_gather"]["total"]["intra_node"] > 0, t
+
+
+def test_with_tensor_parallelism_zeropp_serves_the_dp_dimension(tmp_path):
+    # torchtitan's parallelize_llama order: apply_tp on the tp dimension of a
+    # (dp, tp) mesh, then apply_fsdp on dp; zeropp takes FSDP2's collectives
+    # on dp (ranks 0, 2 and 1, 3: one rank per logical node), PyTorch the TP
+    # ones.
+    def run(which, steps):
+        out = tmp_path / f"titan-tp-{which}.json"
+        args = ["--zeropp", which, "--tp", 2, "--steps", steps, "--ranks-per-node", 2]
+        torchrun(ROOT / "examples" / "torchtitan_llama.py", [*args, "--summary-json", out])
+        return json.loads(out.read_text())
+
+    base, z3 = run("none", 12), run("zero3", 12)
+    worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
+    assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
+    assert z3["mesh_dims"]["shard"] == {"ranks": [0, 2], "nodes": 2, "ranks_per_node": 1}
+    zpp = run("zeropp", 30)
+    assert zpp["losses"][-1] < 0.8 * zpp["losses"][0], zpp["losses"]
+    assert zpp["switches"]["qwz_bits"] == 4 and zpp["switches"]["qwz_delta"], zpp["switches"]
+    t = zpp["traffic"]
+    assert t["forward_gather"]["total"]["inter_node"] > 0, t
+    assert t["forward_gather"]["total"]["intra_node"] == 0, t
+
+
+@pytest.mark.parametrize("mesh", ["sub", "hsdp"])
+def test_on_every_fsdp2_mesh_zero3_matches_fsdp2_and_zeropp_trains(tmp_path, mesh):
+    # sub: the 1-D dp sub-mesh of a (dp, 2) mesh (ranks 0, 2 and 1, 3, one
+    # per logical node), two model copies training apart; hsdp: FSDP2
+    # sharded inside each node, its all-reduce across nodes run by zeropp.
+    common = ("--ranks-per-node", 2, "--mesh", mesh)
+    z3 = train(tmp_path, "zero3", *common, steps=12)
+    base = train(tmp_path, "fsdp2", *common, steps=12)
+    worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
+    assert worst <= 1e-5, f"{mesh}: largest relative loss difference {worst:.3g}"
+    zpp = train(tmp_path, "zeropp", *common, "--bf16", steps=30)
+    ref = train(tmp_path, "fsdp2", *common, "--bf16", steps=30)
+    assert zpp["final_loss"] < 0.8 * zpp["initial_loss"], zpp
+    gap = zpp["final_loss"] / ref["final_loss"] - 1
+    assert abs(gap) <= 0.02, f"{mesh}: final loss {zpp['final_loss']} against {ref['final_loss']}"
+    dims, t = zpp["mesh_dims"], zpp["traffic"]
+    if mesh == "sub":
+        assert dims["shard"] == {"ranks": [0, 2], "nodes": 2, "ranks_per_node": 1}, dims
+        assert t["forward_gather"]["total"]["inter_node"] > 0, t
+        return
+    assert dims["shard"] == {"ranks": [0, 1], "nodes": 1, "ranks_per_node": 2}, dims
+    assert dims["replicate"]["ranks"] == [0, 2] and dims["replicate"]["quantized"], dims
+    # Only the replicate all-reduce crosses nodes, quantized: against the
+    # same all-reduce in bf16 (zero3 on the same mesh, FSDP2's HSDP bytes).
+    for phase in ("forward_gather", "backward_gather", "gradient"):
+        assert t[phase]["total"]["inter_node"] == 0, (phase, t)
+    plain = train(tmp_path, "zero3", *common, "--bf16", steps=5)
+    ratio = zpp["bytes_per_step"]["inter_node"] / plain["bytes_per_step"]["inter_node"]
+    assert ratio <= 0.3, f"bytes across nodes {ratio:.3f} of HSDP's"
 
 
 def rank_env(rank, world, port, **extra):
