@@ -635,6 +635,22 @@ impl Job {
         Ok(group)
     }
 
+    /// The layout and groups of the registered mesh dimension over `ranks`
+    /// (the emulated device's communicators are the host job's groups).
+    pub(crate) fn dim_groups(&self, ranks: &[usize]) -> PyResult<(Layout, ZeroGroups)> {
+        let dim = self.dim(ranks)?;
+        Ok((dim.layout, dim.groups.clone()))
+    }
+
+    /// The group this rank made of `ranks` (a mesh dimension's, or an hpZ
+    /// run registered with it), or a run of consecutive ranks of this node.
+    pub(crate) fn known_group(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
+        if let Some(group) = self.known.lock().ok().and_then(|k| k.get(ranks).cloned()) {
+            return Ok(group);
+        }
+        self.group_of(ranks)
+    }
+
     /// The registered mesh dimension over exactly `ranks`, if any.
     fn find_dim(&self, ranks: &[usize]) -> PyResult<Option<Arc<MeshDim>>> {
         let dims = self
@@ -846,12 +862,22 @@ pub struct AllReduceState {
     calls: AtomicU64,
     sent: Mutex<Residual>,
     owned: Mutex<Residual>,
+    /// The same state for CUDA tensors, on their device (`first`: what it
+    /// sent, `second`: its own part).
+    pub(crate) device_feedback: Mutex<DeviceFeedback<DeviceQuantizedChunks>>,
+    /// The same state on the emulated device.
+    pub(crate) emulated_feedback: Mutex<DeviceFeedback<QuantizedChunks>>,
 }
 
 impl AllReduceState {
+    /// Whether both quantizations keep error feedback.
+    pub(crate) fn keeps_feedback(&self) -> bool {
+        self.error_feedback
+    }
+
     /// This group's next all-reduce on `rank` (call numbers counted per
     /// group, `qgz::rounding`).
-    fn settings(&self, rank: usize) -> allreduce::QuantizedAllReduce {
+    pub(crate) fn settings(&self, rank: usize) -> allreduce::QuantizedAllReduce {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
         allreduce::QuantizedAllReduce {
             format: self.format,
@@ -885,6 +911,8 @@ impl AllReduceState {
             calls: AtomicU64::new(0),
             sent: Default::default(),
             owned: Default::default(),
+            device_feedback: Default::default(),
+            emulated_feedback: Default::default(),
         })
     }
 
@@ -893,10 +921,17 @@ impl AllReduceState {
         self.error_feedback
     }
 
-    /// Bytes of error-feedback state held (compressed: about 1.125 a value).
+    /// Bytes of error-feedback state held (host and device; compressed:
+    /// about 1.125 a value).
     fn residual_bytes(&self) -> usize {
         let a = self.sent.lock().map(|r| r.bytes()).unwrap_or(0);
-        a + self.owned.lock().map(|r| r.bytes()).unwrap_or(0)
+        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0)
+            + self
+                .emulated_feedback
+                .lock()
+                .map(|f| f.bytes())
+                .unwrap_or(0);
+        a + d + self.owned.lock().map(|r| r.bytes()).unwrap_or(0)
     }
 
     /// Error feedback starts over (after a checkpoint load).
@@ -905,6 +940,12 @@ impl AllReduceState {
             if let Ok(mut r) = r.lock() {
                 *r = Residual::none();
             }
+        }
+        if let Ok(mut f) = self.device_feedback.lock() {
+            f.reset();
+        }
+        if let Ok(mut f) = self.emulated_feedback.lock() {
+            f.reset();
         }
     }
 }

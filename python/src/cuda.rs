@@ -13,8 +13,10 @@ use zeropp_cuda::nccl::NcclId;
 use zeropp_zero::device_job::DeviceJob;
 
 use crate::buffers::Dtype;
-use crate::collectives::{Job, QgzState, QwzReference};
-use crate::device::{self, GatherCall, ScatterCall};
+use zeropp_zero::plan::Layout;
+
+use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
+use crate::device::{self, AllReduceCall, GatherCall, ScatterCall};
 use crate::to_py;
 
 /// A fresh NCCL id (128 bytes): made by one member of a communicator and
@@ -79,14 +81,48 @@ impl CudaJob {
         py.detach(|| self.job.connect(&w, &n, &c)).map_err(to_py)
     }
 
-    /// Whether group `ranks` has a communicator (the world, this node, or
-    /// an added sub-group).
+    /// Joins the NCCL communicators of the mesh dimension over `ranks`
+    /// (registered with the host job's `add_mesh_dim`, whose `layout` it
+    /// returned: nodes, ranks per node, this rank's position): its world, this
+    /// rank's node in it and its cross group, from the ids their first
+    /// members made. Every member calls it in the same order.
+    #[allow(clippy::too_many_arguments)]
+    fn connect_dim(
+        &self,
+        py: Python<'_>,
+        ranks: Vec<usize>,
+        layout: (usize, usize, usize),
+        world_id: &[u8],
+        node_id: &[u8],
+        cross_id: &[u8],
+    ) -> PyResult<()> {
+        let [w, n, c] = [world_id, node_id, cross_id].map(NcclId::from_bytes);
+        let (w, n, c) = (w.map_err(to_py)?, n.map_err(to_py)?, c.map_err(to_py)?);
+        let (nodes, ranks_per_node, rank) = layout;
+        let layout = Layout {
+            nodes,
+            ranks_per_node,
+            rank,
+        };
+        py.detach(|| self.job.connect_dim(ranks, layout, &w, &n, &c))
+            .map_err(to_py)
+    }
+
+    /// Whether group `ranks` has a communicator (a mesh dimension, its
+    /// node, or an added sub-group).
     fn has_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
         py.detach(|| self.job.has_group(&ranks)).map_err(to_py)
     }
 
-    /// Joins the communicator of sub-group `ranks` (consecutive ranks of
-    /// this node, this rank among them) from `id`, made by its first rank.
+    /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
+    fn has_dim(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
+        let hop = py.detach(|| self.job.hop_of(&ranks)).map_err(to_py)?;
+        Ok(hop == Some(zeropp_zero::Hop::World))
+    }
+
+    /// Joins the communicator of sub-group `ranks` (a run of a mesh
+    /// dimension's ranks on this node, this rank among them) from `id`,
+    /// made by its first rank.
     fn add_group(&self, py: Python<'_>, ranks: Vec<usize>, id: &[u8]) -> PyResult<()> {
         let id = NcclId::from_bytes(id).map_err(to_py)?;
         py.detach(|| self.job.add_group(ranks, &id)).map_err(to_py)
@@ -136,15 +172,15 @@ impl CudaJob {
             .map_err(to_py)
     }
 
-    /// FSDP2's gradient reduce-scatter over the world on the device:
-    /// `numel` values of `dtype` at `inp` (W equal chunks) into `out` (this
-    /// rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
+    /// FSDP2's gradient reduce-scatter over the mesh dimension `ranks` on
+    /// the device: `numel` values of `dtype` at `inp` (one equal chunk per
+    /// member) into `out` (this rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
     /// `dtype`, or (`mean`) its average. With `qgz`: the two-hop quantized
     /// reduce-scatter of `zero::qgz` (f32 sums, rounded to `dtype` once),
     /// the sum or (`mean`) the mean over all W ranks, with that state's
     /// error feedback (kept compressed on the device, as the host keeps
     /// it). Both are `zero::fsdp::reduce_scatter`, as on the host.
-    #[pyo3(signature = (out, inp, numel, dtype, stream, mean, qgz=None))]
+    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -153,6 +189,7 @@ impl CudaJob {
         inp: u64,
         numel: usize,
         dtype: &str,
+        ranks: Vec<usize>,
         stream: usize,
         mean: bool,
         qgz: Option<Py<QgzState>>,
@@ -162,12 +199,46 @@ impl CudaJob {
             inp,
             numel,
             dtype: Dtype::parse(dtype)?,
+            ranks,
             stream,
             mean,
         };
         let qgz = qgz.as_ref().map(|q| q.get());
         // SAFETY: as in `all_gather`.
         py.detach(|| unsafe { device::reduce_scatter(&self.job, &call, qgz) })
+            .map_err(to_py)
+    }
+
+    /// HSDP's all-reduce across the mesh dimension `ranks` (its replicate
+    /// one, joined with `connect_dim`) on the device, quantized with
+    /// `state` (int4 blocks, f32 sums, error feedback kept on the device):
+    /// `numel` values of `dtype` at `buf`, in place, on CUDA stream
+    /// `stream`; the sum or (`mean`) the mean, the same on every member.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        buf: u64,
+        numel: usize,
+        dtype: &str,
+        ranks: Vec<usize>,
+        stream: usize,
+        mean: bool,
+        state: Py<AllReduceState>,
+    ) -> PyResult<()> {
+        let call = AllReduceCall {
+            buf,
+            numel,
+            dtype: Dtype::parse(dtype)?,
+            ranks,
+            stream,
+            mean,
+        };
+        // SAFETY: zeropp.torch passes the data pointer of a live CUDA
+        // tensor on this job's device holding `numel` values (FSDP2's
+        // reduce-scatter output, untouched until the call returns) and
+        // torch.cuda.current_stream().
+        py.detach(|| unsafe { device::all_reduce(&self.job, &call, state.get()) })
             .map_err(to_py)
     }
 }

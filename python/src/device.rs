@@ -1,19 +1,22 @@
 //! The device path's calls, written once for every device
 //! (`zeropp_zero::device_job::DeviceJob` on CUDA, `CudaJob`, or on the
-//! emulated device, `EmulatedJob`): FSDP2's all-gather and reduce-scatter
-//! on the caller's device addresses, with the parameter group's state
-//! (qwZ references, qgZ error feedback) held on that device.
+//! emulated device, `EmulatedJob`): FSDP2's all-gather and reduce-scatter,
+//! and HSDP's all-reduce across the replicate dimension, on the caller's
+//! device addresses, with the parameter group's state (qwZ references, qgZ
+//! and the all-reduce's error feedback) held on that device.
 
 use std::sync::Mutex;
 
 use half::{bf16, f16};
 use zeropp_cuda::Gpu;
 use zeropp_quant::QuantizedChunks;
+use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
 use zeropp_zero::delta::Reference;
 use zeropp_zero::device::DeviceValues;
 use zeropp_zero::device_job::{
-    ChunksOf, Device, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter, ValuesOf,
+    ChunksOf, Device, DeviceAllReduce, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter,
+    ValuesOf,
 };
 use zeropp_zero::emulated::EmulatedDevice;
 use zeropp_zero::fsdp::Gather;
@@ -21,7 +24,7 @@ use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
 
 use crate::buffers::Dtype;
-use crate::collectives::{QgzState, QwzReference};
+use crate::collectives::{AllReduceState, QgzState, QwzReference};
 
 /// Where a device keeps a parameter group's state.
 pub(crate) trait DeviceState: Device + Sized {
@@ -29,6 +32,8 @@ pub(crate) trait DeviceState: Device + Sized {
     fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
     /// qwZ's references on this device.
     fn reference(r: &QwzReference) -> &Mutex<Option<Reference<ValuesOf<Self>>>>;
+    /// The replicate all-reduce's error feedback on this device.
+    fn replica_feedback(s: &AllReduceState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
 }
 
 impl DeviceState for Gpu {
@@ -41,6 +46,12 @@ impl DeviceState for Gpu {
     fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceValues>>> {
         &r.device
     }
+
+    fn replica_feedback(
+        s: &AllReduceState,
+    ) -> &Mutex<DeviceFeedback<zeropp_cuda::device::DeviceQuantizedChunks>> {
+        &s.device_feedback
+    }
 }
 
 impl DeviceState for EmulatedDevice {
@@ -52,6 +63,10 @@ impl DeviceState for EmulatedDevice {
     /// references (one process sends CPU tensors down one path).
     fn reference(r: &QwzReference) -> &Mutex<Option<Reference<Vec<f32>>>> {
         &r.reference
+    }
+
+    fn replica_feedback(s: &AllReduceState) -> &Mutex<DeviceFeedback<QuantizedChunks>> {
+        &s.emulated_feedback
     }
 }
 
@@ -82,7 +97,7 @@ impl GatherCall {
         backward: bool,
         delta: Option<&QwzReference>,
     ) -> Result<GatherCall, ZeroError> {
-        let over_world = job.layout().is_world(&ranks);
+        let over_world = job.hop_of(&ranks)? == Some(Hop::World);
         let settings = delta.map(|d| d.settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)?;
         Ok(GatherCall {
@@ -99,12 +114,14 @@ impl GatherCall {
 }
 
 /// One reduce-scatter's arguments: `numel` values of `dtype` at address
-/// `inp` (W equal chunks) into `out`, the sum or (`mean`) the mean.
+/// `inp` (one equal chunk per member of the mesh dimension `ranks`) into
+/// `out`, the sum or (`mean`) the mean.
 pub(crate) struct ScatterCall {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
     pub dtype: Dtype,
+    pub ranks: Vec<usize>,
     pub stream: usize,
     pub mean: bool,
 }
@@ -168,6 +185,7 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
         out: c.out,
         inp: c.inp,
         numel: c.numel,
+        ranks: &c.ranks,
         stream: c.stream,
         reduction,
         qgz: qgz
@@ -180,6 +198,52 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
             Dtype::F32 => job.reduce_scatter::<f32>(call),
             Dtype::Bf16 => job.reduce_scatter::<bf16>(call),
             Dtype::F16 => job.reduce_scatter::<f16>(call),
+        }
+    }
+}
+
+/// One all-reduce's arguments: `numel` values of `dtype` at address `buf`
+/// (in place) over the mesh dimension `ranks`, the sum or (`mean`) the
+/// mean.
+pub(crate) struct AllReduceCall {
+    pub buf: u64,
+    pub numel: usize,
+    pub dtype: Dtype,
+    pub ranks: Vec<usize>,
+    pub stream: usize,
+    pub mean: bool,
+}
+
+/// HSDP's quantized all-reduce across the replicate dimension on `job`'s
+/// device, with `state`'s settings and its error feedback there.
+///
+/// # Safety
+/// `c.buf` holds `c.numel` values of `c.dtype` in the device's memory,
+/// untouched by anything else until the call returns; `c.stream` is a live
+/// stream of the device.
+pub(crate) unsafe fn all_reduce<D: DeviceState>(
+    job: &DeviceJob<D>,
+    c: &AllReduceCall,
+    state: &AllReduceState,
+) -> Result<(), ZeroError> {
+    let mut feedback = D::replica_feedback(state)
+        .lock()
+        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
+    let settings = state.settings(job.layout().rank);
+    let call = DeviceAllReduce {
+        buf: c.buf,
+        numel: c.numel,
+        ranks: &c.ranks,
+        stream: c.stream,
+        reduction: Reduction::mean_if(c.mean),
+        quantized: (settings, state.keeps_feedback(), &mut feedback),
+    };
+    // SAFETY: the caller's promise.
+    unsafe {
+        match c.dtype {
+            Dtype::F32 => job.all_reduce::<f32>(call),
+            Dtype::Bf16 => job.all_reduce::<bf16>(call),
+            Dtype::F16 => job.all_reduce::<f16>(call),
         }
     }
 }

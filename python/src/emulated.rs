@@ -17,8 +17,8 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::emulated::EmulatedDevice;
 
 use crate::buffers::{Dtype, HostBuf};
-use crate::collectives::{Job, Op, QgzState, QwzReference};
-use crate::device::{self, GatherCall, ScatterCall};
+use crate::collectives::{AllReduceState, Job, Op, QgzState, QwzReference};
+use crate::device::{self, AllReduceCall, GatherCall, ScatterCall};
 use crate::{invalid, to_py};
 
 /// The emulated device of a joined job: the same calls as `CudaJob`, on
@@ -67,17 +67,67 @@ impl EmulatedJob {
         })
     }
 
-    /// Whether group `ranks` has a communicator (the world, this node, or
-    /// an added sub-group).
+    /// Whether group `ranks` has a communicator (a mesh dimension, its
+    /// node, or an added sub-group).
     fn has_group(&self, ranks: Vec<usize>) -> PyResult<bool> {
         self.job.has_group(&ranks).map_err(to_py)
     }
 
-    /// Joins the communicator of sub-group `ranks` (consecutive ranks of
-    /// this node, this rank among them): the host job's group of them.
+    /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
+    fn has_dim(&self, ranks: Vec<usize>) -> PyResult<bool> {
+        let hop = self.job.hop_of(&ranks).map_err(to_py)?;
+        Ok(hop == Some(zeropp_zero::Hop::World))
+    }
+
+    /// Joins the communicators of the mesh dimension over `ranks`
+    /// (registered with the host job's `add_mesh_dim`): the host job's
+    /// groups of it.
+    fn connect_dim(&self, ranks: Vec<usize>) -> PyResult<()> {
+        let (layout, g) = self.host.get().dim_groups(&ranks)?;
+        self.job
+            .connect_dim(ranks, layout, &g.world, &g.node, &g.cross)
+            .map_err(to_py)
+    }
+
+    /// Joins the communicator of sub-group `ranks` (a run of a mesh
+    /// dimension's ranks on this node, this rank among them): the host
+    /// job's group of them.
     fn add_group(&self, ranks: Vec<usize>) -> PyResult<()> {
-        let group = self.host.get().group_of(&ranks)?;
+        let group = self.host.get().known_group(&ranks)?;
         self.job.add_group(ranks, &group).map_err(to_py)
+    }
+
+    /// `CudaJob.all_reduce` on a host buffer, queued on the device's one
+    /// queue: an [`Op`] to wait on.
+    #[allow(clippy::too_many_arguments)]
+    fn all_reduce(
+        &self,
+        buf: &Bound<'_, PyAny>,
+        numel: usize,
+        dtype: &str,
+        ranks: Vec<usize>,
+        stream: usize,
+        mean: bool,
+        state: Py<AllReduceState>,
+    ) -> PyResult<Op> {
+        let d = Dtype::parse(dtype)?;
+        let buf = buffer(buf, true, "all-reduce buffer", numel, d)?;
+        let call = AllReduceCall {
+            buf: buf.address(),
+            numel,
+            dtype: d,
+            ranks,
+            stream,
+            mean,
+        };
+        let job = self.job.clone();
+        Ok(self.host.get().queue(move || {
+            let _held = &buf;
+            // SAFETY: `buf` is a live host buffer of this size, held by
+            // this closure; Python hands it to this call alone until its
+            // Op is waited for.
+            unsafe { device::all_reduce(&job, &call, state.get()) }
+        }))
     }
 
     /// `CudaJob.all_gather` on host buffers, queued on the device's one
@@ -132,7 +182,7 @@ impl EmulatedJob {
     /// `CudaJob.reduce_scatter` on host buffers: the sum in `dtype`, or
     /// with `qgz` the sum or (`mean`) the mean over the world; an [`Op`]
     /// to wait on.
-    #[pyo3(signature = (out, inp, numel, dtype, stream, mean, qgz=None))]
+    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
         &self,
@@ -140,12 +190,13 @@ impl EmulatedJob {
         inp: &Bound<'_, PyAny>,
         numel: usize,
         dtype: &str,
+        ranks: Vec<usize>,
         stream: usize,
         mean: bool,
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
         let d = Dtype::parse(dtype)?;
-        let w = self.job.layout().world();
+        let w = ranks.len().max(1);
         let inp = buffer(inp, false, "reduce-scatter input", numel, d)?;
         let out = buffer(out, true, "reduce-scatter output", numel / w, d)?;
         let call = ScatterCall {
@@ -153,6 +204,7 @@ impl EmulatedJob {
             inp: inp.address(),
             numel,
             dtype: d,
+            ranks,
             stream,
             mean,
         };

@@ -132,6 +132,23 @@ def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_pa
         assert emulated["run_bytes"] == host["run_bytes"], what
 
 
+@pytest.mark.parametrize("mesh", ["sub", "hsdp"])
+def test_the_emulated_device_serves_every_mesh_as_the_host_does(tmp_path, mesh):
+    # The device job on a mesh dimension's communicators (and HSDP's
+    # quantized all-reduce on the device): the host path's losses and bytes.
+    common = ("--ranks-per-node", 2, "--mesh", mesh, "--bf16")
+    host = train(tmp_path, "zeropp", *common, steps=12)
+    (tmp_path / "emulated").mkdir(exist_ok=True)
+    env = {"ZEROPP_DEVICE": "emulated"}
+    emulated = train(tmp_path / "emulated", "zeropp", *common, steps=12, env=env)
+    calls = emulated["device_calls"]["emulated"]
+    assert calls["reduce_scatter"] >= 12 and calls["all_gather"] >= 24, calls
+    if mesh == "hsdp":
+        assert calls["all_reduce"] == calls["reduce_scatter"], calls
+    assert emulated["losses"] == host["losses"], mesh
+    assert emulated["run_bytes"] == host["run_bytes"], mesh
+
+
 def test_the_emulated_device_is_asynchronous_and_raises_at_wait():
     p = torchrun(WORKERS / "emulated.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]

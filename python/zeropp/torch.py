@@ -87,6 +87,9 @@ _emulated_job = None
 # Collectives that took the device path, by device kind and collective.
 _device_calls = {}
 _switches_used = {}
+# The mesh dimensions registered with the job, by their ranks: (nodes,
+# ranks per node, this rank's position).
+_mesh_dims = {}
 
 
 def _timeout_s():
@@ -250,19 +253,36 @@ def _cuda(device):
     return cj
 
 
-def _cuda_group(cj, ranks):
-    """The communicator of an hpZ sub-group smaller than the node, joined on
-    its first use (FSDP2 gathers over it in backward, every member at once)."""
-    if cj.has_group(ranks):
-        return
-    if isinstance(cj, _zeropp.EmulatedJob):
-        cj.add_group(ranks)  # the host job's group of these ranks
-        return
+def _nccl_id(ranks):
+    """The NCCL id of the communicator of ``ranks``: made by its first
+    member, read by the others through the store."""
     store = dist.distributed_c10d._get_default_store()
-    key = f"zeropp/job0/nccl/sub/{ranks[0]}-{len(ranks)}"
+    key = "zeropp/job0/nccl/set/" + ",".join(str(r) for r in ranks)
     if dist.get_rank() == ranks[0]:
         store.set(key, _zeropp.nccl_unique_id())
-    cj.add_group(ranks, _store_get(store, key, _timeout_s(), f"the NCCL id of group {ranks}"))
+    return _store_get(store, key, _timeout_s(), f"the NCCL id of group {ranks}")
+
+
+def _cuda_group(cj, ranks):
+    """The communicators of a mesh dimension (its world, node and cross
+    groups) or of an hpZ sub-group smaller than a node, joined on their
+    first use (FSDP2 calls over them on every member at once)."""
+    layout = _mesh_dims.get(tuple(ranks))
+    if cj.has_dim(ranks) or (layout is None and cj.has_group(ranks)):
+        return
+    emulated = isinstance(cj, _zeropp.EmulatedJob)
+    if layout is None:
+        # An hpZ sub-group: the host job's group of these ranks, or NCCL's.
+        cj.add_group(ranks) if emulated else cj.add_group(ranks, _nccl_id(ranks))
+        return
+    if emulated:
+        cj.connect_dim(ranks)  # the host job's groups of the dimension
+        return
+    nodes, g, at = layout
+    node = ranks[at // g * g : at // g * g + g]
+    cross = [ranks[n * g + at % g] for n in range(nodes)]
+    ids = [_nccl_id(r) for r in (ranks, node, cross)]
+    cj.connect_dim(ranks, layout, *ids)
 
 
 def _device_args(cj, t, what):
@@ -547,6 +567,20 @@ class _Replicate:
                 f"all-reduce with {op}: zeropp sums or averages gradients (SUM or AVG); "
                 "leave FSDP2's gradient_divide_factor unset"
             )
+        if _on_device(tensor):
+            _count_device_call(tensor, "all_reduce")
+            cj = _cuda(tensor.device)
+            _cuda_group(cj, self.ranks)
+            op = cj.all_reduce(
+                _device_args(cj, tensor, "all-reduce buffer"),
+                tensor.numel(),
+                dtype_name(tensor),
+                self.ranks,
+                _stream(tensor.device),
+                mean,
+                self.state,
+            )
+            return _device_work(op, True, (tensor,))
         op = self.job.all_reduce(
             host_bytes(tensor, "all-reduce buffer"),
             dtype_name(tensor),
@@ -644,6 +678,8 @@ class ZeroppReduceScatter(ReduceScatter):
             )
         if _on_device(output_tensor):
             op, tensors = self._cuda(output_tensor, input_tensor, group, mean)
+            if self.replicate is not None:
+                _next_all_reduce[0] = (output_tensor, self.replicate)
             return _device_work(op, async_op, tensors)
         work = _Work(
             self._job.reduce_scatter(
@@ -668,12 +704,8 @@ class ZeroppReduceScatter(ReduceScatter):
         _count_device_call(output_tensor, "reduce_scatter")
         cj = _cuda(output_tensor.device)
         ranks = dist.get_process_group_ranks(group)
-        world = self._job.world_size
-        if ranks != list(range(world)):
-            raise ZeroppError(
-                f"reduce-scatter over ranks {ranks}: zeropp shards over the whole job (ranks "
-                f"0..{world}); use a 1-D mesh (HSDP meshes are not supported)"
-            )
+        _cuda_group(cj, ranks)
+        world = len(ranks)
         n = input_tensor.numel()
         if output_tensor.dtype != input_tensor.dtype or output_tensor.numel() * world != n:
             raise ZeroppError(
@@ -689,6 +721,7 @@ class ZeroppReduceScatter(ReduceScatter):
             _device_args(cj, input_tensor, "reduce-scatter input"),
             n,
             dtype_name(input_tensor),
+            ranks,
             _stream(output_tensor.device),
             mean,
             qgz=self.qgz_state,
@@ -722,6 +755,14 @@ def _agree(ranks):
     mine = store.add("zeropp/job0/groups", 1)
     key = "zeropp/job0/group/" + ",".join(str(r) for r in ranks)
     return int(store.compare_set(key, "", str(mine)))
+
+
+def _add_mesh_dim(zjob, ranks, hpz_group=None):
+    """Registers the mesh dimension over ``ranks`` with the job (and the
+    device path): its (nodes, ranks per node, this rank's position)."""
+    layout = tuple(zjob.add_mesh_dim(ranks, _agree, hpz_group=hpz_group))
+    _mesh_dims[tuple(ranks)] = layout
+    return layout
 
 
 def _mesh_groups(mesh):
@@ -758,27 +799,20 @@ class _Served:
         self.job, self.mode, self.seed = zjob, mode, seed
         self.shard_ranks = _group_ranks(shard_pg)
         self.replicate_ranks = None if replicate_pg is None else _group_ranks(replicate_pg)
-        sub = self.shard_ranks != list(range(zjob.world_size))
-        if (sub or self.replicate_ranks is not None) and device:
-            raise ZeroppError(
-                f"a mesh over ranks {self.shard_ranks} (shard) and {self.replicate_ranks} "
-                "(replicate): zeropp serves sub-meshes and HSDP meshes on CPU tensors (its host "
-                "path) so far; on CUDA tensors (or ZEROPP_DEVICE=emulated) shard over the whole "
-                "job on a 1-D mesh"
-            )
+        self.device = device
         if self.replicate_ranks is not None and len(self.shard_ranks) == 1:
             raise ZeroppError(
                 f"an HSDP mesh whose shard dimension holds 1 rank: nothing is sharded (that is "
                 f"replication); shard over the ranks {self.replicate_ranks} with a 1-D mesh"
             )
-        nodes, g, _ = zjob.add_mesh_dim(self.shard_ranks, _agree)
+        nodes, g, _ = _add_mesh_dim(zjob, self.shard_ranks)
         self.ranks_per_node = g
         resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches), self.shard_ranks))
         self.switches = resolved["switches"]
         mesh = {"shard": {"ranks": self.shard_ranks, "nodes": nodes, "ranks_per_node": g}}
         self.replicate = None
         if self.replicate_ranks is not None:
-            rnodes, rg, _ = zjob.add_mesh_dim(self.replicate_ranks, _agree)
+            rnodes, rg, _ = _add_mesh_dim(zjob, self.replicate_ranks)
             rep = json.loads(
                 zjob.resolve_switches(mode, json.dumps(switches), self.replicate_ranks)
             )
@@ -813,7 +847,7 @@ class _Served:
                 f"node, which holds {g} ranks of this mesh dimension; use a divisor of {g}"
             )
         if rafs < len(self.shard_ranks):
-            self.job.add_mesh_dim(self.shard_ranks, _agree, hpz_group=rafs)
+            _add_mesh_dim(self.job, self.shard_ranks, hpz_group=rafs)
 
     def replicate_settings(self):
         return None if self.replicate is None else self.replicate.settings
@@ -830,7 +864,8 @@ class _Served:
         ag, rs = self.collectives()
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
-        if self.replicate is not None:
+        # On a device a plain all-reduce stays FSDP2's own (NCCL's).
+        if self.replicate is not None and not (self.device and self.replicate.state is None):
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 _serve_replicate(group.mesh_info)
 

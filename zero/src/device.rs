@@ -357,8 +357,13 @@ pub struct NcclMover<'a> {
     pub cross: &'a NcclComm,
     /// This rank's hpZ group: the node's communicator or a sub-group's.
     pub hpz: &'a NcclComm,
-    /// The first global rank of the hpZ group (consecutive ranks).
-    pub hpz_first: usize,
+    /// The global ranks of the world, node, cross and hpZ groups, in
+    /// member order (whom each hop's bytes are counted to).
+    pub members: [&'a [usize]; 4],
+    /// This rank in the whole job.
+    pub rank: usize,
+    /// The layout of the mesh dimension these groups are (this rank's
+    /// position in it).
     pub layout: Layout,
     pub counter: &'a CountingTransport,
     /// The device whose stream the communicators use (for the casts of a
@@ -428,22 +433,20 @@ impl NcclMover<'_> {
     }
 
     /// The global ranks of `hop`'s members.
-    fn members(&self, hop: Hop) -> Vec<usize> {
-        let l = self.layout;
-        let (g, node, local) = (l.ranks_per_node, l.node(), l.local());
+    fn members(&self, hop: Hop) -> &[usize] {
         match hop {
-            Hop::World => (0..l.world()).collect(),
-            Hop::Node => (node * g..(node + 1) * g).collect(),
-            Hop::Cross => (0..l.nodes).map(|n| n * g + local).collect(),
-            Hop::Hpz => (self.hpz_first..self.hpz_first + self.hpz.size()).collect(),
+            Hop::World => self.members[0],
+            Hop::Node => self.members[1],
+            Hop::Cross => self.members[2],
+            Hop::Hpz => self.members[3],
         }
     }
 
     /// Counts `each` bytes of plain values sent to every other member of
     /// `hop`.
     fn count_plain(&self, hop: Hop, phase: Phase, each: u64) {
-        for peer in self.members(hop) {
-            if peer != self.layout.rank {
+        for &peer in self.members(hop) {
+            if peer != self.rank {
                 self.counter.count_outside(phase, 0.0, peer, each);
             }
         }
@@ -454,7 +457,7 @@ impl NcclMover<'_> {
     fn count(&self, phase: Phase, q: &DeviceQuantizedChunks, peers: &[(usize, u64)]) {
         let frac = scale_fraction(q.format, q.chunk_len);
         for &(peer, bytes) in peers {
-            if peer != self.layout.rank {
+            if peer != self.rank {
                 self.counter.count_outside(phase, frac, peer, bytes);
             }
         }
@@ -555,7 +558,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         let k = check_all_to_all(shape(send), shape(recv), comm.size())?;
         each_part(send, recv, |s, r| comm.all_to_all_bytes(s, r))?;
         let each = send.format.total_bytes(send.chunk_len) as u64 * k as u64;
-        let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
+        let peers: Vec<_> = self.members(hop).iter().map(|&p| (p, each)).collect();
         self.count(phase, send, &peers);
         Ok(())
     }
@@ -571,7 +574,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         check_all_gather(shape(mine), shape(all), comm.size())?;
         each_part(mine, all, |s, r| comm.all_gather_bytes(s, r))?;
         let each = mine.format.total_bytes(mine.chunk_len) as u64 * mine.count as u64;
-        let peers: Vec<_> = self.members(hop).into_iter().map(|p| (p, each)).collect();
+        let peers: Vec<_> = self.members(hop).iter().map(|&p| (p, each)).collect();
         self.count(phase, mine, &peers);
         Ok(())
     }

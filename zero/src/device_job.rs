@@ -27,6 +27,7 @@ use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{CudaError, Gpu, GpuElement};
 use zeropp_quant::QuantizedChunks;
 
+use super::allreduce;
 use super::delta::Reference;
 use super::device::NcclMover;
 use super::error::ZeroError;
@@ -86,14 +87,15 @@ pub trait Device {
     /// one), live for the call it is passed to.
     unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<Self::Comm>);
 
-    /// The byte mover of a call over `comms`, with hpZ's group `hpz` (its
-    /// communicator and first rank).
+    /// The byte mover of a call over `comms` (one mesh dimension's, laid
+    /// out as `comms.layout`), with hpZ's group `hpz` (its communicator and
+    /// global ranks); `rank` is this rank in the whole job.
     fn mover<'a>(
         &'a self,
         comms: &'a Comms<Self::Comm>,
-        layout: Layout,
+        rank: usize,
         counter: &'a CountingTransport,
-        hpz: (&'a Self::Comm, usize),
+        hpz: (&'a Self::Comm, &'a [usize]),
     ) -> Self::Mover<'a>;
 
     /// `f` on the caller's tensors: `inp.1` values of `T` at address
@@ -111,12 +113,18 @@ pub trait Device {
     ) -> Result<(), ZeroError>;
 }
 
-/// The communicators of a job's groups.
+/// The communicators of one mesh dimension's groups (the whole job's
+/// first): its world, this rank's node and cross groups in it, and hpZ
+/// groups smaller than its node.
 pub struct Comms<C> {
     pub world: C,
     pub node: C,
     pub cross: C,
-    /// hpZ groups smaller than the node, by their ranks.
+    /// The global ranks of `world`, `node` and `cross`, in member order.
+    pub ranks: [Vec<usize>; 3],
+    /// The dimension's layout (this rank's position in it).
+    pub layout: Layout,
+    /// hpZ groups smaller than the node, by their global ranks.
     pub subgroups: Vec<(Vec<usize>, C)>,
 }
 
@@ -128,52 +136,85 @@ impl<C> Comms<C> {
             .chain(subgroups)
     }
 
-    /// The communicator of group `ranks`: the world, this node, or an
-    /// added sub-group.
-    fn of(&self, layout: Layout, ranks: &[usize]) -> Result<&C, ZeroError> {
-        if layout.is_world(ranks) {
-            return Ok(&self.world);
+    /// The communicator of group `ranks` in this dimension and the hop it
+    /// plays: the dimension itself (the world), or its node or a sub-group
+    /// of it (hpZ's group, which a gather over it runs as).
+    fn of(&self, ranks: &[usize]) -> Option<(Hop, &C)> {
+        if ranks == self.ranks[0] {
+            return Some((Hop::World, &self.world));
         }
-        if is_this_node(layout, ranks) {
-            return Ok(&self.node);
+        if ranks == self.ranks[1] {
+            return Some((Hop::Hpz, &self.node));
         }
         self.subgroups
             .iter()
             .find(|(r, _)| r == ranks)
-            .map(|(_, c)| c)
-            .ok_or_else(|| {
-                ZeroError::Invalid(format!(
-                    "no communicator for ranks {ranks:?}: zeropp gathers over the world or over \
-                     consecutive ranks of one node (FSDP2's reshard_after_forward=<int> groups), \
-                     made with add_group first"
-                ))
-            })
+            .map(|(_, c)| (Hop::Hpz, c))
+    }
+
+    /// Whether `ranks` is a run of this dimension's node that includes
+    /// `rank` (an hpZ group smaller than the node).
+    fn has_run(&self, ranks: &[usize], rank: usize) -> bool {
+        let node = &self.ranks[1];
+        let start = ranks.first().and_then(|f| node.iter().position(|r| r == f));
+        matches!(start, Some(p) if node.get(p..p + ranks.len()) == Some(ranks))
+            && ranks.contains(&rank)
     }
 }
 
-/// Whether `ranks` are this rank's node, in order.
-fn is_this_node(layout: Layout, ranks: &[usize]) -> bool {
-    let g = layout.ranks_per_node;
-    let first = layout.node() * g;
-    ranks.iter().copied().eq(first..first + g)
+/// The communicator of `ranks` among `dims`: which dimension, the hop it
+/// plays there, the communicator.
+fn find<'a, C>(
+    dims: &'a [Comms<C>],
+    ranks: &[usize],
+) -> Result<(&'a Comms<C>, Hop, &'a C), ZeroError> {
+    // A dimension's node may be another's world: the world wins.
+    let world = dims.iter().find(|d| d.ranks[0] == ranks);
+    world
+        .map(|d| (d, Hop::World, &d.world))
+        .or_else(|| {
+            dims.iter()
+                .find_map(|d| d.of(ranks).map(|(hop, c)| (d, hop, c)))
+        })
+        .ok_or_else(|| {
+            ZeroError::Invalid(format!(
+                "no communicator for ranks {ranks:?}: zeropp runs over a mesh dimension it was \
+                 given (the whole job, or one joined with connect_dim) or over a run of its \
+                 ranks inside a node (FSDP2's reshard_after_forward=<int> groups), joined with \
+                 add_group first"
+            ))
+        })
 }
+
+/// The groups a device job has joined, by their ranks, with the hop each
+/// plays.
+type Joined = Vec<(Vec<usize>, Hop)>;
+
+/// The device and the communicators of every mesh dimension.
+type OnStream<'a, D> = (&'a D, &'a [Comms<<D as Device>::Comm>]);
 
 struct Side<D: Device> {
     device: D,
-    comms: Option<Comms<D::Comm>>,
+    /// The communicators of each mesh dimension, the whole job's first
+    /// (empty before `connect`).
+    dims: Vec<Comms<D::Comm>>,
 }
 
 impl<D: Device> Side<D> {
-    /// The device and the job's communicators, all queuing their work on
-    /// `stream` from now on.
+    /// The device and the communicators of every dimension, all queuing
+    /// their work on `stream` from now on.
     ///
     /// # Safety
     /// As [`Device::use_stream`].
-    unsafe fn on_stream(&mut self, stream: usize) -> Result<(&D, &Comms<D::Comm>), ZeroError> {
-        let comms = self.comms.as_ref().ok_or_else(not_connected)?;
-        // SAFETY: the caller's promise.
-        unsafe { self.device.use_stream(stream, comms) };
-        Ok((&self.device, comms))
+    unsafe fn on_stream(&mut self, stream: usize) -> Result<OnStream<'_, D>, ZeroError> {
+        if self.dims.is_empty() {
+            return Err(not_connected());
+        }
+        for comms in &self.dims {
+            // SAFETY: the caller's promise.
+            unsafe { self.device.use_stream(stream, comms) };
+        }
+        Ok((&self.device, &self.dims))
     }
 }
 
@@ -184,10 +225,11 @@ fn not_connected() -> ZeroError {
 /// The device half of a joined job (module docs).
 pub struct DeviceJob<D: Device> {
     side: Mutex<Side<D>>,
-    /// The sub-groups joined so far, by their ranks (None before
-    /// `connect`): what `has_group` reads without waiting for a collective
-    /// that holds the device.
-    joined: Mutex<Option<Vec<Vec<usize>>>>,
+    /// The groups joined so far, by their ranks, and the hop each plays
+    /// (a dimension's world, or an hpZ group; None before `connect`): what
+    /// `has_group` reads without waiting for a collective that holds the
+    /// device.
+    joined: Mutex<Option<Joined>>,
     /// Set by the first peer failure: every communicator is aborted then.
     dead: AtomicBool,
     index: usize,
@@ -214,12 +256,16 @@ pub struct DeviceGather<'a, V> {
     pub reference: Option<&'a mut Option<Reference<V>>>,
 }
 
-/// One reduce-scatter over the world on the caller's device pointers:
-/// `numel` values at `inp` (W equal chunks) into `out` (this rank's).
+/// One reduce-scatter over a mesh dimension on the caller's device
+/// pointers: `numel` values at `inp` (one equal chunk per member) into
+/// `out` (this rank's).
 pub struct DeviceScatter<'a, C> {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
+    /// The dimension's ranks (the whole job's, or one joined with
+    /// [`DeviceJob::connect_dim`]).
+    pub ranks: &'a [usize],
     pub stream: usize,
     pub reduction: Reduction,
     /// qgZ's settings for this call, which hops keep error feedback
@@ -227,6 +273,25 @@ pub struct DeviceScatter<'a, C> {
     /// device (`C`: its quantized chunks); None: the communicator's own
     /// reduce-scatter.
     pub qgz: Option<(qgz::Qgz, (bool, bool), &'a mut DeviceFeedback<C>)>,
+}
+
+/// One quantized all-reduce across a mesh dimension on the caller's device
+/// buffer: `numel` values at `buf`, in place.
+pub struct DeviceAllReduce<'a, C> {
+    pub buf: u64,
+    pub numel: usize,
+    /// The dimension's ranks (joined with [`DeviceJob::connect_dim`]).
+    pub ranks: &'a [usize],
+    pub stream: usize,
+    pub reduction: Reduction,
+    /// Its settings, whether it keeps error feedback, and the residuals of
+    /// its two quantizations on this device (`first`: what it sent,
+    /// `second`: its own part of the result).
+    pub quantized: (
+        allreduce::QuantizedAllReduce,
+        bool,
+        &'a mut DeviceFeedback<C>,
+    ),
 }
 
 /// Bytes a buffer of quantized chunks holds.
@@ -334,7 +399,7 @@ impl<D: Device> DeviceJob<D> {
         DeviceJob {
             side: Mutex::new(Side {
                 device,
-                comms: None,
+                dims: Vec::new(),
             }),
             joined: Mutex::new(None),
             dead: AtomicBool::new(false),
@@ -359,65 +424,123 @@ impl<D: Device> DeviceJob<D> {
     /// and this local rank's ranks across nodes (`cross`, made by that
     /// rank on node 0). Every rank calls it in the same order.
     pub fn connect(&self, world: &D::Id, node: &D::Id, cross: &D::Id) -> Result<(), ZeroError> {
-        let (l, timeout) = (self.layout, self.timeout);
-        let g = l.ranks_per_node;
+        let l = self.layout;
+        if self.joined()?.is_some() {
+            return Err(ZeroError::Invalid(
+                "the communicators of this job are already joined".into(),
+            ));
+        }
+        self.join_dim((0..l.world()).collect(), l, [world, node, cross])
+    }
+
+    /// Joins the communicators of the mesh dimension over `ranks` (global
+    /// ranks laid out as `layout`: `Layout::of_ranks`): its world, this
+    /// rank's node in it and its cross group, from the ids their first
+    /// members made. Every member calls it in the same order, after
+    /// [`DeviceJob::connect`].
+    pub fn connect_dim(
+        &self,
+        ranks: Vec<usize>,
+        layout: Layout,
+        world: &D::Id,
+        node: &D::Id,
+        cross: &D::Id,
+    ) -> Result<(), ZeroError> {
+        if self.joined()?.is_none() {
+            return Err(not_connected());
+        }
+        if ranks.len() != layout.world() || ranks.get(layout.rank) != Some(&self.layout.rank) {
+            return Err(ZeroError::Invalid(format!(
+                "a mesh dimension over ranks {ranks:?} laid out as {layout:?}, which does not \
+                 place this rank {} at its position",
+                self.layout.rank
+            )));
+        }
+        if self.hop_of(&ranks)? == Some(Hop::World) {
+            return Ok(());
+        }
+        self.join_dim(ranks, layout, [world, node, cross])
+    }
+
+    /// Joins one dimension's world, node and cross communicators.
+    fn join_dim(
+        &self,
+        ranks: Vec<usize>,
+        l: Layout,
+        [world, node, cross]: [&D::Id; 3],
+    ) -> Result<(), ZeroError> {
+        let (g, timeout) = (l.ranks_per_node, self.timeout);
+        let node_ranks = ranks[l.node() * g..(l.node() + 1) * g].to_vec();
+        let cross_ranks = (0..l.nodes).map(|n| ranks[n * g + l.local()]).collect();
         self.on_side(|side| {
-            if side.comms.is_some() {
-                return Err(ZeroError::Invalid(
-                    "the communicators of this job are already joined".into(),
-                ));
-            }
             let d = &side.device;
             let comms = (|| -> Result<Comms<D::Comm>, ZeroError> {
                 Ok(Comms {
                     world: d.join(world, l.rank, l.world(), timeout)?,
                     node: d.join(node, l.local(), g, timeout)?,
                     cross: d.join(cross, l.node(), l.nodes, timeout)?,
+                    ranks: [ranks, node_ranks, cross_ranks],
+                    layout: l,
                     subgroups: Vec::new(),
                 })
             })()
-            .map_err(|e| self.failed(None, e))?;
-            side.comms = Some(comms);
-            *self.joined()? = Some(Vec::new());
+            .map_err(|e| self.failed(Some(&side.dims), e))?;
+            let mut joined = self.joined()?;
+            let joined = joined.get_or_insert_with(Vec::new);
+            joined.push((comms.ranks[0].clone(), Hop::World));
+            joined.push((comms.ranks[1].clone(), Hop::Hpz));
+            side.dims.push(comms);
             Ok(())
         })
     }
 
-    /// Whether group `ranks` has a communicator (the world, this node, or
-    /// an added sub-group).
+    /// Whether group `ranks` has a communicator (a mesh dimension, its
+    /// node, or an added sub-group).
     pub fn has_group(&self, ranks: &[usize]) -> Result<bool, ZeroError> {
-        let l = self.layout;
-        let joined = self.joined()?;
-        let subgroups = joined.as_ref().ok_or_else(not_connected)?;
-        Ok(l.is_world(ranks) || is_this_node(l, ranks) || subgroups.iter().any(|r| r == ranks))
+        Ok(self.hop_of(ranks)?.is_some())
     }
 
-    fn joined(&self) -> Result<std::sync::MutexGuard<'_, Option<Vec<Vec<usize>>>>, ZeroError> {
+    /// What a call over `ranks` runs as: a mesh dimension (`Hop::World`),
+    /// hpZ's group inside one (`Hop::Hpz`), or None (not joined).
+    pub fn hop_of(&self, ranks: &[usize]) -> Result<Option<Hop>, ZeroError> {
+        let joined = self.joined()?;
+        let groups = joined.as_ref().ok_or_else(not_connected)?;
+        // A dimension's node may be another's world: the world wins.
+        let hops = groups.iter().filter(|(r, _)| r == ranks).map(|(_, h)| *h);
+        Ok(hops.min_by_key(|h| *h != Hop::World))
+    }
+
+    fn joined(&self) -> Result<std::sync::MutexGuard<'_, Option<Joined>>, ZeroError> {
         self.joined
             .lock()
             .map_err(|_| ZeroError::Poisoned("groups of this device job"))
     }
 
-    /// Joins the communicator of sub-group `ranks` (consecutive ranks of
-    /// this node, this rank among them) from `id`, made by its first rank.
+    /// Joins the communicator of sub-group `ranks` (a run of a mesh
+    /// dimension's ranks on this node, this rank among them: consecutive
+    /// ranks of this node for the whole job) from `id`, made by its first
+    /// rank.
     pub fn add_group(&self, ranks: Vec<usize>, id: &D::Id) -> Result<(), ZeroError> {
-        let l = self.layout;
-        l.check_subgroup(&ranks).map_err(ZeroError::Invalid)?;
-        let me = ranks
-            .iter()
-            .position(|&r| r == l.rank)
-            .expect("checked above");
+        let rank = self.layout.rank;
+        let me = ranks.iter().position(|&r| r == rank);
         let timeout = self.timeout;
         self.on_side(|side| {
-            let Side { device, comms } = side;
-            let comms = comms.as_mut().ok_or_else(not_connected)?;
+            let Side { device, dims } = side;
+            let at = dims.iter().position(|d| d.has_run(&ranks, rank));
+            let (Some(at), Some(me)) = (at, me) else {
+                return Err(ZeroError::Invalid(format!(
+                    "a sub-group of ranks {ranks:?}: zeropp's sub-groups are runs of a mesh \
+                     dimension's ranks on one node that include this rank {rank} (FSDP2's \
+                     reshard_after_forward=<int> groups)"
+                )));
+            };
             let comm = device
                 .join(id, me, ranks.len(), timeout)
-                .map_err(|e| self.failed(Some(comms), e))?;
+                .map_err(|e| self.failed(Some(dims), e))?;
             self.joined()?
                 .get_or_insert_with(Vec::new)
-                .push(ranks.clone());
-            comms.subgroups.push((ranks, comm));
+                .push((ranks.clone(), Hop::Hpz));
+            dims[at].subgroups.push((ranks, comm));
             Ok(())
         })
     }
@@ -434,20 +557,19 @@ impl<D: Device> DeviceJob<D> {
         &self,
         c: DeviceGather<'_, ValuesOf<D>>,
     ) -> Result<(), ZeroError> {
-        let (layout, counter) = (self.layout, &*self.counter);
-        let over_world = layout.is_world(c.ranks);
+        let (rank, counter) = (self.layout.rank, &*self.counter);
         self.on_side(|side| {
             // SAFETY: the caller's promise.
-            let (device, comms) = unsafe { side.on_stream(c.stream) }?;
+            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
-                let group = comms.of(layout, c.ranks)?;
-                let node_first = layout.node() * layout.ranks_per_node;
-                let (hop, hpz) = match over_world {
-                    true => (Hop::World, (&comms.node, node_first)),
+                let (comms, hop, group) = find(dims, c.ranks)?;
+                let layout = comms.layout;
+                let hpz = match hop {
+                    Hop::World => (&comms.node, &comms.ranks[1][..]),
                     // A sub-group's gather runs over it as hpZ's group.
-                    false => (Hop::Hpz, (group, c.ranks[0])),
+                    _ => (group, c.ranks),
                 };
-                let m = device.mover(comms, layout, counter, hpz);
+                let m = device.mover(comms, rank, counter, hpz);
                 let size = m.size(hop);
                 let (q, how, phase, reference) = (device.kernels(), c.how, c.phase, c.reference);
                 let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
@@ -456,7 +578,7 @@ impl<D: Device> DeviceJob<D> {
                 // SAFETY: the caller's promise.
                 unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel * size), run) }
             })();
-            result.map_err(|e| self.failed(Some(comms), e))
+            result.map_err(|e| self.failed(Some(dims), e))
         })
     }
 
@@ -471,20 +593,30 @@ impl<D: Device> DeviceJob<D> {
         &self,
         c: DeviceScatter<'_, ChunksOf<D>>,
     ) -> Result<(), ZeroError> {
-        let (layout, counter) = (self.layout, &*self.counter);
-        let w = layout.world();
-        if !c.numel.is_multiple_of(w) {
+        let (rank, counter) = (self.layout.rank, &*self.counter);
+        let w = c.ranks.len();
+        if w == 0 || !c.numel.is_multiple_of(w) {
             return Err(ZeroError::Invalid(format!(
-                "reduce-scatter of {} values over {w} ranks: not W equal chunks",
+                "reduce-scatter of {} values over {w} ranks: not one equal chunk per rank",
                 c.numel
             )));
         }
         self.on_side(|side| {
             // SAFETY: the caller's promise.
-            let (device, comms) = unsafe { side.on_stream(c.stream) }?;
+            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
-                let node_first = layout.node() * layout.ranks_per_node;
-                let m = device.mover(comms, layout, counter, (&comms.node, node_first));
+                let comms = match find(dims, c.ranks)? {
+                    (comms, Hop::World, _) => comms,
+                    _ => {
+                        return Err(ZeroError::Invalid(format!(
+                            "a reduce-scatter over ranks {:?}: zeropp reduce-scatters over a whole \
+                         mesh dimension",
+                            c.ranks
+                        )));
+                    }
+                };
+                let layout = comms.layout;
+                let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
                 let q = device.kernels();
                 let how = match c.qgz {
                     Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(q, keeps)?),
@@ -497,7 +629,54 @@ impl<D: Device> DeviceJob<D> {
                 // SAFETY: the caller's promise.
                 unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel / w), run) }
             })();
-            result.map_err(|e| self.failed(Some(comms), e))
+            result.map_err(|e| self.failed(Some(dims), e))
+        })
+    }
+
+    /// HSDP's all-reduce across a mesh dimension (its replicate one) on
+    /// the device, quantized: `allreduce::all_reduce` on the caller's
+    /// buffer, in place, over that dimension's communicator.
+    ///
+    /// # Safety
+    /// `c.buf` holds `c.numel` values of `T` in this device's memory,
+    /// untouched by anything else until the call returns (it is read whole
+    /// into f32 values before it is written); `c.stream` is a live stream
+    /// of this device.
+    pub unsafe fn all_reduce<T: GpuElement>(
+        &self,
+        c: DeviceAllReduce<'_, ChunksOf<D>>,
+    ) -> Result<(), ZeroError> {
+        let (rank, counter) = (self.layout.rank, &*self.counter);
+        self.on_side(|side| {
+            // SAFETY: the caller's promise.
+            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
+            let result = (|| {
+                let comms = match find(dims, c.ranks)? {
+                    (comms, Hop::World, _) => comms,
+                    _ => {
+                        return Err(ZeroError::Invalid(format!(
+                            "an all-reduce over ranks {:?}: zeropp all-reduces over a whole mesh \
+                         dimension",
+                            c.ranks
+                        )));
+                    }
+                };
+                let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
+                let q = device.kernels();
+                let (s, keeps, fb) = c.quantized;
+                let f = fb.feedback(q, (keeps, keeps))?;
+                let feedback = allreduce::ReplicaFeedback {
+                    sent: f.first,
+                    owned: f.second,
+                };
+                let hop = (Hop::World, Phase::Replicate);
+                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                    allreduce::all_reduce(q, &m, hop, s, c.reduction, feedback, x, o)
+                };
+                // SAFETY: the caller's promise.
+                unsafe { device.with_tensors((c.buf, c.numel), (c.buf, c.numel), run) }
+            })();
+            result.map_err(|e| self.failed(Some(dims), e))
         })
     }
 
@@ -526,7 +705,7 @@ impl<D: Device> DeviceJob<D> {
     /// error names the rank that died when the host job's connections saw
     /// it (NCCL itself cannot say). Another device failure may still be a
     /// peer's death in disguise: it names the dead when one is known.
-    fn failed(&self, comms: Option<&Comms<D::Comm>>, e: ZeroError) -> ZeroError {
+    fn failed(&self, dims: Option<&[Comms<D::Comm>]>, e: ZeroError) -> ZeroError {
         let m = match e {
             ZeroError::Device(CudaError::Peer(m)) => m,
             e if e.is_peer_failure() => e.to_string(),
@@ -541,7 +720,7 @@ impl<D: Device> DeviceJob<D> {
             e => return e,
         };
         self.dead.store(true, Ordering::Relaxed);
-        if let Some(c) = comms {
+        for c in dims.into_iter().flatten() {
             c.all().for_each(D::abort);
         }
         let deadline = Instant::now() + NAME_THE_DEAD;
@@ -592,17 +771,18 @@ impl Device for Gpu {
     fn mover<'a>(
         &'a self,
         comms: &'a Comms<NcclComm>,
-        layout: Layout,
+        rank: usize,
         counter: &'a CountingTransport,
-        (hpz, hpz_first): (&'a NcclComm, usize),
+        (hpz, hpz_ranks): (&'a NcclComm, &'a [usize]),
     ) -> NcclMover<'a> {
         NcclMover {
             world: &comms.world,
             node: &comms.node,
             cross: &comms.cross,
             hpz,
-            hpz_first,
-            layout,
+            members: [&comms.ranks[0], &comms.ranks[1], &comms.ranks[2], hpz_ranks],
+            rank,
+            layout: comms.layout,
             counter,
             gpu: self,
         }
@@ -781,10 +961,12 @@ mod tests {
         reduction: Reduction,
     ) -> Vec<u32> {
         let mut out = vec![0f32; grad.len() / job.layout().world()];
+        let world: Vec<usize> = (0..job.layout().world()).collect();
         let c = DeviceScatter {
             out: out.as_mut_ptr() as u64,
             inp: grad.as_ptr() as u64,
             numel: grad.len(),
+            ranks: &world,
             stream: 0,
             reduction,
             qgz,
@@ -906,10 +1088,12 @@ mod tests {
                 unsafe { job.all_gather::<f32>(c) }.unwrap_err().to_string()
             };
             let no_group = gather(x.as_ptr() as u64, &ranks);
+            let world: Vec<usize> = (0..4).collect();
             let c = DeviceScatter {
                 out: out.as_mut_ptr() as u64,
                 inp: x.as_ptr() as u64,
                 numel: 6,
+                ranks: &world,
                 stream: 0,
                 reduction: Reduction::Sum,
                 qgz: None,
@@ -929,8 +1113,124 @@ mod tests {
         assert!(not_connected.contains("connect"), "{not_connected}");
         assert!(twice.contains("already joined"), "{twice}");
         assert!(no_group.contains("add_group"), "{no_group}");
-        assert!(uneven.contains("not W equal chunks"), "{uneven}");
-        assert!(bad_sub.contains("consecutive"), "{bad_sub}");
+        assert!(uneven.contains("not one equal chunk per rank"), "{uneven}");
+        assert!(bad_sub.contains("runs of a mesh dimension"), "{bad_sub}");
+    }
+
+    #[test]
+    fn on_a_mesh_dimension_the_device_job_gives_the_host_librarys_outputs() {
+        // The dp dimension of a (dp, 2) mesh on 2 nodes x 2: ranks of one
+        // local rank, one per node (nodes 2 x 1), and HSDP's replicate
+        // dimension is the same set. Host first, then the device job.
+        let got = on_world(2, 2, Duration::from_secs(30), |r| {
+            let ranks: Vec<usize> = vec![r.layout.local(), 2 + r.layout.local()];
+            let l = r.layout.of_ranks(&ranks).unwrap();
+            let mut made: Vec<(Vec<usize>, Arc<zeropp_comm::Group>)> = Vec::new();
+            let groups = ZeroGroups::of_ranks(&l, &ranks, |set| {
+                if let Some((_, g)) = made.iter().find(|(s, _)| *s == set) {
+                    return Ok(g.clone());
+                }
+                let kind = zeropp_comm::GroupKind::Agreed(set[0] * 10 + set.len());
+                let g = Arc::new(zeropp_comm::Group::new(kind, set.clone())?);
+                made.push((set, g.clone()));
+                Ok(g)
+            })
+            .unwrap();
+            let shard = bf16s(&values(r.layout.rank + 3, 96));
+            let grad = values(r.layout.rank, 2 * 96);
+            let q = |hadamard| allreduce::QuantizedAllReduce {
+                format: zeropp_quant::QuantFormat::int4(64).unwrap(),
+                rounding: Rounding::NearestEven,
+                hadamard,
+            };
+            let qwz = Gather::choose(Some(8), 64, true, None, true).unwrap();
+            let mut outs = Vec::new();
+            let m = HostMover {
+                groups: groups.clone(),
+                ..r.mover()
+            };
+            for how in [Gather::Plain, qwz] {
+                let mut out = vec![bf16::ZERO; 2 * 96];
+                let (x, mut o) = (&shard[..], &mut out[..]);
+                let p = Phase::ForwardGather;
+                fsdp::all_gather(&Host, &m, l, Hop::World, how, p, None, &x, &mut o).unwrap();
+                outs.push(bits(&out));
+            }
+            let mut out = vec![0f32; 96];
+            let (x, mut o) = (&grad[..], &mut out[..]);
+            fsdp::reduce_scatter(&Host, &m, l, Scatter::Plain, Reduction::Mean, &x, &mut o)
+                .unwrap();
+            outs.push(f32_bits(&out));
+            let mut fb = DeviceFeedback::<QuantizedChunks>::default();
+            for _ in 0..2 {
+                let mut buf = grad.clone();
+                let f = fb.feedback(&Host, (true, true)).unwrap();
+                let f = allreduce::ReplicaFeedback {
+                    sent: f.first,
+                    owned: f.second,
+                };
+                let hop = (Hop::World, Phase::Replicate);
+                let (x, mut o) = (&grad[..], &mut buf[..]);
+                allreduce::all_reduce(&Host, &m, hop, q(true), Reduction::Mean, f, &x, &mut o)
+                    .unwrap();
+                outs.push(f32_bits(&buf));
+            }
+            let host = outs;
+
+            let job = emulated_job(&r);
+            let g = &groups;
+            job.connect_dim(ranks.clone(), l, &g.world, &g.node, &g.cross)
+                .unwrap();
+            assert!(job.has_group(&ranks).unwrap());
+            let mut outs = Vec::new();
+            for how in [Gather::Plain, qwz] {
+                let mut out = vec![bf16::ZERO; 2 * 96];
+                let p = Phase::ForwardGather;
+                gather(&job, &shard, (&mut out, l.rank), &ranks, how, p, None);
+                outs.push(bits(&out));
+            }
+            let mut out = vec![0f32; 96];
+            let c = DeviceScatter {
+                out: out.as_mut_ptr() as u64,
+                inp: grad.as_ptr() as u64,
+                numel: grad.len(),
+                ranks: &ranks,
+                stream: 0,
+                reduction: Reduction::Mean,
+                qgz: None,
+            };
+            // SAFETY: `grad` holds `numel` values, `out` a half of them.
+            unsafe { job.reduce_scatter::<f32>(c) }.unwrap();
+            outs.push(f32_bits(&out));
+            let mut fb = DeviceFeedback::<QuantizedChunks>::default();
+            for _ in 0..2 {
+                let mut buf = grad.clone();
+                let c = DeviceAllReduce {
+                    buf: buf.as_mut_ptr() as u64,
+                    numel: buf.len(),
+                    ranks: &ranks,
+                    stream: 0,
+                    reduction: Reduction::Mean,
+                    quantized: (q(true), true, &mut fb),
+                };
+                // SAFETY: `buf` holds `numel` values, this call's alone.
+                unsafe { job.all_reduce::<f32>(c) }.unwrap();
+                outs.push(f32_bits(&buf));
+            }
+            (host, outs)
+        });
+        for (rank, (host, device)) in got.iter().enumerate() {
+            assert_eq!(host.len(), device.len());
+            for (i, (h, d)) in host.iter().zip(device).enumerate() {
+                assert_eq!(
+                    h, d,
+                    "rank {rank}, call {i}: the device job differs from the host"
+                );
+            }
+        }
+        // The replicas of the all-reduce agree: ranks 0 and 2, 1 and 3.
+        assert_eq!(got[0].1[3], got[2].1[3]);
+        assert_eq!(got[1].1[4], got[3].1[4]);
     }
 
     #[test]

@@ -24,7 +24,6 @@ use super::ZeroGroups;
 use super::device_job::{Comms, Device};
 use super::error::{ZeroError, quant_failure};
 use super::host::{Host, HostKernels, HostMover};
-use super::plan::Layout;
 use super::traffic::CountingTransport;
 
 /// The CUDA kernels on host memory.
@@ -361,9 +360,9 @@ impl Device for EmulatedDevice {
     fn mover<'a>(
         &'a self,
         comms: &'a Comms<Arc<Group>>,
-        _layout: Layout,
+        _rank: usize,
         counter: &'a CountingTransport,
-        (hpz, _): (&'a Arc<Group>, usize),
+        (hpz, _): (&'a Arc<Group>, &'a [usize]),
     ) -> HostMover<'a> {
         HostMover {
             comm: &self.comm,

@@ -189,7 +189,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     m: &M,
     layout: Layout,
     first: Q::Chunks,
-    second: SecondHop<'_, Q>,
+    mut second: SecondHop<'_, Q>,
     reduction: Reduction,
 ) -> Result<Q::Values, ZeroError> {
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
@@ -206,56 +206,75 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     let mut got = q.chunks(intra, chunk, count)?;
     m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
     drop(first);
-    let mut partial = q.chunks(second.format, chunk, nodes)?;
-    let part_rounding = second.rounding.for_part(1);
-    let block = second.format.block;
-    match second.residual {
-        _ if second.hadamard => {
-            // Sum in f32, rotate, add back what this hop dropped last call
-            // (rotated), requantize, and keep what it drops now.
-            let mut sum = q.values(nodes * chunk)?;
-            for src in 0..g {
-                for n in 0..nodes {
-                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
-                }
-            }
-            // Chunk by chunk: each is one receiver's, rotated back alone.
-            for n in 0..nodes {
-                q.rotate(&mut sum, n * chunk, chunk, block)?;
-            }
-            match second.residual {
-                Some(residual) => {
-                    ensure_residual(q, residual, chunk, nodes)?;
-                    add_residual(q, residual, &mut sum)?;
-                    q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
-                    keep_dropped(q, &partial, |n| n, &sum, residual)?;
-                }
-                None => q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?,
-            }
-        }
-        Some(residual) => {
-            // Sum in f32, add back what this hop dropped last call,
-            // requantize, and keep what it drops now.
-            ensure_residual(q, residual, chunk, nodes)?;
-            let mut sum = q.values(nodes * chunk)?;
-            add_residual(q, residual, &mut sum)?;
-            for src in 0..g {
-                for n in 0..nodes {
-                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
-                }
-            }
-            q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
-            keep_dropped(q, &partial, |n| n, &sum, residual)?;
-        }
-        None => {
+    let partial = match (second.hadamard, second.residual.is_some()) {
+        (false, false) => {
+            // Sum and requantize in one pass.
+            let part_rounding = second.rounding.for_part(1);
+            let mut partial = q.chunks(second.format, chunk, nodes)?;
             for n in 0..nodes {
                 let inputs: Vec<usize> = (0..g).map(|src| src * nodes + n).collect();
                 q.sum_requantize(&got, &inputs, part_rounding.for_part(n), &mut partial, n)?;
             }
+            partial
+        }
+        _ => {
+            let mut sum = q.values(nodes * chunk)?;
+            for src in 0..g {
+                for n in 0..nodes {
+                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
+                }
+            }
+            requantize_partial(q, layout, sum, &mut second)?
+        }
+    };
+    drop(got);
+    hop_two(q, m, layout, partial, &second, reduction)
+}
+
+/// The node's partial sums (`sum`: N chunks, f32) requantized for the hop
+/// across nodes: rotated with `second.hadamard` (chunk by chunk: each is
+/// one receiver's, rotated back alone), what this hop dropped last call
+/// added back, and what it drops now kept.
+fn requantize_partial<Q: Quantizer>(
+    q: &Q,
+    layout: Layout,
+    mut sum: Q::Values,
+    second: &mut SecondHop<'_, Q>,
+) -> Result<Q::Chunks, ZeroError> {
+    let nodes = layout.nodes;
+    let chunk = q.len(&sum) / nodes;
+    let (part_rounding, block) = (second.rounding.for_part(1), second.format.block);
+    let mut partial = q.chunks(second.format, chunk, nodes)?;
+    if second.hadamard {
+        for n in 0..nodes {
+            q.rotate(&mut sum, n * chunk, chunk, block)?;
         }
     }
-    drop(got);
-    // Hop 2, across nodes: node n' gets chunk n'.
+    match second.residual.as_deref_mut() {
+        Some(residual) => {
+            ensure_residual(q, residual, chunk, nodes)?;
+            add_residual(q, residual, &mut sum)?;
+            q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
+            keep_dropped(q, &partial, |n| n, &sum, residual)?;
+        }
+        None => q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?,
+    }
+    Ok(partial)
+}
+
+/// Hop 2, across nodes: node n' gets chunk n' of every node's `partial`,
+/// sums it in f32 (rotated back with `second.hadamard`), as `reduction`
+/// asks.
+fn hop_two<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    partial: Q::Chunks,
+    second: &SecondHop<'_, Q>,
+    reduction: Reduction,
+) -> Result<Q::Values, ZeroError> {
+    let (_, chunk, nodes) = q.shape(&partial);
+    let block = second.format.block;
     let mut theirs = q.chunks(second.format, chunk, nodes)?;
     m.all_to_all(Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
     drop(partial);
@@ -310,13 +329,30 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
     grad: &Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
-    let first = quantize_first_hop(q, grad, layout, s.intra, s.rounding, feedback.first)?;
-    let second = SecondHop {
+    let mut second = SecondHop {
         format: s.inter,
         rounding: s.rounding,
         residual: feedback.second,
         hadamard: s.hadamard,
     };
+    if layout.ranks_per_node == 1 {
+        // A node of one rank: nothing to exchange inside it, so its
+        // partial sum is its own gradient, not quantized a first time.
+        check_hops(m, layout, "qgZ")?;
+        let len = q.len(grad);
+        if !len.is_multiple_of(layout.world()) {
+            return Err(ZeroError::Invalid(format!(
+                "a gradient of {len} values does not split into {} equal chunks; pad it to a \
+                 multiple of the world size",
+                layout.world()
+            )));
+        }
+        let mut sum = q.values(len)?;
+        q.copy(grad, 0, &mut sum, 0, len)?;
+        let partial = requantize_partial(q, layout, sum, &mut second)?;
+        return hop_two(q, m, layout, partial, &second, reduction);
+    }
+    let first = quantize_first_hop(q, grad, layout, s.intra, s.rounding, feedback.first)?;
     exchange(q, m, layout, first, second, reduction)
 }
 
@@ -424,6 +460,44 @@ mod tests {
             }
         }
         (err / norm).sqrt()
+    }
+
+    #[test]
+    fn a_node_of_one_rank_quantizes_its_gradient_once() {
+        // Nodes of one rank (the dp dimension next to tensor parallelism):
+        // nothing moves inside a node, and what arrives is each rank's own
+        // chunk quantized once at int4, summed in f32 in rank order.
+        let len = 4 * 256;
+        let (_, inter) = gradient_formats(8, 32, Some(64)).unwrap();
+        let got = on_ranks(4, 1, move |layout, mover| {
+            let (intra, inter) = gradient_formats(8, 32, Some(64)).unwrap();
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: false,
+            };
+            let none = Feedback {
+                first: None,
+                second: None,
+            };
+            let grad = gradient(layout.rank, len);
+            let got = reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none);
+            (got.unwrap(), mover.counter.traffic().total().intra_node)
+        });
+        let chunk = len / 4;
+        for (rank, ((sum, inside), _)) in got.iter().enumerate() {
+            assert_eq!(*inside, 0, "rank {rank} sent inside its node");
+            let mut expected = vec![0f32; chunk];
+            for src in 0..4 {
+                let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
+                let mut q = Host.chunks(inter, chunk, 1).unwrap();
+                Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
+                    .unwrap();
+                Host.dequantize_accumulate(&q, 0, &mut expected, 0).unwrap();
+            }
+            assert_eq!(sum, &expected, "rank {rank}");
+        }
     }
 
     #[test]
