@@ -624,8 +624,12 @@ class _ServedReplicateGroup:
                 "preceded: zeropp runs the gradient all-reduce FSDP2 issues after its "
                 "reduce-scatter, nothing else on that group"
             )
+        replicate = pending[1]
+        if replicate.state is None and _on_device(tensor) and opts is not None:
+            # A plain all-reduce on a device is the group's own (NCCL's).
+            return self._zeropp_served.allreduce(tensors, opts)
         op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
-        return pending[1].all_reduce(tensor, op)
+        return replicate.all_reduce(tensor, op)
 
 
 def _serve_replicate(mesh_info):
@@ -795,11 +799,10 @@ class _Served:
     all-reduce, quantized with error feedback where the switches resolved
     on its own layout keep qgZ)."""
 
-    def __init__(self, zjob, mode, switches, seed, shard_pg, replicate_pg, device):
+    def __init__(self, zjob, mode, switches, seed, shard_pg, replicate_pg):
         self.job, self.mode, self.seed = zjob, mode, seed
         self.shard_ranks = _group_ranks(shard_pg)
         self.replicate_ranks = None if replicate_pg is None else _group_ranks(replicate_pg)
-        self.device = device
         if self.replicate_ranks is not None and len(self.shard_ranks) == 1:
             raise ZeroppError(
                 f"an HSDP mesh whose shard dimension holds 1 rank: nothing is sharded (that is "
@@ -864,8 +867,7 @@ class _Served:
         ag, rs = self.collectives()
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
-        # On a device a plain all-reduce stays FSDP2's own (NCCL's).
-        if self.replicate is not None and not (self.device and self.replicate.state is None):
+        if self.replicate is not None:
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 _serve_replicate(group.mesh_info)
 
@@ -906,8 +908,7 @@ def fully_shard(
     mesh = kwargs.get("mesh")
     shard_pg, replicate_pg = _mesh_groups(mesh)
     _check_dtypes(module, kwargs.get("mp_policy"))
-    device = _emulated() or (mesh is not None and mesh.device_type == "cuda")
-    served = _Served(zjob, mode, switches, seed, shard_pg, replicate_pg, device)
+    served = _Served(zjob, mode, switches, seed, shard_pg, replicate_pg)
     if "reshard_after_forward" not in kwargs:
         kwargs["reshard_after_forward"] = served.hpz_group() or True
     served.keep_secondary(kwargs["reshard_after_forward"])
@@ -964,9 +965,8 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
             replicate_pg = getattr(replicate_pg, "_zeropp_served", replicate_pg)
             key = (tuple(_group_ranks(info.shard_process_group)), id(replicate_pg))
             if key not in served_by_mesh:
-                device = _emulated() or info.mesh.device_type == "cuda"
                 served_by_mesh[key] = _Served(
-                    zjob, mode, switches, seed, info.shard_process_group, replicate_pg, device
+                    zjob, mode, switches, seed, info.shard_process_group, replicate_pg
                 )
             served = served_by_mesh[key]
             s = served.switches

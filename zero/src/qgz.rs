@@ -206,6 +206,16 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     let mut got = q.chunks(intra, chunk, count)?;
     m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
     drop(first);
+    if nodes == 1 {
+        // One node: its sums are the world's, with no hop across to
+        // quantize them for a second time.
+        let mut sum = q.values(chunk)?;
+        for src in 0..g {
+            q.dequantize_accumulate(&got, src, &mut sum, 0)?;
+        }
+        reduction.apply(q, &mut sum, layout)?;
+        return Ok(sum);
+    }
     let partial = match (second.hadamard, second.residual.is_some()) {
         (false, false) => {
             // Sum and requantize in one pass.
@@ -492,6 +502,43 @@ mod tests {
             for src in 0..4 {
                 let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
                 let mut q = Host.chunks(inter, chunk, 1).unwrap();
+                Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
+                    .unwrap();
+                Host.dequantize_accumulate(&q, 0, &mut expected, 0).unwrap();
+            }
+            assert_eq!(sum, &expected, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn on_one_node_the_gradient_is_quantized_once() {
+        // One node (HSDP's shard dimension): after the hop inside it the
+        // sums are the world's; nothing crosses nodes, nothing is
+        // quantized again.
+        let len = 4 * 256;
+        let (intra, _) = gradient_formats(8, 32, Some(64)).unwrap();
+        let got = on_ranks(1, 4, move |layout, mover| {
+            let (intra, inter) = gradient_formats(8, 32, Some(64)).unwrap();
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: true,
+            };
+            let none = Feedback {
+                first: None,
+                second: None,
+            };
+            let grad = gradient(layout.rank, len);
+            reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none).unwrap()
+        });
+        let chunk = len / 4;
+        for (rank, (sum, across)) in got.iter().enumerate() {
+            assert_eq!(*across, 0, "rank {rank} sent across nodes");
+            let mut expected = vec![0f32; chunk];
+            for src in 0..4 {
+                let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
+                let mut q = Host.chunks(intra, chunk, 1).unwrap();
                 Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
                     .unwrap();
                 Host.dequantize_accumulate(&q, 0, &mut expected, 0).unwrap();
