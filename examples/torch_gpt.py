@@ -220,7 +220,11 @@ def job_mesh(device):
     return init_device_mesh(device.type, (dist.get_world_size(),))
 
 
-def shard(model, args, world, ranks_per_node, device):
+def shard(model, args, world, g, device):
+    """FSDP2 (or zeropp.torch) on every block and the root, on the mesh of
+    ``--mesh`` (HSDP's has nodes of ``g`` ranks); zeropp's logical nodes
+    only when ``--ranks-per-node`` asks (else the hosts, measured)."""
+    ranks_per_node = args.ranks_per_node
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
         if args.bf16
@@ -230,7 +234,7 @@ def shard(model, args, world, ranks_per_node, device):
     if args.mesh == "hsdp":
         kw["mesh"] = init_device_mesh(
             device.type,
-            (world // ranks_per_node, ranks_per_node),
+            (world // g, g),
             mesh_dim_names=("replicate", "shard"),
         )
     elif args.mesh == "sub":
@@ -307,9 +311,7 @@ def main(argv=None):
     kind = GPT if args.model == "gpt" else Llama
     model = kind(args.width, args.layers, args.heads, args.context).to(device)
     params = sum(p.numel() for p in model.parameters())
-    switches = shard(
-        model, args, world, g if args.ranks_per_node or args.mesh == "hsdp" else None, device
-    )
+    switches = shard(model, args, world, g, device)
     if args.local_reduce_scatter:
         for m in model.modules():
             if isinstance(m, FSDPModule):
