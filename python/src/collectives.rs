@@ -429,11 +429,11 @@ impl Job {
         Ok(self.submit(dim.groups.clone(), move |mover| {
             let state = qgz.as_ref().map(|q| q.get());
             let mut first = state
-                .map(|s| s.residual.lock())
+                .map(|s| s.feedback.host[0].lock())
                 .transpose()
                 .map_err(|_| poisoned())?;
             let mut second = state
-                .map(|s| s.residual_inter.lock())
+                .map(|s| s.feedback.host[1].lock())
                 .transpose()
                 .map_err(|_| poisoned())?;
             with_dtype!(dtype, T => {
@@ -490,8 +490,9 @@ impl Job {
                     }
                     Some(state) => {
                         let state = state.get();
-                        let mut sent = state.sent.lock().map_err(|_| poisoned())?;
-                        let mut owned = state.owned.lock().map_err(|_| poisoned())?;
+                        let [sent, owned] = &state.feedback.host;
+                        let mut sent = sent.lock().map_err(|_| poisoned())?;
+                        let mut owned = owned.lock().map_err(|_| poisoned())?;
                         let feedback = allreduce::ReplicaFeedback {
                             sent: state.error_feedback.then(|| sent.chunks_mut()),
                             owned: state.error_feedback.then(|| owned.chunks_mut()),
@@ -739,12 +740,49 @@ pub struct QgzState {
     hadamard: bool,
     seed: u64,
     calls: AtomicU64,
-    residual: Arc<Mutex<Residual>>,
-    residual_inter: Arc<Mutex<Residual>>,
-    /// The same state for CUDA tensors, on their device.
-    pub(crate) device_feedback: Mutex<DeviceFeedback<DeviceQuantizedChunks>>,
-    /// The same state on the emulated device.
-    pub(crate) emulated_feedback: Mutex<DeviceFeedback<QuantizedChunks>>,
+    /// The residuals of the hop inside the node and of the hop across.
+    pub(crate) feedback: HeldFeedback,
+}
+
+/// The error feedback of one parameter group's collective: what each of
+/// its two quantizations dropped last call, on the host and the same on
+/// the CUDA device and on the emulated device (made on first use).
+#[derive(Default)]
+pub(crate) struct HeldFeedback {
+    pub(crate) host: [Mutex<Residual>; 2],
+    pub(crate) device: Mutex<DeviceFeedback<DeviceQuantizedChunks>>,
+    pub(crate) emulated: Mutex<DeviceFeedback<QuantizedChunks>>,
+}
+
+impl HeldFeedback {
+    /// Values held on the host.
+    fn len(&self) -> usize {
+        let len = |r: &Mutex<Residual>| r.lock().map(|r| r.len()).unwrap_or(0);
+        self.host.iter().map(len).sum()
+    }
+
+    /// Bytes held everywhere (compressed: about 1.125 a value).
+    fn bytes(&self) -> usize {
+        let host = |r: &Mutex<Residual>| r.lock().map(|r| r.bytes()).unwrap_or(0);
+        self.host.iter().map(host).sum::<usize>()
+            + self.device.lock().map(|f| f.bytes()).unwrap_or(0)
+            + self.emulated.lock().map(|f| f.bytes()).unwrap_or(0)
+    }
+
+    /// Everything held starts over.
+    fn reset(&self) {
+        for r in &self.host {
+            if let Ok(mut r) = r.lock() {
+                *r = Residual::none();
+            }
+        }
+        if let Ok(mut f) = self.device.lock() {
+            f.reset();
+        }
+        if let Ok(mut f) = self.emulated.lock() {
+            f.reset();
+        }
+    }
 }
 
 impl QgzState {
@@ -794,10 +832,7 @@ impl QgzState {
             hadamard,
             seed,
             calls: AtomicU64::new(0),
-            residual: Default::default(),
-            residual_inter: Default::default(),
-            device_feedback: Default::default(),
-            emulated_feedback: Default::default(),
+            feedback: Default::default(),
         })
     }
 
@@ -816,36 +851,18 @@ impl QgzState {
 
     /// Values of error-feedback state held (both hops).
     fn residual_len(&self) -> usize {
-        let a = self.residual.lock().map(|r| r.len()).unwrap_or(0);
-        a + self.residual_inter.lock().map(|r| r.len()).unwrap_or(0)
+        self.feedback.len()
     }
 
     /// Bytes of error-feedback state held (both hops, host and device;
     /// compressed: about 1.125 a value).
     fn residual_bytes(&self) -> usize {
-        let a = self.residual.lock().map(|r| r.bytes()).unwrap_or(0);
-        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0)
-            + self
-                .emulated_feedback
-                .lock()
-                .map(|f| f.bytes())
-                .unwrap_or(0);
-        a + d + self.residual_inter.lock().map(|r| r.bytes()).unwrap_or(0)
+        self.feedback.bytes()
     }
 
     /// Error feedback starts over (after a checkpoint load).
     fn reset(&self) {
-        for r in [&self.residual, &self.residual_inter] {
-            if let Ok(mut r) = r.lock() {
-                *r = Residual::none();
-            }
-        }
-        if let Ok(mut f) = self.device_feedback.lock() {
-            f.reset();
-        }
-        if let Ok(mut f) = self.emulated_feedback.lock() {
-            f.reset();
-        }
+        self.feedback.reset()
     }
 }
 
@@ -860,13 +877,9 @@ pub struct AllReduceState {
     stochastic: bool,
     seed: u64,
     calls: AtomicU64,
-    sent: Mutex<Residual>,
-    owned: Mutex<Residual>,
-    /// The same state for CUDA tensors, on their device (`first`: what it
-    /// sent, `second`: its own part).
-    pub(crate) device_feedback: Mutex<DeviceFeedback<DeviceQuantizedChunks>>,
-    /// The same state on the emulated device.
-    pub(crate) emulated_feedback: Mutex<DeviceFeedback<QuantizedChunks>>,
+    /// The residuals of what it sent and of its own part of the result
+    /// (on a device: `first` and `second`).
+    pub(crate) feedback: HeldFeedback,
 }
 
 impl AllReduceState {
@@ -909,10 +922,7 @@ impl AllReduceState {
             stochastic,
             seed,
             calls: AtomicU64::new(0),
-            sent: Default::default(),
-            owned: Default::default(),
-            device_feedback: Default::default(),
-            emulated_feedback: Default::default(),
+            feedback: Default::default(),
         })
     }
 
@@ -924,29 +934,12 @@ impl AllReduceState {
     /// Bytes of error-feedback state held (host and device; compressed:
     /// about 1.125 a value).
     fn residual_bytes(&self) -> usize {
-        let a = self.sent.lock().map(|r| r.bytes()).unwrap_or(0);
-        let d = self.device_feedback.lock().map(|f| f.bytes()).unwrap_or(0)
-            + self
-                .emulated_feedback
-                .lock()
-                .map(|f| f.bytes())
-                .unwrap_or(0);
-        a + d + self.owned.lock().map(|r| r.bytes()).unwrap_or(0)
+        self.feedback.bytes()
     }
 
     /// Error feedback starts over (after a checkpoint load).
     fn reset(&self) {
-        for r in [&self.sent, &self.owned] {
-            if let Ok(mut r) = r.lock() {
-                *r = Residual::none();
-            }
-        }
-        if let Ok(mut f) = self.device_feedback.lock() {
-            f.reset();
-        }
-        if let Ok(mut f) = self.emulated_feedback.lock() {
-            f.reset();
-        }
+        self.feedback.reset()
     }
 }
 

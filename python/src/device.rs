@@ -40,7 +40,7 @@ impl DeviceState for Gpu {
     fn feedback(
         s: &QgzState,
     ) -> &Mutex<DeviceFeedback<zeropp_cuda::device::DeviceQuantizedChunks>> {
-        &s.device_feedback
+        &s.feedback.device
     }
 
     fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceValues>>> {
@@ -50,13 +50,13 @@ impl DeviceState for Gpu {
     fn replica_feedback(
         s: &AllReduceState,
     ) -> &Mutex<DeviceFeedback<zeropp_cuda::device::DeviceQuantizedChunks>> {
-        &s.device_feedback
+        &s.feedback.device
     }
 }
 
 impl DeviceState for EmulatedDevice {
     fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<QuantizedChunks>> {
-        &s.emulated_feedback
+        &s.feedback.emulated
     }
 
     /// The emulated device's memory is the host's: the host path's
@@ -66,7 +66,7 @@ impl DeviceState for EmulatedDevice {
     }
 
     fn replica_feedback(s: &AllReduceState) -> &Mutex<DeviceFeedback<QuantizedChunks>> {
-        &s.emulated_feedback
+        &s.feedback.emulated
     }
 }
 

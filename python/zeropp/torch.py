@@ -536,6 +536,19 @@ class ZeroppAllGather(AllGather):
         )
 
 
+def _mean(op, collective):
+    """Whether FSDP2's reduce op ``op`` asks for the mean (AVG) rather than
+    the sum (SUM); any other is refused."""
+    if op == dist.ReduceOp.AVG:
+        return True
+    if op == dist.ReduceOp.SUM:
+        return False
+    raise ZeroppError(
+        f"{collective} with {op}: zeropp sums or averages gradients (SUM or AVG); "
+        "leave FSDP2's gradient_divide_factor unset"
+    )
+
+
 class _Replicate:
     """HSDP's gradient all-reduce across the replicate dimension ``ranks``
     for one FSDP module: quantized (int4 blocks of qgZ's hop across nodes,
@@ -558,15 +571,7 @@ class _Replicate:
             )
 
     def all_reduce(self, tensor, op):
-        if op == dist.ReduceOp.AVG:
-            mean = True
-        elif op == dist.ReduceOp.SUM:
-            mean = False
-        else:
-            raise ZeroppError(
-                f"all-reduce with {op}: zeropp sums or averages gradients (SUM or AVG); "
-                "leave FSDP2's gradient_divide_factor unset"
-            )
+        mean = _mean(op, "all-reduce")
         if _on_device(tensor):
             _count_device_call(tensor, "all_reduce")
             cj = _cuda(tensor.device)
@@ -671,15 +676,7 @@ class ZeroppReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        if op == dist.ReduceOp.AVG:
-            mean = True
-        elif op == dist.ReduceOp.SUM:
-            mean = False
-        else:
-            raise ZeroppError(
-                f"reduce-scatter with {op}: zeropp sums or averages gradients (SUM or AVG); "
-                "leave FSDP2's gradient_divide_factor unset"
-            )
+        mean = _mean(op, "reduce-scatter")
         if _on_device(output_tensor):
             op, tensors = self._cuda(output_tensor, input_tensor, group, mean)
             if self.replicate is not None:

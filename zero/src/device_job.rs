@@ -193,6 +193,22 @@ type Joined = Vec<(Vec<usize>, Hop)>;
 /// The device and the communicators of every mesh dimension.
 type OnStream<'a, D> = (&'a D, &'a [Comms<<D as Device>::Comm>]);
 
+/// The mesh dimension over exactly `ranks` among `dims`, for `what` (its
+/// name in the error).
+fn whole_dim<'a, C>(
+    dims: &'a [Comms<C>],
+    ranks: &[usize],
+    what: &str,
+) -> Result<&'a Comms<C>, ZeroError> {
+    match find(dims, ranks)? {
+        (comms, Hop::World, _) => Ok(comms),
+        _ => Err(ZeroError::Invalid(format!(
+            "{what} over ranks {ranks:?}: zeropp runs it over a whole mesh dimension, not a \
+             group inside one"
+        ))),
+    }
+}
+
 struct Side<D: Device> {
     device: D,
     /// The communicators of each mesh dimension, the whole job's first
@@ -605,16 +621,7 @@ impl<D: Device> DeviceJob<D> {
             // SAFETY: the caller's promise.
             let (device, dims) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
-                let comms = match find(dims, c.ranks)? {
-                    (comms, Hop::World, _) => comms,
-                    _ => {
-                        return Err(ZeroError::Invalid(format!(
-                            "a reduce-scatter over ranks {:?}: zeropp reduce-scatters over a whole \
-                         mesh dimension",
-                            c.ranks
-                        )));
-                    }
-                };
+                let comms = whole_dim(dims, c.ranks, "a reduce-scatter")?;
                 let layout = comms.layout;
                 let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
                 let q = device.kernels();
@@ -651,16 +658,7 @@ impl<D: Device> DeviceJob<D> {
             // SAFETY: the caller's promise.
             let (device, dims) = unsafe { side.on_stream(c.stream) }?;
             let result = (|| {
-                let comms = match find(dims, c.ranks)? {
-                    (comms, Hop::World, _) => comms,
-                    _ => {
-                        return Err(ZeroError::Invalid(format!(
-                            "an all-reduce over ranks {:?}: zeropp all-reduces over a whole mesh \
-                         dimension",
-                            c.ranks
-                        )));
-                    }
-                };
+                let comms = whole_dim(dims, c.ranks, "an all-reduce")?;
                 let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
                 let q = device.kernels();
                 let (s, keeps, fb) = c.quantized;
