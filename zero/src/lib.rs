@@ -23,6 +23,7 @@ pub mod fsdp;
 pub mod groups;
 pub mod host;
 pub mod hpz;
+pub mod outer;
 pub mod payload;
 pub mod plan;
 pub mod planner;
