@@ -116,16 +116,16 @@ pub fn outer_step(
             delta.copy_from_slice(&out[..len]);
         }
     }
-    for i in 0..len {
-        let g = delta[i];
-        let buf = s.momentum * state.momentum[i] + g;
-        state.momentum[i] = buf;
+    let outer = state.anchor.iter_mut().zip(state.momentum.iter_mut());
+    for ((anchor, momentum), g) in outer.zip(delta) {
+        let buf = s.momentum * *momentum + g;
+        *momentum = buf;
         let update = if s.nesterov {
             g + s.momentum * buf
         } else {
             buf
         };
-        state.anchor[i] -= s.lr * update;
+        *anchor -= s.lr * update;
     }
     weights.copy_from_slice(&state.anchor);
     Ok(())
