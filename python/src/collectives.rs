@@ -550,7 +550,7 @@ fn poisoned() -> ZeroError {
 impl Job {
     /// Runs `f` on the communication thread with a byte mover over
     /// `groups`: the collective in flight.
-    fn submit(
+    pub(crate) fn submit(
         &self,
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,

@@ -10,6 +10,7 @@ mod collectives;
 mod cuda;
 mod device;
 mod emulated;
+mod outer;
 mod quant;
 
 use pyo3::create_exception;
@@ -147,5 +148,6 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     collectives::register(m)?;
     cuda::register(m)?;
     emulated::register(m)?;
+    outer::register(m)?;
     Ok(())
 }

@@ -167,6 +167,12 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
     assert len(oks) == 11, p.stdout
 
 
+def test_islands_outer_sync_is_diloco_over_shards():
+    p = torchrun(WORKERS / "islands.py")
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 5, p.stdout
+
+
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])
 def test_accelerate_and_the_trainer_shard_then_zeropp_matches_them_and_trains(tmp_path, recipe):
     # Accelerate's FSDP2 plugin, and the Trainer's fsdp_config (its FSDP2

@@ -69,6 +69,7 @@ __all__ = [
     "fully_shard",
     "job",
     "measured",
+    "OuterSync",
     "resolved_switches",
     "routing",
     "TrafficLog",
@@ -1009,6 +1010,103 @@ def _keep_secondary_shard(group, hpz, infos):
     for p in group.fsdp_params:
         p.post_forward_mesh_info = info
         p._init_sharded_post_forward_param_metadata(torch.empty(p._orig_size, device="meta"))
+
+
+class OuterSync:
+    """Islands' outer sync (DiLoCo's outer step, over shards), wrapping the
+    user's optimizer: an island is a set of ranks FSDP2 (with zeropp's
+    communication, or its own) shards the model over; every
+    ``sync_every`` optimizer steps each rank's outer delta (its shard of the
+    anchor minus its shard of the weights) is averaged over the ranks of
+    the other islands holding the same shard — as int4 blocks with error
+    feedback (``bits=4``) or in f32 (``bits=None``) — and Nesterov SGD
+    (``lr``, ``momentum``) makes it the new anchor, from which every island
+    continues. ``mesh`` is the job's 2-D (islands, ranks) DeviceMesh; shard
+    the model over ``mesh[<its second dimension>]``::
+
+        names = ("island", "shard")
+        mesh = init_device_mesh("cpu", (islands, world // islands), mesh_dim_names=names)
+        for block in model.blocks:
+            zeropp.torch.fully_shard(block, mesh=mesh["shard"])
+        zeropp.torch.fully_shard(model, mesh=mesh["shard"])
+        opt = zeropp.torch.OuterSync(model, torch.optim.AdamW(model.parameters()), mesh)
+        ...; loss.backward(); opt.step(); opt.zero_grad()
+
+    Parameters must be float32 on the CPU (FSDP2 keeps its sharded
+    parameters in their own dtype; compute dtypes come from its
+    ``mp_policy``). ``step()`` returns whether an outer step ran."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        mesh,
+        *,
+        sync_every=20,
+        lr=0.7,
+        momentum=0.9,
+        bits=4,
+        block=64,
+        transport=None,
+        ranks_per_node=None,
+    ):
+        if mesh.ndim != 2:
+            raise ZeroppError(
+                f"a {mesh.ndim}-D mesh: OuterSync takes the (islands, ranks) mesh whose second "
+                "dimension FSDP2 shards each island over"
+            )
+        if not (isinstance(sync_every, int) and sync_every >= 1):
+            raise ZeroppError(f"sync_every={sync_every!r}: outer steps every 1 or more steps")
+        self.optimizer, self.sync_every, self.steps = optimizer, sync_every, 0
+        self.job = job(transport=transport, ranks_per_node=ranks_per_node)
+        self.ranks = _group_ranks(mesh.get_group(0))
+        _add_mesh_dim(self.job, self.ranks)
+        self.params = list(model.parameters())
+        self.states = []
+        for i, p in enumerate(self.params):
+            local = _local(p)
+            if local.dtype != torch.float32 or local.device.type != "cpu":
+                raise ZeroppError(
+                    f"parameter {i} is {local.dtype} on {local.device}: OuterSync keeps float32 "
+                    "CPU shards (FSDP2's sharded parameters; set compute dtypes with mp_policy)"
+                )
+            state = _zeropp.OuterState(
+                host_bytes(local, f"parameter {i}"),
+                lr=lr,
+                momentum=momentum,
+                bits=bits,
+                block=block,
+            )
+            self.states.append(state)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """The optimizer's step, then every ``sync_every`` steps the outer
+        step across the islands; whether an outer step ran."""
+        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        self.steps += 1
+        if self.steps % self.sync_every:
+            return False
+        ops = [
+            s.step(self.job, host_bytes(_local(p), "parameter"), self.ranks)
+            for s, p in zip(self.states, self.params, strict=True)
+        ]
+        for op in ops:
+            op.wait()
+        return True
+
+    def state_bytes(self):
+        """Bytes of outer state this rank holds (anchors, momenta, error
+        feedback): about twice its shard of the model in f32."""
+        return sum(s.bytes() for s in self.states)
+
+
+def _local(p):
+    """This rank's shard of a parameter (a DTensor's local tensor)."""
+    t = p.to_local() if hasattr(p, "to_local") else p
+    return t.data
 
 
 def reset_error_feedback(module):

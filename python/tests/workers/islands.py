@@ -1,0 +1,129 @@
+"""Worker (4 ranks, logical nodes of 2: two islands of one node each):
+zeropp.torch.OuterSync, DiLoCo's outer step over shards. With zeropp's ZeRO-3
+inside each island and f32 outer deltas it trains as FSDP2 per island plus
+the same outer step written in torch; with int4 outer deltas the islands
+stay identical. Prints one "ok NAME" line per check on rank 0."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from checks import check, expect_error
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import zeropp.torch as zt
+
+H, ROUNDS = 4, 3
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+
+
+def shard(net, mesh, zeropp):
+    for m in (net[0], net[2], net):
+        if zeropp:
+            zt.fully_shard(m, mode="zero3", mesh=mesh["shard"])
+        else:
+            fully_shard(m, mesh=mesh["shard"])
+
+
+def batches(island):
+    g = torch.Generator().manual_seed(100 + island)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(H)]
+
+
+def local(p):
+    return p.to_local().data
+
+
+def train(net, opt, island, outer):
+    losses = []
+    for _ in range(ROUNDS):
+        for x, y in batches(island):
+            loss = (net(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        outer()
+    return losses
+
+
+def main():
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    zt.job(ranks_per_node=2)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("island", "shard"))
+    island = mesh.get_local_rank(0)
+
+    # zeropp: ZeRO-3 inside each island, f32 outer deltas.
+    ours = model()
+    shard(ours, mesh, zeropp=True)
+    sync = zt.OuterSync(
+        ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), mesh, sync_every=H, bits=None
+    )
+    ran = []
+    losses = train(ours, sync, island, lambda: ran.append(sync.steps % H == 0))
+
+    # The reference: FSDP2 per island, the outer step in torch.
+    ref = model()
+    shard(ref, mesh, zeropp=False)
+    inner = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    anchors = [local(p).clone() for p in ref.parameters()]
+    momenta = [torch.zeros_like(a) for a in anchors]
+    islands = mesh.get_group(0)
+
+    def outer_step():
+        for p, a, m in zip(ref.parameters(), anchors, momenta, strict=True):
+            delta = a - local(p)
+            dist.all_reduce(delta, group=islands)
+            delta /= 2
+            m.mul_(0.9).add_(delta)
+            a.sub_(0.7 * (delta + 0.9 * m))
+            local(p).copy_(a)
+
+    expected = train(ref, inner, island, outer_step)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected, strict=True))
+    check(
+        "f32 outer deltas: FSDP2 per island plus DiLoCo's outer step, within 1e-5",
+        worst <= 1e-5 and all(ran),
+        f"(largest relative loss difference {worst:.3g})",
+    )
+    weights = torch.cat([local(p).reshape(-1) for p in ours.parameters()])
+    ref_weights = torch.cat([local(p).reshape(-1) for p in ref.parameters()])
+    check(
+        "the outer step leaves the reference's weights",
+        torch.allclose(weights, ref_weights, rtol=1e-5, atol=1e-7),
+    )
+    check(
+        "the outer state is an anchor and a momentum per shard",
+        sync.state_bytes() >= 2 * 4 * weights.numel(),
+        f"({sync.state_bytes()} bytes for {weights.numel()} values)",
+    )
+
+    # int4 outer deltas with error feedback: the islands stay identical.
+    q = model()
+    shard(q, mesh, zeropp=True)
+    qsync = zt.OuterSync(q, torch.optim.AdamW(q.parameters(), lr=1e-2), mesh, sync_every=H)
+    qlosses = train(q, qsync, island, lambda: None)
+    mine = torch.cat([local(p).reshape(-1) for p in q.parameters()])
+    theirs = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(theirs, mine, group=islands)
+    check(
+        "int4 outer deltas: every island holds the same anchor",
+        torch.equal(theirs[0], theirs[1]) and qlosses[-1] < qlosses[0],
+        f"(losses {qlosses[0]:.4f} -> {qlosses[-1]:.4f})",
+    )
+    expect_error(
+        "a mesh that is not (islands, ranks) is refused",
+        lambda: zt.OuterSync(q, qsync.optimizer, mesh["shard"]),
+        "(islands, ranks)",
+    )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
