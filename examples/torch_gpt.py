@@ -475,7 +475,7 @@ def main(argv=None):
     return 0
 
 
-PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate")
+PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer")
 
 
 def thread_cpu_s():

@@ -170,7 +170,7 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
 def test_islands_outer_sync_is_diloco_over_shards():
     p = torchrun(WORKERS / "islands.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 5, p.stdout
+    assert len(oks) == 6, p.stdout
 
 
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])

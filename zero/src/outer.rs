@@ -95,7 +95,7 @@ pub fn outer_step(
                 sent: Some(state.sent.chunks_mut()),
                 owned: Some(state.owned.chunks_mut()),
             };
-            let hop = (hop, Phase::Other);
+            let hop = (hop, Phase::Outer);
             allreduce::all_reduce_quantized(
                 &Host,
                 m,
@@ -112,7 +112,7 @@ pub fn outer_step(
             let mut input = delta.clone();
             input.resize(padded, 0.0);
             let mut out = vec![0f32; padded];
-            m.all_reduce_tensor(&Host, hop, Phase::Other, &input, &mut out, true)?;
+            m.all_reduce_tensor(&Host, hop, Phase::Outer, &input, &mut out, true)?;
             delta.copy_from_slice(&out[..len]);
         }
     }

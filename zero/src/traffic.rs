@@ -1,6 +1,7 @@
 //! Byte counters: every byte this rank sends, by phase (forward gather,
-//! backward gather, gradient, other, HSDP's replicate all-reduce) and hop class (inside the node, across
-//! nodes), payload and block scales separately. Counted in a transport
+//! backward gather, gradient, other, HSDP's replicate all-reduce, islands'
+//! outer sync) and hop class (inside the node, across nodes), payload and
+//! block scales separately. Counted in a transport
 //! wrapper, so they are what was actually handed to the network (frame
 //! headers aside).
 
@@ -20,6 +21,8 @@ pub enum Phase {
     Other = 3,
     /// HSDP's gradient all-reduce across its replicate dimension.
     Replicate = 4,
+    /// Islands' outer sync: the outer deltas across islands.
+    Outer = 5,
 }
 
 impl Phase {
@@ -55,6 +58,8 @@ pub struct Traffic {
     pub other: PhaseBytes,
     /// HSDP's gradient all-reduce across the replicate dimension.
     pub replicate: PhaseBytes,
+    /// Islands' outer sync across islands.
+    pub outer: PhaseBytes,
     /// Messages sent, by hop class (each travels with a frame header).
     pub messages: HopBytes,
 }
@@ -67,6 +72,7 @@ impl Traffic {
             Phase::Gradient => &mut self.gradient,
             Phase::Other => &mut self.other,
             Phase::Replicate => &mut self.replicate,
+            Phase::Outer => &mut self.outer,
         }
     }
 
@@ -79,6 +85,7 @@ impl Traffic {
             self.gradient,
             self.other,
             self.replicate,
+            self.outer,
         ] {
             t.intra_node += p.total.intra_node;
             t.inter_node += p.total.inter_node;
@@ -102,6 +109,7 @@ impl Traffic {
             gradient: p(self.gradient, earlier.gradient),
             other: p(self.other, earlier.other),
             replicate: p(self.replicate, earlier.replicate),
+            outer: p(self.outer, earlier.outer),
             messages: d(self.messages, earlier.messages),
         }
     }

@@ -116,6 +116,12 @@ def main():
         torch.equal(theirs[0], theirs[1]) and qlosses[-1] < qlosses[0],
         f"(losses {qlosses[0]:.4f} -> {qlosses[-1]:.4f})",
     )
+    outer = zt.traffic()["outer"]["total"]
+    check(
+        "the outer sync's bytes are their own phase, across nodes",
+        outer["inter_node"] > 0 and outer["intra_node"] == 0,
+        f"{outer}",
+    )
     expect_error(
         "a mesh that is not (islands, ranks) is refused",
         lambda: zt.OuterSync(q, qsync.optimizer, mesh["shard"]),
