@@ -94,7 +94,9 @@ impl OuterState {
         f32s(&buf, "weights (float32)")?;
         let (settings, quantized, state) = (self.settings, self.quantized, self.state.clone());
         Ok(job.submit(groups, move |mover| {
-            let w = buf.typed_mut::<f32>("weights").map_err(ZeroError::Invalid)?;
+            let w = buf
+                .typed_mut::<f32>("weights")
+                .map_err(ZeroError::Invalid)?;
             let mut state = state
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
