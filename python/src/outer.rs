@@ -46,7 +46,7 @@ impl OuterState {
         block: usize,
         hadamard: bool,
     ) -> PyResult<OuterState> {
-        if !(lr > 0.0 && lr.is_finite()) || !(0.0..1.0).contains(&momentum) {
+        if !(lr > 0.0 && lr.is_finite() && (0.0..1.0).contains(&momentum)) {
             return Err(invalid(format!(
                 "outer lr={lr}, momentum={momentum}: the learning rate must be positive and the \
                  momentum in [0, 1)"
