@@ -183,12 +183,13 @@ const CASES: [Case; 7] = [
         calls: 2,
         hadamard: false,
     },
-    // One node of four: the hop across nodes is a copy.
+    // One node of four: no hop across nodes, the sums after the hop
+    // inside are the result (an int4 hop inside, with its feedback).
     Case {
         nodes: 1,
         g: 4,
         chunk: 333,
-        intra_bits: 8,
+        intra_bits: 4,
         feedback: true,
         reduction: Reduction::Mean,
         calls: 2,
