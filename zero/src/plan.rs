@@ -495,10 +495,11 @@ fn choose_by_links(
         }
         why.insert("qgz".into(), reason);
     }
-    if layout.nodes == 1 {
-        // A mesh dimension inside one node (HSDP's shard dimension): the
-        // routes were timed across nodes, and inside a node quantizing
-        // saves nothing on a slow link.
+    if layout.nodes == 1 && links.cross.is_some() {
+        // A mesh dimension inside one node of a job that spans several
+        // (HSDP's shard dimension): the routes were timed across nodes,
+        // and inside a node quantizing saves nothing on a slow link. (On
+        // one host the routes were timed inside it, and decide.)
         if !qwz_asked && s.qwz_bits.is_some() {
             s.qwz_bits = None;
             s.qwz_delta = false;
