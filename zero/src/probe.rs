@@ -17,7 +17,7 @@ use zeropp_comm::{Communicator, Group};
 use super::ZeroError;
 use super::groups::ZeroGroups;
 use super::plan::{Layout, weight_format};
-use super::traffic::CountingTransport;
+use super::traffic::{CountingTransport, Phase};
 
 /// One hop as the collectives see it: what each rank receives per second
 /// while every rank of its group sends at once, and the time of an empty
@@ -268,10 +268,14 @@ pub fn measure_all(
     budget: Duration,
     largest: Option<usize>,
 ) -> Result<Measured, ZeroError> {
-    let links = measure(c, groups, layout, budget)?;
-    let values = probe_values(&links, layout, largest);
-    let routes = time_routes(c, counter, groups, layout, s, values)?;
-    Ok(Measured { links, routes })
+    // Its bytes are the probe's (`other`), not the phases of the
+    // collectives it times.
+    counter.pinned(Phase::Other, || {
+        let links = measure(c, groups, layout, budget)?;
+        let values = probe_values(&links, layout, largest);
+        let routes = time_routes(c, counter, groups, layout, s, values)?;
+        Ok(Measured { links, routes })
+    })
 }
 
 /// The two collectives timed on this job by each route, with the code
@@ -484,6 +488,27 @@ mod tests {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn the_probe_s_bytes_count_as_other_not_as_training_s() {
+        let got = crate::testing::on_world(2, 2, Duration::from_secs(30), |r| {
+            let s = super::super::plan::Switches::zeropp(256);
+            let budget = Duration::from_millis(300);
+            measure_all(&r.comm, &r.counter, &r.groups, r.layout, &s, budget, None).unwrap();
+            r.counter.traffic()
+        });
+        for (rank, t) in got.iter().enumerate() {
+            let other = t.other.total.intra_node + t.other.total.inter_node;
+            assert!(other > 0, "rank {rank}: {t:?}");
+            for p in [t.forward_gather, t.backward_gather, t.gradient] {
+                assert_eq!(
+                    p.total.intra_node + p.total.inter_node,
+                    0,
+                    "rank {rank}: {t:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -118,6 +118,9 @@ impl Traffic {
 struct State {
     traffic: Traffic,
     phase: Phase,
+    /// While set, every send counts under this phase whatever the
+    /// collectives set (the probe's timed routes).
+    pinned: Option<Phase>,
     /// Of each byte sent now, this fraction is block scales.
     scale_fraction: f64,
 }
@@ -137,6 +140,7 @@ impl CountingTransport {
             state: Mutex::new(State {
                 traffic: Traffic::default(),
                 phase: Phase::Other,
+                pinned: None,
                 scale_fraction: 0.0,
             }),
         }
@@ -146,8 +150,23 @@ impl CountingTransport {
     /// being block scales.
     pub fn set_phase(&self, phase: Phase, scale_fraction: f64) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.phase = phase;
+        s.phase = s.pinned.unwrap_or(phase);
         s.scale_fraction = scale_fraction;
+    }
+
+    /// Runs `f` with every send counted under `phase`, whatever phases the
+    /// collectives inside it set (the probe times training's collectives,
+    /// whose bytes are not training's).
+    pub fn pinned<R>(&self, phase: Phase, f: impl FnOnce() -> R) -> R {
+        let set = |p: Option<Phase>| {
+            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            s.pinned = p;
+            s.phase = p.unwrap_or(Phase::Other);
+        };
+        set(Some(phase));
+        let r = f();
+        set(None);
+        r
     }
 
     pub fn traffic(&self) -> Traffic {
