@@ -260,15 +260,17 @@ impl Job {
     /// the runs of `hpz_group` of its ranks inside a node its backward
     /// gathers use. `agree` takes a set of ranks and returns the number
     /// every member gives that set (through the job's store). Returns the
-    /// dimension's layout: (nodes, ranks per node, this rank's position).
+    /// dimension's layout — (nodes, ranks per node, this rank's position) —
+    /// and this rank's node and cross group in it (global ranks).
     #[pyo3(signature = (ranks, agree, hpz_group=None))]
+    #[allow(clippy::type_complexity)]
     fn add_mesh_dim(
         &self,
         py: Python<'_>,
         ranks: Vec<usize>,
         agree: Py<PyAny>,
         hpz_group: Option<usize>,
-    ) -> PyResult<(usize, usize, usize)> {
+    ) -> PyResult<((usize, usize, usize), Vec<usize>, Vec<usize>)> {
         let mut number = |set: &[usize]| -> Result<usize, CommError> {
             agree
                 .bind(py)
@@ -309,7 +311,8 @@ impl Job {
             self.group_of_set(dim.ranks[first..first + h].to_vec(), &mut number)
                 .map_err(to_py)?;
         }
-        Ok((l.nodes, l.ranks_per_node, l.rank))
+        let (node, cross) = l.node_and_cross(&dim.ranks);
+        Ok(((l.nodes, l.ranks_per_node, l.rank), node, cross))
     }
 
     /// What was measured, as JSON: the links and the two collectives timed
@@ -470,24 +473,14 @@ impl Job {
         let dtype = Dtype::parse(dtype)?;
         let dim = self.dim(&ranks)?;
         let buf = HostBuf::new(buf, true, "all-reduce buffer")?;
-        let (members, rank) = (dim.layout.world(), self.layout.rank);
+        let rank = self.layout.rank;
         let reduction = Reduction::mean_if(mean);
+        let hop = (Hop::World, Phase::Replicate);
         Ok(self.submit(dim.groups.clone(), move |mover| {
             with_dtype!(dtype, T => {
                 let x: &mut [T] = buf.typed_mut("buffer").map_err(bad)?;
-                let len = x.len();
-                // Padded to whole parts; the input read from a copy, since
-                // the buffer is the output too.
-                let mut input = vec![T::default(); len.div_ceil(members) * members];
-                input[..len].copy_from_slice(x);
                 match &state {
-                    None => {
-                        let mut out = vec![T::default(); input.len()];
-                        mover.all_reduce_tensor(
-                            &Host, Hop::World, Phase::Replicate, &input, &mut out, mean,
-                        )?;
-                        x.copy_from_slice(&out[..len]);
-                    }
+                    None => mover.all_reduce_tensor(&Host, hop, x, mean)?,
                     Some(state) => {
                         let state = state.get();
                         let [sent, owned] = &state.feedback.host;
@@ -498,10 +491,12 @@ impl Job {
                             owned: state.error_feedback.then(|| owned.chunks_mut()),
                         };
                         let s = state.settings(rank);
+                        // The input read from a copy: the buffer is the
+                        // output too.
+                        let input = x.to_vec();
                         let mut o: &mut [T] = x;
                         allreduce::all_reduce(
-                            &Host, mover, (Hop::World, Phase::Replicate), s, reduction, feedback,
-                            &&input[..len], &mut o,
+                            &Host, mover, hop, s, reduction, feedback, &&input[..], &mut o,
                         )?;
                     }
                 }
@@ -527,7 +522,6 @@ impl Job {
             let (counter, groups, layout) =
                 (self.counter.clone(), self.groups.clone(), self.layout);
             let pending = self.thread.submit(move |c: &Communicator| {
-                counter.set_phase(Phase::Other, 0.0);
                 let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], layout);
                 probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
             });
@@ -597,18 +591,6 @@ impl Job {
         self.timeout
     }
 
-    /// The world, or a sub-group of consecutive ranks inside one node.
-    pub(crate) fn group_of(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
-        if self.layout.is_world(ranks) {
-            return Ok(self.groups.world.clone());
-        }
-        self.layout.check_subgroup(ranks).map_err(invalid)?;
-        self.group_of_set(ranks.to_vec(), |_| {
-            Err(bad("consecutive ranks of a node make a run".into()))
-        })
-        .map_err(to_py)
-    }
-
     /// The group of `ranks`: the one this rank already made of them, else
     /// a new one — a run of consecutive ranks inside a node by its place,
     /// any other set by the number `agree` gives it.
@@ -644,12 +626,17 @@ impl Job {
     }
 
     /// The group this rank made of `ranks` (a mesh dimension's, or an hpZ
-    /// run registered with it), or a run of consecutive ranks of this node.
+    /// run registered with it), or a run of consecutive ranks of this node;
+    /// no other set of ranks.
     pub(crate) fn known_group(&self, ranks: &[usize]) -> PyResult<Arc<Group>> {
-        if let Some(group) = self.known.lock().ok().and_then(|k| k.get(ranks).cloned()) {
-            return Ok(group);
-        }
-        self.group_of(ranks)
+        self.group_of_set(ranks.to_vec(), |set| {
+            Err(CommError::Group(format!(
+                "no group of ranks {set:?} on rank {}: zeropp runs over the mesh dimensions \
+                 it was given and runs of their ranks inside a node that include this rank",
+                self.layout.rank
+            )))
+        })
+        .map_err(to_py)
     }
 
     /// The registered mesh dimension over exactly `ranks`, if any.
@@ -691,11 +678,8 @@ impl Job {
             if !inside || !ranks.contains(&self.layout.rank) {
                 continue;
             }
-            if let Some(known) = self.known.lock().ok().and_then(|k| k.get(ranks).cloned()) {
-                return Ok((dim, Hop::Hpz, known));
-            }
-            if self.layout.check_subgroup(ranks).is_ok() {
-                return Ok((dim, Hop::Hpz, self.group_of(ranks)?));
+            if let Ok(group) = self.known_group(ranks) {
+                return Ok((dim, Hop::Hpz, group));
             }
         }
         Err(invalid(format!(
@@ -873,7 +857,8 @@ impl QgzState {
 pub struct AllReduceState {
     format: QuantFormat,
     hadamard: bool,
-    error_feedback: bool,
+    /// Both quantizations keep error feedback.
+    pub(crate) error_feedback: bool,
     stochastic: bool,
     seed: u64,
     calls: AtomicU64,
@@ -883,11 +868,6 @@ pub struct AllReduceState {
 }
 
 impl AllReduceState {
-    /// Whether both quantizations keep error feedback.
-    pub(crate) fn keeps_feedback(&self) -> bool {
-        self.error_feedback
-    }
-
     /// This group's next all-reduce on `rank` (call numbers counted per
     /// group, `qgz::rounding`).
     pub(crate) fn settings(&self, rank: usize) -> allreduce::QuantizedAllReduce {

@@ -11,10 +11,9 @@ use pyo3::types::PyBytes;
 use zeropp_cuda::Gpu;
 use zeropp_cuda::nccl::NcclId;
 use zeropp_zero::device_job::DeviceJob;
-
-use crate::buffers::Dtype;
 use zeropp_zero::plan::Layout;
 
+use crate::buffers::Dtype;
 use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
 use crate::device::{self, AllReduceCall, GatherCall, ScatterCall};
 use crate::to_py;
@@ -116,8 +115,7 @@ impl CudaJob {
 
     /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
     fn has_dim(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
-        let hop = py.detach(|| self.job.hop_of(&ranks)).map_err(to_py)?;
-        Ok(hop == Some(zeropp_zero::Hop::World))
+        py.detach(|| self.job.has_dim(&ranks)).map_err(to_py)
     }
 
     /// Joins the communicator of sub-group `ranks` (a run of a mesh

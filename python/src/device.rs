@@ -236,7 +236,7 @@ pub(crate) unsafe fn all_reduce<D: DeviceState>(
         ranks: &c.ranks,
         stream: c.stream,
         reduction: Reduction::mean_if(c.mean),
-        quantized: (settings, state.keeps_feedback(), &mut feedback),
+        quantized: (settings, state.error_feedback, &mut feedback),
     };
     // SAFETY: the caller's promise.
     unsafe {

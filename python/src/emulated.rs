@@ -75,8 +75,7 @@ impl EmulatedJob {
 
     /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
     fn has_dim(&self, ranks: Vec<usize>) -> PyResult<bool> {
-        let hop = self.job.hop_of(&ranks).map_err(to_py)?;
-        Ok(hop == Some(zeropp_zero::Hop::World))
+        self.job.has_dim(&ranks).map_err(to_py)
     }
 
     /// Joins the communicators of the mesh dimension over `ranks`

@@ -24,10 +24,6 @@ pub struct OuterState {
     state: Arc<Mutex<outer::OuterState>>,
 }
 
-fn f32s<'a>(buf: &'a HostBuf, what: &str) -> PyResult<&'a mut [f32]> {
-    buf.typed_mut::<f32>(what).map_err(invalid)
-}
-
 #[pymethods]
 impl OuterState {
     /// The state of a shard whose weights are `weights` now (a float32
@@ -91,7 +87,7 @@ impl OuterState {
     fn step(&self, job: &Job, weights: &Bound<'_, PyAny>, ranks: Vec<usize>) -> PyResult<Op> {
         let (_, groups) = job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
-        f32s(&buf, "weights (float32)")?;
+        buf.typed::<f32>("weights (float32)").map_err(invalid)?;
         let (settings, quantized, state) = (self.settings, self.quantized, self.state.clone());
         Ok(job.submit(groups, move |mover| {
             let w = buf

@@ -88,8 +88,9 @@ _emulated_job = None
 # Collectives that took the device path, by device kind and collective.
 _device_calls = {}
 _switches_used = {}
-# The mesh dimensions registered with the job, by their ranks: (nodes,
-# ranks per node, this rank's position).
+# The mesh dimensions registered with the job, by their ranks: their layout
+# (nodes, ranks per node, this rank's position) and this rank's node and
+# cross group in them.
 _mesh_dims = {}
 
 
@@ -268,22 +269,21 @@ def _cuda_group(cj, ranks):
     """The communicators of a mesh dimension (its world, node and cross
     groups) or of an hpZ sub-group smaller than a node, joined on their
     first use (FSDP2 calls over them on every member at once)."""
-    layout = _mesh_dims.get(tuple(ranks))
-    if cj.has_dim(ranks) or (layout is None and cj.has_group(ranks)):
+    dim = _mesh_dims.get(tuple(ranks))
+    if cj.has_dim(ranks) or (dim is None and cj.has_group(ranks)):
         return
     emulated = isinstance(cj, _zeropp.EmulatedJob)
-    if layout is None:
+    if dim is None:
         # An hpZ sub-group: the host job's group of these ranks, or NCCL's.
-        cj.add_group(ranks) if emulated else cj.add_group(ranks, _nccl_id(ranks))
-        return
-    if emulated:
+        if emulated:
+            cj.add_group(ranks)
+        else:
+            cj.add_group(ranks, _nccl_id(ranks))
+    elif emulated:
         cj.connect_dim(ranks)  # the host job's groups of the dimension
-        return
-    nodes, g, at = layout
-    node = ranks[at // g * g : at // g * g + g]
-    cross = [ranks[n * g + at % g] for n in range(nodes)]
-    ids = [_nccl_id(r) for r in (ranks, node, cross)]
-    cj.connect_dim(ranks, layout, *ids)
+    else:
+        layout, node, cross = dim
+        cj.connect_dim(ranks, layout, *[_nccl_id(r) for r in (ranks, node, cross)])
 
 
 def _device_args(cj, t, what):
@@ -762,8 +762,8 @@ def _agree(ranks):
 def _add_mesh_dim(zjob, ranks, hpz_group=None):
     """Registers the mesh dimension over ``ranks`` with the job (and the
     device path): its (nodes, ranks per node, this rank's position)."""
-    layout = tuple(zjob.add_mesh_dim(ranks, _agree, hpz_group=hpz_group))
-    _mesh_dims[tuple(ranks)] = layout
+    layout, node, cross = zjob.add_mesh_dim(ranks, _agree, hpz_group=hpz_group)
+    _mesh_dims[tuple(ranks)] = (layout, node, cross)
     return layout
 
 
@@ -1085,7 +1085,10 @@ class OuterSync:
     def step(self, closure=None):
         """The optimizer's step, then every ``sync_every`` steps the outer
         step across the islands; whether an outer step ran."""
-        self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if closure is None:
+            self.optimizer.step()
+        else:
+            self.optimizer.step(closure)
         self.steps += 1
         if self.steps % self.sync_every:
             return False

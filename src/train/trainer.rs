@@ -696,7 +696,6 @@ fn measure_links(
     let g = layout.ranks_per_node;
     let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
     let groups = crate::zero::ZeroGroups::new(&layout, g)?;
-    counter.set_phase(crate::zero::traffic::Phase::Other, 0.0);
     let m = crate::zero::probe::measure_all(
         &comm,
         counter,

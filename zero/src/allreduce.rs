@@ -1,8 +1,9 @@
 //! The all-reduce across replicas — HSDP's hop over the replicate dimension
 //! of a mesh, where every replica holds the same shard and must end with
-//! the same gradient — written once over a [`Quantizer`] and a
-//! [`ByteMover`]. Plain: ZeRO-3's reduce-scatter, then an all-gather of the
-//! result, in the tensor's own type. Quantized: each member owns 1/R of the
+//! the same gradient — quantized, written once over a [`Quantizer`] and a
+//! [`ByteMover`] (the plain one, ZeRO-3's reduce-scatter and all-gather in
+//! the tensor's own type, is the host mover's
+//! `HostMover::all_reduce_tensor`). Each member owns 1/R of the
 //! buffer; int4 blocks go all-to-all, the owner sums them in f32, and its
 //! part goes back quantized once, so every replica dequantizes the same
 //! codes and the replicas stay bit-identical. Error feedback keeps what
@@ -14,7 +15,7 @@ use zeropp_quant::{QuantFormat, Rounding};
 
 use super::backend::{ByteMover, Hop, Quantizer};
 use super::error::ZeroError;
-use super::qgz::{Reduction, add_residual, ensure_residual, keep_dropped};
+use super::qgz::{Reduction, quantize_kept};
 use super::traffic::Phase;
 
 /// The settings of a quantized all-reduce.
@@ -66,15 +67,7 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     }
     // This member's contributions: part j for member j.
     let mut sent = q.chunks(s.format, part, members)?;
-    match feedback.sent {
-        Some(residual) => {
-            ensure_residual(q, residual, part, members)?;
-            add_residual(q, residual, &mut work)?;
-            q.quantize_swizzled(&work, members, 1, s.rounding, &mut sent)?;
-            keep_dropped(q, &sent, |p| p, &work, residual)?;
-        }
-        None => q.quantize_swizzled(&work, members, 1, s.rounding, &mut sent)?,
-    }
+    quantize_kept(q, &mut work, members, s.rounding, &mut sent, feedback.sent)?;
     let mut got = q.chunks(s.format, part, members)?;
     m.all_to_all(hop, phase, &sent, &mut got)?;
     drop(sent);
@@ -89,15 +82,7 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     }
     let mut owned = q.chunks(s.format, part, 1)?;
     let rounding = s.rounding.for_part(members);
-    match feedback.owned {
-        Some(residual) => {
-            ensure_residual(q, residual, part, 1)?;
-            add_residual(q, residual, &mut mine)?;
-            q.quantize_chunk(&mine, 0, rounding, &mut owned, 0)?;
-            keep_dropped(q, &owned, |p| p, &mine, residual)?;
-        }
-        None => q.quantize_chunk(&mine, 0, rounding, &mut owned, 0)?,
-    }
+    quantize_kept(q, &mut mine, 1, rounding, &mut owned, feedback.owned)?;
     // Every member's part, and this member's own from the same codes.
     let mut all = q.chunks(s.format, part, members)?;
     m.all_gather(hop, phase, &owned, &mut all)?;
@@ -286,8 +271,8 @@ mod tests {
                     )
                     .unwrap();
                 } else {
-                    m.all_reduce_tensor(&Host, Hop::Cross, Phase::Replicate, &x, &mut out, true)
-                        .unwrap();
+                    out.copy_from_slice(&x);
+                    m.all_reduce_tensor(&Host, CROSS, &mut out, true).unwrap();
                 }
                 out
             })
@@ -316,13 +301,12 @@ mod tests {
 
     #[test]
     fn a_plain_all_reduce_of_two_f32_replicas_is_their_exact_sum() {
-        let len = 300;
+        // An odd length: padded to whole parts inside, cut back after.
+        let len = 301;
         let got = on_ranks(2, 1, move |layout, m| {
-            let x = buffer(layout.rank, len);
-            let mut out = vec![0f32; len];
-            m.all_reduce_tensor(&Host, Hop::Cross, Phase::Replicate, &x, &mut out, false)
-                .unwrap();
-            out
+            let mut x = buffer(layout.rank, len);
+            m.all_reduce_tensor(&Host, CROSS, &mut x, false).unwrap();
+            x
         });
         for (x, _) in &got {
             for (i, v) in x.iter().enumerate() {

@@ -472,7 +472,7 @@ impl<D: Device> DeviceJob<D> {
                 self.layout.rank
             )));
         }
-        if self.hop_of(&ranks)? == Some(Hop::World) {
+        if self.has_dim(&ranks)? {
             return Ok(());
         }
         self.join_dim(ranks, layout, [world, node, cross])
@@ -486,8 +486,7 @@ impl<D: Device> DeviceJob<D> {
         [world, node, cross]: [&D::Id; 3],
     ) -> Result<(), ZeroError> {
         let (g, timeout) = (l.ranks_per_node, self.timeout);
-        let node_ranks = ranks[l.node() * g..(l.node() + 1) * g].to_vec();
-        let cross_ranks = (0..l.nodes).map(|n| ranks[n * g + l.local()]).collect();
+        let (node_ranks, cross_ranks) = l.node_and_cross(&ranks);
         self.on_side(|side| {
             let d = &side.device;
             let comms = (|| -> Result<Comms<D::Comm>, ZeroError> {
@@ -514,6 +513,12 @@ impl<D: Device> DeviceJob<D> {
     /// node, or an added sub-group).
     pub fn has_group(&self, ranks: &[usize]) -> Result<bool, ZeroError> {
         Ok(self.hop_of(ranks)?.is_some())
+    }
+
+    /// Whether the mesh dimension over `ranks` is joined (`connect` or
+    /// `connect_dim`).
+    pub fn has_dim(&self, ranks: &[usize]) -> Result<bool, ZeroError> {
+        Ok(self.hop_of(ranks)? == Some(Hop::World))
     }
 
     /// What a call over `ranks` runs as: a mesh dimension (`Hop::World`),

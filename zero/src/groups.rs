@@ -63,10 +63,11 @@ impl ZeroGroups {
                 l.nodes
             )));
         }
-        let node = group(ranks[l.node() * g..(l.node() + 1) * g].to_vec())?;
+        let (node, cross) = l.node_and_cross(ranks);
+        let node = group(node)?;
         Ok(ZeroGroups {
             world: group(ranks.to_vec())?,
-            cross: group((0..l.nodes).map(|n| ranks[n * g + l.local()]).collect())?,
+            cross: group(cross)?,
             hpz: node.clone(),
             node,
         })

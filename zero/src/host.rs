@@ -395,32 +395,38 @@ impl HostMover<'_> {
         }
     }
 
-    /// ZeRO-3's all-reduce over `hop`: `x` (a multiple of the members
-    /// long) reduce-scattered as [`ByteMover::reduce_scatter_tensor`] does
-    /// (a bf16 ring for bf16 tensors, f32 otherwise), then every member's
-    /// part gathered into `out` in `T`: the same on every member.
-    #[allow(clippy::too_many_arguments)]
+    /// ZeRO-3's all-reduce over `hop`, in place: `x` (padded with zeros
+    /// to a multiple of the members) reduce-scattered as
+    /// [`ByteMover::reduce_scatter_tensor`] does (a bf16 ring for bf16
+    /// tensors, f32 otherwise), then every member's part gathered back into
+    /// `x` in `T`: the same on every member.
     pub fn all_reduce_tensor<K: HostKernels, T: GpuElement>(
         &self,
         q: &K,
-        hop: Hop,
-        phase: Phase,
-        x: &[T],
-        out: &mut [T],
+        (hop, phase): (Hop, Phase),
+        x: &mut [T],
         mean: bool,
     ) -> Result<(), ZeroError> {
-        let members = self.group(hop).size();
-        if !x.len().is_multiple_of(members) || out.len() != x.len() {
-            return Err(ZeroError::Invalid(format!(
-                "an all-reduce of {} values over {members} members into {}: both as long, a \
-                 multiple of the members",
-                x.len(),
-                out.len()
-            )));
-        }
-        let mut part = vec![T::default(); x.len() / members];
-        ByteMover::<K>::reduce_scatter_tensor(self, q, hop, phase, &x, &mut &mut part[..], mean)?;
-        ByteMover::<K>::all_gather_tensor(self, hop, phase, &&part[..], &mut &mut out[..])
+        let (members, len) = (self.group(hop).size(), x.len());
+        let padded = len.div_ceil(members) * members;
+        let mut input = vec![T::default(); padded];
+        input[..len].copy_from_slice(x);
+        let (mut part, mut all) = (
+            vec![T::default(); padded / members],
+            vec![T::default(); padded],
+        );
+        ByteMover::<K>::reduce_scatter_tensor(
+            self,
+            q,
+            hop,
+            phase,
+            &&input[..],
+            &mut &mut part[..],
+            mean,
+        )?;
+        ByteMover::<K>::all_gather_tensor(self, hop, phase, &&part[..], &mut &mut all[..])?;
+        x.copy_from_slice(&all[..len]);
+        Ok(())
     }
 }
 

@@ -7,7 +7,7 @@
 //! momentum) is per shard: O(Ψ/W_island) per rank.
 
 use super::allreduce::{self, QuantizedAllReduce, ReplicaFeedback};
-use super::backend::{ByteMover, Hop};
+use super::backend::Hop;
 use super::error::ZeroError;
 use super::host::{Host, HostMover};
 use super::qgz::Reduction;
@@ -106,15 +106,7 @@ pub fn outer_step(
                 feedback,
             )?;
         }
-        None => {
-            let members = ByteMover::<Host>::size(m, hop);
-            let padded = len.div_ceil(members) * members;
-            let mut input = delta.clone();
-            input.resize(padded, 0.0);
-            let mut out = vec![0f32; padded];
-            m.all_reduce_tensor(&Host, hop, Phase::Outer, &input, &mut out, true)?;
-            delta.copy_from_slice(&out[..len]);
-        }
+        None => m.all_reduce_tensor(&Host, (hop, Phase::Outer), &mut delta, true)?,
     }
     let outer = state.anchor.iter_mut().zip(state.momentum.iter_mut());
     for ((anchor, momentum), g) in outer.zip(delta) {

@@ -83,6 +83,19 @@ impl Layout {
         })
     }
 
+    /// This rank's node and cross group among `ranks` (a mesh dimension's
+    /// global ranks laid out as `self`, from [`Layout::of_ranks`]): its
+    /// ranks on this rank's node, and those at this rank's place on every
+    /// node.
+    pub fn node_and_cross(&self, ranks: &[usize]) -> (Vec<usize>, Vec<usize>) {
+        let g = self.ranks_per_node;
+        let node = ranks[self.node() * g..(self.node() + 1) * g].to_vec();
+        let cross = (0..self.nodes)
+            .map(|n| ranks[n * g + self.local()])
+            .collect();
+        (node, cross)
+    }
+
     /// Checks a group a collective may run over besides the world:
     /// consecutive ranks of one node that include this rank (FSDP2's
     /// `reshard_after_forward=<int>` groups, hpZ's).
@@ -896,16 +909,19 @@ mod tests {
             ranks_per_node: 4,
             rank,
         };
-        let l = |_job_rank: usize, nodes, g, at| Layout {
+        let l = |nodes, g, at| Layout {
             nodes,
             ranks_per_node: g,
             rank: at,
         };
         // HSDP's shard dimension inside a node; its replicate dimension.
-        assert_eq!(job(5).of_ranks(&[4, 5, 6, 7]), Ok(l(5, 1, 4, 1)));
-        assert_eq!(job(5).of_ranks(&[1, 5]), Ok(l(5, 2, 1, 1)));
+        assert_eq!(job(5).of_ranks(&[4, 5, 6, 7]), Ok(l(1, 4, 1)));
+        assert_eq!(job(5).of_ranks(&[1, 5]), Ok(l(2, 1, 1)));
         // The dp dimension of a (dp, tp=2) mesh: two ranks on each node.
-        assert_eq!(job(6).of_ranks(&[0, 2, 4, 6]), Ok(l(6, 2, 2, 3)));
+        let dp = [0, 2, 4, 6];
+        assert_eq!(job(6).of_ranks(&dp), Ok(l(2, 2, 3)));
+        let groups = (vec![4, 6], vec![2, 6]);
+        assert_eq!(l(2, 2, 3).node_and_cross(&dp), groups);
         assert_eq!(job(3).of_ranks(&(0..8).collect::<Vec<_>>()), Ok(job(3)));
         for (bad, says) in [
             (&[2, 3, 4, 5, 6][..], "holds 2 ranks of node 0 but 3"),

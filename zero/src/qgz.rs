@@ -80,7 +80,7 @@ impl Reduction {
 /// Makes `r` a zeroed residual of `count` chunks of `chunk_len` values
 /// unless it already is that shape (a residual of another shape cannot be
 /// carried over).
-pub(crate) fn ensure_residual<Q: Quantizer>(
+fn ensure_residual<Q: Quantizer>(
     q: &Q,
     r: &mut Q::Chunks,
     chunk_len: usize,
@@ -94,7 +94,7 @@ pub(crate) fn ensure_residual<Q: Quantizer>(
 }
 
 /// Adds `residual`'s chunks into `x` (chunk i at i · chunk length).
-pub(crate) fn add_residual<Q: Quantizer>(
+fn add_residual<Q: Quantizer>(
     q: &Q,
     residual: &Q::Chunks,
     x: &mut Q::Values,
@@ -109,7 +109,7 @@ pub(crate) fn add_residual<Q: Quantizer>(
 /// Keeps in `residual` what quantizing `x` into `sent` dropped: chunk p of
 /// `sent` holds chunk `source(p)` of `x`, and residual chunk `source(p)`
 /// becomes that chunk of `x` minus what `sent` carries (rounded to nearest).
-pub(crate) fn keep_dropped<Q: Quantizer>(
+fn keep_dropped<Q: Quantizer>(
     q: &Q,
     sent: &Q::Chunks,
     source: impl Fn(usize) -> usize,
@@ -127,6 +127,40 @@ pub(crate) fn keep_dropped<Q: Quantizer>(
     Ok(())
 }
 
+/// `x` (`count` equal chunks) quantized into `out`, chunk r rounded with
+/// `rounding.for_part(r)`; with `residual`, what it kept from the last
+/// call is added to `x` first and it is replaced by what this
+/// quantization drops (error feedback).
+pub(crate) fn quantize_kept<Q: Quantizer>(
+    q: &Q,
+    x: &mut Q::Values,
+    count: usize,
+    rounding: Rounding,
+    out: &mut Q::Chunks,
+    residual: Option<&mut Q::Chunks>,
+) -> Result<(), ZeroError> {
+    let Some(residual) = residual else {
+        return q.quantize_swizzled(x, count, 1, rounding, out);
+    };
+    ensure_residual(q, residual, q.len(x) / count, count)?;
+    add_residual(q, residual, x)?;
+    q.quantize_swizzled(x, count, 1, rounding, out)?;
+    keep_dropped(q, out, |p| p, x, residual)
+}
+
+/// The length of each of `layout`'s W chunks of a gradient of `len`
+/// values, which must split evenly.
+fn chunk_len(len: usize, layout: Layout) -> Result<usize, ZeroError> {
+    let world = layout.world();
+    if !len.is_multiple_of(world) {
+        return Err(ZeroError::Invalid(format!(
+            "a gradient of {len} values does not split into {world} equal chunks; pad it to a \
+             multiple of the world size"
+        )));
+    }
+    Ok(len / world)
+}
+
 /// Hop 1's input: `grad` (W chunks in rank order, plus the residual of the
 /// last call when `residual` is given) quantized in `format` at the
 /// swizzled positions. With a residual, it is replaced by what this
@@ -141,13 +175,7 @@ pub fn quantize_first_hop<Q: Quantizer>(
 ) -> Result<Q::Chunks, ZeroError> {
     let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
     let len = q.len(grad);
-    if !len.is_multiple_of(world) {
-        return Err(ZeroError::Invalid(format!(
-            "a gradient of {len} values does not split into {world} equal chunks; pad it to a \
-             multiple of the world size"
-        )));
-    }
-    let chunk = len / world;
+    let chunk = chunk_len(len, layout)?;
     let mut out = q.chunks(format, chunk, world)?;
     let Some(residual) = residual else {
         q.quantize_swizzled(grad, nodes, g, rounding, &mut out)?;
@@ -253,22 +281,14 @@ fn requantize_partial<Q: Quantizer>(
 ) -> Result<Q::Chunks, ZeroError> {
     let nodes = layout.nodes;
     let chunk = q.len(&sum) / nodes;
-    let (part_rounding, block) = (second.rounding.for_part(1), second.format.block);
     let mut partial = q.chunks(second.format, chunk, nodes)?;
     if second.hadamard {
         for n in 0..nodes {
-            q.rotate(&mut sum, n * chunk, chunk, block)?;
+            q.rotate(&mut sum, n * chunk, chunk, second.format.block)?;
         }
     }
-    match second.residual.as_deref_mut() {
-        Some(residual) => {
-            ensure_residual(q, residual, chunk, nodes)?;
-            add_residual(q, residual, &mut sum)?;
-            q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?;
-            keep_dropped(q, &partial, |n| n, &sum, residual)?;
-        }
-        None => q.quantize_swizzled(&sum, nodes, 1, part_rounding, &mut partial)?,
-    }
+    let (rounding, residual) = (second.rounding.for_part(1), second.residual.as_deref_mut());
+    quantize_kept(q, &mut sum, nodes, rounding, &mut partial, residual)?;
     Ok(partial)
 }
 
@@ -350,13 +370,7 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         // partial sum is its own gradient, not quantized a first time.
         check_hops(m, layout, "qgZ")?;
         let len = q.len(grad);
-        if !len.is_multiple_of(layout.world()) {
-            return Err(ZeroError::Invalid(format!(
-                "a gradient of {len} values does not split into {} equal chunks; pad it to a \
-                 multiple of the world size",
-                layout.world()
-            )));
-        }
+        chunk_len(len, layout)?;
         let mut sum = q.values(len)?;
         q.copy(grad, 0, &mut sum, 0, len)?;
         let partial = requantize_partial(q, layout, sum, &mut second)?;
@@ -472,6 +486,22 @@ mod tests {
         (err / norm).sqrt()
     }
 
+    /// Chunk `rank` of the sum over 4 ranks of each rank's gradient of
+    /// `len`, each quantized once in `format` (rounded to nearest) and
+    /// summed in f32 in rank order.
+    fn quantized_once(format: QuantFormat, rank: usize, len: usize) -> Vec<f32> {
+        let chunk = len / 4;
+        let mut sum = vec![0f32; chunk];
+        for src in 0..4 {
+            let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
+            let mut q = Host.chunks(format, chunk, 1).unwrap();
+            Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
+                .unwrap();
+            Host.dequantize_accumulate(&q, 0, &mut sum, 0).unwrap();
+        }
+        sum
+    }
+
     #[test]
     fn a_node_of_one_rank_quantizes_its_gradient_once() {
         // Nodes of one rank (the dp dimension next to tensor parallelism):
@@ -495,18 +525,9 @@ mod tests {
             let got = reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none);
             (got.unwrap(), mover.counter.traffic().total().intra_node)
         });
-        let chunk = len / 4;
         for (rank, ((sum, inside), _)) in got.iter().enumerate() {
             assert_eq!(*inside, 0, "rank {rank} sent inside its node");
-            let mut expected = vec![0f32; chunk];
-            for src in 0..4 {
-                let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
-                let mut q = Host.chunks(inter, chunk, 1).unwrap();
-                Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
-                    .unwrap();
-                Host.dequantize_accumulate(&q, 0, &mut expected, 0).unwrap();
-            }
-            assert_eq!(sum, &expected, "rank {rank}");
+            assert_eq!(sum, &quantized_once(inter, rank, len), "rank {rank}");
         }
     }
 
@@ -532,18 +553,9 @@ mod tests {
             let grad = gradient(layout.rank, len);
             reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none).unwrap()
         });
-        let chunk = len / 4;
         for (rank, (sum, across)) in got.iter().enumerate() {
             assert_eq!(*across, 0, "rank {rank} sent across nodes");
-            let mut expected = vec![0f32; chunk];
-            for src in 0..4 {
-                let x = gradient(src, len)[rank * chunk..(rank + 1) * chunk].to_vec();
-                let mut q = Host.chunks(intra, chunk, 1).unwrap();
-                Host.quantize_chunk(&x, 0, Rounding::NearestEven, &mut q, 0)
-                    .unwrap();
-                Host.dequantize_accumulate(&q, 0, &mut expected, 0).unwrap();
-            }
-            assert_eq!(sum, &expected, "rank {rank}");
+            assert_eq!(sum, &quantized_once(intra, rank, len), "rank {rank}");
         }
     }
 
