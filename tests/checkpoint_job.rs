@@ -154,6 +154,113 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
     std::fs::remove_dir_all(d).ok();
 }
 
+/// The steps' lines of a metrics file (the header dropped).
+fn steps_of(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|v| v.get("header").is_none())
+        .collect()
+}
+
+#[test]
+fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs() {
+    let d = tmp("islands");
+    let (full, a, b) = (d.join("full.jsonl"), d.join("a.jsonl"), d.join("b.jsonl"));
+    let (sa, sb, sfull) = (d.join("a.json"), d.join("b.json"), d.join("full.json"));
+    let ck = d.join("ck");
+    let islands = ["--islands", "2", "--sync-every", "4", "--steps", "14"];
+    let out = train_ok(
+        &[
+            &islands[..],
+            &["--metrics", s(&full), "--summary-json", s(&sfull)],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.contains("islands: 2 of 2 ranks, each sharding over its own; outer sync every 4 steps"),
+        "{out}"
+    );
+    // Two islands of one node: only the syncs (steps 4, 8, 12) cross
+    // between nodes.
+    let steps = steps_of(&full);
+    for (i, st) in steps.iter().enumerate() {
+        let across = st["bytes_inter_node"].as_f64().unwrap();
+        assert_eq!(across > 0.0, (i + 1) % 4 == 0, "step {}: {st}", i + 1);
+    }
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&sfull).unwrap()).unwrap();
+    let isl = &summary["islands"];
+    // 3 syncs on the way and one at the end (14 is not a multiple of 4).
+    assert_eq!(isl["outer_syncs"], 4, "{summary}");
+    assert_eq!(isl["ranks_per_island"], 2, "{summary}");
+    assert!(isl["outer_bytes"].as_f64() > Some(0.0), "{summary}");
+    // The anchor and momentum of its shard at least, in f32.
+    assert!(
+        summary["kept_bytes"]["outer_state"].as_u64() > Some(0),
+        "{summary}"
+    );
+    // Stopped between syncs (step 6) and resumed: the same losses, the
+    // same final model.
+    train_ok(
+        &[
+            &islands[..],
+            &["--stop-after", "6", "--checkpoint-dir", s(&ck)],
+        ]
+        .concat(),
+    );
+    train_ok(
+        &[
+            &islands[..],
+            &["--metrics", s(&a), "--summary-json", s(&sa)],
+        ]
+        .concat(),
+    );
+    let out = zeropp()
+        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
+        .args(["--summary-json", s(&sb)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let (full, b) = (losses(&full), losses(&b));
+    assert_eq!(b.len(), 8);
+    assert_eq!(
+        full[6..],
+        b[..],
+        "losses differ after resuming with islands"
+    );
+    let val = |p: &Path| {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        v["val_loss"].as_f64().unwrap()
+    };
+    assert_eq!(val(&sfull), val(&sb));
+    assert_eq!(val(&sfull), val(&sa), "the same seed trained another model");
+    // A checkpoint of islands resumed as one job: re-cut from the first
+    // island's weights, and training goes on from them.
+    let one = d.join("one.jsonl");
+    let out = zeropp()
+        .args([
+            "train",
+            "--resume",
+            s(&ck.join("step-00000006")),
+            "--islands",
+            "1",
+        ])
+        .args(["--metrics", s(&one)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let one = losses(&one);
+    assert!(
+        (one[0] - full[6]).abs() < 0.1 * full[6],
+        "{} vs {}",
+        one[0],
+        full[6]
+    );
+    std::fs::remove_dir_all(d).ok();
+}
+
 fn inspect(dir: &Path) -> Output {
     zeropp().args(["ckpt", "inspect", s(dir)]).output().unwrap()
 }

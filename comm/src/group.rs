@@ -28,6 +28,13 @@ pub enum GroupKind {
     /// (a mesh dimension's groups in `zeropp.torch`): one number per set of
     /// ranks in the whole job.
     Agreed(usize),
+    /// The ranks of island `island` (consecutive whole nodes), or with
+    /// `local: Some(l)` those of its ranks with local rank `l`, one per
+    /// node of the island, in node order.
+    Island { island: usize, local: Option<usize> },
+    /// The ranks at place `p` of every island (one per island, in island
+    /// order): the islands' outer sync of the shard they hold.
+    Across(usize),
 }
 
 /// Bits of a group id (the top of a message tag).
@@ -37,6 +44,11 @@ const PAYLOAD_BITS: u32 = ID_BITS - 3;
 /// A run's payload: its first rank above, its size − 1 below.
 const RUN_SIZE_BITS: u32 = 9;
 const RUN_FIRST_BITS: u32 = PAYLOAD_BITS - RUN_SIZE_BITS;
+
+/// An island's payload: the island above, its local rank + 1 below (0:
+/// the whole island).
+const ISLAND_LOCAL_BITS: u32 = 12;
+const ISLAND_BITS: u32 = PAYLOAD_BITS - ISLAND_LOCAL_BITS;
 
 /// The largest run a group id holds (`2^9` ranks) and the first rank it can
 /// start at (below `2^12`).
@@ -75,6 +87,19 @@ impl GroupKind {
             }
             GroupKind::Numbered(n) => (4, fits("group number", n)?),
             GroupKind::Agreed(n) => (5, fits("agreed group number", n)?),
+            GroupKind::Island { island, local } => {
+                let local = local.map_or(0, |l| l + 1);
+                if island >= 1 << ISLAND_BITS || local >= 1 << ISLAND_LOCAL_BITS {
+                    return Err(CommError::Group(format!(
+                        "island {island} with local rank {local}: zeropp's group ids hold \
+                         islands below {} of nodes below {} ranks",
+                        1usize << ISLAND_BITS,
+                        (1usize << ISLAND_LOCAL_BITS) - 1
+                    )));
+                }
+                (6, ((island as u32) << ISLAND_LOCAL_BITS) | local as u32)
+            }
+            GroupKind::Across(p) => (7, fits("place in an island", p)?),
         };
         Ok((kind << PAYLOAD_BITS) | payload)
     }
@@ -174,6 +199,17 @@ mod tests {
         }
         all.extend((0..8).map(GroupKind::Numbered));
         all.extend((0..8).map(GroupKind::Agreed));
+        for island in 0..nodes {
+            all.push(GroupKind::Island {
+                island,
+                local: None,
+            });
+            all.extend((0..g).map(|l| GroupKind::Island {
+                island,
+                local: Some(l),
+            }));
+        }
+        all.extend((0..nodes * g).map(GroupKind::Across));
         all
     }
 

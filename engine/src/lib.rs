@@ -24,13 +24,15 @@ use model::tensors_from_owned;
 pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
-use zeropp_comm::{Communicator, Transport};
+use zeropp_comm::{Communicator, Group, Transport};
+use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::{Host, HostMover};
+use zeropp_zero::outer::{self, OuterSettings, OuterState};
 use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
+use zeropp_zero::{Hop, ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -41,6 +43,25 @@ pub struct EngineConfig {
     pub switches: Switches,
     pub optim: OptimConfig,
     pub seed: u64,
+    /// Islands: the job cut into islands that each shard the model over
+    /// their own ranks, synced by an outer step every few steps. `None`:
+    /// one island, the whole job.
+    pub islands: Option<IslandConfig>,
+}
+
+/// Islands (DiLoCo over shards, `zero::outer`): `count` islands of
+/// consecutive whole nodes, each training as a job of its own ranks;
+/// every `sync_every` steps each rank's outer delta is averaged with the
+/// ranks holding the same shard on the other islands and the outer
+/// optimizer moves the anchor every island continues from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IslandConfig {
+    pub count: usize,
+    pub sync_every: usize,
+    pub outer: OuterSettings,
+    /// How the outer deltas travel: quantized with error feedback, or
+    /// f32 (`None`).
+    pub quantized: Option<QuantizedAllReduce>,
 }
 
 /// Gradients of units whose reduce-scatter may be under way at once while
@@ -135,6 +156,8 @@ pub struct UnitShard {
     /// qwZ on weight differences: this rank's part of its reference (none
     /// before the first gather, without `qwz_delta`, or re-cut).
     pub reference: Option<delta::SavedReference>,
+    /// Islands: the shard's outer state (none without islands).
+    pub outer: Option<OuterState>,
 }
 
 /// Bytes one rank keeps between steps for ZeRO++ (`Engine::kept_bytes`).
@@ -145,6 +168,10 @@ pub struct KeptBytes {
     pub qwz_references: u64,
     /// qgZ's error feedback (compressed).
     pub qgz_residuals: u64,
+    /// Islands: the outer state (anchor, outer momentum, the exchange's
+    /// error feedback) of this rank's shard.
+    #[serde(default)]
+    pub outer_state: u64,
 }
 
 /// What one step did.
@@ -165,14 +192,34 @@ pub struct StepStats {
     pub waited_s: f64,
 }
 
+/// This rank's part in the islands' outer sync.
+struct IslandRun {
+    cfg: IslandConfig,
+    /// This rank's island.
+    island: usize,
+    /// The ranks at this rank's place in every island, as every hop of a
+    /// mover (the outer step runs over `Hop::World`).
+    across: ZeroGroups,
+    /// Each unit's outer state.
+    states: Vec<OuterState>,
+    /// Outer steps taken since the engine was built.
+    syncs: usize,
+}
+
 /// One rank's engine.
 pub struct Engine {
     cfg: EngineConfig,
+    /// How this rank's island is cut (the whole job without islands).
     plan: Plan,
     units: Vec<ShardedUnit>,
     counter: Arc<CountingTransport>,
     thread: CommThread,
+    /// The groups of this rank's island.
     groups: ZeroGroups,
+    /// The whole job: its layout and its world group (metrics, checkpoints).
+    job: Layout,
+    job_world: Arc<Group>,
+    islands: Option<IslandRun>,
     device: Device,
     /// Optimizer steps taken.
     step: usize,
@@ -213,10 +260,21 @@ impl Engine {
                 ranks_per_node: layout.ranks_per_node,
             });
         }
+        let job = layout;
+        let count = cfg.islands.map_or(1, |i| i.count);
+        let (_, layout) = job.island(count).map_err(EngineError::Switches)?;
         let plan = Plan::new(layout, &cfg.switches).map_err(EngineError::Switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm);
-        let groups = ZeroGroups::new(&layout, plan.hpz_group)?;
+        let (_, groups, across) = ZeroGroups::island(&job, count, plan.hpz_group)?;
+        let job_world = if count == 1 {
+            groups.world.clone()
+        } else {
+            Arc::new(Group::new(
+                zeropp_comm::GroupKind::World,
+                (0..job.world()).collect(),
+            )?)
+        };
         let first_hop_feedback = match plan.grads {
             GradWire::TwoHop {
                 intra,
@@ -263,7 +321,29 @@ impl Engine {
                     reference: Arc::new(Mutex::new(None)),
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
+        let islands = match cfg.islands {
+            Some(c) if c.count > 1 => {
+                if c.sync_every == 0 {
+                    return Err(EngineError::Switches(
+                        "islands that sync every 0 steps: sync_every must be at least 1".into(),
+                    ));
+                }
+                Some(IslandRun {
+                    cfg: c,
+                    island: job.rank / layout.world(),
+                    across: ZeroGroups {
+                        world: across.clone(),
+                        node: across.clone(),
+                        cross: across.clone(),
+                        hpz: across,
+                    },
+                    states: units.iter().map(|u| OuterState::new(&u.master)).collect(),
+                    syncs: 0,
+                })
+            }
+            _ => None,
+        };
         Ok(Engine {
             cfg,
             plan,
@@ -271,6 +351,9 @@ impl Engine {
             counter,
             thread,
             groups,
+            job,
+            job_world,
+            islands,
             device: Device::Cpu,
             step: 0,
             #[cfg(test)]
@@ -278,8 +361,78 @@ impl Engine {
         })
     }
 
+    /// How this rank's island is cut and wired (the whole job without
+    /// islands).
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+
+    /// The whole job's layout (this rank's global place).
+    pub fn job_layout(&self) -> Layout {
+        self.job
+    }
+
+    /// The islands' settings and this rank's island, when the job has
+    /// more than one.
+    pub fn islands(&self) -> Option<(IslandConfig, usize)> {
+        self.islands.as_ref().map(|r| (r.cfg, r.island))
+    }
+
+    /// Outer steps taken since the engine was built.
+    pub fn outer_syncs(&self) -> usize {
+        self.islands.as_ref().map_or(0, |r| r.syncs)
+    }
+
+    /// Whether the islands sync after `steps` optimizer steps (every
+    /// `sync_every`).
+    pub fn outer_due(&self, steps: usize) -> bool {
+        self.islands
+            .as_ref()
+            .is_some_and(|r| steps > 0 && steps.is_multiple_of(r.cfg.sync_every))
+    }
+
+    /// The islands' outer step (a collective of the whole job; nothing
+    /// without islands): every unit's shard is averaged with the same
+    /// shard on the other islands as outer deltas from the anchor, the
+    /// outer optimizer moves the anchor, and this island continues from
+    /// it (its AdamW state kept, its qwZ references refreshed at the next
+    /// gather since the weights jumped). Counted as `Outer` traffic.
+    pub fn outer_sync(&mut self) -> Result<()> {
+        let Some(run) = self.islands.as_mut() else {
+            return Ok(());
+        };
+        let (settings, quantized) = (run.cfg.outer, run.cfg.quantized);
+        let states = std::mem::take(&mut run.states);
+        let pending: Vec<_> = self
+            .units
+            .iter_mut()
+            .zip(states)
+            .map(|(su, mut state)| {
+                let mut w = std::mem::take(&mut su.master);
+                let (counter, groups) = (self.counter.clone(), run.across.clone());
+                self.thread.submit(move |c: &Communicator| {
+                    let mover = HostMover {
+                        comm: c,
+                        counter: &counter,
+                        groups,
+                    };
+                    outer::outer_step(&mover, Hop::World, settings, quantized, &mut state, &mut w)?;
+                    Ok((w, state))
+                })
+            })
+            .collect();
+        for (u, p) in pending.into_iter().enumerate() {
+            let (w, state) = p.wait().map_err(|source| EngineError::Unit {
+                what: "the islands' outer step",
+                unit: self.units[u].name.clone(),
+                source,
+            })?;
+            self.units[u].master = w;
+            run.states.push(state);
+        }
+        run.syncs += 1;
+        self.restart_references();
+        Ok(())
     }
 
     /// The switches this engine runs with (resolved: hpZ group and qgZ bits
@@ -309,6 +462,9 @@ impl Engine {
             if let Ok(r) = su.residual_inter.lock() {
                 k.qgz_residuals += r.bytes() as u64;
             }
+        }
+        if let Some(run) = &self.islands {
+            k.outer_state = run.states.iter().map(|s| s.bytes() as u64).sum();
         }
         k
     }
@@ -531,7 +687,7 @@ impl Engine {
     /// Every rank's `mine`, in rank order (small messages: checkpoint
     /// bookkeeping). Counted as `Other` traffic.
     pub fn all_gather_bytes(&self, mine: Bytes) -> Result<Vec<Bytes>> {
-        let world = self.groups.world.clone();
+        let world = self.job_world.clone();
         let counter = self.counter.clone();
         Ok(self
             .thread
@@ -547,7 +703,8 @@ impl Engine {
         self.units
             .iter()
             .zip(self.unit_layouts())
-            .map(|(su, layout)| {
+            .enumerate()
+            .map(|(u, (su, layout))| {
                 let residual_inter = su
                     .residual_inter
                     .lock()
@@ -567,6 +724,7 @@ impl Engine {
                     residual: su.residual.clone(),
                     residual_inter,
                     reference,
+                    outer: self.islands.as_ref().map(|r| r.states[u].clone()),
                 })
             })
             .collect()
@@ -581,6 +739,7 @@ impl Engine {
     /// the references restart with a refresh.
     pub fn load_shard_state(&mut self, mut shards: Vec<UnitShard>, step: usize) -> Result<()> {
         let saved: Vec<_> = shards.iter_mut().map(|s| s.reference.take()).collect();
+        let outers: Vec<_> = shards.iter_mut().map(|s| s.outer.take()).collect();
         if shards.len() != self.units.len() {
             return Err(EngineError::Checkpoint(format!(
                 "the checkpoint has {} units, this model {}",
@@ -618,6 +777,19 @@ impl Engine {
             } else {
                 su.reset_residuals();
             }
+        }
+        if let Some(run) = self.islands.as_mut() {
+            // The saved outer state where it is this shard's; a checkpoint
+            // without one starts the islands from the weights it holds.
+            run.states = self
+                .units
+                .iter()
+                .zip(outers)
+                .map(|(su, o)| match o {
+                    Some(o) if o.anchor.len() == su.chunk && o.momentum.len() == su.chunk => o,
+                    _ => OuterState::new(&su.master),
+                })
+                .collect();
         }
         self.restart_references();
         if matches!(self.plan.weights, WeightWire::Delta(_)) {
@@ -717,9 +889,20 @@ impl Engine {
             .collect()
     }
 
-    /// Element-wise sum of `values` over all ranks (small vectors: metrics).
+    /// Element-wise sum of `values` over all ranks of the job (small
+    /// vectors: metrics).
     pub fn sum_over_ranks(&self, values: &[f32]) -> Result<Vec<f32>> {
-        let world = self.groups.world.clone();
+        self.sum_over(self.job_world.clone(), values)
+    }
+
+    /// Element-wise sum of `values` over the ranks of this rank's island
+    /// (the job's without islands): per-step metrics that must not wait
+    /// on the other islands.
+    pub fn sum_over_island(&self, values: &[f32]) -> Result<Vec<f32>> {
+        self.sum_over(self.groups.world.clone(), values)
+    }
+
+    fn sum_over(&self, world: Arc<Group>, values: &[f32]) -> Result<Vec<f32>> {
         let counter = self.counter.clone();
         let v = values.to_vec();
         Ok(self

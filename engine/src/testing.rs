@@ -59,6 +59,7 @@ pub fn run_model(
                         ..OptimConfig::default()
                     },
                     seed: 3,
+                    islands: None,
                 };
                 let layout = Layout {
                     nodes,

@@ -63,6 +63,7 @@ fn a_layout_that_does_not_match_the_transport_is_an_error() {
         switches: Switches::zero3(32),
         optim: OptimConfig::default(),
         seed: 0,
+        islands: None,
     };
     let layout = Layout {
         nodes: 2,
@@ -105,6 +106,7 @@ fn run_with_nan(skip: bool) -> Vec<(Vec<Result<StepStats, String>>, Vec<f32>, Ve
                         ..OptimConfig::default()
                     },
                     seed: 3,
+                    islands: None,
                 };
                 let layout = Layout {
                     nodes: 2,
@@ -340,6 +342,7 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
                         switches,
                         optim: OptimConfig::default(),
                         seed: 3,
+                        islands: None,
                     };
                     let layout = Layout {
                         nodes: 2,
@@ -357,6 +360,113 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
             assert_eq!((engine.len(), fsdp.len()), (4, 4));
             for (call, (a, b)) in engine.iter().zip(&fsdp).enumerate() {
                 assert!(a == b, "{plan:?}: rank {rank}, call {call} differs");
+            }
+        }
+    }
+}
+
+/// Every rank's master shard of every unit after `steps` steps of a job of
+/// `nodes` x `g` ranks cut into `islands` islands syncing every
+/// `sync_every` steps with f32 outer deltas (`islands: None`: a job of its
+/// own). Rank r of a job that starts at global rank `first` of `total`
+/// trains on global rank `first + r`'s rows.
+fn islands_run(
+    nodes: usize,
+    g: usize,
+    islands: Option<(usize, usize)>,
+    switches: &Switches,
+    steps: usize,
+    first: usize,
+    total: usize,
+) -> Vec<Vec<Vec<f32>>> {
+    let rows = 2;
+    let handles: Vec<_> = InProcess::world(nodes * g)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            let switches = switches.clone();
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    model: Arc::new(mlp()),
+                    switches,
+                    optim: OptimConfig {
+                        warmup_steps: 1,
+                        ..OptimConfig::default()
+                    },
+                    seed: 3,
+                    islands: islands.map(|(count, sync_every)| IslandConfig {
+                        count,
+                        sync_every,
+                        outer: OuterSettings::default(),
+                        quantized: None,
+                    }),
+                };
+                let layout = Layout {
+                    nodes,
+                    ranks_per_node: g,
+                    rank,
+                };
+                let mut e = Engine::new(Box::new(t), layout, cfg, Duration::from_secs(30)).unwrap();
+                let global = first + rank;
+                for s in 0..steps {
+                    let (x, y) = batch(s as u64, total * rows, 16);
+                    let (x, y) = (
+                        x.narrow(0, global * rows, rows).unwrap(),
+                        y.narrow(0, global * rows, rows).unwrap(),
+                    );
+                    e.train_step(&x, &y, 3e-3).unwrap();
+                    if e.outer_due(s + 1) {
+                        e.outer_sync().unwrap();
+                    }
+                }
+                let kept = e.kept_bytes().outer_state;
+                let chunk: usize = e.unit_layouts().iter().map(|u| u.chunk).sum();
+                assert_eq!(kept > 0, islands.is_some_and(|(c, _)| c > 1));
+                assert!(kept as usize >= 8 * chunk || islands.is_none());
+                e.shard_state()
+                    .unwrap()
+                    .into_iter()
+                    .map(|u| u.master)
+                    .collect()
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+#[test]
+fn islands_train_as_jobs_of_their_own_ranks_and_the_outer_step_is_diloco_s() {
+    // 2 islands of one node x 2 ranks (zero3 inside), and of 2 nodes x 1
+    // rank (ZeRO++ inside: qwZ, qgZ across the island's nodes, hpZ).
+    for (nodes, g, switches) in [(2, 2, Switches::zero3(32)), (4, 1, Switches::zeropp(32))] {
+        let (world, per) = (nodes * g, nodes * g / 2);
+        // Before any sync: each island is bit for bit a job of its own.
+        let before = islands_run(nodes, g, Some((2, 3)), &switches, 2, 0, world);
+        let alone: Vec<_> = (0..2)
+            .flat_map(|i| islands_run(nodes / 2, g, None, &switches, 2, i * per, world))
+            .collect();
+        assert_eq!(before, alone, "{nodes} x {g}: an island is not its own job");
+        // After the sync at step 3: DiLoCo's Nesterov step on the mean of
+        // the two islands' deltas from the initial weights, the same on
+        // both islands.
+        let after = islands_run(nodes, g, Some((2, 3)), &switches, 3, 0, world);
+        let inner: Vec<_> = (0..2)
+            .flat_map(|i| islands_run(nodes / 2, g, None, &switches, 3, i * per, world))
+            .collect();
+        let init = islands_run(nodes / 2, g, None, &switches, 0, 0, world);
+        let s = OuterSettings::default();
+        for p in 0..per {
+            for u in 0..init[p].len() {
+                let expected: Vec<f32> = (0..init[p][u].len())
+                    .map(|j| {
+                        let a = init[p][u][j];
+                        let g = ((a - inner[p][u][j]) + (a - inner[per + p][u][j])) / 2.0;
+                        let buf = g;
+                        a - s.lr * (g + s.momentum * buf)
+                    })
+                    .collect();
+                assert_eq!(after[p][u], expected, "{nodes} x {g}: place {p} unit {u}");
+                assert_eq!(after[per + p][u], expected, "{nodes} x {g}: island 1");
             }
         }
     }

@@ -9,7 +9,7 @@ use anyhow::{Result, bail};
 
 use crate::engine::optim::OptimArgs;
 use crate::train::config::{
-    CheckpointArgs, LaunchArgs, OutputArgs, RunArgs, SwitchArgs, TrainConfig,
+    CheckpointArgs, IslandsArgs, LaunchArgs, OutputArgs, RunArgs, SwitchArgs, TrainConfig,
 };
 use crate::train::model::ModelArgs;
 use crate::train::{local, trainer};
@@ -33,6 +33,8 @@ pub struct TrainArgs {
     pub checkpoint: CheckpointArgs,
     #[command(flatten, next_help_heading = "Launch")]
     pub launch: LaunchArgs,
+    #[command(flatten, next_help_heading = "Islands")]
+    pub islands: IslandsArgs,
     /// Run zero3, then zeropp, with the same seed and data on this machine
     /// and print them side by side (switch overrides apply to zeropp).
     #[arg(long, help_heading = "Comparison")]
@@ -71,6 +73,7 @@ impl TrainArgs {
         self.output.apply(&mut c.output);
         self.checkpoint.apply(&mut c.checkpoint);
         self.launch.apply(&mut c.launch);
+        self.islands.apply(&mut c.islands);
         self.model.apply(&mut c.model);
         self.optim.apply(&mut c.optim);
         c.validate()?;

@@ -2,8 +2,8 @@
 //!
 //! A checkpoint is a directory `step-NNNNNNNN/` under the checkpoint root:
 //! one zstd-compressed shard per rank (`rank-NNNNN.zst`: its fp32 master
-//! weights, AdamW moments, error-feedback residuals and its part of the qwZ
-//! references for every unit) and a
+//! weights, AdamW moments, error-feedback residuals, its part of the qwZ
+//! references and, with islands, its outer state for every unit) and a
 //! `manifest.json` written by rank 0 (the run's config, world layout, step,
 //! data position, RNG seeding, unit sizes, and each shard's size and CRC-32).
 //! Everything is written under `.tmp-step-NNNNNNNN/`, synced, and renamed
@@ -23,15 +23,17 @@ use crate::engine::{Engine, UnitLayout, UnitShard};
 use crate::train::config::TrainConfig;
 use crate::train::model::Unit;
 use crate::zero::delta::SavedReference;
+use crate::zero::outer::OuterState;
 use crate::zero::residual::Residual;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";
-/// Version 3 adds each rank's part of its qwZ references (`zero::delta`);
-/// version 2 stores error-feedback residuals compressed (`zero::residual`);
-/// version 1 stored them as f32. All three are read.
-pub const VERSION: u32 = 3;
-const READS: [u32; 3] = [1, 2, 3];
+/// Version 4 adds the islands' outer state (`zero::outer`); version 3
+/// each rank's part of its qwZ references (`zero::delta`); version 2
+/// stores error-feedback residuals compressed (`zero::residual`); version
+/// 1 stored them as f32. All four are read.
+pub const VERSION: u32 = 4;
+const READS: [u32; 4] = [1, 2, 3, 4];
 const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -48,6 +50,36 @@ pub struct ShardInfo {
     /// before version 3.
     #[serde(default)]
     pub reference_lens: Vec<usize>,
+    /// Islands (version 4): the shape of each unit's outer state; `None`
+    /// without islands.
+    #[serde(default)]
+    pub outer: Option<Vec<OuterLens>>,
+}
+
+/// The shape of one unit's outer state in a shard: anchor and momentum of
+/// `values` each, and the exchange's two error-feedback residuals as
+/// (chunk, count).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OuterLens {
+    pub values: usize,
+    pub sent: (usize, usize),
+    pub owned: (usize, usize),
+}
+
+impl OuterLens {
+    fn of(o: &OuterState) -> OuterLens {
+        OuterLens {
+            values: o.anchor.len(),
+            sent: o.sent.shape(),
+            owned: o.owned.shape(),
+        }
+    }
+
+    /// Bytes the state takes in a shard.
+    fn stored(&self) -> usize {
+        let res = |(c, n): (usize, usize)| 8 + Residual::stored_bytes(c, n);
+        16 + 8 * self.values + res(self.sent) + res(self.owned)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -116,6 +148,14 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
         };
         out.extend_from_slice(&forwards.to_le_bytes());
         put_f32s(&mut out, own);
+        if let Some(o) = &u.outer {
+            put_f32s(&mut out, &o.anchor);
+            put_f32s(&mut out, &o.momentum);
+            for r in [&o.sent, &o.owned] {
+                out.extend_from_slice(&(r.len() as u64).to_le_bytes());
+                out.extend_from_slice(&r.to_bytes());
+            }
+        }
     }
     out
 }
@@ -189,6 +229,12 @@ impl ShardReader<'_> {
             return Residual::from_f32(chunk, count, &v)
                 .map_err(|e| anyhow!("{file}: {what}: {e}"));
         }
+        self.stored_residual((chunk, count), what)
+    }
+
+    /// A compressed residual of `count` chunks of `chunk` values.
+    fn stored_residual(&mut self, (chunk, count): (usize, usize), what: &str) -> Result<Residual> {
+        let (file, len) = (self.file, chunk * count);
         let n = self.u64()?;
         if n != len as u64 {
             bail!("{file}: {what} holds {n} values, the manifest says {len}");
@@ -196,6 +242,23 @@ impl ShardReader<'_> {
         let bytes = self.take(Residual::stored_bytes(chunk, count))?;
         Residual::from_bytes(chunk, count, bytes)
             .ok_or_else(|| anyhow!("{file}: {what} has a non-finite or negative scale (corrupt)"))
+    }
+
+    /// A unit's outer state of the shape the manifest gives.
+    fn outer(&mut self, l: &OuterLens, chunk: usize) -> Result<OuterState> {
+        if l.values != chunk {
+            bail!(
+                "{}: an outer state of {} values, not the unit's chunk of {chunk}",
+                self.file,
+                l.values
+            );
+        }
+        Ok(OuterState {
+            anchor: self.f32s(l.values, "outer anchor")?,
+            momentum: self.f32s(l.values, "outer momentum")?,
+            sent: self.stored_residual(l.sent, "outer error feedback")?,
+            owned: self.stored_residual(l.owned, "outer error feedback")?,
+        })
     }
 }
 
@@ -222,9 +285,14 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
     if n as usize != m.units.len() || info.residual_lens.len() != m.units.len() {
         bail!("{file}: {n} units, the manifest lists {}", m.units.len());
     }
+    let outers = outer_lens(m, info, file)?;
     let mut out = Vec::with_capacity(m.units.len());
-    for ((u, &(res, res_inter)), &reference) in
-        m.units.iter().zip(&info.residual_lens).zip(&references)
+    for (((u, &(res, res_inter)), &reference), outer) in m
+        .units
+        .iter()
+        .zip(&info.residual_lens)
+        .zip(&references)
+        .zip(&outers)
     {
         let len = r.u32()? as usize;
         let name = String::from_utf8_lossy(r.take(len)?).into_owned();
@@ -256,6 +324,10 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
                 })
             } else {
                 None
+            },
+            outer: match outer {
+                Some(l) => Some(r.outer(l, u.chunk)?),
+                None => None,
             },
         });
     }
@@ -293,6 +365,24 @@ fn reference_lens(m: &Manifest, info: &ShardInfo, file: &str) -> Result<Vec<usiz
     Ok(info.reference_lens.clone())
 }
 
+/// Each unit's outer state shape as the manifest lists it (`None`s
+/// without islands or before version 4).
+fn outer_lens(m: &Manifest, info: &ShardInfo, file: &str) -> Result<Vec<Option<OuterLens>>> {
+    match &info.outer {
+        Some(lens) if m.version >= 4 => {
+            if lens.len() != m.units.len() {
+                bail!(
+                    "{file}: the manifest lists outer state for {} units, not {}",
+                    lens.len(),
+                    m.units.len()
+                );
+            }
+            Ok(lens.iter().copied().map(Some).collect())
+        }
+        _ => Ok(vec![None; m.units.len()]),
+    }
+}
+
 /// Decompressed size a shard must have: the bound for decompression.
 fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
     let mut n = 8 + 16;
@@ -308,6 +398,9 @@ fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
         if m.version >= 3 {
             n += 16 + 4 * references.get(i).copied().unwrap_or(0);
         }
+    }
+    for l in outer_lens(m, info, "").unwrap_or_default().iter().flatten() {
+        n += l.stored();
     }
     n
 }
@@ -346,7 +439,7 @@ pub fn save(
     rank: usize,
     keep: usize,
 ) -> Result<PathBuf> {
-    let world = engine.plan().layout.world();
+    let world = engine.job_layout().world();
     let name = step_dir_name(step);
     let tmp = root.join(format!(".tmp-{name}"));
     let dest = root.join(&name);
@@ -394,6 +487,10 @@ pub fn save(
                 .iter()
                 .map(|u| u.reference.as_ref().map_or(0, |r| r.own.len()))
                 .collect(),
+            outer: units
+                .iter()
+                .map(|u| u.outer.as_ref().map(OuterLens::of))
+                .collect(),
         })
     })();
     let report = match mine {
@@ -419,7 +516,7 @@ pub fn save(
         let _ = std::fs::remove_dir_all(&tmp);
         Err(failures.join("; "))
     } else {
-        let layout = engine.plan().layout;
+        let layout = engine.job_layout();
         let manifest = Manifest {
             format: FORMAT.into(),
             version: VERSION,
@@ -623,6 +720,26 @@ fn read_all_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
     (0..m.world_size).map(|r| read_shard(dir, m, r)).collect()
 }
 
+/// Islands the checkpointed job was cut into (1: none).
+pub fn islands_of(m: &Manifest) -> usize {
+    m.config.islands.islands.max(1)
+}
+
+/// The shards of the checkpoint's first island: the whole model once
+/// (every island holds all of it; after an outer sync the same weights).
+fn read_island_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
+    let islands = islands_of(m);
+    if !m.world_size.is_multiple_of(islands) {
+        bail!(
+            "the manifest says {} ranks in {islands} islands: it is corrupt or edited",
+            m.world_size
+        );
+    }
+    (0..m.world_size / islands)
+        .map(|r| read_shard(dir, m, r))
+        .collect()
+}
+
 /// Unit `u`'s full (unpadded) buffer of one kind of state, from every
 /// rank's shard.
 fn assemble(all: &[Vec<UnitShard>], u: usize, pick: fn(&UnitShard) -> &Vec<f32>) -> Vec<f32> {
@@ -665,7 +782,7 @@ pub fn unit_weights(dir: &Path, m: &Manifest) -> Result<Vec<(Unit, Vec<f32>)>> {
 }
 
 pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitLayout, Vec<f32>)>> {
-    let all = read_all_shards(dir, m)?;
+    let all = read_island_shards(dir, m)?;
     Ok(m.units
         .iter()
         .enumerate()
@@ -673,15 +790,20 @@ pub fn full_weights(dir: &Path, m: &Manifest) -> Result<Vec<(UnitLayout, Vec<f32
         .collect())
 }
 
-/// This rank's state from a checkpoint, re-cut when the world differs:
-/// each unit's full buffers are assembled from every shard and cut for
-/// `layouts` (this engine's units) at `rank`. Error-feedback residuals are
-/// per-rank and cannot be re-cut: they restart from zero then.
+/// This rank's state from a checkpoint: its own shard when the job is cut
+/// as it was (`layouts`: this engine's units, `job`: the job's layout,
+/// `islands`, `place`: this rank's place in its island), else re-cut:
+/// each unit's full buffers are assembled from the first island's shards
+/// and cut for `layouts` at `place`. Error-feedback residuals and outer
+/// state are per-rank and cannot be re-cut: they restart then (the outer
+/// anchor from the weights loaded).
 pub fn state_for(
     dir: &Path,
     m: &Manifest,
     layouts: &[UnitLayout],
-    rank: usize,
+    job: crate::zero::plan::Layout,
+    islands: usize,
+    place: usize,
 ) -> Result<Vec<UnitShard>> {
     let same_model = layouts.len() == m.units.len()
         && layouts
@@ -696,11 +818,12 @@ pub fn state_for(
              (resume with the checkpoint's model shape)"
         );
     }
-    if layouts == m.units.as_slice() {
-        // Same padding and chunks: the same world size, this rank's shard.
-        return read_shard(dir, m, rank);
+    if layouts == m.units.as_slice() && m.world_size == job.world() && islands_of(m) == islands {
+        // Same padding and chunks on the same islands: this rank's shard.
+        return read_shard(dir, m, job.rank);
     }
-    let all = read_all_shards(dir, m)?;
+    let all = read_island_shards(dir, m)?;
+    let rank = place;
     Ok(layouts
         .iter()
         .enumerate()
@@ -718,6 +841,7 @@ pub fn state_for(
                 residual: Residual::none(),
                 residual_inter: Residual::none(),
                 reference: None,
+                outer: None,
             }
         })
         .collect())
@@ -838,6 +962,7 @@ mod tests {
                     } else {
                         vec![]
                     },
+                    outer: None,
                 })
                 .collect(),
             switches: None,
@@ -870,6 +995,7 @@ mod tests {
                 own: values[..64].to_vec(),
                 forwards_since_refresh: 7,
             }),
+            outer: None,
         };
         let m = manifest(VERSION, &layout, (256, 128), 64);
         let raw = encode_shard(1, 4, std::slice::from_ref(&shard));
@@ -914,5 +1040,46 @@ mod tests {
         // A shard whose version is not its manifest's is refused, named.
         let e = decode_shard(&v1, "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
         assert!(format!("{e}").contains("rank-00001.zst"), "{e}");
+    }
+
+    /// With islands (version 4) each unit's outer state (anchor, momentum,
+    /// the exchange's error feedback) round-trips bit for bit; a shard
+    /// cut short inside it is refused, named.
+    #[test]
+    fn the_islands_outer_state_round_trips() {
+        let layout = UnitLayout {
+            name: "blocks.0".into(),
+            numel: 128,
+            padded: 128,
+            chunk: 64,
+        };
+        let values: Vec<f32> = (0..64).map(|i| (i as f32 * 0.37).sin()).collect();
+        let outer = OuterState {
+            anchor: values.clone(),
+            momentum: values.iter().map(|v| v * 0.5).collect(),
+            sent: Residual::from_f32(32, 2, &values).unwrap(),
+            owned: Residual::from_f32(32, 1, &values[..32]).unwrap(),
+        };
+        let shard = UnitShard {
+            layout: layout.clone(),
+            master: vec![1.0; 64],
+            m: vec![2.0; 64],
+            v: vec![3.0; 64],
+            residual: Residual::none(),
+            residual_inter: Residual::none(),
+            reference: None,
+            outer: Some(outer.clone()),
+        };
+        let mut m = manifest(VERSION, &layout, (0, 0), 0);
+        for info in &mut m.shards {
+            info.outer = Some(vec![OuterLens::of(&outer)]);
+        }
+        let raw = encode_shard(1, 4, std::slice::from_ref(&shard));
+        assert_eq!(raw.len(), shard_size(&m, &m.shards[1]));
+        let back = decode_shard(&raw, "rank-00001.zst", &m, &m.shards[1]).unwrap();
+        assert_eq!(back, vec![shard]);
+        let e =
+            decode_shard(&raw[..raw.len() - 3], "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
+        assert!(format!("{e}").contains("truncated"), "{e}");
     }
 }

@@ -144,6 +144,26 @@ section! {
     }
 }
 
+section! {
+    /// Islands: the job cut into islands of whole nodes, each training as a
+    /// ZeRO++ job of its own ranks, synced every few steps by an outer step
+    /// across them (DiLoCo's, over shards) for links too slow for any
+    /// synchronous step.
+    IslandsConfig / IslandsArgs {
+        /// Islands (a divisor of the nodes; 1: one synchronous job).
+        islands: usize = 1,
+        /// Inner steps between the islands' outer syncs (H).
+        sync_every: usize = 20,
+        /// The outer optimizer's learning rate (Nesterov SGD).
+        outer_lr: f32 = 0.7,
+        /// The outer optimizer's momentum.
+        outer_momentum: f32 = 0.9,
+        /// How the outer deltas travel: 4 (int4 blocks of 64, rotated, with
+        /// error feedback) or 32 (f32).
+        outer_bits: u32 = 4,
+    }
+}
+
 /// Every setting of a training run; defaults live in the sections' own
 /// declarations and only there.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -158,6 +178,8 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     #[serde(flatten)]
     pub launch: LaunchConfig,
+    #[serde(flatten)]
+    pub islands: IslandsConfig,
     #[serde(default)]
     pub model: ModelConfig,
     #[serde(default)]
@@ -174,6 +196,7 @@ impl TrainConfig {
             OutputConfig::KEYS,
             CheckpointConfig::KEYS,
             LaunchConfig::KEYS,
+            IslandsConfig::KEYS,
             &["model", "optim"],
         ]
         .concat()
@@ -244,7 +267,51 @@ impl TrainConfig {
         if self.launch.nodes == 0 || self.launch.ranks_per_node == 0 {
             bail!("nodes and ranks_per_node must be at least 1");
         }
+        self.island_config()?;
         Ok(())
+    }
+
+    /// The islands as the engine takes them: `None` for one island;
+    /// settings that cannot run are an error that says what to set.
+    pub fn island_config(&self) -> Result<Option<crate::engine::IslandConfig>> {
+        let c = &self.islands;
+        if c.islands == 0 {
+            bail!("islands = 0: a job is at least one island (1: no islands)");
+        }
+        if c.islands == 1 {
+            return Ok(None);
+        }
+        if c.sync_every == 0 {
+            bail!("sync_every = 0: the islands sync every H >= 1 inner steps (try 20)");
+        }
+        if !(c.outer_lr > 0.0 && c.outer_lr.is_finite() && (0.0..1.0).contains(&c.outer_momentum)) {
+            bail!(
+                "outer_lr = {}, outer_momentum = {}: the outer learning rate must be positive \
+                 and the momentum in [0, 1) (DiLoCo's: 0.7 and 0.9)",
+                c.outer_lr,
+                c.outer_momentum
+            );
+        }
+        let quantized = match c.outer_bits {
+            4 => Some(crate::zero::allreduce::QuantizedAllReduce {
+                format: zeropp_quant::QuantFormat::int4(64)
+                    .map_err(|e| anyhow::anyhow!("the outer format: {e}"))?,
+                rounding: zeropp_quant::Rounding::NearestEven,
+                hadamard: true,
+            }),
+            32 => None,
+            b => bail!("outer_bits = {b}: the outer deltas travel as int4 (4) or f32 (32)"),
+        };
+        Ok(Some(crate::engine::IslandConfig {
+            count: c.islands,
+            sync_every: c.sync_every,
+            outer: crate::zero::outer::OuterSettings {
+                lr: c.outer_lr,
+                momentum: c.outer_momentum,
+                nesterov: true,
+            },
+            quantized,
+        }))
     }
 }
 

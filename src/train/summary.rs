@@ -48,6 +48,10 @@ pub struct Summary {
     pub val_loss: f32,
     pub tokens_per_s: f64,
     pub median_step_time_s: f64,
+    /// Wall time per step over the run's steps (total / steps): with
+    /// islands, the outer syncs included.
+    #[serde(default)]
+    pub mean_step_time_s: f64,
     /// Rank 0's own work per step (compute, and the quantization on its
     /// compute thread): the step less its waits on communication, median.
     /// What `zeropp plan --measured` takes as the compute.
@@ -76,12 +80,34 @@ pub struct Summary {
     /// references, qgZ residuals), in bytes.
     #[serde(default)]
     pub kept_bytes: crate::engine::KeptBytes,
+    /// Islands: how the job was cut and synced; `null` for one island.
+    #[serde(default)]
+    pub islands: Option<IslandsSummary>,
+}
+
+/// What the islands did (`--islands`).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct IslandsSummary {
+    /// Islands, and ranks in each.
+    pub count: usize,
+    pub ranks_per_island: usize,
+    /// Inner steps between outer syncs, and the syncs this run took (one
+    /// more at the end when the steps are not a multiple).
+    pub sync_every: usize,
+    pub outer_syncs: usize,
+    /// How the outer deltas travelled (4: int4 with error feedback, 32:
+    /// f32).
+    pub outer_bits: u32,
+    /// Job-wide bytes of the outer syncs over the run, and of everything
+    /// else between nodes (inside the islands).
+    pub outer_bytes: f64,
+    pub inner_inter_node_bytes: f64,
 }
 
 impl Summary {
     /// What rank 0 prints at the end of a run.
     pub fn done_line(&self) -> String {
-        format!(
+        let mut line = format!(
             "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB \
              across nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; \
              kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3})",
@@ -96,7 +122,21 @@ impl Summary {
             (self.kept_bytes.qwz_references + self.kept_bytes.qgz_residuals) as f64 / 1e6,
             self.kept_bytes.qwz_references as f64 / 1e6,
             self.kept_bytes.qgz_residuals as f64 / 1e6,
-        )
+        );
+        if let Some(i) = &self.islands {
+            line += &format!(
+                "; islands: {} of {} ranks, {} outer syncs (every {} steps), {:.3} MB across \
+                 islands in all, outer state {:.3} MB per rank; {:.3} s per step with the syncs",
+                i.count,
+                i.ranks_per_island,
+                i.outer_syncs,
+                i.sync_every,
+                i.outer_bytes / 1e6,
+                self.kept_bytes.outer_state as f64 / 1e6,
+                self.mean_step_time_s,
+            );
+        }
+        line
     }
 }
 

@@ -20,7 +20,7 @@ use crate::train::config::{Mode, TrainConfig};
 use crate::train::data::Dataset;
 use crate::train::plot::{self, Series};
 use crate::train::summary::{
-    BytesPerStep, StepMetrics, Summary, median, peak_rss_bytes, step_points,
+    BytesPerStep, IslandsSummary, StepMetrics, Summary, median, peak_rss_bytes, step_points,
 };
 use crate::zero::plan::{Layout, Resolved};
 use crate::zero::probe::Measured;
@@ -63,13 +63,14 @@ impl<'a> Trainer<'a> {
         cfg.validate()?;
         let facts = RankFacts::from_env()?;
         let layout = rank_layout(&facts)?;
+        let islands = cfg.island_config()?;
         let data = Dataset::load(cfg.run.data.as_deref(), cfg.run.seed)?;
         data.check(layout.world(), cfg.model.context)?;
         let Connected {
             counter,
             resolved,
             measured,
-        } = connect(cfg, &facts, layout)?;
+        } = connect(cfg, &facts, layout, islands.map_or(1, |c| c.count))?;
         let lead = facts.rank == 0;
         let transport_name = crate::comm::Transport::name(&*counter);
         let engine_cfg = EngineConfig {
@@ -77,11 +78,12 @@ impl<'a> Trainer<'a> {
             switches: resolved.switches.clone(),
             optim: cfg.optim.clone(),
             seed: cfg.run.seed,
+            islands,
         };
         let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
         let start = match &cfg.checkpoint.resume {
             None => 0,
-            Some(path) => resume(&mut engine, path, layout, lead)?,
+            Some(path) => resume(&mut engine, path, lead)?,
         };
         let end = cfg
             .run
@@ -108,6 +110,22 @@ impl<'a> Trainer<'a> {
                 tokens_per_step
             );
             println!("switches: {}", serde_json::to_string(&resolved.switches)?);
+            if let Some((c, _)) = engine.islands() {
+                println!(
+                    "islands: {} of {} ranks, each sharding over its own; outer sync every {} \
+                     steps ({}, Nesterov lr {} momentum {})",
+                    c.count,
+                    engine.plan().layout.world(),
+                    c.sync_every,
+                    if c.quantized.is_some() {
+                        "int4 with error feedback"
+                    } else {
+                        "f32"
+                    },
+                    c.outer.lr,
+                    c.outer.momentum
+                );
+            }
         }
         // The metrics file opens with what ran: the same resolved switches
         // as the summary and the manifest, and where each chosen value came
@@ -120,6 +138,8 @@ impl<'a> Trainer<'a> {
             "world_size": layout.world(),
             "nodes": layout.nodes,
             "ranks_per_node": layout.ranks_per_node,
+            "islands": cfg.islands.islands,
+            "sync_every": cfg.islands.sync_every,
             "params": engine.parameter_count(),
             "transport": transport_name,
             "seed": cfg.run.seed,
@@ -159,19 +179,27 @@ impl<'a> Trainer<'a> {
     /// (on rank 0; `None` on the others).
     pub fn train(mut self) -> Result<Option<Summary>> {
         let mut skips = SkipGuard::default();
+        let islands = self.engine.islands().map_or(1, |(c, _)| c.count);
         for step in self.start..self.end {
             let (stats, lr, seconds) = self.step(step)?;
             skips.check(step, &stats, &self.records)?;
-            // Every rank takes part: the job's bytes of the step.
+            // Every rank of the island takes part: the job's bytes of the
+            // step (the islands' are alike: the same collectives of the
+            // same sizes), so that no step waits on another island.
             let mine = stats.traffic.total();
-            let job = self
+            let island = self
                 .engine
-                .sum_over_ranks(&[mine.intra_node as f32, mine.inter_node as f32])?;
-            self.records
-                .record(step, lr, seconds, &stats, [job[0], job[1]])?;
+                .sum_over_island(&[mine.intra_node as f32, mine.inter_node as f32])?;
+            let job = [island[0] * islands as f32, island[1] * islands as f32];
+            self.records.record(step, lr, seconds, &stats, job)?;
             if let Some(c) = self.checkpointer.as_mut() {
                 c.after_step(&self.engine, self.cfg, step + 1, &self.records)?;
             }
+        }
+        if self.end == self.cfg.run.steps && !self.engine.outer_due(self.end) {
+            // The run ends between syncs: one last outer step, so that
+            // every island holds the one model the run trained.
+            self.engine.outer_sync()?;
         }
         if let Some(c) = self.checkpointer.as_mut() {
             c.at_end(&self.engine, self.cfg, self.end, &self.records)?;
@@ -197,7 +225,14 @@ impl<'a> Trainer<'a> {
         )?;
         let lr = cfg.optim.lr_at(step, cfg.run.steps);
         let t = Instant::now();
-        let stats = self.engine.train_step(&x, &y, lr)?;
+        let before = self.engine.traffic();
+        let mut stats = self.engine.train_step(&x, &y, lr)?;
+        if self.engine.outer_due(step + 1) {
+            // The islands' outer sync ends the step: its time and bytes
+            // are the step's.
+            self.engine.outer_sync()?;
+            stats.traffic = self.engine.traffic().since(&before);
+        }
         Ok((stats, lr, t.elapsed().as_secs_f64()))
     }
 
@@ -230,6 +265,23 @@ impl<'a> Trainer<'a> {
             .map(|&(_, l)| l)
             .collect();
         let steps_run = (self.end - self.start) as f64;
+        let islands = match engine.islands() {
+            None => None,
+            Some((c, _)) => {
+                let (outer, all) = (traffic.outer.total, traffic.total());
+                let job =
+                    engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
+                Some(IslandsSummary {
+                    count: c.count,
+                    ranks_per_island: engine.plan().layout.world(),
+                    sync_every: c.sync_every,
+                    outer_syncs: engine.outer_syncs(),
+                    outer_bits: if c.quantized.is_some() { 4 } else { 32 },
+                    outer_bytes: job[0] as f64,
+                    inner_inter_node_bytes: (job[1] - job[0]) as f64,
+                })
+            }
+        };
         let summary = Summary {
             mode: format!("{:?}", cfg.switches.mode).to_lowercase(),
             switches: engine.switches().clone(),
@@ -244,6 +296,7 @@ impl<'a> Trainer<'a> {
             val_loss,
             tokens_per_s: r.tokens_per_step / median(&r.times),
             median_step_time_s: median(&r.times),
+            mean_step_time_s: r.times.iter().sum::<f64>() / r.times.len().max(1) as f64,
             median_compute_s: median(&r.computes),
             bytes_per_step: BytesPerStep {
                 intra_node: r.sum_intra / steps_run,
@@ -259,6 +312,7 @@ impl<'a> Trainer<'a> {
             },
             peak_rss_bytes,
             kept_bytes: engine.kept_bytes(),
+            islands,
         };
         if !r.lead {
             return Ok(None);
@@ -314,7 +368,17 @@ struct Connected {
 /// made of), derives the routing plan from the nodes' facts, measures the
 /// links where that applies, and resolves the switches; rank 0 prints the
 /// plan and the choices.
-fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Connected> {
+/// With islands the switches are resolved for an island's layout (each
+/// shards over its own ranks); the links are measured over the job.
+fn connect(
+    cfg: &TrainConfig,
+    facts: &RankFacts,
+    layout: Layout,
+    islands: usize,
+) -> Result<Connected> {
+    let (_, island) = layout
+        .island(islands)
+        .map_err(|e| anyhow::anyhow!("--islands: {e}"))?;
     let published = if facts.local_rank == 0 {
         match zeropp_topology::detect::detect(Path::new("/")) {
             Ok(t) => serde_json::json!({ "topology": t }),
@@ -338,9 +402,9 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         transport,
         layout.ranks_per_node,
     ));
-    let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, layout);
+    let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, island);
     let measured = measure_links(&counter, &table, layout, cfg, &timed, facts)?;
-    let resolved = crate::zero::plan::resolve(wanted, &asked, layout, &routing, measured.as_ref())
+    let resolved = crate::zero::plan::resolve(wanted, &asked, island, &routing, measured.as_ref())
         .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     if facts.rank == 0 {
         print_plan(&routing, &resolved, measured.is_some());
@@ -384,10 +448,12 @@ fn print_plan(
 
 /// Loads the checkpoint at `path` (or the latest under it) into `engine`,
 /// re-cut for this layout: the step it was saved at.
-fn resume(engine: &mut Engine, path: &Path, layout: Layout, lead: bool) -> Result<usize> {
+fn resume(engine: &mut Engine, path: &Path, lead: bool) -> Result<usize> {
     let dir = checkpoint::resolve(path)?;
     let m = checkpoint::read_manifest(&dir)?;
-    let state = checkpoint::state_for(&dir, &m, &engine.unit_layouts(), layout.rank)?;
+    let (layout, place) = (engine.job_layout(), engine.plan().layout.rank);
+    let islands = engine.islands().map_or(1, |(c, _)| c.count);
+    let state = checkpoint::state_for(&dir, &m, &engine.unit_layouts(), layout, islands, place)?;
     engine.load_shard_state(state, m.step)?;
     if lead {
         println!(
@@ -634,7 +700,7 @@ impl Checkpointer {
         records: &Records,
     ) -> Result<()> {
         let t = Instant::now();
-        let rank = engine.plan().layout.rank;
+        let rank = engine.job_layout().rank;
         let dir = checkpoint::save(engine, cfg, &self.root, step, rank, cfg.checkpoint.keep)?;
         records.say(format!(
             "saved checkpoint {} ({:.2} s)",
@@ -665,7 +731,13 @@ impl Validator {
             let (x, y) = data.val_batch(rank, i, cfg.run.batch, cfg.model.context)?;
             val += engine.evaluate(&x, &y)?;
         }
-        Ok(val / self.batches as f32)
+        let val = val / self.batches as f32;
+        if engine.islands().is_none() {
+            return Ok(val);
+        }
+        // Each island's mean, averaged over the job's ranks.
+        let world = engine.job_layout().world() as f32;
+        Ok(engine.sum_over_ranks(&[val])?[0] / world)
     }
 }
 

@@ -19,7 +19,7 @@ use super::qgz::{Reduction, quantize_kept};
 use super::traffic::Phase;
 
 /// The settings of a quantized all-reduce.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct QuantizedAllReduce {
     /// The wire format of both quantizations (qgZ's hop across nodes).
     pub format: QuantFormat,

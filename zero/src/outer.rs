@@ -36,12 +36,15 @@ impl Default for OuterSettings {
 /// One shard's outer state on the host: the anchor the island started its
 /// H inner steps from, the outer momentum, and (quantized) what the two
 /// quantizations of the exchange dropped last time.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct OuterState {
     pub anchor: Vec<f32>,
     pub momentum: Vec<f32>,
-    sent: Residual,
-    owned: Residual,
+    /// Error feedback of the exchange's two quantizations: this member's
+    /// contributions, and its own part of the result (empty until the
+    /// first quantized step; of another shape they start over).
+    pub sent: Residual,
+    pub owned: Residual,
 }
 
 impl OuterState {

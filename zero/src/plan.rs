@@ -37,6 +37,29 @@ impl Layout {
         ranks.iter().copied().eq(0..self.world())
     }
 
+    /// This rank's island when the job is cut into `islands` islands of
+    /// consecutive whole nodes: the island's number and its layout (this
+    /// rank's place among the island's ranks).
+    pub fn island(&self, islands: usize) -> Result<(usize, Layout), String> {
+        if islands == 0 || !self.nodes.is_multiple_of(islands) {
+            return Err(format!(
+                "{islands} islands of a job of {} nodes: the islands are equal sets of whole \
+                 nodes, so their number must divide the nodes (1 to {})",
+                self.nodes, self.nodes
+            ));
+        }
+        let nodes = self.nodes / islands;
+        let size = nodes * self.ranks_per_node;
+        Ok((
+            self.rank / size,
+            Layout {
+                nodes,
+                ranks_per_node: self.ranks_per_node,
+                rank: self.rank % size,
+            },
+        ))
+    }
+
     /// The layout of a mesh dimension over `ranks` (global ranks of a job
     /// laid out as `self`): its nodes are the nodes those ranks are on, and
     /// this rank is its position among them. The ranks must be ascending
