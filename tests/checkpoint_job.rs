@@ -193,7 +193,7 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
         serde_json::from_slice(&std::fs::read(&sfull).unwrap()).unwrap();
     let isl = &summary["islands"];
     // 3 syncs on the way and one at the end (14 is not a multiple of 4).
-    assert_eq!(isl["outer_syncs"], 4, "{summary}");
+    assert_eq!(isl["exchanges"], 4, "{summary}");
     assert_eq!(isl["ranks_per_island"], 2, "{summary}");
     assert!(isl["outer_bytes"].as_f64() > Some(0.0), "{summary}");
     // The anchor and momentum of its shard at least, in f32.
@@ -258,6 +258,76 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
         one[0],
         full[6]
     );
+    std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn streamed_islands_resume_bit_identically_with_an_exchange_under_way() {
+    // 2 fragments staggered by 2 steps, each landing 2 steps after it
+    // starts: stopped after step 6, fragment 1's exchange (started at 6,
+    // due at 8) is in the checkpoint, and the resumed run lands it.
+    let d = tmp("streamed");
+    let (full, b) = (d.join("full.jsonl"), d.join("b.jsonl"));
+    let (sfull, sb) = (d.join("full.json"), d.join("b.json"));
+    let ck = d.join("ck");
+    let islands = [
+        "--islands",
+        "2",
+        "--sync-every",
+        "4",
+        "--outer-fragments",
+        "2",
+        "--outer-delay",
+        "2",
+        "--steps",
+        "14",
+    ];
+    let out = train_ok(
+        &[
+            &islands[..],
+            &["--metrics", s(&full), "--summary-json", s(&sfull)],
+        ]
+        .concat(),
+    );
+    assert!(out.contains("2 fragment(s)"), "{out}");
+    train_ok(
+        &[
+            &islands[..],
+            &["--stop-after", "6", "--checkpoint-dir", s(&ck)],
+        ]
+        .concat(),
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(ck.join("step-00000006").join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    let in_flight = manifest["shards"][0]["outer"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["flight"] == true)
+        .count();
+    assert!(
+        in_flight > 0,
+        "no exchange under way in the checkpoint: {manifest}"
+    );
+    let out = zeropp()
+        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
+        .args(["--summary-json", s(&sb)])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", show(&out));
+    let (full_l, b_l) = (losses(&full), losses(&b));
+    assert_eq!(
+        full_l[6..],
+        b_l[..],
+        "losses differ after resuming mid-exchange"
+    );
+    let val = |p: &Path| {
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
+        v["val_loss"].as_f64().unwrap()
+    };
+    assert_eq!(val(&sfull), val(&sb));
     std::fs::remove_dir_all(d).ok();
 }
 

@@ -7,6 +7,7 @@
 //! back to the chunk owners.
 
 mod error;
+mod islands;
 pub mod model;
 pub mod optim;
 mod step;
@@ -20,19 +21,20 @@ use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
 pub use error::{EngineError, Result};
+pub use islands::IslandConfig;
+use islands::IslandRun;
 use model::tensors_from_owned;
 pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{Communicator, Group, Transport};
-use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::{Host, HostMover};
-use zeropp_zero::outer::{self, OuterSettings, OuterState};
+use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{Hop, ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
+use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -47,21 +49,6 @@ pub struct EngineConfig {
     /// their own ranks, synced by an outer step every few steps. `None`:
     /// one island, the whole job.
     pub islands: Option<IslandConfig>,
-}
-
-/// Islands (DiLoCo over shards, `zero::outer`): `count` islands of
-/// consecutive whole nodes, each training as a job of its own ranks;
-/// every `sync_every` steps each rank's outer delta is averaged with the
-/// ranks holding the same shard on the other islands and the outer
-/// optimizer moves the anchor every island continues from.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct IslandConfig {
-    pub count: usize,
-    pub sync_every: usize,
-    pub outer: OuterSettings,
-    /// How the outer deltas travel: quantized with error feedback, or
-    /// f32 (`None`).
-    pub quantized: Option<QuantizedAllReduce>,
 }
 
 /// Gradients of units whose reduce-scatter may be under way at once while
@@ -192,20 +179,6 @@ pub struct StepStats {
     pub waited_s: f64,
 }
 
-/// This rank's part in the islands' outer sync.
-struct IslandRun {
-    cfg: IslandConfig,
-    /// This rank's island.
-    island: usize,
-    /// The ranks at this rank's place in every island, as every hop of a
-    /// mover (the outer step runs over `Hop::World`).
-    across: ZeroGroups,
-    /// Each unit's outer state.
-    states: Vec<OuterState>,
-    /// Outer steps taken since the engine was built.
-    syncs: usize,
-}
-
 /// One rank's engine.
 pub struct Engine {
     cfg: EngineConfig,
@@ -265,7 +238,7 @@ impl Engine {
         let (_, layout) = job.island(count).map_err(EngineError::Switches)?;
         let plan = Plan::new(layout, &cfg.switches).map_err(EngineError::Switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
-        let thread = CommThread::new(comm);
+        let thread = CommThread::new(comm.clone());
         let (_, groups, across) = ZeroGroups::island(&job, count, plan.hpz_group)?;
         let job_world = if count == 1 {
             groups.world.clone()
@@ -324,23 +297,10 @@ impl Engine {
             .collect::<Vec<_>>();
         let islands = match cfg.islands {
             Some(c) if c.count > 1 => {
-                if c.sync_every == 0 {
-                    return Err(EngineError::Switches(
-                        "islands that sync every 0 steps: sync_every must be at least 1".into(),
-                    ));
-                }
-                Some(IslandRun {
-                    cfg: c,
-                    island: job.rank / layout.world(),
-                    across: ZeroGroups {
-                        world: across.clone(),
-                        node: across.clone(),
-                        cross: across.clone(),
-                        hpz: across,
-                    },
-                    states: units.iter().map(|u| OuterState::new(&u.master)).collect(),
-                    syncs: 0,
-                })
+                c.check().map_err(EngineError::Switches)?;
+                let masters: Vec<&[f32]> = units.iter().map(|u| &u.master[..]).collect();
+                let island = job.rank / layout.world();
+                Some(IslandRun::new(c, island, across, comm, &masters))
             }
             _ => None,
         };
@@ -378,63 +338,6 @@ impl Engine {
         self.islands.as_ref().map(|r| (r.cfg, r.island))
     }
 
-    /// Outer steps taken since the engine was built.
-    pub fn outer_syncs(&self) -> usize {
-        self.islands.as_ref().map_or(0, |r| r.syncs)
-    }
-
-    /// Whether the islands sync after `steps` optimizer steps (every
-    /// `sync_every`).
-    pub fn outer_due(&self, steps: usize) -> bool {
-        self.islands
-            .as_ref()
-            .is_some_and(|r| steps > 0 && steps.is_multiple_of(r.cfg.sync_every))
-    }
-
-    /// The islands' outer step (a collective of the whole job; nothing
-    /// without islands): every unit's shard is averaged with the same
-    /// shard on the other islands as outer deltas from the anchor, the
-    /// outer optimizer moves the anchor, and this island continues from
-    /// it (its AdamW state kept, its qwZ references refreshed at the next
-    /// gather since the weights jumped). Counted as `Outer` traffic.
-    pub fn outer_sync(&mut self) -> Result<()> {
-        let Some(run) = self.islands.as_mut() else {
-            return Ok(());
-        };
-        let (settings, quantized) = (run.cfg.outer, run.cfg.quantized);
-        let states = std::mem::take(&mut run.states);
-        let pending: Vec<_> = self
-            .units
-            .iter_mut()
-            .zip(states)
-            .map(|(su, mut state)| {
-                let mut w = std::mem::take(&mut su.master);
-                let (counter, groups) = (self.counter.clone(), run.across.clone());
-                self.thread.submit(move |c: &Communicator| {
-                    let mover = HostMover {
-                        comm: c,
-                        counter: &counter,
-                        groups,
-                    };
-                    outer::outer_step(&mover, Hop::World, settings, quantized, &mut state, &mut w)?;
-                    Ok((w, state))
-                })
-            })
-            .collect();
-        for (u, p) in pending.into_iter().enumerate() {
-            let (w, state) = p.wait().map_err(|source| EngineError::Unit {
-                what: "the islands' outer step",
-                unit: self.units[u].name.clone(),
-                source,
-            })?;
-            self.units[u].master = w;
-            run.states.push(state);
-        }
-        run.syncs += 1;
-        self.restart_references();
-        Ok(())
-    }
-
     /// The switches this engine runs with (resolved: hpZ group and qgZ bits
     /// as the trainer decided them).
     pub fn switches(&self) -> &Switches {
@@ -464,7 +367,7 @@ impl Engine {
             }
         }
         if let Some(run) = &self.islands {
-            k.outer_state = run.states.iter().map(|s| s.bytes() as u64).sum();
+            k.outer_state = run.outer_bytes() as u64;
         }
         k
     }
@@ -724,7 +627,7 @@ impl Engine {
                     residual: su.residual.clone(),
                     residual_inter,
                     reference,
-                    outer: self.islands.as_ref().map(|r| r.states[u].clone()),
+                    outer: self.islands.as_ref().map(|r| r.saved(u)).transpose()?,
                 })
             })
             .collect()
@@ -781,15 +684,16 @@ impl Engine {
         if let Some(run) = self.islands.as_mut() {
             // The saved outer state where it is this shard's; a checkpoint
             // without one starts the islands from the weights it holds.
-            run.states = self
-                .units
-                .iter()
-                .zip(outers)
-                .map(|(su, o)| match o {
-                    Some(o) if o.anchor.len() == su.chunk && o.momentum.len() == su.chunk => o,
-                    _ => OuterState::new(&su.master),
-                })
-                .collect();
+            run.restore(
+                self.units
+                    .iter()
+                    .zip(outers)
+                    .map(|(su, o)| match o {
+                        Some(o) if o.anchor.len() == su.chunk && o.momentum.len() == su.chunk => o,
+                        _ => OuterState::new(&su.master),
+                    })
+                    .collect(),
+            );
         }
         self.restart_references();
         if matches!(self.plan.weights, WeightWire::Delta(_)) {

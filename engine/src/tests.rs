@@ -10,6 +10,7 @@ use std::time::Duration;
 use super::testing::{TiedMlp, batch, reference_grad_norm, run_model};
 use super::*;
 use zeropp_comm::inproc::InProcess;
+use zeropp_zero::outer::OuterSettings;
 use zeropp_zero::plan::{Layout, Switches};
 
 fn mlp() -> TiedMlp {
@@ -366,14 +367,14 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
 }
 
 /// Every rank's master shard of every unit after `steps` steps of a job of
-/// `nodes` x `g` ranks cut into `islands` islands syncing every
-/// `sync_every` steps with f32 outer deltas (`islands: None`: a job of its
-/// own). Rank r of a job that starts at global rank `first` of `total`
-/// trains on global rank `first + r`'s rows.
+/// `nodes` x `g` ranks cut into `islands` islands (count, sync every,
+/// fragments, delay) with f32 outer deltas, and `outer_finish` at the end
+/// (`islands: None`: a job of its own). Rank r of a job that starts at
+/// global rank `first` of `total` trains on global rank `first + r`'s rows.
 fn islands_run(
     nodes: usize,
     g: usize,
-    islands: Option<(usize, usize)>,
+    islands: Option<(usize, usize, usize, usize)>,
     switches: &Switches,
     steps: usize,
     first: usize,
@@ -394,11 +395,13 @@ fn islands_run(
                         ..OptimConfig::default()
                     },
                     seed: 3,
-                    islands: islands.map(|(count, sync_every)| IslandConfig {
+                    islands: islands.map(|(count, sync_every, fragments, delay)| IslandConfig {
                         count,
                         sync_every,
                         outer: OuterSettings::default(),
                         quantized: None,
+                        fragments,
+                        delay,
                     }),
                 };
                 let layout = Layout {
@@ -415,13 +418,14 @@ fn islands_run(
                         y.narrow(0, global * rows, rows).unwrap(),
                     );
                     e.train_step(&x, &y, 3e-3).unwrap();
-                    if e.outer_due(s + 1) {
-                        e.outer_sync().unwrap();
-                    }
+                    e.outer_after_step().unwrap();
+                }
+                if islands.is_some_and(|i| i.3 > 0) {
+                    e.outer_finish().unwrap();
                 }
                 let kept = e.kept_bytes().outer_state;
                 let chunk: usize = e.unit_layouts().iter().map(|u| u.chunk).sum();
-                assert_eq!(kept > 0, islands.is_some_and(|(c, _)| c > 1));
+                assert_eq!(kept > 0, islands.is_some_and(|i| i.0 > 1));
                 assert!(kept as usize >= 8 * chunk || islands.is_none());
                 e.shard_state()
                     .unwrap()
@@ -441,7 +445,7 @@ fn islands_train_as_jobs_of_their_own_ranks_and_the_outer_step_is_diloco_s() {
     for (nodes, g, switches) in [(2, 2, Switches::zero3(32)), (4, 1, Switches::zeropp(32))] {
         let (world, per) = (nodes * g, nodes * g / 2);
         // Before any sync: each island is bit for bit a job of its own.
-        let before = islands_run(nodes, g, Some((2, 3)), &switches, 2, 0, world);
+        let before = islands_run(nodes, g, Some((2, 3, 1, 0)), &switches, 2, 0, world);
         let alone: Vec<_> = (0..2)
             .flat_map(|i| islands_run(nodes / 2, g, None, &switches, 2, i * per, world))
             .collect();
@@ -449,7 +453,7 @@ fn islands_train_as_jobs_of_their_own_ranks_and_the_outer_step_is_diloco_s() {
         // After the sync at step 3: DiLoCo's Nesterov step on the mean of
         // the two islands' deltas from the initial weights, the same on
         // both islands.
-        let after = islands_run(nodes, g, Some((2, 3)), &switches, 3, 0, world);
+        let after = islands_run(nodes, g, Some((2, 3, 1, 0)), &switches, 3, 0, world);
         let inner: Vec<_> = (0..2)
             .flat_map(|i| islands_run(nodes / 2, g, None, &switches, 3, i * per, world))
             .collect();
@@ -470,4 +474,55 @@ fn islands_train_as_jobs_of_their_own_ranks_and_the_outer_step_is_diloco_s() {
             }
         }
     }
+}
+
+#[test]
+fn streamed_islands_end_on_one_model_and_stay_near_the_blocking_sync() {
+    // 3 fragments (the MLP's 3 units), each exchange landing 2 steps after
+    // it started, against the blocking sync: after outer_finish every
+    // island holds the same weights, near the blocking run's.
+    let z3 = Switches::zero3(32);
+    let streamed = islands_run(2, 2, Some((2, 6, 3, 2)), &z3, 12, 0, 4);
+    let blocking = islands_run(2, 2, Some((2, 6, 1, 0)), &z3, 12, 0, 4);
+    let start = islands_run(1, 2, None, &z3, 0, 0, 4);
+    for p in 0..2 {
+        assert_eq!(
+            streamed[p],
+            streamed[2 + p],
+            "place {p}: the islands differ"
+        );
+        let (mut off, mut moved) = (0f64, 0f64);
+        for u in 0..start[p].len() {
+            for j in 0..start[p][u].len() {
+                off += f64::from(streamed[p][u][j] - blocking[p][u][j]).powi(2);
+                moved += f64::from(blocking[p][u][j] - start[p][u][j]).powi(2);
+            }
+        }
+        assert!(off > 0.0, "streaming changed nothing");
+        assert!(
+            off.sqrt() < 0.5 * moved.sqrt(),
+            "{} off of {} moved",
+            off.sqrt(),
+            moved.sqrt()
+        );
+    }
+}
+
+#[test]
+fn island_settings_that_cannot_run_are_refused_with_what_to_set() {
+    let c = IslandConfig {
+        count: 2,
+        sync_every: 4,
+        outer: OuterSettings::default(),
+        quantized: None,
+        fragments: 1,
+        delay: 4,
+    };
+    assert!(c.check().unwrap_err().contains("delay below sync_every"));
+    let c = IslandConfig {
+        delay: 0,
+        sync_every: 0,
+        ..c
+    };
+    assert!(c.check().unwrap_err().contains("at least 1"));
 }

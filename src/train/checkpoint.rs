@@ -23,7 +23,7 @@ use crate::engine::{Engine, UnitLayout, UnitShard};
 use crate::train::config::TrainConfig;
 use crate::train::model::Unit;
 use crate::zero::delta::SavedReference;
-use crate::zero::outer::OuterState;
+use crate::zero::outer::{Flight, OuterState};
 use crate::zero::residual::Residual;
 
 /// The manifest's `format` and current `version`.
@@ -57,13 +57,16 @@ pub struct ShardInfo {
 }
 
 /// The shape of one unit's outer state in a shard: anchor and momentum of
-/// `values` each, and the exchange's two error-feedback residuals as
-/// (chunk, count).
+/// `values` each, the exchange's two error-feedback residuals as (chunk,
+/// count), and whether a finished exchange waits for its step (its weights
+/// then and averaged delta, `values` each).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OuterLens {
     pub values: usize,
     pub sent: (usize, usize),
     pub owned: (usize, usize),
+    #[serde(default)]
+    pub flight: bool,
 }
 
 impl OuterLens {
@@ -72,13 +75,19 @@ impl OuterLens {
             values: o.anchor.len(),
             sent: o.sent.shape(),
             owned: o.owned.shape(),
+            flight: o.flight.is_some(),
         }
     }
 
     /// Bytes the state takes in a shard.
     fn stored(&self) -> usize {
         let res = |(c, n): (usize, usize)| 8 + Residual::stored_bytes(c, n);
-        16 + 8 * self.values + res(self.sent) + res(self.owned)
+        let flight = if self.flight {
+            8 + 16 + 8 * self.values
+        } else {
+            0
+        };
+        16 + 8 * self.values + res(self.sent) + res(self.owned) + flight
     }
 }
 
@@ -154,6 +163,11 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
             for r in [&o.sent, &o.owned] {
                 out.extend_from_slice(&(r.len() as u64).to_le_bytes());
                 out.extend_from_slice(&r.to_bytes());
+            }
+            if let Some(f) = &o.flight {
+                out.extend_from_slice(&f.due.to_le_bytes());
+                put_f32s(&mut out, &f.then);
+                put_f32s(&mut out, &f.averaged);
             }
         }
     }
@@ -258,6 +272,14 @@ impl ShardReader<'_> {
             momentum: self.f32s(l.values, "outer momentum")?,
             sent: self.stored_residual(l.sent, "outer error feedback")?,
             owned: self.stored_residual(l.owned, "outer error feedback")?,
+            flight: match l.flight {
+                false => None,
+                true => Some(Flight {
+                    due: self.u64()?,
+                    then: self.f32s(l.values, "outer exchange's weights")?,
+                    averaged: self.f32s(l.values, "outer exchange's delta")?,
+                }),
+            },
         })
     }
 }
@@ -1059,6 +1081,11 @@ mod tests {
             momentum: values.iter().map(|v| v * 0.5).collect(),
             sent: Residual::from_f32(32, 2, &values).unwrap(),
             owned: Residual::from_f32(32, 1, &values[..32]).unwrap(),
+            flight: Some(Flight {
+                due: 17,
+                then: values.iter().map(|v| v + 1.0).collect(),
+                averaged: values.iter().map(|v| v * 0.25).collect(),
+            }),
         };
         let shard = UnitShard {
             layout: layout.clone(),

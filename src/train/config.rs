@@ -161,6 +161,13 @@ section! {
         /// How the outer deltas travel: 4 (int4 blocks of 64, rotated, with
         /// error feedback) or 32 (f32).
         outer_bits: u32 = 4,
+        /// Streaming: the model's units in this many fragments whose
+        /// exchanges start staggered across the H steps (1: the whole model
+        /// at once).
+        outer_fragments: usize = 1,
+        /// Streaming: inner steps an exchange runs behind before it is
+        /// applied (0: the island waits for it; below --sync-every).
+        outer_delay: usize = 0,
     }
 }
 
@@ -281,9 +288,6 @@ impl TrainConfig {
         if c.islands == 1 {
             return Ok(None);
         }
-        if c.sync_every == 0 {
-            bail!("sync_every = 0: the islands sync every H >= 1 inner steps (try 20)");
-        }
         if !(c.outer_lr > 0.0 && c.outer_lr.is_finite() && (0.0..1.0).contains(&c.outer_momentum)) {
             bail!(
                 "outer_lr = {}, outer_momentum = {}: the outer learning rate must be positive \
@@ -302,7 +306,7 @@ impl TrainConfig {
             32 => None,
             b => bail!("outer_bits = {b}: the outer deltas travel as int4 (4) or f32 (32)"),
         };
-        Ok(Some(crate::engine::IslandConfig {
+        let islands = crate::engine::IslandConfig {
             count: c.islands,
             sync_every: c.sync_every,
             outer: crate::zero::outer::OuterSettings {
@@ -311,7 +315,11 @@ impl TrainConfig {
                 nesterov: true,
             },
             quantized,
-        }))
+            fragments: c.outer_fragments,
+            delay: c.outer_delay,
+        };
+        islands.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(Some(islands))
     }
 }
 

@@ -91,10 +91,16 @@ pub struct IslandsSummary {
     /// Islands, and ranks in each.
     pub count: usize,
     pub ranks_per_island: usize,
-    /// Inner steps between outer syncs, and the syncs this run took (one
-    /// more at the end when the steps are not a multiple).
+    /// Inner steps between a fragment's exchanges, the fragments (units
+    /// in consecutive runs, staggered across the H steps) and the steps an
+    /// exchange runs behind before it lands.
     pub sync_every: usize,
-    pub outer_syncs: usize,
+    pub fragments: usize,
+    pub delay: usize,
+    /// Exchanges of fragments this run started (those at the end
+    /// included), and seconds rank 0's compute thread waited for them.
+    pub exchanges: usize,
+    pub waited_s: f64,
     /// How the outer deltas travelled (4: int4 with error feedback, 32:
     /// f32).
     pub outer_bits: u32,
@@ -125,12 +131,16 @@ impl Summary {
         );
         if let Some(i) = &self.islands {
             line += &format!(
-                "; islands: {} of {} ranks, {} outer syncs (every {} steps), {:.3} MB across \
-                 islands in all, outer state {:.3} MB per rank; {:.3} s per step with the syncs",
+                "; islands: {} of {} ranks, {} exchanges of {} fragment(s) (every {} steps, \
+                 landing {} steps later; {:.2} s waited), {:.3} MB across islands in all, outer \
+                 state {:.3} MB per rank; {:.3} s per step with the syncs",
                 i.count,
                 i.ranks_per_island,
-                i.outer_syncs,
+                i.exchanges,
+                i.fragments,
                 i.sync_every,
+                i.delay,
+                i.waited_s,
                 i.outer_bytes / 1e6,
                 self.kept_bytes.outer_state as f64 / 1e6,
                 self.mean_step_time_s,

@@ -193,16 +193,16 @@ impl<'a> Trainer<'a> {
             let job = [island[0] * islands as f32, island[1] * islands as f32];
             self.records.record(step, lr, seconds, &stats, job)?;
             if let Some(c) = self.checkpointer.as_mut() {
-                c.after_step(&self.engine, self.cfg, step + 1, &self.records)?;
+                c.after_step(&mut self.engine, self.cfg, step + 1, &self.records)?;
             }
         }
-        if self.end == self.cfg.run.steps && !self.engine.outer_due(self.end) {
-            // The run ends between syncs: one last outer step, so that
-            // every island holds the one model the run trained.
-            self.engine.outer_sync()?;
+        if self.end == self.cfg.run.steps {
+            // The last outer step of every unit not synced at this step,
+            // so that every island holds the one model the run trained.
+            self.engine.outer_finish()?;
         }
         if let Some(c) = self.checkpointer.as_mut() {
-            c.at_end(&self.engine, self.cfg, self.end, &self.records)?;
+            c.at_end(&mut self.engine, self.cfg, self.end, &self.records)?;
         }
         self.records.finish()?;
         let val_loss =
@@ -227,10 +227,10 @@ impl<'a> Trainer<'a> {
         let t = Instant::now();
         let before = self.engine.traffic();
         let mut stats = self.engine.train_step(&x, &y, lr)?;
-        if self.engine.outer_due(step + 1) {
-            // The islands' outer sync ends the step: its time and bytes
-            // are the step's.
-            self.engine.outer_sync()?;
+        if self.engine.islands().is_some() {
+            // The islands' exchanges that land or start after the step
+            // are the step's: their time and bytes.
+            self.engine.outer_after_step()?;
             stats.traffic = self.engine.traffic().since(&before);
         }
         Ok((stats, lr, t.elapsed().as_secs_f64()))
@@ -271,11 +271,15 @@ impl<'a> Trainer<'a> {
                 let (outer, all) = (traffic.outer.total, traffic.total());
                 let job =
                     engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
+                let (exchanges, waited_s) = engine.outer_exchanges();
                 Some(IslandsSummary {
                     count: c.count,
                     ranks_per_island: engine.plan().layout.world(),
                     sync_every: c.sync_every,
-                    outer_syncs: engine.outer_syncs(),
+                    fragments: c.fragments.min(engine.unit_layouts().len()),
+                    delay: c.delay,
+                    exchanges,
+                    waited_s,
                     outer_bits: if c.quantized.is_some() { 4 } else { 32 },
                     outer_bytes: job[0] as f64,
                     inner_inter_node_bytes: (job[1] - job[0]) as f64,
@@ -668,7 +672,7 @@ struct Checkpointer {
 impl Checkpointer {
     fn after_step(
         &mut self,
-        engine: &Engine,
+        engine: &mut Engine,
         cfg: &TrainConfig,
         step: usize,
         records: &Records,
@@ -681,7 +685,7 @@ impl Checkpointer {
 
     fn at_end(
         &mut self,
-        engine: &Engine,
+        engine: &mut Engine,
         cfg: &TrainConfig,
         end: usize,
         records: &Records,
@@ -694,13 +698,16 @@ impl Checkpointer {
 
     fn save(
         &mut self,
-        engine: &Engine,
+        engine: &mut Engine,
         cfg: &TrainConfig,
         step: usize,
         records: &Records,
     ) -> Result<()> {
         let t = Instant::now();
         let rank = engine.job_layout().rank;
+        // Exchanges under way finish (not applied: they land at their
+        // step) so that the checkpoint holds them.
+        engine.settle_outer()?;
         let dir = checkpoint::save(engine, cfg, &self.root, step, rank, cfg.checkpoint.keep)?;
         records.say(format!(
             "saved checkpoint {} ({:.2} s)",

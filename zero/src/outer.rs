@@ -45,6 +45,19 @@ pub struct OuterState {
     /// first quantized step; of another shape they start over).
     pub sent: Residual,
     pub owned: Residual,
+    /// An exchange that has finished but is not applied yet (streaming:
+    /// it lands at a later step).
+    pub flight: Option<Flight>,
+}
+
+/// A finished exchange of a shard waiting for its step: the weights when
+/// the delta was taken, and the delta averaged over the islands.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Flight {
+    /// The optimizer step after which it is applied.
+    pub due: u64,
+    pub then: Vec<f32>,
+    pub averaged: Vec<f32>,
 }
 
 impl OuterState {
@@ -60,7 +73,14 @@ impl OuterState {
 
     /// Bytes held (anchor, momentum, residuals).
     pub fn bytes(&self) -> usize {
-        4 * (self.anchor.len() + self.momentum.len()) + self.sent.bytes() + self.owned.bytes()
+        let flight = self
+            .flight
+            .as_ref()
+            .map_or(0, |f| 4 * (f.then.len() + f.averaged.len()));
+        4 * (self.anchor.len() + self.momentum.len())
+            + self.sent.bytes()
+            + self.owned.bytes()
+            + flight
     }
 }
 
@@ -68,7 +88,8 @@ impl OuterState {
 /// inner steps) become the new anchor, the same on every member of `hop`
 /// (the ranks of the other islands holding this shard). With `quantized`
 /// the deltas travel as its format with error feedback kept in `state`;
-/// without, in f32.
+/// without, in f32. [`local_delta`], [`exchange`] and [`apply`] in a row,
+/// with nothing trained between the first and the last.
 pub fn outer_step(
     m: &HostMover<'_>,
     hop: Hop,
@@ -77,6 +98,20 @@ pub fn outer_step(
     state: &mut OuterState,
     weights: &mut [f32],
 ) -> Result<(), ZeroError> {
+    let mut averaged = local_delta(state, weights)?;
+    exchange(
+        m,
+        hop,
+        quantized,
+        (&mut state.sent, &mut state.owned),
+        &mut averaged,
+    )?;
+    let then = weights.to_vec();
+    apply(s, state, &then, &averaged, weights)
+}
+
+/// This island's outer delta of a shard: its anchor minus its weights.
+pub fn local_delta(state: &OuterState, weights: &[f32]) -> Result<Vec<f32>, ZeroError> {
     let len = weights.len();
     if state.anchor.len() != len || state.momentum.len() != len {
         return Err(ZeroError::Invalid(format!(
@@ -86,33 +121,71 @@ pub fn outer_step(
             state.momentum.len()
         )));
     }
-    let mut delta: Vec<f32> = state
+    Ok(state
         .anchor
         .iter()
-        .zip(weights.iter())
+        .zip(weights)
         .map(|(a, w)| a - w)
-        .collect();
+        .collect())
+}
+
+/// Averages `delta` over the members of `hop`, in place: plain in f32, or
+/// quantized with error feedback in `residuals` (what this member's
+/// contributions and its own part of the result dropped last time). The
+/// only part of an outer step that talks: it may run on a thread of its
+/// own while the island trains on.
+pub fn exchange(
+    m: &HostMover<'_>,
+    hop: Hop,
+    quantized: Option<QuantizedAllReduce>,
+    residuals: (&mut Residual, &mut Residual),
+    delta: &mut Vec<f32>,
+) -> Result<(), ZeroError> {
     match quantized {
         Some(q) => {
             let feedback = ReplicaFeedback::<Host> {
-                sent: Some(state.sent.chunks_mut()),
-                owned: Some(state.owned.chunks_mut()),
+                sent: Some(residuals.0.chunks_mut()),
+                owned: Some(residuals.1.chunks_mut()),
             };
             let hop = (hop, Phase::Outer);
-            allreduce::all_reduce_quantized(
-                &Host,
-                m,
-                hop,
-                q,
-                Reduction::Mean,
-                &mut delta,
-                feedback,
-            )?;
+            allreduce::all_reduce_quantized(&Host, m, hop, q, Reduction::Mean, delta, feedback)
         }
-        None => m.all_reduce_tensor(&Host, (hop, Phase::Outer), &mut delta, true)?,
+        None => m.all_reduce_tensor(&Host, (hop, Phase::Outer), delta, true),
+    }
+}
+
+/// The outer optimizer on the `averaged` delta: the anchor moves (Nesterov
+/// SGD), and `weights` become the new anchor plus what the island trained
+/// since its weights were `then` (when it took its delta): nothing when
+/// the exchange overlapped no inner step, and the weights are exactly the
+/// new anchor, the same on every island.
+pub fn apply(
+    s: OuterSettings,
+    state: &mut OuterState,
+    then: &[f32],
+    averaged: &[f32],
+    weights: &mut [f32],
+) -> Result<(), ZeroError> {
+    let len = weights.len();
+    if [
+        state.anchor.len(),
+        state.momentum.len(),
+        then.len(),
+        averaged.len(),
+    ] != [len; 4]
+    {
+        return Err(ZeroError::Invalid(format!(
+            "an outer step of a shard of {len} values with an anchor of {}, momentum of {}, \
+             weights then of {} and an averaged delta of {}: they belong to another shard",
+            state.anchor.len(),
+            state.momentum.len(),
+            then.len(),
+            averaged.len()
+        )));
     }
     let outer = state.anchor.iter_mut().zip(state.momentum.iter_mut());
-    for ((anchor, momentum), g) in outer.zip(delta) {
+    let moved = then.iter().zip(averaged).zip(weights.iter_mut());
+    for ((anchor, momentum), ((&then, &g), w)) in outer.zip(moved) {
         let buf = s.momentum * *momentum + g;
         *momentum = buf;
         let update = if s.nesterov {
@@ -120,9 +193,11 @@ pub fn outer_step(
         } else {
             buf
         };
+        // The island's progress since it took its delta.
+        let since = *w - then;
         *anchor -= s.lr * update;
+        *w = *anchor + since;
     }
-    weights.copy_from_slice(&state.anchor);
     Ok(())
 }
 

@@ -5,7 +5,9 @@
 //! wrapper, so they are what was actually handed to the network (frame
 //! headers aside).
 
+use std::collections::HashMap;
 use std::sync::Mutex;
+use std::thread::ThreadId;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -117,12 +119,27 @@ impl Traffic {
 
 struct State {
     traffic: Traffic,
-    phase: Phase,
+    /// Each sending thread's phase, and the fraction of each byte it sends
+    /// now that is block scales: a collective sets them on the thread that
+    /// then sends, so two communication threads (the engine's and the
+    /// islands' outer one) count apart.
+    phases: HashMap<ThreadId, (Phase, f64)>,
     /// While set, every send counts under this phase whatever the
     /// collectives set (the probe's timed routes).
     pinned: Option<Phase>,
-    /// Of each byte sent now, this fraction is block scales.
-    scale_fraction: f64,
+}
+
+impl State {
+    /// The calling thread's phase and scale fraction (`Other` before it
+    /// set one).
+    fn current(&self) -> (Phase, f64) {
+        let (phase, fraction) = self
+            .phases
+            .get(&std::thread::current().id())
+            .copied()
+            .unwrap_or((Phase::Other, 0.0));
+        (self.pinned.unwrap_or(phase), fraction)
+    }
 }
 
 /// A transport that counts what it sends.
@@ -139,19 +156,18 @@ impl CountingTransport {
             ranks_per_node,
             state: Mutex::new(State {
                 traffic: Traffic::default(),
-                phase: Phase::Other,
+                phases: HashMap::new(),
                 pinned: None,
-                scale_fraction: 0.0,
             }),
         }
     }
 
-    /// Attributes the following sends to `phase`, `scale_fraction` of each
-    /// being block scales.
+    /// Attributes the calling thread's following sends to `phase`,
+    /// `scale_fraction` of each being block scales.
     pub fn set_phase(&self, phase: Phase, scale_fraction: f64) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        s.phase = s.pinned.unwrap_or(phase);
-        s.scale_fraction = scale_fraction;
+        s.phases
+            .insert(std::thread::current().id(), (phase, scale_fraction));
     }
 
     /// Runs `f` with every send counted under `phase`, whatever phases the
@@ -161,7 +177,7 @@ impl CountingTransport {
         let set = |p: Option<Phase>| {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             s.pinned = p;
-            s.phase = p.unwrap_or(Phase::Other);
+            s.phases.clear();
         };
         set(Some(phase));
         let r = f();
@@ -214,7 +230,7 @@ impl Transport for CountingTransport {
     fn send(&self, peer: usize, tag: Tag, data: Bytes) -> Result<SendHandle, CommError> {
         if peer != self.rank() {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let (phase, fraction) = (s.phase, s.scale_fraction);
+            let (phase, fraction) = s.current();
             self.add(&mut s.traffic, phase, fraction, peer, data.len() as u64);
         }
         self.inner.send(peer, tag, data)

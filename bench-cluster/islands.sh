@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Islands on the emulated cluster (run as root): N network namespaces
+# ("nodes", one island each) whose egress is shaped by a token bucket, as
+# bench-cluster/run.sh builds them. For every rate it runs, with the same
+# model, data, seed and per-rank batch:
+#   sync     zeropp train on the whole job (synchronous ZeRO++)
+#   alone    one island training alone (node 0 only): the step time islands
+#            aim at when the slow link is hidden
+#   H        zeropp train --islands N --sync-every H, for each H of --syncs
+# and appends to islands.csv the mean wall time per step (total / steps,
+# syncs included), the losses (final: last 10 steps; validation: held-out
+# text after the last outer sync), the engine's bytes across nodes (all, and
+# the outer syncs') and what the veth counters saw. Then it prints each row
+# against `alone` (step time) and `sync` (bytes, validation loss).
+#
+#   bench-cluster/islands.sh --nodes 2 --ranks-per-node 2 --rates "30mbit 10mbit" \
+#       --syncs "10 20 50 100" --steps 100 --out /tmp/islands \
+#       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
+#
+# Arguments after `--` go to every `zeropp train`.
+set -euo pipefail
+
+NODES=2
+RPN=2
+RATES="30mbit"
+SYNCS="20"
+ROWS="sync alone islands"
+STEPS=100
+OUT="bench-cluster/results-islands"
+ZEROPP="${ZEROPP:-target/release/zeropp}"
+EXTRA=()
+
+die() { echo "bench-cluster/islands: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --nodes) NODES="$2"; shift 2 ;;
+    --ranks-per-node) RPN="$2"; shift 2 ;;
+    --rates) RATES="$2"; shift 2 ;;
+    --syncs) SYNCS="$2"; shift 2 ;;
+    --rows) ROWS="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --zeropp) ZEROPP="$2"; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) die "unknown option $1 (see --help)" ;;
+  esac
+done
+[ "$(id -u)" -eq 0 ] || die "needs root (network namespaces and tc)"
+[ -x "$ZEROPP" ] || die "no zeropp binary at $ZEROPP (cargo build --release, or --zeropp PATH)"
+ZEROPP="$(cd "$(dirname "$ZEROPP")" && pwd)/$(basename "$ZEROPP")"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+
+HERE="$(cd "$(dirname "$0")" && pwd)"
+NETNS_TAG="zpi$$"
+NETNS_PREFIX=10.78.0
+# shellcheck source=bench-cluster/netns.sh
+. "$HERE/netns.sh"
+cleanup() { netns_down "$NODES"; }
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
+burst_bytes() {
+  python3 - "$1" <<'PY'
+import re, sys
+m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
+if not m:
+    sys.exit(f"bench-cluster/islands: rate {sys.argv[1]!r} is not like 30mbit")
+bps = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+print(max(int(bps / 800), 16384))
+PY
+}
+
+build_cluster() {
+  cleanup
+  netns_up "$NODES"
+  for k in $(seq 0 $((NODES - 1))); do
+    tc -n "$(netns_name "$k")" qdisc add dev eth0 root tbf rate "$1" burst "$(burst_bytes "$1")" latency 200ms
+  done
+}
+
+counter() {
+  local total=0 k
+  for k in $(seq 0 $((NODES - 1))); do
+    total=$((total + $(ip netns exec "$(netns_name "$k")" cat "/sys/class/net/eth0/statistics/$1")))
+  done
+  echo "$total"
+}
+
+CSV="$OUT/islands.csv"
+RUN_START=0
+[ -f "$CSV" ] && RUN_START=$(( $(wc -l < "$CSV") - 1 ))
+[ -f "$CSV" ] || echo "row,rate,nodes,ranks_per_node,sync_every,steps,mean_step_s,median_step_s,final_loss,val_loss,engine_inter_bytes,outer_bytes,wire_inter_bytes" > "$CSV"
+
+# run ROW RATE NODES FLAGS...: one job on the first NODES nodes.
+run() {
+  local row="$1" rate="$2" nodes="$3"; shift 3
+  local name="$row-$rate" token k pids=() failed=0
+  token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  local bytes0 packets0
+  bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
+  for k in $(seq 0 $((nodes - 1))); do
+    ip netns exec "$(netns_name "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
+      --nodes "$nodes" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(netns_ip 0):29500" \
+      --timeout 300 -- "$ZEROPP" train --steps "$STEPS" --log-every 10 \
+      --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "$@" "${EXTRA[@]}" \
+      > "$OUT/$name-node$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || failed=1; done
+  [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
+  local bytes packets
+  bytes=$(( $(counter tx_bytes) - bytes0 )); packets=$(( $(counter tx_packets) - packets0 ))
+  python3 - "$OUT/$name.json" "$((bytes - 66 * packets))" "$row" "$rate" "$nodes" "$RPN" "$STEPS" >> "$CSV" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+wire, (row, rate, nodes, rpn, steps) = int(sys.argv[2]), sys.argv[3:8]
+engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
+isl = s.get("islands") or {}
+print(f"{row},{rate},{nodes},{rpn},{isl.get('sync_every', '')},{steps},{s['mean_step_time_s']:.4f},"
+      f"{s['median_step_time_s']:.4f},{s['final_loss']:.4f},{s['val_loss']:.4f},{engine:.0f},"
+      f"{isl.get('outer_bytes', 0):.0f},{wire}")
+PY
+  tail -n 1 "$CSV"
+}
+
+for rate in $RATES; do
+  for row in $ROWS; do
+    case "$row" in
+      sync) build_cluster "$rate"; run sync "$rate" "$NODES" ;;
+      alone) build_cluster "$rate"; run alone "$rate" 1 ;;
+      islands)
+        for h in $SYNCS; do
+          build_cluster "$rate"
+          run "H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h"
+        done ;;
+      *) die "unknown row $row: use sync, alone, islands" ;;
+    esac
+  done
+done
+
+# Each row against one island alone (step time) and synchronous zeropp
+# (bytes across nodes, validation loss), measured in this invocation.
+python3 - "$CSV" "$RUN_START" <<'PY'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))[int(sys.argv[2]):]
+for rate in dict.fromkeys(r["rate"] for r in rows):
+    here = {r["row"]: r for r in rows if r["rate"] == rate}
+    alone, sync = here.get("alone"), here.get("sync")
+    for name, r in here.items():
+        parts = [f"{rate} {name}: {float(r['mean_step_s']):.4f} s/step"]
+        if alone:
+            parts.append(f"{float(r['mean_step_s']) / float(alone['mean_step_s']):.3f}x alone's step")
+        if sync and name != "alone":
+            parts.append(f"{int(r['wire_inter_bytes']) / max(int(sync['wire_inter_bytes']), 1):.4f}x sync's wire bytes")
+            parts.append(f"validation {float(r['val_loss']):.4f} ({float(r['val_loss']) / float(sync['val_loss']) - 1:+.2%} vs sync)")
+        print(", ".join(parts))
+PY
+echo "results: $CSV"

@@ -1,0 +1,341 @@
+//! Islands (DiLoCo over shards, `zero::outer`): the job cut into islands
+//! of whole nodes, each training as a job of its own ranks, and every H
+//! steps each rank's outer delta averaged with the ranks holding the same
+//! shard on the other islands. Streaming: the units are split into
+//! fragments whose exchanges start at staggered steps and run on a
+//! communication thread of their own while the island trains on; each
+//! lands `delay` steps after it started (the outer step on the averaged
+//! delta, plus what the island trained meanwhile).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use zeropp_comm::Communicator;
+use zeropp_comm::collectives::{CommThread, Pending};
+use zeropp_zero::allreduce::QuantizedAllReduce;
+use zeropp_zero::host::HostMover;
+use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
+use zeropp_zero::residual::Residual;
+use zeropp_zero::{Hop, ZeroError, ZeroGroups};
+
+use crate::{Engine, EngineError, Result};
+
+/// How a job runs as islands.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct IslandConfig {
+    /// Islands: consecutive whole nodes each.
+    pub count: usize,
+    /// Inner steps between two exchanges of one fragment (H).
+    pub sync_every: usize,
+    pub outer: OuterSettings,
+    /// How the outer deltas travel: quantized with error feedback, or
+    /// f32 (`None`).
+    pub quantized: Option<QuantizedAllReduce>,
+    /// Fragments of consecutive units (at most the units): fragment f's
+    /// exchanges start f·H/F steps after fragment 0's, so the link carries
+    /// a fragment at a time.
+    pub fragments: usize,
+    /// Steps an exchange runs while the island trains on before it is
+    /// applied (below H; 0: at once, the island waits for it).
+    pub delay: usize,
+}
+
+impl IslandConfig {
+    /// Settings that cannot run, said with what to set.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if self.sync_every == 0 {
+            return Err("islands that sync every 0 steps: sync_every must be at least 1".into());
+        }
+        if self.fragments == 0 {
+            return Err("0 fragments: the model is at least one fragment (1: no streaming)".into());
+        }
+        if self.delay >= self.sync_every {
+            return Err(format!(
+                "an outer delay of {} steps with a sync every {}: an exchange must land before \
+                 its fragment's next one starts (delay below sync_every)",
+                self.delay, self.sync_every
+            ));
+        }
+        Ok(())
+    }
+
+    /// The fragment of unit `u` of `units` (consecutive units; never more
+    /// fragments than units).
+    fn fragment(&self, u: usize, units: usize) -> usize {
+        u * self.fragments.min(units) / units
+    }
+
+    /// Whether fragment `f` (of `units`' fragments) starts an exchange
+    /// after `steps` optimizer steps.
+    fn starts(&self, f: usize, units: usize, steps: usize) -> bool {
+        let (h, n) = (self.sync_every, self.fragments.min(units));
+        steps > 0 && steps % h == (f * h / n) % h
+    }
+}
+
+/// An exchange on the islands' thread: the averaged delta and the
+/// residuals it used come back.
+type Exchange = Pending<(Vec<f32>, Residual, Residual), ZeroError>;
+
+/// This rank's part in the islands' outer sync.
+pub(crate) struct IslandRun {
+    pub(crate) cfg: IslandConfig,
+    /// This rank's island.
+    pub(crate) island: usize,
+    /// The ranks at this rank's place in every island, as every hop of a
+    /// mover (the exchanges run over `Hop::World`).
+    across: ZeroGroups,
+    /// The exchanges' own communication thread.
+    thread: CommThread,
+    /// Each unit's outer state (a finished exchange waiting for its step
+    /// in its `flight`).
+    pub(crate) states: Vec<OuterState>,
+    /// Each unit's exchange under way: its due step, the weights when it
+    /// started, and the exchange.
+    live: Vec<Option<(u64, Vec<f32>, Exchange)>>,
+    /// The step each unit's last exchange started after.
+    last_start: Vec<Option<usize>>,
+    /// Exchanges started (of fragments), and seconds the compute thread
+    /// waited for them to land.
+    pub(crate) exchanges: usize,
+    pub(crate) waited_s: f64,
+}
+
+impl IslandRun {
+    pub(crate) fn new(
+        cfg: IslandConfig,
+        island: usize,
+        across: Arc<zeropp_comm::Group>,
+        comm: Arc<Communicator>,
+        masters: &[&[f32]],
+    ) -> IslandRun {
+        IslandRun {
+            cfg,
+            island,
+            across: ZeroGroups {
+                world: across.clone(),
+                node: across.clone(),
+                cross: across.clone(),
+                hpz: across,
+            },
+            thread: CommThread::new(comm),
+            states: masters.iter().map(|m| OuterState::new(m)).collect(),
+            live: masters.iter().map(|_| None).collect(),
+            last_start: vec![None; masters.len()],
+            exchanges: 0,
+            waited_s: 0.0,
+        }
+    }
+
+    /// Unit `u`'s outer state as a checkpoint keeps it: an error while
+    /// its exchange is under way ([`Engine::settle_outer`] first).
+    pub(crate) fn saved(&self, u: usize) -> Result<OuterState> {
+        if self.live[u].is_some() {
+            return Err(EngineError::Checkpoint(
+                "an outer exchange is under way: settle_outer before saving".into(),
+            ));
+        }
+        Ok(self.states[u].clone())
+    }
+
+    /// Bytes of outer state held: every unit's, and what the exchanges
+    /// under way hold (the weights when they started, the delta).
+    pub(crate) fn outer_bytes(&self) -> usize {
+        let live: usize = self
+            .live
+            .iter()
+            .flatten()
+            .map(|(_, then, _)| 8 * then.len())
+            .sum();
+        self.states.iter().map(|s| s.bytes()).sum::<usize>() + live
+    }
+
+    /// Every unit's state from a checkpoint (nothing under way).
+    pub(crate) fn restore(&mut self, states: Vec<OuterState>) {
+        self.live = states.iter().map(|_| None).collect();
+        self.last_start = vec![None; states.len()];
+        self.states = states;
+    }
+}
+
+impl Engine {
+    /// The islands' work after an optimizer step (nothing without
+    /// islands): the exchanges due land, then the fragments whose turn it
+    /// is start theirs (and land at once without a delay).
+    pub fn outer_after_step(&mut self) -> Result<()> {
+        let Some(run) = self.islands.as_ref() else {
+            return Ok(());
+        };
+        let (cfg, steps, n) = (run.cfg, self.step, self.units.len());
+        let due: Vec<usize> = (0..n)
+            .filter(|&u| self.due_at(u) == Some(steps as u64))
+            .collect();
+        for u in due {
+            self.land(u)?;
+        }
+        let starting: Vec<usize> = (0..n)
+            .filter(|&u| cfg.starts(cfg.fragment(u, n), n, steps))
+            .collect();
+        for &u in &starting {
+            self.start(u, steps + cfg.delay)?;
+        }
+        self.count_exchanges(&starting);
+        if cfg.delay == 0 {
+            for u in starting {
+                self.land(u)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The end of the run: every exchange under way lands, and every unit
+    /// not synced at this very step is synced now, so that every island
+    /// holds the one model the job trained.
+    pub fn outer_finish(&mut self) -> Result<()> {
+        let Some(run) = self.islands.as_ref() else {
+            return Ok(());
+        };
+        let (steps, delay, n) = (self.step, run.cfg.delay, self.units.len());
+        for u in 0..n {
+            if self.due_at(u).is_some() {
+                self.land(u)?;
+            }
+        }
+        let run = self.islands.as_ref().expect("islands");
+        let stale: Vec<usize> = (0..n)
+            .filter(|&u| delay > 0 || run.last_start[u] != Some(steps))
+            .collect();
+        for &u in &stale {
+            self.start(u, steps)?;
+        }
+        self.count_exchanges(&stale);
+        for u in stale {
+            self.land(u)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every exchange under way (without applying it), so that
+    /// the outer state is whole: before a checkpoint.
+    pub fn settle_outer(&mut self) -> Result<()> {
+        for u in 0..self.units.len() {
+            self.settle(u)?;
+        }
+        Ok(())
+    }
+
+    /// Exchanges of fragments started, and seconds the compute thread
+    /// waited for exchanges to land.
+    pub fn outer_exchanges(&self) -> (usize, f64) {
+        self.islands
+            .as_ref()
+            .map_or((0, 0.0), |r| (r.exchanges, r.waited_s))
+    }
+
+    /// Counts the exchanges of the fragments `units` (just started) are in.
+    fn count_exchanges(&mut self, units: &[usize]) {
+        let n = self.units.len();
+        if let Some(run) = self.islands.as_mut() {
+            let mut fragments: Vec<usize> = units.iter().map(|&u| run.cfg.fragment(u, n)).collect();
+            fragments.dedup();
+            run.exchanges += fragments.len();
+        }
+    }
+
+    /// The step unit `u`'s exchange is due after, if one is under way or
+    /// finished and waiting.
+    fn due_at(&self, u: usize) -> Option<u64> {
+        let run = self.islands.as_ref()?;
+        match &run.live[u] {
+            Some((due, ..)) => Some(*due),
+            None => run.states[u].flight.as_ref().map(|f| f.due),
+        }
+    }
+
+    /// Starts unit `u`'s exchange on the islands' thread: its delta from
+    /// the anchor, averaged over the islands, due after step `due`.
+    fn start(&mut self, u: usize, due: usize) -> Result<()> {
+        let run = self.islands.as_mut().expect("islands");
+        let state = &mut run.states[u];
+        let master = &self.units[u].master;
+        let mut delta = outer::local_delta(state, master)?;
+        let residuals = (
+            std::mem::take(&mut state.sent),
+            std::mem::take(&mut state.owned),
+        );
+        let (counter, groups, quantized) =
+            (self.counter.clone(), run.across.clone(), run.cfg.quantized);
+        let exchange = run.thread.submit(move |c: &Communicator| {
+            let mover = HostMover {
+                comm: c,
+                counter: &counter,
+                groups,
+            };
+            let (mut sent, mut owned) = residuals;
+            outer::exchange(
+                &mover,
+                Hop::World,
+                quantized,
+                (&mut sent, &mut owned),
+                &mut delta,
+            )?;
+            Ok((delta, sent, owned))
+        });
+        run.live[u] = Some((due as u64, master.clone(), exchange));
+        run.last_start[u] = Some(self.step);
+        Ok(())
+    }
+
+    /// Waits for unit `u`'s exchange under way, keeping it as a finished
+    /// flight.
+    fn settle(&mut self, u: usize) -> Result<()> {
+        let name = self.units[u].name.clone();
+        let Some(run) = self.islands.as_mut() else {
+            return Ok(());
+        };
+        let Some((due, then, exchange)) = run.live[u].take() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let (averaged, sent, owned) = exchange.wait().map_err(|source| EngineError::Unit {
+            what: "the islands' outer exchange",
+            unit: name,
+            source,
+        })?;
+        run.waited_s += t.elapsed().as_secs_f64();
+        let state = &mut run.states[u];
+        (state.sent, state.owned) = (sent, owned);
+        state.flight = Some(Flight {
+            due,
+            then,
+            averaged,
+        });
+        Ok(())
+    }
+
+    /// Applies unit `u`'s exchange (waiting for it if it is under way):
+    /// the outer step moves the anchor and the shard becomes the new
+    /// anchor plus what the island trained since the exchange started.
+    /// The unit's qwZ references restart (its weights jumped).
+    fn land(&mut self, u: usize) -> Result<()> {
+        self.settle(u)?;
+        let run = self.islands.as_mut().expect("islands");
+        let state = &mut run.states[u];
+        let Some(flight) = state.flight.take() else {
+            return Ok(());
+        };
+        let su = &mut self.units[u];
+        outer::apply(
+            run.cfg.outer,
+            state,
+            &flight.then,
+            &flight.averaged,
+            &mut su.master,
+        )?;
+        su.secondary = None;
+        if let Ok(mut r) = su.reference.lock() {
+            *r = None;
+        }
+        Ok(())
+    }
+}
