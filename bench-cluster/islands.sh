@@ -7,6 +7,12 @@
 #   alone    one island training alone (node 0 only): the step time islands
 #            aim at when the slow link is hidden
 #   H        zeropp train --islands N --sync-every H, for each H of --syncs
+# and, with PyTorch (--python, --torchft-python), on examples/torch_gpt.py's
+# GPT with the same H values:
+#   torch-sync     torch_gpt.py, zeropp.torch on the whole job
+#   torch-H        torch_gpt.py --islands N (zeropp.torch.OuterSync)
+#   torchft-H      bench-cluster/torchft_diloco.py: torchft's DiLoCo, FSDP2 in
+#                  each island over gloo, a lighthouse on node 0
 # and appends to islands.csv the mean wall time per step (total / steps,
 # syncs included), the losses (final: last 10 steps; validation: held-out
 # text after the last outer sync), the engine's bytes across nodes (all, and
@@ -17,7 +23,10 @@
 #       --syncs "10 20 50 100" --steps 100 --out /tmp/islands \
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
-# Arguments after `--` go to every `zeropp train`.
+# Rows (--rows): any of sync alone islands torch-sync torch-islands torchft.
+# Arguments after `--` go to every run (zeropp train, torch_gpt.py and
+# torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
+# --outer-momentum 0.7" to every islands run (every one takes these).
 set -euo pipefail
 
 NODES=2
@@ -28,6 +37,9 @@ ROWS="sync alone islands"
 STEPS=100
 OUT="bench-cluster/results-islands"
 ZEROPP="${ZEROPP:-target/release/zeropp}"
+PYTHON="${ZEROPP_PYTHON:-python3}"
+TFT_PYTHON="/tmp/tft-venv/bin/python"
+OUTER=""
 EXTRA=()
 
 die() { echo "bench-cluster/islands: $*" >&2; exit 1; }
@@ -42,8 +54,11 @@ while [ $# -gt 0 ]; do
     --steps) STEPS="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --zeropp) ZEROPP="$2"; shift 2 ;;
+    --python) PYTHON="$2"; shift 2 ;;
+    --torchft-python) TFT_PYTHON="$2"; shift 2 ;;
+    --outer) OUTER="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -54,6 +69,7 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
+EXAMPLE="$HERE/../examples/torch_gpt.py"
 NETNS_TAG="zpi$$"
 NETNS_PREFIX=10.78.0
 # shellcheck source=bench-cluster/netns.sh
@@ -95,22 +111,45 @@ RUN_START=0
 [ -f "$CSV" ] && RUN_START=$(( $(wc -l < "$CSV") - 1 ))
 [ -f "$CSV" ] || echo "row,rate,nodes,ranks_per_node,sync_every,steps,mean_step_s,median_step_s,final_loss,val_loss,engine_inter_bytes,outer_bytes,wire_inter_bytes" > "$CSV"
 
-# run ROW RATE NODES FLAGS...: one job on the first NODES nodes.
+# run KIND ROW RATE NODES FLAGS...: one job on the first NODES nodes; KIND
+# is native (zeropp train), torch (torch_gpt.py under torchrun) or torchft.
 run() {
-  local row="$1" rate="$2" nodes="$3"; shift 3
-  local name="$row-$rate" token k pids=() failed=0
+  local kind="$1" row="$2" rate="$3" nodes="$4"; shift 4
+  local name="$row-$rate" token k pids=() failed=0 lighthouse=""
   token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   local bytes0 packets0
   bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
+  local out=(--steps "$STEPS" --log-every 10 --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl")
+  if [ "$kind" = torchft ]; then
+    ip netns exec "$(netns_name 0)" "$(dirname "$TFT_PYTHON")/torchft_lighthouse" --min_replicas "$nodes" \
+      --quorum_tick_ms 100 --join_timeout_ms 10000 --bind "[::]:29510" > "$OUT/$name-lighthouse.log" 2>&1 &
+    lighthouse=$!
+  fi
   for k in $(seq 0 $((nodes - 1))); do
-    ip netns exec "$(netns_name "$k")" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
-      --nodes "$nodes" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(netns_ip 0):29500" \
-      --timeout 300 -- "$ZEROPP" train --steps "$STEPS" --log-every 10 \
-      --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl" "$@" "${EXTRA[@]}" \
-      > "$OUT/$name-node$k.log" 2>&1 &
+    local ns; ns="$(netns_name "$k")"
+    case "$kind" in
+      native)
+        ip netns exec "$ns" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
+          --nodes "$nodes" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(netns_ip 0):29500" \
+          --timeout 300 -- "$ZEROPP" train "${out[@]}" "$@" "${EXTRA[@]}" \
+          > "$OUT/$name-node$k.log" 2>&1 & ;;
+      torch)
+        ip netns exec "$ns" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ZEROPP_TIMEOUT_S=300 \
+          "$PYTHON" -m torch.distributed.run --nnodes "$nodes" --node-rank "$k" \
+          --nproc-per-node "$RPN" --master-addr "$(netns_ip 0)" --master-port 29500 \
+          "$EXAMPLE" --bf16 "${out[@]}" "$@" "${EXTRA[@]}" > "$OUT/$name-node$k.log" 2>&1 & ;;
+      torchft)
+        ip netns exec "$ns" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 RUST_LOG=warn \
+          TORCHFT_LIGHTHOUSE="http://$(netns_ip 0):29510" REPLICA_GROUP_ID="$k" NUM_REPLICA_GROUPS="$nodes" \
+          "$TFT_PYTHON" -m torch.distributed.run --nnodes 1 --nproc-per-node "$RPN" \
+          --master-addr 127.0.0.1 --master-port $((29600 + k)) "$HERE/torchft_diloco.py" \
+          --advertise-host "$(netns_ip "$k")" --bf16 "${out[@]}" "$@" "${EXTRA[@]}" \
+          > "$OUT/$name-node$k.log" 2>&1 & ;;
+    esac
     pids+=($!)
   done
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
+  [ -z "$lighthouse" ] || kill "$lighthouse" 2>/dev/null || true
   [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
   local bytes packets
   bytes=$(( $(counter tx_bytes) - bytes0 )); packets=$(( $(counter tx_packets) - packets0 ))
@@ -118,8 +157,13 @@ run() {
 import json, sys
 s = json.load(open(sys.argv[1]))
 wire, (row, rate, nodes, rpn, steps) = int(sys.argv[2]), sys.argv[3:8]
-engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
+if "run_bytes" in s:
+    engine = s["run_bytes"]["inter_node"] + 40 * s["run_messages"]["inter_node"]
+else:
+    engine = 0  # torchft: only the wire counts its bytes
 isl = s.get("islands") or {}
+if isinstance(isl, int):  # torchft's summary: the island count
+    isl = {"sync_every": s.get("sync_every", "")}
 print(f"{row},{rate},{nodes},{rpn},{isl.get('sync_every', '')},{steps},{s['mean_step_time_s']:.4f},"
       f"{s['median_step_time_s']:.4f},{s['final_loss']:.4f},{s['val_loss']:.4f},{engine:.0f},"
       f"{isl.get('outer_bytes', 0):.0f},{wire}")
@@ -130,14 +174,28 @@ PY
 for rate in $RATES; do
   for row in $ROWS; do
     case "$row" in
-      sync) build_cluster "$rate"; run sync "$rate" "$NODES" ;;
-      alone) build_cluster "$rate"; run alone "$rate" 1 ;;
+      sync) build_cluster "$rate"; run native sync "$rate" "$NODES" ;;
+      alone) build_cluster "$rate"; run native alone "$rate" 1 ;;
       islands)
         for h in $SYNCS; do
           build_cluster "$rate"
-          run "H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h"
+          # shellcheck disable=SC2086 # OUTER is flags
+          run native "H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
         done ;;
-      *) die "unknown row $row: use sync, alone, islands" ;;
+      torch-sync) build_cluster "$rate"; run torch torch-sync "$rate" "$NODES" ;;
+      torch-islands)
+        for h in $SYNCS; do
+          build_cluster "$rate"
+          # shellcheck disable=SC2086
+          run torch "torch-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
+        done ;;
+      torchft)
+        for h in $SYNCS; do
+          build_cluster "$rate"
+          # shellcheck disable=SC2086
+          run torchft "torchft-H$h" "$rate" "$NODES" --sync-every "$h" $OUTER
+        done ;;
+      *) die "unknown row $row: use sync, alone, islands, torch-sync, torch-islands, torchft" ;;
     esac
   done
 done
@@ -158,5 +216,14 @@ for rate in dict.fromkeys(r["rate"] for r in rows):
             parts.append(f"{int(r['wire_inter_bytes']) / max(int(sync['wire_inter_bytes']), 1):.4f}x sync's wire bytes")
             parts.append(f"validation {float(r['val_loss']):.4f} ({float(r['val_loss']) / float(sync['val_loss']) - 1:+.2%} vs sync)")
         print(", ".join(parts))
+    # The peer a PyTorch user would pick instead: torchft's DiLoCo at the same H.
+    for name, r in here.items():
+        peer = here.get("torchft-" + name.removeprefix("torch-"))
+        if peer is None or name.startswith("torchft"):
+            continue
+        t, tp = float(r["mean_step_s"]), float(peer["mean_step_s"])
+        w, wp = int(r["wire_inter_bytes"]), max(int(peer["wire_inter_bytes"]), 1)
+        print(f"{rate} {name} vs torchft: step {t / tp:.3f}x, wire bytes {w / wp:.4f}x, "
+              f"validation {float(r['val_loss']):.4f} vs {float(peer['val_loss']):.4f}")
 PY
 echo "results: $CSV"

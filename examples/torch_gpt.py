@@ -118,6 +118,19 @@ def parse_args(argv=None):
     p.add_argument("--mode", choices=["zeropp", "zero3", "fsdp2", "hsdp"], default="zeropp")
     p.add_argument("--mesh", choices=["world", "hsdp", "sub"], default="world")
     p.add_argument(
+        "--islands",
+        type=int,
+        default=1,
+        help="islands of consecutive ranks (zeropp modes): each shards the model over its own "
+        "ranks, and zeropp.torch.OuterSync syncs them every --sync-every steps",
+    )
+    p.add_argument("--sync-every", type=int, default=20)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--outer-bits", type=int, choices=[4, 32], default=4, help="int4 or f32 outer deltas"
+    )
+    p.add_argument(
         "--model",
         choices=["gpt", "llama"],
         default="gpt",
@@ -231,7 +244,12 @@ def shard(model, args, world, g, device):
         else None
     )
     kw = {"mp_policy": mp} if mp is not None else {}
-    if args.mesh == "hsdp":
+    if args.islands > 1:
+        args.island_mesh = init_device_mesh(
+            device.type, (args.islands, world // args.islands), mesh_dim_names=("island", "shard")
+        )
+        kw["mesh"] = args.island_mesh["shard"]
+    elif args.mesh == "hsdp":
         kw["mesh"] = init_device_mesh(
             device.type,
             (world // g, g),
@@ -298,6 +316,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.mode == "hsdp":
         args.mode, args.mesh = "fsdp2", "hsdp"
+    if args.islands > 1 and (args.mode not in ("zeropp", "zero3") or args.mesh != "world"):
+        raise SystemExit("--islands runs the zeropp modes on their own (island, shard) mesh")
     torch.set_num_threads(args.threads)
     device = open_device(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -327,6 +347,23 @@ def main(argv=None):
             * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / max(1, args.steps)))))
         ),
     )
+    outer = None
+    # Per-step metrics stay inside the island: no step waits on another.
+    island = None
+    if args.islands > 1:
+        outer = zeropp.torch.OuterSync(
+            model,
+            opt,
+            args.island_mesh,
+            sync_every=args.sync_every,
+            lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            bits=None if args.outer_bits == 32 else 4,
+            transport=args.transport,
+            ranks_per_node=args.ranks_per_node,
+        )
+        island = args.island_mesh.get_group(1)
+    island_size = world // args.islands
     data = Data(args.seed, rank, world)
     tokens_per_step = args.batch * args.context * world
     metrics = open(args.metrics, "w") if (lead and args.metrics) else None
@@ -339,6 +376,7 @@ def main(argv=None):
         )
     losses, times, backward_times, across, inside = [], [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
+    loop_start = time.perf_counter()
     for step in range(args.steps):
         x, y = data.batch(step, args.batch, args.context, device=device)
         if device.type == "cuda":
@@ -354,12 +392,12 @@ def main(argv=None):
             torch.cuda.synchronize()
         backward_times.append(time.perf_counter() - tb)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        (outer or opt).step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
-        mean_loss = mean_loss.item() / world
+        dist.all_reduce(mean_loss, group=island)
+        mean_loss = mean_loss.item() / island_size
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -372,8 +410,9 @@ def main(argv=None):
                 [_phase_sum(now, before, "intra_node"), _phase_sum(now, before, "inter_node")],
                 dtype=torch.float64,
             )
-            dist.all_reduce(mine)
-            job_bytes = mine.tolist()
+            dist.all_reduce(mine, group=island)
+            # The islands' bytes are alike (the same collectives).
+            job_bytes = [b * args.islands for b in mine.tolist()]
             before = now
             inside.append(job_bytes[0])
             across.append(job_bytes[1])
@@ -402,6 +441,10 @@ def main(argv=None):
                 f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step",
                 flush=True,
             )
+    if outer is not None and args.steps % args.sync_every:
+        # The last outer step, so that every island holds one model.
+        outer.sync()
+    loop_s = time.perf_counter() - loop_start
     val = []
     with torch.no_grad():
         for i in range(4):
@@ -438,6 +481,7 @@ def main(argv=None):
         "val_loss": sum(val) / len(val),
         "tokens_per_s": tokens_per_step / statistics.median(times),
         "median_step_time_s": statistics.median(times),
+        "mean_step_time_s": loop_s / args.steps,
         "median_backward_s": statistics.median(backward_times),
         "local_reduce_scatter": args.local_reduce_scatter,
         "bytes_per_step": {
@@ -454,6 +498,18 @@ def main(argv=None):
         summary["mesh_dims"] = zeropp.torch.resolved_switches()[args.mode]["mesh"]
         summary["traffic"] = zeropp.torch.traffic()
         summary["measured"] = zeropp.torch.measured()
+    if outer is not None:
+        t = zeropp.torch.traffic()["outer"]["total"]["inter_node"]
+        mine = torch.tensor([t], dtype=torch.float64)
+        dist.all_reduce(mine)
+        summary["islands"] = {
+            "count": args.islands,
+            "ranks_per_island": island_size,
+            "sync_every": args.sync_every,
+            "outer_bits": args.outer_bits,
+            "outer_bytes": mine.item(),
+            "outer_state_bytes": outer.state_bytes(),
+        }
     if run is not None:
         summary["run_bytes"] = {"intra_node": run[0], "inter_node": run[1]}
         summary["run_messages"] = {"intra_node": run[2], "inter_node": run[3]}

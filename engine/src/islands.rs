@@ -75,7 +75,7 @@ impl IslandConfig {
 
 /// An exchange on the islands' thread: the averaged delta and the
 /// residuals it used come back.
-type Exchange = Pending<(Vec<f32>, Residual, Residual), ZeroError>;
+type Exchange = Pending<(Vec<f32>, Residual, Residual, f64), ZeroError>;
 
 /// This rank's part in the islands' outer sync.
 pub(crate) struct IslandRun {
@@ -99,6 +99,8 @@ pub(crate) struct IslandRun {
     /// waited for them to land.
     pub(crate) exchanges: usize,
     pub(crate) waited_s: f64,
+    /// Seconds the islands' thread spent exchanging (all units).
+    pub(crate) exchange_s: f64,
 }
 
 impl IslandRun {
@@ -124,6 +126,7 @@ impl IslandRun {
             last_start: vec![None; masters.len()],
             exchanges: 0,
             waited_s: 0.0,
+            exchange_s: 0.0,
         }
     }
 
@@ -224,12 +227,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Exchanges of fragments started, and seconds the compute thread
-    /// waited for exchanges to land.
-    pub fn outer_exchanges(&self) -> (usize, f64) {
+    /// Exchanges of fragments started, seconds the compute thread waited
+    /// for exchanges to land, and seconds the islands' thread spent
+    /// exchanging.
+    pub fn outer_exchanges(&self) -> (usize, f64, f64) {
         self.islands
             .as_ref()
-            .map_or((0, 0.0), |r| (r.exchanges, r.waited_s))
+            .map_or((0, 0.0, 0.0), |r| (r.exchanges, r.waited_s, r.exchange_s))
     }
 
     /// Counts the exchanges of the fragments `units` (just started) are in.
@@ -272,6 +276,7 @@ impl Engine {
                 groups,
             };
             let (mut sent, mut owned) = residuals;
+            let t = Instant::now();
             outer::exchange(
                 &mover,
                 Hop::World,
@@ -279,7 +284,7 @@ impl Engine {
                 (&mut sent, &mut owned),
                 &mut delta,
             )?;
-            Ok((delta, sent, owned))
+            Ok((delta, sent, owned, t.elapsed().as_secs_f64()))
         });
         run.live[u] = Some((due as u64, master.clone(), exchange));
         run.last_start[u] = Some(self.step);
@@ -297,12 +302,14 @@ impl Engine {
             return Ok(());
         };
         let t = Instant::now();
-        let (averaged, sent, owned) = exchange.wait().map_err(|source| EngineError::Unit {
-            what: "the islands' outer exchange",
-            unit: name,
-            source,
-        })?;
+        let (averaged, sent, owned, took) =
+            exchange.wait().map_err(|source| EngineError::Unit {
+                what: "the islands' outer exchange",
+                unit: name,
+                source,
+            })?;
         run.waited_s += t.elapsed().as_secs_f64();
+        run.exchange_s += took;
         let state = &mut run.states[u];
         (state.sent, state.owned) = (sent, owned);
         state.flight = Some(Flight {

@@ -1092,13 +1092,19 @@ class OuterSync:
         self.steps += 1
         if self.steps % self.sync_every:
             return False
+        self.sync()
+        return True
+
+    def sync(self):
+        """The outer step now, whatever the step count (every island calls
+        it at the same point): at the end of a run whose steps are not a
+        multiple of ``sync_every``, so that every island holds one model."""
         ops = [
             s.step(self.job, host_bytes(_local(p), "parameter"), self.ranks)
             for s, p in zip(self.states, self.params, strict=True)
         ]
         for op in ops:
             op.wait()
-        return True
 
     def state_bytes(self):
         """Bytes of outer state this rank holds (anchors, momenta, error

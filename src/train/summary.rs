@@ -101,6 +101,12 @@ pub struct IslandsSummary {
     /// included), and seconds rank 0's compute thread waited for them.
     pub exchanges: usize,
     pub waited_s: f64,
+    /// Seconds one exchange of the whole model took on rank 0's islands'
+    /// thread (mean), the smallest H whose inner steps it hides behind
+    /// (at this run's inner step), and that said in words.
+    pub exchange_s: f64,
+    pub hiding_sync_every: usize,
+    pub why: String,
     /// How the outer deltas travelled (4: int4 with error feedback, 32:
     /// f32).
     pub outer_bits: u32,
