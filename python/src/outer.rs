@@ -79,6 +79,56 @@ impl OuterState {
         self.state.lock().map(|s| s.bytes()).unwrap_or(0)
     }
 
+    /// Copies the anchor and the outer momentum into `anchor` and
+    /// `momentum` (float32 host buffers of the shard's length): what a
+    /// checkpoint keeps.
+    fn save_into(&self, anchor: &Bound<'_, PyAny>, momentum: &Bound<'_, PyAny>) -> PyResult<()> {
+        let state = self.lock()?;
+        for (buf, what, from) in [
+            (anchor, "anchor", &state.anchor),
+            (momentum, "momentum", &state.momentum),
+        ] {
+            let buf = HostBuf::new(buf, true, what)?;
+            let to = buf.typed_mut::<f32>(what).map_err(invalid)?;
+            if to.len() != from.len() {
+                return Err(invalid(format!(
+                    "a {what} buffer of {} values for a shard of {}",
+                    to.len(),
+                    from.len()
+                )));
+            }
+            to.copy_from_slice(from);
+        }
+        Ok(())
+    }
+
+    /// Replaces the anchor and the outer momentum by `anchor` and
+    /// `momentum` (a checkpoint's); the exchange's error feedback starts
+    /// over.
+    fn load(&self, anchor: &Bound<'_, PyAny>, momentum: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut state = self.lock()?;
+        let len = state.anchor.len();
+        let read = |buf: &Bound<'_, PyAny>, what: &str| -> PyResult<Vec<f32>> {
+            let buf = HostBuf::new(buf, false, what)?;
+            let v = buf.typed::<f32>(what).map_err(invalid)?;
+            if v.len() != len {
+                return Err(invalid(format!(
+                    "a saved {what} of {} values for a shard of {len}: the checkpoint was cut \
+                     for another layout",
+                    v.len()
+                )));
+            }
+            Ok(v.to_vec())
+        };
+        let (a, m) = (read(anchor, "anchor")?, read(momentum, "momentum")?);
+        *state = outer::OuterState {
+            anchor: a,
+            momentum: m,
+            ..outer::OuterState::default()
+        };
+        Ok(())
+    }
+
     /// The outer step of `weights` (this rank's shard, float32, in place)
     /// across the islands: the mesh dimension `ranks` of `job` (the ranks
     /// of every island holding this shard, registered with
@@ -98,6 +148,14 @@ impl OuterState {
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
             outer::outer_step(mover, Hop::World, settings, quantized, &mut state, w)
         }))
+    }
+}
+
+impl OuterState {
+    fn lock(&self) -> PyResult<std::sync::MutexGuard<'_, outer::OuterState>> {
+        self.state
+            .lock()
+            .map_err(|_| invalid("the outer state is poisoned (an outer step panicked)"))
     }
 }
 

@@ -167,10 +167,10 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
     assert len(oks) == 11, p.stdout
 
 
-def test_islands_outer_sync_is_diloco_over_shards():
-    p = torchrun(WORKERS / "islands.py")
+def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
+    p = torchrun(WORKERS / "islands.py", [tmp_path / "dcp"])
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 6, p.stdout
+    assert len(oks) == 8, p.stdout
 
 
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])

@@ -1060,8 +1060,13 @@ class OuterSync:
         self.optimizer, self.sync_every, self.steps = optimizer, sync_every, 0
         self.job = job(transport=transport, ranks_per_node=ranks_per_node)
         self.ranks = _group_ranks(mesh.get_group(0))
+        # This rank's island: the key of what differs between islands (the
+        # model between syncs, the inner optimizer's state) in a checkpoint.
+        self.island = mesh.get_local_rank(0)
         _add_mesh_dim(self.job, self.ranks)
-        self.params = list(model.parameters())
+        named = list(model.named_parameters())
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.states = []
         for i, p in enumerate(self.params):
             local = _local(p)
@@ -1110,6 +1115,70 @@ class OuterSync:
         """Bytes of outer state this rank holds (anchors, momenta, error
         feedback): about twice its shard of the model in f32."""
         return sum(s.bytes() for s in self.states)
+
+    def state_dict(self):
+        """The outer state for a checkpoint: the step count and, per
+        parameter name, its anchor and outer momentum sharded as the
+        parameter is (DTensors on its mesh, the same on every island), so
+        that ``torch.distributed.checkpoint`` saves and loads them beside
+        the model (the inner optimizer's state is the wrapped optimizer's:
+        ``get_optimizer_state_dict(model, opt.optimizer)``)::
+
+            mine = f"island{opt.island}"   # the islands' models and AdamW states differ
+            msd, osd = get_state_dict(model, opt.optimizer)
+            dcp.save({mine: {"model": msd, "optim": osd}, "outer": opt.state_dict()},
+                     checkpoint_id=path)
+            ...
+            msd, osd = get_state_dict(model, opt.optimizer)
+            state = {mine: {"model": msd, "optim": osd}, "outer": opt.state_dict()}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt.optimizer, model_state_dict=state[mine]["model"],
+                           optim_state_dict=state[mine]["optim"])
+            opt.load_state_dict(state["outer"])
+
+        The exchange's error feedback is not saved: it starts over."""
+        anchors, momenta = {}, {}
+        for name, p, state in zip(self.names, self.params, self.states, strict=True):
+            a, m = torch.empty_like(_local(p)), torch.empty_like(_local(p))
+            state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+            anchors[name], momenta[name] = _like_param(a, p), _like_param(m, p)
+        return {"steps": self.steps, "anchors": anchors, "momenta": momenta}
+
+    def load_state_dict(self, state_dict):
+        """Restores what :meth:`state_dict` gave (after a
+        ``torch.distributed.checkpoint`` load filled it in)."""
+        try:
+            steps, anchors, momenta = (
+                state_dict["steps"],
+                state_dict["anchors"],
+                state_dict["momenta"],
+            )
+        except (KeyError, TypeError) as e:
+            raise ZeroppError(
+                f"not an OuterSync state dict (missing {e}): pass what OuterSync.state_dict() gave"
+            ) from None
+        missing = [n for n in self.names if n not in anchors or n not in momenta]
+        if missing:
+            raise ZeroppError(
+                f"the outer state has no anchor or momentum for {missing[:3]}: it was saved for "
+                "another model"
+            )
+        for name, state in zip(self.names, self.states, strict=True):
+            a = _local(anchors[name]).detach().to("cpu", torch.float32).contiguous()
+            m = _local(momenta[name]).detach().to("cpu", torch.float32).contiguous()
+            state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+        self.steps = int(steps)
+
+
+def _like_param(local, p):
+    """``local`` (this rank's shard) sharded as parameter ``p`` is."""
+    if not hasattr(p, "to_local"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _local(p):

@@ -4,10 +4,14 @@ inside each island and f32 outer deltas it trains as FSDP2 per island plus
 the same outer step written in torch; with int4 outer deltas the islands
 stay identical. Prints one "ok NAME" line per check on rank 0."""
 
+import sys
+
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from checks import check, expect_error
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -62,7 +66,13 @@ def main():
     ours = model()
     shard(ours, mesh, zeropp=True)
     sync = zt.OuterSync(
-        ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), mesh, sync_every=H, bits=None
+        ours,
+        torch.optim.AdamW(ours.parameters(), lr=1e-2),
+        mesh,
+        sync_every=H,
+        lr=0.7,
+        momentum=0.9,
+        bits=None,
     )
     ran = []
     losses = train(ours, sync, island, lambda: ran.append(sync.steps % H == 0))
@@ -121,6 +131,47 @@ def main():
         "the outer sync's bytes are their own phase, across nodes",
         outer["inter_node"] > 0 and outer["intra_node"] == 0,
         f"{outer}",
+    )
+    # DCP: each island's model and inner optimizer (under its own key:
+    # islands differ between syncs, and their AdamW states always) and the
+    # outer state (the same on every island), loaded into a fresh copy
+    # (other weights, no outer state): both train on alike (f32 deltas: no
+    # error feedback to lose).
+    root = sys.argv[1]
+    key = f"island{sync.island}"
+    msd, osd = get_state_dict(ours, sync.optimizer)
+    dcp.save({key: {"model": msd, "optim": osd}, "outer": sync.state_dict()}, checkpoint_id=root)
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
+    shard(fresh, mesh, zeropp=True)
+    fsync = zt.OuterSync(
+        fresh,
+        torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+        mesh,
+        sync_every=H,
+        lr=0.7,
+        momentum=0.9,
+        bits=None,
+    )
+    msd, osd = get_state_dict(fresh, fsync.optimizer)
+    state = {key: {"model": msd, "optim": osd}, "outer": fsync.state_dict()}
+    dcp.load(state, checkpoint_id=root)
+    mine = state[key]
+    set_state_dict(
+        fresh, fsync.optimizer, model_state_dict=mine["model"], optim_state_dict=mine["optim"]
+    )
+    fsync.load_state_dict(state["outer"])
+    again = train(ours, sync, island, lambda: None)
+    resumed = train(fresh, fsync, island, lambda: None)
+    check(
+        "OuterSync's state round-trips through torch.distributed.checkpoint",
+        again == resumed and fsync.steps == sync.steps,
+        f"({again[-1]:.6f} vs {resumed[-1]:.6f})",
+    )
+    expect_error(
+        "an outer state of another model is refused",
+        lambda: fsync.load_state_dict({"steps": 0, "anchors": {}, "momenta": {}}),
+        "another model",
     )
     expect_error(
         "a mesh that is not (islands, ranks) is refused",
