@@ -7,6 +7,8 @@
 #   alone    one island training alone (node 0 only): the step time islands
 #            aim at when the slow link is hidden
 #   H        zeropp train --islands N --sync-every H, for each H of --syncs
+#   SH       the same streamed: --stream "F D" gives --outer-fragments F
+#            --outer-delay D (row `streamed`)
 # and, with PyTorch (--python, --torchft-python), on examples/torch_gpt.py's
 # GPT with the same H values:
 #   torch-sync     torch_gpt.py, zeropp.torch on the whole job
@@ -23,7 +25,8 @@
 #       --syncs "10 20 50 100" --steps 100 --out /tmp/islands \
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
-# Rows (--rows): any of sync alone islands torch-sync torch-islands torchft.
+# Rows (--rows): any of sync alone islands streamed torch-sync torch-islands
+# torchft.
 # Arguments after `--` go to every run (zeropp train, torch_gpt.py and
 # torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
 # --outer-momentum 0.7" to every islands run (every one takes these).
@@ -40,6 +43,7 @@ ZEROPP="${ZEROPP:-target/release/zeropp}"
 PYTHON="${ZEROPP_PYTHON:-python3}"
 TFT_PYTHON="/tmp/tft-venv/bin/python"
 OUTER=""
+STREAM="4 2"
 EXTRA=()
 
 die() { echo "bench-cluster/islands: $*" >&2; exit 1; }
@@ -57,8 +61,9 @@ while [ $# -gt 0 ]; do
     --python) PYTHON="$2"; shift 2 ;;
     --torchft-python) TFT_PYTHON="$2"; shift 2 ;;
     --outer) OUTER="$2"; shift 2 ;;
+    --stream) STREAM="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -182,6 +187,14 @@ for rate in $RATES; do
           # shellcheck disable=SC2086 # OUTER is flags
           run native "H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
         done ;;
+      streamed)
+        read -r frags delay <<< "$STREAM"
+        for h in $SYNCS; do
+          build_cluster "$rate"
+          # shellcheck disable=SC2086
+          run native "S$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" \
+            --outer-fragments "$frags" --outer-delay "$delay" $OUTER
+        done ;;
       torch-sync) build_cluster "$rate"; run torch torch-sync "$rate" "$NODES" ;;
       torch-islands)
         for h in $SYNCS; do
@@ -195,7 +208,7 @@ for rate in $RATES; do
           # shellcheck disable=SC2086
           run torchft "torchft-H$h" "$rate" "$NODES" --sync-every "$h" $OUTER
         done ;;
-      *) die "unknown row $row: use sync, alone, islands, torch-sync, torch-islands, torchft" ;;
+      *) die "unknown row $row: use sync, alone, islands, streamed, torch-sync, torch-islands, torchft" ;;
     esac
   done
 done

@@ -191,6 +191,14 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
     }
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(&sfull).unwrap()).unwrap();
+    // Nothing inside an island of one node crosses a node: plain
+    // collectives there, and no probe of the link at join.
+    assert_eq!(summary["switches"]["qgz"], false, "{summary}");
+    assert_eq!(summary["switches"]["qwz_bits"], serde_json::Value::Null);
+    assert_eq!(
+        summary["why"]["qgz"], "plain: one node, no hop across nodes",
+        "{summary}"
+    );
     let isl = &summary["islands"];
     // 3 syncs on the way and one at the end (14 is not a multiple of 4).
     assert_eq!(isl["exchanges"], 4, "{summary}");

@@ -421,9 +421,23 @@ fn connect(
         layout.ranks_per_node,
     ));
     let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, island);
-    let measured = measure_links(&counter, &table, layout, cfg, &timed, facts)?;
-    let resolved = crate::zero::plan::resolve(wanted, &asked, island, &routing, measured.as_ref())
-        .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    // Islands of one node: nothing inside them crosses a node, so there is
+    // no route to time (and the probe's bytes would cross the slow link).
+    let one_node_islands = islands > 1 && island.nodes == 1;
+    let measured = if one_node_islands {
+        None
+    } else {
+        measure_links(&counter, &table, layout, cfg, &timed, facts)?
+    };
+    let mut wanted = wanted;
+    let mut inside = std::collections::BTreeMap::new();
+    if one_node_islands {
+        crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
+    }
+    let mut resolved =
+        crate::zero::plan::resolve(wanted, &asked, island, &routing, measured.as_ref())
+            .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    resolved.why.extend(inside);
     if facts.rank == 0 {
         print_plan(&routing, &resolved, measured.is_some());
     }

@@ -536,21 +536,36 @@ fn choose_by_links(
         // (HSDP's shard dimension): the routes were timed across nodes,
         // and inside a node quantizing saves nothing on a slow link. (On
         // one host the routes were timed inside it, and decide.)
-        if !qwz_asked && s.qwz_bits.is_some() {
-            s.qwz_bits = None;
-            s.qwz_delta = false;
-            why.insert(
-                "qwz_bits".into(),
-                "plain: one node, no hop across nodes".into(),
-            );
-        }
-        if !asked.contains(&"qgz") && !asked.contains(&"error_feedback") && s.qgz {
-            s.qgz = false;
-            s.error_feedback = false;
-            why.insert("qgz".into(), "plain: one node, no hop across nodes".into());
-        }
+        inside_one_node(s, asked, why);
     }
     if !asked.contains(&"hpz") && s.hpz && layout.nodes == 1 {
+        s.hpz = false;
+        why.insert(
+            "hpz".into(),
+            "off: one node, the backward gather never leaves it".into(),
+        );
+    }
+}
+
+/// The switches of a collective that never leaves one node of a job that
+/// spans several (an island of one node, HSDP's shard dimension): qwZ,
+/// qgZ and hpZ off where not asked — quantizing saves nothing there.
+pub fn inside_one_node(s: &mut Switches, asked: &[&str], why: &mut BTreeMap<String, String>) {
+    let qwz_asked = asked.contains(&"qwz_bits") || (asked.contains(&"qwz_delta") && s.qwz_delta);
+    if !qwz_asked && s.qwz_bits.is_some() {
+        s.qwz_bits = None;
+        s.qwz_delta = false;
+        why.insert(
+            "qwz_bits".into(),
+            "plain: one node, no hop across nodes".into(),
+        );
+    }
+    if !asked.contains(&"qgz") && !asked.contains(&"error_feedback") && s.qgz {
+        s.qgz = false;
+        s.error_feedback = false;
+        why.insert("qgz".into(), "plain: one node, no hop across nodes".into());
+    }
+    if !asked.contains(&"hpz") && s.hpz {
         s.hpz = false;
         why.insert(
             "hpz".into(),
