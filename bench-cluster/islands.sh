@@ -4,8 +4,11 @@
 # bench-cluster/run.sh builds them. For every rate it runs, with the same
 # model, data, seed and per-rank batch:
 #   sync     zeropp train on the whole job (synchronous ZeRO++)
-#   alone    one island training alone (node 0 only): the step time islands
-#            aim at when the slow link is hidden
+#   alone    one island training alone (node 0 only)
+#   apart    every island training at once but never syncing (--sync-every
+#            beyond the steps): the step time islands aim at when the slow
+#            link is hidden, under the same load on this machine's cores
+#            as the islands' runs (on one machine the islands share them)
 #   H        zeropp train --islands N --sync-every H, for each H of --syncs
 #   SH       the same streamed: --stream "F D" gives --outer-fragments F
 #            --outer-delay D (row `streamed`)
@@ -25,8 +28,8 @@
 #       --syncs "10 20 50 100" --steps 100 --out /tmp/islands \
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
-# Rows (--rows): any of sync alone islands streamed torch-sync torch-islands
-# torchft.
+# Rows (--rows): any of sync alone apart islands streamed torch-sync
+# torch-islands torchft.
 # Arguments after `--` go to every run (zeropp train, torch_gpt.py and
 # torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
 # --outer-momentum 0.7" to every islands run (every one takes these).
@@ -63,7 +66,7 @@ while [ $# -gt 0 ]; do
     --outer) OUTER="$2"; shift 2 ;;
     --stream) STREAM="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,36p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
   esac
 done
@@ -181,6 +184,7 @@ for rate in $RATES; do
     case "$row" in
       sync) build_cluster "$rate"; run native sync "$rate" "$NODES" ;;
       alone) build_cluster "$rate"; run native alone "$rate" 1 ;;
+      apart) build_cluster "$rate"; run native apart "$rate" "$NODES" --islands "$NODES" --sync-every 1000000 ;;
       islands)
         for h in $SYNCS; do
           build_cluster "$rate"
@@ -208,7 +212,7 @@ for rate in $RATES; do
           # shellcheck disable=SC2086
           run torchft "torchft-H$h" "$rate" "$NODES" --sync-every "$h" $OUTER
         done ;;
-      *) die "unknown row $row: use sync, alone, islands, streamed, torch-sync, torch-islands, torchft" ;;
+      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torchft" ;;
     esac
   done
 done
@@ -220,12 +224,13 @@ import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))[int(sys.argv[2]):]
 for rate in dict.fromkeys(r["rate"] for r in rows):
     here = {r["row"]: r for r in rows if r["rate"] == rate}
-    alone, sync = here.get("alone"), here.get("sync")
+    alone, sync = here.get("apart") or here.get("alone"), here.get("sync")
     for name, r in here.items():
         parts = [f"{rate} {name}: {float(r['mean_step_s']):.4f} s/step"]
         if alone:
-            parts.append(f"{float(r['mean_step_s']) / float(alone['mean_step_s']):.3f}x alone's step")
-        if sync and name != "alone":
+            which = "apart" if "apart" in here else "alone"
+            parts.append(f"{float(r['mean_step_s']) / float(alone['mean_step_s']):.3f}x {which}'s step")
+        if sync and name not in ("alone", "apart"):
             parts.append(f"{int(r['wire_inter_bytes']) / max(int(sync['wire_inter_bytes']), 1):.4f}x sync's wire bytes")
             parts.append(f"validation {float(r['val_loss']):.4f} ({float(r['val_loss']) / float(sync['val_loss']) - 1:+.2%} vs sync)")
         print(", ".join(parts))

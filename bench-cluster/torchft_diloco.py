@@ -97,9 +97,10 @@ loss averaged over the island's ranks), ``final_loss`` the mean of the last
 of the N * G job (torch_gpt.py's four per rank, their mean: the model is the
 same on every island, so island 0 evaluates them all), ``median_step_time_s``
 (forward to the loss all-reduce, the sync inside the steps that sync),
-``mean_step_time_s`` (the training loop's wall time, the final sync
-included, over --steps), ``tokens_per_s`` (job tokens per step over the
-median step, as zeropp train) and ``tokens_per_s_wall`` (over the mean);
+``mean_step_time_s`` (the training loop's wall time, its syncs included
+but not the extra one at the end, over --steps, as zeropp's runs count
+it), ``tokens_per_s`` (job tokens per step over the median step, as
+zeropp train) and ``tokens_per_s_wall`` (over the mean);
 ``outer_bytes_per_rank_counted``: the bytes of the tensors rank 0 handed to
 the cross-island all-reduce (the payload, not the wire; see
 ``outer_bytes_counted`` for how).
@@ -455,6 +456,9 @@ def main(argv=None):
                     ),
                     flush=True,
                 )
+        # The training steps' wall time (their syncs included; the last
+        # extra sync below is not, as zeropp's runs count it).
+        loop_s = time.perf_counter() - t_loop
         if diloco._local_step != 0:
             # Steps since the last sync: one more, the hook's own calls.
             committed = manager.current_step()
@@ -472,7 +476,6 @@ def main(argv=None):
                     f"{args.steps} ({state}, {sync_times[-1]:.3f} s)",
                     flush=True,
                 )
-        loop_s = time.perf_counter() - t_loop
 
     outer_syncs = manager.current_step()
     expected = -(-args.steps // args.sync_every)

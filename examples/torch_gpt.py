@@ -125,8 +125,8 @@ def parse_args(argv=None):
         "ranks, and zeropp.torch.OuterSync syncs them every --sync-every steps",
     )
     p.add_argument("--sync-every", type=int, default=20)
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=0.2)
+    p.add_argument("--outer-momentum", type=float, default=0.7)
     p.add_argument(
         "--outer-bits", type=int, choices=[4, 32], default=4, help="int4 or f32 outer deltas"
     )
@@ -441,10 +441,11 @@ def main(argv=None):
                 f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step",
                 flush=True,
             )
+    # The training steps' wall time (an outer step on the way included).
+    loop_s = time.perf_counter() - loop_start
     if outer is not None and args.steps % args.sync_every:
         # The last outer step, so that every island holds one model.
         outer.sync()
-    loop_s = time.perf_counter() - loop_start
     val = []
     with torch.no_grad():
         for i in range(4):
