@@ -179,3 +179,56 @@ fn plan_from_a_runs_measured_links_predicts_that_run_within_15_percent() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("measured nothing at join"), "{err}");
 }
+
+#[test]
+fn plan_predicts_islands_and_the_h_that_hides_their_exchange() {
+    // The emulated cluster at 10 Mbit/s, the 3.76M GPT: islands H = 20 and
+    // 50 measured 0.210 and 0.150 s a step with an island's inner step of
+    // 0.122 s (docs/TRAINING.md, "Islands").
+    let base = [
+        "plan",
+        "--params",
+        "3.76e6",
+        "--nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+        "--nic-gbit",
+        "0.01",
+        "--compute-s",
+        "0.12",
+        "--quant-gbps",
+        "2",
+        "--islands",
+        "2",
+        "--sync-every",
+        "20,50",
+        "--json",
+    ];
+    let out = zeropp(&base);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let isl = v["islands"].as_array().unwrap();
+    let step = |i: usize| isl[i]["step_s"].as_f64().unwrap();
+    let hides = isl[0]["hiding_sync_every"].as_u64().unwrap();
+    assert!((step(0) / 0.210 - 1.0).abs() < 0.15, "H=20: {}", step(0));
+    assert!((step(1) / 0.150 - 1.0).abs() < 0.15, "H=50: {}", step(1));
+    assert!((10..=20).contains(&hides), "{hides}");
+    // The table a user reads, and islands that do not divide the nodes.
+    let text = zeropp(&base[..base.len() - 1]);
+    let text = String::from_utf8_lossy(&text.stdout).to_string();
+    assert!(
+        text.contains("hides an exchange behind the inner steps"),
+        "{text}"
+    );
+    let mut bad = base.to_vec();
+    let at = bad.len() - 4;
+    bad[at] = "3";
+    let out = zeropp(&bad);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("divide the nodes"));
+}

@@ -80,6 +80,20 @@ pub struct PlanArgs {
     /// then also prints that run's predicted step beside its measured one.
     #[arg(long, value_name = "SUMMARY_JSON")]
     pub measured: Option<PathBuf>,
+    /// Also predict islands (`zeropp train --islands N`): N islands of
+    /// whole nodes, each training on its own, an outer exchange of the
+    /// whole model across them every H steps (--sync-every).
+    #[arg(long)]
+    pub islands: Option<usize>,
+    /// The H values the islands table compares.
+    #[arg(long, value_delimiter = ',', default_value = "10,20,50,100")]
+    pub sync_every: Vec<usize>,
+    /// Streamed islands: fragments, and the inner steps each exchange may
+    /// run behind (0: waited for).
+    #[arg(long, default_value_t = 1)]
+    pub outer_fragments: usize,
+    #[arg(long, default_value_t = 0)]
+    pub outer_delay: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -165,8 +179,27 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             "prediction": p,
         })
     });
+    let islands = match a.islands {
+        None | Some(1) => None,
+        Some(n) => Some(
+            a.sync_every
+                .iter()
+                .map(|&h| input.predict_islands(n, h, a.outer_fragments, a.outer_delay))
+                .collect::<std::result::Result<Vec<_>, String>>()
+                .map_err(|e| anyhow::anyhow!("--islands: {e}"))?,
+        ),
+    };
     if a.json {
         let preds = input.compare();
+        if let Some(isl) = &islands {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({
+                    "input": input, "predictions": preds, "islands": isl, "run": this_run,
+                }))?
+            );
+            return Ok(());
+        }
         match this_run {
             None => println!("{}", serde_json::to_string_pretty(&preds)?),
             Some(r) => println!(
@@ -181,6 +214,9 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         print!("{}", zeropp_topology::cost::render(&input, tokens));
         if let Some(r) = this_run {
             println!("{}", zeropp_topology::cost::render_run(&r));
+        }
+        if let Some(isl) = &islands {
+            print!("{}", zeropp_topology::cost::render_islands(&input, isl));
         }
     }
     Ok(())

@@ -299,6 +299,136 @@ impl PlanInput {
     }
 }
 
+/// What islands (`zeropp train --islands N --sync-every H`) would do: the
+/// inner step of one island (the fastest configuration on its own nodes),
+/// one outer exchange of the whole model across the islands, and the step
+/// with the exchange every H steps — waited for, or streamed in `fragments`
+/// that each land `delay` inner steps after they start.
+#[derive(Clone, Debug, Serialize)]
+pub struct IslandsPrediction {
+    pub islands: usize,
+    pub sync_every: usize,
+    pub fragments: usize,
+    pub delay: usize,
+    /// The island's own step, and the configuration it runs.
+    pub inner_step_s: f64,
+    pub inner_config: &'static str,
+    /// One exchange of the whole model (int4 blocks of 64 with their
+    /// scales: an all-to-all and an all-gather of (R−1)/R of a shard per
+    /// rank, the node's ranks sharing its NICs), and the bytes each node
+    /// sends across for it.
+    pub exchange_s: f64,
+    pub exchange_bytes_per_node: f64,
+    /// The mean step, syncs included.
+    pub step_s: f64,
+    /// Bytes each node sends across per step (the exchanges only: nothing
+    /// else leaves an island of one node).
+    pub inter_node_bytes_per_step: f64,
+    /// The smallest H whose inner steps hide one exchange.
+    pub hiding_sync_every: usize,
+}
+
+impl PlanInput {
+    /// The islands' prediction: `islands` islands of consecutive whole
+    /// nodes (a divisor of the nodes), an exchange every `h` steps in
+    /// `fragments` landing `delay` steps later (0: waited for).
+    pub fn predict_islands(
+        &self,
+        islands: usize,
+        h: usize,
+        fragments: usize,
+        delay: usize,
+    ) -> Result<IslandsPrediction, String> {
+        if islands < 2 || !self.nodes.is_multiple_of(islands) || h == 0 || fragments == 0 {
+            return Err(format!(
+                "{islands} islands of {} nodes syncing every {h} steps in {fragments} fragments: \
+                 the islands (2 or more) divide the nodes, H and the fragments are at least 1",
+                self.nodes
+            ));
+        }
+        let island = PlanInput {
+            nodes: self.nodes / islands,
+            ..self.clone()
+        };
+        let best = island
+            .compare()
+            .into_iter()
+            .next()
+            .expect("configurations to compare");
+        let inner = best.step_s;
+        let r = islands as f64;
+        // Per rank: its shard, (R−1)/R of it in the all-to-all and the
+        // same again in the all-gather, at 4 bits and an f32 pair per 64.
+        let shard = self.params / island.world();
+        let per_rank = 2.0 * (r - 1.0) / r * shard * (0.5 + 8.0 / 64.0);
+        let per_node = per_rank * self.ranks_per_node as f64;
+        let exchange = 2.0 * (r - 1.0) * self.alpha_s + per_node / self.nic_bps();
+        let (hf, f) = (h as f64, fragments as f64);
+        // Waited for: in the step that syncs. Streamed: each fragment's
+        // share beyond `delay` inner steps, and never less than what the
+        // islands' thread cannot fit in H steps.
+        let exposed = if delay == 0 {
+            exchange
+        } else {
+            (f * (exchange / f - delay as f64 * inner).max(0.0)).max(exchange - hf * inner)
+        };
+        Ok(IslandsPrediction {
+            islands,
+            sync_every: h,
+            fragments,
+            delay,
+            inner_step_s: inner,
+            inner_config: best.config.name,
+            exchange_s: exchange,
+            exchange_bytes_per_node: per_node,
+            step_s: inner + exposed / hf,
+            inter_node_bytes_per_step: per_node / hf,
+            hiding_sync_every: (exchange / inner.max(1e-12)).ceil().max(1.0) as usize,
+        })
+    }
+}
+
+/// The islands table `zeropp plan --islands` prints.
+pub fn render_islands(input: &PlanInput, preds: &[IslandsPrediction]) -> String {
+    let Some(first) = preds.first() else {
+        return String::new();
+    };
+    let sync = input.compare().into_iter().next().expect("configurations");
+    let mut s = format!(
+        "\nislands: {} of {} node(s); an island's step {:.4} s ({}), one exchange of the whole \
+         model {:.4} s ({:.3} MB per node); synchronous on the whole job: {:.4} s ({})\n",
+        first.islands,
+        input.nodes / first.islands,
+        first.inner_step_s,
+        first.inner_config,
+        first.exchange_s,
+        first.exchange_bytes_per_node / 1e6,
+        sync.step_s,
+        sync.config.name
+    );
+    s += &format!(
+        "  {:>6} {:>9} {:>6} {:>11} {:>14} {:>16}\n",
+        "H", "fragments", "delay", "step (s)", "vs island's", "MB across/step"
+    );
+    for p in preds {
+        s += &format!(
+            "  {:>6} {:>9} {:>6} {:>11.4} {:>13.3}x {:>16.4}\n",
+            p.sync_every,
+            p.fragments,
+            p.delay,
+            p.step_s,
+            p.step_s / p.inner_step_s,
+            p.inter_node_bytes_per_step / 1e6
+        );
+    }
+    s += &format!(
+        "  H >= {} hides an exchange behind the inner steps (streamed: --outer-fragments F \
+         --outer-delay D with each fragment's exchange within D steps)\n",
+        first.hiding_sync_every
+    );
+    s
+}
+
 /// `zeropp train` flags that run configuration `c`.
 pub fn train_flags(c: Config) -> String {
     match c.name {
@@ -628,5 +758,33 @@ mod tests {
         assert_eq!(slow[0].config.name, "zeropp");
         let text = render(&emulated(10_000.0), 2048.0);
         assert!(text.contains("compute-bound"), "{text}");
+    }
+
+    #[test]
+    fn islands_hide_the_exchange_from_the_h_the_link_allows() {
+        // The 3.76M GPT at 10 Mbit/s: about 1.9 MB per node per exchange.
+        let input = PlanInput {
+            params: 3.76e6,
+            compute_s: 0.12,
+            ..PlanInput::emulated_cluster(10.0)
+        };
+        let p = input.predict_islands(2, 20, 1, 0).unwrap();
+        assert!(
+            (p.exchange_bytes_per_node - 2.0 * (2.0 * 0.5 * 1.88e6 * 0.625)).abs() < 1e3,
+            "{p:?}"
+        );
+        assert!(p.exchange_s > 1.0 && p.exchange_s < 2.5, "{p:?}");
+        // Waited for: the exchange over H steps; more steps, less of it.
+        let p50 = input.predict_islands(2, 50, 1, 0).unwrap();
+        assert!(p.step_s > p50.step_s && p50.step_s > p.inner_step_s);
+        assert!((p.step_s - p.inner_step_s - p.exchange_s / 20.0).abs() < 1e-9);
+        // Streamed from the H that hides it: the island's own step.
+        let h = p.hiding_sync_every;
+        let s = input.predict_islands(2, 2 * h, 4, h / 2).unwrap();
+        assert!((s.step_s - s.inner_step_s).abs() < 1e-9, "{s:?}");
+        // Below it the islands' thread cannot keep up.
+        let short = input.predict_islands(2, h / 2, 4, 1).unwrap();
+        assert!(short.step_s > short.inner_step_s);
+        assert!(input.predict_islands(3, 20, 1, 0).is_err());
     }
 }
