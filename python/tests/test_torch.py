@@ -173,6 +173,19 @@ def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
     assert len(oks) == 8, p.stdout
 
 
+def test_the_example_trains_islands_with_outer_sync(tmp_path):
+    # examples/torch_gpt.py --islands 2: each island of one logical node
+    # shards over its own ranks; 7 steps at H = 3 sync at 3 and 6 and once
+    # more at the end, and only the syncs cross between the islands.
+    s = train(tmp_path, "zeropp", "--ranks-per-node", 2, "--islands", 2, "--sync-every", 3, steps=7)
+    isl = s["islands"]
+    assert isl["count"] == 2 and isl["ranks_per_island"] == 2 and isl["sync_every"] == 3, isl
+    assert isl["outer_bytes"] > 0 and isl["outer_state_bytes"] > 0, isl
+    assert s["mean_step_time_s"] > 0 and s["final_loss"] < s["initial_loss"], s
+    outer = s["traffic"]["outer"]["total"]
+    assert outer["inter_node"] > 0 and outer["intra_node"] == 0, outer
+
+
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])
 def test_accelerate_and_the_trainer_shard_then_zeropp_matches_them_and_trains(tmp_path, recipe):
     # Accelerate's FSDP2 plugin, and the Trainer's fsdp_config (its FSDP2
