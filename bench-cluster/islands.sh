@@ -86,33 +86,13 @@ cleanup() { netns_down "$NODES"; }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
-burst_bytes() {
-  python3 - "$1" <<'PY'
-import re, sys
-m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
-if not m:
-    sys.exit(f"bench-cluster/islands: rate {sys.argv[1]!r} is not like 30mbit")
-bps = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
-print(max(int(bps / 800), 16384))
-PY
-}
-
 build_cluster() {
   cleanup
   netns_up "$NODES"
-  for k in $(seq 0 $((NODES - 1))); do
-    tc -n "$(netns_name "$k")" qdisc add dev eth0 root tbf rate "$1" burst "$(burst_bytes "$1")" latency 200ms
-  done
+  for k in $(seq 0 $((NODES - 1))); do netns_tbf "$k" "$1"; done
 }
 
-counter() {
-  local total=0 k
-  for k in $(seq 0 $((NODES - 1))); do
-    total=$((total + $(ip netns exec "$(netns_name "$k")" cat "/sys/class/net/eth0/statistics/$1")))
-  done
-  echo "$total"
-}
+counter() { netns_counter "$NODES" "$1"; }
 
 CSV="$OUT/islands.csv"
 RUN_START=0

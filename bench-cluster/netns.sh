@@ -36,3 +36,33 @@ netns_up() {
     ip -n "$sw" link set "${NETNS_TAG}b$k" up
   done
 }
+
+# netns_rate_bps RATE: bits per second of a tc rate like 100mbit.
+netns_rate_bps() {
+  python3 - "$1" <<'PY'
+import re, sys
+m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
+if not m:
+    sys.exit(f"bench-cluster: rate {sys.argv[1]!r} is not like 100mbit")
+print(int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]))
+PY
+}
+
+# netns_tbf K RATE: host K's egress shaped to RATE by a token bucket with
+# 10 ms of burst (at least 16 KiB) and 200 ms of queue.
+netns_tbf() {
+  local bps burst
+  bps=$(netns_rate_bps "$2") || return 1
+  burst=$(( bps / 800 > 16384 ? bps / 800 : 16384 ))
+  tc -n "$(netns_name "$1")" qdisc add dev eth0 root tbf rate "$2" burst "$burst" latency 200ms
+}
+
+# netns_counter NODES STAT: the sum of eth0's statistic STAT (tx_bytes,
+# tx_packets, ...) over the hosts.
+netns_counter() {
+  local total=0 k
+  for k in $(seq 0 $(($1 - 1))); do
+    total=$((total + $(ip netns exec "$(netns_name "$k")" cat "/sys/class/net/eth0/statistics/$2")))
+  done
+  echo "$total"
+}

@@ -135,22 +135,7 @@ case " $MODES " in
 esac
 EXAMPLE="$(cd "$(dirname "$0")/.." && pwd)/examples/torch_gpt.py"
 
-# Bits per second of a tc rate like 100mbit.
-rate_bps() {
-  python3 - "$1" <<'PY'
-import re, sys
-m = re.fullmatch(r"([0-9.]+)([kmg]?)bit", sys.argv[1].lower())
-if not m:
-    sys.exit(f"bench-cluster: rate {sys.argv[1]!r} is not like 100mbit")
-print(int(float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]))
-PY
-}
-
-# Bytes a token bucket may send at once: 10 ms at the rate, at least 16 KiB.
-burst_bytes() {
-  local b; b=$(( $(rate_bps "$1") / 800 ))
-  echo $(( b > 16384 ? b : 16384 ))
-}
+rate_bps() { netns_rate_bps "$1"; }
 
 build_cluster() {
   local rate="$1"
@@ -161,7 +146,7 @@ build_cluster() {
     # The node's NIC: its egress shaped to the link rate (a token bucket with
     # 10 ms of burst), or netem when a delay is asked for.
     if [ -z "$JITTER" ] && { [ "$DELAY" = "0ms" ] || [ "$DELAY" = "0" ]; }; then
-      tc -n "$ns" qdisc add dev eth0 root tbf rate "$rate" burst "$(burst_bytes "$rate")" latency 200ms
+      netns_tbf "$k" "$rate"
     else
       # shellcheck disable=SC2086 # JITTER is empty or one word
       tc -n "$ns" qdisc add dev eth0 root netem rate "$rate" delay "$DELAY" $JITTER limit 100000 ||
@@ -171,13 +156,7 @@ build_cluster() {
 }
 
 # Sum of a counter of eth0 over the nodes.
-counter() {
-  local total=0
-  for k in $(seq 0 $((NODES - 1))); do
-    total=$((total + $(ip netns exec "$(node_ns "$k")" cat "/sys/class/net/eth0/statistics/$1")))
-  done
-  echo "$total"
-}
+counter() { netns_counter "$NODES" "$1"; }
 
 # What the shaped links deliver to plain TCP (bench-cluster/probe.py), with
 # the flows of a pattern: ring (each node to the next, like a ring

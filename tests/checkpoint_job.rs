@@ -164,20 +164,72 @@ fn steps_of(path: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
-#[test]
-fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs() {
-    let d = tmp("islands");
-    let (full, a, b) = (d.join("full.jsonl"), d.join("a.jsonl"), d.join("b.jsonl"));
-    let (sa, sb, sfull) = (d.join("a.json"), d.join("b.json"), d.join("full.json"));
+/// A JSON file a run wrote.
+fn json(p: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// Runs `zeropp train ARGS` (14 steps) whole, and again stopped after step
+/// 6 into a checkpoint that is then resumed: the resumed steps' losses and
+/// the final validation loss are the whole run's, bit for bit. Returns the
+/// whole run's output, summary and metrics file, and the checkpoint root.
+fn whole_and_resumed_at_6(
+    d: &Path,
+    args: &[&str],
+) -> (String, serde_json::Value, PathBuf, PathBuf) {
+    let (full, b) = (d.join("full.jsonl"), d.join("b.jsonl"));
+    let (sfull, sb) = (d.join("full.json"), d.join("b.json"));
     let ck = d.join("ck");
-    let islands = ["--islands", "2", "--sync-every", "4", "--steps", "14"];
-    let out = train_ok(
+    let whole = [
+        args,
         &[
-            &islands[..],
-            &["--metrics", s(&full), "--summary-json", s(&sfull)],
+            "--steps",
+            "14",
+            "--metrics",
+            s(&full),
+            "--summary-json",
+            s(&sfull),
+        ],
+    ];
+    let out = train_ok(&whole.concat());
+    train_ok(
+        &[
+            args,
+            &[
+                "--steps",
+                "14",
+                "--stop-after",
+                "6",
+                "--checkpoint-dir",
+                s(&ck),
+            ],
         ]
         .concat(),
     );
+    let resumed = zeropp()
+        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
+        .args(["--summary-json", s(&sb)])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success(), "{}", show(&resumed));
+    let (whole_l, b_l) = (losses(&full), losses(&b));
+    assert_eq!(b_l.len(), 8);
+    assert_eq!(
+        whole_l[6..],
+        b_l[..],
+        "{args:?}: losses differ after resuming"
+    );
+    assert_eq!(json(&sfull)["val_loss"], json(&sb)["val_loss"], "{args:?}");
+    (out, json(&sfull), full, ck)
+}
+
+#[test]
+fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs() {
+    let d = tmp("islands");
+    // Stopped between syncs (step 6) and resumed: the same losses, the
+    // same final model.
+    let islands = ["--islands", "2", "--sync-every", "4"];
+    let (out, summary, full, ck) = whole_and_resumed_at_6(&d, &islands);
     assert!(
         out.contains("islands: 2 of 2 ranks, each sharding over its own; outer sync every 4 steps"),
         "{out}"
@@ -189,8 +241,6 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
         let across = st["bytes_inter_node"].as_f64().unwrap();
         assert_eq!(across > 0.0, (i + 1) % 4 == 0, "step {}: {st}", i + 1);
     }
-    let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(&sfull).unwrap()).unwrap();
     // Nothing inside an island of one node crosses a node: plain
     // collectives there, and no probe of the link at join.
     assert_eq!(summary["switches"]["qgz"], false, "{summary}");
@@ -209,41 +259,10 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
         summary["kept_bytes"]["outer_state"].as_u64() > Some(0),
         "{summary}"
     );
-    // Stopped between syncs (step 6) and resumed: the same losses, the
-    // same final model.
-    train_ok(
-        &[
-            &islands[..],
-            &["--stop-after", "6", "--checkpoint-dir", s(&ck)],
-        ]
-        .concat(),
-    );
-    train_ok(
-        &[
-            &islands[..],
-            &["--metrics", s(&a), "--summary-json", s(&sa)],
-        ]
-        .concat(),
-    );
-    let out = zeropp()
-        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
-        .args(["--summary-json", s(&sb)])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", show(&out));
-    let (full, b) = (losses(&full), losses(&b));
-    assert_eq!(b.len(), 8);
-    assert_eq!(
-        full[6..],
-        b[..],
-        "losses differ after resuming with islands"
-    );
-    let val = |p: &Path| {
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
-        v["val_loss"].as_f64().unwrap()
-    };
-    assert_eq!(val(&sfull), val(&sb));
-    assert_eq!(val(&sfull), val(&sa), "the same seed trained another model");
+    // The same seed trains the same model again.
+    let sa = d.join("a.json");
+    train_ok(&[&islands[..], &["--steps", "14", "--summary-json", s(&sa)]].concat());
+    assert_eq!(json(&sa)["val_loss"], summary["val_loss"]);
     // A checkpoint of islands resumed as one job: re-cut from the first
     // island's weights, and training goes on from them.
     let one = d.join("one.jsonl");
@@ -259,7 +278,7 @@ fn islands_cross_the_link_only_to_sync_and_resume_bit_identically_between_syncs(
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", show(&out));
-    let one = losses(&one);
+    let (one, full) = (losses(&one), losses(&full));
     assert!(
         (one[0] - full[6]).abs() < 0.1 * full[6],
         "{} vs {}",
@@ -275,9 +294,6 @@ fn streamed_islands_resume_bit_identically_with_an_exchange_under_way() {
     // starts: stopped after step 6, fragment 1's exchange (started at 6,
     // due at 8) is in the checkpoint, and the resumed run lands it.
     let d = tmp("streamed");
-    let (full, b) = (d.join("full.jsonl"), d.join("b.jsonl"));
-    let (sfull, sb) = (d.join("full.json"), d.join("b.json"));
-    let ck = d.join("ck");
     let islands = [
         "--islands",
         "2",
@@ -287,28 +303,10 @@ fn streamed_islands_resume_bit_identically_with_an_exchange_under_way() {
         "2",
         "--outer-delay",
         "2",
-        "--steps",
-        "14",
     ];
-    let out = train_ok(
-        &[
-            &islands[..],
-            &["--metrics", s(&full), "--summary-json", s(&sfull)],
-        ]
-        .concat(),
-    );
+    let (out, _, _, ck) = whole_and_resumed_at_6(&d, &islands);
     assert!(out.contains("2 fragment(s)"), "{out}");
-    train_ok(
-        &[
-            &islands[..],
-            &["--stop-after", "6", "--checkpoint-dir", s(&ck)],
-        ]
-        .concat(),
-    );
-    let manifest: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(ck.join("step-00000006").join("manifest.json")).unwrap(),
-    )
-    .unwrap();
+    let manifest = json(&ck.join("step-00000006").join("manifest.json"));
     let in_flight = manifest["shards"][0]["outer"]
         .as_array()
         .unwrap()
@@ -319,23 +317,6 @@ fn streamed_islands_resume_bit_identically_with_an_exchange_under_way() {
         in_flight > 0,
         "no exchange under way in the checkpoint: {manifest}"
     );
-    let out = zeropp()
-        .args(["train", "--resume", s(&ck), "--metrics", s(&b)])
-        .args(["--summary-json", s(&sb)])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", show(&out));
-    let (full_l, b_l) = (losses(&full), losses(&b));
-    assert_eq!(
-        full_l[6..],
-        b_l[..],
-        "losses differ after resuming mid-exchange"
-    );
-    let val = |p: &Path| {
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
-        v["val_loss"].as_f64().unwrap()
-    };
-    assert_eq!(val(&sfull), val(&sb));
     std::fs::remove_dir_all(d).ok();
 }
 

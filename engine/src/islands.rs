@@ -59,16 +59,20 @@ impl IslandConfig {
         Ok(())
     }
 
-    /// The fragment of unit `u` of `units` (consecutive units; never more
-    /// fragments than units).
+    /// Fragments of a model of `units` units: never more than its units.
+    pub fn fragments_of(&self, units: usize) -> usize {
+        self.fragments.min(units)
+    }
+
+    /// The fragment of unit `u` of `units` (consecutive units).
     fn fragment(&self, u: usize, units: usize) -> usize {
-        u * self.fragments.min(units) / units
+        u * self.fragments_of(units) / units
     }
 
     /// Whether fragment `f` (of `units`' fragments) starts an exchange
     /// after `steps` optimizer steps.
     fn starts(&self, f: usize, units: usize, steps: usize) -> bool {
-        let (h, n) = (self.sync_every, self.fragments.min(units));
+        let (h, n) = (self.sync_every, self.fragments_of(units));
         steps > 0 && steps % h == (f * h / n) % h
     }
 }
@@ -93,8 +97,6 @@ pub(crate) struct IslandRun {
     /// Each unit's exchange under way: its due step, the weights when it
     /// started, and the exchange.
     live: Vec<Option<(u64, Vec<f32>, Exchange)>>,
-    /// The step each unit's last exchange started after.
-    last_start: Vec<Option<usize>>,
     /// Exchanges started (of fragments), and seconds the compute thread
     /// waited for them to land.
     pub(crate) exchanges: usize,
@@ -123,7 +125,6 @@ impl IslandRun {
             thread: CommThread::new(comm),
             states: masters.iter().map(|m| OuterState::new(m)).collect(),
             live: masters.iter().map(|_| None).collect(),
-            last_start: vec![None; masters.len()],
             exchanges: 0,
             waited_s: 0.0,
             exchange_s: 0.0,
@@ -156,7 +157,6 @@ impl IslandRun {
     /// Every unit's state from a checkpoint (nothing under way).
     pub(crate) fn restore(&mut self, states: Vec<OuterState>) {
         self.live = states.iter().map(|_| None).collect();
-        self.last_start = vec![None; states.len()];
         self.states = states;
     }
 }
@@ -198,15 +198,16 @@ impl Engine {
         let Some(run) = self.islands.as_ref() else {
             return Ok(());
         };
-        let (steps, delay, n) = (self.step, run.cfg.delay, self.units.len());
+        let (cfg, steps, n) = (run.cfg, self.step, self.units.len());
         for u in 0..n {
             if self.due_at(u).is_some() {
                 self.land(u)?;
             }
         }
-        let run = self.islands.as_ref().expect("islands");
+        // Without a delay, the units that synced at this step hold the
+        // anchor already.
         let stale: Vec<usize> = (0..n)
-            .filter(|&u| delay > 0 || run.last_start[u] != Some(steps))
+            .filter(|&u| cfg.delay > 0 || !cfg.starts(cfg.fragment(u, n), n, steps))
             .collect();
         for &u in &stale {
             self.start(u, steps)?;
@@ -287,7 +288,6 @@ impl Engine {
             Ok((delta, sent, owned, t.elapsed().as_secs_f64()))
         });
         run.live[u] = Some((due as u64, master.clone(), exchange));
-        run.last_start[u] = Some(self.step);
         Ok(())
     }
 

@@ -235,7 +235,7 @@ impl Engine {
         }
         let job = layout;
         let count = cfg.islands.map_or(1, |i| i.count);
-        let (_, layout) = job.island(count).map_err(EngineError::Switches)?;
+        let (island, layout) = job.island(count).map_err(EngineError::Switches)?;
         let plan = Plan::new(layout, &cfg.switches).map_err(EngineError::Switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm.clone());
@@ -299,7 +299,6 @@ impl Engine {
             Some(c) if c.count > 1 => {
                 c.check().map_err(EngineError::Switches)?;
                 let masters: Vec<&[f32]> = units.iter().map(|u| &u.master[..]).collect();
-                let island = job.rank / layout.world();
                 Some(IslandRun::new(c, island, across, comm, &masters))
             }
             _ => None,

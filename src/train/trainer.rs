@@ -272,12 +272,12 @@ impl<'a> Trainer<'a> {
                 let job =
                     engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
                 let (exchanges, waited_s, exchange_s) = engine.outer_exchanges();
-                let fragments = c.fragments.min(engine.unit_layouts().len());
+                let fragments = c.fragments_of(engine.unit_layouts().len());
                 // One whole model's exchange, against the inner step (the
                 // median: steps without a sync).
                 let whole_s = exchange_s * fragments as f64 / exchanges.max(1) as f64;
                 let inner_s = median(&r.times);
-                let hides = (whole_s / inner_s.max(1e-9)).ceil().max(1.0) as usize;
+                let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
                 Some(IslandsSummary {
                     count: c.count,
                     ranks_per_island: engine.plan().layout.world(),
@@ -294,7 +294,7 @@ impl<'a> Trainer<'a> {
                          inner steps (this run: H = {}, {} fragment(s), landing {} steps later)",
                         c.sync_every, fragments, c.delay
                     ),
-                    outer_bits: if c.quantized.is_some() { 4 } else { 32 },
+                    outer_bits: cfg.islands.outer_bits,
                     outer_bytes: job[0] as f64,
                     inner_inter_node_bytes: (job[1] - job[0]) as f64,
                 })

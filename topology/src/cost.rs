@@ -383,9 +383,15 @@ impl PlanInput {
             exchange_bytes_per_node: per_node,
             step_s: inner + exposed / hf,
             inter_node_bytes_per_step: per_node / hf,
-            hiding_sync_every: (exchange / inner.max(1e-12)).ceil().max(1.0) as usize,
+            hiding_sync_every: hiding_sync_every(exchange, inner),
         })
     }
+}
+
+/// The smallest H whose inner steps of `inner_s` hide an exchange of
+/// `exchange_s` (the plan's prediction, and a run's own measurement).
+pub fn hiding_sync_every(exchange_s: f64, inner_s: f64) -> usize {
+    (exchange_s / inner_s.max(1e-12)).ceil().max(1.0) as usize
 }
 
 /// The islands table `zeropp plan --islands` prints.

@@ -33,6 +33,13 @@ def shard(net, mesh, zeropp):
             fully_shard(m, mesh=mesh["shard"])
 
 
+def f32_sync(net, mesh):
+    """OuterSync with f32 deltas and DiLoCo's outer optimizer (the torch
+    reference's) around AdamW."""
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    return zt.OuterSync(net, opt, mesh, sync_every=H, lr=0.7, momentum=0.9, bits=None)
+
+
 def batches(island):
     g = torch.Generator().manual_seed(100 + island)
     return [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(H)]
@@ -65,15 +72,7 @@ def main():
     # zeropp: ZeRO-3 inside each island, f32 outer deltas.
     ours = model()
     shard(ours, mesh, zeropp=True)
-    sync = zt.OuterSync(
-        ours,
-        torch.optim.AdamW(ours.parameters(), lr=1e-2),
-        mesh,
-        sync_every=H,
-        lr=0.7,
-        momentum=0.9,
-        bits=None,
-    )
+    sync = f32_sync(ours, mesh)
     ran = []
     losses = train(ours, sync, island, lambda: ran.append(sync.steps % H == 0))
 
@@ -144,15 +143,7 @@ def main():
     torch.manual_seed(1)
     fresh = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
     shard(fresh, mesh, zeropp=True)
-    fsync = zt.OuterSync(
-        fresh,
-        torch.optim.AdamW(fresh.parameters(), lr=1e-2),
-        mesh,
-        sync_every=H,
-        lr=0.7,
-        momentum=0.9,
-        bits=None,
-    )
+    fsync = f32_sync(fresh, mesh)
     msd, osd = get_state_dict(fresh, fsync.optimizer)
     state = {key: {"model": msd, "optim": osd}, "outer": fsync.state_dict()}
     dcp.load(state, checkpoint_id=root)
