@@ -125,6 +125,11 @@ enum Command {
         /// Seconds the other ranks get to report and exit after one fails.
         #[arg(long, default_value_t = 3.0)]
         grace: f64,
+        /// The job's islands (as `zeropp train --islands`): a failed rank
+        /// stops only its island's ranks and the others train on; the
+        /// launch fails when every island has.
+        #[arg(long, default_value_t = 1)]
+        islands: usize,
         /// The command every rank runs.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -282,6 +287,7 @@ fn run(cli: Cli) -> Result<()> {
             master_addr,
             timeout,
             grace,
+            islands,
             command,
         } => launch::launch(&launch::LaunchOptions {
             nodes,
@@ -291,6 +297,7 @@ fn run(cli: Cli) -> Result<()> {
             timeout_s: timeout,
             grace: std::time::Duration::from_secs_f64(grace.max(0.0)),
             rank0_terminal: false,
+            islands,
             command,
         })?,
         Command::CommCheck {

@@ -32,9 +32,13 @@ pub enum GroupKind {
     /// `local: Some(l)` those of its ranks with local rank `l`, one per
     /// node of the island, in node order.
     Island { island: usize, local: Option<usize> },
-    /// The ranks at place `p` of every island (one per island, in island
-    /// order): the islands' outer sync of the shard they hold.
-    Across(usize),
+    /// The ranks at place `place` of the islands in the outer sync (one
+    /// per island, in island order): the islands' outer sync of the shard
+    /// they hold; `place: None`, every rank of those islands (the job's
+    /// bookkeeping once an island is lost). `members` is 0 while every
+    /// island takes part, else [`GroupKind::members_digest`] of those that
+    /// do: each change of membership is a group of its own.
+    Across { place: Option<usize>, members: u8 },
 }
 
 /// Bits of a group id (the top of a message tag).
@@ -49,6 +53,9 @@ const RUN_FIRST_BITS: u32 = PAYLOAD_BITS - RUN_SIZE_BITS;
 /// the whole island).
 const ISLAND_LOCAL_BITS: u32 = 12;
 const ISLAND_BITS: u32 = PAYLOAD_BITS - ISLAND_LOCAL_BITS;
+/// An outer sync group's payload: the members' digest above, the place + 1
+/// below (0: every rank of the members).
+const ACROSS_PLACE_BITS: u32 = PAYLOAD_BITS - 8;
 
 /// The largest run a group id holds (`2^9` ranks) and the first rank it can
 /// start at (below `2^12`).
@@ -99,9 +106,35 @@ impl GroupKind {
                 }
                 (6, ((island as u32) << ISLAND_LOCAL_BITS) | local as u32)
             }
-            GroupKind::Across(p) => (7, fits("place in an island", p)?),
+            GroupKind::Across { place, members } => {
+                let place = place.map_or(0, |p| p + 1);
+                if place >= 1 << ACROSS_PLACE_BITS {
+                    return Err(CommError::Group(format!(
+                        "place {} in an island: zeropp's group ids hold islands of fewer \
+                         than {} ranks",
+                        place - 1,
+                        (1usize << ACROSS_PLACE_BITS) - 1
+                    )));
+                }
+                (7, ((members as u32) << ACROSS_PLACE_BITS) | place as u32)
+            }
         };
         Ok((kind << PAYLOAD_BITS) | payload)
+    }
+
+    /// The `members` of an outer sync group of the islands `alive` says
+    /// take part: 0 when all do, else a digest in 1..=255 of which.
+    pub fn members_digest(alive: &[bool]) -> u8 {
+        if alive.iter().all(|&a| a) {
+            return 0;
+        }
+        let mut h: u32 = 0x811c_9dc5;
+        for (i, &a) in alive.iter().enumerate() {
+            if a {
+                h = (h ^ i as u32).wrapping_mul(0x0100_0193);
+            }
+        }
+        (h % 255) as u8 + 1
     }
 }
 
@@ -209,7 +242,16 @@ mod tests {
                 local: Some(l),
             }));
         }
-        all.extend((0..nodes * g).map(GroupKind::Across));
+        for members in [0, 1, 255] {
+            all.extend((0..g).map(|p| GroupKind::Across {
+                place: Some(p),
+                members,
+            }));
+            all.push(GroupKind::Across {
+                place: None,
+                members,
+            });
+        }
         all
     }
 

@@ -61,6 +61,11 @@ pub struct LaunchOptions {
     /// Rank 0's stderr is our own (unprefixed), so a progress bar it draws
     /// reaches the terminal; its stdout is still prefixed.
     pub rank0_terminal: bool,
+    /// Failure domains: the job's islands (consecutive whole nodes each).
+    /// A failed rank stops the ranks of its island only; the others go on
+    /// (`zeropp train --islands`), and the launch fails only when every
+    /// island has. 1: one failure stops the job.
+    pub islands: usize,
     pub command: Vec<String>,
 }
 
@@ -242,12 +247,37 @@ fn spawn(
     })
 }
 
-/// Waits for every rank; after the first failure the others get `grace`
-/// to report and exit. Then every rank's process group is stopped (ranks
-/// still running, and anything an exited rank left holding our output
-/// pipes). The first failure: its rank, status and time.
-fn supervise(ranks: &mut [Rank], grace: Duration) -> Result<Option<(usize, ExitStatus)>> {
-    let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
+/// A rank that failed: its island, rank and status.
+#[derive(Clone, Copy, Debug)]
+struct Failure {
+    island: usize,
+    rank: usize,
+    status: ExitStatus,
+    at: Instant,
+}
+
+/// The island of `rank` for islands of `per_island` ranks (`None`: the
+/// job is one island).
+fn island_of(rank: usize, per_island: Option<usize>) -> usize {
+    per_island.map_or(0, |n| rank / n)
+}
+
+/// Waits for every rank. A failure stops its island (`per_island` ranks
+/// each; `None`: the whole job): the
+/// island's other ranks get `grace` to report and exit, then their
+/// process groups are stopped; the other islands run on. In the end
+/// every rank's process group is stopped (ranks still running, and
+/// anything an exited rank left holding our output pipes). Returns each
+/// island's first failure, in the order they happened.
+fn supervise(
+    ranks: &mut [Rank],
+    grace: Duration,
+    per_island: Option<usize>,
+) -> Result<Vec<Failure>> {
+    let mut failures: Vec<Failure> = Vec::new();
+    let failed = |failures: &[Failure], island: usize| -> Option<Failure> {
+        failures.iter().find(|f| f.island == island).copied()
+    };
     loop {
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
             let waited = r.child.try_wait().map_err(|source| LaunchError::Io {
@@ -256,40 +286,59 @@ fn supervise(ranks: &mut [Rank], grace: Duration) -> Result<Option<(usize, ExitS
             })?;
             if let Some(status) = waited {
                 r.status = Some(status);
-                if !status.success() && first_failure.is_none() {
+                let island = island_of(r.rank, per_island);
+                if !status.success() && failed(&failures, island).is_none() {
                     tracing::error!(
-                        "rank {} failed with {}; stopping the other ranks",
+                        "rank {} failed with {}; stopping the other ranks{}",
                         r.rank,
-                        describe(status)
+                        describe(status),
+                        if per_island.is_some() {
+                            format!(" of island {island} (the other islands go on)")
+                        } else {
+                            String::new()
+                        }
                     );
-                    first_failure = Some((r.rank, status, Instant::now()));
+                    failures.push(Failure {
+                        island,
+                        rank: r.rank,
+                        status,
+                        at: Instant::now(),
+                    });
                 }
+            }
+        }
+        // The ranks of islands that failed more than `grace` ago stop.
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            if let Some(f) = failed(&failures, island_of(r.rank, per_island))
+                && f.at.elapsed() >= grace
+            {
+                stop(r);
             }
         }
         if ranks.iter().all(|r| r.status.is_some()) {
             break;
         }
-        if let Some((_, _, at)) = first_failure
-            && at.elapsed() >= grace
-        {
-            break;
-        }
         std::thread::sleep(Duration::from_millis(20));
     }
     for r in ranks.iter_mut() {
-        // SAFETY: signalling a process group we created; ESRCH is harmless.
-        unsafe {
-            libc::kill(-(r.child.id() as i32), libc::SIGKILL);
-        }
-        if r.status.is_none() {
-            r.status = r.child.wait().ok();
-        }
+        stop(r);
     }
-    Ok(first_failure.map(|(rank, status, _)| (rank, status)))
+    Ok(failures)
+}
+
+/// Stops rank `r`'s process group and reaps it.
+fn stop(r: &mut Rank) {
+    // SAFETY: signalling a process group we created; ESRCH is harmless.
+    unsafe {
+        libc::kill(-(r.child.id() as i32), libc::SIGKILL);
+    }
+    if r.status.is_none() {
+        r.status = r.child.wait().ok();
+    }
 }
 
 /// Starts the ranks and waits for them. `Err` names the first rank that
-/// failed.
+/// failed (with islands: when every island of this launch has failed).
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
     if opts.nodes == 0 || opts.ranks_per_node == 0 {
         return Err(options("--nodes and --ranks-per-node must be at least 1"));
@@ -298,6 +347,13 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         return Err(options(
             "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`",
         ));
+    }
+    let islands = opts.islands.max(1);
+    if !opts.nodes.is_multiple_of(islands) {
+        return Err(options(format!(
+            "{} nodes do not split into {islands} islands of whole nodes",
+            opts.nodes
+        )));
     }
     let meeting = meeting(opts)?;
     // The cores are shared among the ranks this launch starts here: each
@@ -317,17 +373,34 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             )?);
         }
     }
-    let failed = supervise(&mut ranks, opts.grace)?;
+    let per_island = (islands > 1).then_some(opts.nodes / islands * opts.ranks_per_node);
+    let failures = supervise(&mut ranks, opts.grace, per_island)?;
     for f in forwarders {
         let _ = f.join();
     }
-    match failed {
-        Some((rank, status)) => Err(LaunchError::RankFailed {
-            rank,
-            status: describe(status),
-        }),
-        None => Ok(()),
+    // Islands of this launch that another failure did not stop.
+    let here: std::collections::BTreeSet<usize> = ranks
+        .iter()
+        .map(|r| island_of(r.rank, per_island))
+        .collect();
+    let Some(first) = failures.first() else {
+        return Ok(());
+    };
+    if failures.len() >= here.len() {
+        return Err(LaunchError::RankFailed {
+            rank: first.rank,
+            status: describe(first.status),
+        });
     }
+    for f in &failures {
+        tracing::warn!(
+            "island {} was lost (rank {} failed with {}); the other islands trained on",
+            f.island,
+            f.rank,
+            describe(f.status)
+        );
+    }
+    Ok(())
 }
 
 /// Compute threads for each of `ranks` processes sharing this machine's

@@ -104,6 +104,29 @@ impl CommError {
             CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
         )
     }
+
+    /// What happened to the rank that caused it, in a few words (for a
+    /// job that goes on without it: islands).
+    pub fn what_happened(&self) -> String {
+        match self {
+            CommError::PeerFailed { peer, reason } => format!("rank {peer}: {reason}"),
+            CommError::Timeout { peer, waited, .. } => {
+                format!(
+                    "rank {peer} did not answer within {:.0} s",
+                    waited.as_secs_f64()
+                )
+            }
+            other => other.to_string(),
+        }
+    }
+
+    /// The rank that died or did not answer, when another rank caused it.
+    pub fn failed_peer(&self) -> Option<usize> {
+        match self {
+            CommError::PeerFailed { peer, .. } | CommError::Timeout { peer, .. } => Some(*peer),
+            _ => None,
+        }
+    }
 }
 
 /// `map_err` for an I/O failure while doing `what`.

@@ -7,11 +7,11 @@
 //! lands `delay` steps after it started (the outer step on the averaged
 //! delta, plus what the island trained meanwhile).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use zeropp_comm::Communicator;
 use zeropp_comm::collectives::{CommThread, Pending};
+use zeropp_comm::{Communicator, Group, GroupKind};
 use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
@@ -77,6 +77,105 @@ impl IslandConfig {
     }
 }
 
+/// Which islands take part in the outer sync, as this rank knows it: an
+/// island one of whose ranks died or did not answer an exchange is lost,
+/// and every later exchange averages over the islands left (alone: the
+/// island's own delta). Shared by the compute thread and the islands'.
+#[derive(Debug)]
+pub(crate) struct Membership {
+    /// Islands of the job, and ranks in each.
+    alive: Vec<bool>,
+    size: usize,
+    /// This rank's island and place in it.
+    island: usize,
+    place: usize,
+    /// Islands lost: each with the step of the exchange (or job-wide call)
+    /// that found it gone, and why.
+    pub(crate) lost: Vec<LostIsland>,
+    /// The ranks at this place of the islands taking part (rebuilt, its
+    /// calls numbered from 0 again, at each change).
+    across: Arc<Group>,
+}
+
+/// An island that left the outer sync.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LostIsland {
+    pub island: usize,
+    /// The optimizer step after which it was found gone.
+    pub step: u64,
+    pub why: String,
+}
+
+impl Membership {
+    fn new(count: usize, size: usize, island: usize, place: usize, across: Arc<Group>) -> Self {
+        Membership {
+            alive: vec![true; count],
+            size,
+            island,
+            place,
+            lost: Vec::new(),
+            across,
+        }
+    }
+
+    /// The islands taking part.
+    pub(crate) fn alive(&self) -> &[bool] {
+        &self.alive
+    }
+
+    fn digest(&self) -> u8 {
+        GroupKind::members_digest(&self.alive)
+    }
+
+    /// Island `i` is lost after `step` (the rank that showed it: `why`).
+    /// False when it is this rank's own island or was lost already: then
+    /// nothing changes.
+    pub(crate) fn lose(&mut self, i: usize, step: u64, why: String) -> Result<bool> {
+        if i == self.island || !self.alive.get(i).copied().unwrap_or(false) {
+            return Ok(false);
+        }
+        self.alive[i] = false;
+        self.lost.push(LostIsland {
+            island: i,
+            step,
+            why,
+        });
+        let ranks: Vec<usize> = self.members().map(|m| m * self.size + self.place).collect();
+        let kind = GroupKind::Across {
+            place: Some(self.place),
+            members: self.digest(),
+        };
+        self.across = Arc::new(Group::new(kind, ranks)?);
+        Ok(true)
+    }
+
+    /// The island of global rank `rank`.
+    pub(crate) fn island_of(&self, rank: usize) -> usize {
+        rank / self.size
+    }
+
+    fn members(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.alive.len()).filter(|&i| self.alive[i])
+    }
+
+    /// Every rank of the islands taking part, when one was lost (`None`:
+    /// the job's world serves).
+    pub(crate) fn survivors(&self) -> Result<Option<Arc<Group>>> {
+        if self.lost.is_empty() {
+            return Ok(None);
+        }
+        let ranks: Vec<usize> = self
+            .members()
+            .flat_map(|m| m * self.size..(m + 1) * self.size)
+            .collect();
+        let kind = GroupKind::Across {
+            place: None,
+            members: self.digest(),
+        };
+        Ok(Some(Arc::new(Group::new(kind, ranks)?)))
+    }
+}
+
 /// An exchange on the islands' thread: the averaged delta and the
 /// residuals it used come back.
 type Exchange = Pending<(Vec<f32>, Residual, Residual, f64), ZeroError>;
@@ -86,9 +185,9 @@ pub(crate) struct IslandRun {
     pub(crate) cfg: IslandConfig,
     /// This rank's island.
     pub(crate) island: usize,
-    /// The ranks at this rank's place in every island, as every hop of a
-    /// mover (the exchanges run over `Hop::World`).
-    across: ZeroGroups,
+    /// Which islands take part, and the ranks at this rank's place in
+    /// them (the exchanges run over them as `Hop::World`).
+    pub(crate) members: Arc<Mutex<Membership>>,
     /// The exchanges' own communication thread.
     thread: CommThread,
     /// Each unit's outer state (a finished exchange waiting for its step
@@ -108,20 +207,17 @@ pub(crate) struct IslandRun {
 impl IslandRun {
     pub(crate) fn new(
         cfg: IslandConfig,
-        island: usize,
-        across: Arc<zeropp_comm::Group>,
+        (island, place, size): (usize, usize, usize),
+        across: Arc<Group>,
         comm: Arc<Communicator>,
         masters: &[&[f32]],
     ) -> IslandRun {
         IslandRun {
             cfg,
             island,
-            across: ZeroGroups {
-                world: across.clone(),
-                node: across.clone(),
-                cross: across.clone(),
-                hpz: across,
-            },
+            members: Arc::new(Mutex::new(Membership::new(
+                cfg.count, size, island, place, across,
+            ))),
             thread: CommThread::new(comm),
             states: masters.iter().map(|m| OuterState::new(m)).collect(),
             live: masters.iter().map(|_| None).collect(),
@@ -258,34 +354,74 @@ impl Engine {
     }
 
     /// Starts unit `u`'s exchange on the islands' thread: its delta from
-    /// the anchor, averaged over the islands, due after step `due`.
+    /// the anchor, averaged over the islands taking part, due after step
+    /// `due`. An island whose rank dies or does not answer is lost and the
+    /// exchange runs again over the others (the residuals start over:
+    /// their shape follows the members); alone, the delta is the island's
+    /// own.
     fn start(&mut self, u: usize, due: usize) -> Result<()> {
+        let step = self.step as u64;
         let run = self.islands.as_mut().expect("islands");
         let state = &mut run.states[u];
         let master = &self.units[u].master;
-        let mut delta = outer::local_delta(state, master)?;
+        let mine = outer::local_delta(state, master)?;
         let residuals = (
             std::mem::take(&mut state.sent),
             std::mem::take(&mut state.owned),
         );
-        let (counter, groups, quantized) =
-            (self.counter.clone(), run.across.clone(), run.cfg.quantized);
+        let (counter, members, quantized) =
+            (self.counter.clone(), run.members.clone(), run.cfg.quantized);
         let exchange = run.thread.submit(move |c: &Communicator| {
-            let mover = HostMover {
-                comm: c,
-                counter: &counter,
-                groups,
-            };
             let (mut sent, mut owned) = residuals;
             let t = Instant::now();
-            outer::exchange(
-                &mover,
-                Hop::World,
-                quantized,
-                (&mut sent, &mut owned),
-                &mut delta,
-            )?;
-            Ok((delta, sent, owned, t.elapsed().as_secs_f64()))
+            loop {
+                let across = lock(&members).across.clone();
+                if across.size() == 1 {
+                    return Ok((mine, Residual::none(), Residual::none(), 0.0));
+                }
+                let mover = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups: ZeroGroups {
+                        world: across.clone(),
+                        node: across.clone(),
+                        cross: across.clone(),
+                        hpz: across,
+                    },
+                };
+                let mut delta = mine.clone();
+                let tried = outer::exchange(
+                    &mover,
+                    Hop::World,
+                    quantized,
+                    (&mut sent, &mut owned),
+                    &mut delta,
+                );
+                match tried {
+                    Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
+                    Err(e) => {
+                        let mut m = lock(&members);
+                        let lost = match e.failed_peer() {
+                            Some(peer) => {
+                                let island = m.island_of(peer);
+                                m.lose(island, step, e.what_happened())
+                                    .map_err(|e| ZeroError::Invalid(e.to_string()))?
+                            }
+                            None => false,
+                        };
+                        if !lost {
+                            return Err(e);
+                        }
+                        tracing::warn!(
+                            "islands: island {} left the outer sync after step {step} ({}); \
+                             the others go on",
+                            m.lost.last().map_or(0, |l| l.island),
+                            e.what_happened()
+                        );
+                        (sent, owned) = (Residual::none(), Residual::none());
+                    }
+                }
+            }
         });
         run.live[u] = Some((due as u64, master.clone(), exchange));
         Ok(())
@@ -345,4 +481,10 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// The membership, even if a thread panicked holding it (it is only ever
+/// changed whole).
+pub(crate) fn lock(m: &Mutex<Membership>) -> std::sync::MutexGuard<'_, Membership> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -21,13 +21,13 @@ use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
 pub use error::{EngineError, Result};
-pub use islands::IslandConfig;
 use islands::IslandRun;
+pub use islands::{IslandConfig, LostIsland};
 use model::tensors_from_owned;
 pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
-use zeropp_comm::{Communicator, Group, Transport};
+use zeropp_comm::{CommError, Communicator, Group, Transport};
 use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
@@ -299,7 +299,13 @@ impl Engine {
             Some(c) if c.count > 1 => {
                 c.check().map_err(EngineError::Switches)?;
                 let masters: Vec<&[f32]> = units.iter().map(|u| &u.master[..]).collect();
-                Some(IslandRun::new(c, island, across, comm, &masters))
+                Some(IslandRun::new(
+                    c,
+                    (island, layout.rank, layout.world()),
+                    across,
+                    comm,
+                    &masters,
+                ))
             }
             _ => None,
         };
@@ -335,6 +341,14 @@ impl Engine {
     /// more than one.
     pub fn islands(&self) -> Option<(IslandConfig, usize)> {
         self.islands.as_ref().map(|r| (r.cfg, r.island))
+    }
+
+    /// Islands that left the outer sync, as this rank knows it (empty
+    /// without islands).
+    pub fn lost_islands(&self) -> Vec<LostIsland> {
+        self.islands
+            .as_ref()
+            .map_or_else(Vec::new, |r| islands::lock(&r.members).lost.clone())
     }
 
     /// The switches this engine runs with (resolved: hpZ group and qgZ bits
@@ -586,18 +600,22 @@ impl Engine {
         Ok(tensors_from_owned(&*self.cfg.model, u, full, &self.device)?)
     }
 
-    /// Every rank's `mine`, in rank order (small messages: checkpoint
-    /// bookkeeping). Counted as `Other` traffic.
-    pub fn all_gather_bytes(&self, mine: Bytes) -> Result<Vec<Bytes>> {
-        let world = self.job_world.clone();
-        let counter = self.counter.clone();
-        Ok(self
-            .thread
-            .submit(move |c| {
-                counter.set_phase(Phase::Other, 0.0);
-                c.all_gather_v(&world, mine)
-            })
-            .wait()?)
+    /// Every rank's `mine` (small messages: checkpoint bookkeeping),
+    /// with the ranks they came from, in rank order: the job's, or with
+    /// islands those of the islands still taking part. Counted as `Other`
+    /// traffic.
+    pub fn all_gather_bytes(&self, mine: Bytes) -> Result<(Vec<usize>, Vec<Bytes>)> {
+        self.on_job(|world| {
+            let (counter, mine) = (self.counter.clone(), mine.clone());
+            let ranks = world.ranks().to_vec();
+            self.thread
+                .submit(move |c| {
+                    counter.set_phase(Phase::Other, 0.0);
+                    c.all_gather_v(&world, mine)
+                })
+                .wait()
+                .map(|parts| (ranks, parts))
+        })
     }
 
     /// This rank's primary shard of every unit: what a checkpoint holds.
@@ -794,8 +812,74 @@ impl Engine {
 
     /// Element-wise sum of `values` over all ranks of the job (small
     /// vectors: metrics).
+    /// With islands, over the islands still taking part.
     pub fn sum_over_ranks(&self, values: &[f32]) -> Result<Vec<f32>> {
-        self.sum_over(self.job_world.clone(), values)
+        self.on_job(|world| self.sum_over_group(world, values))
+    }
+
+    /// The ranks of the job's bookkeeping (checkpoints, metrics, the
+    /// summary), in order; the first leads. With islands, those of the
+    /// islands still taking part, agreed within this rank's island.
+    pub fn job_ranks(&self) -> Result<Vec<usize>> {
+        Ok(self.job_group()?.ranks().to_vec())
+    }
+
+    /// The group of the job's bookkeeping: the job's world, or once an
+    /// island is lost the ranks of those left. The ranks of this island
+    /// first agree on who is lost (each learns it from its own exchanges).
+    fn job_group(&self) -> Result<Arc<Group>> {
+        let Some(run) = self.islands.as_ref() else {
+            return Ok(self.job_world.clone());
+        };
+        let alive: Vec<f32> = islands::lock(&run.members)
+            .alive()
+            .iter()
+            .map(|&a| a as u8 as f32)
+            .collect();
+        let agreed = self.sum_over_island(&alive)?;
+        let everyone = self.plan.layout.world() as f32;
+        let mut m = islands::lock(&run.members);
+        for (i, &n) in agreed.iter().enumerate() {
+            if n < everyone {
+                m.lose(
+                    i,
+                    self.step as u64,
+                    "another rank of this island lost it".into(),
+                )?;
+            }
+        }
+        Ok(m.survivors()?.unwrap_or_else(|| self.job_world.clone()))
+    }
+
+    /// `call` over the job's bookkeeping group; a rank of another island
+    /// that died or did not answer loses its island, and the call runs
+    /// again over the others.
+    fn on_job<T>(
+        &self,
+        call: impl Fn(Arc<Group>) -> std::result::Result<T, CommError>,
+    ) -> Result<T> {
+        loop {
+            let group = self.job_group()?;
+            match call(group) {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    let Some(run) = self.islands.as_ref() else {
+                        return Err(e.into());
+                    };
+                    let lost = match e.failed_peer() {
+                        Some(peer) if peer < self.job.world() => {
+                            let mut m = islands::lock(&run.members);
+                            let island = m.island_of(peer);
+                            m.lose(island, self.step as u64, e.what_happened())?
+                        }
+                        _ => false,
+                    };
+                    if !lost {
+                        return Err(e.into());
+                    }
+                }
+            }
+        }
     }
 
     /// Element-wise sum of `values` over the ranks of this rank's island
@@ -806,15 +890,22 @@ impl Engine {
     }
 
     fn sum_over(&self, world: Arc<Group>, values: &[f32]) -> Result<Vec<f32>> {
+        Ok(self.sum_over_group(world, values)?)
+    }
+
+    fn sum_over_group(
+        &self,
+        world: Arc<Group>,
+        values: &[f32],
+    ) -> std::result::Result<Vec<f32>, CommError> {
         let counter = self.counter.clone();
         let v = values.to_vec();
-        Ok(self
-            .thread
+        self.thread
             .submit(move |c| {
                 counter.set_phase(Phase::Other, 0.0);
                 c.all_reduce_f32(&world, &v)
             })
-            .wait()?)
+            .wait()
     }
 }
 

@@ -108,6 +108,10 @@ pub struct Manifest {
     /// How randomness is seeded: nothing else carries RNG state.
     pub rng: String,
     pub units: Vec<UnitLayout>,
+    /// Islands lost before the save: they have no shards, and a rank of
+    /// one resumes from the same place of the first island saved.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lost_islands: Vec<usize>,
     pub shards: Vec<ShardInfo>,
     /// The switches the engine ran with, resolved (hpZ group and qgZ bits
     /// from the routing plan); absent in checkpoints from before they were
@@ -462,12 +466,15 @@ pub fn save(
     keep: usize,
 ) -> Result<PathBuf> {
     let world = engine.job_layout().world();
+    // The job's first rank leads (with islands, the first of those still
+    // taking part; a lost island's ranks save nothing).
+    let lead = engine.job_ranks()?[0];
     let name = step_dir_name(step);
     let tmp = root.join(format!(".tmp-{name}"));
     let dest = root.join(&name);
     // Rank 0 prepares an empty temporary directory; a leftover from a crash
     // is removed. Everyone waits for it.
-    let prepared = if rank == 0 {
+    let prepared = if rank == lead {
         (|| -> Result<()> {
             std::fs::create_dir_all(root)
                 .with_context(|| format!("cannot create {}", root.display()))?;
@@ -481,12 +488,18 @@ pub fn save(
     } else {
         Ok(())
     };
-    let verdicts = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(
+    let (ranks, verdicts) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(
         &prepared.as_ref().map_err(Clone::clone),
     )?))?;
-    let rank0: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
-    if let Err(e) = rank0 {
-        bail!("saving the checkpoint of step {step}: rank 0: {e}");
+    if ranks[0] != lead {
+        bail!(
+            "saving the checkpoint of step {step}: rank {lead}'s island was lost while saving \
+             (the previous checkpoint is intact)"
+        );
+    }
+    let led: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
+    if let Err(e) = led {
+        bail!("saving the checkpoint of step {step}: rank {lead}: {e}");
     }
 
     // Every rank writes and syncs its shard, then all learn how it went.
@@ -519,10 +532,10 @@ pub fn save(
         Ok(info) => Written::Ok(info),
         Err(e) => Written::Failed(format!("{e:#}")),
     };
-    let reports = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&report)?))?;
+    let (ranks, reports) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&report)?))?;
     let mut shards = Vec::with_capacity(world);
     let mut failures = Vec::new();
-    for (r, b) in reports.iter().enumerate() {
+    for (&r, b) in ranks.iter().zip(&reports) {
         match serde_json::from_slice::<Written>(b) {
             Ok(Written::Ok(info)) => shards.push(info),
             Ok(Written::Failed(e)) => failures.push(format!("rank {r}: {e}")),
@@ -532,7 +545,7 @@ pub fn save(
 
     // Rank 0 completes the checkpoint (or removes the attempt), and tells
     // everyone how it went.
-    let finished: std::result::Result<(), String> = if rank != 0 {
+    let finished: std::result::Result<(), String> = if rank != lead {
         Ok(())
     } else if !failures.is_empty() {
         let _ = std::fs::remove_dir_all(&tmp);
@@ -552,6 +565,7 @@ pub fn save(
                   initial weights by (seed, unit); no other RNG state"
                 .into(),
             units: engine.unit_layouts(),
+            lost_islands: lost_islands(world, engine.islands().map_or(1, |(c, _)| c.count), &ranks),
             shards,
             switches: Some(engine.switches().clone()),
         };
@@ -560,9 +574,12 @@ pub fn save(
             format!("{e:#}")
         })
     };
-    let verdicts = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&finished)?))?;
-    let rank0: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
-    match rank0 {
+    let (ranks, verdicts) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&finished)?))?;
+    if ranks[0] != lead {
+        bail!("saving the checkpoint of step {step}: rank {lead}'s island was lost while saving");
+    }
+    let led: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
+    match led {
         Ok(()) => Ok(dest),
         Err(e) => bail!(
             "saving the checkpoint of step {step} failed ({e}); the previous checkpoint in {} is intact",
@@ -571,7 +588,16 @@ pub fn save(
     }
 }
 
-/// Rank 0: the manifest, the rename, `latest`, and pruning to `keep`.
+/// The islands of a job of `world` ranks cut into `islands` none of whose
+/// ranks is among `saved`.
+fn lost_islands(world: usize, islands: usize, saved: &[usize]) -> Vec<usize> {
+    let size = world / islands.max(1);
+    (0..islands)
+        .filter(|i| !saved.iter().any(|r| r / size == *i))
+        .collect()
+}
+
+/// The lead: the manifest, the rename, `latest`, and pruning to `keep`.
 fn finish(
     root: &Path,
     tmp: &Path,
@@ -674,29 +700,49 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             m.version
         );
     }
-    if m.world_size != m.nodes * m.ranks_per_node || m.shards.len() != m.world_size {
+    let saved: Vec<usize> = if m.world_size == m.nodes * m.ranks_per_node {
+        saved_ranks(&m)
+            .map_err(|e| anyhow!("{}: {e}", path.display()))?
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if m.world_size != m.nodes * m.ranks_per_node || m.shards.len() != saved.len() {
         bail!(
-            "{}: {} shards for {} nodes x {} ranks (world size {})",
+            "{}: {} shards for {} nodes x {} ranks (world size {}{})",
             path.display(),
             m.shards.len(),
             m.nodes,
             m.ranks_per_node,
-            m.world_size
+            m.world_size,
+            if m.lost_islands.is_empty() {
+                String::new()
+            } else {
+                format!(", islands {:?} lost", m.lost_islands)
+            }
         );
     }
-    for (r, s) in m.shards.iter().enumerate() {
+    for (&r, s) in saved.iter().zip(&m.shards) {
         if s.rank != r || s.file != shard_file_name(r) {
-            bail!("{}: shard {r} is listed as {:?}", path.display(), s.file);
+            bail!(
+                "{}: the shard of rank {r} is listed as {:?}",
+                path.display(),
+                s.file
+            );
         }
     }
     Ok(m)
 }
 
 /// Reads rank `rank`'s shard, checking size, checksum and contents.
+/// A rank of a lost island reads the shard of its place in the first
+/// island saved.
 pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard>> {
+    let rank = stand_in(m, rank)?;
     let info = m
         .shards
-        .get(rank)
+        .iter()
+        .find(|s| s.rank == rank)
         .ok_or_else(|| anyhow!("the checkpoint has no shard for rank {rank}"))?;
     let path = dir.join(&info.file);
     let shown = path.display().to_string();
@@ -739,7 +785,40 @@ pub fn verify(dir: &Path, m: &Manifest) -> Result<()> {
 }
 
 fn read_all_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
-    (0..m.world_size).map(|r| read_shard(dir, m, r)).collect()
+    saved_ranks(m)?.map(|r| read_shard(dir, m, r)).collect()
+}
+
+/// The ranks whose shards the checkpoint holds: every rank's but those
+/// of its lost islands.
+fn saved_ranks(m: &Manifest) -> Result<impl Iterator<Item = usize> + '_> {
+    let size = island_size(m)?;
+    Ok((0..m.world_size).filter(move |r| !m.lost_islands.contains(&(r / size))))
+}
+
+/// Ranks per island of the checkpointed job.
+fn island_size(m: &Manifest) -> Result<usize> {
+    let islands = islands_of(m);
+    if !m.world_size.is_multiple_of(islands) || m.lost_islands.iter().any(|&i| i >= islands) {
+        bail!(
+            "the manifest says {} ranks in {islands} islands, lost {:?}: it is corrupt or edited",
+            m.world_size,
+            m.lost_islands
+        );
+    }
+    Ok(m.world_size / islands)
+}
+
+/// The rank whose shard `rank` resumes from: its own, or for a rank of a
+/// lost island the same place of the first island saved.
+fn stand_in(m: &Manifest, rank: usize) -> Result<usize> {
+    let size = island_size(m)?;
+    if !m.lost_islands.contains(&(rank / size)) {
+        return Ok(rank);
+    }
+    let first = (0..islands_of(m))
+        .find(|i| !m.lost_islands.contains(i))
+        .ok_or_else(|| anyhow!("the manifest says every island was lost: it is corrupt"))?;
+    Ok(first * size + rank % size)
 }
 
 /// Islands the checkpointed job was cut into (1: none).
@@ -750,14 +829,8 @@ pub fn islands_of(m: &Manifest) -> usize {
 /// The shards of the checkpoint's first island: the whole model once
 /// (every island holds all of it; after an outer sync the same weights).
 fn read_island_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
-    let islands = islands_of(m);
-    if !m.world_size.is_multiple_of(islands) {
-        bail!(
-            "the manifest says {} ranks in {islands} islands: it is corrupt or edited",
-            m.world_size
-        );
-    }
-    (0..m.world_size / islands)
+    // Island 0's places: a lost island 0 reads the first island saved.
+    (0..island_size(m)?)
         .map(|r| read_shard(dir, m, r))
         .collect()
 }
@@ -941,6 +1014,13 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
             u.name, u.numel, u.padded, u.chunk
         );
     }
+    if !m.lost_islands.is_empty() {
+        s += &format!(
+            "  islands lost before the save: {:?} (no shards; their ranks resume from the same \
+             places of the first island saved)\n",
+            m.lost_islands
+        );
+    }
     s += "  shards:\n";
     for sh in &m.shards {
         s += &format!(
@@ -972,6 +1052,7 @@ mod tests {
             data_next_step: 1,
             rng: String::new(),
             units: vec![layout.clone()],
+            lost_islands: Vec::new(),
             shards: (0..4)
                 .map(|r| ShardInfo {
                     rank: r,

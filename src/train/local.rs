@@ -37,6 +37,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         timeout_s,
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
+        islands: cfg.islands.islands.max(1),
         command: vec![
             exe.display().to_string(),
             "train".into(),

@@ -114,6 +114,19 @@ pub struct IslandsSummary {
     /// else between nodes (inside the islands).
     pub outer_bytes: f64,
     pub inner_inter_node_bytes: f64,
+    /// Islands that left the outer sync (a rank died or did not answer):
+    /// each with the step after which the others went on without it. The
+    /// islands at the end are the others (`count` minus these).
+    #[serde(default)]
+    pub lost: Vec<LostIslandSummary>,
+}
+
+/// An island that left the outer sync, as the summary says it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct LostIslandSummary {
+    pub island: usize,
+    pub after_step: u64,
+    pub why: String,
 }
 
 impl Summary {
@@ -151,6 +164,12 @@ impl Summary {
                 self.kept_bytes.outer_state as f64 / 1e6,
                 self.mean_step_time_s,
             );
+            for l in &i.lost {
+                line += &format!(
+                    "; island {} lost after step {} ({}), the others went on",
+                    l.island, l.after_step, l.why
+                );
+            }
         }
         line
     }

@@ -20,7 +20,8 @@ use crate::train::config::{Mode, TrainConfig};
 use crate::train::data::Dataset;
 use crate::train::plot::{self, Series};
 use crate::train::summary::{
-    BytesPerStep, IslandsSummary, StepMetrics, Summary, median, peak_rss_bytes, step_points,
+    BytesPerStep, IslandsSummary, LostIslandSummary, StepMetrics, Summary, median, peak_rss_bytes,
+    step_points,
 };
 use crate::zero::plan::{Layout, Resolved};
 use crate::zero::probe::Measured;
@@ -248,9 +249,10 @@ impl<'a> Trainer<'a> {
             msgs.intra_node as f32,
             msgs.inter_node as f32,
         ])?;
-        let peaks = engine.all_gather_bytes(Bytes::copy_from_slice(
+        let (ranks, peaks) = engine.all_gather_bytes(Bytes::copy_from_slice(
             &peak_rss_bytes().unwrap_or(0).to_le_bytes(),
         ))?;
+        let lead = self.facts.rank == ranks[0];
         let peak_rss_bytes = peaks
             .iter()
             .map(|b| {
@@ -297,6 +299,15 @@ impl<'a> Trainer<'a> {
                     outer_bits: cfg.islands.outer_bits,
                     outer_bytes: job[0] as f64,
                     inner_inter_node_bytes: (job[1] - job[0]) as f64,
+                    lost: engine
+                        .lost_islands()
+                        .into_iter()
+                        .map(|l| LostIslandSummary {
+                            island: l.island,
+                            after_step: l.step,
+                            why: l.why,
+                        })
+                        .collect(),
                 })
             }
         };
@@ -332,7 +343,7 @@ impl<'a> Trainer<'a> {
             kept_bytes: engine.kept_bytes(),
             islands,
         };
-        if !r.lead {
+        if !lead {
             return Ok(None);
         }
         println!("{}", summary.done_line());
@@ -770,9 +781,10 @@ impl Validator {
         if engine.islands().is_none() {
             return Ok(val);
         }
-        // Each island's mean, averaged over the job's ranks.
-        let world = engine.job_layout().world() as f32;
-        Ok(engine.sum_over_ranks(&[val])?[0] / world)
+        // Each island's mean, averaged over the ranks of the islands
+        // still taking part.
+        let sum = engine.sum_over_ranks(&[val, 1.0])?;
+        Ok(sum[0] / sum[1])
     }
 }
 

@@ -54,6 +54,23 @@ impl ZeroError {
             _ => false,
         }
     }
+
+    /// What happened to the rank that caused it, in a few words.
+    pub fn what_happened(&self) -> String {
+        match self {
+            ZeroError::Comm(e) => e.what_happened(),
+            other => other.to_string(),
+        }
+    }
+
+    /// The rank that died or did not answer, when another rank caused it
+    /// (host collectives).
+    pub fn failed_peer(&self) -> Option<usize> {
+        match self {
+            ZeroError::Comm(e) => e.failed_peer(),
+            _ => None,
+        }
+    }
 }
 
 /// `map_err` for a quantizer failure while doing `what`.

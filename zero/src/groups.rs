@@ -87,7 +87,10 @@ impl ZeroGroups {
         let (island, l) = job.island(islands).map_err(CommError::Group)?;
         let size = l.world();
         let across = Arc::new(Group::new(
-            GroupKind::Across(l.rank),
+            GroupKind::Across {
+                place: Some(l.rank),
+                members: 0,
+            },
             (0..islands).map(|i| i * size + l.rank).collect(),
         )?);
         if islands == 1 {
