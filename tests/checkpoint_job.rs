@@ -575,3 +575,91 @@ fn a_rank_killed_mid_run_is_named_and_the_last_checkpoint_resumes() {
     );
     std::fs::remove_dir_all(d).ok();
 }
+
+#[test]
+fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
+    // 2 islands of one node x 2 ranks; rank 2 (island 1) is killed after
+    // the first checkpoint: island 0 trains on to the last step without
+    // it, saves without it, and the run resumes with island 1 restarted
+    // from island 0's shards.
+    let d = tmp("island-kill");
+    let (ck, metrics, summary) = (d.join("ck"), d.join("m.jsonl"), d.join("s.json"));
+    let job = zeropp()
+        .arg("train")
+        .args(MODEL)
+        .args(["--islands", "2", "--sync-every", "4", "--transport", "tcp"])
+        .args(["--steps", "1000", "--save-every", "20", "--timeout", "20"])
+        .args(["--checkpoint-dir", s(&ck), "--metrics", s(&metrics)])
+        .args(["--summary-json", s(&summary)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while !ck.join("latest").exists() {
+        assert!(t.elapsed() < Duration::from_secs(120), "no checkpoint");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    // The launcher starts ranks in order: this is rank 2, island 1's first.
+    unsafe {
+        libc::kill(ranks[2] as i32, libc::SIGKILL);
+    }
+    let o = job.wait_with_output().unwrap();
+    let text = show(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(
+        text.contains("island 1 was lost (rank 2 failed with signal 9)"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+    let sm = json(&summary);
+    assert_eq!(sm["steps"], 1000, "{sm}");
+    let lost = sm["islands"]["lost"].as_array().unwrap();
+    assert_eq!(lost.len(), 1, "{sm}");
+    assert_eq!(lost[0]["island"], 1, "{sm}");
+    let after = lost[0]["after_step"].as_u64().unwrap();
+    assert!((20..1000).contains(&after), "{sm}");
+    assert!(lost[0]["why"].as_str().unwrap().contains("rank 2"), "{sm}");
+    assert!(sm["val_loss"].as_f64().unwrap().is_finite(), "{sm}");
+    // Island 0 never stopped for long: every step it logged (the one
+    // that found island 1 gone included) took seconds at most.
+    let steps = steps_of(&metrics);
+    assert_eq!(steps.len(), 1000);
+    let slowest = steps
+        .iter()
+        .map(|st| st["step_time_s"].as_f64().unwrap())
+        .fold(0.0, f64::max);
+    assert!(slowest < 60.0, "a step took {slowest} s");
+    // The last checkpoint holds island 0's shards and says island 1 was
+    // lost; it verifies, and resumes with both islands.
+    let latest = std::fs::read_to_string(ck.join("latest")).unwrap();
+    let m = json(&ck.join(&latest).join("manifest.json"));
+    assert_eq!(m["lost_islands"], serde_json::json!([1]), "{m}");
+    let o = inspect(&ck);
+    assert!(o.status.success(), "{}", show(&o));
+    assert!(
+        show(&o).contains("islands lost before the save: [1]"),
+        "{}",
+        show(&o)
+    );
+    let resumed = d.join("r.json");
+    let out = train_ok(&[
+        "--islands",
+        "2",
+        "--sync-every",
+        "4",
+        "--steps",
+        "1008",
+        "--resume",
+        s(&ck),
+        "--summary-json",
+        s(&resumed),
+    ]);
+    assert!(out.contains("at step 1000"), "{out}");
+    let r = json(&resumed);
+    assert_eq!(r["islands"]["lost"], serde_json::json!([]), "{r}");
+    assert_eq!(r["islands"]["exchanges"], 2, "{r}");
+    std::fs::remove_dir_all(d).ok();
+}

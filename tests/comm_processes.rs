@@ -310,3 +310,71 @@ fn the_launcher_prefixes_output_and_names_a_failing_rank() {
     // The sleeping ranks were stopped after the grace period, not waited for.
     assert!(start.elapsed() < Duration::from_secs(20));
 }
+
+#[test]
+fn with_islands_the_launcher_stops_only_the_failed_island() {
+    // 2 islands of 2 nodes x 1 rank: rank 3 (island 1) fails; island 1's
+    // other rank is stopped after the grace, island 0's ranks finish.
+    let child = Command::new(ZEROPP)
+        .args([
+            "launch",
+            "--nodes",
+            "4",
+            "--ranks-per-node",
+            "1",
+            "--islands",
+            "2",
+        ])
+        .args(["--grace", "1", "--"])
+        .args([
+            "sh",
+            "-c",
+            "if [ $RANK = 3 ]; then exit 5; fi; if [ $RANK = 2 ]; then sleep 60; fi; \
+             sleep 2; echo rank $RANK finished",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    let (ok, out, err) = finish(child, Duration::from_secs(30), "the launcher");
+    assert!(ok, "island 0 finished, so the launch succeeds: {err}");
+    assert!(out.contains("[rank 0] rank 0 finished"), "{out}");
+    assert!(out.contains("[rank 1] rank 1 finished"), "{out}");
+    assert!(!out.contains("rank 2 finished"), "{out}");
+    assert!(err.contains("rank 3 failed with exit code 5"), "{err}");
+    assert!(err.contains("island 1 was lost"), "{err}");
+    assert!(start.elapsed() < Duration::from_secs(20));
+
+    // Every island failing fails the launch, naming the first rank.
+    let child = Command::new(ZEROPP)
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--islands",
+            "2",
+        ])
+        .args(["--grace", "1", "--", "sh", "-c", "exit 4"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, _, err) = finish(child, Duration::from_secs(30), "the launcher");
+    assert!(!ok);
+    assert!(err.contains("failed with exit code 4"), "{err}");
+
+    // Nodes that do not split into the islands are refused up front.
+    let out = Command::new(ZEROPP)
+        .args(["launch", "--nodes", "3", "--islands", "2", "--", "true"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("3 nodes do not split into 2 islands"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

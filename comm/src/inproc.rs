@@ -77,6 +77,10 @@ impl Transport for InProcess {
         self.mailboxes[self.rank].first_death()
     }
 
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        self.mailboxes[self.rank].contain(fatal)
+    }
+
     fn name(&self) -> &'static str {
         "inproc"
     }

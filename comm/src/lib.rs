@@ -221,6 +221,12 @@ pub trait Transport: Send + Sync {
     fn first_death(&self) -> Option<(usize, String)> {
         None
     }
+    /// Islands: from now on only the death of a rank in `fatal` (this
+    /// rank's island) breaks every wait; another rank's death fails the
+    /// waits on it alone. Transports without a mailbox ignore it.
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        let _ = fatal;
+    }
 }
 
 /// A shared transport is one: what a probe used at join, handed on to the
@@ -249,5 +255,8 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
     fn first_death(&self) -> Option<(usize, String)> {
         (**self).first_death()
+    }
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        (**self).contain_deaths(fatal)
     }
 }

@@ -2,7 +2,8 @@
 //! rank, tag), a condition variable, and the reason each dead peer died, so a
 //! receive from a dead peer fails at once instead of at its timeout.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::ops::Range;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,6 +21,10 @@ struct State {
     /// The first peer that died abnormally (no goodbye): the job is broken,
     /// and every wait fails naming it, whoever it waits for.
     fatal: Option<(usize, String)>,
+    /// Islands: only the deaths of these ranks (this rank's island) break
+    /// every wait; another's fails the waits on it alone, at once.
+    fatal_only: Option<Range<usize>>,
+    contained: HashSet<usize>,
     closed: bool,
 }
 
@@ -71,7 +76,8 @@ impl Mailbox {
     }
 
     /// Records that `peer` died (crashed, killed, connection lost): every
-    /// wait of this rank fails naming it, since no collective can finish.
+    /// wait of this rank fails naming it, since no collective can finish
+    /// (with [`Mailbox::contain`], only for a peer of this rank's island).
     pub fn peer_died(&self, peer: usize, reason: String) {
         let mut state = self.lock();
         if state.dead.contains_key(&peer) {
@@ -79,8 +85,30 @@ impl Mailbox {
             return;
         }
         state.dead.entry(peer).or_insert_with(|| reason.clone());
-        state.fatal.get_or_insert((peer, reason));
+        match &state.fatal_only {
+            Some(r) if !r.contains(&peer) => {
+                state.contained.insert(peer);
+            }
+            _ => {
+                state.fatal.get_or_insert((peer, reason));
+            }
+        }
         self.arrived.notify_all();
+    }
+
+    /// From now on only the death of a rank in `fatal` (this rank's
+    /// island) fails every wait; another rank's death fails the waits on
+    /// that rank alone (islands go on without a lost island).
+    pub fn contain(&self, fatal: Range<usize>) {
+        let mut state = self.lock();
+        if let Some((peer, _)) = &state.fatal
+            && !fatal.contains(peer)
+        {
+            let peer = *peer;
+            state.fatal = None;
+            state.contained.insert(peer);
+        }
+        state.fatal_only = Some(fatal);
     }
 
     /// Whether `peer` left or died.
@@ -116,6 +144,14 @@ impl Mailbox {
             if let Some((peer, reason)) = &state.fatal {
                 return Err(CommError::PeerFailed {
                     peer: *peer,
+                    reason: reason.clone(),
+                });
+            }
+            if state.contained.contains(&source)
+                && let Some(reason) = state.dead.get(&source)
+            {
+                return Err(CommError::PeerFailed {
+                    peer: source,
                     reason: reason.clone(),
                 });
             }
@@ -164,5 +200,53 @@ impl Mailbox {
     /// Whether a message from `source` with `tag` is waiting.
     pub fn has(&self, source: usize, tag: Tag) -> bool {
         self.lock().queues.contains_key(&(source, tag))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const WAIT: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_death_breaks_every_wait_unless_contained_to_another_island() {
+        // Without islands: rank 3's death fails a wait on rank 1 too.
+        let m = Mailbox::default();
+        m.peer_died(3, "killed".into());
+        match m.take(1, 7, WAIT) {
+            Err(CommError::PeerFailed { peer: 3, .. }) => {}
+            other => panic!("expected rank 3 named, got {other:?}"),
+        }
+
+        // Islands of ranks 0..2 and 2..4, this rank in the first: rank 3's
+        // death fails the waits on rank 3 only, at once; rank 1 still
+        // delivers; a death in this island breaks everything again.
+        let m = Mailbox::default();
+        m.contain(0..2);
+        m.peer_died(3, "killed".into());
+        let t = Instant::now();
+        match m.take(3, 7, WAIT) {
+            Err(CommError::PeerFailed { peer: 3, reason }) => assert_eq!(reason, "killed"),
+            other => panic!("expected rank 3 named, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        m.deliver(1, 7, Bytes::from_static(b"ok"));
+        assert_eq!(m.take(1, 7, WAIT).unwrap(), Bytes::from_static(b"ok"));
+        assert!(m.first_death().is_none());
+        m.peer_died(1, "crashed".into());
+        match m.take(0, 7, WAIT) {
+            Err(CommError::PeerFailed { peer: 1, .. }) => {}
+            other => panic!("expected rank 1 named, got {other:?}"),
+        }
+
+        // A death seen before the islands were known is contained too.
+        let m = Mailbox::default();
+        m.peer_died(2, "killed".into());
+        m.contain(0..2);
+        assert!(m.first_death().is_none());
+        m.deliver(1, 7, Bytes::from_static(b"ok"));
+        assert!(m.take(1, 7, WAIT).is_ok());
+        assert!(m.take(2, 7, WAIT).is_err());
     }
 }

@@ -403,6 +403,10 @@ impl Transport for TcpTransport {
         self.mailbox.first_death()
     }
 
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        self.mailbox.contain(fatal)
+    }
+
     fn name(&self) -> &'static str {
         "tcp"
     }

@@ -127,12 +127,16 @@ impl Membership {
         GroupKind::members_digest(&self.alive)
     }
 
-    /// Island `i` is lost after `step` (the rank that showed it: `why`).
-    /// False when it is this rank's own island or was lost already: then
-    /// nothing changes.
+    /// Island `i` is lost after `step` (the rank that showed it: `why`),
+    /// if it was not already. True when it is out of the outer sync now
+    /// (a call over a group with it may run again without it); false for
+    /// this rank's own island, which nothing here takes out.
     pub(crate) fn lose(&mut self, i: usize, step: u64, why: String) -> Result<bool> {
-        if i == self.island || !self.alive.get(i).copied().unwrap_or(false) {
+        if i == self.island || i >= self.alive.len() {
             return Ok(false);
+        }
+        if !self.alive[i] {
+            return Ok(true);
         }
         self.alive[i] = false;
         self.lost.push(LostIsland {
@@ -401,6 +405,7 @@ impl Engine {
                     Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
                     Err(e) => {
                         let mut m = lock(&members);
+                        let before = m.lost.len();
                         let lost = match e.failed_peer() {
                             Some(peer) => {
                                 let island = m.island_of(peer);
@@ -412,12 +417,14 @@ impl Engine {
                         if !lost {
                             return Err(e);
                         }
-                        tracing::warn!(
-                            "islands: island {} left the outer sync after step {step} ({}); \
-                             the others go on",
-                            m.lost.last().map_or(0, |l| l.island),
-                            e.what_happened()
-                        );
+                        if m.lost.len() > before {
+                            tracing::warn!(
+                                "islands: island {} left the outer sync after step {step} ({}); \
+                                 the others go on",
+                                m.lost.last().map_or(0, |l| l.island),
+                                e.what_happened()
+                            );
+                        }
                         (sent, owned) = (Residual::none(), Residual::none());
                     }
                 }

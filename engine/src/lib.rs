@@ -298,6 +298,10 @@ impl Engine {
         let islands = match cfg.islands {
             Some(c) if c.count > 1 => {
                 c.check().map_err(EngineError::Switches)?;
+                // Another island's death takes it out of the outer sync;
+                // only this island's breaks this rank's collectives.
+                let first = island * layout.world();
+                counter.contain_deaths(first..first + layout.world());
                 let masters: Vec<&[f32]> = units.iter().map(|u| &u.master[..]).collect();
                 Some(IslandRun::new(
                     c,
@@ -851,33 +855,54 @@ impl Engine {
         Ok(m.survivors()?.unwrap_or_else(|| self.job_world.clone()))
     }
 
-    /// `call` over the job's bookkeeping group; a rank of another island
-    /// that died or did not answer loses its island, and the call runs
-    /// again over the others.
+    /// `call` over the job's bookkeeping group. With islands the ranks of
+    /// this island then agree on how it went: when a rank of another
+    /// island died or did not answer any of them, its island is lost and
+    /// every rank of this island runs the call again over the others (so
+    /// that they all go on in step).
     fn on_job<T>(
         &self,
         call: impl Fn(Arc<Group>) -> std::result::Result<T, CommError>,
     ) -> Result<T> {
         loop {
             let group = self.job_group()?;
-            match call(group) {
-                Ok(v) => return Ok(v),
-                Err(e) => {
-                    let Some(run) = self.islands.as_ref() else {
-                        return Err(e.into());
-                    };
-                    let lost = match e.failed_peer() {
-                        Some(peer) if peer < self.job.world() => {
-                            let mut m = islands::lock(&run.members);
-                            let island = m.island_of(peer);
-                            m.lose(island, self.step as u64, e.what_happened())?
-                        }
-                        _ => false,
-                    };
-                    if !lost {
-                        return Err(e.into());
-                    }
+            let result = call(group);
+            let Some(run) = self.islands.as_ref() else {
+                return Ok(result?);
+            };
+            let count = run.cfg.count;
+            // Per island: a rank of it failed a call here; last: a call
+            // failed here at all.
+            let mut failed = vec![0f32; count + 1];
+            if let Err(e) = &result {
+                failed[count] = 1.0;
+                if let Some(peer) = e.failed_peer().filter(|&p| p < self.job.world()) {
+                    failed[islands::lock(&run.members).island_of(peer)] = 1.0;
                 }
+            }
+            let agreed = self.sum_over_island(&failed)?;
+            if agreed[count] == 0.0 {
+                return Ok(result?);
+            }
+            let mut lost = false;
+            let mut m = islands::lock(&run.members);
+            for (i, &n) in agreed[..count].iter().enumerate() {
+                if n > 0.0 {
+                    let why = match &result {
+                        Err(e) => e.what_happened(),
+                        Ok(_) => "another rank of this island lost it".into(),
+                    };
+                    lost |= m.lose(i, self.step as u64, why)?;
+                }
+            }
+            if !lost {
+                return Err(match result {
+                    Err(e) => e.into(),
+                    Ok(_) => EngineError::Comm(CommError::PeerFailed {
+                        peer: self.job.rank,
+                        reason: "another rank of this island failed a job-wide call".into(),
+                    }),
+                });
             }
         }
     }

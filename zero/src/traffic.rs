@@ -251,6 +251,10 @@ impl Transport for CountingTransport {
     fn first_death(&self) -> Option<(usize, String)> {
         self.inner.first_death()
     }
+
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        self.inner.contain_deaths(fatal)
+    }
 }
 
 #[cfg(test)]

@@ -1239,6 +1239,10 @@ impl Transport for UcxTransport {
         self.mailbox.first_death()
     }
 
+    fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
+        self.mailbox.contain(fatal)
+    }
+
     fn name(&self) -> &'static str {
         "ucx"
     }
