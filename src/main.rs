@@ -416,9 +416,6 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if std::env::var_os("ZEROPP_DEBUG_BT").is_some() {
-                eprintln!("{e:?}");
-            }
             ExitCode::FAILURE
         }
     }

@@ -380,7 +380,26 @@ fn islands_run(
     first: usize,
     total: usize,
 ) -> Vec<Vec<Vec<f32>>> {
+    islands_dying(nodes, g, islands, switches, steps, (first, total), None)
+        .into_iter()
+        .map(|(masters, _)| masters)
+        .collect()
+}
+
+/// [`islands_run`] in which rank `dies.0`'s thread ends after step
+/// `dies.1` (the ranks of its island return nothing once a collective
+/// names it): every rank's masters and the islands it saw lost.
+fn islands_dying(
+    nodes: usize,
+    g: usize,
+    islands: Option<(usize, usize, usize, usize)>,
+    switches: &Switches,
+    steps: usize,
+    (first, total): (usize, usize),
+    dies: Option<(usize, usize)>,
+) -> Vec<(Vec<Vec<f32>>, Vec<crate::LostIsland>)> {
     let rows = 2;
+    let per_island = nodes * g / islands.map_or(1, |i| i.0);
     let handles: Vec<_> = InProcess::world(nodes * g)
         .into_iter()
         .enumerate()
@@ -411,14 +430,26 @@ fn islands_run(
                 };
                 let mut e = Engine::new(Box::new(t), layout, cfg, Duration::from_secs(30)).unwrap();
                 let global = first + rank;
+                let doomed = dies.is_some_and(|(r, _)| r / per_island == rank / per_island);
                 for s in 0..steps {
+                    if dies == Some((rank, s)) {
+                        return (Vec::new(), Vec::new());
+                    }
                     let (x, y) = batch(s as u64, total * rows, 16);
                     let (x, y) = (
                         x.narrow(0, global * rows, rows).unwrap(),
                         y.narrow(0, global * rows, rows).unwrap(),
                     );
-                    e.train_step(&x, &y, 3e-3).unwrap();
-                    e.outer_after_step().unwrap();
+                    let stepped = e
+                        .train_step(&x, &y, 3e-3)
+                        .and_then(|_| e.outer_after_step());
+                    match stepped {
+                        Ok(()) => {}
+                        Err(err) if doomed && err.is_peer_failure() => {
+                            return (Vec::new(), Vec::new());
+                        }
+                        Err(err) => panic!("rank {rank} step {s}: {err}"),
+                    }
                 }
                 if islands.is_some_and(|i| i.3 > 0) {
                     e.outer_finish().unwrap();
@@ -427,11 +458,13 @@ fn islands_run(
                 let chunk: usize = e.unit_layouts().iter().map(|u| u.chunk).sum();
                 assert_eq!(kept > 0, islands.is_some_and(|i| i.0 > 1));
                 assert!(kept as usize >= 8 * chunk || islands.is_none());
-                e.shard_state()
+                let masters = e
+                    .shard_state()
                     .unwrap()
                     .into_iter()
                     .map(|u| u.master)
-                    .collect()
+                    .collect();
+                (masters, e.lost_islands())
             })
         })
         .collect();
@@ -506,6 +539,34 @@ fn streamed_islands_end_on_one_model_and_stay_near_the_blocking_sync() {
             moved.sqrt()
         );
     }
+}
+
+#[test]
+fn a_dead_island_leaves_the_outer_sync_and_the_others_train_on_without_it() {
+    // 2 islands of 2 nodes x 1 rank, ZeRO++ inside, syncing every 4 steps;
+    // rank 3 (island 1) dies after step 5 or 6: island 0 finds it gone at
+    // the sync of step 8 and goes on alone, the same either way, and
+    // unlike a run where nobody died.
+    let zpp = Switches::zeropp(32);
+    let run = |dies| islands_dying(4, 1, Some((2, 4, 1, 0)), &zpp, 14, (0, 4), dies);
+    let (at5, at6, alive) = (run(Some((3, 5))), run(Some((3, 6))), run(None));
+    for r in 0..2 {
+        assert_eq!(at5[r].0, at6[r].0, "rank {r}: when island 1 died mattered");
+        assert_ne!(at5[r].0, alive[r].0, "rank {r}: the death changed nothing");
+        let lost = &at5[r].1;
+        assert_eq!(lost.len(), 1, "rank {r}: {lost:?}");
+        assert_eq!((lost[0].island, lost[0].step), (1, 8), "rank {r}: {lost:?}");
+        assert!(lost[0].why.contains("rank 3") || lost[0].why.contains("rank 2"));
+        assert!(at5[r].0.iter().flatten().all(|w| w.is_finite()));
+    }
+    assert!(alive.iter().all(|(_, lost)| lost.is_empty()));
+    // Streamed (2 fragments, landing a step later): the exchanges under
+    // way on the islands' thread find it gone too, and the survivors end
+    // on one model.
+    let streamed = islands_dying(4, 1, Some((2, 4, 2, 1)), &zpp, 14, (0, 4), Some((2, 5)));
+    assert_eq!(streamed[0].1.len(), 1, "{:?}", streamed[0].1);
+    assert_eq!(streamed[0].1[0].island, 1);
+    assert!(streamed[3].0.is_empty());
 }
 
 #[test]
