@@ -130,6 +130,11 @@ enum Command {
         /// launch fails when every island has.
         #[arg(long, default_value_t = 1)]
         islands: usize,
+        /// With --islands: how many times in all a failed island's ranks
+        /// are started again (ZEROPP_REJOIN=1) to rejoin the running job
+        /// (not island 0, which holds the job's store).
+        #[arg(long, default_value_t = 0)]
+        restarts: usize,
         /// The command every rank runs.
         #[arg(last = true, required = true)]
         command: Vec<String>,
@@ -288,6 +293,7 @@ fn run(cli: Cli) -> Result<()> {
             timeout,
             grace,
             islands,
+            restarts,
             command,
         } => launch::launch(&launch::LaunchOptions {
             nodes,
@@ -298,6 +304,7 @@ fn run(cli: Cli) -> Result<()> {
             grace: std::time::Duration::from_secs_f64(grace.max(0.0)),
             rank0_terminal: false,
             islands,
+            restarts,
             command,
         })?,
         Command::CommCheck {

@@ -588,6 +588,7 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
         .arg("train")
         .args(MODEL)
         .args(["--islands", "2", "--sync-every", "4", "--transport", "tcp"])
+        .args(["--restarts", "0"])
         .args(["--steps", "1000", "--save-every", "20", "--timeout", "20"])
         .args(["--checkpoint-dir", s(&ck), "--metrics", s(&metrics)])
         .args(["--summary-json", s(&summary)])
@@ -662,4 +663,70 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
     assert_eq!(r["islands"]["lost"], serde_json::json!([]), "{r}");
     assert_eq!(r["islands"]["exchanges"], 2, "{r}");
     std::fs::remove_dir_all(d).ok();
+}
+
+#[test]
+fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
+    // As above, with the launcher restarting island 1's ranks: they fetch
+    // the state of island 0's ranks at their next outer sync and train on
+    // with them to the end.
+    let d = tmp("island-rejoin");
+    let (metrics, summary) = (d.join("m.jsonl"), d.join("s.json"));
+    let job = zeropp()
+        .arg("train")
+        .args(MODEL)
+        .args(["--islands", "2", "--sync-every", "4", "--restarts", "1"])
+        .args(["--steps", "2000", "--timeout", "20"])
+        .args(["--metrics", s(&metrics), "--summary-json", s(&summary)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while steps_logged(&metrics) < 50 {
+        assert!(t.elapsed() < Duration::from_secs(120), "no steps");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    unsafe {
+        libc::kill(ranks[2] as i32, libc::SIGKILL);
+    }
+    let o = job.wait_with_output().unwrap();
+    let text = show(&o);
+    assert!(o.status.success(), "{text}");
+    assert!(text.contains("restarting the ranks of island 1"), "{text}");
+    for r in [2, 3] {
+        assert!(
+            text.contains(&format!("rank {r}: rejoined after step")),
+            "{text}"
+        );
+    }
+    let sm = json(&summary);
+    assert_eq!(sm["steps"], 2000, "{sm}");
+    let (lost, back) = (&sm["islands"]["lost"], &sm["islands"]["rejoined"]);
+    assert_eq!(lost[0]["island"], 1, "{sm}");
+    assert_eq!(back[0]["island"], 1, "{sm}");
+    let (left, came) = (
+        lost[0]["after_step"].as_u64().unwrap(),
+        back[0]["after_step"].as_u64().unwrap(),
+    );
+    assert!(left < came && came < 2000, "{sm}");
+    // It rejoined at an outer sync.
+    assert_eq!(came % 4, 0, "{sm}");
+    assert!(sm["val_loss"].as_f64().unwrap().is_finite(), "{sm}");
+    // After the rejoin the syncs cross between the islands again.
+    let steps = steps_of(&metrics);
+    let synced_after = steps[came as usize + 3]["bytes_inter_node"]
+        .as_f64()
+        .unwrap();
+    assert!(synced_after > 0.0, "{:?}", steps[came as usize + 3]);
+    std::fs::remove_dir_all(d).ok();
+}
+
+/// Steps in a metrics file so far (0 before it exists).
+fn steps_logged(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .map(|t| t.lines().filter(|l| l.contains("\"step\"")).count())
+        .unwrap_or(0)
 }

@@ -30,6 +30,13 @@ pub struct RankFacts {
     /// (`TORCHELASTIC_RUN_ID`/`TORCHELASTIC_RESTART_COUNT`), which the
     /// rendezvous uses instead of a port of its own.
     pub torch_store: Option<String>,
+    /// Islands of consecutive whole nodes (`ZEROPP_ISLANDS`, or the
+    /// trainer's `--islands`): rank 0's store stays up and every rank's
+    /// listener takes restarted ranks of a lost island. 1: none.
+    pub islands: usize,
+    /// This is a restarted rank of a lost island joining the running job
+    /// (`ZEROPP_REJOIN=1`, set by `zeropp launch --restarts`).
+    pub rejoin: bool,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -225,6 +232,8 @@ impl RankFacts {
             }
             None => DEFAULT_TIMEOUT,
         };
+        let islands = parse::<usize>(get, "ZEROPP_ISLANDS", "number of islands")?.unwrap_or(1);
+        let rejoin = get("ZEROPP_REJOIN").is_some_and(|v| v == "1");
         Ok(RankFacts {
             rank,
             world_size,
@@ -237,12 +246,21 @@ impl RankFacts {
             timeout,
             launcher,
             torch_store,
+            islands: islands.max(1),
+            rejoin,
         })
     }
 
     /// Nodes in the job.
     pub fn nodes(&self) -> usize {
         self.world_size / self.local_world_size
+    }
+
+    /// The ranks of this rank's island (the whole job without islands).
+    pub fn island_ranks(&self) -> std::ops::Range<usize> {
+        let size = self.world_size / self.islands.max(1);
+        let first = self.rank / size.max(1) * size;
+        first..first + size
     }
 }
 

@@ -69,6 +69,8 @@ pub struct JoinOptions {
     /// Logical nodes of this many ranks (several per host, for emulating a
     /// cluster on one machine); `None`: the hosts.
     pub ranks_per_node: Option<usize>,
+    /// Islands (TCP): this rank's island, and whether it is rejoining.
+    pub rejoins: Option<super::tcp::Rejoins>,
 }
 
 /// Publishes this rank through `exchange` (its bytes in, every rank's bytes
@@ -131,6 +133,7 @@ pub fn join(
                 token: opts.token.clone(),
                 connect_timeout: opts.timeout,
                 write_timeout: opts.timeout,
+                rejoins: opts.rejoins.clone(),
             };
             let hosts = layout_of(&all, opts)?;
             let t = TcpTransport::connect(opts.rank, &addresses, listener, &options)?;
@@ -347,6 +350,7 @@ mod tests {
                             ip: IpAddr::from([127, 0, 0, 1]),
                             timeout: Duration::from_secs(20),
                             ranks_per_node: None,
+                            rejoins: None,
                         };
                         join(&opts, serde_json::json!({ "me": rank }), &mut |m| {
                             board.exchange(rank, m)

@@ -39,6 +39,10 @@ pub enum GroupKind {
     /// island takes part, else [`GroupKind::members_digest`] of those that
     /// do: each change of membership is a group of its own.
     Across { place: Option<usize>, members: u8 },
+    /// A restarted island's requests to rejoin and the state it is sent
+    /// (point-to-point messages between the islands, outside any
+    /// collective): [`rejoin_tag`].
+    Rejoin,
 }
 
 /// Bits of a group id (the top of a message tag).
@@ -108,7 +112,7 @@ impl GroupKind {
             }
             GroupKind::Across { place, members } => {
                 let place = place.map_or(0, |p| p + 1);
-                if place >= 1 << ACROSS_PLACE_BITS {
+                if place >= (1 << ACROSS_PLACE_BITS) - 1 {
                     return Err(CommError::Group(format!(
                         "place {} in an island: zeropp's group ids hold islands of fewer \
                          than {} ranks",
@@ -118,6 +122,8 @@ impl GroupKind {
                 }
                 (7, ((members as u32) << ACROSS_PLACE_BITS) | place as u32)
             }
+            // The one payload no outer sync group has.
+            GroupKind::Rejoin => (7, (1 << PAYLOAD_BITS) - 1),
         };
         Ok((kind << PAYLOAD_BITS) | payload)
     }
@@ -201,6 +207,12 @@ impl Group {
 /// The tag of step `step` of call `call` on `group`: the group's id in the
 /// top 24 bits, the call's sequence number (modulo 2^24: a member is never
 /// that many calls ahead of another) in the next 24, the step in the low 16.
+/// The tag of a rejoin message of kind `what` ([`GroupKind::Rejoin`]).
+pub fn rejoin_tag(what: u16) -> Tag {
+    let id = GroupKind::Rejoin.id().expect("the rejoin id fits");
+    ((id as u64) << 40) | what as u64
+}
+
 pub(crate) fn tag(group: &Group, call: u32, step: usize) -> Tag {
     ((group.id as u64) << 40) | (((call & 0xff_ffff) as u64) << 16) | (step as u64 & 0xffff)
 }
@@ -252,6 +264,7 @@ mod tests {
                 members,
             });
         }
+        all.push(GroupKind::Rejoin);
         all
     }
 

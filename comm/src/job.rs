@@ -161,6 +161,13 @@ impl Job {
             // The launcher's nodes (the rendezvous checks them against the
             // hosts).
             ranks_per_node: Some(facts.local_world_size),
+            // Islands over TCP: restarted ranks of a lost island rejoin.
+            rejoins: (facts.islands > 1 && kind == TransportKind::Tcp).then(|| {
+                super::tcp::Rejoins {
+                    island: facts.island_ranks(),
+                    rejoining: facts.rejoin,
+                }
+            }),
         };
         let mut table = Vec::new();
         let joined = exchange::join(&opts, extra_facts, &mut |mine: Vec<u8>| {

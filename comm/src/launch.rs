@@ -66,6 +66,10 @@ pub struct LaunchOptions {
     /// (`zeropp train --islands`), and the launch fails only when every
     /// island has. 1: one failure stops the job.
     pub islands: usize,
+    /// With islands: how many times in all a failed island's ranks are
+    /// started again (`ZEROPP_REJOIN=1`) to rejoin the running job (never
+    /// island 0, which holds the job's store).
+    pub restarts: usize,
     pub command: Vec<String>,
 }
 
@@ -191,6 +195,7 @@ fn spawn(
     (node, local): (usize, usize),
     threads: Option<usize>,
     forwarders: &mut Vec<std::thread::JoinHandle<()>>,
+    rejoin: bool,
 ) -> Result<Rank> {
     let program = &opts.command[0];
     let rank = node * opts.ranks_per_node + local;
@@ -214,6 +219,12 @@ fn spawn(
         });
     if let Some(t) = opts.timeout_s {
         cmd.env("ZEROPP_TIMEOUT_S", t.to_string());
+    }
+    if opts.islands > 1 {
+        cmd.env("ZEROPP_ISLANDS", opts.islands.to_string());
+    }
+    if rejoin {
+        cmd.env("ZEROPP_REJOIN", "1");
     }
     if let Some(n) = threads {
         cmd.env("RAYON_NUM_THREADS", n.to_string());
@@ -273,11 +284,13 @@ fn supervise(
     ranks: &mut [Rank],
     grace: Duration,
     per_island: Option<usize>,
+    (mut restarts, respawn): (usize, &mut dyn FnMut(usize) -> Result<Rank>),
 ) -> Result<Vec<Failure>> {
+    // Islands failing now (their ranks stop after the grace), and those
+    // lost for good.
+    let mut failing: Vec<Failure> = Vec::new();
     let mut failures: Vec<Failure> = Vec::new();
-    let failed = |failures: &[Failure], island: usize| -> Option<Failure> {
-        failures.iter().find(|f| f.island == island).copied()
-    };
+    let seen = |list: &[Failure], island: usize| list.iter().any(|f| f.island == island);
     loop {
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
             let waited = r.child.try_wait().map_err(|source| LaunchError::Io {
@@ -287,7 +300,7 @@ fn supervise(
             if let Some(status) = waited {
                 r.status = Some(status);
                 let island = island_of(r.rank, per_island);
-                if !status.success() && failed(&failures, island).is_none() {
+                if !status.success() && !seen(&failing, island) && !seen(&failures, island) {
                     tracing::error!(
                         "rank {} failed with {}; stopping the other ranks{}",
                         r.rank,
@@ -298,7 +311,7 @@ fn supervise(
                             String::new()
                         }
                     );
-                    failures.push(Failure {
+                    failing.push(Failure {
                         island,
                         rank: r.rank,
                         status,
@@ -307,15 +320,36 @@ fn supervise(
                 }
             }
         }
-        // The ranks of islands that failed more than `grace` ago stop.
-        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            if let Some(f) = failed(&failures, island_of(r.rank, per_island))
-                && f.at.elapsed() >= grace
-            {
+        // The ranks of islands that failed more than `grace` ago stop;
+        // then the island starts again to rejoin, or is lost.
+        let due: Vec<Failure> = failing
+            .iter()
+            .filter(|f| f.at.elapsed() >= grace)
+            .copied()
+            .collect();
+        for f in due {
+            failing.retain(|g| g.island != f.island);
+            let mine = |r: &Rank| island_of(r.rank, per_island) == f.island;
+            for r in ranks.iter_mut().filter(|r| mine(r)) {
                 stop(r);
             }
+            // Island 0 holds the job's store: it cannot rejoin.
+            let rejoinable = per_island.is_some() && !ranks.iter().any(|r| mine(r) && r.rank == 0);
+            if restarts > 0 && rejoinable {
+                restarts -= 1;
+                tracing::warn!(
+                    "restarting the ranks of island {} to rejoin the job ({} restart(s) left)",
+                    f.island,
+                    restarts
+                );
+                for r in ranks.iter_mut().filter(|r| mine(r)) {
+                    *r = respawn(r.rank)?;
+                }
+            } else {
+                failures.push(f);
+            }
         }
-        if ranks.iter().all(|r| r.status.is_some()) {
+        if failing.is_empty() && ranks.iter().all(|r| r.status.is_some()) {
             break;
         }
         std::thread::sleep(Duration::from_millis(20));
@@ -370,11 +404,29 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 (node, local),
                 threads,
                 &mut forwarders,
+                false,
             )?);
         }
     }
     let per_island = (islands > 1).then_some(opts.nodes / islands * opts.ranks_per_node);
-    let failures = supervise(&mut ranks, opts.grace, per_island)?;
+    let mut respawn = |rank: usize| {
+        let node = rank / opts.ranks_per_node;
+        let local = rank % opts.ranks_per_node;
+        spawn(
+            opts,
+            &meeting,
+            (node, local),
+            threads,
+            &mut forwarders,
+            true,
+        )
+    };
+    let failures = supervise(
+        &mut ranks,
+        opts.grace,
+        per_island,
+        (opts.restarts, &mut respawn),
+    )?;
     for f in forwarders {
         let _ = f.join();
     }

@@ -111,6 +111,16 @@ impl Mailbox {
         state.fatal_only = Some(fatal);
     }
 
+    /// `peer` is back (a restarted rank of a lost island reconnected):
+    /// waits on it work again, and anything its earlier self left queued
+    /// is dropped. Call before its new connection delivers.
+    pub fn revive(&self, peer: usize) {
+        let mut state = self.lock();
+        state.dead.remove(&peer);
+        state.contained.remove(&peer);
+        state.queues.retain(|(source, _), _| *source != peer);
+    }
+
     /// Whether `peer` left or died.
     pub fn is_gone(&self, peer: usize) -> bool {
         self.lock().dead.contains_key(&peer)

@@ -140,7 +140,7 @@ fn read_hello(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, String
 /// Runs the store on rank 0 until every rank has arrived (or it fails).
 /// Returns the table it sent.
 pub fn serve(
-    listener: TcpListener,
+    listener: &TcpListener,
     token: &str,
     world_size: usize,
     timeout: Duration,
@@ -244,6 +244,56 @@ pub fn serve(
         reply(stream, REPLY_TABLE, &payload);
     }
     Ok(table)
+}
+
+/// Islands: after the job met, rank 0's store answers a restarted rank
+/// of a lost island with the table, its own entry replaced by what it
+/// presents now.
+fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>) {
+    if let Err(e) = listener.set_nonblocking(false) {
+        tracing::warn!("the rejoin desk cannot wait for callers: {e}");
+        return;
+    }
+    for conn in listener.incoming() {
+        let Ok(mut stream) = conn else { continue };
+        let from = stream
+            .peer_addr()
+            .map_or_else(|_| "?".into(), |a| a.to_string());
+        let hello = match read_hello(&mut stream, Duration::from_secs(10)) {
+            Ok(h) => h,
+            Err(reason) => {
+                tracing::warn!("rendezvous: refused a rejoin from {from}: {reason}");
+                continue;
+            }
+        };
+        if hello.token != token {
+            tracing::warn!("rendezvous: refused a rejoin from {from}: wrong job token");
+            reply(
+                &mut stream,
+                REPLY_ERROR,
+                b"wrong job token: set ZEROPP_TOKEN to the job's secret",
+            );
+            continue;
+        }
+        let p = hello.peer;
+        if p.world_size != table.len() || p.rank >= table.len() || p.rank == 0 {
+            let msg = format!(
+                "rank {} of {} cannot rejoin a job of {} ranks",
+                p.rank,
+                p.world_size,
+                table.len()
+            );
+            reply(&mut stream, REPLY_ERROR, msg.as_bytes());
+            continue;
+        }
+        tracing::info!("rendezvous: rank {} is rejoining from {from}", p.rank);
+        let rank = p.rank;
+        table[rank] = p;
+        match serde_json::to_vec(&table) {
+            Ok(payload) => reply(&mut stream, REPLY_TABLE, &payload),
+            Err(e) => reply(&mut stream, REPLY_ERROR, e.to_string().as_bytes()),
+        }
+    }
 }
 
 /// Every node must hold the same number of ranks, each (node, local rank)
@@ -421,6 +471,13 @@ pub fn rendezvous(
         return through_torch_store(facts, store, &me);
     }
     let master = resolve(&facts.master_addr, facts.master_port)?;
+    if facts.rejoin && facts.rank == 0 {
+        return Err(failure(
+            "rank 0 cannot rejoin: its island holds the job's store, and the job ended with it; \
+             restart the whole job from its last checkpoint (--resume)"
+                .into(),
+        ));
+    }
     let server = if facts.rank == 0 {
         let bind: SocketAddr = if master.is_ipv4() {
             SocketAddr::from(([0, 0, 0, 0], facts.master_port))
@@ -434,9 +491,16 @@ pub fn rendezvous(
             ))
         })?;
         let token = facts.token.clone();
-        let (world, timeout) = (facts.world_size, facts.timeout);
+        let (world, timeout, islands) = (facts.world_size, facts.timeout, facts.islands);
         Some(std::thread::spawn(move || {
-            serve(listener, &token, world, timeout)
+            let table = serve(&listener, &token, world, timeout)?;
+            if islands > 1 {
+                // The store stays up for the restarted ranks of lost
+                // islands, for as long as this process lives.
+                let (token, table) = (token.clone(), table.clone());
+                std::thread::spawn(move || desk(listener, &token, table));
+            }
+            Ok::<_, CommError>(table)
         }))
     } else {
         None

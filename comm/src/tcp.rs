@@ -11,8 +11,10 @@
 
 use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -33,6 +35,20 @@ pub struct TcpOptions {
     pub connect_timeout: Duration,
     /// How long one write may block on a peer that does not read.
     pub write_timeout: Duration,
+    /// Islands: this rank's island, whose ranks may be restarted and
+    /// reconnect ([`Rejoins`]); `None`: a dead rank stays dead.
+    pub rejoins: Option<Rejoins>,
+}
+
+/// How a rank of a job of islands takes part in rejoins.
+#[derive(Clone, Debug)]
+pub struct Rejoins {
+    /// The ranks of this rank's island.
+    pub island: Range<usize>,
+    /// This rank is a restarted one joining a running job: it connects to
+    /// every rank it can outside its island (a rank that does not answer
+    /// is counted dead) and builds its island's part of the mesh anew.
+    pub rejoining: bool,
 }
 
 struct Outgoing {
@@ -47,12 +63,18 @@ struct Peer {
     threads: Vec<JoinHandle<()>>,
 }
 
+/// Each peer's connection, `None` for a rank not reached.
+type Peers = Arc<Vec<RwLock<Option<Peer>>>>;
+
 /// One rank's end of a TCP mesh.
 pub struct TcpTransport {
     rank: usize,
     world_size: usize,
     mailbox: Arc<Mailbox>,
-    peers: Vec<Option<Peer>>,
+    /// Each peer's connection (replaced when a restarted rank reconnects).
+    peers: Peers,
+    /// With islands: the thread taking restarted ranks' connections.
+    acceptor: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
 }
 
 fn hello_payload(token: &str, world_size: usize) -> Vec<u8> {
@@ -109,6 +131,63 @@ fn read_hello(
     Ok(header.source as usize)
 }
 
+/// Connects to `peer` at `addr` and trades hellos, retrying until
+/// `deadline`.
+fn connect_to(
+    rank: usize,
+    (peer, addr): (usize, &SocketAddr),
+    options: &TcpOptions,
+    deadline: Instant,
+    world_size: usize,
+) -> Result<TcpStream, CommError> {
+    loop {
+        let mut stream = loop {
+            match TcpStream::connect_timeout(addr, Duration::from_secs(5)) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() < deadline => {
+                    tracing::debug!("connect to rank {peer} at {addr}: {e}; retrying");
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(io_err(format!("rank {peer} at {addr}"))(e)),
+            }
+        };
+        send_hello(&mut stream, rank, &options.token, world_size)
+            .map_err(io_err(format!("rank {peer} at {addr}")))?;
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        match read_hello(
+            &mut stream,
+            &options.token,
+            world_size,
+            remaining.max(Duration::from_millis(1)),
+        ) {
+            Ok(answer) if answer == peer => return Ok(stream),
+            Ok(answer) => {
+                return Err(CommError::Join(format!(
+                    "the listener at {addr} answered as rank {answer}, expected rank {peer}: \
+                     two ranks share one address, or the rendezvous table is wrong"
+                )));
+            }
+            // A live rank refuses a restarted one until it has seen its
+            // earlier self die: try again.
+            Err(_)
+                if options.rejoins.as_ref().is_some_and(|r| r.rejoining)
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(reason) => {
+                return Err(CommError::PeerFailed {
+                    peer,
+                    reason: format!(
+                        "refused the connection or answered wrongly ({reason}); is it the same \
+                         job (token, world size)?"
+                    ),
+                });
+            }
+        }
+    }
+}
+
 impl TcpTransport {
     /// Builds the mesh. `listener` is this rank's bound listener (its address
     /// is `addresses[rank]`); `addresses` lists every rank's listener.
@@ -129,41 +208,43 @@ impl TcpTransport {
         let deadline = Instant::now() + options.connect_timeout;
         let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
 
+        // A rejoining rank connects to every rank outside its island too
+        // (they take restarted ranks on their acceptor thread); the ranks
+        // of another island that do not answer are dead.
+        let rejoining = options.rejoins.as_ref().filter(|r| r.rejoining);
+        let connects = |p: usize| p < rank || rejoining.is_some_and(|r| !r.island.contains(&p));
+        let mut unreachable: Vec<(usize, String)> = Vec::new();
         // Connect to every lower rank (their listeners exist: they bound them
         // before publishing their addresses).
-        for (peer, addr) in addresses.iter().enumerate().take(rank) {
-            let mut stream = loop {
-                match TcpStream::connect_timeout(addr, Duration::from_secs(5)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() < deadline => {
-                        tracing::debug!("connect to rank {peer} at {addr}: {e}; retrying");
-                        std::thread::sleep(Duration::from_millis(50));
-                    }
-                    Err(e) => return Err(io_err(format!("rank {peer} at {addr}"))(e)),
-                }
-            };
-            send_hello(&mut stream, rank, &options.token, world_size)
-                .map_err(io_err(format!("rank {peer} at {addr}")))?;
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            let answer = read_hello(&mut stream, &options.token, world_size, remaining.max(Duration::from_millis(1)))
-                .map_err(|reason| CommError::PeerFailed {
-                    peer,
-                    reason: format!("refused the connection or answered wrongly ({reason}); is it the same job (token, world size)?"),
-                })?;
-            if answer != peer {
-                return Err(CommError::Join(format!(
-                    "the listener at {addr} answered as rank {answer}, expected rank {peer}: \
-                     two ranks share one address, or the rendezvous table is wrong"
-                )));
+        for (peer, addr) in addresses.iter().enumerate() {
+            if peer == rank || !connects(peer) {
+                continue;
             }
-            streams[peer] = Some(stream);
+            let outside = rejoining.is_some_and(|r| !r.island.contains(&peer));
+            // A rank of a lost island is not waited for long.
+            let until = if outside {
+                deadline.min(Instant::now() + Duration::from_secs(10))
+            } else {
+                deadline
+            };
+            match connect_to(rank, (peer, addr), options, until, world_size) {
+                Ok(stream) => streams[peer] = Some(stream),
+                Err(e) if outside => {
+                    tracing::warn!("rejoining: rank {peer} at {addr} did not take us ({e})");
+                    unreachable.push((
+                        peer,
+                        format!("it did not answer when this island rejoined ({e})"),
+                    ));
+                }
+                Err(e) => return Err(e),
+            }
         }
 
-        // Accept every higher rank.
+        // Accept every higher rank (a rejoining rank: those of its island).
         listener
             .set_nonblocking(true)
             .map_err(io_err("the listener"))?;
-        let mut missing: usize = world_size - rank - 1;
+        let mut missing: usize = (rank + 1..world_size).filter(|&p| !connects(p)).count();
         while missing > 0 {
             match listener.accept() {
                 Ok((mut stream, from)) => {
@@ -177,7 +258,12 @@ impl TcpTransport {
                         world_size,
                         remaining.max(Duration::from_millis(1)),
                     ) {
-                        Ok(peer) if peer > rank && peer < world_size && streams[peer].is_none() => {
+                        Ok(peer)
+                            if peer > rank
+                                && peer < world_size
+                                && !connects(peer)
+                                && streams[peer].is_none() =>
+                        {
                             send_hello(&mut stream, rank, &options.token, world_size)
                                 .map_err(io_err(format!("rank {peer} at {from}")))?;
                             streams[peer] = Some(stream);
@@ -195,7 +281,7 @@ impl TcpTransport {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                     if Instant::now() >= deadline {
                         let absent: Vec<usize> = (rank + 1..world_size)
-                            .filter(|&p| streams[p].is_none())
+                            .filter(|&p| !connects(p) && streams[p].is_none())
                             .collect();
                         return Err(CommError::Join(format!(
                             "ranks {absent:?} did not connect within {:?}; they failed to start \
@@ -210,19 +296,115 @@ impl TcpTransport {
         }
 
         let mailbox = Arc::new(Mailbox::default());
-        let mut peers: Vec<Option<Peer>> = (0..world_size).map(|_| None).collect();
-        for (peer, stream) in streams.into_iter().enumerate() {
-            let Some(stream) = stream else { continue };
-            peers[peer] = Some(Self::start_peer(
-                rank, peer, stream, &mailbox, &pool, options,
-            )?);
+        for (peer, why) in unreachable {
+            mailbox.peer_died(peer, why);
         }
+        let mut peers: Vec<RwLock<Option<Peer>>> = Vec::with_capacity(world_size);
+        for (peer, stream) in streams.into_iter().enumerate() {
+            peers.push(RwLock::new(match stream {
+                Some(stream) => Some(Self::start_peer(
+                    rank, peer, stream, &mailbox, &pool, options,
+                )?),
+                None => None,
+            }));
+        }
+        let peers = Arc::new(peers);
+        let acceptor = match &options.rejoins {
+            Some(_) => Some(Self::accept_rejoins(
+                rank,
+                listener,
+                (&peers, &mailbox, &pool),
+                options,
+                world_size,
+            )?),
+            None => None,
+        };
         Ok(TcpTransport {
             rank,
             world_size,
             mailbox,
             peers,
+            acceptor,
         })
+    }
+
+    /// Islands: a thread that takes the connection of a restarted rank
+    /// whose earlier connection died, in its place.
+    fn accept_rejoins(
+        rank: usize,
+        listener: TcpListener,
+        (peers, mailbox, pool): (&Peers, &Arc<Mailbox>, &Arc<BufferPool>),
+        options: &TcpOptions,
+        world_size: usize,
+    ) -> Result<(Arc<AtomicBool>, JoinHandle<()>), CommError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (peers, mailbox, pool, options) = (
+            peers.clone(),
+            mailbox.clone(),
+            pool.clone(),
+            options.clone(),
+        );
+        let stopping = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("zeropp-rejoins".into())
+            .spawn(move || {
+                while !stopping.load(Ordering::Relaxed) {
+                    let (mut stream, from) = match listener.accept() {
+                        Ok(c) => c,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_millis(20));
+                            continue;
+                        }
+                        Err(e) => {
+                            tracing::warn!("the rejoin listener failed: {e}");
+                            return;
+                        }
+                    };
+                    let _ = stream.set_nonblocking(false);
+                    let hello = read_hello(
+                        &mut stream,
+                        &options.token,
+                        world_size,
+                        Duration::from_secs(10),
+                    );
+                    let peer = match hello {
+                        Ok(p) if p != rank && p < world_size && mailbox.is_gone(p) => p,
+                        Ok(p) => {
+                            tracing::warn!(
+                                "refused a connection from {from} claiming rank {p}: that rank's \
+                                 connection is alive"
+                            );
+                            continue;
+                        }
+                        Err(reason) => {
+                            tracing::warn!("refused a connection from {from}: {reason}");
+                            continue;
+                        }
+                    };
+                    if let Err(e) = send_hello(&mut stream, rank, &options.token, world_size) {
+                        tracing::warn!("rank {peer} reconnecting from {from}: {e}");
+                        continue;
+                    }
+                    // Its earlier self's leftovers go before the new
+                    // connection delivers anything.
+                    mailbox.revive(peer);
+                    match Self::start_peer(rank, peer, stream, &mailbox, &pool, &options) {
+                        Ok(new) => {
+                            let old = peers[peer]
+                                .write()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .replace(new);
+                            drop(old);
+                            tracing::info!("rank {peer} rejoined from {from}");
+                        }
+                        Err(e) => {
+                            mailbox.peer_died(peer, format!("its new connection failed: {e}"));
+                        }
+                    }
+                }
+            })
+            .map_err(io_err("the rejoin thread"))?;
+        Ok((stop, thread))
     }
 
     fn start_peer(
@@ -326,21 +508,30 @@ impl TcpTransport {
         })
     }
 
-    fn peer(&self, peer: usize) -> Result<&Peer, CommError> {
-        match self.peers.get(peer) {
-            Some(Some(p)) => Ok(p),
-            _ => Err(CommError::NoSuchRank {
+    fn check(&self, peer: usize) -> Result<(), CommError> {
+        if peer < self.world_size {
+            Ok(())
+        } else {
+            Err(CommError::NoSuchRank {
                 peer,
                 world: self.world_size,
-            }),
+            })
         }
     }
 }
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
+        if let Some((stop, thread)) = self.acceptor.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
         // Close the queues: writers flush what was posted, say goodbye, end.
-        let mut peers: Vec<Peer> = self.peers.iter_mut().filter_map(Option::take).collect();
+        let mut peers: Vec<Peer> = self
+            .peers
+            .iter()
+            .filter_map(|p| p.write().unwrap_or_else(|p| p.into_inner()).take())
+            .collect();
         for p in &mut peers {
             p.queue.take();
         }
@@ -373,8 +564,16 @@ impl Transport for TcpTransport {
             self.mailbox.deliver(peer, tag, data);
             return Ok(SendHandle::done());
         }
+        self.check(peer)?;
         let done = SendHandle::default();
-        let queue = self.peer(peer)?.queue.as_ref().ok_or(CommError::Closed)?;
+        let slot = self.peers[peer].read().unwrap_or_else(|p| p.into_inner());
+        let Some(connection) = slot.as_ref() else {
+            return Err(CommError::PeerFailed {
+                peer,
+                reason: "it was not reachable when this rank joined".into(),
+            });
+        };
+        let queue = connection.queue.as_ref().ok_or(CommError::Closed)?;
         queue
             .send(Outgoing {
                 tag,
@@ -389,9 +588,7 @@ impl Transport for TcpTransport {
     }
 
     fn recv(&self, peer: usize, tag: Tag, timeout: Duration) -> Result<Bytes, CommError> {
-        if peer != self.rank {
-            self.peer(peer)?;
-        }
+        self.check(peer)?;
         self.mailbox.take(peer, tag, timeout)
     }
 

@@ -10,15 +10,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use bytes::Bytes;
 use zeropp_comm::collectives::{CommThread, Pending};
-use zeropp_comm::{Communicator, Group, GroupKind};
+use zeropp_comm::group::rejoin_tag;
+use zeropp_comm::{Communicator, Group, GroupKind, Transport};
 use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
 use zeropp_zero::residual::Residual;
+use zeropp_zero::traffic::Phase;
 use zeropp_zero::{Hop, ZeroError, ZeroGroups};
 
-use crate::{Engine, EngineError, Result};
+use crate::{Engine, EngineError, Result, UnitLayout, UnitShard};
 
 /// How a job runs as islands.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -92,9 +95,15 @@ pub(crate) struct Membership {
     /// Islands lost: each with the step of the exchange (or job-wide call)
     /// that found it gone, and why.
     pub(crate) lost: Vec<LostIsland>,
+    /// Islands that came back: each with the step after which it
+    /// trained with the others again.
+    pub(crate) rejoined: Vec<(usize, u64)>,
     /// The ranks at this place of the islands taking part (rebuilt, its
     /// calls numbered from 0 again, at each change).
     across: Arc<Group>,
+    /// Every rank of the islands taking part, once membership changed
+    /// (`None`: the job's world).
+    job: Option<Arc<Group>>,
 }
 
 /// An island that left the outer sync.
@@ -114,13 +123,62 @@ impl Membership {
             island,
             place,
             lost: Vec::new(),
+            rejoined: Vec::new(),
             across,
+            job: None,
         }
+    }
+
+    /// New groups for the islands taking part now (both numbered from 0
+    /// on every member alike).
+    fn regroup(&mut self) -> Result<()> {
+        let digest = self.digest();
+        let ranks: Vec<usize> = self.members().map(|m| m * self.size + self.place).collect();
+        self.across = Arc::new(Group::new(
+            GroupKind::Across {
+                place: Some(self.place),
+                members: digest,
+            },
+            ranks,
+        )?);
+        let everyone: Vec<usize> = self
+            .members()
+            .flat_map(|m| m * self.size..(m + 1) * self.size)
+            .collect();
+        self.job = Some(Arc::new(Group::new(
+            GroupKind::Across {
+                place: None,
+                members: digest,
+            },
+            everyone,
+        )?));
+        Ok(())
+    }
+
+    /// Island `i` takes part again from the exchanges after `step`.
+    pub(crate) fn rejoin(&mut self, i: usize, step: u64) -> Result<()> {
+        if i < self.alive.len() && !self.alive[i] {
+            self.alive[i] = true;
+            self.rejoined.push((i, step));
+            self.regroup()?;
+        }
+        Ok(())
+    }
+
+    /// The island that answers island `j`'s request to rejoin: the first
+    /// taking part.
+    fn host_for(&self, j: usize) -> Option<usize> {
+        self.members().find(|&i| i != j)
     }
 
     /// The islands taking part.
     pub(crate) fn alive(&self) -> &[bool] {
         &self.alive
+    }
+
+    /// Whether an island is out of the outer sync now.
+    fn missing_any(&self) -> bool {
+        self.alive.iter().any(|&a| !a)
     }
 
     fn digest(&self) -> u8 {
@@ -144,12 +202,7 @@ impl Membership {
             step,
             why,
         });
-        let ranks: Vec<usize> = self.members().map(|m| m * self.size + self.place).collect();
-        let kind = GroupKind::Across {
-            place: Some(self.place),
-            members: self.digest(),
-        };
-        self.across = Arc::new(Group::new(kind, ranks)?);
+        self.regroup()?;
         Ok(true)
     }
 
@@ -162,21 +215,10 @@ impl Membership {
         (0..self.alive.len()).filter(|&i| self.alive[i])
     }
 
-    /// Every rank of the islands taking part, when one was lost (`None`:
-    /// the job's world serves).
-    pub(crate) fn survivors(&self) -> Result<Option<Arc<Group>>> {
-        if self.lost.is_empty() {
-            return Ok(None);
-        }
-        let ranks: Vec<usize> = self
-            .members()
-            .flat_map(|m| m * self.size..(m + 1) * self.size)
-            .collect();
-        let kind = GroupKind::Across {
-            place: None,
-            members: self.digest(),
-        };
-        Ok(Some(Arc::new(Group::new(kind, ranks)?)))
+    /// Every rank of the islands taking part, once membership changed
+    /// (`None`: the job's world serves).
+    pub(crate) fn survivors(&self) -> Option<Arc<Group>> {
+        self.job.clone()
     }
 }
 
@@ -279,6 +321,11 @@ impl Engine {
         let starting: Vec<usize> = (0..n)
             .filter(|&u| cfg.starts(cfg.fragment(u, n), n, steps))
             .collect();
+        let joining = if starting.is_empty() {
+            Vec::new()
+        } else {
+            self.membership_round()?
+        };
         for &u in &starting {
             self.start(u, steps + cfg.delay)?;
         }
@@ -288,7 +335,164 @@ impl Engine {
                 self.land(u)?;
             }
         }
+        for j in joining {
+            self.welcome(j)?;
+        }
         Ok(())
+    }
+
+    /// Before a step's exchanges: the ranks of this island agree on which
+    /// islands take part and on the lost islands all of whose ranks at
+    /// this island's places asked to rejoin; while an island is out, the
+    /// islands taking part then agree on who comes back (the same places
+    /// of every island, so that all regroup at once). Returns the islands
+    /// that rejoin after this step's exchanges (streamed islands: none,
+    /// a rejoin needs the blocking sync).
+    fn membership_round(&mut self) -> Result<Vec<usize>> {
+        let run = self.islands.as_ref().expect("islands");
+        let (count, delay) = (run.cfg.count, run.cfg.delay);
+        let size = self.plan.layout.world();
+        let place = self.plan.layout.rank;
+        let (mut flags, island) = {
+            let m = lock(&run.members);
+            let mut flags: Vec<f32> = m.alive.iter().map(|&a| a as u8 as f32).collect();
+            flags.extend((0..count).map(|j| {
+                let asked = !m.alive[j]
+                    && delay == 0
+                    && self.counter.probe(j * size + place, rejoin_tag(REQUEST));
+                asked as u8 as f32
+            }));
+            (flags, m.island)
+        };
+        flags = self.sum_over_island(&flags)?;
+        let everyone = size as f32;
+        let mut ready: Vec<f32> = flags[count..]
+            .iter()
+            .map(|&n| (n == everyone) as u8 as f32)
+            .collect();
+        let step = self.step as u64;
+        let (missing, across) = {
+            let mut m = lock(&run.members);
+            for (i, &n) in flags[..count].iter().enumerate() {
+                if n < everyone && i != island {
+                    m.lose(i, step, "another rank of this island lost it".into())?;
+                }
+            }
+            (m.missing_any(), m.across.clone())
+        };
+        if !missing {
+            return Ok(Vec::new());
+        }
+        if across.size() > 1 {
+            let counter = self.counter.clone();
+            let mine = ready.clone();
+            ready = self
+                .thread
+                .submit(move |c| {
+                    counter.set_phase(Phase::Other, 0.0);
+                    c.all_reduce_f32(&across, &mine)
+                })
+                .wait()?;
+        }
+        Ok((0..count).filter(|&j| ready[j] > 0.0).collect())
+    }
+
+    /// Island `j` rejoins after this step: the host island (the first
+    /// taking part) sends each of its places' state to the same place of
+    /// `j`, and every island taking part regroups with it.
+    fn welcome(&mut self, j: usize) -> Result<()> {
+        let size = self.plan.layout.world();
+        let peer = j * size + self.plan.layout.rank;
+        let step = self.step as u64;
+        let run = self.islands.as_ref().expect("islands");
+        let (host, island) = {
+            let m = lock(&run.members);
+            (m.host_for(j), m.island)
+        };
+        // The request is answered (or was another island's to answer).
+        if self.counter.probe(peer, rejoin_tag(REQUEST)) {
+            let _ = self.counter.recv(peer, rejoin_tag(REQUEST), self.timeout);
+        }
+        lock(&run.members).rejoin(j, step)?;
+        if host == Some(island) {
+            let alive = lock(&run.members).alive.clone();
+            let state = encode_rejoin(step, &alive, &self.shard_state()?);
+            let sent = self
+                .counter
+                .send(peer, rejoin_tag(STATE), Bytes::from(state));
+            if let Err(e) = sent.and_then(|h| h.wait(peer, self.timeout)) {
+                tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
+            }
+        }
+        tracing::info!("islands: island {j} rejoins after step {step}");
+        Ok(())
+    }
+
+    /// A restarted rank of a lost island: asks the islands' ranks at its
+    /// place to take it back, waits for the host's state at its next
+    /// outer sync (up to ten network timeouts: the live islands sync
+    /// every H steps), and loads it. Returns the step it resumes after.
+    pub fn rejoin(&mut self) -> Result<usize> {
+        let Some(run) = self.islands.as_ref() else {
+            return Err(EngineError::Switches(
+                "only a job of islands can be rejoined (ZEROPP_REJOIN is set)".into(),
+            ));
+        };
+        if run.cfg.delay > 0 {
+            return Err(EngineError::Switches(
+                "a restarted island rejoins only islands with --outer-delay 0; resume the whole \
+                 job from its last checkpoint instead"
+                    .into(),
+            ));
+        }
+        let (count, island) = (run.cfg.count, run.island);
+        let size = self.plan.layout.world();
+        let place = self.plan.layout.rank;
+        let others: Vec<usize> = (0..count)
+            .filter(|&i| i != island)
+            .map(|i| i * size + place)
+            .collect();
+        for &peer in &others {
+            if let Err(e) = self.counter.send(peer, rejoin_tag(REQUEST), Bytes::new()) {
+                tracing::debug!("no rejoin request to rank {peer}: {e}");
+            }
+        }
+        let wait = self.timeout * 10;
+        let deadline = Instant::now() + wait;
+        let (from, state) = loop {
+            if let Some(&peer) = others
+                .iter()
+                .find(|&&p| self.counter.probe(p, rejoin_tag(STATE)))
+            {
+                break (
+                    peer,
+                    self.counter.recv(peer, rejoin_tag(STATE), self.timeout)?,
+                );
+            }
+            if Instant::now() >= deadline {
+                return Err(EngineError::Comm(zeropp_comm::CommError::Join(format!(
+                    "no island took this one back within {wait:?}: the others did not reach an \
+                     outer sync (raise ZEROPP_TIMEOUT_S if H steps take longer) or finished"
+                ))));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let (step, alive, shards) = decode_rejoin(&state, &self.unit_layouts())
+            .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
+        self.load_shard_state(shards, step as usize)?;
+        let run = self.islands.as_ref().expect("islands");
+        let mut m = lock(&run.members);
+        if alive.len() != count || !alive[island] {
+            return Err(EngineError::Checkpoint(format!(
+                "rank {from} sent a membership of {} islands without this one",
+                alive.len()
+            )));
+        }
+        m.alive = alive;
+        m.rejoined.push((island, step));
+        m.regroup()?;
+        tracing::info!("islands: rejoined from rank {from} after step {step}");
+        Ok(step as usize)
     }
 
     /// The end of the run: every exchange under way lands, and every unit
@@ -488,6 +692,101 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Rejoin messages: a restarted rank's request, and the state it is sent.
+const REQUEST: u16 = 1;
+const STATE: u16 = 2;
+const STATE_MAGIC: &[u8; 8] = b"ZPPREJN1";
+
+/// A rejoining rank's state: the step, which islands take part, and each
+/// unit's master weights, AdamW moments, anchor and outer momentum.
+fn encode_rejoin(step: u64, alive: &[bool], shards: &[UnitShard]) -> Vec<u8> {
+    let mut out = STATE_MAGIC.to_vec();
+    out.extend_from_slice(&step.to_le_bytes());
+    out.extend_from_slice(&(alive.len() as u64).to_le_bytes());
+    out.extend(alive.iter().map(|&a| a as u8));
+    for sh in shards {
+        let outer = sh.outer.as_ref();
+        let parts: [&[f32]; 5] = [
+            &sh.master,
+            &sh.m,
+            &sh.v,
+            outer.map_or(&[][..], |o| &o.anchor),
+            outer.map_or(&[][..], |o| &o.momentum),
+        ];
+        for p in parts {
+            out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+            out.extend_from_slice(bytemuck::cast_slice(p));
+        }
+    }
+    out
+}
+
+/// [`encode_rejoin`] read back for units of `layouts`; what is wrong
+/// with it said.
+fn decode_rejoin(
+    bytes: &[u8],
+    layouts: &[UnitLayout],
+) -> std::result::Result<(u64, Vec<bool>, Vec<UnitShard>), String> {
+    let mut at = 0usize;
+    let mut take = |n: usize| -> std::result::Result<&[u8], String> {
+        let piece = bytes
+            .get(at..at + n)
+            .ok_or_else(|| format!("truncated at byte {at} of {}", bytes.len()))?;
+        at += n;
+        Ok(piece)
+    };
+    if take(8)? != STATE_MAGIC {
+        return Err("not a rejoin state".into());
+    }
+    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    let step = word(take(8)?);
+    let islands = word(take(8)?) as usize;
+    if islands > 1 << 16 {
+        return Err(format!("{islands} islands"));
+    }
+    let alive = take(islands)?.iter().map(|&b| b != 0).collect();
+    let mut shards = Vec::with_capacity(layouts.len());
+    for layout in layouts {
+        let mut parts = Vec::with_capacity(5);
+        for _ in 0..5 {
+            let len = word(take(8)?) as usize;
+            if len != layout.chunk {
+                return Err(format!(
+                    "unit {:?}: {len} values where this rank holds {}",
+                    layout.name, layout.chunk
+                ));
+            }
+            let raw = take(4 * len)?;
+            parts.push(
+                raw.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect::<Vec<f32>>(),
+            );
+        }
+        let mut parts = parts.into_iter();
+        let mut next = || parts.next().expect("five parts");
+        let (master, m, v, anchor, momentum) = (next(), next(), next(), next(), next());
+        shards.push(UnitShard {
+            layout: layout.clone(),
+            master,
+            m,
+            v,
+            residual: Residual::none(),
+            residual_inter: Residual::none(),
+            reference: None,
+            outer: Some(OuterState {
+                anchor,
+                momentum,
+                ..OuterState::default()
+            }),
+        });
+    }
+    if at != bytes.len() {
+        return Err(format!("{} bytes past the end", bytes.len() - at));
+    }
+    Ok((step, alive, shards))
 }
 
 /// The membership, even if a thread panicked holding it (it is only ever

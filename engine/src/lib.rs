@@ -196,6 +196,8 @@ pub struct Engine {
     device: Device,
     /// Optimizer steps taken.
     step: usize,
+    /// How long a network wait may take.
+    timeout: Duration,
     /// Tests: a NaN in the gradient of (step, unit, rank).
     #[cfg(test)]
     pub(crate) inject_nan: Option<(usize, usize, usize)>,
@@ -325,6 +327,7 @@ impl Engine {
             islands,
             device: Device::Cpu,
             step: 0,
+            timeout,
             #[cfg(test)]
             inject_nan: None,
         })
@@ -353,6 +356,14 @@ impl Engine {
         self.islands
             .as_ref()
             .map_or_else(Vec::new, |r| islands::lock(&r.members).lost.clone())
+    }
+
+    /// Islands that rejoined the outer sync (restarted after a loss), with
+    /// the step after which they trained with the others again.
+    pub fn rejoined_islands(&self) -> Vec<(usize, u64)> {
+        self.islands
+            .as_ref()
+            .map_or_else(Vec::new, |r| islands::lock(&r.members).rejoined.clone())
     }
 
     /// The switches this engine runs with (resolved: hpZ group and qgZ bits
@@ -852,7 +863,7 @@ impl Engine {
                 )?;
             }
         }
-        Ok(m.survivors()?.unwrap_or_else(|| self.job_world.clone()))
+        Ok(m.survivors().unwrap_or_else(|| self.job_world.clone()))
     }
 
     /// `call` over the job's bookkeeping group. With islands the ranks of

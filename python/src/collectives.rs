@@ -129,6 +129,7 @@ impl Job {
             ip,
             timeout,
             ranks_per_node,
+            rejoins: None,
         };
         let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
             let store = |e: PyErr| {

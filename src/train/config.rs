@@ -168,6 +168,10 @@ section! {
         /// Streaming: inner steps an exchange runs behind before it is
         /// applied (0: the island waits for it; below --sync-every).
         outer_delay: usize = 0,
+        /// Self-launched: how many times in all a lost island's ranks are
+        /// started again to rejoin the running job (from a live island's
+        /// state at its next outer sync; over TCP, with --outer-delay 0).
+        restarts: usize = 2,
     }
 }
 

@@ -26,7 +26,16 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
     let mut cfg = cfg.clone();
-    cfg.launch.transport = default_transport(cfg.launch.transport);
+    cfg.launch.transport = if cfg.islands.islands > 1
+        && cfg.islands.restarts > 0
+        && cfg.launch.transport.is_none()
+        && std::env::var_os("ZEROPP_TRANSPORT").is_none()
+    {
+        // A lost island's restarted ranks rejoin over TCP.
+        Some(TransportKind::Tcp)
+    } else {
+        default_transport(cfg.launch.transport)
+    };
     let text = toml::to_string(&cfg).context("writing the run's config")?;
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     let result = crate::launch::launch(&crate::launch::LaunchOptions {
@@ -38,6 +47,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
         islands: cfg.islands.islands.max(1),
+        restarts: cfg.islands.restarts,
         command: vec![
             exe.display().to_string(),
             "train".into(),

@@ -119,6 +119,17 @@ pub struct IslandsSummary {
     /// islands at the end are the others (`count` minus these).
     #[serde(default)]
     pub lost: Vec<LostIslandSummary>,
+    /// Lost islands whose restarted ranks rejoined: each with the step
+    /// after which it trained with the others again.
+    #[serde(default)]
+    pub rejoined: Vec<RejoinedIsland>,
+}
+
+/// A lost island back in the outer sync.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct RejoinedIsland {
+    pub island: usize,
+    pub after_step: u64,
 }
 
 /// An island that left the outer sync, as the summary says it.
@@ -169,6 +180,9 @@ impl Summary {
                     "; island {} lost after step {} ({}), the others went on",
                     l.island, l.after_step, l.why
                 );
+            }
+            for r in &i.rejoined {
+                line += &format!("; island {} rejoined after step {}", r.island, r.after_step);
             }
         }
         line

@@ -20,8 +20,8 @@ use crate::train::config::{Mode, TrainConfig};
 use crate::train::data::Dataset;
 use crate::train::plot::{self, Series};
 use crate::train::summary::{
-    BytesPerStep, IslandsSummary, LostIslandSummary, StepMetrics, Summary, median, peak_rss_bytes,
-    step_points,
+    BytesPerStep, IslandsSummary, LostIslandSummary, RejoinedIsland, StepMetrics, Summary, median,
+    peak_rss_bytes, step_points,
 };
 use crate::zero::plan::{Layout, Resolved};
 use crate::zero::probe::Measured;
@@ -62,9 +62,12 @@ impl<'a> Trainer<'a> {
     /// state when `resume` is set.
     pub fn join(cfg: &'a TrainConfig) -> Result<Trainer<'a>> {
         cfg.validate()?;
-        let facts = RankFacts::from_env()?;
+        let mut facts = RankFacts::from_env()?;
         let layout = rank_layout(&facts)?;
         let islands = cfg.island_config()?;
+        if let Some(c) = islands {
+            facts.islands = c.count;
+        }
         let data = Dataset::load(cfg.run.data.as_deref(), cfg.run.seed)?;
         data.check(layout.world(), cfg.model.context)?;
         let Connected {
@@ -83,6 +86,17 @@ impl<'a> Trainer<'a> {
         };
         let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
         let start = match &cfg.checkpoint.resume {
+            // A restarted rank of a lost island: the state of a live
+            // island's rank at its place, at their next outer sync.
+            _ if facts.rejoin => {
+                eprintln!(
+                    "rank {}: rejoining the running job (waiting for the islands' next outer sync)",
+                    facts.rank
+                );
+                let step = engine.rejoin()?;
+                eprintln!("rank {}: rejoined after step {step}", facts.rank);
+                step
+            }
             None => 0,
             Some(path) => resume(&mut engine, path, lead)?,
         };
@@ -308,6 +322,11 @@ impl<'a> Trainer<'a> {
                             why: l.why,
                         })
                         .collect(),
+                    rejoined: engine
+                        .rejoined_islands()
+                        .into_iter()
+                        .map(|(island, after_step)| RejoinedIsland { island, after_step })
+                        .collect(),
                 })
             }
         };
@@ -435,7 +454,8 @@ fn connect(
     // Islands of one node: nothing inside them crosses a node, so there is
     // no route to time (and the probe's bytes would cross the slow link).
     let one_node_islands = islands > 1 && island.nodes == 1;
-    let measured = if one_node_islands {
+    // A rejoining rank cannot measure the job's links (the others train).
+    let measured = if one_node_islands || facts.rejoin {
         None
     } else {
         measure_links(&counter, &table, layout, cfg, &timed, facts)?
