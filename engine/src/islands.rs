@@ -794,3 +794,74 @@ fn decode_rejoin(
 pub(crate) fn lock(m: &Mutex<Membership>) -> std::sync::MutexGuard<'_, Membership> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(name: &str, chunk: usize) -> UnitLayout {
+        UnitLayout {
+            name: name.into(),
+            numel: chunk * 2,
+            padded: chunk * 2,
+            chunk,
+        }
+    }
+
+    fn shard(l: &UnitLayout, base: f32) -> UnitShard {
+        let v = |k: f32| {
+            (0..l.chunk)
+                .map(|i| base + k + i as f32)
+                .collect::<Vec<f32>>()
+        };
+        UnitShard {
+            layout: l.clone(),
+            master: v(0.0),
+            m: v(0.1),
+            v: v(0.2),
+            residual: Residual::none(),
+            residual_inter: Residual::none(),
+            reference: None,
+            outer: Some(OuterState {
+                anchor: v(0.3),
+                momentum: v(0.4),
+                ..OuterState::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn a_rejoining_rank_s_state_round_trips_and_damage_is_named() {
+        let layouts = [layout("embed", 3), layout("head", 5)];
+        let shards: Vec<UnitShard> = layouts.iter().map(|l| shard(l, 1.0)).collect();
+        let alive = [true, false, true];
+        let bytes = encode_rejoin(40, &alive, &shards);
+        let (step, back_alive, back) = decode_rejoin(&bytes, &layouts).unwrap();
+        assert_eq!((step, &back_alive[..]), (40, &alive[..]));
+        for (a, b) in back.iter().zip(&shards) {
+            assert_eq!((&a.master, &a.m, &a.v), (&b.master, &b.m, &b.v));
+            let (oa, ob) = (a.outer.as_ref().unwrap(), b.outer.as_ref().unwrap());
+            assert_eq!((&oa.anchor, &oa.momentum), (&ob.anchor, &ob.momentum));
+        }
+        let truncated = decode_rejoin(&bytes[..bytes.len() - 3], &layouts).unwrap_err();
+        assert!(truncated.contains("truncated"), "{truncated}");
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(
+            decode_rejoin(&longer, &layouts)
+                .unwrap_err()
+                .contains("past the end")
+        );
+        let other = [layout("embed", 4), layout("head", 5)];
+        let wrong = decode_rejoin(&bytes, &other).unwrap_err();
+        assert!(
+            wrong.contains("\"embed\": 3 values where this rank holds 4"),
+            "{wrong}"
+        );
+        assert!(
+            decode_rejoin(b"garbage!garbage!", &layouts)
+                .unwrap_err()
+                .contains("not a rejoin")
+        );
+    }
+}
