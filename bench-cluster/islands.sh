@@ -18,6 +18,12 @@
 #   torch-H        torch_gpt.py --islands N (zeropp.torch.OuterSync)
 #   torchft-H      bench-cluster/torchft_diloco.py: torchft's DiLoCo, FSDP2 in
 #                  each island over gloo, a lighthouse on node 0
+#   kill           the first H of --syncs over TCP with `zeropp launch
+#                  --islands N --restarts 1`: island 1's first rank is
+#                  SIGKILLed a third of the way in; it prints (and writes to
+#                  kill.txt) island 0's longest step, the seconds from the
+#                  kill to the restart and from the restart to training
+#                  again, and the summary's lost/rejoined islands
 # and appends to islands.csv the mean wall time per step (total / steps,
 # syncs included), the losses (final: last 10 steps; validation: held-out
 # text after the last outer sync), the engine's bytes across nodes (all, and
@@ -29,7 +35,7 @@
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
 # Rows (--rows): any of sync alone apart islands streamed torch-sync
-# torch-islands torchft.
+# torch-islands torchft kill.
 # Arguments after `--` go to every run (zeropp train, torch_gpt.py and
 # torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
 # --outer-momentum 0.7" to every islands run (every one takes these).
@@ -48,6 +54,8 @@ TFT_PYTHON="/tmp/tft-venv/bin/python"
 OUTER=""
 STREAM="4 2"
 EXTRA=()
+LAUNCH_FLAGS=()
+KILL_RANK=""
 
 die() { echo "bench-cluster/islands: $*" >&2; exit 1; }
 
@@ -119,7 +127,7 @@ run() {
       native)
         ip netns exec "$ns" env ZEROPP_TOKEN="$token" "$ZEROPP" launch \
           --nodes "$nodes" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(netns_ip 0):29500" \
-          --timeout 300 -- "$ZEROPP" train "${out[@]}" "$@" "${EXTRA[@]}" \
+          --timeout 300 "${LAUNCH_FLAGS[@]}" -- "$ZEROPP" train "${out[@]}" "$@" "${EXTRA[@]}" \
           > "$OUT/$name-node$k.log" 2>&1 & ;;
       torch)
         ip netns exec "$ns" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ZEROPP_TIMEOUT_S=300 \
@@ -136,6 +144,22 @@ run() {
     esac
     pids+=($!)
   done
+  if [ -n "${KILL_RANK:-}" ]; then
+    # A third of the way in, SIGKILL rank KILL_RANK of this job.
+    (
+      while :; do
+        n="$(grep -c '"step"' "$OUT/$name.jsonl" 2>/dev/null || true)"
+        [ "${n:-0}" -lt $((STEPS / 3)) ] || break
+        sleep 0.1
+      done
+      for p in $(pgrep -f "$ZEROPP train"); do
+        env_of="$(tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null || true)"
+        if grep -qx "RANK=$KILL_RANK" <<< "$env_of" && grep -qx "ZEROPP_TOKEN=$token" <<< "$env_of"; then
+          date +%s.%N > "$OUT/$name-killed-at"; kill -9 "$p"
+        fi
+      done
+    ) &
+  fi
   for p in "${pids[@]}"; do wait "$p" || failed=1; done
   [ -z "$lighthouse" ] || kill "$lighthouse" 2>/dev/null || true
   [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
@@ -192,7 +216,33 @@ for rate in $RATES; do
           # shellcheck disable=SC2086
           run torchft "torchft-H$h" "$rate" "$NODES" --sync-every "$h" $OUTER
         done ;;
-      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torchft" ;;
+      kill)
+        h="${SYNCS%% *}"
+        build_cluster "$rate"
+        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK="$RPN"
+        # shellcheck disable=SC2086
+        run native "kill-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" --transport tcp $OUTER
+        LAUNCH_FLAGS=() KILL_RANK=""
+        python3 - "$OUT" "kill-H$h-$rate" >> "$OUT/kill.txt" <<'PY'
+import datetime, json, re, sys
+out, name = sys.argv[1:3]
+killed = float(open(f"{out}/{name}-killed-at").read())
+log = open(f"{out}/{name}-node1.log").read()
+def when(pattern):
+    m = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z\S*\s+\S*\s*\S*" + pattern, log)
+    return datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.timezone.utc).timestamp() if m else None
+restart, back = when(".*restarting the ranks of island 1"), when(".*islands: rejoined from rank")
+steps = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if '"step"' in l]
+s = json.load(open(f"{out}/{name}.json"))
+isl = s["islands"]
+print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2f} s; "
+      f"restart {restart - killed:.1f} s after the kill, training again {back - restart:.1f} s after the restart; "
+      f"lost {[(l['island'], l['after_step']) for l in isl['lost']]}, rejoined "
+      f"{[(r['island'], r['after_step']) for r in isl['rejoined']]}; {s['steps']} steps, final loss "
+      f"{s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
+PY
+        tail -n 1 "$OUT/kill.txt" ;;
+      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torchft, kill" ;;
     esac
   done
 done

@@ -246,14 +246,18 @@ pub fn serve(
     Ok(table)
 }
 
-/// Islands: after the job met, rank 0's store answers a restarted rank
-/// of a lost island with the table, its own entry replaced by what it
-/// presents now.
-fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>) {
+/// Islands: after the job met, rank 0's store answers the restarted ranks
+/// of a lost island, once all of them have arrived, with the table in
+/// which their entries are what they present now (so that they find each
+/// other at their new addresses).
+fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>, islands: usize) {
     if let Err(e) = listener.set_nonblocking(false) {
         tracing::warn!("the rejoin desk cannot wait for callers: {e}");
         return;
     }
+    let size = table.len() / islands.max(1);
+    let mut waiting: std::collections::BTreeMap<usize, Vec<(PeerInfo, TcpStream)>> =
+        Default::default();
     for conn in listener.incoming() {
         let Ok(mut stream) = conn else { continue };
         let from = stream
@@ -276,9 +280,10 @@ fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>) {
             continue;
         }
         let p = hello.peer;
-        if p.world_size != table.len() || p.rank >= table.len() || p.rank == 0 {
+        if p.world_size != table.len() || p.rank >= table.len() || p.rank < size {
             let msg = format!(
-                "rank {} of {} cannot rejoin a job of {} ranks",
+                "rank {} of {} cannot rejoin this job of {} ranks (island 0, which holds the \
+                 store, cannot)",
                 p.rank,
                 p.world_size,
                 table.len()
@@ -287,11 +292,24 @@ fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>) {
             continue;
         }
         tracing::info!("rendezvous: rank {} is rejoining from {from}", p.rank);
-        let rank = p.rank;
-        table[rank] = p;
-        match serde_json::to_vec(&table) {
-            Ok(payload) => reply(&mut stream, REPLY_TABLE, &payload),
-            Err(e) => reply(&mut stream, REPLY_ERROR, e.to_string().as_bytes()),
+        let island = p.rank / size;
+        let arrived = waiting.entry(island).or_default();
+        // A rank that tried before and gave up is replaced by its new try.
+        arrived.retain(|(q, _)| q.rank != p.rank);
+        arrived.push((p, stream));
+        if arrived.len() < size {
+            continue;
+        }
+        let arrived = waiting.remove(&island).unwrap_or_default();
+        for (p, _) in &arrived {
+            table[p.rank] = p.clone();
+        }
+        let payload = serde_json::to_vec(&table);
+        for (_, mut stream) in arrived {
+            match &payload {
+                Ok(bytes) => reply(&mut stream, REPLY_TABLE, bytes),
+                Err(e) => reply(&mut stream, REPLY_ERROR, e.to_string().as_bytes()),
+            }
         }
     }
 }
@@ -498,7 +516,7 @@ pub fn rendezvous(
                 // The store stays up for the restarted ranks of lost
                 // islands, for as long as this process lives.
                 let (token, table) = (token.clone(), table.clone());
-                std::thread::spawn(move || desk(listener, &token, table));
+                std::thread::spawn(move || desk(listener, &token, table, islands));
             }
             Ok::<_, CommError>(table)
         }))
