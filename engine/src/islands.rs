@@ -700,24 +700,48 @@ const STATE: u16 = 2;
 const STATE_MAGIC: &[u8; 8] = b"ZPPREJN1";
 
 /// A rejoining rank's state: the step, which islands take part, and each
-/// unit's master weights, AdamW moments, anchor and outer momentum.
+/// unit's AdamW moments, anchor, outer momentum and master weights (left
+/// out when they are the anchor, as right after the unit's sync: the
+/// state crosses the slow link once, 16 or 20 bytes per value).
 fn encode_rejoin(step: u64, alive: &[bool], shards: &[UnitShard]) -> Vec<u8> {
     let mut out = STATE_MAGIC.to_vec();
     out.extend_from_slice(&step.to_le_bytes());
     out.extend_from_slice(&(alive.len() as u64).to_le_bytes());
     out.extend(alive.iter().map(|&a| a as u8));
-    for sh in shards {
-        let outer = sh.outer.as_ref();
-        let parts: [&[f32]; 5] = [
-            &sh.master,
-            &sh.m,
-            &sh.v,
-            outer.map_or(&[][..], |o| &o.anchor),
-            outer.map_or(&[][..], |o| &o.momentum),
-        ];
-        for p in parts {
-            out.extend_from_slice(&(p.len() as u64).to_le_bytes());
-            out.extend_from_slice(bytemuck::cast_slice(p));
+    // Per unit: whether its master weights are its anchor (left out).
+    let anchors: Vec<(&[f32], &[f32])> = shards
+        .iter()
+        .map(|sh| {
+            let outer = sh.outer.as_ref();
+            (
+                outer.map_or(&[][..], |o| &o.anchor),
+                outer.map_or(&[][..], |o| &o.momentum),
+            )
+        })
+        .collect();
+    let is_anchor: Vec<bool> = shards
+        .iter()
+        .zip(&anchors)
+        .map(|(sh, (anchor, _))| {
+            sh.master.len() == anchor.len()
+                && sh
+                    .master
+                    .iter()
+                    .zip(*anchor)
+                    .all(|(a, b)| a.to_bits() == b.to_bits())
+        })
+        .collect();
+    out.extend(is_anchor.iter().map(|&f| f as u8));
+    let mut put = |p: &[f32]| {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(bytemuck::cast_slice(p));
+    };
+    for ((sh, (anchor, momentum)), skip) in shards.iter().zip(anchors).zip(is_anchor) {
+        for p in [&sh.m[..], &sh.v, anchor, momentum] {
+            put(p);
+        }
+        if !skip {
+            put(&sh.master);
         }
     }
     out
@@ -729,9 +753,10 @@ fn decode_rejoin(
     bytes: &[u8],
     layouts: &[UnitLayout],
 ) -> std::result::Result<(u64, Vec<bool>, Vec<UnitShard>), String> {
+    let body = bytes;
     let mut at = 0usize;
     let mut take = |n: usize| -> std::result::Result<&[u8], String> {
-        let piece = bytes
+        let piece = body
             .get(at..at + n)
             .ok_or_else(|| format!("truncated at byte {at} of {}", bytes.len()))?;
         at += n;
@@ -747,10 +772,13 @@ fn decode_rejoin(
         return Err(format!("{islands} islands"));
     }
     let alive = take(islands)?.iter().map(|&b| b != 0).collect();
+    let flags = take(layouts.len())?.to_vec();
     let mut shards = Vec::with_capacity(layouts.len());
-    for layout in layouts {
-        let mut parts = Vec::with_capacity(5);
-        for _ in 0..5 {
+    for (layout, &flag) in layouts.iter().zip(&flags) {
+        if flag > 1 {
+            return Err(format!("unit {:?}: a flag of {flag}", layout.name));
+        }
+        let mut part = || -> std::result::Result<Vec<f32>, String> {
             let len = word(take(8)?) as usize;
             if len != layout.chunk {
                 return Err(format!(
@@ -758,16 +786,13 @@ fn decode_rejoin(
                     layout.name, layout.chunk
                 ));
             }
-            let raw = take(4 * len)?;
-            parts.push(
-                raw.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                    .collect::<Vec<f32>>(),
-            );
-        }
-        let mut parts = parts.into_iter();
-        let mut next = || parts.next().expect("five parts");
-        let (master, m, v, anchor, momentum) = (next(), next(), next(), next(), next());
+            Ok(take(4 * len)?
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect())
+        };
+        let (m, v, anchor, momentum) = (part()?, part()?, part()?, part()?);
+        let master = if flag == 1 { anchor.clone() } else { part()? };
         shards.push(UnitShard {
             layout: layout.clone(),
             master,
@@ -783,8 +808,8 @@ fn decode_rejoin(
             }),
         });
     }
-    if at != bytes.len() {
-        return Err(format!("{} bytes past the end", bytes.len() - at));
+    if at != body.len() {
+        return Err(format!("{} bytes past the end", body.len() - at));
     }
     Ok((step, alive, shards))
 }
@@ -833,7 +858,13 @@ mod tests {
     #[test]
     fn a_rejoining_rank_s_state_round_trips_and_damage_is_named() {
         let layouts = [layout("embed", 3), layout("head", 5)];
-        let shards: Vec<UnitShard> = layouts.iter().map(|l| shard(l, 1.0)).collect();
+        let mut shards: Vec<UnitShard> = layouts.iter().map(|l| shard(l, 1.0)).collect();
+        // Right after its sync a unit's weights are its anchor: not sent.
+        shards[1].master = shards[1].outer.as_ref().unwrap().anchor.clone();
+        let whole = encode_rejoin(40, &[true], &shards[..1]).len() - 8 - 8 - 8 - 1;
+        assert_eq!(whole, 1 + 5 * (8 + 4 * 3));
+        let skipped = encode_rejoin(40, &[true], &shards[1..]).len() - 8 - 8 - 8 - 1;
+        assert_eq!(skipped, 1 + 4 * (8 + 4 * 5));
         let alive = [true, false, true];
         let bytes = encode_rejoin(40, &alive, &shards);
         let (step, back_alive, back) = decode_rejoin(&bytes, &layouts).unwrap();
