@@ -730,3 +730,76 @@ fn steps_logged(path: &Path) -> usize {
         .map(|t| t.lines().filter(|l| l.contains("\"step\"")).count())
         .unwrap_or(0)
 }
+
+#[test]
+fn an_automatic_h_is_chosen_at_the_first_sync_and_a_resume_keeps_it() {
+    // --sync-every auto: the first sync after 10 steps measures an
+    // exchange against the inner steps; the islands agree on one H from
+    // there, the summary says which and why, and a checkpoint saved after
+    // the choice resumes on the same schedule (bit-identical losses).
+    let d = tmp("auto-h");
+    let (full, b, sfull) = (d.join("full.jsonl"), d.join("b.jsonl"), d.join("full.json"));
+    let ck = d.join("ck");
+    let out = train_ok(&[
+        "--islands",
+        "2",
+        "--sync-every",
+        "auto",
+        "--steps",
+        "30",
+        "--save-every",
+        "12",
+        "--checkpoint-dir",
+        s(&ck),
+        "--metrics",
+        s(&full),
+        "--summary-json",
+        s(&sfull),
+    ]);
+    assert!(
+        out.contains("outer sync every 10 steps, then the H measured there (auto)"),
+        "{out}"
+    );
+    let sm = json(&sfull);
+    let chosen = &sm["islands"]["sync_every_chosen"];
+    assert_eq!(chosen["from_step"], 10, "{sm}");
+    let h = chosen["sync_every"].as_u64().unwrap() as usize;
+    assert!(h >= 1, "{sm}");
+    assert_eq!(sm["islands"]["sync_every"], h, "{sm}");
+    assert!(
+        chosen["why"].as_str().unwrap().contains("inner step"),
+        "{sm}"
+    );
+    // Syncs crossed between the islands at step 10 and every H after.
+    let steps = steps_of(&full);
+    for (i, st) in steps.iter().enumerate() {
+        let step = i + 1;
+        let synced = step == 10 || (step > 10 && (step - 10) % h == 0) || step == 30;
+        let across = st["bytes_inter_node"].as_f64().unwrap();
+        assert_eq!(across > 0.0, synced, "step {step} (H = {h}): {st}");
+    }
+    let m = json(&ck.join("step-00000012").join("manifest.json"));
+    assert_eq!(m["islands_schedule"]["sync_every"], h, "{m}");
+    assert_eq!(m["islands_schedule"]["origin"], 10, "{m}");
+    let resumed = zeropp()
+        .args(["train", "--resume"])
+        .arg(ck.join("step-00000012"))
+        .args(["--metrics", s(&b)])
+        .output()
+        .unwrap();
+    assert!(resumed.status.success(), "{}", show(&resumed));
+    assert_eq!(
+        losses(&full)[12..],
+        losses(&b)[..],
+        "losses differ after resuming"
+    );
+    // A word that is neither a number nor auto is refused.
+    let o = train(&["--islands", "2", "--sync-every", "often"]);
+    assert!(!o.status.success());
+    assert!(
+        show(&o).contains("a number of steps, or auto"),
+        "{}",
+        show(&o)
+    );
+    std::fs::remove_dir_all(d).ok();
+}

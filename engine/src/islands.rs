@@ -30,6 +30,11 @@ pub struct IslandConfig {
     pub count: usize,
     /// Inner steps between two exchanges of one fragment (H).
     pub sync_every: usize,
+    /// H is chosen on the way: after every fragment's first exchange, from
+    /// what it took against the inner steps ([`AUTO_SYNC_SHARE`]).
+    pub auto: bool,
+    /// The step the schedule counts from (where an automatic H began).
+    pub origin: usize,
     pub outer: OuterSettings,
     /// How the outer deltas travel: quantized with error feedback, or
     /// f32 (`None`).
@@ -76,9 +81,43 @@ impl IslandConfig {
     /// after `steps` optimizer steps.
     fn starts(&self, f: usize, units: usize, steps: usize) -> bool {
         let (h, n) = (self.sync_every, self.fragments_of(units));
-        steps > 0 && steps % h == (f * h / n) % h
+        steps > self.origin && (steps - self.origin) % h == (f * h / n) % h
+    }
+
+    /// The H an automatic schedule settles on, for an exchange of the
+    /// whole model taking `exchange_s` and an inner step `inner_s`: the
+    /// smallest at which the syncs cost at most [`AUTO_SYNC_SHARE`] of
+    /// the inner steps when waited for, or hide behind them when streamed
+    /// (above the delay); with why, in words.
+    pub fn auto_sync_every(&self, exchange_s: f64, inner_s: f64) -> (usize, String) {
+        let inner = inner_s.max(1e-9);
+        if self.delay == 0 {
+            let h = (exchange_s / (AUTO_SYNC_SHARE * inner)).ceil().max(1.0) as usize;
+            let why = format!(
+                "an exchange of the whole model took {exchange_s:.3} s and an inner step \
+                 {inner_s:.3} s: H = {h} is the smallest at which the syncs, waited for, cost at \
+                 most {:.0}% of the inner steps",
+                AUTO_SYNC_SHARE * 100.0
+            );
+            (h, why)
+        } else {
+            let h = zeropp_topology::cost::hiding_sync_every(exchange_s, inner).max(self.delay + 1);
+            let why = format!(
+                "an exchange of the whole model took {exchange_s:.3} s and an inner step \
+                 {inner_s:.3} s: H = {h} is the smallest whose inner steps hide the streamed \
+                 exchanges (above the delay of {})",
+                self.delay
+            );
+            (h, why)
+        }
     }
 }
+
+/// What the syncs may cost an automatic H, waited for: this share of the
+/// inner steps.
+pub const AUTO_SYNC_SHARE: f64 = 0.15;
+
+impl IslandConfig {}
 
 /// Which islands take part in the outer sync, as this rank knows it: an
 /// island one of whose ranks died or did not answer an exchange is lost,
@@ -248,6 +287,10 @@ pub(crate) struct IslandRun {
     pub(crate) waited_s: f64,
     /// Seconds the islands' thread spent exchanging (all units).
     pub(crate) exchange_s: f64,
+    /// Seconds of each inner step (an automatic H's measure).
+    pub(crate) step_times: Vec<f64>,
+    /// An automatic H once chosen: H, the step it counts from, and why.
+    pub(crate) chosen: Option<(usize, u64, String)>,
 }
 
 impl IslandRun {
@@ -270,6 +313,8 @@ impl IslandRun {
             exchanges: 0,
             waited_s: 0.0,
             exchange_s: 0.0,
+            step_times: Vec::new(),
+            chosen: None,
         }
     }
 
@@ -338,6 +383,101 @@ impl Engine {
         for j in joining {
             self.welcome(j)?;
         }
+        self.choose_sync_every()?;
+        Ok(())
+    }
+
+    /// An automatic H, once every fragment's first exchange has landed:
+    /// each rank's choice from its own measure (its exchanges of the
+    /// whole model against the median inner step), the largest over the
+    /// island and then over the islands, so that every rank counts the
+    /// same schedule from this step on.
+    fn choose_sync_every(&mut self) -> Result<()> {
+        let n = self.units.len();
+        let Some(run) = self.islands.as_ref() else {
+            return Ok(());
+        };
+        let fragments = run.cfg.fragments_of(n);
+        if !run.cfg.auto
+            || run.chosen.is_some()
+            || run.exchanges < fragments
+            || run.live.iter().any(Option::is_some)
+            || (0..n).any(|u| run.states[u].flight.is_some())
+        {
+            return Ok(());
+        }
+        let whole_s = run.exchange_s * fragments as f64 / run.exchanges as f64;
+        let mut times = run.step_times.clone();
+        times.sort_by(f64::total_cmp);
+        let inner_s = times.get(times.len() / 2).copied().unwrap_or(0.0);
+        let (mine, _) = run.cfg.auto_sync_every(whole_s, inner_s);
+        let across = lock(&run.members).across.clone();
+        let island = self.groups.world.clone();
+        let most = |group: Arc<Group>, v: usize| -> Result<usize> {
+            let counter = self.counter.clone();
+            let all = self
+                .thread
+                .submit(move |c| {
+                    counter.set_phase(Phase::Other, 0.0);
+                    c.all_gather_v(&group, Bytes::copy_from_slice(&(v as u64).to_le_bytes()))
+                })
+                .wait()?;
+            Ok(all
+                .iter()
+                .filter_map(|b| b[..].try_into().ok().map(u64::from_le_bytes))
+                .max()
+                .unwrap_or(v as u64) as usize)
+        };
+        let h = most(island, mine)?;
+        let h = if across.size() > 1 {
+            most(across, h)?
+        } else {
+            h
+        };
+        let step = self.step;
+        let run = self.islands.as_mut().expect("islands");
+        let (_, why) = run.cfg.auto_sync_every(whole_s, inner_s);
+        let why = if h == mine {
+            why
+        } else {
+            format!("{why} on this rank; H = {h}, the largest any rank of the islands asked")
+        };
+        run.cfg.sync_every = h;
+        run.cfg.origin = step;
+        tracing::info!("islands: H = {h} from step {step} ({why})");
+        run.chosen = Some((h, step as u64, why));
+        Ok(())
+    }
+
+    /// The islands' schedule now: H, the step it counts from, and (for an
+    /// automatic H once chosen) why.
+    pub fn island_schedule(&self) -> Option<(usize, usize, Option<String>)> {
+        let run = self.islands.as_ref()?;
+        Some((
+            run.cfg.sync_every,
+            run.cfg.origin,
+            run.chosen.as_ref().map(|c| c.2.clone()),
+        ))
+    }
+
+    /// Resumes a schedule a checkpoint saved (an automatic H chosen
+    /// before it): H from step `origin`.
+    pub fn set_island_schedule(&mut self, sync_every: usize, origin: usize) -> Result<()> {
+        let Some(run) = self.islands.as_mut() else {
+            return Ok(());
+        };
+        let cfg = IslandConfig {
+            sync_every,
+            origin,
+            ..run.cfg
+        };
+        cfg.check().map_err(EngineError::Checkpoint)?;
+        run.cfg = cfg;
+        run.chosen = Some((
+            sync_every,
+            origin as u64,
+            format!("H = {sync_every} from step {origin}, chosen before the checkpoint"),
+        ));
         Ok(())
     }
 

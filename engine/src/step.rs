@@ -88,6 +88,7 @@ impl Engine {
     /// One training step on this rank's batch: forward, backward with the
     /// gradient reduce-scatter, global norm, clipping, AdamW at `lr`.
     pub fn train_step(&mut self, inputs: &Tensor, targets: &Tensor, lr: f32) -> Result<StepStats> {
+        let started = std::time::Instant::now();
         let before = self.traffic();
         let mut waited = Waited::default();
         let forward = self.forward_pass(inputs, &mut waited)?;
@@ -99,6 +100,9 @@ impl Engine {
         } else {
             Some(self.skip_step(&norm)?)
         };
+        if let Some(run) = self.islands.as_mut() {
+            run.step_times.push(started.elapsed().as_secs_f64());
+        }
         Ok(StepStats {
             loss: norm.mean_loss,
             grad_norm: norm.grad_norm,

@@ -417,6 +417,8 @@ fn islands_dying(
                     islands: islands.map(|(count, sync_every, fragments, delay)| IslandConfig {
                         count,
                         sync_every,
+                        auto: false,
+                        origin: 0,
                         outer: OuterSettings::default(),
                         quantized: None,
                         fragments,
@@ -574,6 +576,8 @@ fn island_settings_that_cannot_run_are_refused_with_what_to_set() {
     let c = IslandConfig {
         count: 2,
         sync_every: 4,
+        auto: false,
+        origin: 0,
         outer: OuterSettings::default(),
         quantized: None,
         fragments: 1,

@@ -112,12 +112,23 @@ pub struct Manifest {
     /// one resumes from the same place of the first island saved.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub lost_islands: Vec<usize>,
+    /// `--sync-every auto` once chosen: the H and the step it counts
+    /// from, which a resume goes on with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub islands_schedule: Option<IslandSchedule>,
     pub shards: Vec<ShardInfo>,
     /// The switches the engine ran with, resolved (hpZ group and qgZ bits
     /// from the routing plan); absent in checkpoints from before they were
     /// recorded.
     #[serde(default)]
     pub switches: Option<crate::zero::plan::Switches>,
+}
+
+/// An automatic H as a checkpoint keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IslandSchedule {
+    pub sync_every: usize,
+    pub origin: usize,
 }
 
 /// The directory name of the checkpoint after `step` steps.
@@ -566,6 +577,12 @@ pub fn save(
                 .into(),
             units: engine.unit_layouts(),
             lost_islands: lost_islands(world, engine.islands().map_or(1, |(c, _)| c.count), &ranks),
+            islands_schedule: engine.island_schedule().and_then(|(h, origin, why)| {
+                why.map(|_| IslandSchedule {
+                    sync_every: h,
+                    origin,
+                })
+            }),
             shards,
             switches: Some(engine.switches().clone()),
         };
@@ -1053,6 +1070,7 @@ mod tests {
             rng: String::new(),
             units: vec![layout.clone()],
             lost_islands: Vec::new(),
+            islands_schedule: None,
             shards: (0..4)
                 .map(|r| ShardInfo {
                     rank: r,

@@ -34,6 +34,68 @@ impl Setting for Mode {
     }
 }
 
+/// How often islands sync: every H steps, or `auto`: the first sync after
+/// [`AUTO_FIRST_SYNC`] steps measures an exchange and the inner steps,
+/// and the islands agree on the smallest H at which the syncs cost at most
+/// [`crate::engine::AUTO_SYNC_SHARE`] of the inner steps (waited for) or
+/// hide behind them (streamed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum SyncEvery {
+    Every(usize),
+    Auto(AutoWord),
+}
+
+/// The word `auto` in a config file.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoWord {
+    Auto,
+}
+
+/// The steps before an automatic H's first sync.
+pub const AUTO_FIRST_SYNC: usize = 10;
+
+impl SyncEvery {
+    pub const AUTO: SyncEvery = SyncEvery::Auto(AutoWord::Auto);
+
+    /// The H the run starts with, and whether it is chosen on the way.
+    pub fn start(self) -> (usize, bool) {
+        match self {
+            SyncEvery::Every(h) => (h, false),
+            SyncEvery::Auto(_) => (AUTO_FIRST_SYNC, true),
+        }
+    }
+}
+
+impl std::str::FromStr for SyncEvery {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        if s == "auto" {
+            return Ok(SyncEvery::AUTO);
+        }
+        s.parse()
+            .map(SyncEvery::Every)
+            .map_err(|_| format!("{s:?}: a number of steps, or auto"))
+    }
+}
+
+impl std::fmt::Display for SyncEvery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SyncEvery::Every(h) => write!(f, "{h}"),
+            SyncEvery::Auto(_) => f.write_str("auto"),
+        }
+    }
+}
+
+impl Setting for SyncEvery {
+    type Flag = SyncEvery;
+    fn set(&mut self, flag: SyncEvery) {
+        *self = flag;
+    }
+}
+
 /// `SwitchConfig` and its flags (`SwitchArgs`) from the switches' one
 /// declaration (`zeropp_zero::with_switches!`), after the mode.
 macro_rules! switch_config {
@@ -152,8 +214,11 @@ section! {
     IslandsConfig / IslandsArgs {
         /// Islands (a divisor of the nodes; 1: one synchronous job).
         islands: usize = 1,
-        /// Inner steps between the islands' outer syncs (H).
-        sync_every: usize = 20,
+        /// Inner steps between the islands' outer syncs (H), or auto: the
+        /// smallest H at which the syncs cost at most 15% of the inner
+        /// steps (waited for) or hide behind them (streamed), measured at
+        /// the first sync (after 10 steps) and agreed by the islands.
+        sync_every: SyncEvery = SyncEvery::Every(20),
         /// The outer optimizer's learning rate (Nesterov SGD).
         outer_lr: f32 = 0.2,
         /// The outer optimizer's momentum.
@@ -310,9 +375,12 @@ impl TrainConfig {
             32 => None,
             b => bail!("outer_bits = {b}: the outer deltas travel as int4 (4) or f32 (32)"),
         };
+        let (sync_every, auto) = c.sync_every.start();
         let islands = crate::engine::IslandConfig {
             count: c.islands,
-            sync_every: c.sync_every,
+            sync_every,
+            auto,
+            origin: 0,
             outer: crate::zero::outer::OuterSettings {
                 lr: c.outer_lr,
                 momentum: c.outer_momentum,

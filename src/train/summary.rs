@@ -123,6 +123,19 @@ pub struct IslandsSummary {
     /// after which it trained with the others again.
     #[serde(default)]
     pub rejoined: Vec<RejoinedIsland>,
+    /// `--sync-every auto`: the H chosen, the step it counts from, and
+    /// why (`sync_every` is then that H); `null` otherwise or before the
+    /// first sync.
+    #[serde(default)]
+    pub sync_every_chosen: Option<ChosenSyncEvery>,
+}
+
+/// An automatic H as the summary says it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct ChosenSyncEvery {
+    pub sync_every: usize,
+    pub from_step: usize,
+    pub why: String,
 }
 
 /// A lost island back in the outer sync.
@@ -179,6 +192,12 @@ impl Summary {
                 line += &format!(
                     "; island {} lost after step {} ({}), the others went on",
                     l.island, l.after_step, l.why
+                );
+            }
+            if let Some(c) = &i.sync_every_chosen {
+                line += &format!(
+                    "; H = {} chosen at step {} ({})",
+                    c.sync_every, c.from_step, c.why
                 );
             }
             for r in &i.rejoined {

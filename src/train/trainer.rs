@@ -20,8 +20,8 @@ use crate::train::config::{Mode, TrainConfig};
 use crate::train::data::Dataset;
 use crate::train::plot::{self, Series};
 use crate::train::summary::{
-    BytesPerStep, IslandsSummary, LostIslandSummary, RejoinedIsland, StepMetrics, Summary, median,
-    peak_rss_bytes, step_points,
+    BytesPerStep, ChosenSyncEvery, IslandsSummary, LostIslandSummary, RejoinedIsland, StepMetrics,
+    Summary, median, peak_rss_bytes, step_points,
 };
 use crate::zero::plan::{Layout, Resolved};
 use crate::zero::probe::Measured;
@@ -126,12 +126,16 @@ impl<'a> Trainer<'a> {
             );
             println!("switches: {}", serde_json::to_string(&resolved.switches)?);
             if let Some((c, _)) = engine.islands() {
+                let every = if c.auto && engine.island_schedule().is_some_and(|s| s.2.is_none()) {
+                    format!("{} steps, then the H measured there (auto)", c.sync_every)
+                } else {
+                    format!("{} steps", c.sync_every)
+                };
                 println!(
-                    "islands: {} of {} ranks, each sharding over its own; outer sync every {} \
-                     steps ({}, Nesterov lr {} momentum {})",
+                    "islands: {} of {} ranks, each sharding over its own; outer sync every {every} \
+                     ({}, Nesterov lr {} momentum {})",
                     c.count,
                     engine.plan().layout.world(),
-                    c.sync_every,
                     if c.quantized.is_some() {
                         "int4 with error feedback"
                     } else {
@@ -295,6 +299,13 @@ impl<'a> Trainer<'a> {
                 let inner_s = median(&r.times);
                 let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
                 Some(IslandsSummary {
+                    sync_every_chosen: engine.island_schedule().and_then(|(h, origin, why)| {
+                        why.map(|why| ChosenSyncEvery {
+                            sync_every: h,
+                            from_step: origin,
+                            why,
+                        })
+                    }),
                     count: c.count,
                     ranks_per_island: engine.plan().layout.world(),
                     sync_every: c.sync_every,
@@ -518,6 +529,10 @@ fn resume(engine: &mut Engine, path: &Path, lead: bool) -> Result<usize> {
     let islands = engine.islands().map_or(1, |(c, _)| c.count);
     let state = checkpoint::state_for(&dir, &m, &engine.unit_layouts(), layout, islands, place)?;
     engine.load_shard_state(state, m.step)?;
+    // An automatic H chosen before the save goes on as it was.
+    if let (Some(s), Some(_)) = (m.islands_schedule, engine.islands()) {
+        engine.set_island_schedule(s.sync_every, s.origin)?;
+    }
     if lead {
         println!(
             "resumed from {} at step {} (saved on {} ranks, running on {})",
