@@ -826,8 +826,7 @@ impl Engine {
     }
 
     /// Element-wise sum of `values` over all ranks of the job (small
-    /// vectors: metrics).
-    /// With islands, over the islands still taking part.
+    /// vectors: metrics); with islands, over the islands taking part.
     pub fn sum_over_ranks(&self, values: &[f32]) -> Result<Vec<f32>> {
         self.on_job(|world| self.sum_over_group(world, values))
     }
