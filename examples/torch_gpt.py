@@ -125,8 +125,8 @@ def parse_args(argv=None):
         "ranks, and zeropp.torch.OuterSync syncs them every --sync-every steps",
     )
     p.add_argument("--sync-every", type=int, default=20)
-    p.add_argument("--outer-lr", type=float, default=0.2)
-    p.add_argument("--outer-momentum", type=float, default=0.7)
+    p.add_argument("--outer-lr", type=float, default=0.3)
+    p.add_argument("--outer-momentum", type=float, default=0.6)
     p.add_argument(
         "--outer-bits", type=int, choices=[4, 32], default=4, help="int4 or f32 outer deltas"
     )

@@ -31,7 +31,7 @@ impl OuterState {
     /// the outer deltas as int4 blocks of `block` values (rotated with
     /// `hadamard`) with error feedback; `bits=None` in f32.
     #[new]
-    #[pyo3(signature = (weights, lr=0.2, momentum=0.7, nesterov=true, bits=Some(4), block=64,
+    #[pyo3(signature = (weights, lr=0.3, momentum=0.6, nesterov=true, bits=Some(4), block=64,
                         hadamard=true))]
     fn new(
         weights: &Bound<'_, PyAny>,

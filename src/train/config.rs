@@ -220,9 +220,9 @@ section! {
         /// the first sync (after 10 steps) and agreed by the islands.
         sync_every: SyncEvery = SyncEvery::Every(20),
         /// The outer optimizer's learning rate (Nesterov SGD).
-        outer_lr: f32 = 0.2,
+        outer_lr: f32 = 0.3,
         /// The outer optimizer's momentum.
-        outer_momentum: f32 = 0.7,
+        outer_momentum: f32 = 0.6,
         /// How the outer deltas travel: 4 (int4 blocks of 64, rotated, with
         /// error feedback) or 32 (f32).
         outer_bits: u32 = 4,
