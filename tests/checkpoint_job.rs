@@ -596,20 +596,7 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while !ck.join("latest").exists() {
-        assert!(t.elapsed() < Duration::from_secs(120), "no checkpoint");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let ranks = children(job.id());
-    assert_eq!(ranks.len(), 4, "{ranks:?}");
-    // The launcher starts ranks in order: this is rank 2, island 1's first.
-    unsafe {
-        libc::kill(ranks[2] as i32, libc::SIGKILL);
-    }
-    let o = job.wait_with_output().unwrap();
-    let text = show(&o);
-    assert!(o.status.success(), "{text}");
+    let text = kill_island_1_when(job, || ck.join("latest").exists());
     assert!(
         text.contains("island 1 was lost (rank 2 failed with signal 9)"),
         "{text}"
@@ -682,19 +669,7 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while steps_logged(&metrics) < 50 {
-        assert!(t.elapsed() < Duration::from_secs(120), "no steps");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let ranks = children(job.id());
-    assert_eq!(ranks.len(), 4, "{ranks:?}");
-    unsafe {
-        libc::kill(ranks[2] as i32, libc::SIGKILL);
-    }
-    let o = job.wait_with_output().unwrap();
-    let text = show(&o);
-    assert!(o.status.success(), "{text}");
+    let text = kill_island_1_when(job, || steps_logged(&metrics) >= 50);
     assert!(text.contains("restarting the ranks of island 1"), "{text}");
     for r in [2, 3] {
         assert!(
@@ -722,6 +697,30 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
         .unwrap();
     assert!(synced_after > 0.0, "{:?}", steps[came as usize + 3]);
     std::fs::remove_dir_all(d).ok();
+}
+
+/// Once `ready`, SIGKILLs rank 2 of `job` (2 islands of one node x 2
+/// ranks: island 1's first rank) and waits for the job, which must
+/// succeed (the other island goes on); its output.
+fn kill_island_1_when(job: std::process::Child, ready: impl Fn() -> bool) -> String {
+    let t = Instant::now();
+    while !ready() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the job never got there"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ranks = children(job.id());
+    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    // The launcher starts ranks in order: this is rank 2.
+    unsafe {
+        libc::kill(ranks[2] as i32, libc::SIGKILL);
+    }
+    let o = job.wait_with_output().unwrap();
+    let text = show(&o);
+    assert!(o.status.success(), "{text}");
+    text
 }
 
 /// Steps in a metrics file so far (0 before it exists).
