@@ -333,8 +333,13 @@ fn supervise(
             for r in ranks.iter_mut().filter(|r| mine(r)) {
                 stop(r);
             }
-            // Island 0 holds the job's store: it cannot rejoin.
-            let rejoinable = per_island.is_some() && !ranks.iter().any(|r| mine(r) && r.rank == 0);
+            // Island 0 holds the job's store: it cannot rejoin; nor can any
+            // island once another finished (the job is ending).
+            let ending = ranks
+                .iter()
+                .any(|r| !mine(r) && r.status.is_some_and(|s| s.success()));
+            let rejoinable =
+                per_island.is_some() && !ending && !ranks.iter().any(|r| mine(r) && r.rank == 0);
             if restarts > 0 && rejoinable {
                 restarts -= 1;
                 tracing::warn!(

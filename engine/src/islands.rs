@@ -8,12 +8,12 @@
 //! delta, plus what the island trained meanwhile).
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::group::rejoin_tag;
-use zeropp_comm::{Communicator, Group, GroupKind, Transport};
+use zeropp_comm::{CommError, Communicator, Group, GroupKind, Transport};
 use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
@@ -599,23 +599,43 @@ impl Engine {
         }
         let wait = self.timeout * 10;
         let deadline = Instant::now() + wait;
+        // Each other island's rank at this place, until it sends the state
+        // or is gone (the job ended, or that island is lost too).
+        let mut waiting = others.clone();
         let (from, state) = loop {
-            if let Some(&peer) = others
-                .iter()
-                .find(|&&p| self.counter.probe(p, rejoin_tag(STATE)))
-            {
-                break (
-                    peer,
-                    self.counter.recv(peer, rejoin_tag(STATE), self.timeout)?,
-                );
+            let mut got = None;
+            for &peer in &waiting.clone() {
+                match self
+                    .counter
+                    .recv(peer, rejoin_tag(STATE), Duration::from_millis(10))
+                {
+                    Ok(state) => {
+                        got = Some((peer, state));
+                        break;
+                    }
+                    Err(CommError::Timeout { .. }) => {}
+                    Err(e) => {
+                        tracing::debug!("rank {peer} will not take this island back: {e}");
+                        waiting.retain(|&p| p != peer);
+                    }
+                }
+            }
+            if let Some(got) = got {
+                break got;
+            }
+            if waiting.is_empty() {
+                return Err(EngineError::Comm(CommError::Join(
+                    "every other island finished or was lost before this one could rejoin: \
+                     nothing to rejoin"
+                        .into(),
+                )));
             }
             if Instant::now() >= deadline {
-                return Err(EngineError::Comm(zeropp_comm::CommError::Join(format!(
+                return Err(EngineError::Comm(CommError::Join(format!(
                     "no island took this one back within {wait:?}: the others did not reach an \
                      outer sync (raise ZEROPP_TIMEOUT_S if H steps take longer) or finished"
                 ))));
             }
-            std::thread::sleep(std::time::Duration::from_millis(20));
         };
         let (step, alive, shards) = decode_rejoin(&state, &self.unit_layouts())
             .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
