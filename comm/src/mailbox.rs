@@ -2,7 +2,7 @@
 //! rank, tag), a condition variable, and the reason each dead peer died, so a
 //! receive from a dead peer fails at once instead of at its timeout.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -24,8 +24,15 @@ struct State {
     /// Islands: only the deaths of these ranks (this rank's island) break
     /// every wait; another's fails the waits on it alone, at once.
     fatal_only: Option<Range<usize>>,
-    contained: HashSet<usize>,
     closed: bool,
+}
+
+impl State {
+    /// Whether `peer` is gone from another island (its death contained).
+    fn contained(&self, peer: usize) -> bool {
+        self.dead.contains_key(&peer)
+            && self.fatal_only.as_ref().is_some_and(|r| !r.contains(&peer))
+    }
 }
 
 /// Messages received by one rank.
@@ -85,13 +92,8 @@ impl Mailbox {
             return;
         }
         state.dead.entry(peer).or_insert_with(|| reason.clone());
-        match &state.fatal_only {
-            Some(r) if !r.contains(&peer) => {
-                state.contained.insert(peer);
-            }
-            _ => {
-                state.fatal.get_or_insert((peer, reason));
-            }
+        if !state.contained(peer) {
+            state.fatal.get_or_insert((peer, reason));
         }
         self.arrived.notify_all();
     }
@@ -101,12 +103,12 @@ impl Mailbox {
     /// that rank alone (islands go on without a lost island).
     pub fn contain(&self, fatal: Range<usize>) {
         let mut state = self.lock();
-        if let Some((peer, _)) = &state.fatal
-            && !fatal.contains(peer)
+        if state
+            .fatal
+            .as_ref()
+            .is_some_and(|(peer, _)| !fatal.contains(peer))
         {
-            let peer = *peer;
             state.fatal = None;
-            state.contained.insert(peer);
         }
         state.fatal_only = Some(fatal);
     }
@@ -117,7 +119,6 @@ impl Mailbox {
     pub fn revive(&self, peer: usize) {
         let mut state = self.lock();
         state.dead.remove(&peer);
-        state.contained.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
     }
 
@@ -157,7 +158,7 @@ impl Mailbox {
                     reason: reason.clone(),
                 });
             }
-            if state.contained.contains(&source)
+            if state.contained(source)
                 && let Some(reason) = state.dead.get(&source)
             {
                 return Err(CommError::PeerFailed {

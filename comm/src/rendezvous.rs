@@ -137,6 +137,35 @@ fn read_hello(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, String
     }
 }
 
+/// A caller's hello when it carries the job's token; otherwise `None`,
+/// the refusal logged (and told to a caller with the wrong token).
+fn hello_of_the_job(
+    stream: &mut TcpStream,
+    token: &str,
+    wait: Duration,
+    what: &str,
+) -> Option<Hello> {
+    let from = stream
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    match read_hello(stream, wait) {
+        Ok(h) if h.token == token => Some(h),
+        Ok(_) => {
+            tracing::warn!("rendezvous: refused {what} from {from}: wrong job token");
+            reply(
+                stream,
+                REPLY_ERROR,
+                b"wrong job token: set ZEROPP_TOKEN to the job's secret",
+            );
+            None
+        }
+        Err(reason) => {
+            tracing::warn!("rendezvous: refused {what} from {from}: {reason}");
+            None
+        }
+    }
+}
+
 /// Runs the store on rank 0 until every rank has arrived (or it fails).
 /// Returns the table it sent.
 pub fn serve(
@@ -185,22 +214,10 @@ pub fn serve(
             }
         };
         let _ = stream.set_nonblocking(false);
-        let hello = match read_hello(&mut stream, Duration::from_secs(10).min(timeout)) {
-            Ok(h) => h,
-            Err(reason) => {
-                tracing::warn!("rendezvous: refused a connection from {from}: {reason}");
-                continue;
-            }
-        };
-        if hello.token != token {
-            tracing::warn!("rendezvous: refused a connection from {from}: wrong job token");
-            reply(
-                &mut stream,
-                REPLY_ERROR,
-                b"wrong job token: set ZEROPP_TOKEN to the job's secret",
-            );
+        let wait = Duration::from_secs(10).min(timeout);
+        let Some(hello) = hello_of_the_job(&mut stream, token, wait, "a connection") else {
             continue;
-        }
+        };
         let peer = hello.peer;
         if peer.world_size != world_size {
             let msg = format!(
@@ -263,22 +280,10 @@ fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>, islands: u
         let from = stream
             .peer_addr()
             .map_or_else(|_| "?".into(), |a| a.to_string());
-        let hello = match read_hello(&mut stream, Duration::from_secs(10)) {
-            Ok(h) => h,
-            Err(reason) => {
-                tracing::warn!("rendezvous: refused a rejoin from {from}: {reason}");
-                continue;
-            }
-        };
-        if hello.token != token {
-            tracing::warn!("rendezvous: refused a rejoin from {from}: wrong job token");
-            reply(
-                &mut stream,
-                REPLY_ERROR,
-                b"wrong job token: set ZEROPP_TOKEN to the job's secret",
-            );
+        let wait = Duration::from_secs(10);
+        let Some(hello) = hello_of_the_job(&mut stream, token, wait, "a rejoin") else {
             continue;
-        }
+        };
         let p = hello.peer;
         if p.world_size != table.len() || p.rank >= table.len() || p.rank < size {
             let msg = format!(

@@ -117,8 +117,6 @@ impl IslandConfig {
 /// inner steps.
 pub const AUTO_SYNC_SHARE: f64 = 0.15;
 
-impl IslandConfig {}
-
 /// Which islands take part in the outer sync, as this rank knows it: an
 /// island one of whose ranks died or did not answer an exchange is lost,
 /// and every later exchange averages over the islands left (alone: the
@@ -208,11 +206,6 @@ impl Membership {
     /// taking part.
     fn host_for(&self, j: usize) -> Option<usize> {
         self.members().find(|&i| i != j)
-    }
-
-    /// The islands taking part.
-    pub(crate) fn alive(&self) -> &[bool] {
-        &self.alive
     }
 
     /// Whether an island is out of the outer sync now.
@@ -406,11 +399,11 @@ impl Engine {
         {
             return Ok(());
         }
-        let whole_s = run.exchange_s * fragments as f64 / run.exchanges as f64;
+        let whole_s = self.whole_exchange_s();
         let mut times = run.step_times.clone();
         times.sort_by(f64::total_cmp);
         let inner_s = times.get(times.len() / 2).copied().unwrap_or(0.0);
-        let (mine, _) = run.cfg.auto_sync_every(whole_s, inner_s);
+        let (mine, why) = run.cfg.auto_sync_every(whole_s, inner_s);
         let across = lock(&run.members).across.clone();
         let island = self.groups.world.clone();
         let most = |group: Arc<Group>, v: usize| -> Result<usize> {
@@ -436,7 +429,6 @@ impl Engine {
         };
         let step = self.step;
         let run = self.islands.as_mut().expect("islands");
-        let (_, why) = run.cfg.auto_sync_every(whole_s, inner_s);
         let why = if h == mine {
             why
         } else {
@@ -493,31 +485,24 @@ impl Engine {
         let (count, delay) = (run.cfg.count, run.cfg.delay);
         let size = self.plan.layout.world();
         let place = self.plan.layout.rank;
-        let (mut flags, island) = {
+        let asked: Vec<f32> = {
             let m = lock(&run.members);
-            let mut flags: Vec<f32> = m.alive.iter().map(|&a| a as u8 as f32).collect();
-            flags.extend((0..count).map(|j| {
-                let asked = !m.alive[j]
-                    && delay == 0
-                    && self.counter.probe(j * size + place, rejoin_tag(REQUEST));
-                asked as u8 as f32
-            }));
-            (flags, m.island)
+            (0..count)
+                .map(|j| {
+                    let asked = !m.alive[j]
+                        && delay == 0
+                        && self.counter.probe(j * size + place, rejoin_tag(REQUEST));
+                    asked as u8 as f32
+                })
+                .collect()
         };
-        flags = self.sum_over_island(&flags)?;
-        let everyone = size as f32;
-        let mut ready: Vec<f32> = flags[count..]
+        let asked = self.agree_on_members(&asked)?;
+        let mut ready: Vec<f32> = asked
             .iter()
-            .map(|&n| (n == everyone) as u8 as f32)
+            .map(|&n| (n == size as f32) as u8 as f32)
             .collect();
-        let step = self.step as u64;
         let (missing, across) = {
-            let mut m = lock(&run.members);
-            for (i, &n) in flags[..count].iter().enumerate() {
-                if n < everyone && i != island {
-                    m.lose(i, step, "another rank of this island lost it".into())?;
-                }
-            }
+            let m = lock(&run.members);
             (m.missing_any(), m.across.clone())
         };
         if !missing {
@@ -535,6 +520,33 @@ impl Engine {
                 .wait()?;
         }
         Ok((0..count).filter(|&j| ready[j] > 0.0).collect())
+    }
+
+    /// The ranks of this island agree on which islands take part (an
+    /// island any of them lost is lost to all), summing `extra` over the
+    /// island in the same call; returns its sums.
+    pub(crate) fn agree_on_members(&self, extra: &[f32]) -> Result<Vec<f32>> {
+        let run = self.islands.as_ref().expect("islands");
+        let mut flags: Vec<f32> = lock(&run.members)
+            .alive
+            .iter()
+            .map(|&a| a as u8 as f32)
+            .collect();
+        let count = flags.len();
+        flags.extend_from_slice(extra);
+        let sums = self.sum_over_island(&flags)?;
+        let everyone = self.plan.layout.world() as f32;
+        let mut m = lock(&run.members);
+        for (i, &n) in sums[..count].iter().enumerate() {
+            if n < everyone {
+                m.lose(
+                    i,
+                    self.step as u64,
+                    "another rank of this island lost it".into(),
+                )?;
+            }
+        }
+        Ok(sums[count..].to_vec())
     }
 
     /// Island `j` rejoins after this step: the host island (the first
@@ -699,6 +711,17 @@ impl Engine {
         self.islands
             .as_ref()
             .map_or((0, 0.0, 0.0), |r| (r.exchanges, r.waited_s, r.exchange_s))
+    }
+
+    /// Seconds one exchange of the whole model took on this rank: the
+    /// mean over the fragments' exchanges so far (0 before any).
+    pub fn whole_exchange_s(&self) -> f64 {
+        let fragments = self
+            .islands
+            .as_ref()
+            .map_or(1, |r| r.cfg.fragments_of(self.units.len()));
+        let (exchanges, _, exchange_s) = self.outer_exchanges();
+        exchange_s * fragments as f64 / exchanges.max(1) as f64
     }
 
     /// Counts the exchanges of the fragments `units` (just started) are in.
@@ -913,10 +936,9 @@ fn decode_rejoin(
     bytes: &[u8],
     layouts: &[UnitLayout],
 ) -> std::result::Result<(u64, Vec<bool>, Vec<UnitShard>), String> {
-    let body = bytes;
     let mut at = 0usize;
     let mut take = |n: usize| -> std::result::Result<&[u8], String> {
-        let piece = body
+        let piece = bytes
             .get(at..at + n)
             .ok_or_else(|| format!("truncated at byte {at} of {}", bytes.len()))?;
         at += n;
@@ -968,8 +990,8 @@ fn decode_rejoin(
             }),
         });
     }
-    if at != body.len() {
-        return Err(format!("{} bytes past the end", body.len() - at));
+    if at != bytes.len() {
+        return Err(format!("{} bytes past the end", bytes.len() - at));
     }
     Ok((step, alive, shards))
 }

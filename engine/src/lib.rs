@@ -845,23 +845,8 @@ impl Engine {
         let Some(run) = self.islands.as_ref() else {
             return Ok(self.job_world.clone());
         };
-        let alive: Vec<f32> = islands::lock(&run.members)
-            .alive()
-            .iter()
-            .map(|&a| a as u8 as f32)
-            .collect();
-        let agreed = self.sum_over_island(&alive)?;
-        let everyone = self.plan.layout.world() as f32;
-        let mut m = islands::lock(&run.members);
-        for (i, &n) in agreed.iter().enumerate() {
-            if n < everyone {
-                m.lose(
-                    i,
-                    self.step as u64,
-                    "another rank of this island lost it".into(),
-                )?;
-            }
-        }
+        self.agree_on_members(&[])?;
+        let m = islands::lock(&run.members);
         Ok(m.survivors().unwrap_or_else(|| self.job_world.clone()))
     }
 

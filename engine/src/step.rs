@@ -100,7 +100,10 @@ impl Engine {
         } else {
             Some(self.skip_step(&norm)?)
         };
-        if let Some(run) = self.islands.as_mut() {
+        if let Some(run) = self.islands.as_mut()
+            && run.cfg.auto
+            && run.chosen.is_none()
+        {
             run.step_times.push(started.elapsed().as_secs_f64());
         }
         Ok(StepStats {

@@ -291,11 +291,11 @@ impl<'a> Trainer<'a> {
                 let (outer, all) = (traffic.outer.total, traffic.total());
                 let job =
                     engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
-                let (exchanges, waited_s, exchange_s) = engine.outer_exchanges();
+                let (exchanges, waited_s, _) = engine.outer_exchanges();
                 let fragments = c.fragments_of(engine.unit_layouts().len());
                 // One whole model's exchange, against the inner step (the
                 // median: steps without a sync).
-                let whole_s = exchange_s * fragments as f64 / exchanges.max(1) as f64;
+                let whole_s = engine.whole_exchange_s();
                 let inner_s = median(&r.times);
                 let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
                 Some(IslandsSummary {
