@@ -141,6 +141,12 @@ pub(crate) struct Membership {
     /// Every rank of the islands taking part, once membership changed
     /// (`None`: the job's world).
     job: Option<Arc<Group>>,
+    /// Why an exchange failed in a way no regroup mends (this rank's own
+    /// island broke): the exchanges queued after it fail at once, sending
+    /// nothing, rather than number their calls differently from the
+    /// islands they talk to (whose ranks would read a later exchange's
+    /// message as this one's).
+    broken: Option<String>,
 }
 
 /// An island that left the outer sync.
@@ -163,6 +169,7 @@ impl Membership {
             rejoined: Vec::new(),
             across,
             job: None,
+            broken: None,
         }
     }
 
@@ -505,7 +512,9 @@ impl Engine {
             let m = lock(&run.members);
             (m.missing_any(), m.across.clone())
         };
-        if !missing {
+        // Streamed islands rejoin no one, and their exchanges may be under
+        // way on the islands' thread over the same group: no call here.
+        if !missing || delay > 0 {
             return Ok(Vec::new());
         }
         if across.size() > 1 {
@@ -765,11 +774,27 @@ impl Engine {
         let exchange = run.thread.submit(move |c: &Communicator| {
             let (mut sent, mut owned) = residuals;
             let t = Instant::now();
+            let mut again = false;
             loop {
-                let across = lock(&members).across.clone();
+                let across = {
+                    let m = lock(&members);
+                    if let Some(why) = &m.broken {
+                        return Err(ZeroError::Invalid(format!(
+                            "not started: an earlier outer exchange failed ({why})"
+                        )));
+                    }
+                    m.across.clone()
+                };
                 if across.size() == 1 {
                     return Ok((mine, Residual::none(), Residual::none(), 0.0));
                 }
+                // Run again after a loss: first check every rank is at it.
+                let checked = if again {
+                    same_exchange(c, &across, (step, u))
+                } else {
+                    Ok(())
+                };
+                again = true;
                 let mover = HostMover {
                     comm: c,
                     counter: &counter,
@@ -781,13 +806,15 @@ impl Engine {
                     },
                 };
                 let mut delta = mine.clone();
-                let tried = outer::exchange(
-                    &mover,
-                    Hop::World,
-                    quantized,
-                    (&mut sent, &mut owned),
-                    &mut delta,
-                );
+                let tried = checked.and_then(|()| {
+                    outer::exchange(
+                        &mover,
+                        Hop::World,
+                        quantized,
+                        (&mut sent, &mut owned),
+                        &mut delta,
+                    )
+                });
                 match tried {
                     Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
                     Err(e) => {
@@ -802,6 +829,7 @@ impl Engine {
                             None => false,
                         };
                         if !lost {
+                            m.broken = Some(e.to_string());
                             return Err(e);
                         }
                         if m.lost.len() > before {
@@ -875,6 +903,42 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Before an exchange runs again over the islands left after a loss: the
+/// ranks of `across` check they are all at the exchange of unit `u` of the
+/// sync after `step` (one may have completed an exchange the lost island
+/// still answered while another did not; without this each would read the
+/// other's next exchange as its own).
+fn same_exchange(
+    c: &Communicator,
+    across: &Group,
+    (step, u): (u64, usize),
+) -> Result<(), ZeroError> {
+    let mine = [step.to_le_bytes(), (u as u64).to_le_bytes()].concat();
+    let all = c.all_gather_v(across, Bytes::copy_from_slice(&mine))?;
+    let at = |b: &Bytes| -> Option<(u64, u64)> {
+        let b: &[u8; 16] = b[..].try_into().ok()?;
+        let (s, v) = b.split_at(8);
+        Some((
+            u64::from_le_bytes(s.try_into().ok()?),
+            u64::from_le_bytes(v.try_into().ok()?),
+        ))
+    };
+    for (j, b) in all.iter().enumerate() {
+        if at(b) != Some((step, u as u64)) {
+            let theirs = at(b).map_or("a malformed answer".into(), |(s, v)| {
+                format!("unit {v} after step {s}")
+            });
+            return Err(ZeroError::Invalid(format!(
+                "after an island was lost the islands left are at different exchanges: this rank \
+                 at unit {u} after step {step}, rank {} at {theirs} (one completed an exchange the \
+                 lost island still answered); resume the job from its last checkpoint",
+                across.ranks()[j]
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Rejoin messages: a restarted rank's request, and the state it is sent.

@@ -5,11 +5,13 @@
 //! built-in GPT (every switch, hpZ, the mean over W, the byte counters) are
 //! in the application crate (`src/train/engine_tests.rs`).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use super::testing::{TiedMlp, batch, reference_grad_norm, run_model};
 use super::*;
 use zeropp_comm::inproc::InProcess;
+use zeropp_comm::{CommError, GroupKind};
 use zeropp_zero::outer::OuterSettings;
 use zeropp_zero::plan::{Layout, Switches};
 
@@ -380,15 +382,91 @@ fn islands_run(
     first: usize,
     total: usize,
 ) -> Vec<Vec<Vec<f32>>> {
-    islands_dying(nodes, g, islands, switches, steps, (first, total), None)
-        .into_iter()
-        .map(|(masters, _)| masters)
-        .collect()
+    islands_dying(
+        nodes,
+        g,
+        islands,
+        switches,
+        steps,
+        (first, total),
+        None,
+        None,
+    )
+    .into_iter()
+    .map(|(masters, _)| masters)
+    .collect()
+}
+
+/// How a rank's transport is rigged: its receives over the islands'
+/// first cross-island group fail, from step `from` on, as if a rank of its
+/// own island (`blames`) had died; it counts what it sends over that group
+/// after the first such failure.
+struct Rig {
+    from: usize,
+    blames: usize,
+    across: u32,
+    armed: AtomicBool,
+    failed: AtomicBool,
+    sent_after: AtomicUsize,
+}
+
+struct Rigged {
+    inner: InProcess,
+    rig: Arc<Rig>,
+}
+
+impl Rigged {
+    fn over_across(&self, tag: zeropp_comm::Tag) -> bool {
+        (tag >> 40) as u32 == self.rig.across
+    }
+}
+
+impl zeropp_comm::Transport for Rigged {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn send(
+        &self,
+        peer: usize,
+        tag: zeropp_comm::Tag,
+        data: bytes::Bytes,
+    ) -> std::result::Result<zeropp_comm::SendHandle, CommError> {
+        if self.rig.failed.load(Ordering::SeqCst) && self.over_across(tag) {
+            self.rig.sent_after.fetch_add(1, Ordering::SeqCst);
+        }
+        self.inner.send(peer, tag, data)
+    }
+    fn recv(
+        &self,
+        peer: usize,
+        tag: zeropp_comm::Tag,
+        timeout: Duration,
+    ) -> std::result::Result<bytes::Bytes, CommError> {
+        if self.rig.armed.load(Ordering::SeqCst) && self.over_across(tag) {
+            self.rig.failed.store(true, Ordering::SeqCst);
+            return Err(CommError::PeerFailed {
+                peer: self.rig.blames,
+                reason: "rigged: it died".into(),
+            });
+        }
+        self.inner.recv(peer, tag, timeout)
+    }
+    fn probe(&self, peer: usize, tag: zeropp_comm::Tag) -> bool {
+        self.inner.probe(peer, tag)
+    }
+    fn name(&self) -> &'static str {
+        "rigged"
+    }
 }
 
 /// [`islands_run`] in which rank `dies.0`'s thread ends after step
 /// `dies.1` (the ranks of its island return nothing once a collective
-/// names it): every rank's masters and the islands it saw lost.
+/// names it), and rank `rig.0`'s transport is rigged by `rig.1`: every rank's
+/// masters and the islands it saw lost.
+#[allow(clippy::too_many_arguments)]
 fn islands_dying(
     nodes: usize,
     g: usize,
@@ -397,14 +475,26 @@ fn islands_dying(
     steps: usize,
     (first, total): (usize, usize),
     dies: Option<(usize, usize)>,
+    rig: Option<(usize, Arc<Rig>)>,
 ) -> Vec<(Vec<Vec<f32>>, Vec<crate::LostIsland>)> {
     let rows = 2;
     let per_island = nodes * g / islands.map_or(1, |i| i.0);
-    let handles: Vec<_> = InProcess::world(nodes * g)
+    let transports: Vec<Box<dyn zeropp_comm::Transport>> = InProcess::world(nodes * g)
+        .into_iter()
+        .map(|t| match &rig {
+            Some((r, rig)) if *r == t.rank() => Box::new(Rigged {
+                inner: t,
+                rig: rig.clone(),
+            }) as _,
+            _ => Box::new(t) as _,
+        })
+        .collect();
+    let handles: Vec<_> = transports
         .into_iter()
         .enumerate()
         .map(|(rank, t)| {
             let switches = switches.clone();
+            let rig = rig.clone().filter(|(r, _)| *r == rank).map(|(_, x)| x);
             std::thread::spawn(move || {
                 let cfg = EngineConfig {
                     model: Arc::new(mlp()),
@@ -430,12 +520,15 @@ fn islands_dying(
                     ranks_per_node: g,
                     rank,
                 };
-                let mut e = Engine::new(Box::new(t), layout, cfg, Duration::from_secs(30)).unwrap();
+                let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
                 let global = first + rank;
                 let doomed = dies.is_some_and(|(r, _)| r / per_island == rank / per_island);
                 for s in 0..steps {
                     if dies == Some((rank, s)) {
                         return (Vec::new(), Vec::new());
+                    }
+                    if let Some(r) = rig.as_ref().filter(|r| r.from == s) {
+                        r.armed.store(true, Ordering::SeqCst);
                     }
                     let (x, y) = batch(s as u64, total * rows, 16);
                     let (x, y) = (
@@ -550,7 +643,7 @@ fn a_dead_island_leaves_the_outer_sync_and_the_others_train_on_without_it() {
     // the sync of step 8 and goes on alone, the same either way, and
     // unlike a run where nobody died.
     let zpp = Switches::zeropp(32);
-    let run = |dies| islands_dying(4, 1, Some((2, 4, 1, 0)), &zpp, 14, (0, 4), dies);
+    let run = |dies| islands_dying(4, 1, Some((2, 4, 1, 0)), &zpp, 14, (0, 4), dies, None);
     let (at5, at6, alive) = (run(Some((3, 5))), run(Some((3, 6))), run(None));
     for r in 0..2 {
         assert_eq!(at5[r].0, at6[r].0, "rank {r}: when island 1 died mattered");
@@ -565,10 +658,63 @@ fn a_dead_island_leaves_the_outer_sync_and_the_others_train_on_without_it() {
     // Streamed (2 fragments, landing a step later): the exchanges under
     // way on the islands' thread find it gone too, and the survivors end
     // on one model.
-    let streamed = islands_dying(4, 1, Some((2, 4, 2, 1)), &zpp, 14, (0, 4), Some((2, 5)));
+    let streamed = islands_dying(
+        4,
+        1,
+        Some((2, 4, 2, 1)),
+        &zpp,
+        14,
+        (0, 4),
+        Some((2, 5)),
+        None,
+    );
     assert_eq!(streamed[0].1.len(), 1, "{:?}", streamed[0].1);
     assert_eq!(streamed[0].1[0].island, 1);
     assert!(streamed[3].0.is_empty());
+}
+
+#[test]
+fn a_rank_whose_island_broke_mid_sync_sends_nothing_more_to_the_other_islands() {
+    // Rank 3's wait in its first exchange of the sync after step 8 fails
+    // as if rank 2 (its own island) had died there: it must not start the
+    // exchanges queued behind it (each would send a part the rank across,
+    // rank 1, reads as the next message of the exchange it is in: a
+    // malformed message or, for units of one size, a wrong average), so
+    // rank 1 finds rank 3 gone and island 0 trains on alone.
+    let zpp = Switches::zeropp(32);
+    let across = GroupKind::Across {
+        place: Some(1),
+        members: 0,
+    };
+    let rig = Arc::new(Rig {
+        from: 7,
+        blames: 2,
+        across: across.id().unwrap(),
+        armed: AtomicBool::new(false),
+        failed: AtomicBool::new(false),
+        sent_after: AtomicUsize::new(0),
+    });
+    let islands = Some((2, 4, 1, 0));
+    let dies = Some((3, usize::MAX));
+    let out = islands_dying(
+        4,
+        1,
+        islands,
+        &zpp,
+        14,
+        (0, 4),
+        dies,
+        Some((3, rig.clone())),
+    );
+    assert!(rig.failed.load(Ordering::SeqCst), "the rig never fired");
+    assert_eq!(rig.sent_after.load(Ordering::SeqCst), 0);
+    for (r, (masters, lost)) in out.iter().enumerate().take(2) {
+        assert_eq!(lost.len(), 1, "rank {r}: {lost:?}");
+        assert_eq!(lost[0].island, 1, "rank {r}: {lost:?}");
+        assert!(masters.iter().flatten().all(|w| w.is_finite()));
+    }
+    assert_eq!(out[1].1[0].step, 8);
+    assert!(out[1].1[0].why.contains("rank 3"), "{:?}", out[1].1);
 }
 
 #[test]
