@@ -7,7 +7,9 @@
 # engine's byte count
 # and the veth counters agree within 5% (10 steps, so UCX's fixed wire-up
 # traffic is under 1%; two ranks per node: node-local
-# shared memory must not carry cross-node traffic) and that nothing is left behind.
+# shared memory must not carry cross-node traffic), that `--islands auto`
+# cuts the job at 30 Mbit/s and not at 10 Gbit/s, and that nothing is left
+# behind.
 # With a Python that has torch and zeropp (second argument), it also runs
 # examples/torch_gpt.py under torchrun on the cluster: plain FSDP2 over
 # gloo, and ZeRO-3 and ZeRO++ through zeropp.torch (bf16): zeropp's count
@@ -92,6 +94,21 @@ print(f"bench-cluster selftest: across nodes on the wire, zeropp.torch ZeRO++ {r
 assert ratio <= 0.27, f"ZeRO++ under FSDP2 sent {ratio:.3f}x plain FSDP2's bytes across nodes (limit 0.27)"
 PY
 fi
+# --islands auto from the links measured at join: at 30 Mbit/s the link is
+# most of a synchronous step of the 3.76M GPT, so the plan cuts the job
+# into one island per node; at 10 Gbit/s it keeps one synchronous job.
+for rate in 30mbit:2 10gbit:1; do
+  bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates "${rate%%:*}" --modes zeropp --steps 2 \
+    --zeropp "$zeropp" --out "$out/auto-${rate%%:*}" -- --islands auto \
+    --width 384 --layers 2 --heads 6 --context 32 --batch 2 --val-batches 1 \
+    >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out/auto-${rate%%:*}"/*.log >&2; exit 1; }
+  chose="$(grep -h 'islands (auto):' "$out/auto-${rate%%:*}"/*node0.log)"
+  echo "bench-cluster selftest: ${rate%%:*}: $chose"
+  want="${rate##*:}"
+  if [ "$want" = 1 ]; then pattern="islands (auto): synchronous"; else pattern="islands (auto): $want islands of 1 node"; fi
+  grep -qF "$pattern" <<<"$chose" ||
+    { echo "bench-cluster selftest: --islands auto at ${rate%%:*} did not choose $want island(s)" >&2; exit 1; }
+done
 if ip netns list | grep -q '^zpb'; then
   echo "bench-cluster selftest: namespaces left behind: $(ip netns list | grep '^zpb')" >&2
   exit 1

@@ -282,6 +282,22 @@ fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_l
 }
 
 /// Bad input is a clear error naming what is wrong, never a panic or a hang.
+/// `--islands auto` on logical nodes of one host: nothing between them to
+/// measure, so one synchronous job, and the summary says so.
+#[test]
+fn islands_auto_on_logical_nodes_trains_as_one_job_and_says_why() {
+    let dir = std::env::temp_dir().join(format!("zeropp-auto-islands-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (s, m) = train(&dir, "auto", &["--islands", "auto"]);
+    let chosen = &s["islands_chosen"];
+    assert_eq!(chosen["islands"], 1, "{chosen}");
+    let why = chosen["why"].as_str().unwrap();
+    assert!(why.contains("logical nodes of one host"), "{why}");
+    assert!(s["islands"].is_null(), "{s}");
+    assert_eq!(m.len(), 30, "one record a step: {m:?}");
+    std::fs::remove_dir_all(dir).ok();
+}
+
 #[test]
 fn bad_input_is_a_named_error() {
     let dir = std::env::temp_dir().join(format!("zeropp-badinput-{}", std::process::id()));
@@ -371,6 +387,34 @@ fn bad_input_is_a_named_error() {
     has(
         run(&["--config", toml.to_str().unwrap()]),
         &["bad.toml", "stepz"],
+    );
+    // The launcher's islands and the run's `auto` disagree.
+    let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--ranks-per-node",
+            "1",
+            "--islands",
+            "2",
+            "--",
+        ])
+        .arg(env!("CARGO_BIN_EXE_zeropp"))
+        .args(["train", "--islands", "auto"])
+        .args(small)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+    assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+    has(
+        text,
+        &["into 2 islands", "--islands auto", "launcher's count"],
+    );
+    has(
+        run(&[&small[..], &["--islands", "several"]].concat()),
+        &["\"several\"", "a number, or auto"],
     );
     // A diverging run: stopped on the step the NaN appears, units named.
     has(

@@ -24,6 +24,10 @@ pub enum GroupKind {
     /// The `n`-th group of a caller's own numbering (tools and tests): every
     /// member numbers its groups alike.
     Numbered(usize),
+    /// The ranks of nodes `node` and `node + 1`, or with `local: Some(l)`
+    /// their two ranks of local rank `l`: the probe of the link between
+    /// two consecutive nodes (where islands could be cut).
+    Seam { node: usize, local: Option<usize> },
     /// A group whose number its members agreed on through the job's store
     /// (a mesh dimension's groups in `zeropp.torch`): one number per set of
     /// ranks in the whole job.
@@ -57,6 +61,10 @@ const RUN_FIRST_BITS: u32 = PAYLOAD_BITS - RUN_SIZE_BITS;
 /// the whole island).
 const ISLAND_LOCAL_BITS: u32 = 12;
 const ISLAND_BITS: u32 = PAYLOAD_BITS - ISLAND_LOCAL_BITS;
+/// A seam's payload (below its top bit): the node above, its local rank + 1
+/// below (0: both nodes).
+const SEAM_LOCAL_BITS: u32 = 11;
+const SEAM_NODE_BITS: u32 = PAYLOAD_BITS - 1 - SEAM_LOCAL_BITS;
 /// An outer sync group's payload: the members' digest above, the place + 1
 /// below (0: every rank of the members).
 const ACROSS_PLACE_BITS: u32 = PAYLOAD_BITS - 8;
@@ -96,7 +104,29 @@ impl GroupKind {
                 }
                 (3, ((first as u32) << RUN_SIZE_BITS) | (size as u32 - 1))
             }
-            GroupKind::Numbered(n) => (4, fits("group number", n)?),
+            // Numbers below half the payload, seams above.
+            GroupKind::Numbered(n) => {
+                if n >= 1 << (PAYLOAD_BITS - 1) {
+                    return Err(CommError::Group(format!(
+                        "group number {n}: zeropp's group ids hold numbers below {}",
+                        1usize << (PAYLOAD_BITS - 1)
+                    )));
+                }
+                (4, n as u32)
+            }
+            GroupKind::Seam { node, local } => {
+                let local = local.map_or(0, |l| l + 1);
+                if node >= 1 << SEAM_NODE_BITS || local >= 1 << SEAM_LOCAL_BITS {
+                    return Err(CommError::Group(format!(
+                        "the link after node {node} with local rank {local}: zeropp's group ids \
+                         hold seams below node {} of nodes below {} ranks",
+                        1usize << SEAM_NODE_BITS,
+                        (1usize << SEAM_LOCAL_BITS) - 1
+                    )));
+                }
+                let payload = (1 << (PAYLOAD_BITS - 1)) | ((node as u32) << SEAM_LOCAL_BITS);
+                (4, payload | local as u32)
+            }
             GroupKind::Agreed(n) => (5, fits("agreed group number", n)?),
             GroupKind::Island { island, local } => {
                 let local = local.map_or(0, |l| l + 1);
@@ -244,6 +274,13 @@ mod tests {
         }
         all.extend((0..8).map(GroupKind::Numbered));
         all.extend((0..8).map(GroupKind::Agreed));
+        for node in 0..nodes.saturating_sub(1) {
+            all.push(GroupKind::Seam { node, local: None });
+            all.extend((0..g).map(|l| GroupKind::Seam {
+                node,
+                local: Some(l),
+            }));
+        }
         for island in 0..nodes {
             all.push(GroupKind::Island {
                 island,

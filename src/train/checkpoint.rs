@@ -838,9 +838,10 @@ fn stand_in(m: &Manifest, rank: usize) -> Result<usize> {
     Ok(first * size + rank % size)
 }
 
-/// Islands the checkpointed job was cut into (1: none).
+/// Islands the checkpointed job was cut into (1: none; a save records the
+/// count an `auto` run chose).
 pub fn islands_of(m: &Manifest) -> usize {
-    m.config.islands.islands.max(1)
+    m.config.islands.islands.number().unwrap_or(1).max(1)
 }
 
 /// The shards of the checkpoint's first island: the whole model once

@@ -34,17 +34,25 @@ impl Setting for Mode {
     }
 }
 
+/// A number, or `auto`: the plan's to choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum OrAuto {
+    Number(usize),
+    Auto(AutoWord),
+}
+
 /// How often islands sync: every H steps, or `auto`: the first sync after
 /// [`AUTO_FIRST_SYNC`] steps measures an exchange and the inner steps,
 /// and the islands agree on the smallest H at which the syncs cost at most
 /// [`crate::engine::AUTO_SYNC_SHARE`] of the inner steps (waited for) or
 /// hide behind them (streamed).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum SyncEvery {
-    Every(usize),
-    Auto(AutoWord),
-}
+pub type SyncEvery = OrAuto;
+
+/// How many islands: a divisor of the nodes, or `auto`: the plan's
+/// choice from the links measured at join
+/// ([`zeropp_topology::cost::PlanInput::choose_islands`]).
+pub type IslandCount = OrAuto;
 
 /// The word `auto` in a config file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,42 +64,51 @@ pub enum AutoWord {
 /// The steps before an automatic H's first sync.
 pub const AUTO_FIRST_SYNC: usize = 10;
 
-impl SyncEvery {
-    pub const AUTO: SyncEvery = SyncEvery::Auto(AutoWord::Auto);
+impl OrAuto {
+    pub const AUTO: OrAuto = OrAuto::Auto(AutoWord::Auto);
 
-    /// The H the run starts with, and whether it is chosen on the way.
+    /// As a sync_every: the H the run starts with, and whether it is
+    /// chosen on the way.
     pub fn start(self) -> (usize, bool) {
         match self {
-            SyncEvery::Every(h) => (h, false),
-            SyncEvery::Auto(_) => (AUTO_FIRST_SYNC, true),
+            OrAuto::Number(h) => (h, false),
+            OrAuto::Auto(_) => (AUTO_FIRST_SYNC, true),
+        }
+    }
+
+    /// The number, unless it is the plan's to choose.
+    pub fn number(self) -> Option<usize> {
+        match self {
+            OrAuto::Number(n) => Some(n),
+            OrAuto::Auto(_) => None,
         }
     }
 }
 
-impl std::str::FromStr for SyncEvery {
+impl std::str::FromStr for OrAuto {
     type Err = String;
     fn from_str(s: &str) -> std::result::Result<Self, String> {
         if s == "auto" {
-            return Ok(SyncEvery::AUTO);
+            return Ok(OrAuto::AUTO);
         }
         s.parse()
-            .map(SyncEvery::Every)
-            .map_err(|_| format!("{s:?}: a number of steps, or auto"))
+            .map(OrAuto::Number)
+            .map_err(|_| format!("{s:?}: a number, or auto"))
     }
 }
 
-impl std::fmt::Display for SyncEvery {
+impl std::fmt::Display for OrAuto {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            SyncEvery::Every(h) => write!(f, "{h}"),
-            SyncEvery::Auto(_) => f.write_str("auto"),
+            OrAuto::Number(h) => write!(f, "{h}"),
+            OrAuto::Auto(_) => f.write_str("auto"),
         }
     }
 }
 
-impl Setting for SyncEvery {
-    type Flag = SyncEvery;
-    fn set(&mut self, flag: SyncEvery) {
+impl Setting for OrAuto {
+    type Flag = OrAuto;
+    fn set(&mut self, flag: OrAuto) {
         *self = flag;
     }
 }
@@ -212,13 +229,16 @@ section! {
     /// across them (DiLoCo's, over shards) for links too slow for any
     /// synchronous step.
     IslandsConfig / IslandsArgs {
-        /// Islands (a divisor of the nodes; 1: one synchronous job).
-        islands: usize = 1,
+        /// Islands (a divisor of the nodes; 1: one synchronous job), or
+        /// auto: the plan's choice from the links between nodes measured at
+        /// join (islands only where they step at least 1.5x faster than
+        /// the synchronous job; one island on logical nodes).
+        islands: IslandCount = OrAuto::Number(1),
         /// Inner steps between the islands' outer syncs (H), or auto: the
         /// smallest H at which the syncs cost at most 15% of the inner
         /// steps (waited for) or hide behind them (streamed), measured at
         /// the first sync (after 10 steps) and agreed by the islands.
-        sync_every: SyncEvery = SyncEvery::Every(20),
+        sync_every: SyncEvery = OrAuto::Number(20),
         /// The outer optimizer's learning rate (Nesterov SGD).
         outer_lr: f32 = 0.3,
         /// The outer optimizer's momentum.
@@ -347,20 +367,36 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The islands as the engine takes them: `None` for one island;
+    /// The islands as the engine takes them: `None` for one island (and
+    /// for `auto`, until the plan has chosen: [`TrainConfig::with_islands`]);
     /// settings that cannot run are an error that says what to set.
     pub fn island_config(&self) -> Result<Option<crate::engine::IslandConfig>> {
+        match self.islands.islands {
+            OrAuto::Number(n) => self.island_config_of(n),
+            // The outer settings checked as they would run.
+            OrAuto::Auto(_) => self.island_config_of(2).map(|_| None),
+        }
+    }
+
+    /// This config with `count` islands (the plan's choice for `auto`).
+    pub fn with_islands(&self, count: usize) -> TrainConfig {
+        let mut c = self.clone();
+        c.islands.islands = OrAuto::Number(count);
+        c
+    }
+
+    fn island_config_of(&self, count: usize) -> Result<Option<crate::engine::IslandConfig>> {
         let c = &self.islands;
-        if c.islands == 0 {
+        if count == 0 {
             bail!("islands = 0: a job is at least one island (1: no islands)");
         }
-        if c.islands == 1 {
+        if count == 1 {
             return Ok(None);
         }
         if !(c.outer_lr > 0.0 && c.outer_lr.is_finite() && (0.0..1.0).contains(&c.outer_momentum)) {
             bail!(
                 "outer_lr = {}, outer_momentum = {}: the outer learning rate must be positive \
-                 and the momentum in [0, 1) (default 0.2 and 0.7; DiLoCo's 0.7 and 0.9 suit H in the hundreds)",
+                 and the momentum in [0, 1) (default 0.3 and 0.6; DiLoCo's 0.7 and 0.9 suit H in the hundreds)",
                 c.outer_lr,
                 c.outer_momentum
             );
@@ -377,7 +413,7 @@ impl TrainConfig {
         };
         let (sync_every, auto) = c.sync_every.start();
         let islands = crate::engine::IslandConfig {
-            count: c.islands,
+            count,
             sync_every,
             auto,
             origin: 0,

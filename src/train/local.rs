@@ -26,7 +26,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
     let mut cfg = cfg.clone();
-    cfg.launch.transport = if cfg.islands.islands > 1
+    cfg.launch.transport = if cfg.islands.islands.number().is_some_and(|n| n > 1)
         && cfg.islands.restarts > 0
         && cfg.launch.transport.is_none()
         && std::env::var_os("ZEROPP_TRANSPORT").is_none()
@@ -46,7 +46,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         timeout_s,
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
-        islands: cfg.islands.islands.max(1),
+        // `auto`'s islands are chosen at join: the launcher keeps one
+        // failure domain.
+        islands: cfg.islands.islands.number().unwrap_or(1).max(1),
         restarts: cfg.islands.restarts,
         command: vec![
             exe.display().to_string(),

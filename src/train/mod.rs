@@ -2,6 +2,7 @@
 //! byte-level GPT, and sharded checkpoints. Calls the engine; nothing below
 //! it calls back up.
 
+pub mod auto_islands;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

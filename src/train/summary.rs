@@ -83,6 +83,10 @@ pub struct Summary {
     /// Islands: how the job was cut and synced; `null` for one island.
     #[serde(default)]
     pub islands: Option<IslandsSummary>,
+    /// `--islands auto`: the count the plan chose and why; `null` when the
+    /// count was given.
+    #[serde(default)]
+    pub islands_chosen: Option<crate::train::auto_islands::IslandsChosen>,
 }
 
 /// What the islands did (`--islands`).

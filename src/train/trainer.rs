@@ -37,8 +37,9 @@ pub fn run_rank(cfg: &TrainConfig) -> Result<Option<Summary>> {
 }
 
 /// One rank's training run.
-pub struct Trainer<'a> {
-    cfg: &'a TrainConfig,
+pub struct Trainer {
+    /// The run's settings (with the islands an `auto` run chose).
+    cfg: TrainConfig,
     facts: RankFacts,
     layout: Layout,
     data: Dataset,
@@ -47,6 +48,8 @@ pub struct Trainer<'a> {
     resolved: Resolved,
     /// What the job measured at join (default mode on hosts).
     measured: Option<Measured>,
+    /// `--islands auto`'s choice.
+    islands_chosen: Option<crate::train::auto_islands::IslandsChosen>,
     /// The first step to run and the step to stop after.
     start: usize,
     end: usize,
@@ -55,26 +58,36 @@ pub struct Trainer<'a> {
     validator: Validator,
 }
 
-impl<'a> Trainer<'a> {
+impl Trainer {
     /// Joins the job the environment describes: rank facts, data, the
     /// connections (publishing this node's topology facts), the routing
     /// plan and the switches it leads to, the engine, and a checkpoint's
     /// state when `resume` is set.
-    pub fn join(cfg: &'a TrainConfig) -> Result<Trainer<'a>> {
-        cfg.validate()?;
+    pub fn join(asked: &TrainConfig) -> Result<Trainer> {
+        asked.validate()?;
         let mut facts = RankFacts::from_env()?;
         let layout = rank_layout(&facts)?;
-        let islands = cfg.island_config()?;
-        if let Some(c) = islands {
-            facts.islands = c.count;
+        match asked.islands.islands.number() {
+            Some(n) => facts.islands = n.max(1),
+            None if facts.islands > 1 => bail!(
+                "the launcher cuts the job into {} islands (ZEROPP_ISLANDS / zeropp launch \
+                 --islands) and the run asks for --islands auto: give the run the launcher's \
+                 count, or launch without --islands",
+                facts.islands
+            ),
+            None => {}
         }
-        let data = Dataset::load(cfg.run.data.as_deref(), cfg.run.seed)?;
-        data.check(layout.world(), cfg.model.context)?;
+        let data = Dataset::load(asked.run.data.as_deref(), asked.run.seed)?;
+        data.check(layout.world(), asked.model.context)?;
         let Connected {
             counter,
             resolved,
             measured,
-        } = connect(cfg, &facts, layout, islands.map_or(1, |c| c.count))?;
+            islands,
+            chosen,
+        } = connect(asked, &facts, layout)?;
+        let cfg = asked.with_islands(islands);
+        let islands = cfg.island_config()?;
         let lead = facts.rank == 0;
         let transport_name = crate::comm::Transport::name(&*counter);
         let engine_cfg = EngineConfig {
@@ -158,6 +171,7 @@ impl<'a> Trainer<'a> {
             "nodes": layout.nodes,
             "ranks_per_node": layout.ranks_per_node,
             "islands": cfg.islands.islands,
+            "islands_chosen": &chosen,
             "sync_every": cfg.islands.sync_every,
             "params": engine.parameter_count(),
             "transport": transport_name,
@@ -165,7 +179,7 @@ impl<'a> Trainer<'a> {
             "steps": cfg.run.steps,
             "start_step": start,
         }});
-        let records = Records::open(cfg, lead, &header, start, end, tokens_per_step)?;
+        let records = Records::open(&cfg, lead, &header, start, end, tokens_per_step)?;
         let checkpointer = cfg
             .checkpoint
             .checkpoint_dir
@@ -186,6 +200,7 @@ impl<'a> Trainer<'a> {
             engine,
             resolved,
             measured,
+            islands_chosen: chosen,
             start,
             end,
             records,
@@ -212,7 +227,7 @@ impl<'a> Trainer<'a> {
             let job = [island[0] * islands as f32, island[1] * islands as f32];
             self.records.record(step, lr, seconds, &stats, job)?;
             if let Some(c) = self.checkpointer.as_mut() {
-                c.after_step(&mut self.engine, self.cfg, step + 1, &self.records)?;
+                c.after_step(&mut self.engine, &self.cfg, step + 1, &self.records)?;
             }
         }
         if self.end == self.cfg.run.steps {
@@ -221,19 +236,19 @@ impl<'a> Trainer<'a> {
             self.engine.outer_finish()?;
         }
         if let Some(c) = self.checkpointer.as_mut() {
-            c.at_end(&mut self.engine, self.cfg, self.end, &self.records)?;
+            c.at_end(&mut self.engine, &self.cfg, self.end, &self.records)?;
         }
         self.records.finish()?;
         let val_loss =
             self.validator
-                .loss(&mut self.engine, &self.data, self.cfg, self.facts.rank)?;
+                .loss(&mut self.engine, &self.data, &self.cfg, self.facts.rank)?;
         self.summary(val_loss)
     }
 
     /// Step `step` (0-based) on this rank's batch: its stats, learning
     /// rate and seconds.
     fn step(&mut self, step: usize) -> Result<(StepStats, f32, f64)> {
-        let cfg = self.cfg;
+        let cfg = &self.cfg;
         let (x, y) = self.data.train_batch(
             self.facts.rank,
             self.layout.world(),
@@ -258,7 +273,7 @@ impl<'a> Trainer<'a> {
     /// The end-of-run summary from every rank's totals; rank 0 prints it,
     /// draws the loss curve and writes `--summary-json`.
     fn summary(self, val_loss: f32) -> Result<Option<Summary>> {
-        let (engine, r, cfg, layout) = (&self.engine, &self.records, self.cfg, self.layout);
+        let (engine, r, cfg, layout) = (&self.engine, &self.records, &self.cfg, self.layout);
         let traffic = engine.traffic();
         let (all, msgs) = (traffic.total(), traffic.messages);
         let run = engine.sum_over_ranks(&[
@@ -372,6 +387,7 @@ impl<'a> Trainer<'a> {
             peak_rss_bytes,
             kept_bytes: engine.kept_bytes(),
             islands,
+            islands_chosen: self.islands_chosen.clone(),
         };
         if !lead {
             return Ok(None);
@@ -421,23 +437,28 @@ struct Connected {
     counter: std::sync::Arc<crate::zero::traffic::CountingTransport>,
     resolved: Resolved,
     measured: Option<Measured>,
+    /// The islands the run trains as: the asked count, or `auto`'s choice.
+    islands: usize,
+    chosen: Option<crate::train::auto_islands::IslandsChosen>,
 }
 
 /// Joins the job (each node's first rank publishing what its machine is
 /// made of), derives the routing plan from the nodes' facts, measures the
-/// links where that applies, and resolves the switches; rank 0 prints the
-/// plan and the choices.
+/// links where that applies, chooses the islands where the run asks for
+/// `auto`, and resolves the switches; rank 0 prints the plan and the
+/// choices.
 /// With islands the switches are resolved for an island's layout (each
 /// shards over its own ranks); the links are measured over the job.
-fn connect(
-    cfg: &TrainConfig,
-    facts: &RankFacts,
-    layout: Layout,
-    islands: usize,
-) -> Result<Connected> {
-    let (_, island) = layout
-        .island(islands)
-        .map_err(|e| anyhow::anyhow!("--islands: {e}"))?;
+fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Connected> {
+    let asked_islands = cfg.islands.islands.number();
+    let island_of = |n: usize| {
+        layout
+            .island(n)
+            .map(|(_, l)| l)
+            .map_err(|e| anyhow::anyhow!("--islands: {e}"))
+    };
+    // `auto` measures the whole job's links before it chooses.
+    let island = island_of(asked_islands.unwrap_or(1))?;
     let published = if facts.local_rank == 0 {
         match zeropp_topology::detect::detect(Path::new("/")) {
             Ok(t) => serde_json::json!({ "topology": t }),
@@ -464,29 +485,62 @@ fn connect(
     let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, island);
     // Islands of one node: nothing inside them crosses a node, so there is
     // no route to time (and the probe's bytes would cross the slow link).
-    let one_node_islands = islands > 1 && island.nodes == 1;
+    let one_node_islands = |n: usize, island: Layout| n > 1 && island.nodes == 1;
     // A rejoining rank cannot measure the job's links (the others train).
-    let measured = if one_node_islands || facts.rejoin {
+    let measured = if one_node_islands(asked_islands.unwrap_or(1), island) || facts.rejoin {
         None
     } else {
         measure_links(&counter, &table, layout, cfg, &timed, facts)?
     };
+    let (islands, chosen) = match asked_islands {
+        Some(n) => (n, None),
+        None => {
+            let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
+            let world = crate::comm::Group::new(
+                crate::comm::GroupKind::World,
+                (0..layout.world()).collect(),
+            )?;
+            let c = counter.pinned(crate::zero::traffic::Phase::Other, || {
+                crate::train::auto_islands::choose(
+                    cfg,
+                    &comm,
+                    &world,
+                    layout,
+                    measured.as_ref(),
+                    &timed,
+                )
+            })?;
+            (c.islands, Some(c))
+        }
+    };
+    let island = island_of(islands)?;
     let mut wanted = wanted;
     let mut inside = std::collections::BTreeMap::new();
-    if one_node_islands {
+    let one_node = one_node_islands(islands, island);
+    if one_node {
         crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
     }
-    let mut resolved =
-        crate::zero::plan::resolve(wanted, &asked, island, &routing, measured.as_ref())
-            .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    let mut resolved = crate::zero::plan::resolve(
+        wanted,
+        &asked,
+        island,
+        &routing,
+        measured.as_ref().filter(|_| !one_node),
+    )
+    .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     resolved.why.extend(inside);
     if facts.rank == 0 {
         print_plan(&routing, &resolved, measured.is_some());
+        if let Some(c) = &chosen {
+            println!("islands (auto): {}", c.why);
+        }
     }
     Ok(Connected {
         counter,
         resolved,
         measured,
+        islands,
+        chosen,
     })
 }
 

@@ -356,22 +356,11 @@ impl PlanInput {
             .next()
             .expect("configurations to compare");
         let inner = best.step_s;
-        let r = islands as f64;
-        // Per rank: its shard, (R−1)/R of it in the all-to-all and the
-        // same again in the all-gather, at 4 bits and an f32 pair per 64.
-        let shard = self.params / island.world();
-        let per_rank = 2.0 * (r - 1.0) / r * shard * (0.5 + 8.0 / 64.0);
-        let per_node = per_rank * self.ranks_per_node as f64;
-        let exchange = 2.0 * (r - 1.0) * self.alpha_s + per_node / self.nic_bps();
-        let (hf, f) = (h as f64, fragments as f64);
-        // Waited for: in the step that syncs. Streamed: each fragment's
-        // share beyond `delay` inner steps, and never less than what the
-        // islands' thread cannot fit in H steps.
-        let exposed = if delay == 0 {
-            exchange
-        } else {
-            (f * (exchange / f - delay as f64 * inner).max(0.0)).max(exchange - hf * inner)
-        };
+        let (exchange, per_node) = self.exchange(islands);
+        let (hf, exposed) = (
+            h as f64,
+            exposed_exchange(exchange, inner, h, fragments, delay),
+        );
         Ok(IslandsPrediction {
             islands,
             sync_every: h,
@@ -385,6 +374,175 @@ impl PlanInput {
             inter_node_bytes_per_step: per_node / hf,
             hiding_sync_every: hiding_sync_every(exchange, inner),
         })
+    }
+}
+
+impl PlanInput {
+    /// One outer exchange of the whole model across `islands` islands
+    /// over this input's NICs: its seconds and the bytes each node sends.
+    /// Per rank: its shard, (R−1)/R of it in the all-to-all and the same
+    /// again in the all-gather, at 4 bits and an f32 pair per 64.
+    fn exchange(&self, islands: usize) -> (f64, f64) {
+        let r = islands as f64;
+        let shard = self.params / (self.world() / r);
+        let per_rank = 2.0 * (r - 1.0) / r * shard * (0.5 + 8.0 / 64.0);
+        let per_node = per_rank * self.ranks_per_node as f64;
+        (
+            2.0 * (r - 1.0) * self.alpha_s + per_node / self.nic_bps(),
+            per_node,
+        )
+    }
+
+    /// Which islands this job should train as, from the NIC rate of each
+    /// link between consecutive nodes (`seams_gbit`, Gbit/s, nodes − 1 of
+    /// them, as the probe at join measures them) and the outer sync the run would
+    /// use (`h` steps, `fragments`, `delay`): every count of islands of
+    /// whole consecutive nodes is predicted (its island's step on the
+    /// island's own slowest seam, its exchange on the slowest seam it
+    /// cuts); islands are proposed only when they step at least
+    /// [`ISLANDS_WORTH`]× faster than the synchronous job, and then the
+    /// fewest whose step is within [`NEAR_FASTEST`] of the fastest's.
+    pub fn choose_islands(
+        &self,
+        seams_gbit: &[f64],
+        h: usize,
+        fragments: usize,
+        delay: usize,
+    ) -> Result<IslandsChoice, String> {
+        if seams_gbit.len() + 1 != self.nodes || seams_gbit.iter().any(|s| s.is_nan() || *s <= 0.0)
+        {
+            return Err(format!(
+                "{} link rates between consecutive nodes for {} nodes: give nodes − 1 positive \
+                 rates",
+                seams_gbit.len(),
+                self.nodes
+            ));
+        }
+        if h == 0 || fragments == 0 {
+            return Err(format!(
+                "islands syncing every {h} steps in {fragments} fragments: H and the fragments \
+                 are at least 1"
+            ));
+        }
+        let slowest = |seams: &mut dyn Iterator<Item = f64>| seams.fold(f64::INFINITY, f64::min);
+        let mut candidates = Vec::new();
+        for islands in (1..=self.nodes).filter(|k| self.nodes.is_multiple_of(*k)) {
+            let size = self.nodes / islands;
+            let cut = |p: &usize| (p + 1).is_multiple_of(size);
+            let inside = slowest(
+                &mut (0..seams_gbit.len())
+                    .filter(|p| !cut(p))
+                    .map(|p| seams_gbit[p]),
+            );
+            let across = slowest(&mut (0..seams_gbit.len()).filter(cut).map(|p| seams_gbit[p]));
+            let island = PlanInput {
+                nodes: size,
+                nic_gbit: if inside.is_finite() {
+                    inside
+                } else {
+                    self.nic_gbit
+                },
+                ..self.clone()
+            };
+            let inner = island.compare()[0].step_s;
+            let step = if islands == 1 {
+                inner
+            } else {
+                let over = PlanInput {
+                    nic_gbit: across,
+                    ..self.clone()
+                };
+                let (exchange, _) = over.exchange(islands);
+                inner + exposed_exchange(exchange, inner, h, fragments, delay) / h as f64
+            };
+            candidates.push(IslandsCandidate {
+                islands,
+                step_s: step,
+            });
+        }
+        let synchronous = candidates[0].step_s;
+        let fastest = candidates
+            .iter()
+            .map(|c| c.step_s)
+            .fold(f64::INFINITY, f64::min);
+        let worth = synchronous >= ISLANDS_WORTH * fastest;
+        let chosen = if worth {
+            candidates
+                .iter()
+                .find(|c| c.islands > 1 && c.step_s <= NEAR_FASTEST * fastest)
+                .expect("the fastest is among them")
+        } else {
+            &candidates[0]
+        };
+        let why = if chosen.islands == 1 {
+            format!(
+                "synchronous: the job's step is predicted {synchronous:.4} s, islands' fastest \
+                 {fastest:.4} s ({:.2}x faster, below the {ISLANDS_WORTH}x that islands' \
+                 staleness is worth)",
+                synchronous / fastest
+            )
+        } else {
+            format!(
+                "{} islands of {} node(s): predicted {:.4} s a step against the synchronous \
+                 job's {synchronous:.4} s ({:.2}x faster; the links between them are the \
+                 slowest seams)",
+                chosen.islands,
+                self.nodes / chosen.islands,
+                chosen.step_s,
+                synchronous / chosen.step_s
+            )
+        };
+        Ok(IslandsChoice {
+            islands: chosen.islands,
+            step_s: chosen.step_s,
+            synchronous_step_s: synchronous,
+            candidates,
+            why,
+        })
+    }
+}
+
+/// How much faster than the synchronous job islands must step before the
+/// plan proposes them: they train with H steps of staleness between them.
+pub const ISLANDS_WORTH: f64 = 1.5;
+/// Of the counts of islands fast enough, the fewest (the largest islands)
+/// whose step is within this factor of the fastest count's.
+pub const NEAR_FASTEST: f64 = 1.15;
+
+/// One count of islands the plan weighed, and its predicted step.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, serde::Deserialize)]
+pub struct IslandsCandidate {
+    pub islands: usize,
+    pub step_s: f64,
+}
+
+/// The islands the plan proposes, and why.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct IslandsChoice {
+    pub islands: usize,
+    pub step_s: f64,
+    pub synchronous_step_s: f64,
+    pub candidates: Vec<IslandsCandidate>,
+    pub why: String,
+}
+
+/// What an exchange of `exchange_s` every `h` inner steps of `inner_s`
+/// adds to the steps that wait for it: waited for (`delay` 0), all of it;
+/// streamed in `fragments` landing `delay` steps after they start, each
+/// fragment's share beyond those steps, and never less than what the
+/// islands' thread cannot fit in H steps.
+fn exposed_exchange(
+    exchange_s: f64,
+    inner_s: f64,
+    h: usize,
+    fragments: usize,
+    delay: usize,
+) -> f64 {
+    let (hf, f) = (h as f64, fragments as f64);
+    if delay == 0 {
+        exchange_s
+    } else {
+        (f * (exchange_s / f - delay as f64 * inner_s).max(0.0)).max(exchange_s - hf * inner_s)
     }
 }
 
@@ -570,6 +728,64 @@ mod tests {
 
     fn emulated(mbit: f64) -> PlanInput {
         PlanInput::emulated_cluster(mbit)
+    }
+
+    /// The 3.76M GPT of the islands bench on `nodes` nodes x 2 ranks.
+    fn gpt(nodes: usize) -> PlanInput {
+        PlanInput {
+            params: 3_758_592.0,
+            nodes,
+            compute_s: 0.14,
+            units: 4,
+            ..emulated(1000.0)
+        }
+    }
+
+    #[test]
+    fn islands_are_proposed_where_the_link_is_most_of_the_step_and_not_where_it_is_fast() {
+        let slow = gpt(2).choose_islands(&[0.03], 20, 1, 0).unwrap();
+        assert_eq!(slow.islands, 2, "{slow:?}");
+        assert!(
+            slow.synchronous_step_s >= ISLANDS_WORTH * slow.step_s,
+            "{slow:?}"
+        );
+        assert!(slow.why.contains("2 islands of 1 node"), "{}", slow.why);
+        let fast = gpt(2).choose_islands(&[10.0], 20, 1, 0).unwrap();
+        assert_eq!(fast.islands, 1, "{fast:?}");
+        assert!(fast.why.starts_with("synchronous"), "{}", fast.why);
+        assert_eq!(fast.candidates.len(), 2, "{fast:?}");
+    }
+
+    #[test]
+    fn islands_are_cut_at_the_slow_link_between_two_sites() {
+        // 4 nodes: two sites of two nodes joined by 30 Mbit/s.
+        let sites = gpt(4)
+            .choose_islands(&[10.0, 0.03, 10.0], 20, 1, 0)
+            .unwrap();
+        assert_eq!(sites.islands, 2, "{sites:?}");
+        let counts: Vec<usize> = sites.candidates.iter().map(|c| c.islands).collect();
+        assert_eq!(counts, [1, 2, 4]);
+        // The same slow link between the first two nodes: no cut of equal
+        // islands keeps it outside an island but one node each.
+        let first = gpt(4)
+            .choose_islands(&[0.03, 10.0, 10.0], 20, 1, 0)
+            .unwrap();
+        assert_eq!(first.islands, 4, "{first:?}");
+    }
+
+    #[test]
+    fn choosing_islands_refuses_seams_that_do_not_fit_the_nodes() {
+        for seams in [
+            &[1.0][..],
+            &[1.0, 1.0, 1.0, 1.0],
+            &[1.0, 0.0, 1.0],
+            &[1.0, f64::NAN, 1.0],
+        ] {
+            let e = gpt(4).choose_islands(seams, 20, 1, 0).unwrap_err();
+            assert!(e.contains("nodes − 1 positive rates"), "{seams:?}: {e}");
+        }
+        let e = gpt(2).choose_islands(&[1.0], 0, 1, 0).unwrap_err();
+        assert!(e.contains("at least 1"), "{e}");
     }
 
     #[test]

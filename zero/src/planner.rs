@@ -47,25 +47,53 @@ pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun
             .ok_or_else(|| format!("the summary's {k:?} is not a positive number"))
     };
     let (world, nodes, params) = (count("world_size")?, count("nodes")?, count("params")?);
-    let g = (world / nodes).round().max(1.0);
+    let g = (world / nodes).round().max(1.0) as usize;
+    let input = input_from(&measured, &switches, nodes as usize, g, params, base);
+    let config = Config {
+        name: "this run",
+        weight_bits: switches.qwz_bits.unwrap_or(16),
+        hpz: switches.hpz,
+        qgz: switches.qgz,
+        beyond: switches.qwz_delta,
+    };
+    Ok(FromRun {
+        input,
+        config,
+        measured_step_s: summary.get("median_step_time_s").and_then(|v| v.as_f64()),
+    })
+}
+
+/// The cost model's input for a job of `nodes` × `g` ranks and `params`
+/// parameters from the links and quantization speed it measured at join
+/// and the switches it runs with; `base` gives the rest (compute, units,
+/// overlap) and any figure the measurement lacks.
+pub fn input_from(
+    measured: &crate::probe::Measured,
+    switches: &crate::plan::Switches,
+    nodes: usize,
+    g: usize,
+    params: f64,
+    base: &PlanInput,
+) -> PlanInput {
+    let (gf, nf) = (g as f64, nodes as f64);
     let l = &measured.links;
     let (node, cross) = (l.node, l.cross);
     // The probe's rates are per rank while every rank of the hop sends at
     // once: a node's ranks share its NIC across.
-    let nic_gbit = cross.map_or(base.nic_gbit, |c| c.bytes_per_s * g * 8.0 / 1e9);
+    let nic_gbit = cross.map_or(base.nic_gbit, |c| nic_gbit(c, g));
     let intra_gbps = node.map_or(base.intra_gbps, |n| n.bytes_per_s / 1e9);
     let alpha_s = [
-        node.map(|n| n.latency_s / (g - 1.0).max(1.0)),
-        cross.map(|c| c.latency_s / (nodes - 1.0).max(1.0)),
+        node.map(|n| n.latency_s / (gf - 1.0).max(1.0)),
+        cross.map(|c| c.latency_s / (nf - 1.0).max(1.0)),
     ]
     .into_iter()
     .flatten()
     .fold(0.0, f64::max);
     let quant_gbps = 8.0 / (1.0 / l.quantize_per_s + 1.0 / l.dequantize_per_s) / 1e9;
-    let input = PlanInput {
+    PlanInput {
         params,
-        nodes: nodes as usize,
-        ranks_per_node: g as usize,
+        nodes,
+        ranks_per_node: g,
         intra_gbps,
         nic_gbit,
         nics_per_node: 1,
@@ -81,19 +109,13 @@ pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun
         qgz_inter_block: switches.qgz_inter_block.unwrap_or(switches.qgz_block) as f64,
         qwz_refresh: switches.qwz_refresh as f64,
         ..base.clone()
-    };
-    let config = Config {
-        name: "this run",
-        weight_bits: switches.qwz_bits.unwrap_or(16),
-        hpz: switches.hpz,
-        qgz: switches.qgz,
-        beyond: switches.qwz_delta,
-    };
-    Ok(FromRun {
-        input,
-        config,
-        measured_step_s: summary.get("median_step_time_s").and_then(|v| v.as_f64()),
-    })
+    }
+}
+
+/// A node's NIC rate, Gbit/s, from a link the probe measured per rank
+/// while the node's `g` ranks sent at once.
+pub fn nic_gbit(link: crate::probe::Link, g: usize) -> f64 {
+    link.bytes_per_s * g as f64 * 8.0 / 1e9
 }
 
 /// The quantization kernels' throughput on this CPU (zeropp-quant, one

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use zeropp_quant::{QuantizedTensor, Rounding};
 
-use zeropp_comm::{Communicator, Group};
+use zeropp_comm::{Communicator, Group, GroupKind};
 
 use super::ZeroError;
 use super::groups::ZeroGroups;
@@ -95,6 +95,81 @@ pub fn measure(
     agree(c, &groups.world, mine)
 }
 
+/// The link between each two consecutive nodes, where islands could be
+/// cut (`nodes − 1` of them, every rank gets all): the two nodes' ranks of
+/// each local rank exchanging, all local ranks at once as the outer sync
+/// runs; the seams after even nodes together, then those after odd ones,
+/// each within `budget / 2`.
+pub fn seams(
+    c: &Communicator,
+    world: &Group,
+    layout: Layout,
+    budget: Duration,
+) -> Result<Vec<Link>, ZeroError> {
+    let (n, g) = (layout.node(), layout.ranks_per_node);
+    // This node's seam before it and after it, as (rate, latency).
+    let mut mine = [-1.0f64; 4];
+    for parity in 0..2 {
+        let seam = if n % 2 == parity {
+            Some(n)
+        } else {
+            n.checked_sub(1)
+        };
+        let Some(s) = seam.filter(|s| s + 1 < layout.nodes) else {
+            continue;
+        };
+        let both = Group::new(
+            GroupKind::Seam {
+                node: s,
+                local: None,
+            },
+            (s * g..(s + 2) * g).collect(),
+        )?;
+        let l = layout.local();
+        let pair = Group::new(
+            GroupKind::Seam {
+                node: s,
+                local: Some(l),
+            },
+            vec![s * g + l, (s + 1) * g + l],
+        )?;
+        let link = hop(c, &pair, &both, budget / 2)?;
+        let at = if s == n { 2 } else { 0 };
+        mine[at] = link.bytes_per_s;
+        mine[at + 1] = link.latency_s;
+    }
+    let buf: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let all = c.all_gather_v(world, Bytes::from(buf))?;
+    let mut out = vec![
+        Link {
+            bytes_per_s: f64::INFINITY,
+            latency_s: 0.0,
+        };
+        layout.nodes.saturating_sub(1)
+    ];
+    for (rank, b) in all.iter().enumerate() {
+        if b.len() != 32 {
+            return Err(ZeroError::Invalid(format!(
+                "rank {rank}'s seam figures are {} bytes, not 32: every rank must run the same \
+                 zeropp version",
+                b.len()
+            )));
+        }
+        let v: Vec<f64> = b
+            .chunks_exact(8)
+            .map(decode_f64)
+            .collect::<Result<_, _>>()?;
+        // The seam after this rank's node, from its own figures (the same
+        // on both nodes: each size's time is the pair's slowest).
+        let node = rank / g;
+        if let Some(link) = out.get_mut(node) {
+            link.bytes_per_s = link.bytes_per_s.min(v[2]);
+            link.latency_s = link.latency_s.max(v[3]);
+        }
+    }
+    Ok(out)
+}
+
 /// One hop: the smallest exchange's time (best of three), then exchanges
 /// growing fourfold until one takes [`ENOUGH`], [`LARGEST`] is reached or
 /// the budget is spent — each size started together and agreed over
@@ -115,8 +190,12 @@ fn hop(c: &Communicator, group: &Group, sync: &Group, budget: Duration) -> Resul
     let mut last: Option<(usize, f64)> = None;
     loop {
         c.barrier(sync)?;
-        let t = slowest(c, sync, timed(c, group, size)?)?;
-        let done = t >= ENOUGH.as_secs_f64() || size >= LARGEST || start.elapsed() >= budget;
+        // Whether to go on is decided on agreed figures only (the slowest
+        // time, the longest any rank has probed): a rank deciding on its
+        // own clock would leave the others waiting in the next exchange.
+        let mine = [timed(c, group, size)?, start.elapsed().as_secs_f64()];
+        let [t, elapsed] = slowest_each(c, sync, &mine)?;
+        let done = t >= ENOUGH.as_secs_f64() || size >= LARGEST || elapsed >= budget.as_secs_f64();
         if done {
             let bytes_per_s = match last {
                 Some((s0, t0)) if t > t0 => peers * (size - s0) as f64 / (t - t0),
@@ -512,6 +591,24 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_that_starts_late_stops_probing_with_the_others() {
+        // Ranks 1-3 wait for rank 0 in the first exchange, so their own
+        // clocks pass the budget after one size while rank 0's does not:
+        // the decision to go on must be the job's, not each rank's.
+        let got = crate::testing::on_world(2, 2, Duration::from_secs(10), |r| {
+            if r.layout.rank == 0 {
+                std::thread::sleep(Duration::from_millis(400));
+            }
+            measure(&r.comm, &r.groups, r.layout, Duration::from_millis(150))
+        });
+        let got: Vec<Links> = got.into_iter().map(|l| l.unwrap()).collect();
+        for l in &got {
+            assert_eq!(l.cross, got[0].cross, "{got:?}");
+            assert_eq!(l.node, got[0].node, "{got:?}");
+        }
+    }
+
+    #[test]
     fn every_rank_agrees_on_one_set_of_figures_within_the_budget() {
         let all = probed(2, 2, Duration::from_secs(1));
         for l in &all {
@@ -540,6 +637,90 @@ mod tests {
         // 3 x 1024 values, however fast the links.
         let all = probed_up_to(2, 2, Duration::from_millis(300), Some(3000));
         assert_eq!(all[0].routes.values, 3072, "{:?}", all[0].routes);
+    }
+
+    /// An in-process rank whose sends across the seam after node
+    /// `slow.0` go at `slow.1` bytes a second (a NIC's wait, in the send).
+    struct Slowed {
+        inner: InProcess,
+        g: usize,
+        slow: (usize, f64),
+    }
+
+    impl zeropp_comm::Transport for Slowed {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn world_size(&self) -> usize {
+            self.inner.world_size()
+        }
+        fn send(
+            &self,
+            peer: usize,
+            tag: zeropp_comm::Tag,
+            data: Bytes,
+        ) -> Result<zeropp_comm::SendHandle, zeropp_comm::CommError> {
+            let (a, b) = (self.rank() / self.g, peer / self.g);
+            if a.min(b) == self.slow.0 && a.max(b) == self.slow.0 + 1 {
+                std::thread::sleep(Duration::from_secs_f64(data.len() as f64 / self.slow.1));
+            }
+            self.inner.send(peer, tag, data)
+        }
+        fn recv(
+            &self,
+            peer: usize,
+            tag: zeropp_comm::Tag,
+            timeout: Duration,
+        ) -> Result<Bytes, zeropp_comm::CommError> {
+            self.inner.recv(peer, tag, timeout)
+        }
+        fn probe(&self, peer: usize, tag: zeropp_comm::Tag) -> bool {
+            self.inner.probe(peer, tag)
+        }
+        fn name(&self) -> &'static str {
+            "slowed"
+        }
+    }
+
+    #[test]
+    fn the_seams_find_the_slow_link_between_two_sites() {
+        // 4 nodes x 2 ranks; the link between nodes 1 and 2 at 20 MB/s.
+        let (nodes, g) = (4, 2);
+        let handles: Vec<_> = InProcess::world(nodes * g)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                std::thread::spawn(move || {
+                    let l = Layout {
+                        nodes,
+                        ranks_per_node: g,
+                        rank,
+                    };
+                    let t = Slowed {
+                        inner: t,
+                        g,
+                        slow: (1, 20e6),
+                    };
+                    let c = Communicator::new(Arc::new(t), Duration::from_secs(30));
+                    let groups = ZeroGroups::new(&l, g).unwrap();
+                    seams(&c, &groups.world, l, Duration::from_millis(600)).unwrap()
+                })
+            })
+            .collect();
+        let all: Vec<Vec<Link>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        for s in &all {
+            assert_eq!(s, &all[0], "every rank has the same seams");
+        }
+        let s = &all[0];
+        assert_eq!(s.len(), 3, "{s:?}");
+        assert!(
+            s[1].bytes_per_s < 40e6 && s[1].bytes_per_s > 5e6,
+            "the slow seam measured at {} B/s: {s:?}",
+            s[1].bytes_per_s
+        );
+        for fast in [s[0], s[2]] {
+            assert!(fast.bytes_per_s > 10.0 * s[1].bytes_per_s, "{s:?}");
+        }
     }
 
     #[test]
