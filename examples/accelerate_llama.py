@@ -13,6 +13,15 @@ zeropp's communication. The loop is Accelerate's own (``accelerator.backward``,
 ``zeropp`` is ZeRO++ (or what the job's measured links choose on real
 hosts). ``--ranks-per-node G`` makes logical nodes of G ranks.
 
+Islands: ``--islands N --sync-every H`` has Accelerate shard over HSDP's
+mesh (``ParallelismConfig(dp_replicate_size=N, dp_shard_size=WORLD/N)``)
+and wraps the prepared optimizer in ``zeropp.torch.OuterSync``: each
+replica trains as an island, synced every H steps and once more at the end
+by zeropp's outer step:
+
+    torchrun --standalone --nproc-per-node 4 examples/accelerate_llama.py \
+        --zeropp zeropp --ranks-per-node 2 --islands 2 --sync-every 10
+
 Accelerate shards with FSDP only on accelerators (on CPU ranks it falls back
 to DDP); ``--cpu-fsdp`` forces its FSDP2 path on CPU ranks, as the tests do.
 On GPUs leave it off.
@@ -25,7 +34,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,6 +49,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--cpu-fsdp", action="store_true", help="force Accelerate's FSDP2 on CPU")
+    p.add_argument("--islands", type=int, default=1, help="HSDP replicas trained as islands")
+    p.add_argument("--sync-every", type=int, default=20, help="inner steps between outer syncs")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -50,10 +61,25 @@ def main():
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         reshard_after_forward=True,
     )
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=args.cpu_fsdp)
+    parallelism = None
+    if args.islands > 1:
+        world = int(os.environ["WORLD_SIZE"])
+        parallelism = ParallelismConfig(
+            dp_replicate_size=args.islands, dp_shard_size=world // args.islands
+        )
+    # Accelerate refuses a ParallelismConfig on CPU ranks: there it is given
+    # after it starts.
+    accelerator = Accelerator(
+        fsdp_plugin=plugin,
+        cpu=args.cpu_fsdp,
+        parallelism_config=None if args.cpu_fsdp else parallelism,
+    )
     if args.cpu_fsdp and accelerator.state.distributed_type != DistributedType.FSDP:
         accelerator.state.distributed_type = DistributedType.FSDP
         accelerator.state.fsdp_plugin = plugin
+    if args.cpu_fsdp and parallelism is not None:
+        accelerator.state.parallelism_config = parallelism
+        accelerator.state.device_mesh = parallelism.get_device_mesh("cpu")
     rank = accelerator.process_index
 
     torch.manual_seed(args.seed)
@@ -74,6 +100,14 @@ def main():
     if args.zeropp != "none":
         zeropp.torch.enable(model, mode=args.zeropp, ranks_per_node=args.ranks_per_node)
         traffic_log = zeropp.torch.TrafficLog()
+    outer = None
+    if args.islands > 1:
+        # Each HSDP replica an island: the optimizer wrapped in the outer
+        # sync (the mesh is the parameters' own).
+        outer = zeropp.torch.OuterSync(
+            model, optimizer, sync_every=args.sync_every, ranks_per_node=args.ranks_per_node
+        )
+        optimizer = outer
 
     corpus = torch.frombuffer(
         bytearray(zeropp.builtin_corpus(1 << 20, args.seed)), dtype=torch.uint8
@@ -95,6 +129,17 @@ def main():
             logged.update(traffic_log())
         accelerator.log(logged, step=step)
     summary = {"zeropp": args.zeropp, "losses": losses, "last_log": logged}
+    if outer is not None:
+        outer.finish()
+        mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
+        theirs = [torch.empty_like(mine) for _ in range(args.islands)]
+        dist.all_gather(theirs, mine, group=next(model.parameters()).device_mesh.get_group(0))
+        summary["islands"] = {
+            "identical": all(torch.equal(theirs[0], t) for t in theirs),
+            "outer_syncs": outer.syncs,
+            "outer": zeropp.torch.traffic()["outer"]["total"],
+            "inter_node_besides_outer": besides_outer(),
+        }
     if args.zeropp != "none":
         summary["switches"] = zeropp.torch.resolved_switches()[args.zeropp]["switches"]
     if rank == 0:
@@ -104,6 +149,16 @@ def main():
                 json.dump(summary, f)
     dist.barrier()
     accelerator.end_training()
+
+
+def besides_outer():
+    """Bytes that crossed nodes in anything but the outer syncs."""
+    t = zeropp.torch.traffic()
+    return sum(
+        v["total"]["inter_node"]
+        for k, v in t.items()
+        if k != "outer" and isinstance(v, dict) and "total" in v
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,14 @@ and phase to every log entry.
 ``zeropp`` is ZeRO++ (or what the job's measured links choose on real
 hosts). ``--ranks-per-node G`` makes logical nodes of G ranks.
 
+Islands: ``--islands N --sync-every H`` has the Trainer shard over HSDP's
+mesh (``ParallelismConfig(dp_replicate_size=N, dp_shard_size=WORLD/N)``)
+and the callback's ``outer_sync`` makes each replica an island synced
+every H steps (and once more at the end) by zeropp's outer step:
+
+    torchrun --standalone --nproc-per-node 4 examples/hf_trainer_llama.py \
+        --zeropp zeropp --ranks-per-node 2 --islands 2 --sync-every 10
+
 The Trainer shards with FSDP only on accelerators (on CPU ranks Accelerate
 falls back to DDP); ``--cpu-fsdp`` forces its FSDP2 path on CPU ranks, as
 the tests do. On GPUs leave it off.
@@ -49,7 +57,10 @@ class Corpus(torch.utils.data.Dataset):
 
 
 class CpuFsdpTrainer(Trainer):
-    """The Trainer with Accelerate's FSDP2 path forced on CPU ranks."""
+    """The Trainer with Accelerate's FSDP2 path forced on CPU ranks (and
+    HSDP's mesh, which Accelerate refuses on CPU, given after it starts)."""
+
+    parallelism = None
 
     def create_accelerator_and_postprocess(self):
         super().create_accelerator_and_postprocess()
@@ -57,6 +68,9 @@ class CpuFsdpTrainer(Trainer):
         if state.distributed_type != DistributedType.FSDP:
             state.distributed_type = DistributedType.FSDP
             state.fsdp_plugin = self._fsdp_plugin()
+        if self.parallelism is not None:
+            state.parallelism_config = self.parallelism
+            state.device_mesh = self.parallelism.get_device_mesh("cpu")
         self.is_fsdp_enabled = True
 
     def _fsdp_plugin(self):
@@ -77,6 +91,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--cpu-fsdp", action="store_true", help="force the Trainer's FSDP2 on CPU")
+    p.add_argument("--islands", type=int, default=1, help="HSDP replicas trained as islands")
+    p.add_argument("--sync-every", type=int, default=20, help="inner steps between outer syncs")
     p.add_argument("--out", default="/tmp/zeropp-hf-trainer")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
@@ -94,6 +110,15 @@ def main():
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
+    parallelism = None
+    if args.islands > 1:
+        from accelerate import ParallelismConfig
+
+        world = int(os.environ["WORLD_SIZE"])
+        parallelism = ParallelismConfig(
+            dp_replicate_size=args.islands, dp_shard_size=world // args.islands
+        )
+        CpuFsdpTrainer.parallelism = parallelism
     training = TrainingArguments(
         output_dir=args.out,
         max_steps=args.steps,
@@ -113,13 +138,20 @@ def main():
             "reshard_after_forward": True,
         },
         dataloader_drop_last=True,
+        # On CPU ranks the mesh is given after Accelerate starts (above).
+        parallelism_config=None if args.cpu_fsdp else parallelism,
     )
     # The one line: zeropp on every module the Trainer shards, and its bytes
     # in the logs.
     callbacks = []
-    if args.zeropp != "none":
+    outer = {"sync_every": args.sync_every} if args.islands > 1 else None
+    if args.zeropp != "none" or outer is not None:
         callbacks.append(
-            zeropp.torch.trainer_callback(mode=args.zeropp, ranks_per_node=args.ranks_per_node)
+            zeropp.torch.trainer_callback(
+                mode=None if args.zeropp == "none" else args.zeropp,
+                outer_sync=outer,
+                ranks_per_node=args.ranks_per_node,
+            )
         )
     cls = CpuFsdpTrainer if args.cpu_fsdp else Trainer
     trainer = cls(
@@ -137,12 +169,38 @@ def main():
     }
     if args.zeropp != "none":
         summary["switches"] = zeropp.torch.resolved_switches()[args.zeropp]["switches"]
+    if args.islands > 1:
+        summary["islands"] = island_summary(trainer.model, args.islands)
     if trainer.is_world_process_zero():
         print(f"{args.zeropp}: loss {summary['losses'][0]:.4f} -> {summary['losses'][-1]:.4f}")
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(summary, f)
     torch.distributed.barrier()
+
+
+def island_summary(model, islands):
+    """Whether every island ended with the same weights (the last outer
+    sync), and the traffic of the outer syncs."""
+    mesh = next(model.parameters()).device_mesh
+    mine = torch.cat([p.to_local().detach().reshape(-1).float() for p in model.parameters()])
+    theirs = [torch.empty_like(mine) for _ in range(islands)]
+    torch.distributed.all_gather(theirs, mine, group=mesh.get_group(0))
+    return {
+        "identical": all(torch.equal(theirs[0], t) for t in theirs),
+        "outer": zeropp.torch.traffic()["outer"]["total"],
+        "inter_node_besides_outer": besides_outer(),
+    }
+
+
+def besides_outer():
+    """Bytes that crossed nodes in anything but the outer syncs."""
+    t = zeropp.torch.traffic()
+    return sum(
+        v["total"]["inter_node"]
+        for k, v in t.items()
+        if k != "outer" and isinstance(v, dict) and "total" in v
+    )
 
 
 if __name__ == "__main__":

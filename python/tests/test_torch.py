@@ -170,7 +170,7 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
 def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
     p = torchrun(WORKERS / "islands.py", [tmp_path / "dcp"])
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 8, p.stdout
+    assert len(oks) == 10, p.stdout
 
 
 def test_the_example_trains_islands_with_outer_sync(tmp_path):
@@ -219,6 +219,32 @@ def test_accelerate_and_the_trainer_shard_then_zeropp_matches_them_and_trains(tm
     assert log["zeropp/forward_gather/inter_node_bytes"] > 0, log
     assert log["zeropp/backward_gather/inter_node_bytes"] == 0, log
     assert log["zeropp/backward_gather/intra_node_bytes"] > 0, log
+
+
+@pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])
+def test_accelerate_and_the_trainer_train_islands_on_hsdps_mesh(tmp_path, recipe):
+    # Islands as their users get them: HSDP's mesh from ParallelismConfig
+    # (2 replicas of 2 ranks, one logical node each), each replica an
+    # island through OuterSync (Accelerate: wrapping the prepared
+    # optimizer; the Trainer: the callback's outer_sync). 12 steps at H = 5
+    # sync at 5 and 10 and once more at the end; nothing else crosses.
+    out = tmp_path / f"{recipe}-islands.json"
+    args = ["--zeropp", "zeropp", "--steps", 12, "--ranks-per-node", 2, "--cpu-fsdp"]
+    torchrun(
+        ROOT / "examples" / recipe,
+        [*args, "--islands", 2, "--sync-every", 5, "--summary-json", out],
+    )
+    s = json.loads(out.read_text())
+    isl = s["islands"]
+    assert isl["identical"], isl
+    assert isl["outer"]["inter_node"] > 0 and isl["outer"]["intra_node"] == 0, isl
+    assert isl["inter_node_besides_outer"] == 0, isl
+    assert s["losses"][-1] < 0.85 * s["losses"][0], s["losses"]
+    if recipe == "accelerate_llama.py":
+        assert isl["outer_syncs"] == 3, isl
+    else:
+        # The logs carry the syncs so far (the last comes after the last log).
+        assert s["last_log"]["outer_syncs"] == 2, s["last_log"]
 
 
 def test_torchtitans_apply_fsdp_then_enable_matches_fsdp2_and_trains(tmp_path):

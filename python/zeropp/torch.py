@@ -366,7 +366,7 @@ class TrafficLog:
         return {k: v - last[k] for k, v in now.items()}
 
 
-def trainer_callback(mode=None, **enable_kwargs):
+def trainer_callback(mode=None, outer_sync=None, **enable_kwargs):
     """A Hugging Face ``TrainerCallback``: with ``mode`` ("zeropp" or
     "zero3", and any of ``enable``'s keyword arguments) it gives the model
     the Trainer sharded with FSDP2 zeropp's communication when training
@@ -377,7 +377,14 @@ def trainer_callback(mode=None, **enable_kwargs):
     with ``fsdp_config={"fsdp_version": 2, ...}``. The Trainer runs its
     reporters (TensorBoard, W&B, ...) before the callbacks you pass: for
     them to see the bytes too, put it first,
-    ``trainer.callback_handler.callbacks.insert(0, callback)``. Needs
+    ``trainer.callback_handler.callbacks.insert(0, callback)``.
+
+    Islands: with ``outer_sync`` (a dict of :class:`OuterSync`'s keyword
+    arguments, ``{}`` for its defaults) and the Trainer sharding over HSDP's
+    mesh (``TrainingArguments(parallelism_config=ParallelismConfig(
+    dp_replicate_size=ISLANDS, dp_shard_size=...))``), each replica trains
+    as an island: an outer step every ``sync_every`` optimizer steps, one
+    more at the end of training, and ``outer_syncs`` in the logs. Needs
     transformers."""
     try:
         from transformers import TrainerCallback
@@ -389,18 +396,32 @@ def trainer_callback(mode=None, **enable_kwargs):
     class ZeroppCallback(TrainerCallback):
         def __init__(self):
             self.log = TrafficLog()
+            self.outer = None
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if mode is None:
+            if mode is None and outer_sync is None:
                 return
             if model is None:
                 raise ZeroppError("the Trainer passed no model to its callbacks")
-            enable(model, mode=mode, **enable_kwargs)
+            if mode is not None:
+                enable(model, mode=mode, **enable_kwargs)
+            if outer_sync is not None:
+                self.outer = OuterSync(model, None, **outer_sync)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.outer is not None:
+                self.outer.after_step()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.outer is not None:
+                self.outer.finish()
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs is None or _job is None:
                 return
             entry = self.log()
+            if self.outer is not None:
+                entry["outer_syncs"] = self.outer.syncs
             logs.update(entry)
             # The Trainer keeps a copy of the entry in its history (and
             # trainer_state.json) before the callbacks run.
@@ -611,6 +632,9 @@ class _ServedReplicateGroup:
 
     def __init__(self, pg):
         self._zeropp_served = pg
+        # Islands (OuterSync on this mesh): each replica is an island whose
+        # gradient stays its own; the islands meet only in outer syncs.
+        self._zeropp_islands = False
 
     def __getattr__(self, name):
         return getattr(self._zeropp_served, name)
@@ -624,6 +648,19 @@ class _ServedReplicateGroup:
     def allreduce(self, tensors, opts=None):
         pending, _next_all_reduce[0] = _next_all_reduce[0], None
         tensor = tensors[0]
+        if self._zeropp_islands:
+            # The island's own gradient: its mean (AVG), or with a sum the
+            # island's share scaled as the whole job's sum would be (FSDP2
+            # divides by every rank of the mesh).
+            op = dist.ReduceOp.SUM if opts is None else opts.reduceOp
+            if op == dist.ReduceOp.SUM:
+                tensor.mul_(self.size())
+            elif op != dist.ReduceOp.AVG:
+                raise ZeroppError(
+                    f"FSDP2 asked for a {op} all-reduce across the islands: OuterSync keeps "
+                    "each island's gradient for AVG and SUM reductions only"
+                )
+            return _Done()
         if pending is None or pending[0] is not tensor:
             raise ZeroppError(
                 "an all-reduce across HSDP's replicate dimension that no zeropp reduce-scatter "
@@ -639,10 +676,12 @@ class _ServedReplicateGroup:
 
 
 def _serve_replicate(mesh_info):
-    """zeropp runs the all-reduce of HSDP's ``mesh_info`` (once per mesh)."""
+    """zeropp runs the all-reduce of HSDP's ``mesh_info`` (once per mesh);
+    the group that serves it."""
     pg = mesh_info.replicate_process_group
     if not isinstance(pg, _ServedReplicateGroup):
-        mesh_info.replicate_process_group = _ServedReplicateGroup(pg)
+        pg = mesh_info.replicate_process_group = _ServedReplicateGroup(pg)
+    return pg
 
 
 class ZeroppReduceScatter(ReduceScatter):
@@ -1032,15 +1071,24 @@ class OuterSync:
         opt = zeropp.torch.OuterSync(model, torch.optim.AdamW(model.parameters()), mesh)
         ...; loss.backward(); opt.step(); opt.zero_grad()
 
+    Or shard it as HSDP does, over the whole 2-D mesh (what Accelerate's
+    ``ParallelismConfig(dp_replicate_size=islands, dp_shard_size=...)``
+    and the Trainer build): then ``mesh`` may be left out (the parameters'
+    own), and OuterSync turns HSDP's per-step all-reduce across the
+    replicas off — each replica is an island — whether FSDP2 or zeropp
+    (``enable``) runs the collectives. Build it before the first backward.
+
     Parameters must be float32 on the CPU (FSDP2 keeps its sharded
     parameters in their own dtype; compute dtypes come from its
-    ``mp_policy``). ``step()`` returns whether an outer step ran."""
+    ``mp_policy``). ``step()`` returns whether an outer step ran;
+    ``optimizer`` may be None where the caller steps its optimizer itself
+    and calls :meth:`after_step` (the Trainer callback does)."""
 
     def __init__(
         self,
         model,
         optimizer,
-        mesh,
+        mesh=None,
         *,
         sync_every=20,
         lr=0.3,
@@ -1050,6 +1098,8 @@ class OuterSync:
         transport=None,
         ranks_per_node=None,
     ):
+        if mesh is None:
+            mesh = _params_mesh(model)
         if mesh.ndim != 2:
             raise ZeroppError(
                 f"a {mesh.ndim}-D mesh: OuterSync takes the (islands, ranks) mesh whose second "
@@ -1058,12 +1108,14 @@ class OuterSync:
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ZeroppError(f"sync_every={sync_every!r}: outer steps every 1 or more steps")
         self.optimizer, self.sync_every, self.steps = optimizer, sync_every, 0
+        self.syncs = 0
         self.job = job(transport=transport, ranks_per_node=ranks_per_node)
         self.ranks = _group_ranks(mesh.get_group(0))
         # This rank's island: the key of what differs between islands (the
         # model between syncs, the inner optimizer's state) in a checkpoint.
         self.island = mesh.get_local_rank(0)
         _add_mesh_dim(self.job, self.ranks)
+        self.replicas_apart = _islands_on_hsdp(model)
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -1090,10 +1142,19 @@ class OuterSync:
     def step(self, closure=None):
         """The optimizer's step, then every ``sync_every`` steps the outer
         step across the islands; whether an outer step ran."""
+        if self.optimizer is None:
+            raise ZeroppError(
+                "OuterSync(model, None, ...) wraps no optimizer: step yours, then call after_step()"
+            )
         if closure is None:
             self.optimizer.step()
         else:
             self.optimizer.step(closure)
+        return self.after_step()
+
+    def after_step(self):
+        """Counts an inner step the caller's optimizer took; every
+        ``sync_every`` of them, the outer step. Whether it ran."""
         self.steps += 1
         if self.steps % self.sync_every:
             return False
@@ -1110,6 +1171,16 @@ class OuterSync:
         ]
         for op in ops:
             op.wait()
+        self.syncs += 1
+
+    def finish(self):
+        """The last outer step where steps ran since the previous one (call
+        it on every rank at the end of training): every island then holds
+        the one model. Whether it ran."""
+        if self.steps % self.sync_every == 0:
+            return False
+        self.sync()
+        return True
 
     def state_bytes(self):
         """Bytes of outer state this rank holds (anchors, momenta, error
@@ -1168,6 +1239,36 @@ class OuterSync:
             m = _local(momenta[name]).detach().to("cpu", torch.float32).contiguous()
             state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
         self.steps = int(steps)
+
+
+def _params_mesh(model):
+    """The 2-D mesh ``model``'s parameters are sharded on (HSDP's), for
+    OuterSync called without one."""
+    meshes = {
+        id(p.device_mesh): p.device_mesh for p in model.parameters() if hasattr(p, "to_local")
+    }
+    if len(meshes) != 1:
+        raise ZeroppError(
+            f"the model's parameters are on {len(meshes)} device meshes: pass OuterSync the "
+            "(islands, ranks) mesh (mesh=...)"
+        )
+    return next(iter(meshes.values()))
+
+
+def _islands_on_hsdp(model):
+    """Every FSDP2 parameter group of ``model`` sharded on an HSDP mesh
+    keeps its replica's gradient (no all-reduce across the islands); how
+    many groups that is."""
+    n = 0
+    for m in model.modules():
+        if not hasattr(m, "_get_fsdp_state"):
+            continue
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if getattr(group.mesh_info, "replicate_process_group", None) is None:
+                continue
+            _serve_replicate(group.mesh_info)._zeropp_islands = True
+            n += 1
+    return n
 
 
 def _like_param(local, p):

@@ -100,6 +100,27 @@ def main():
         worst <= 1e-5 and all(ran),
         f"(largest relative loss difference {worst:.3g})",
     )
+    # HSDP's mesh, as Accelerate's ParallelismConfig and the Trainer shard
+    # islands: FSDP2 (or zeropp) over the whole (islands, ranks) mesh, and
+    # OuterSync (its mesh the parameters' own) turns the all-reduce across
+    # the replicas off: each replica trains as an island, the reference's
+    # losses.
+    for inside in ("FSDP2", "zeropp zero3"):
+        h = model()
+        for m in (h[0], h[2], h):
+            if inside == "FSDP2":
+                fully_shard(m, mesh=mesh)
+            else:
+                zt.fully_shard(m, mode="zero3", mesh=mesh)
+        hopt = torch.optim.AdamW(h.parameters(), lr=1e-2)
+        hsync = zt.OuterSync(h, hopt, sync_every=H, lr=0.7, momentum=0.9, bits=None)
+        hlosses = train(h, hsync, island, lambda: None)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(hlosses, expected, strict=True))
+        check(
+            f"HSDP's mesh, {inside} inside: each replica an island, the reference within 1e-5",
+            worst <= 1e-5 and hsync.replicas_apart == 2 and hsync.syncs == ROUNDS,
+            f"(largest relative loss difference {worst:.3g}, {hsync.replicas_apart} groups)",
+        )
     weights = torch.cat([local(p).reshape(-1) for p in ours.parameters()])
     ref_weights = torch.cat([local(p).reshape(-1) for p in ref.parameters()])
     check(
