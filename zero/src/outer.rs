@@ -204,6 +204,30 @@ pub fn apply(
     Ok(())
 }
 
+/// Where the outer step on this island's own `delta` alone would put the
+/// anchor (Nesterov SGD from the state's momentum; nothing is updated):
+/// the point a streamed exchange's island trains on from while the
+/// averaged delta travels (an eager update), so that at landing
+/// ([`apply`] with `then` this point) it moves only by the difference the
+/// other islands make.
+pub fn eager(s: OuterSettings, state: &OuterState, delta: &[f32]) -> Vec<f32> {
+    state
+        .anchor
+        .iter()
+        .zip(&state.momentum)
+        .zip(delta)
+        .map(|((a, m), g)| {
+            let buf = s.momentum * m + g;
+            let update = if s.nesterov {
+                g + s.momentum * buf
+            } else {
+                buf
+            };
+            a - s.lr * update
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use zeropp_quant::{QuantFormat, Rounding};
@@ -304,6 +328,42 @@ mod tests {
         assert!(
             late < 2.0 * early,
             "off by {early:.4} after 2 steps, {late:.4} after 8"
+        );
+    }
+
+    #[test]
+    fn an_eager_step_is_where_the_island_s_own_outer_step_lands_and_landing_adds_the_others() {
+        let s = OuterSettings::default();
+        let n = 300;
+        let mut state = OuterState::new(&gradient(100, n));
+        state.momentum = gradient(7, n);
+        let w: Vec<f32> = drifted(&state.anchor, 0, 0);
+        let own = local_delta(&state, &w).unwrap();
+        let eager = super::eager(s, &state, &own);
+        // The island's own outer step, blocking (weights then = now).
+        let (mut alone, mut blocked) = (state.clone(), w.clone());
+        apply(s, &mut alone, &w, &own, &mut blocked).unwrap();
+        assert_eq!(
+            eager, blocked,
+            "the eager point is the island's own outer step"
+        );
+        // Streamed: the island trains on from the eager point; the average
+        // lands with its own delta in it: the new anchor plus the progress.
+        let progress = gradient(11, n);
+        let mut now: Vec<f32> = eager.iter().zip(&progress).map(|(e, p)| e - p).collect();
+        let averaged: Vec<f32> = own
+            .iter()
+            .zip(gradient(13, n))
+            .map(|(a, b)| (a + b) / 2.0)
+            .collect();
+        let mut landed = state.clone();
+        apply(s, &mut landed, &eager, &averaged, &mut now).unwrap();
+        for ((w, a), p) in now.iter().zip(&landed.anchor).zip(&progress) {
+            assert!((w - (a - p)).abs() <= 1e-5, "{w} against {a} - {p}");
+        }
+        assert!(
+            landed.anchor != alone.anchor,
+            "the others' deltas moved the anchor"
         );
     }
 
