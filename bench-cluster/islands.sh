@@ -16,6 +16,7 @@
 # GPT with the same H values:
 #   torch-sync     torch_gpt.py, zeropp.torch on the whole job
 #   torch-H        torch_gpt.py --islands N (zeropp.torch.OuterSync)
+#   torch-SH       the same streamed (--stream "F D", row `torch-streamed`)
 #   torchft-H      bench-cluster/torchft_diloco.py: torchft's DiLoCo, FSDP2 in
 #                  each island over gloo, a lighthouse on node 0
 #   kill           the first H of --syncs over TCP with `zeropp launch
@@ -35,7 +36,7 @@
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
 # Rows (--rows): any of sync alone apart islands streamed torch-sync
-# torch-islands torchft kill.
+# torch-islands torch-streamed torchft kill.
 # Arguments after `--` go to every run (zeropp train, torch_gpt.py and
 # torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
 # --outer-momentum 0.7" to every islands run (every one takes these).
@@ -210,6 +211,14 @@ for rate in $RATES; do
           # shellcheck disable=SC2086
           run torch "torch-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
         done ;;
+      torch-streamed)
+        read -r frags delay <<< "$STREAM"
+        for h in $SYNCS; do
+          build_cluster "$rate"
+          # shellcheck disable=SC2086
+          run torch "torch-S$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" \
+            --outer-fragments "$frags" --outer-delay "$delay" $OUTER
+        done ;;
       torchft)
         for h in $SYNCS; do
           build_cluster "$rate"
@@ -242,7 +251,7 @@ print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2
       f"{s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
 PY
         tail -n 1 "$OUT/kill.txt" ;;
-      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torchft, kill" ;;
+      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torch-streamed, torchft, kill" ;;
     esac
   done
 done

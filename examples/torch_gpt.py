@@ -125,6 +125,8 @@ def parse_args(argv=None):
         "ranks, and zeropp.torch.OuterSync syncs them every --sync-every steps",
     )
     p.add_argument("--sync-every", type=int, default=20)
+    p.add_argument("--outer-fragments", type=int, default=1, help="streamed: fragments")
+    p.add_argument("--outer-delay", type=int, default=0, help="streamed: steps an exchange runs")
     p.add_argument("--outer-lr", type=float, default=0.3)
     p.add_argument("--outer-momentum", type=float, default=0.6)
     p.add_argument(
@@ -359,6 +361,8 @@ def main(argv=None):
             lr=args.outer_lr,
             momentum=args.outer_momentum,
             bits=None if args.outer_bits == 32 else 4,
+            fragments=args.outer_fragments,
+            delay=args.outer_delay,
             transport=args.transport,
             ranks_per_node=args.ranks_per_node,
         )
@@ -443,9 +447,9 @@ def main(argv=None):
             )
     # The training steps' wall time (an outer step on the way included).
     loop_s = time.perf_counter() - loop_start
-    if outer is not None and args.steps % args.sync_every:
-        # The last outer step, so that every island holds one model.
-        outer.sync()
+    if outer is not None:
+        # The last outer step where needed, so every island holds one model.
+        outer.finish()
     val = []
     with torch.no_grad():
         for i in range(4):

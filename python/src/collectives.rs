@@ -38,6 +38,9 @@ pub struct Job {
     /// The job's communicator, used on `thread` alone.
     comm: Arc<Communicator>,
     thread: CommThread,
+    /// The islands' streamed outer exchanges, started when first needed:
+    /// they run while the island's own collectives go on `thread`.
+    outer: std::sync::OnceLock<CommThread>,
     counter: Arc<CountingTransport>,
     layout: Layout,
     groups: ZeroGroups,
@@ -182,6 +185,7 @@ impl Job {
         };
         Ok(Job {
             thread: CommThread::new(comm.clone()),
+            outer: std::sync::OnceLock::new(),
             comm,
             counter,
             layout,
@@ -550,10 +554,32 @@ impl Job {
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
+        self.submit_on(&self.thread, groups, f)
+    }
+
+    /// As [`Job::submit`], on the thread of the islands' streamed outer
+    /// exchanges.
+    pub(crate) fn submit_outer(
+        &self,
+        groups: ZeroGroups,
+        f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> Op {
+        let thread = self
+            .outer
+            .get_or_init(|| CommThread::new(self.comm.clone()));
+        self.submit_on(thread, groups, f)
+    }
+
+    fn submit_on(
+        &self,
+        thread: &CommThread,
+        groups: ZeroGroups,
+        f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> Op {
         let counter = self.counter.clone();
         Op::new(
             self.layout.rank,
-            self.thread.submit(move |c: &Communicator| {
+            thread.submit(move |c: &Communicator| {
                 f(&HostMover {
                     comm: c,
                     counter: &counter,

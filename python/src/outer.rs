@@ -13,7 +13,7 @@ use zeropp_zero::{Hop, ZeroError};
 
 use crate::buffers::HostBuf;
 use crate::collectives::{Job, Op};
-use crate::invalid;
+use crate::{invalid, to_py};
 
 /// The outer state of one parameter shard.
 #[pyclass(frozen)]
@@ -84,21 +84,37 @@ impl OuterState {
     /// checkpoint keeps.
     fn save_into(&self, anchor: &Bound<'_, PyAny>, momentum: &Bound<'_, PyAny>) -> PyResult<()> {
         let state = self.lock()?;
-        for (buf, what, from) in [
-            (anchor, "anchor", &state.anchor),
-            (momentum, "momentum", &state.momentum),
-        ] {
-            let buf = HostBuf::new(buf, true, what)?;
-            let to = buf.typed_mut::<f32>(what).map_err(invalid)?;
-            if to.len() != from.len() {
-                return Err(invalid(format!(
-                    "a {what} buffer of {} values for a shard of {}",
-                    to.len(),
-                    from.len()
-                )));
-            }
-            to.copy_from_slice(from);
-        }
+        copy_out(anchor, "anchor", &state.anchor)?;
+        copy_out(momentum, "momentum", &state.momentum)
+    }
+
+    /// Copies a finished exchange waiting to land (streaming) into `then`
+    /// and `averaged` (float32 host buffers of the shard's length): what a
+    /// checkpoint keeps of it. Whether there was one.
+    fn save_flight_into(
+        &self,
+        then: &Bound<'_, PyAny>,
+        averaged: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let state = self.lock()?;
+        let Some(flight) = &state.flight else {
+            return Ok(false);
+        };
+        copy_out(then, "then", &flight.then)?;
+        copy_out(averaged, "averaged", &flight.averaged)?;
+        Ok(true)
+    }
+
+    /// Restores a checkpoint's exchange waiting to land (what
+    /// `save_flight_into` copied), to be landed at its step.
+    fn load_flight(&self, then: &Bound<'_, PyAny>, averaged: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut state = self.lock()?;
+        let len = state.anchor.len();
+        state.flight = Some(outer::Flight {
+            due: 0,
+            then: read_in(then, "then", len)?,
+            averaged: read_in(averaged, "averaged", len)?,
+        });
         Ok(())
     }
 
@@ -108,19 +124,10 @@ impl OuterState {
     fn load(&self, anchor: &Bound<'_, PyAny>, momentum: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut state = self.lock()?;
         let len = state.anchor.len();
-        let read = |buf: &Bound<'_, PyAny>, what: &str| -> PyResult<Vec<f32>> {
-            let buf = HostBuf::new(buf, false, what)?;
-            let v = buf.typed::<f32>(what).map_err(invalid)?;
-            if v.len() != len {
-                return Err(invalid(format!(
-                    "a saved {what} of {} values for a shard of {len}: the checkpoint was cut \
-                     for another layout",
-                    v.len()
-                )));
-            }
-            Ok(v.to_vec())
-        };
-        let (a, m) = (read(anchor, "anchor")?, read(momentum, "momentum")?);
+        let (a, m) = (
+            read_in(anchor, "anchor", len)?,
+            read_in(momentum, "momentum", len)?,
+        );
         *state = outer::OuterState {
             anchor: a,
             momentum: m,
@@ -149,6 +156,68 @@ impl OuterState {
             outer::outer_step(mover, Hop::World, settings, quantized, &mut state, w)
         }))
     }
+
+    /// Streaming: starts the outer step of `weights` (as [`step`]) and
+    /// returns at once. The island trains on from the outer step on its
+    /// own delta, written into `weights` now (the eager update), while
+    /// the exchange runs on the job's communication thread; wait on the
+    /// [`Op`], then [`land`] it at the step it is due. One exchange of a
+    /// shard at a time.
+    ///
+    /// [`step`]: OuterState::step
+    /// [`land`]: OuterState::land
+    fn start(&self, job: &Job, weights: &Bound<'_, PyAny>, ranks: Vec<usize>) -> PyResult<Op> {
+        let (_, groups) = job.dim_groups(&ranks)?;
+        let buf = HostBuf::new(weights, true, "weights")?;
+        let (delta, eager) = {
+            let state = self.lock()?;
+            if state.flight.is_some() {
+                return Err(invalid(
+                    "an outer exchange of this shard has not landed yet: land it before the next \
+                     one starts",
+                ));
+            }
+            let w = buf.typed::<f32>("weights (float32)").map_err(invalid)?;
+            let delta = outer::local_delta(&state, w).map_err(to_py)?;
+            let eager = outer::eager(self.settings, &state, &delta);
+            (delta, eager)
+        };
+        buf.typed_mut::<f32>("weights")
+            .map_err(invalid)?
+            .copy_from_slice(&eager);
+        let (quantized, state) = (self.quantized, self.state.clone());
+        Ok(job.submit_outer(groups, move |mover| {
+            let mut state = state
+                .lock()
+                .map_err(|_| ZeroError::Poisoned("outer state"))?;
+            let mut averaged = delta;
+            let st = &mut *state;
+            let residuals = (&mut st.sent, &mut st.owned);
+            outer::exchange(mover, Hop::World, quantized, residuals, &mut averaged)?;
+            state.flight = Some(outer::Flight {
+                due: 0,
+                then: eager,
+                averaged,
+            });
+            Ok(())
+        }))
+    }
+
+    /// Applies the exchange [`start`](OuterState::start) began (after its
+    /// [`Op`] was waited on): the anchor moves by the averaged delta and
+    /// `weights` become the new anchor plus what the island trained since
+    /// the eager update. Whether there was one to land.
+    fn land(&self, weights: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let mut state = self.lock()?;
+        let Some(flight) = state.flight.take() else {
+            return Ok(false);
+        };
+        let buf = HostBuf::new(weights, true, "weights")?;
+        let w = buf.typed_mut::<f32>("weights (float32)").map_err(invalid)?;
+        outer::apply(self.settings, &mut state, &flight.then, &flight.averaged, w)
+            .map_err(to_py)?;
+        Ok(true)
+    }
 }
 
 impl OuterState {
@@ -157,6 +226,37 @@ impl OuterState {
             .lock()
             .map_err(|_| invalid("the outer state is poisoned (an outer step panicked)"))
     }
+}
+
+/// Copies `from` (a shard's `what`) into the float32 host buffer `buf` of
+/// the same length.
+fn copy_out(buf: &Bound<'_, PyAny>, what: &str, from: &[f32]) -> PyResult<()> {
+    let buf = HostBuf::new(buf, true, what)?;
+    let to = buf.typed_mut::<f32>(what).map_err(invalid)?;
+    if to.len() != from.len() {
+        return Err(invalid(format!(
+            "a {what} buffer of {} values for a shard of {}",
+            to.len(),
+            from.len()
+        )));
+    }
+    to.copy_from_slice(from);
+    Ok(())
+}
+
+/// A shard's `what` from a checkpoint's float32 host buffer `buf`, which
+/// must hold `len` values.
+fn read_in(buf: &Bound<'_, PyAny>, what: &str, len: usize) -> PyResult<Vec<f32>> {
+    let buf = HostBuf::new(buf, false, what)?;
+    let v = buf.typed::<f32>(what).map_err(invalid)?;
+    if v.len() != len {
+        return Err(invalid(format!(
+            "a saved {what} of {} values for a shard of {len}: the checkpoint was cut for \
+             another layout",
+            v.len()
+        )));
+    }
+    Ok(v.to_vec())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1082,7 +1082,14 @@ class OuterSync:
     parameters in their own dtype; compute dtypes come from its
     ``mp_policy``). ``step()`` returns whether an outer step ran;
     ``optimizer`` may be None where the caller steps its optimizer itself
-    and calls :meth:`after_step` (the Trainer callback does)."""
+    and calls :meth:`after_step` (the Trainer callback does).
+
+    Streaming: ``fragments=F`` splits the parameters into F runs of about
+    equal size whose exchanges start staggered across the H steps, and
+    ``delay=D`` (below ``sync_every``) lets each run on a thread of its own
+    for D steps while the island trains on from the outer step on its own
+    delta (the eager update), landing with what the other islands change.
+    Call :meth:`finish` on every rank at the end."""
 
     def __init__(
         self,
@@ -1095,6 +1102,8 @@ class OuterSync:
         momentum=0.6,
         bits=4,
         block=64,
+        fragments=1,
+        delay=0,
         transport=None,
         ranks_per_node=None,
     ):
@@ -1107,8 +1116,18 @@ class OuterSync:
             )
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ZeroppError(f"sync_every={sync_every!r}: outer steps every 1 or more steps")
+        if not (isinstance(delay, int) and 0 <= delay < sync_every):
+            raise ZeroppError(
+                f"delay={delay!r}: a streamed exchange lands 0 to sync_every - 1 steps after it "
+                "starts (before its fragment's next one)"
+            )
         self.optimizer, self.sync_every, self.steps = optimizer, sync_every, 0
+        self.delay = delay
+        # Exchanges started (of a fragment each when streamed).
         self.syncs = 0
+        # Streamed exchanges under way: fragment -> (the step it lands
+        # after, its ops; none once restored from a checkpoint).
+        self._pending = {}
         self.job = job(transport=transport, ranks_per_node=ranks_per_node)
         self.ranks = _group_ranks(mesh.get_group(0))
         # This rank's island: the key of what differs between islands (the
@@ -1135,6 +1154,12 @@ class OuterSync:
                 block=block,
             )
             self.states.append(state)
+        if not (isinstance(fragments, int) and 1 <= fragments <= len(self.params)):
+            raise ZeroppError(
+                f"fragments={fragments!r}: the model's {len(self.params)} parameters are split "
+                "into 1 to that many fragments"
+            )
+        self.fragments = _runs([p.numel() for p in self.params], fragments)
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1153,31 +1178,62 @@ class OuterSync:
         return self.after_step()
 
     def after_step(self):
-        """Counts an inner step the caller's optimizer took; every
-        ``sync_every`` of them, the outer step. Whether it ran."""
+        """Counts an inner step the caller's optimizer took: the streamed
+        exchanges due land, then every fragment whose turn it is (fragment
+        f at the steps that are f·H/F mod H) starts its exchange — waited
+        for with ``delay=0``, else landing ``delay`` steps later while the
+        island trains on from the outer step on its own delta. Whether an
+        exchange started."""
         self.steps += 1
-        if self.steps % self.sync_every:
-            return False
-        self.sync()
-        return True
+        for f, (due, _) in list(self._pending.items()):
+            if due == self.steps:
+                self._land(f)
+        h, n = self.sync_every, len(self.fragments)
+        turns = [f for f in range(n) if self.steps % h == (f * h // n) % h]
+        for f in turns:
+            self._start(f, self.delay)
+        return bool(turns)
 
-    def sync(self):
-        """The outer step now, whatever the step count (every island calls
-        it at the same point): at the end of a run whose steps are not a
-        multiple of ``sync_every``, so that every island holds one model."""
-        ops = [
-            s.step(self.job, host_bytes(_local(p), "parameter"), self.ranks)
-            for s, p in zip(self.states, self.params, strict=True)
-        ]
-        for op in ops:
-            op.wait()
+    def _start(self, f, delay):
+        idx = self.fragments[f]
+        bufs = [host_bytes(_local(self.params[i]), "parameter") for i in idx]
+        if delay == 0:
+            ops = [
+                self.states[i].step(self.job, b, self.ranks) for i, b in zip(idx, bufs, strict=True)
+            ]
+            for op in ops:
+                op.wait()
+        else:
+            ops = [
+                self.states[i].start(self.job, b, self.ranks)
+                for i, b in zip(idx, bufs, strict=True)
+            ]
+            self._pending[f] = (self.steps + delay, ops)
         self.syncs += 1
 
+    def _land(self, f):
+        _, ops = self._pending.pop(f)
+        for op in ops:
+            op.wait()
+        for i in self.fragments[f]:
+            self.states[i].land(host_bytes(_local(self.params[i]), "parameter"))
+
+    def sync(self):
+        """The outer step of the whole model now, waited for, whatever the
+        step count (every island calls it at the same point), after the
+        streamed exchanges under way land: at the end of a run, so that
+        every island holds one model."""
+        for f in list(self._pending):
+            self._land(f)
+        for f in range(len(self.fragments)):
+            self._start(f, 0)
+
     def finish(self):
-        """The last outer step where steps ran since the previous one (call
-        it on every rank at the end of training): every island then holds
-        the one model. Whether it ran."""
-        if self.steps % self.sync_every == 0:
+        """The last outer step where the model is not synced yet (call it
+        on every rank at the end of training): every island then holds the
+        one model. Whether it ran."""
+        whole = len(self.fragments) == 1 and not self._pending
+        if self.steps == 0 or (whole and self.steps % self.sync_every == 0):
             return False
         self.sync()
         return True
@@ -1207,13 +1263,32 @@ class OuterSync:
                            optim_state_dict=state[mine]["optim"])
             opt.load_state_dict(state["outer"])
 
-        The exchange's error feedback is not saved: it starts over."""
+        The exchange's error feedback is not saved: it starts over. Streamed
+        (``delay`` above 0), the exchanges under way are waited for and
+        saved with the step each lands after (``averaged`` per parameter,
+        and ``then``, where each island's exchange started, under the
+        island's key; zeros where none is under way), and a resume lands
+        them there."""
         anchors, momenta = {}, {}
         for name, p, state in zip(self.names, self.params, self.states, strict=True):
             a, m = torch.empty_like(_local(p)), torch.empty_like(_local(p))
             state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
             anchors[name], momenta[name] = _like_param(a, p), _like_param(m, p)
-        return {"steps": self.steps, "anchors": anchors, "momenta": momenta}
+        out = {"steps": self.steps, "anchors": anchors, "momenta": momenta}
+        if self.delay:
+            for _, ops in self._pending.values():
+                for op in ops:
+                    op.wait()
+            then, averaged = {}, {}
+            for name, p, state in zip(self.names, self.params, self.states, strict=True):
+                t, v = torch.zeros_like(_local(p)), torch.zeros_like(_local(p))
+                state.save_flight_into(host_bytes(t, "then"), host_bytes(v, "averaged"))
+                then[name], averaged[name] = _like_param(t, p), _like_param(v, p)
+            due = [self._pending.get(f, (-1, None))[0] for f in range(len(self.fragments))]
+            # Where each island's exchange started differs by island (its
+            # own eager step): under the island's key, as its model.
+            out.update(then={f"island{self.island}": then}, averaged=averaged, due=due)
+        return out
 
     def load_state_dict(self, state_dict):
         """Restores what :meth:`state_dict` gave (after a
@@ -1235,10 +1310,54 @@ class OuterSync:
                 "another model"
             )
         for name, state in zip(self.names, self.states, strict=True):
-            a = _local(anchors[name]).detach().to("cpu", torch.float32).contiguous()
-            m = _local(momenta[name]).detach().to("cpu", torch.float32).contiguous()
-            state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+            state.load(
+                host_bytes(_plain(anchors[name]), "anchor"),
+                host_bytes(_plain(momenta[name]), "momentum"),
+            )
         self.steps = int(steps)
+        self._pending = {}
+        if not self.delay:
+            return
+        try:
+            then, averaged, due = (
+                state_dict["then"][f"island{self.island}"],
+                state_dict["averaged"],
+                state_dict["due"],
+            )
+        except KeyError as e:
+            raise ZeroppError(
+                f"the outer state has no streamed exchanges ({e} missing): it was saved with "
+                "delay=0; load it into an OuterSync with delay=0"
+            ) from None
+        for f, d in enumerate(due):
+            if int(d) < 0:
+                continue
+            for i in self.fragments[f]:
+                name = self.names[i]
+                self.states[i].load_flight(
+                    host_bytes(_plain(then[name]), "then"),
+                    host_bytes(_plain(averaged[name]), "averaged"),
+                )
+            self._pending[f] = (int(d), [])
+
+
+def _plain(t):
+    """A checkpoint's tensor (or DTensor) as this rank's float32 CPU shard."""
+    return _local(t).detach().to("cpu", torch.float32).contiguous()
+
+
+def _runs(sizes, n):
+    """``n`` runs of consecutive indices of ``sizes``, each about 1/n of
+    their sum, none empty."""
+    total, runs, acc, f = sum(sizes), [[] for _ in range(n)], 0, 0
+    for i, size in enumerate(sizes):
+        # One run at a time, and enough indices left for the runs after.
+        if runs[f] and min(n - 1, acc * n // max(total, 1)) > f:
+            f += 1
+        f = max(f, n - (len(sizes) - i))
+        runs[f].append(i)
+        acc += size
+    return runs
 
 
 def _params_mesh(model):

@@ -62,6 +62,77 @@ def train(net, opt, island, outer):
     return losses
 
 
+def step(net, opt, x, y):
+    loss = (net(x) - y).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+class EagerStreamed:
+    """The streamed outer step written in torch (f32, 2 islands): fragment
+    f of 2 starts at the steps that are f·H/2 mod H: the island's delta from
+    the anchor, its weights set to the outer step on that delta alone
+    (Nesterov, lr 0.7, momentum 0.9: the eager update), the delta averaged
+    over the islands; a step later the outer step on the average moves the
+    anchor and the weights become it plus what the island trained since
+    the eager update."""
+
+    LR, MU = 0.7, 0.9
+
+    def __init__(self, net, inner, islands):
+        self.inner, self.islands, self.steps = inner, islands, 0
+        self.params = list(net.parameters())
+        self.frags = [[0, 1], [2, 3]]
+        self.anchors = [local(p).clone() for p in self.params]
+        self.momenta = [torch.zeros_like(a) for a in self.anchors]
+        self.pending = {}
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def update(self, i, g):
+        return g + self.MU * (self.MU * self.momenta[i] + g)
+
+    def start(self, f):
+        flights = []
+        for i in self.frags[f]:
+            w = local(self.params[i])
+            d = self.anchors[i] - w
+            w.copy_(self.anchors[i] - self.LR * self.update(i, d))
+            avg = d.clone()
+            dist.all_reduce(avg, group=self.islands)
+            flights.append((i, w.clone(), avg / 2))
+        self.pending[f] = (self.steps + 1, flights)
+
+    def land(self, f):
+        _, flights = self.pending.pop(f)
+        for i, then, avg in flights:
+            self.momenta[i].mul_(self.MU).add_(avg)
+            self.anchors[i].sub_(self.LR * (avg + self.MU * self.momenta[i]))
+            w = local(self.params[i])
+            w.copy_(self.anchors[i] + (w - then))
+
+    def step(self):
+        self.inner.step()
+        self.steps += 1
+        for f, (due, _) in list(self.pending.items()):
+            if due == self.steps:
+                self.land(f)
+        for f in range(2):
+            if self.steps % H == (f * H // 2) % H:
+                self.start(f)
+
+    def finish(self):
+        """Lands what is under way, then one waited outer step of all."""
+        for f in list(self.pending):
+            self.land(f)
+        for f in range(2):
+            self.start(f)
+            self.land(f)
+
+
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -179,6 +250,68 @@ def main():
         "OuterSync's state round-trips through torch.distributed.checkpoint",
         again == resumed and fsync.steps == sync.steps,
         f"({again[-1]:.6f} vs {resumed[-1]:.6f})",
+    )
+    # Streamed: 2 fragments (the first layer, the second) staggered by
+    # H/2, each landing a step after it starts, the island training on from
+    # the outer step on its own delta meanwhile (f32 deltas): FSDP2 per
+    # island plus eager streamed DiLoCo written in torch; the islands end
+    # identical; a checkpoint taken with an exchange under way resumes it.
+    s_net = model()
+    shard(s_net, mesh, zeropp=True)
+    s_opt = torch.optim.AdamW(s_net.parameters(), lr=1e-2)
+    kw = dict(sync_every=H, lr=0.7, momentum=0.9, bits=None, fragments=2, delay=1)
+    ssync = zt.OuterSync(s_net, s_opt, mesh, **kw)
+    r_net = model()
+    shard(r_net, mesh, zeropp=False)
+    reference = EagerStreamed(r_net, torch.optim.AdamW(r_net.parameters(), lr=1e-2), islands)
+    data = [b for _ in range(ROUNDS) for b in batches(island)]
+    got, want = [], []
+    for x, y in data:
+        got.append(step(s_net, ssync, x, y))
+        want.append(step(r_net, reference, x, y))
+    ssync.finish()
+    reference.finish()
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+    mine = torch.cat([local(p).reshape(-1) for p in s_net.parameters()])
+    theirs = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(theirs, mine, group=islands)
+    ref_w = torch.cat([local(p).reshape(-1) for p in r_net.parameters()])
+    check(
+        "streamed (2 fragments, delay 1): eager streamed DiLoCo in torch, within 1e-5",
+        worst <= 1e-5 and torch.allclose(mine, ref_w, rtol=1e-5, atol=1e-6),
+        f"(largest relative loss difference {worst:.3g})",
+    )
+    check("streamed: every island ends with one model", torch.equal(theirs[0], theirs[1]))
+    # A save right after step 2 (fragment 1's exchange under way), loaded
+    # into a fresh copy: both go on alike.
+    a_net, b_net = model(), model()
+    for n in (a_net, b_net):
+        shard(n, mesh, zeropp=True)
+    a_sync = zt.OuterSync(a_net, torch.optim.AdamW(a_net.parameters(), lr=1e-2), mesh, **kw)
+    b_sync = zt.OuterSync(b_net, torch.optim.AdamW(b_net.parameters(), lr=1e-2), mesh, **kw)
+    for x, y in data[:2]:
+        step(a_net, a_sync, x, y)
+    under_way = bool(a_sync._pending)
+    msd, osd = get_state_dict(a_net, a_sync.optimizer)
+    dcp.save(
+        {key: {"model": msd, "optim": osd}, "outer": a_sync.state_dict()}, checkpoint_id=root + "-s"
+    )
+    msd, osd = get_state_dict(b_net, b_sync.optimizer)
+    state = {key: {"model": msd, "optim": osd}, "outer": b_sync.state_dict()}
+    dcp.load(state, checkpoint_id=root + "-s")
+    set_state_dict(
+        b_net,
+        b_sync.optimizer,
+        model_state_dict=state[key]["model"],
+        optim_state_dict=state[key]["optim"],
+    )
+    b_sync.load_state_dict(state["outer"])
+    a_rest = [step(a_net, a_sync, x, y) for x, y in data[2:]]
+    b_rest = [step(b_net, b_sync, x, y) for x, y in data[2:]]
+    check(
+        "streamed: a checkpoint with an exchange under way resumes it",
+        under_way and a_rest == b_rest,
+        f"(under way: {under_way}; {a_rest[-1]:.6f} vs {b_rest[-1]:.6f})",
     )
     expect_error(
         "an outer state of another model is refused",
