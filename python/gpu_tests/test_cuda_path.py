@@ -108,6 +108,22 @@ def test_zeropp_on_cuda_gives_the_cpu_paths_losses():
     assert gpu["final_loss"] < 0.8 * gpu["initial_loss"]
 
 
+def test_islands_on_cuda_give_the_cpu_paths_losses_waited_and_streamed():
+    # OuterSync with CUDA shards (staged through the host at each outer
+    # exchange): 2 islands of one logical node, H = 5, the CPU path's
+    # losses; streamed (2 fragments landing 2 steps later) it trains.
+    islands = ("--islands", "2", "--sync-every", "5")
+    gpu = run("zeropp", "cuda", *islands)
+    cpu = run("zeropp", "cpu", *islands)
+    rel = max_rel(gpu["losses"], cpu["losses"])
+    record("islands_cuda_vs_cpu_max_rel_loss_diff", rel)
+    assert rel <= 1e-3, (gpu["losses"], cpu["losses"])
+    assert gpu["islands"]["outer_bytes"] > 0, gpu["islands"]
+    streamed = run("zeropp", "cuda", *islands, "--outer-fragments", "2", "--outer-delay", "2")
+    record("islands_cuda_streamed_final_loss", streamed["final_loss"])
+    assert streamed["final_loss"] < 0.8 * streamed["initial_loss"], streamed["losses"]
+
+
 def test_zeropp_on_cuda_moves_at_most_027x_of_zero3s_bytes_across_nodes():
     zpp = run("zeropp", "cuda")["bytes_per_step"]["inter_node"]
     z3 = run("zero3", "cuda")["bytes_per_step"]["inter_node"]

@@ -1078,9 +1078,11 @@ class OuterSync:
     replicas off — each replica is an island — whether FSDP2 or zeropp
     (``enable``) runs the collectives. Build it before the first backward.
 
-    Parameters must be float32 on the CPU (FSDP2 keeps its sharded
-    parameters in their own dtype; compute dtypes come from its
-    ``mp_policy``). ``step()`` returns whether an outer step ran;
+    Parameters must be float32, on the CPU or CUDA (FSDP2 keeps its
+    sharded parameters in their own dtype; compute dtypes come from its
+    ``mp_policy``); the outer state lives on the host, and a CUDA shard is
+    copied to it and back at each exchange (every H steps). ``step()``
+    returns whether an outer step ran;
     ``optimizer`` may be None where the caller steps its optimizer itself
     and calls :meth:`after_step` (the Trainer callback does).
 
@@ -1139,15 +1141,20 @@ class OuterSync:
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.states = []
+        # A CUDA shard's host copy: the outer step runs on the host (once
+        # every H steps), its weights staged through it.
+        self._staged = []
         for i, p in enumerate(self.params):
             local = _local(p)
-            if local.dtype != torch.float32 or local.device.type != "cpu":
+            if local.dtype != torch.float32 or local.device.type not in ("cpu", "cuda"):
                 raise ZeroppError(
                     f"parameter {i} is {local.dtype} on {local.device}: OuterSync keeps float32 "
-                    "CPU shards (FSDP2's sharded parameters; set compute dtypes with mp_policy)"
+                    "shards on the CPU or CUDA (FSDP2's sharded parameters; set compute dtypes "
+                    "with mp_policy)"
                 )
+            self._staged.append(None if local.device.type == "cpu" else local.to("cpu"))
             state = _zeropp.OuterState(
-                host_bytes(local, f"parameter {i}"),
+                host_bytes(self._host(i), f"parameter {i}"),
                 lr=lr,
                 momentum=momentum,
                 bits=bits,
@@ -1194,9 +1201,22 @@ class OuterSync:
             self._start(f, self.delay)
         return bool(turns)
 
+    def _host(self, i):
+        """Parameter ``i``'s shard as the host sees it now: itself on the
+        CPU; a CUDA shard copied into its host copy."""
+        staged = self._staged[i]
+        if staged is None:
+            return _local(self.params[i])
+        return staged.copy_(_local(self.params[i]))
+
+    def _unstage(self, i):
+        """A CUDA shard takes what the outer step wrote into its host copy."""
+        if self._staged[i] is not None:
+            _local(self.params[i]).copy_(self._staged[i])
+
     def _start(self, f, delay):
         idx = self.fragments[f]
-        bufs = [host_bytes(_local(self.params[i]), "parameter") for i in idx]
+        bufs = [host_bytes(self._host(i), "parameter") for i in idx]
         if delay == 0:
             ops = [
                 self.states[i].step(self.job, b, self.ranks) for i, b in zip(idx, bufs, strict=True)
@@ -1204,11 +1224,14 @@ class OuterSync:
             for op in ops:
                 op.wait()
         else:
+            # The eager update is in the weights when start returns.
             ops = [
                 self.states[i].start(self.job, b, self.ranks)
                 for i, b in zip(idx, bufs, strict=True)
             ]
             self._pending[f] = (self.steps + delay, ops)
+        for i in idx:
+            self._unstage(i)
         self.syncs += 1
 
     def _land(self, f):
@@ -1216,7 +1239,8 @@ class OuterSync:
         for op in ops:
             op.wait()
         for i in self.fragments[f]:
-            self.states[i].land(host_bytes(_local(self.params[i]), "parameter"))
+            self.states[i].land(host_bytes(self._host(i), "parameter"))
+            self._unstage(i)
 
     def sync(self):
         """The outer step of the whole model now, waited for, whatever the
@@ -1271,7 +1295,7 @@ class OuterSync:
         them there."""
         anchors, momenta = {}, {}
         for name, p, state in zip(self.names, self.params, self.states, strict=True):
-            a, m = torch.empty_like(_local(p)), torch.empty_like(_local(p))
+            a, m = _host_like(p), _host_like(p)
             state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
             anchors[name], momenta[name] = _like_param(a, p), _like_param(m, p)
         out = {"steps": self.steps, "anchors": anchors, "momenta": momenta}
@@ -1281,7 +1305,7 @@ class OuterSync:
                     op.wait()
             then, averaged = {}, {}
             for name, p, state in zip(self.names, self.params, self.states, strict=True):
-                t, v = torch.zeros_like(_local(p)), torch.zeros_like(_local(p))
+                t, v = _host_like(p), _host_like(p)
                 state.save_flight_into(host_bytes(t, "then"), host_bytes(v, "averaged"))
                 then[name], averaged[name] = _like_param(t, p), _like_param(v, p)
             due = [self._pending.get(f, (-1, None))[0] for f in range(len(self.fragments))]
@@ -1341,6 +1365,12 @@ class OuterSync:
             self._pending[f] = (int(d), [])
 
 
+def _host_like(p):
+    """Zeros shaped as parameter ``p``'s shard, float32 on the CPU (where
+    the outer state lives)."""
+    return torch.zeros(_local(p).shape, dtype=torch.float32)
+
+
 def _plain(t):
     """A checkpoint's tensor (or DTensor) as this rank's float32 CPU shard."""
     return _local(t).detach().to("cpu", torch.float32).contiguous()
@@ -1391,7 +1421,9 @@ def _islands_on_hsdp(model):
 
 
 def _like_param(local, p):
-    """``local`` (this rank's shard) sharded as parameter ``p`` is."""
+    """``local`` (this rank's shard) sharded as parameter ``p`` is, on its
+    device."""
+    local = local.to(_local(p).device)
     if not hasattr(p, "to_local"):
         return local
     from torch.distributed.tensor import DTensor
