@@ -548,21 +548,41 @@ mod tests {
         budget: Duration,
         largest: Option<usize>,
     ) -> Vec<Measured> {
+        on_ranks(
+            nodes,
+            g,
+            |_, t| Box::new(t),
+            move |c, counter, l| {
+                let groups = ZeroGroups::new(&l, g).unwrap();
+                let s = super::super::plan::Switches::zeropp(256);
+                measure_all(c, counter, &groups, l, &s, budget, largest).unwrap()
+            },
+        )
+    }
+
+    /// `f` on every rank of `nodes` × `g` in-process ranks, each over the
+    /// transport `wrap` makes of its own, counted.
+    fn on_ranks<R: Send + 'static>(
+        nodes: usize,
+        g: usize,
+        wrap: impl Fn(usize, InProcess) -> Box<dyn zeropp_comm::Transport> + Send + Sync + 'static,
+        f: impl Fn(&Communicator, &Arc<CountingTransport>, Layout) -> R + Send + Sync + 'static,
+    ) -> Vec<R> {
+        let (wrap, f) = (Arc::new(wrap), Arc::new(f));
         let handles: Vec<_> = InProcess::world(nodes * g)
             .into_iter()
             .enumerate()
             .map(|(rank, t)| {
+                let (wrap, f) = (wrap.clone(), f.clone());
                 std::thread::spawn(move || {
                     let l = Layout {
                         nodes,
                         ranks_per_node: g,
                         rank,
                     };
-                    let counter = Arc::new(CountingTransport::new(Box::new(t), g));
+                    let counter = Arc::new(CountingTransport::new(wrap(rank, t), g));
                     let c = Communicator::new(counter.clone(), Duration::from_secs(30));
-                    let groups = ZeroGroups::new(&l, g).unwrap();
-                    let s = super::super::plan::Switches::zeropp(256);
-                    measure_all(&c, &counter, &groups, l, &s, budget, largest).unwrap()
+                    f(&c, &counter, l)
                 })
             })
             .collect();
@@ -686,28 +706,17 @@ mod tests {
     fn the_seams_find_the_slow_link_between_two_sites() {
         // 4 nodes x 2 ranks; the link between nodes 1 and 2 at 20 MB/s.
         let (nodes, g) = (4, 2);
-        let handles: Vec<_> = InProcess::world(nodes * g)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                std::thread::spawn(move || {
-                    let l = Layout {
-                        nodes,
-                        ranks_per_node: g,
-                        rank,
-                    };
-                    let t = Slowed {
-                        inner: t,
-                        g,
-                        slow: (1, 20e6),
-                    };
-                    let c = Communicator::new(Arc::new(t), Duration::from_secs(30));
-                    let groups = ZeroGroups::new(&l, g).unwrap();
-                    seams(&c, &groups.world, l, Duration::from_millis(600)).unwrap()
-                })
+        let slowed = move |_, inner| -> Box<dyn zeropp_comm::Transport> {
+            Box::new(Slowed {
+                inner,
+                g,
+                slow: (1, 20e6),
             })
-            .collect();
-        let all: Vec<Vec<Link>> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        };
+        let all = on_ranks(nodes, g, slowed, |c, _, l| {
+            let groups = ZeroGroups::new(&l, l.ranks_per_node).unwrap();
+            seams(c, &groups.world, l, Duration::from_millis(600)).unwrap()
+        });
         for s in &all {
             assert_eq!(s, &all[0], "every rank has the same seams");
         }
