@@ -8,8 +8,8 @@
 # and the veth counters agree within 5% (10 steps, so UCX's fixed wire-up
 # traffic is under 1%; two ranks per node: node-local
 # shared memory must not carry cross-node traffic), that `--islands auto`
-# cuts the job at 30 Mbit/s and not at 10 Gbit/s, and that nothing is left
-# behind.
+# cuts the job at 30 Mbit/s and not at 10 Gbit/s (and that a run without it
+# says the plan would), and that nothing is left behind.
 # With a Python that has torch and zeropp (second argument), it also runs
 # examples/torch_gpt.py under torchrun on the cluster: plain FSDP2 over
 # gloo, and ZeRO-3 and ZeRO++ through zeropp.torch (bf16): zeropp's count
@@ -109,6 +109,15 @@ for rate in 30mbit:2 10gbit:1; do
   grep -qF "$pattern" <<<"$chose" ||
     { echo "bench-cluster selftest: --islands auto at ${rate%%:*} did not choose $want island(s)" >&2; exit 1; }
 done
+# Without --islands the run stays one job and the plan says what it would
+# propose at 30 Mbit/s.
+bash bench-cluster/run.sh --nodes 2 --ranks-per-node 2 --rates 30mbit --modes zeropp --steps 2 \
+  --zeropp "$zeropp" --out "$out/propose" -- --width 384 --layers 2 --heads 6 --context 32 \
+  --batch 2 --val-batches 1 >/dev/null 2>"$out/stderr" || { cat "$out/stderr" "$out/propose"/*.log >&2; exit 1; }
+proposed="$(grep -h '\] islands: 1 (asked); the plan proposes 2' "$out/propose"/*node0.log || true)"
+[ -n "$proposed" ] ||
+  { echo "bench-cluster selftest: no islands proposed at 30mbit" >&2; cat "$out/propose"/*node0.log >&2; exit 1; }
+echo "bench-cluster selftest: $proposed"
 if ip netns list | grep -q '^zpb'; then
   echo "bench-cluster selftest: namespaces left behind: $(ip netns list | grep '^zpb')" >&2
   exit 1

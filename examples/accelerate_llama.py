@@ -108,6 +108,7 @@ def main():
             model, optimizer, sync_every=args.sync_every, ranks_per_node=args.ranks_per_node
         )
         optimizer = outer
+        island = next(model.parameters()).device_mesh.get_group(1)
 
     corpus = torch.frombuffer(
         bytearray(zeropp.builtin_corpus(1 << 20, args.seed)), dtype=torch.uint8
@@ -122,7 +123,13 @@ def main():
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        mean = accelerator.reduce(loss.detach(), reduction="mean")
+        if outer is None:
+            mean = accelerator.reduce(loss.detach(), reduction="mean")
+        else:
+            # Per-step metrics stay inside the island: none waits on another.
+            mean = loss.detach().clone()
+            dist.all_reduce(mean, group=island)
+            mean /= dist.get_world_size(island)
         losses.append(mean.item())
         logged = {"loss": losses[-1]}
         if args.zeropp != "none":

@@ -138,6 +138,9 @@ def main():
             "reshard_after_forward": True,
         },
         dataloader_drop_last=True,
+        # Islands: no per-step count of tokens over the whole job (it would
+        # cross the slow link every step); each island's own mean.
+        average_tokens_across_devices=args.islands == 1,
         # On CPU ranks the mesh is given after Accelerate starts (above).
         parallelism_config=None if args.cpu_fsdp else parallelism,
     )

@@ -35,7 +35,8 @@ use crate::{invalid, to_py};
 /// routing plan.
 #[pyclass(frozen)]
 pub struct Job {
-    /// The job's communicator, used on `thread` alone.
+    /// The job's communicator, used on `thread` (and by `outer`'s
+    /// exchanges, on groups of their own).
     comm: Arc<Communicator>,
     thread: CommThread,
     /// The islands' streamed outer exchanges, started when first needed:

@@ -227,7 +227,8 @@ def test_accelerate_and_the_trainer_train_islands_on_hsdps_mesh(tmp_path, recipe
     # (2 replicas of 2 ranks, one logical node each), each replica an
     # island through OuterSync (Accelerate: wrapping the prepared
     # optimizer; the Trainer: the callback's outer_sync). 12 steps at H = 5
-    # sync at 5 and 10 and once more at the end; nothing else crosses.
+    # sync at 5 and 10 and once more at the end; nothing else of zeropp's
+    # crosses.
     out = tmp_path / f"{recipe}-islands.json"
     args = ["--zeropp", "zeropp", "--steps", 12, "--ranks-per-node", 2, "--cpu-fsdp"]
     torchrun(

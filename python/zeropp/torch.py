@@ -406,7 +406,13 @@ def trainer_callback(mode=None, outer_sync=None, **enable_kwargs):
             if mode is not None:
                 enable(model, mode=mode, **enable_kwargs)
             if outer_sync is not None:
-                self.outer = OuterSync(model, None, **outer_sync)
+                # The job's own options, as enable's (whichever joins first).
+                joined = {
+                    k: enable_kwargs[k]
+                    for k in ("transport", "ranks_per_node")
+                    if k in enable_kwargs
+                }
+                self.outer = OuterSync(model, None, **{**joined, **outer_sync})
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.outer is not None:
@@ -1136,7 +1142,7 @@ class OuterSync:
         # model between syncs, the inner optimizer's state) in a checkpoint.
         self.island = mesh.get_local_rank(0)
         _add_mesh_dim(self.job, self.ranks)
-        self.replicas_apart = _islands_on_hsdp(model)
+        self.model = model
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -1167,6 +1173,8 @@ class OuterSync:
                 "into 1 to that many fragments"
             )
         self.fragments = _runs([p.numel() for p in self.params], fragments)
+        # Last, once nothing can refuse: HSDP's replicas become islands.
+        self.replicas_apart = _islands_on_hsdp(model)
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1182,6 +1190,11 @@ class OuterSync:
             self.optimizer.step()
         else:
             self.optimizer.step(closure)
+        # Accelerate's optimizer skips its step between accumulated
+        # micro-batches: those are no inner steps.
+        accumulating = getattr(self.optimizer, "gradient_state", None)
+        if accumulating is not None and not accumulating.sync_gradients:
+            return False
         return self.after_step()
 
     def after_step(self):
@@ -1214,6 +1227,21 @@ class OuterSync:
         if self._staged[i] is not None:
             _local(self.params[i]).copy_(self._staged[i])
 
+    def _jumped(self, idx):
+        """The weights of parameters ``idx`` jumped (an outer step wrote
+        them): their groups' qwZ references (``qwz_delta``) refresh at the
+        next gather, as the native engine's do."""
+        ids = {id(self.params[i]) for i in idx}
+        for m in self.model.modules():
+            if not hasattr(m, "_get_fsdp_state"):
+                continue
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                ag = group._all_gather_comm
+                if not isinstance(ag, ZeroppAllGather) or ag.qwz_reference is None:
+                    continue
+                if any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
+                    ag.qwz_reference.reset()
+
     def _start(self, f, delay):
         idx = self.fragments[f]
         bufs = [host_bytes(self._host(i), "parameter") for i in idx]
@@ -1232,6 +1260,7 @@ class OuterSync:
             self._pending[f] = (self.steps + delay, ops)
         for i in idx:
             self._unstage(i)
+        self._jumped(idx)
         self.syncs += 1
 
     def _land(self, f):
@@ -1241,6 +1270,7 @@ class OuterSync:
         for i in self.fragments[f]:
             self.states[i].land(host_bytes(self._host(i), "parameter"))
             self._unstage(i)
+        self._jumped(self.fragments[f])
 
     def sync(self):
         """The outer step of the whole model now, waited for, whatever the
@@ -1293,6 +1323,11 @@ class OuterSync:
         and ``then``, where each island's exchange started, under the
         island's key; zeros where none is under way), and a resume lands
         them there."""
+        # The exchanges under way finish first (each holds its shard's
+        # state until it does).
+        for _, ops in self._pending.values():
+            for op in ops:
+                op.wait()
         anchors, momenta = {}, {}
         for name, p, state in zip(self.names, self.params, self.states, strict=True):
             a, m = _host_like(p), _host_like(p)
@@ -1300,9 +1335,6 @@ class OuterSync:
             anchors[name], momenta[name] = _like_param(a, p), _like_param(m, p)
         out = {"steps": self.steps, "anchors": anchors, "momenta": momenta}
         if self.delay:
-            for _, ops in self._pending.values():
-                for op in ops:
-                    op.wait()
             then, averaged = {}, {}
             for name, p, state in zip(self.names, self.params, self.states, strict=True):
                 t, v = _host_like(p), _host_like(p)
@@ -1340,7 +1372,13 @@ class OuterSync:
             )
         self.steps = int(steps)
         self._pending = {}
+        saved_due = state_dict.get("due")
         if not self.delay:
+            if saved_due is not None and any(int(d) >= 0 for d in saved_due):
+                raise ZeroppError(
+                    "the outer state holds streamed exchanges under way: load it into an "
+                    "OuterSync with the delay and fragments it was saved with"
+                )
             return
         try:
             then, averaged, due = (
@@ -1353,6 +1391,11 @@ class OuterSync:
                 f"the outer state has no streamed exchanges ({e} missing): it was saved with "
                 "delay=0; load it into an OuterSync with delay=0"
             ) from None
+        if len(due) != len(self.fragments):
+            raise ZeroppError(
+                f"the outer state was saved with {len(due)} fragments, this OuterSync has "
+                f"{len(self.fragments)}: load it with the fragments it was saved with"
+            )
         for f, d in enumerate(due):
             if int(d) < 0:
                 continue

@@ -36,8 +36,10 @@ pub struct IslandsChosen {
 /// Chooses the islands of an `--islands auto` run: one island where
 /// nothing was measured (logical nodes, one rank, ZEROPP_PROBE=0, a mode
 /// other than zeropp), else the plan's choice from the seams between
-/// consecutive nodes (measured here when there are more than two nodes),
-/// an estimate of the step's compute, and the switches the run would use.
+/// consecutive nodes (measured here when there are more than two nodes
+/// and `probe_seams`; else each taken as the cross link measured at join),
+/// an estimate of the step's compute, and the block sizes the run would
+/// use (the cost model predicts each count's fastest configuration).
 pub fn choose(
     cfg: &TrainConfig,
     comm: &Communicator,
@@ -45,6 +47,7 @@ pub fn choose(
     layout: Layout,
     measured: Option<&Measured>,
     switches: &Switches,
+    probe_seams: bool,
 ) -> Result<IslandsChosen> {
     let one = |why: &str| IslandsChosen {
         islands: 1,
@@ -67,8 +70,9 @@ pub fn choose(
         }));
     };
     let g = layout.ranks_per_node;
-    let seams = if layout.nodes == 2 {
-        measured.links.cross.into_iter().collect()
+    let seams = if layout.nodes == 2 || !probe_seams {
+        let cross = measured.links.cross.into_iter();
+        cross.cycle().take(layout.nodes - 1).collect()
     } else {
         crate::zero::probe::seams(comm, world, layout, crate::zero::probe::BUDGET)
             .map_err(|e| anyhow::anyhow!("measuring the links between nodes at join: {e}"))?

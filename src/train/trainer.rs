@@ -492,24 +492,41 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     } else {
         measure_links(&counter, &table, layout, cfg, &timed, facts)?
     };
+    let plan_islands = |probe_seams: bool| {
+        let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
+        let world =
+            crate::comm::Group::new(crate::comm::GroupKind::World, (0..layout.world()).collect())?;
+        counter.pinned(crate::zero::traffic::Phase::Other, || {
+            crate::train::auto_islands::choose(
+                cfg,
+                &comm,
+                &world,
+                layout,
+                measured.as_ref(),
+                &timed,
+                probe_seams,
+            )
+        })
+    };
+    let mut proposed = None;
     let (islands, chosen) = match asked_islands {
+        // The default, one job, on measured links: what the plan would
+        // propose (from the cross link measured at join; no more probing).
+        Some(1) if measured.is_some() && layout.nodes > 1 => {
+            // A proposal only: where the plan cannot make one, the run
+            // goes on as asked.
+            proposed = match plan_islands(false) {
+                Ok(c) => Some(c).filter(|c| c.islands > 1),
+                Err(e) => {
+                    tracing::debug!("no islands proposal: {e}");
+                    None
+                }
+            };
+            (1, None)
+        }
         Some(n) => (n, None),
         None => {
-            let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
-            let world = crate::comm::Group::new(
-                crate::comm::GroupKind::World,
-                (0..layout.world()).collect(),
-            )?;
-            let c = counter.pinned(crate::zero::traffic::Phase::Other, || {
-                crate::train::auto_islands::choose(
-                    cfg,
-                    &comm,
-                    &world,
-                    layout,
-                    measured.as_ref(),
-                    &timed,
-                )
-            })?;
+            let c = plan_islands(true)?;
             (c.islands, Some(c))
         }
     };
@@ -529,10 +546,23 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     )
     .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     resolved.why.extend(inside);
+    if let Some(p) = proposed {
+        resolved.why.insert(
+            "islands".into(),
+            format!(
+                "1 (asked); the plan proposes {}: {} — --islands auto (or --islands {}) trains so, \
+                 with H steps of staleness between the islands (docs/TRAINING.md, \"Islands\")",
+                p.islands, p.why, p.islands
+            ),
+        );
+    }
     if facts.rank == 0 {
         print_plan(&routing, &resolved, measured.is_some());
         if let Some(c) = &chosen {
             println!("islands (auto): {}", c.why);
+        }
+        if let Some(why) = resolved.why.get("islands") {
+            println!("islands: {why}");
         }
     }
     Ok(Connected {

@@ -400,8 +400,8 @@ impl PlanInput {
     /// whole consecutive nodes is predicted (its island's step on the
     /// island's own slowest seam, its exchange on the slowest seam it
     /// cuts); islands are proposed only when they step at least
-    /// [`ISLANDS_WORTH`]× faster than the synchronous job, and then the
-    /// fewest whose step is within [`NEAR_FASTEST`] of the fastest's.
+    /// [`ISLANDS_WORTH`]× faster than the synchronous job: the fewest that
+    /// do and whose step is within [`NEAR_FASTEST`] of the fastest's.
     pub fn choose_islands(
         &self,
         seams_gbit: &[f64],
@@ -465,15 +465,14 @@ impl PlanInput {
             .iter()
             .map(|c| c.step_s)
             .fold(f64::INFINITY, f64::min);
-        let worth = synchronous >= ISLANDS_WORTH * fastest;
-        let chosen = if worth {
-            candidates
-                .iter()
-                .find(|c| c.islands > 1 && c.step_s <= NEAR_FASTEST * fastest)
-                .expect("the fastest is among them")
-        } else {
-            &candidates[0]
-        };
+        // Islands at least ISLANDS_WORTH× faster than the synchronous job,
+        // the fewest within NEAR_FASTEST of the fastest; else one job (also
+        // when a prediction is not a finite time).
+        let chosen = candidates
+            .iter()
+            .filter(|c| c.islands > 1 && c.step_s.is_finite() && synchronous.is_finite())
+            .find(|c| c.step_s <= NEAR_FASTEST * fastest && ISLANDS_WORTH * c.step_s <= synchronous)
+            .unwrap_or(&candidates[0]);
         let why = if chosen.islands == 1 {
             format!(
                 "synchronous: the job's step is predicted {synchronous:.4} s, islands' fastest \
@@ -786,6 +785,13 @@ mod tests {
         }
         let e = gpt(2).choose_islands(&[1.0], 0, 1, 0).unwrap_err();
         assert!(e.contains("at least 1"), "{e}");
+        // One node, or steps that are no finite time: one job, no panic.
+        assert_eq!(gpt(1).choose_islands(&[], 20, 1, 0).unwrap().islands, 1);
+        let endless = PlanInput {
+            compute_s: f64::INFINITY,
+            ..gpt(2)
+        };
+        assert_eq!(endless.choose_islands(&[0.03], 20, 1, 0).unwrap().islands, 1);
     }
 
     #[test]
