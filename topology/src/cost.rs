@@ -791,7 +791,10 @@ mod tests {
             compute_s: f64::INFINITY,
             ..gpt(2)
         };
-        assert_eq!(endless.choose_islands(&[0.03], 20, 1, 0).unwrap().islands, 1);
+        assert_eq!(
+            endless.choose_islands(&[0.03], 20, 1, 0).unwrap().islands,
+            1
+        );
     }
 
     #[test]
