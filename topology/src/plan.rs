@@ -49,7 +49,8 @@ pub struct RoutingPlan {
     /// Ranks sharing an hpZ secondary shard.
     pub hpz_group: usize,
     pub hpz_why: String,
-    pub qwz_bits: u32,
+    /// qgZ's bits inside the node and across (the weights' format is the
+    /// mode's: `Switches`).
     pub qgz_bits: [u32; 2],
     pub bits_why: String,
     pub rank_nics: Vec<RankNic>,
@@ -220,36 +221,32 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
     // across, so int8 there (16 times finer steps than int4, measured to
     // keep small models' loss within 1% of ZeRO-3's) unless it would slow
     // the step; the hop across is int4 whenever there is one.
-    let (qwz_bits, qgz_bits, bits_why) = if nodes > 1 && inter_per_rank == 0.0 {
+    let (qgz_bits, bits_why) = if nodes > 1 && inter_per_rank == 0.0 {
         (
-            8,
             [8, 4],
-            "the speed across nodes is unknown: assume a slow link; int8 weights, int4 gradients \
-             across, int8 inside where the hop is cheap next to it"
+            "the speed across nodes is unknown: assume a slow link; int4 gradients across, int8 \
+             inside where the hop is cheap next to it"
                 .to_string(),
         )
     } else if nodes == 1 {
         (
-            8,
             [8, 8],
-            "one node: nothing crosses a slow link; int8 keeps quantization error low".to_string(),
+            "one node: nothing crosses a slow link; int8 gradients keep quantization error low"
+                .to_string(),
         )
     } else if ratio >= 4.0 {
         (
-            8,
             [8, 4],
             format!(
-                "the link across nodes is {ratio:.0}x slower per rank than inside: int8 weights, \
-                 int4 gradients across, int8 inside (its bytes cost little next to the hop across)"
+                "the link across nodes is {ratio:.0}x slower per rank than inside: int4 gradients \
+                 across, int8 inside (its bytes cost little next to the hop across)"
             ),
         )
     } else {
         (
-            8,
             [4, 4],
             format!(
-                "links inside and across are within {ratio:.1}x: int8 weights, int4 gradients on \
-                 both hops (int8 inside would slow the step)"
+                "links inside and across are within {ratio:.1}x: int4 gradients on both hops (int8 inside would slow the step)"
             ),
         )
     };
@@ -283,7 +280,6 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
         hops,
         hpz_group,
         hpz_why,
-        qwz_bits,
         qgz_bits,
         bits_why,
         rank_nics,
@@ -302,8 +298,9 @@ impl RoutingPlan {
         }
         s += &format!("  hpZ group: {} ranks ({})\n", self.hpz_group, self.hpz_why);
         s += &format!(
-            "  bits: qwZ int{}, qgZ int{} inside / int{} across ({})\n",
-            self.qwz_bits, self.qgz_bits[0], self.qgz_bits[1], self.bits_why
+            "  gradient bits: qgZ int{} inside / int{} across ({}); weights as the run's mode \
+             sends them (its `switches:` line)\n",
+            self.qgz_bits[0], self.qgz_bits[1], self.bits_why
         );
         for r in &self.rank_nics {
             s += &format!(
