@@ -776,10 +776,7 @@ impl Engine {
             let eager = outer::eager(run.cfg.outer, state, &mine);
             let su = &mut self.units[u];
             su.master.copy_from_slice(&eager);
-            su.secondary = None;
-            if let Ok(mut r) = su.reference.lock() {
-                *r = None;
-            }
+            su.weights_jumped();
         }
         let master = &self.units[u].master;
         let residuals = (
@@ -914,10 +911,7 @@ impl Engine {
             &flight.averaged,
             &mut su.master,
         )?;
-        su.secondary = None;
-        if let Ok(mut r) = su.reference.lock() {
-            *r = None;
-        }
+        su.weights_jumped();
         Ok(())
     }
 }

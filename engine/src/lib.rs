@@ -87,6 +87,18 @@ struct ShardedUnit {
     reference: Arc<Mutex<Option<delta::Reference<Vec<f32>>>>>,
 }
 
+impl ShardedUnit {
+    /// The weights jumped (an outer step wrote them): the hpZ secondary
+    /// shard is stale and the qwZ references refresh at the next forward
+    /// gather.
+    fn weights_jumped(&mut self) {
+        self.secondary = None;
+        if let Ok(mut r) = self.reference.lock() {
+            *r = None;
+        }
+    }
+}
+
 /// A unit's weights as a gather delivered them.
 enum Gathered {
     /// Unquantized wires: every rank's payload, in rank order.

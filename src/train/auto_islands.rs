@@ -10,7 +10,6 @@
 use std::time::Instant;
 
 use anyhow::Result;
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use zeropp_topology::cost::{IslandsCandidate, PlanInput};
 
@@ -83,7 +82,7 @@ pub fn choose(
         .collect();
     let units = cfg.model.units();
     let params: usize = units.iter().map(|u| u.numel(&cfg.model)).sum();
-    let compute_s = slowest(comm, world, compute_estimate_s(cfg)?)?;
+    let compute_s = crate::zero::probe::slowest(comm, world, compute_estimate_s(cfg)?)?;
     let base = PlanInput {
         compute_s,
         units: units.len(),
@@ -118,8 +117,8 @@ pub fn choose(
 
 /// Seconds of one step's forward, recomputed forward and backward on
 /// this rank: one block's and the head's forward and backward timed at the
-/// run's shapes (best of two after a first run, while every rank of the
-/// host times its own, as they will compute), the blocks counted
+/// run's shapes (best of three, while every rank of the host times its
+/// own, as they will compute), the blocks counted
 /// `layers` times and the forward once more for the recomputation.
 fn compute_estimate_s(cfg: &TrainConfig) -> Result<f64> {
     use crate::train::model::Unit;
@@ -159,20 +158,4 @@ fn compute_estimate_s(cfg: &TrainConfig) -> Result<f64> {
     let (bf, bb) = timed(Unit::Block(0), 1)?;
     let (hf, hb) = timed(Unit::Head, m.layers + 1)?;
     Ok(m.layers as f64 * (2.0 * bf + bb) + 2.0 * hf + hb)
-}
-
-/// The slowest rank's figure: the largest of the group's `x`.
-fn slowest(comm: &Communicator, group: &Group, x: f64) -> Result<f64> {
-    let all = comm.all_gather_v(group, Bytes::copy_from_slice(&x.to_le_bytes()))?;
-    all.iter()
-        .map(|b| {
-            let a: [u8; 8] = b[..].try_into().map_err(|_| {
-                anyhow::anyhow!(
-                    "a rank's compute estimate arrived as {} bytes, not 8",
-                    b.len()
-                )
-            })?;
-            Ok(f64::from_le_bytes(a))
-        })
-        .try_fold(0f64, |m, v: Result<f64>| Ok(m.max(v?)))
 }

@@ -346,21 +346,9 @@ impl PlanInput {
                 self.nodes
             ));
         }
-        let island = PlanInput {
-            nodes: self.nodes / islands,
-            ..self.clone()
-        };
-        let best = island
-            .compare()
-            .into_iter()
-            .next()
-            .expect("configurations to compare");
+        let (best, exchange, per_node, step) =
+            self.islands_step(islands, self.nic_gbit, self.nic_gbit, (h, fragments, delay));
         let inner = best.step_s;
-        let (exchange, per_node) = self.exchange(islands);
-        let (hf, exposed) = (
-            h as f64,
-            exposed_exchange(exchange, inner, h, fragments, delay),
-        );
         Ok(IslandsPrediction {
             islands,
             sync_every: h,
@@ -370,8 +358,8 @@ impl PlanInput {
             inner_config: best.config.name,
             exchange_s: exchange,
             exchange_bytes_per_node: per_node,
-            step_s: inner + exposed / hf,
-            inter_node_bytes_per_step: per_node / hf,
+            step_s: step,
+            inter_node_bytes_per_step: per_node / h as f64,
             hiding_sync_every: hiding_sync_every(exchange, inner),
         })
     }
@@ -391,6 +379,43 @@ impl PlanInput {
             2.0 * (r - 1.0) * self.alpha_s + per_node / self.nic_bps(),
             per_node,
         )
+    }
+
+    /// `islands` islands of this job: the island's fastest configuration
+    /// (its step on `inside_gbit` NICs between its nodes), one exchange of
+    /// the whole model over `across_gbit` NICs (seconds, bytes per node),
+    /// and the mean step with that exchange every H inner steps, `(h,
+    /// fragments, delay)` as `predict_islands` takes them (one island: its
+    /// step alone).
+    fn islands_step(
+        &self,
+        islands: usize,
+        inside_gbit: f64,
+        across_gbit: f64,
+        (h, fragments, delay): (usize, usize, usize),
+    ) -> (Prediction, f64, f64, f64) {
+        let island = PlanInput {
+            nodes: self.nodes / islands,
+            nic_gbit: inside_gbit,
+            ..self.clone()
+        };
+        let best = island
+            .compare()
+            .into_iter()
+            .next()
+            .expect("configurations to compare");
+        if islands == 1 {
+            let step = best.step_s;
+            return (best, 0.0, 0.0, step);
+        }
+        let over = PlanInput {
+            nic_gbit: across_gbit,
+            ..self.clone()
+        };
+        let (exchange, per_node) = over.exchange(islands);
+        let inner = best.step_s;
+        let step = inner + exposed_exchange(exchange, inner, h, fragments, delay) / h as f64;
+        (best, exchange, per_node, step)
     }
 
     /// Which islands this job should train as, from the NIC rate of each
@@ -424,37 +449,25 @@ impl PlanInput {
                  are at least 1"
             ));
         }
-        let slowest = |seams: &mut dyn Iterator<Item = f64>| seams.fold(f64::INFINITY, f64::min);
+        // The slowest of the seams `keep` picks (infinite where none).
+        let slowest = |keep: &dyn Fn(usize) -> bool| {
+            (0..seams_gbit.len())
+                .filter(|&p| keep(p))
+                .map(|p| seams_gbit[p])
+                .fold(f64::INFINITY, f64::min)
+        };
         let mut candidates = Vec::new();
         for islands in (1..=self.nodes).filter(|k| self.nodes.is_multiple_of(*k)) {
             let size = self.nodes / islands;
-            let cut = |p: &usize| (p + 1).is_multiple_of(size);
-            let inside = slowest(
-                &mut (0..seams_gbit.len())
-                    .filter(|p| !cut(p))
-                    .map(|p| seams_gbit[p]),
-            );
-            let across = slowest(&mut (0..seams_gbit.len()).filter(cut).map(|p| seams_gbit[p]));
-            let island = PlanInput {
-                nodes: size,
-                nic_gbit: if inside.is_finite() {
-                    inside
-                } else {
-                    self.nic_gbit
-                },
-                ..self.clone()
-            };
-            let inner = island.compare()[0].step_s;
-            let step = if islands == 1 {
-                inner
+            let cut = |p: usize| (p + 1).is_multiple_of(size);
+            let inside = slowest(&|p| !cut(p));
+            let inside = if inside.is_finite() {
+                inside
             } else {
-                let over = PlanInput {
-                    nic_gbit: across,
-                    ..self.clone()
-                };
-                let (exchange, _) = over.exchange(islands);
-                inner + exposed_exchange(exchange, inner, h, fragments, delay) / h as f64
+                self.nic_gbit
             };
+            let (_, _, _, step) =
+                self.islands_step(islands, inside, slowest(&cut), (h, fragments, delay));
             candidates.push(IslandsCandidate {
                 islands,
                 step_s: step,
@@ -483,8 +496,7 @@ impl PlanInput {
         } else {
             format!(
                 "{} islands of {} node(s): predicted {:.4} s a step against the synchronous \
-                 job's {synchronous:.4} s ({:.2}x faster; the links between them are the \
-                 slowest seams)",
+                 job's {synchronous:.4} s ({:.2}x faster)",
                 chosen.islands,
                 self.nodes / chosen.islands,
                 chosen.step_s,

@@ -36,6 +36,21 @@ impl Default for OuterSettings {
     }
 }
 
+impl OuterSettings {
+    /// The outer optimizer on one value: from momentum `m` and averaged
+    /// delta `g`, the new momentum and the step the anchor moves against
+    /// (scaled by `lr`).
+    pub fn update(self, m: f32, g: f32) -> (f32, f32) {
+        let buf = self.momentum * m + g;
+        let update = if self.nesterov {
+            g + self.momentum * buf
+        } else {
+            buf
+        };
+        (buf, update)
+    }
+}
+
 /// One shard's outer state on the host: the anchor the island started its
 /// H inner steps from, the outer momentum, and (quantized) what the two
 /// quantizations of the exchange dropped last time.
@@ -189,13 +204,8 @@ pub fn apply(
     let outer = state.anchor.iter_mut().zip(state.momentum.iter_mut());
     let moved = then.iter().zip(averaged).zip(weights.iter_mut());
     for ((anchor, momentum), ((&then, &g), w)) in outer.zip(moved) {
-        let buf = s.momentum * *momentum + g;
+        let (buf, update) = s.update(*momentum, g);
         *momentum = buf;
-        let update = if s.nesterov {
-            g + s.momentum * buf
-        } else {
-            buf
-        };
         // The island's progress since it took its delta.
         let since = *w - then;
         *anchor -= s.lr * update;
@@ -216,15 +226,7 @@ pub fn eager(s: OuterSettings, state: &OuterState, delta: &[f32]) -> Vec<f32> {
         .iter()
         .zip(&state.momentum)
         .zip(delta)
-        .map(|((a, m), g)| {
-            let buf = s.momentum * m + g;
-            let update = if s.nesterov {
-                g + s.momentum * buf
-            } else {
-                buf
-            };
-            a - s.lr * update
-        })
+        .map(|((a, &m), &g)| a - s.lr * s.update(m, g).1)
         .collect()
 }
 

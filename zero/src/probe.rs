@@ -107,8 +107,9 @@ pub fn seams(
     budget: Duration,
 ) -> Result<Vec<Link>, ZeroError> {
     let (n, g) = (layout.node(), layout.ranks_per_node);
-    // This node's seam before it and after it, as (rate, latency).
-    let mut mine = [-1.0f64; 4];
+    // The seam after this node, as (rate, latency): the one it reports
+    // (the seam before it is the previous node's to report).
+    let mut mine = [f64::INFINITY, 0.0];
     for parity in 0..2 {
         let seam = if n % 2 == parity {
             Some(n)
@@ -134,12 +135,12 @@ pub fn seams(
             vec![s * g + l, (s + 1) * g + l],
         )?;
         let link = hop(c, &pair, &both, budget / 2)?;
-        let at = if s == n { 2 } else { 0 };
-        mine[at] = link.bytes_per_s;
-        mine[at + 1] = link.latency_s;
+        if s == n {
+            mine = [link.bytes_per_s, link.latency_s];
+        }
     }
-    let buf: Vec<u8> = mine.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let all = c.all_gather_v(world, Bytes::from(buf))?;
+    // Each seam from its node's ranks (alike: each size's time is the
+    // pair's slowest).
     let mut out = vec![
         Link {
             bytes_per_s: f64::INFINITY,
@@ -147,24 +148,10 @@ pub fn seams(
         };
         layout.nodes.saturating_sub(1)
     ];
-    for (rank, b) in all.iter().enumerate() {
-        if b.len() != 32 {
-            return Err(ZeroError::Invalid(format!(
-                "rank {rank}'s seam figures are {} bytes, not 32: every rank must run the same \
-                 zeropp version",
-                b.len()
-            )));
-        }
-        let v: Vec<f64> = b
-            .chunks_exact(8)
-            .map(decode_f64)
-            .collect::<Result<_, _>>()?;
-        // The seam after this rank's node, from its own figures (the same
-        // on both nodes: each size's time is the pair's slowest).
-        let node = rank / g;
-        if let Some(link) = out.get_mut(node) {
-            link.bytes_per_s = link.bytes_per_s.min(v[2]);
-            link.latency_s = link.latency_s.max(v[3]);
+    for (rank, [rate, latency]) in gathered(c, world, &mine)?.into_iter().enumerate() {
+        if let Some(link) = out.get_mut(rank / g) {
+            link.bytes_per_s = link.bytes_per_s.min(rate);
+            link.latency_s = link.latency_s.max(latency);
         }
     }
     Ok(out)
@@ -220,7 +207,7 @@ fn timed(c: &Communicator, group: &Group, size: usize) -> Result<f64, ZeroError>
 }
 
 /// The largest of the group's `x`.
-fn slowest(c: &Communicator, group: &Group, x: f64) -> Result<f64, ZeroError> {
+pub fn slowest(c: &Communicator, group: &Group, x: f64) -> Result<f64, ZeroError> {
     Ok(slowest_each(c, group, &[x])?[0])
 }
 
@@ -230,22 +217,40 @@ fn slowest_each<const N: usize>(
     group: &Group,
     x: &[f64; N],
 ) -> Result<[f64; N], ZeroError> {
-    let mine: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
     let mut out = [0f64; N];
-    for b in c.all_gather_v(group, Bytes::from(mine))? {
-        if b.len() != 8 * N {
-            return Err(ZeroError::Invalid(format!(
-                "{} bytes of probe figures from a rank, not {}: every rank must run the same \
-                 zeropp version",
-                b.len(),
-                8 * N
-            )));
-        }
-        for (o, v) in out.iter_mut().zip(b.chunks_exact(8)) {
-            *o = o.max(decode_f64(v)?);
+    for row in gathered(c, group, x)? {
+        for (o, v) in out.iter_mut().zip(row) {
+            *o = o.max(v);
         }
     }
     Ok(out)
+}
+
+/// Every member's `N` figures, in group order, in one exchange.
+fn gathered<const N: usize>(
+    c: &Communicator,
+    group: &Group,
+    x: &[f64; N],
+) -> Result<Vec<[f64; N]>, ZeroError> {
+    let mine: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+    c.all_gather_v(group, Bytes::from(mine))?
+        .iter()
+        .map(|b| {
+            if b.len() != 8 * N {
+                return Err(ZeroError::Invalid(format!(
+                    "{} bytes of probe figures from a rank, not {}: every rank must run the same \
+                     zeropp version",
+                    b.len(),
+                    8 * N
+                )));
+            }
+            let mut row = [0f64; N];
+            for (o, v) in row.iter_mut().zip(b.chunks_exact(8)) {
+                *o = decode_f64(v)?;
+            }
+            Ok(row)
+        })
+        .collect()
 }
 
 fn decode_f64(b: &[u8]) -> Result<f64, ZeroError> {
@@ -284,30 +289,18 @@ fn agree(c: &Communicator, world: &Group, mine: Links) -> Result<Links, ZeroErro
         Some(l) => [l.bytes_per_s, l.latency_s],
         None => [-1.0, -1.0],
     };
-    let mut buf = Vec::with_capacity(56);
-    for v in enc(mine.node).into_iter().chain(enc(mine.cross)).chain([
+    let [n0, n1] = enc(mine.node);
+    let [c0, c1] = enc(mine.cross);
+    let figures = [
+        n0,
+        n1,
+        c0,
+        c1,
         mine.quantize_per_s,
         mine.dequantize_per_s,
         mine.seconds,
-    ]) {
-        buf.extend_from_slice(&v.to_le_bytes());
-    }
-    let all = c.all_gather_v(world, Bytes::from(buf))?;
-    let mut rows = Vec::with_capacity(all.len());
-    for b in &all {
-        if b.len() != 56 {
-            return Err(ZeroError::Invalid(format!(
-                "a rank's probe figures are {} bytes, not 56: every rank must run the same \
-                 zeropp version",
-                b.len()
-            )));
-        }
-        let row: Vec<f64> = b
-            .chunks_exact(8)
-            .map(decode_f64)
-            .collect::<Result<_, _>>()?;
-        rows.push(row);
-    }
+    ];
+    let rows = gathered(c, world, &figures)?;
     let min = |i: usize| rows.iter().map(|r| r[i]).fold(f64::INFINITY, f64::min);
     let max = |i: usize| rows.iter().map(|r| r[i]).fold(0f64, f64::max);
     let link = |i: usize, ours: Option<Link>| {
