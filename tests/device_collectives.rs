@@ -353,9 +353,10 @@ where
 }
 
 /// qwZ on weight differences over 4 gathers (a refresh, then int4 or int8
-/// differences of bf16 shards that move a little each time) on every rank
-/// of a `nodes` x `g` job with quantizer `q`: each rank's weights after each
-/// gather, and its bytes.
+/// differences of bf16 shards that move a little each time), each followed
+/// by a backward gather served from the references (hpZ over the node), on
+/// every rank of a `nodes` x `g` job with quantizer `q`: each rank's weights
+/// after each gather, forward then backward, and its bytes.
 fn delta_gathers<Q>(nodes: usize, g: usize, bits: u32, q: Q) -> Vec<(Vec<Vec<u16>>, Traffic)>
 where
     Q: HostKernels + Copy + Send + 'static,
@@ -366,6 +367,7 @@ where
             delta: plan::weight_format(bits, 64).unwrap(),
             refresh_every: 100,
             fp32: false,
+            hpz: true,
         };
         let world = nodes * g;
         let mut reference = None;
@@ -389,6 +391,19 @@ where
             )
             .unwrap();
             seen.push(out.iter().map(|v| v.to_bits()).collect());
+            let mut back = vec![half::bf16::ZERO; chunk * world];
+            delta::gather::<_, _, half::bf16>(
+                &q,
+                mover,
+                layout,
+                wire,
+                &mut reference,
+                &shard.as_slice(),
+                &mut back.as_mut_slice(),
+                Phase::BackwardGather,
+            )
+            .unwrap();
+            seen.push(back.iter().map(|v| v.to_bits()).collect());
         }
         (seen, counter.traffic())
     })
@@ -401,8 +416,21 @@ fn weight_differences_gather_the_same_weights_on_every_backend() {
         let emulated = delta_gathers(nodes, g, bits, Emulated);
         let what = format!("{nodes} x {g}, int{bits} differences");
         assert_eq!(host, emulated, "{what}");
-        for (rank, (seen, _)) in host.iter().enumerate() {
+        for (rank, (seen, traffic)) in host.iter().enumerate() {
             assert_eq!(seen, &host[0].0, "{what}: rank {rank}");
+            // The backward gather delivers the forward's weights, from the
+            // references inside the node: nothing of it crosses nodes.
+            for pair in seen.chunks(2) {
+                assert_eq!(pair[0], pair[1], "{what}: rank {rank} backward");
+            }
+            assert_eq!(traffic.backward_gather.total.inter_node, 0, "{what}");
+            if g > 1 {
+                assert_eq!(
+                    traffic.backward_gather.total.intra_node,
+                    traffic.forward_gather.total.intra_node,
+                    "{what}: the node hop moves the same bytes forward and backward"
+                );
+            }
         }
     }
 }

@@ -250,6 +250,10 @@ fn compare_gives_the_same_loss_for_far_fewer_bytes_across_nodes() {
         assert_eq!(zpp["switches"]["qwz_bits"], 8, "{zpp}");
         assert_eq!(zpp["kept_bytes"]["qwz_references"], 0, "{zpp}");
         assert!(
+            zpp["kept_bytes"]["hpz_secondary"].as_u64().unwrap() > 0,
+            "int8 secondary shards: {zpp}"
+        );
+        assert!(
             zpp["kept_bytes"]["qgz_residuals"].as_u64().unwrap() > 0,
             "{zpp}"
         );
@@ -264,7 +268,8 @@ const MAX_BEYOND_RATIO: f64 = 0.13;
 #[test]
 fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_loss() {
     // Each rank keeps references of N = 2 shards of every unit: about half
-    // the model in f32 (padding aside).
+    // the model in bf16 (padding aside), which are hpZ's secondary shard
+    // too: no second copy.
     compare_seeds("defaults", &[], MAX_BEYOND_RATIO, &|zpp| {
         let s = &zpp["switches"];
         assert_eq!(
@@ -273,7 +278,8 @@ fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_l
             "{zpp}"
         );
         let kept = zpp["kept_bytes"]["qwz_references"].as_f64().unwrap();
-        let half_model = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
+        let half_model = zpp["params"].as_f64().unwrap() * 2.0 / 2.0;
+        assert_eq!(zpp["kept_bytes"]["hpz_secondary"], 0, "{zpp}");
         assert!(
             (1.0..1.5).contains(&(kept / half_model)),
             "references of {kept} bytes for {zpp}"

@@ -28,7 +28,7 @@ pub use model::{Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
-use zeropp_zero::host::{Host, HostMover};
+use zeropp_zero::host::{Host, HostMover, Kept};
 use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use zeropp_zero::qgz::Reduction;
@@ -84,7 +84,7 @@ struct ShardedUnit {
     /// qwZ on weight differences: this rank's references of its cross
     /// group's shards (`zero::delta`); `None` until the first gather and
     /// after a load. Used on the communication thread.
-    reference: Arc<Mutex<Option<delta::Reference<Vec<f32>>>>>,
+    reference: Arc<Mutex<Option<delta::Reference<Kept>>>>,
 }
 
 impl ShardedUnit {
@@ -163,8 +163,14 @@ pub struct UnitShard {
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct KeptBytes {
     /// qwZ on weight differences: the references of the cross group's
-    /// shards (f32, 1/G of the model).
+    /// shards (1/G of the model; bf16 behind a bf16 hop inside the node,
+    /// else f32). With hpZ over the node they are its secondary shard too.
     pub qwz_references: u64,
+    /// hpZ's secondary shards, held from each forward gather to the
+    /// optimizer step (1/H of the model in the form the weights travelled);
+    /// 0 where qwZ's references are the secondary shard.
+    #[serde(default)]
+    pub hpz_secondary: u64,
     /// qgZ's error feedback (compressed).
     pub qgz_residuals: u64,
     /// Islands: the outer state (anchor, outer momentum, the exchange's
@@ -409,7 +415,26 @@ impl Engine {
         if let Some(run) = &self.islands {
             k.outer_state = run.outer_bytes() as u64;
         }
+        k.hpz_secondary = self.secondary_bytes();
         k
+    }
+
+    /// Bytes of the hpZ secondary shards one step holds (a run of W/H
+    /// chunks of every unit, as they travelled).
+    fn secondary_bytes(&self) -> u64 {
+        let plan = &self.plan;
+        let chunk_bytes = |chunk: usize| match plan.weights {
+            _ if !plan.hpz => 0,
+            WeightWire::Delta(d) if d.hpz => 0,
+            WeightWire::Quantized(f) => f.total_bytes(chunk),
+            w if w.fp32() => chunk * 4,
+            _ => chunk * 2,
+        };
+        let k = hpz::secondary_chunks(plan.layout.world(), plan.hpz_group);
+        self.units
+            .iter()
+            .map(|su| (k * chunk_bytes(su.chunk)) as u64)
+            .sum()
     }
 
     /// Parameters of the model (unpadded).
@@ -446,7 +471,7 @@ impl Engine {
                     &mover,
                     layout,
                     delta_wire,
-                    &mut reference,
+                    &mut *reference,
                     &mine.as_slice(),
                     &mut full.as_mut_slice(),
                     phase,
@@ -504,10 +529,21 @@ impl Engine {
         }))
     }
 
-    /// This rank's hpZ secondary shard of unit `u`'s forward gather.
-    fn keep_secondary(&self, u: usize, gathered: &Gathered) -> Result<Secondary, ZeroError> {
+    /// This rank's hpZ secondary shard of unit `u`'s forward gather; none
+    /// where qwZ's references of weight differences are that shard
+    /// (`DeltaWire::hpz`: the backward gather is served from them).
+    fn keep_secondary(
+        &self,
+        u: usize,
+        gathered: &Gathered,
+    ) -> Result<Option<Secondary>, ZeroError> {
         let (layout, h) = (self.plan.layout, self.plan.hpz_group);
-        Ok(match gathered {
+        if let WeightWire::Delta(wire) = self.plan.weights
+            && wire.hpz
+        {
+            return Ok(None);
+        }
+        Ok(Some(match gathered {
             Gathered::Payloads(p) => Secondary::Payloads(hpz::keep_secondary(p, h, layout.local())),
             Gathered::Full(full) => {
                 let (chunk, fp32) = (self.units[u].chunk, self.plan.weights.fp32());
@@ -522,32 +558,34 @@ impl Engine {
             Gathered::Quantized { chunks, .. } => {
                 Secondary::Quantized(Arc::new(hpz::keep_quantized(&Host, layout, chunks, h)?))
             }
-        })
+        }))
     }
 
-    /// Decodes gathered weights into unit `u`'s full weights.
-    fn decode_full(&self, u: usize, gathered: &Gathered) -> Result<Vec<f32>, ZeroError> {
+    /// Decodes gathered weights into unit `u`'s full weights (the full
+    /// weights a delta gather delivered are taken as they are).
+    fn decode_full(&self, u: usize, gathered: Gathered) -> Result<Vec<f32>, ZeroError> {
         let su = &self.units[u];
-        let mut full = vec![0f32; su.padded];
-        match gathered {
+        let layout = self.plan.layout;
+        Ok(match gathered {
+            Gathered::Full(f) => f,
             Gathered::Payloads(p) => {
-                let fp32 = self.plan.weights.fp32();
-                qwz::decode_plain(p, fp32, su.chunk, &mut full)?
+                let mut full = vec![0f32; su.padded];
+                qwz::decode_plain(&p, self.plan.weights.fp32(), su.chunk, &mut full)?;
+                full
             }
-            Gathered::Full(f) => full.copy_from_slice(f),
             Gathered::Quantized { chunks, rank_order } => {
-                let layout = self.plan.layout;
                 let position = |r| {
-                    if *rank_order {
+                    if rank_order {
                         r
                     } else {
                         qwz::gathered_position(layout, r)
                     }
                 };
-                qwz::dequantize_all(&Host, chunks, position, &mut full.as_mut_slice())?;
+                let mut full = vec![0f32; su.padded];
+                qwz::dequantize_all(&Host, &chunks, position, &mut full.as_mut_slice())?;
+                full
             }
-        }
-        Ok(full)
+        })
     }
 
     /// Starts reduce-scattering unit `u`'s flat gradient; the result is the
@@ -662,7 +700,8 @@ impl Engine {
                     .lock()
                     .map_err(|_| ZeroError::Poisoned("qwZ reference"))?
                     .as_ref()
-                    .map(|r| r.saved(self.plan.layout));
+                    .map(|r| r.saved(self.plan.layout))
+                    .transpose()?;
                 Ok(UnitShard {
                     layout,
                     master: su.master.clone(),
@@ -740,10 +779,10 @@ impl Engine {
             );
         }
         self.restart_references();
-        if matches!(self.plan.weights, WeightWire::Delta(_)) {
+        if let WeightWire::Delta(wire) = self.plan.weights {
             let parts = self.gather_saved_references(&saved)?;
             for (su, parts) in self.units.iter().zip(parts) {
-                let rebuilt = parts.and_then(|p| delta::Reference::from_saved(&p));
+                let rebuilt = parts.and_then(|p| delta::Reference::from_saved(&p, wire));
                 if let (Some(r), Ok(mut slot)) = (rebuilt, su.reference.lock()) {
                     *slot = Some(r);
                 }

@@ -68,8 +68,7 @@ impl Engine {
         let mut tied = Tied::default();
         for u in 0..self.units.len() {
             let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
-            let full = self.decode_full(u, &payloads)?;
-            drop(payloads);
+            let full = self.decode_full(u, payloads)?;
             let mut params = self.full_params(u, full)?;
             tied.apply(tie, u, &mut params);
             x = model.forward(u, &params, &x)?;
@@ -131,9 +130,9 @@ impl Engine {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
             if self.plan.hpz {
-                self.units[u].secondary = Some(self.keep_secondary(u, &payloads)?);
+                self.units[u].secondary = self.keep_secondary(u, &payloads)?;
             }
-            let full = self.decode_full(u, &payloads)?;
+            let full = self.decode_full(u, payloads)?;
             let mut params = self.full_params(u, full)?;
             tied.apply(tie, u, &mut params);
             saved.push(x.clone());
@@ -167,8 +166,7 @@ impl Engine {
             if u > 0 {
                 pending = Some(self.start_backward_gather(u - 1)?);
             }
-            let full = self.decode_full(u, &payloads)?;
-            drop(payloads);
+            let full = self.decode_full(u, payloads)?;
             let vars = vars_from_flat(&*model, u, &full, &self.device)?;
             // The variables hold their own copy.
             drop(full);

@@ -956,16 +956,18 @@ impl AllReduceState {
 #[pyclass(frozen)]
 pub struct QwzReference {
     pub(crate) settings: DeltaSettings,
-    pub(crate) reference: Mutex<Option<delta::Reference<Vec<f32>>>>,
+    pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
     /// The same references for CUDA tensors, on their device.
-    pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceValues>>>,
+    pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceKept>>>,
 }
 
 #[pymethods]
 impl QwzReference {
     #[new]
-    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false))]
-    fn new(refresh_every: u64, fp32: bool) -> PyResult<QwzReference> {
+    /// `hpz`: hpZ over the whole node — backward gathers are served from
+    /// the references inside the node (they are hpZ's secondary shard).
+    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false, hpz=false))]
+    fn new(refresh_every: u64, fp32: bool, hpz: bool) -> PyResult<QwzReference> {
         if refresh_every == 0 {
             return Err(invalid(
                 "qwz_refresh=0: refresh the references every 1 or more forward gathers",
@@ -975,13 +977,15 @@ impl QwzReference {
             settings: DeltaSettings {
                 refresh_every,
                 fp32,
+                hpz,
             },
             reference: Mutex::new(None),
             device: Mutex::new(None),
         })
     }
 
-    /// Bytes of references held (f32).
+    /// Bytes of references held (bf16 where the hop inside the node is
+    /// bf16, else f32).
     fn reference_bytes(&self) -> usize {
         let host = self
             .reference

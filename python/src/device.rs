@@ -13,10 +13,10 @@ use zeropp_quant::QuantizedChunks;
 use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
 use zeropp_zero::delta::Reference;
-use zeropp_zero::device::DeviceValues;
+use zeropp_zero::device::DeviceKept;
 use zeropp_zero::device_job::{
     ChunksOf, Device, DeviceAllReduce, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter,
-    ValuesOf,
+    KeptOf,
 };
 use zeropp_zero::emulated::EmulatedDevice;
 use zeropp_zero::fsdp::Gather;
@@ -31,7 +31,7 @@ pub(crate) trait DeviceState: Device + Sized {
     /// qgZ's error feedback on this device.
     fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
     /// qwZ's references on this device.
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<ValuesOf<Self>>>>;
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<KeptOf<Self>>>>;
     /// The replicate all-reduce's error feedback on this device.
     fn replica_feedback(s: &AllReduceState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
 }
@@ -43,7 +43,7 @@ impl DeviceState for Gpu {
         &s.feedback.device
     }
 
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceValues>>> {
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceKept>>> {
         &r.device
     }
 
@@ -61,7 +61,7 @@ impl DeviceState for EmulatedDevice {
 
     /// The emulated device's memory is the host's: the host path's
     /// references (one process sends CPU tensors down one path).
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<Vec<f32>>>> {
+    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<zeropp_zero::host::Kept>>> {
         &r.reference
     }
 

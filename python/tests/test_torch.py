@@ -164,7 +164,7 @@ def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
 def test_enable_serves_models_that_fsdp2_already_sharded():
     p = torchrun(WORKERS / "enable.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 11, p.stdout
+    assert len(oks) == 12, p.stdout
 
 
 def test_islands_outer_sync_is_diloco_over_shards(tmp_path):

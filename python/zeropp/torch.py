@@ -497,21 +497,33 @@ class _Done(dist.Work):
         return True
 
 
-class ZeroppAllGather(AllGather):
-    """FSDP2's all-gather through zeropp: qwZ over the world, a plain ring
-    inside the hpZ group in backward."""
+def _references_serve_backward(switches, ranks_per_node):
+    s = switches
+    delta = bool(s.get("qwz_delta") and s["qwz_bits"])
+    return delta and s["hpz"] and (s["hpz_group"] or ranks_per_node) == ranks_per_node
 
-    def __init__(self, zjob, switches):
+
+class ZeroppAllGather(AllGather):
+    """FSDP2's all-gather through zeropp: qwZ over the world; in backward,
+    inside the node from qwZ's references (hpZ with weight differences) or
+    a plain ring inside the hpZ group."""
+
+    def __init__(self, zjob, switches, ranks_per_node=None):
         self._job = zjob
         self.settings = (zjob, dict(switches))
         self._qwz_bits = switches["qwz_bits"]
         self._block = switches["block"]
         # qwZ on weight differences: this group's references of the shards
-        # its cross-node peers own (held in Rust, f32, 1/G of the group).
+        # its cross-node peers own (held in Rust, 1/G of the group, bf16
+        # where the gather's dtype is); with hpZ over the whole node they
+        # are its secondary shard and serve the backward gather.
         self.qwz_reference = None
         if switches.get("qwz_delta") and switches["qwz_bits"]:
+            g = ranks_per_node or self._job.ranks_per_node
             self.qwz_reference = _zeropp.QwzReference(
-                refresh_every=switches["qwz_refresh"], fp32=switches["fp32_comm"]
+                refresh_every=switches["qwz_refresh"],
+                fp32=switches["fp32_comm"],
+                hpz=_references_serve_backward(switches, g),
             )
 
     def allocate(self, size, *, dtype, device):
@@ -874,11 +886,21 @@ class _Served:
         _switches_used[mode] = resolved
 
     def hpz_group(self):
-        """The ranks of the shard dimension sharing a secondary shard, or
-        None (hpZ off, or a group as large as the dimension)."""
+        """The ranks of the shard dimension sharing a secondary shard FSDP2
+        keeps, or None (hpZ off, a group as large as the dimension, or qwZ's
+        references of weight differences are the secondary shard)."""
+        if self.references_serve_backward():
+            return None
         s = self.switches
         h = s["hpz_group"] if s["hpz"] else None
         return h if h is not None and 1 < h < len(self.shard_ranks) else None
+
+    def references_serve_backward(self):
+        """hpZ over the whole node with qwZ on weight differences: the
+        references (1/G of each group, in the gather's dtype) are the
+        secondary shard, and the backward all-gather is served from them
+        inside the node — FSDP2 keeps no second copy after forward."""
+        return _references_serve_backward(self.switches, self.ranks_per_node)
 
     def keep_secondary(self, reshard_after_forward):
         """Registers the hpZ groups of FSDP2's ``reshard_after_forward=<int>``
@@ -900,7 +922,7 @@ class _Served:
 
     def collectives(self):
         return (
-            ZeroppAllGather(self.job, self.switches),
+            ZeroppAllGather(self.job, self.switches, self.ranks_per_node),
             ZeroppReduceScatter(self.job, self.switches, seed=self.seed, replicate=self.replicate),
         )
 

@@ -163,7 +163,8 @@ impl Summary {
         let mut line = format!(
             "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB \
              across nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; \
-             kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3})",
+             kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3}, hpZ secondary \
+             shards {:.3})",
             self.initial_loss,
             self.final_loss,
             self.val_loss,
@@ -172,9 +173,13 @@ impl Summary {
             self.bytes_per_step.intra_node / 1e6,
             self.peak_rss_bytes.iter().min().copied().unwrap_or(0) as f64 / 1e6,
             self.peak_rss_bytes.iter().max().copied().unwrap_or(0) as f64 / 1e6,
-            (self.kept_bytes.qwz_references + self.kept_bytes.qgz_residuals) as f64 / 1e6,
+            (self.kept_bytes.qwz_references
+                + self.kept_bytes.qgz_residuals
+                + self.kept_bytes.hpz_secondary) as f64
+                / 1e6,
             self.kept_bytes.qwz_references as f64 / 1e6,
             self.kept_bytes.qgz_residuals as f64 / 1e6,
+            self.kept_bytes.hpz_secondary as f64 / 1e6,
         );
         if let Some(i) = &self.islands {
             line += &format!(

@@ -37,6 +37,38 @@ pub trait Quantizer {
     /// `len` zeros.
     fn values(&self, len: usize) -> Result<Self::Values, ZeroError>;
 
+    /// Values kept from one call to the next (qwZ's references): in f32,
+    /// or in bf16 where everything they feed travels in bf16 (half the
+    /// bytes, and nothing the receivers see changes).
+    type Kept;
+
+    /// `len` zeros to keep, in bf16 (`bf16`) or f32.
+    fn kept(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError>;
+
+    /// Bytes a kept buffer holds.
+    fn kept_bytes(&self, k: &Self::Kept) -> usize;
+
+    /// `k[at_k..at_k + len]` in f32 into `out[at..]`.
+    fn load_kept(
+        &self,
+        k: &Self::Kept,
+        at_k: usize,
+        out: &mut Self::Values,
+        at: usize,
+        len: usize,
+    ) -> Result<(), ZeroError>;
+
+    /// `x[at..at + len]` into `k[at_k..]` (rounded to nearest even where
+    /// `k` is bf16).
+    fn store_kept(
+        &self,
+        x: &Self::Values,
+        at: usize,
+        k: &mut Self::Kept,
+        at_k: usize,
+        len: usize,
+    ) -> Result<(), ZeroError>;
+
     /// Values in a caller's tensor.
     fn tensor_len<T: GpuElement>(&self, x: &Self::Tensor<'_, T>) -> usize;
 
@@ -245,6 +277,33 @@ pub trait ByteMover<Q: Quantizer> {
         fp32: bool,
     ) -> Result<(), ZeroError>;
 
+    /// [`ByteMover::all_gather_values`] stored straight into a caller's
+    /// tensor: member j's values are `pieces` equal pieces, piece p going
+    /// to `out[place(j, p)..]` (rounded to `T`). By default through a
+    /// gathered buffer and `q`; the host decodes each piece in place.
+    #[allow(clippy::too_many_arguments)]
+    fn all_gather_values_placed<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Values,
+        (pieces, place): (usize, &dyn Fn(usize, usize) -> usize),
+        out: &mut Q::TensorMut<'_, T>,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        let (len, members) = (q.len(mine), self.size(hop));
+        let piece = check_pieces(len, pieces)?;
+        let mut all = q.values(members * len)?;
+        self.all_gather_values(hop, phase, mine, &mut all, fp32)?;
+        for j in 0..members {
+            for p in 0..pieces {
+                q.store_values(&all, (j * pieces + p) * piece, out, place(j, p), piece)?;
+            }
+        }
+        Ok(())
+    }
+
     /// ZeRO-3's gather: every member's `mine` (a caller's tensor) into
     /// `all` (the group's size times as long, member j's at
     /// `j · len(mine)`), the bytes as they are.
@@ -280,6 +339,16 @@ pub fn check_gather_len(mine: usize, all: usize, members: usize) -> Result<(), Z
     }
     Err(ZeroError::Invalid(format!(
         "an all-gather of {mine} values over {members} ranks does not fill {all} values"
+    )))
+}
+
+/// Checks that `len` values split into `pieces` equal pieces; their length.
+pub fn check_pieces(len: usize, pieces: usize) -> Result<usize, ZeroError> {
+    if pieces > 0 && len.is_multiple_of(pieces) {
+        return Ok(len / pieces);
+    }
+    Err(ZeroError::Invalid(format!(
+        "{len} values do not split into {pieces} equal pieces"
     )))
 }
 

@@ -20,8 +20,8 @@ use zeropp_quant::{QuantFormat, Rounding};
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
+use super::host::Kept;
 use super::plan::Layout;
-use super::qwz::gathered_position;
 use super::traffic::Phase;
 
 /// How a unit's weights cross nodes as differences.
@@ -34,22 +34,32 @@ pub struct DeltaWire {
     /// A refresh across nodes, and the hop inside the node, in f32 instead
     /// of bf16.
     pub fp32: bool,
+    /// hpZ over the whole node: a backward gather is served from the
+    /// references inside the node ([`gather_inside_node`]), which are then
+    /// hpZ's secondary shard — one copy of what the receivers hold.
+    pub hpz: bool,
 }
 
 /// What one rank keeps of one unit between gathers: its references of the
-/// N shards of its cross group (f32, node order), this rank's own at its
-/// node's place, identical on every rank that holds it.
-pub struct Reference<V> {
-    values: V,
+/// N shards of its cross group (node order), this rank's own at its node's
+/// place, identical on every rank that holds it. Kept in bf16 where the hop
+/// inside the node moves bf16 (what every consumer of the references sees
+/// then), in f32 otherwise. With hpZ over the whole node they are also
+/// hpZ's secondary shard: [`gather_inside_node`] serves the backward
+/// gather from them.
+pub struct Reference<K> {
+    kept: K,
+    bf16: bool,
     nodes: usize,
     chunk: usize,
     forwards_since_refresh: u64,
 }
 
-impl<V> Reference<V> {
-    /// Bytes it keeps (f32): N shards of a chunk, 1/G of the unit.
+impl<K> Reference<K> {
+    /// Bytes it keeps: N shards of a chunk (1/G of the unit), 2 bytes a
+    /// value in bf16, 4 in f32.
     pub fn bytes(&self) -> usize {
-        self.nodes * self.chunk * 4
+        self.nodes * self.chunk * if self.bf16 { 2 } else { 4 }
     }
 }
 
@@ -62,31 +72,41 @@ pub struct SavedReference {
     pub forwards_since_refresh: u64,
 }
 
-impl Reference<Vec<f32>> {
+impl Reference<Kept> {
     /// This rank's part, at `layout`'s node.
-    pub fn saved(&self, layout: Layout) -> SavedReference {
-        let at = layout.node() * self.chunk;
-        SavedReference {
-            own: self.values[at..at + self.chunk].to_vec(),
+    pub fn saved(&self, layout: Layout) -> Result<SavedReference, ZeroError> {
+        Ok(SavedReference {
+            own: self.kept.to_f32(layout.node() * self.chunk, self.chunk)?,
             forwards_since_refresh: self.forwards_since_refresh,
-        }
+        })
     }
 
     /// Rebuilt from the parts of every member of the cross group, in node
-    /// order: the reference each of them held when they were saved. `None`
-    /// when the parts do not make one reference (lengths or counts differ).
-    pub fn from_saved(parts: &[SavedReference]) -> Option<Self> {
+    /// order: the reference each of them held when they were saved, kept
+    /// as `wire` keeps it. `None` when the parts do not make one reference
+    /// (lengths or counts differ).
+    pub fn from_saved(parts: &[SavedReference], wire: DeltaWire) -> Option<Self> {
         let first = parts.first()?;
         let chunk = first.own.len();
         let same = parts.iter().all(|p| {
             p.own.len() == chunk && p.forwards_since_refresh == first.forwards_since_refresh
         });
+        let values: Vec<f32> = parts.iter().flat_map(|p| p.own.iter().copied()).collect();
         (same && chunk > 0).then(|| Reference {
-            values: parts.iter().flat_map(|p| p.own.iter().copied()).collect(),
+            kept: Kept::from_f32(&values, wire.keeps_bf16()),
+            bf16: wire.keeps_bf16(),
             nodes: parts.len(),
             chunk,
             forwards_since_refresh: first.forwards_since_refresh,
         })
+    }
+}
+
+impl DeltaWire {
+    /// Whether the references are kept in bf16: the hop inside the node
+    /// moves them in bf16, so the receivers never see more.
+    pub fn keeps_bf16(&self) -> bool {
+        !self.fp32
     }
 }
 
@@ -101,60 +121,127 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     m: &M,
     layout: Layout,
     wire: DeltaWire,
-    reference: &mut Option<Reference<Q::Values>>,
+    reference: &mut Option<Reference<Q::Kept>>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
     phase: Phase,
 ) -> Result<(), ZeroError> {
-    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    let nodes = layout.nodes;
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
-    let kept = reference.take().filter(|r| r.chunk == chunk);
+    let bf16 = wire.keeps_bf16();
+    if let Some(r) = reference.as_ref()
+        && wire.hpz
+        && phase == Phase::BackwardGather
+        && (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes)
+    {
+        return gather_inside_node(q, m, layout, wire, r, out, phase);
+    }
+    let kept = reference
+        .take()
+        .filter(|r| r.chunk == chunk && r.bf16 == bf16 && r.nodes == nodes);
     let refresh = match &kept {
         None => true,
         Some(r) => phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every,
     };
+    // The references in f32 for this call.
+    let mut values = q.values(nodes * chunk)?;
     let mut r = match kept {
-        Some(r) if !refresh => r,
+        Some(r) if !refresh => {
+            q.load_kept(&r.kept, 0, &mut values, 0, nodes * chunk)?;
+            r
+        }
         _ => Reference {
-            values: q.values(nodes * chunk)?,
+            kept: q.kept(nodes * chunk, bf16)?,
+            bf16,
             nodes,
             chunk,
             forwards_since_refresh: 0,
         },
     };
     // What this rank sends: its shard, less what the receivers hold of it.
+    // Behind a bf16 hop the shard is first rounded as that hop would: the
+    // bf16 references then converge to it exactly, and the rounding of
+    // the large weights of a block never sets the block's scale.
     let mut mine_now = q.values(chunk)?;
     q.load_tensor(shard, &mut mine_now, 0)?;
+    if bf16 {
+        let mut rounded = q.kept(chunk, true)?;
+        q.store_kept(&mine_now, 0, &mut rounded, 0, chunk)?;
+        q.load_kept(&rounded, 0, &mut mine_now, 0, chunk)?;
+    }
     if refresh {
         // The weights themselves, in the plain wire: every reference
         // starts from what ZeRO-3 would have gathered.
-        m.all_gather_values(Hop::Cross, phase, &mine_now, &mut r.values, wire.fp32)?;
+        m.all_gather_values(Hop::Cross, phase, &mine_now, &mut values, wire.fp32)?;
     } else {
         let mut delta = q.values(chunk)?;
-        q.copy(&r.values, layout.node() * chunk, &mut delta, 0, chunk)?;
+        q.copy(&values, layout.node() * chunk, &mut delta, 0, chunk)?;
         q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
         let mut mine = q.chunks(wire.delta, chunk, 1)?;
         q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
         let mut across = q.chunks(wire.delta, chunk, nodes)?;
         m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
         for n in 0..nodes {
-            q.dequantize_accumulate(&across, n, &mut r.values, n * chunk)?;
+            q.dequantize_accumulate(&across, n, &mut values, n * chunk)?;
         }
     }
-    // Inside the node: every local rank's references, local rank l's run
-    // of N shards at l·N, shard n of it rank n·G + l's.
-    let mut all = q.values(g * nodes * chunk)?;
-    m.all_gather_values(Hop::Node, phase, &r.values, &mut all, wire.fp32)?;
-    for rank in 0..layout.world() {
-        let at = gathered_position(layout, rank) * chunk;
-        q.store_values(&all, at, out, rank * chunk, chunk)?;
-    }
+    // Kept as the hop inside the node moves them (bf16 rounds exactly as
+    // that hop's wire does): every holder keeps the same values.
+    q.store_kept(&values, 0, &mut r.kept, 0, nodes * chunk)?;
+    inside_node(q, m, layout, &values, wire.fp32, out, phase)?;
     if phase == Phase::ForwardGather {
         r.forwards_since_refresh += 1;
     }
     *reference = Some(r);
     Ok(())
+}
+
+/// hpZ's backward gather where the hpZ group is the whole node: the
+/// weights the last forward gather delivered, from the references alone
+/// (nothing crosses nodes; the bytes of hpZ's gather of a secondary shard).
+pub fn gather_inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    wire: DeltaWire,
+    reference: &Reference<Q::Kept>,
+    out: &mut Q::TensorMut<'_, T>,
+    phase: Phase,
+) -> Result<(), ZeroError> {
+    check_hops(m, layout, "qwZ")?;
+    let len = reference.nodes * reference.chunk;
+    if reference.nodes != layout.nodes || reference.bf16 != wire.keeps_bf16() {
+        return Err(ZeroError::Invalid(format!(
+            "qwZ references of {} nodes ({}) serve no gather of {} nodes ({})",
+            reference.nodes,
+            if reference.bf16 { "bf16" } else { "f32" },
+            layout.nodes,
+            if wire.keeps_bf16() { "bf16" } else { "f32" },
+        )));
+    }
+    let mut values = q.values(len)?;
+    q.load_kept(&reference.kept, 0, &mut values, 0, len)?;
+    inside_node(q, m, layout, &values, wire.fp32, out, phase)
+}
+
+/// Inside the node: every local rank's references (`values`, N shards),
+/// local rank l's run of N shards at l·N, shard n of it rank n·G + l's,
+/// into `out` in rank order.
+fn inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    values: &Q::Values,
+    fp32: bool,
+    out: &mut Q::TensorMut<'_, T>,
+    phase: Phase,
+) -> Result<(), ZeroError> {
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    let chunk = q.len(values) / nodes.max(1);
+    // Local rank l's shard n is rank n·G + l's.
+    let place = move |l: usize, n: usize| (n * g + l) * chunk;
+    m.all_gather_values_placed(q, Hop::Node, phase, values, (nodes, &place), out, fp32)
 }
 
 #[cfg(test)]
@@ -170,6 +257,7 @@ mod tests {
             delta: crate::plan::weight_format(delta_bits, 64).unwrap(),
             refresh_every: every,
             fp32: true,
+            hpz: false,
         }
     }
 
@@ -247,6 +335,79 @@ mod tests {
         for step in 1..12 {
             let e = max_err(&outs[0][step], &truths[step]);
             assert!(e < 1e-4 && e < int8 / 2.0, "step {step}: {e} (int8 {int8})");
+        }
+    }
+
+    #[test]
+    fn references_behind_a_bf16_hop_are_kept_in_bf16_and_stay_as_close() {
+        let bf16_hop = DeltaWire {
+            fp32: false,
+            ..wire(4, 1000)
+        };
+        let (outs, truths, _) = run(12, bf16_hop, 1e-3);
+        for (rank, o) in outs.iter().enumerate() {
+            assert_eq!(o, &outs[0], "rank {rank}");
+        }
+        // What the node's bf16 hop delivers: within half a bf16 step of
+        // the weights (|w| < 0.06: 2^-10) plus int4's of one step's change.
+        for step in 0..12 {
+            let e = max_err(&outs[0][step], &truths[step]);
+            assert!(e < 2f32.powi(-10) + 1e-4, "step {step}: {e}");
+        }
+        // Weights that stop moving arrive exactly as the bf16 hop rounds
+        // them, small ones beside large ones in a block included.
+        let settled = on_ranks(2, 2, move |layout, mover| {
+            let mut reference = None;
+            let mut out = vec![0f32; 4 * CHUNK];
+            for step in 0..12 {
+                // Moving for 4 gathers (int4 differences), then still.
+                let shard = truth(layout.rank, step.min(4), 1e-3);
+                let (x, mut o) = (&shard[..], &mut out[..]);
+                let p = Phase::ForwardGather;
+                gather(
+                    &Host,
+                    mover,
+                    layout,
+                    bf16_hop,
+                    &mut reference,
+                    &x,
+                    &mut o,
+                    p,
+                )
+                .unwrap();
+            }
+            out
+        });
+        let rounded: Vec<f32> = (0..4)
+            .flat_map(|r| truth(r, 4, 1e-3))
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        assert_eq!(settled[0].0, rounded);
+        let bytes = on_ranks(2, 2, move |layout, mover| {
+            let mut reference = None;
+            let shard = truth(layout.rank, 0, 0.0);
+            let mut out = vec![0f32; 4 * CHUNK];
+            let (x, mut o) = (&shard[..], &mut out[..]);
+            let p = Phase::ForwardGather;
+            gather(
+                &Host,
+                mover,
+                layout,
+                bf16_hop,
+                &mut reference,
+                &x,
+                &mut o,
+                p,
+            )
+            .unwrap();
+            reference.map(|r| r.bytes())
+        });
+        for (b, _) in bytes {
+            assert_eq!(
+                b,
+                Some(2 * CHUNK * 2),
+                "2 shards of the cross group, in bf16"
+            );
         }
     }
 

@@ -95,11 +95,97 @@ fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
     }
 }
 
+/// Values kept on the device between calls ([`Quantizer::Kept`]).
+pub enum DeviceKept {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<half::bf16>),
+}
+
+impl DeviceKept {
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceKept::F32(s) => s.len(),
+            DeviceKept::Bf16(s) => s.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            DeviceKept::F32(s) => s.len() * 4,
+            DeviceKept::Bf16(s) => s.len() * 2,
+        }
+    }
+}
+
+fn kept_range(k: &DeviceKept, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
+    if at + len <= k.len() {
+        Ok(())
+    } else {
+        Err(super::host::out_of_range(what, at, len, k.len()))
+    }
+}
+
 impl Quantizer for Gpu {
     type Values = DeviceValues;
     type Chunks = DeviceQuantizedChunks;
     type Tensor<'a, T: GpuElement + 'a> = CudaView<'a, T>;
     type TensorMut<'a, T: GpuElement + 'a> = CudaViewMut<'a, T>;
+    type Kept = DeviceKept;
+
+    fn kept(&self, len: usize, bf16: bool) -> Result<DeviceKept, ZeroError> {
+        Ok(if bf16 {
+            DeviceKept::Bf16(self.zeros::<half::bf16>(len)?)
+        } else {
+            DeviceKept::F32(self.zeros::<f32>(len)?)
+        })
+    }
+
+    fn kept_bytes(&self, k: &DeviceKept) -> usize {
+        k.bytes()
+    }
+
+    fn load_kept(
+        &self,
+        k: &DeviceKept,
+        at_k: usize,
+        out: &mut DeviceValues,
+        at: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        kept_range(k, at_k, len, "loading kept values")?;
+        in_range(out, at, len, "loading kept values")?;
+        let mut o = out.view_mut();
+        let mut o = o.slice_mut(at..at + len);
+        match k {
+            DeviceKept::F32(s) => Gpu::copy(self, &s.slice(at_k..at_k + len), &mut o)?,
+            DeviceKept::Bf16(s) => self.widen(&s.slice(at_k..at_k + len), &mut o)?,
+        }
+        Ok(())
+    }
+
+    fn store_kept(
+        &self,
+        x: &DeviceValues,
+        at: usize,
+        k: &mut DeviceKept,
+        at_k: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        in_range(x, at, len, "keeping values")?;
+        kept_range(k, at_k, len, "keeping values")?;
+        let src = x.view();
+        let src = src.slice(at..at + len);
+        match k {
+            DeviceKept::F32(s) => Gpu::copy(self, &src, &mut s.slice_mut(at_k..at_k + len))?,
+            DeviceKept::Bf16(s) => self.narrow(&src, &mut s.slice_mut(at_k..at_k + len))?,
+        }
+        Ok(())
+    }
 
     fn tensor_len<T: GpuElement>(&self, x: &CudaView<'_, T>) -> usize {
         x.len()

@@ -47,6 +47,8 @@ pub type TensorOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::Tensor<'a, 
 pub type TensorMutOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::TensorMut<'a, T>;
 /// f32 values on device `D`.
 pub type ValuesOf<D> = <<D as Device>::Kernels as Quantizer>::Values;
+/// A device's kept values (`Quantizer::Kept`).
+pub type KeptOf<D> = <<D as Device>::Kernels as Quantizer>::Kept;
 /// Quantized chunks on device `D`.
 pub type ChunksOf<D> = <<D as Device>::Kernels as Quantizer>::Chunks;
 
@@ -267,7 +269,7 @@ pub struct DeviceGather<'a, V> {
     pub stream: usize,
     pub how: Gather,
     pub phase: Phase,
-    /// The parameter group's references on this device (`V`: its f32
+    /// The parameter group's references on this device (`V`: its kept
     /// values), for [`Gather::Delta`].
     pub reference: Option<&'a mut Option<Reference<V>>>,
 }
@@ -576,7 +578,7 @@ impl<D: Device> DeviceJob<D> {
     /// until the call returns; `c.stream` is a live stream of this device.
     pub unsafe fn all_gather<T: GpuElement>(
         &self,
-        c: DeviceGather<'_, ValuesOf<D>>,
+        c: DeviceGather<'_, KeptOf<D>>,
     ) -> Result<(), ZeroError> {
         let (rank, counter) = (self.layout.rank, &*self.counter);
         self.on_side(|side| {
@@ -856,6 +858,7 @@ mod tests {
         Some(DeltaSettings {
             refresh_every: 4,
             fp32: false,
+            hpz: false,
         })
     }
 
@@ -938,7 +941,7 @@ mod tests {
         ranks: &[usize],
         how: Gather,
         phase: Phase,
-        reference: Option<&mut Option<Reference<Vec<f32>>>>,
+        reference: Option<&mut Option<Reference<crate::host::Kept>>>,
     ) {
         let n = shard.len();
         out[at * n..(at + 1) * n].copy_from_slice(shard);

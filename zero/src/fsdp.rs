@@ -35,6 +35,9 @@ pub struct DeltaSettings {
     pub refresh_every: u64,
     /// Refreshes and the hop inside the node in f32 even for bf16 tensors.
     pub fp32: bool,
+    /// hpZ over the whole node: backward gathers are served inside the
+    /// node from the references (`DeltaWire::hpz`).
+    pub hpz: bool,
 }
 
 impl Gather {
@@ -69,6 +72,7 @@ impl Gather {
                 delta: format,
                 refresh_every: d.refresh_every,
                 fp32: d.fp32 || !bf16,
+                hpz: d.hpz,
             }),
             None => Gather::Quantized(format),
         })
@@ -88,7 +92,7 @@ pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     hop: Hop,
     how: Gather,
     phase: Phase,
-    reference: Option<&mut Option<Reference<Q::Values>>>,
+    reference: Option<&mut Option<Reference<Q::Kept>>>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
 ) -> Result<(), ZeroError> {
@@ -209,6 +213,7 @@ mod tests {
         let delta = Some(DeltaSettings {
             refresh_every: 4,
             fp32: false,
+            hpz: false,
         });
         let mut reference = None;
         for (bits, delta) in [(None, None), (Some(4), None), (Some(4), delta)] {
@@ -275,6 +280,7 @@ mod tests {
             Some(DeltaSettings {
                 refresh_every: 1,
                 fp32: false,
+                hpz: false,
             }),
             true,
         );

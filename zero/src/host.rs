@@ -6,7 +6,7 @@
 //! the job's [`CountingTransport`], for both.
 
 use zeropp_cuda::GpuElement;
-use zeropp_quant::{QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding};
+use zeropp_quant::{Element, QuantFormat, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding};
 
 use zeropp_comm::{Communicator, Group};
 
@@ -15,7 +15,7 @@ use zeropp_comm::CommError;
 
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    check_gather_len, check_scatter_len, scale_fraction,
+    check_gather_len, check_pieces, check_scatter_len, scale_fraction,
 };
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
@@ -176,14 +176,119 @@ fn check_chunk(q: &QuantizedChunks, i: usize, what: &str) -> Result<(), ZeroErro
     backend::check_chunk(shape(q), i, what)
 }
 
+/// Values kept on the host between calls ([`Quantizer::Kept`]).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Kept {
+    F32(Vec<f32>),
+    Bf16(Vec<half::bf16>),
+}
+
+impl Kept {
+    pub fn len(&self) -> usize {
+        match self {
+            Kept::F32(v) => v.len(),
+            Kept::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes it holds.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Kept::F32(v) => v.len() * 4,
+            Kept::Bf16(v) => v.len() * 2,
+        }
+    }
+
+    /// Values `at..at + len` in f32.
+    pub fn to_f32(&self, at: usize, len: usize) -> Result<Vec<f32>, ZeroError> {
+        let mut out = vec![0f32; len];
+        match self {
+            Kept::F32(v) => out.copy_from_slice(span(v, at, len, "reading kept values")?),
+            Kept::Bf16(v) => <half::bf16 as Element>::widen_slice(
+                span(v, at, len, "reading kept values")?,
+                &mut out,
+            ),
+        }
+        Ok(out)
+    }
+
+    /// `values` kept as they are (f32) or rounded to bf16.
+    pub fn from_f32(values: &[f32], bf16: bool) -> Kept {
+        if bf16 {
+            let mut v = vec![half::bf16::ZERO; values.len()];
+            <half::bf16 as Element>::narrow_slice(values, &mut v);
+            Kept::Bf16(v)
+        } else {
+            Kept::F32(values.to_vec())
+        }
+    }
+
+    pub fn is_bf16(&self) -> bool {
+        matches!(self, Kept::Bf16(_))
+    }
+}
+
 impl<K: HostKernels> Quantizer for K {
     type Values = Vec<f32>;
     type Chunks = QuantizedChunks;
     type Tensor<'a, T: GpuElement + 'a> = &'a [T];
     type TensorMut<'a, T: GpuElement + 'a> = &'a mut [T];
+    type Kept = Kept;
 
     fn values(&self, len: usize) -> Result<Vec<f32>, ZeroError> {
         Ok(vec![0.0; len])
+    }
+
+    fn kept(&self, len: usize, bf16: bool) -> Result<Kept, ZeroError> {
+        Ok(if bf16 {
+            Kept::Bf16(vec![half::bf16::ZERO; len])
+        } else {
+            Kept::F32(vec![0.0; len])
+        })
+    }
+
+    fn kept_bytes(&self, k: &Kept) -> usize {
+        k.bytes()
+    }
+
+    fn load_kept(
+        &self,
+        k: &Kept,
+        at_k: usize,
+        out: &mut Vec<f32>,
+        at: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        let out = span_mut(out, at, len, "loading kept values")?;
+        match k {
+            Kept::F32(v) => out.copy_from_slice(span(v, at_k, len, "loading kept values")?),
+            Kept::Bf16(v) => {
+                HostKernels::widen(self, span(v, at_k, len, "loading kept values")?, out)?
+            }
+        }
+        Ok(())
+    }
+
+    fn store_kept(
+        &self,
+        x: &Vec<f32>,
+        at: usize,
+        k: &mut Kept,
+        at_k: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        let x = span(x, at, len, "keeping values")?;
+        match k {
+            Kept::F32(v) => span_mut(v, at_k, len, "keeping values")?.copy_from_slice(x),
+            Kept::Bf16(v) => {
+                HostKernels::narrow(self, x, span_mut(v, at_k, len, "keeping values")?)?
+            }
+        }
+        Ok(())
     }
 
     fn len(&self, x: &Vec<f32>) -> usize {
@@ -503,6 +608,52 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
                 payload::decode_f32(b, out)?;
             } else {
                 payload::decode_bf16(b, out)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn all_gather_values_placed<T: GpuElement>(
+        &self,
+        _q: &K,
+        hop: Hop,
+        phase: Phase,
+        mine: &Vec<f32>,
+        (pieces, place): (usize, &dyn Fn(usize, usize) -> usize),
+        out: &mut &mut [T],
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        let piece = check_pieces(mine.len(), pieces)?;
+        self.counter.set_phase(phase, 0.0);
+        let wire = if fp32 {
+            payload::encode_f32(mine)
+        } else {
+            payload::encode_bf16(mine)
+        };
+        let from_each = self.comm.all_gather_v(group, wire)?;
+        let width = if fp32 { 4 } else { 2 };
+        let mut values = vec![0f32; piece];
+        for (j, b) in from_each.iter().enumerate() {
+            if b.len() != mine.len() * width {
+                return Err(CommError::Malformed(format!(
+                    "a gathered run of {} bytes where {} were due",
+                    b.len(),
+                    mine.len() * width
+                ))
+                .into());
+            }
+            for p in 0..pieces {
+                let bytes = &b[p * piece * width..(p + 1) * piece * width];
+                if fp32 {
+                    payload::decode_f32(bytes, &mut values)?;
+                } else {
+                    payload::decode_bf16(bytes, &mut values)?;
+                }
+                T::narrow_slice(
+                    &values,
+                    span_mut(out, place(j, p), piece, "a gathered piece")?,
+                );
             }
         }
         Ok(())

@@ -671,6 +671,14 @@ impl Plan {
                 layout.rank, layout.nodes, layout.ranks_per_node
             ));
         }
+        let g = layout.ranks_per_node;
+        let hpz_group = s.hpz_group.unwrap_or(g);
+        if hpz_group == 0 || !g.is_multiple_of(hpz_group) {
+            return Err(format!(
+                "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node: \
+                 use a divisor of {g}"
+            ));
+        }
         let weights = match s.qwz_bits {
             None if s.qwz_delta => {
                 return Err(
@@ -691,6 +699,9 @@ impl Plan {
                     delta: weight_format(b, s.block)?,
                     refresh_every: s.qwz_refresh as u64,
                     fp32: s.fp32_comm,
+                    // hpZ over the whole node: the references are its
+                    // secondary shard.
+                    hpz: s.hpz && hpz_group == g,
                 })
             }
             Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
@@ -718,14 +729,6 @@ impl Plan {
                 GradWire::RingBf16
             }
         };
-        let g = layout.ranks_per_node;
-        let hpz_group = s.hpz_group.unwrap_or(g);
-        if hpz_group == 0 || !g.is_multiple_of(hpz_group) {
-            return Err(format!(
-                "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node: \
-                 use a divisor of {g}"
-            ));
-        }
         Ok(Plan {
             layout,
             weights,

@@ -27,6 +27,13 @@ def groups(m):
     ]
 
 
+def post_forward_sizes(m):
+    return [
+        g.post_forward_mesh_info.shard_mesh_size if g.post_forward_mesh_info else None
+        for g in groups(m)
+    ]
+
+
 def main():
     dist.init_process_group("gloo")
     world = dist.get_world_size()
@@ -50,12 +57,18 @@ def main():
             for a, r in comms
         ),
     )
-    # hpZ: the blocks reshard after forward to the node (2 ranks); the root
-    # (FSDP2 keeps it unsharded after forward) stays as it was.
-    sizes = [
-        g.post_forward_mesh_info.shard_mesh_size if g.post_forward_mesh_info else None
-        for g in groups(m)
-    ]
+    # hpZ with the mode's weight differences: qwZ's references are the
+    # secondary shard, so FSDP2 keeps no second copy after forward (the
+    # blocks reshard to the whole mesh; the root stays unsharded).
+    sizes = post_forward_sizes(m)
+    check("hpZ keeps no second copy beside the references", sizes.count(2) == 0, f"{sizes}")
+    # Without weight differences (DeepSpeed's ZeRO++) the blocks reshard
+    # after forward to the node (2 ranks).
+    int8 = model()
+    for b in (int8[0], int8[2], int8):
+        fully_shard(b, mesh=mesh)
+    zt.enable(int8, mode="zeropp", qwz_delta=False, qwz_bits=8)
+    sizes = post_forward_sizes(int8)
     check("hpZ reshards the blocks to the node", sizes.count(2) == 2, f"{sizes}")
     zt.enable(m, mode="zeropp", qgz_intra_bits=4)
     again = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups(m)]
