@@ -357,7 +357,11 @@ where
 /// by a backward gather served from the references (hpZ over the node), on
 /// every rank of a `nodes` x `g` job with quantizer `q`: each rank's weights
 /// after each gather, forward then backward, and its bytes.
-fn delta_gathers<Q>(nodes: usize, g: usize, bits: u32, q: Q) -> Vec<(Vec<Vec<u16>>, Traffic)>
+fn delta_gathers<Q>(
+    (nodes, g, bits): (usize, usize, u32),
+    bf16_references: bool,
+    q: Q,
+) -> Vec<(Vec<Vec<u16>>, Traffic)>
 where
     Q: HostKernels + Copy + Send + 'static,
 {
@@ -368,6 +372,7 @@ where
             refresh_every: 100,
             fp32: false,
             hpz: true,
+            bf16_references,
         };
         let world = nodes * g;
         let mut reference = None;
@@ -411,10 +416,11 @@ where
 
 #[test]
 fn weight_differences_gather_the_same_weights_on_every_backend() {
-    for (nodes, g, bits) in [(2, 2, 4), (3, 2, 8), (1, 3, 4)] {
-        let host = delta_gathers(nodes, g, bits, Host);
-        let emulated = delta_gathers(nodes, g, bits, Emulated);
-        let what = format!("{nodes} x {g}, int{bits} differences");
+    let shapes = [(2, 2, 4), (3, 2, 8), (1, 3, 4)];
+    for ((nodes, g, bits), bf16_refs) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+        let host = delta_gathers((nodes, g, bits), bf16_refs, Host);
+        let emulated = delta_gathers((nodes, g, bits), bf16_refs, Emulated);
+        let what = format!("{nodes} x {g}, int{bits} differences, bf16 references {bf16_refs}");
         assert_eq!(host, emulated, "{what}");
         for (rank, (seen, traffic)) in host.iter().enumerate() {
             assert_eq!(seen, &host[0].0, "{what}: rank {rank}");

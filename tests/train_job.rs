@@ -268,7 +268,7 @@ const MAX_BEYOND_RATIO: f64 = 0.13;
 #[test]
 fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_loss() {
     // Each rank keeps references of N = 2 shards of every unit: about half
-    // the model in bf16 (padding aside), which are hpZ's secondary shard
+    // the model in f32 (padding aside), which are hpZ's secondary shard
     // too: no second copy.
     compare_seeds("defaults", &[], MAX_BEYOND_RATIO, &|zpp| {
         let s = &zpp["switches"];
@@ -278,13 +278,44 @@ fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_l
             "{zpp}"
         );
         let kept = zpp["kept_bytes"]["qwz_references"].as_f64().unwrap();
-        let half_model = zpp["params"].as_f64().unwrap() * 2.0 / 2.0;
+        let half_model = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
         assert_eq!(zpp["kept_bytes"]["hpz_secondary"], 0, "{zpp}");
         assert!(
             (1.0..1.5).contains(&(kept / half_model)),
             "references of {kept} bytes for {zpp}"
         );
     });
+}
+
+/// `--qwz-bf16-references`: the references in half the bytes, still hpZ's
+/// secondary shard, and the run trains; refused where there are none to
+/// keep or the hop inside the node is f32.
+#[test]
+fn bf16_references_halve_what_qwz_keeps() {
+    let dir = std::env::temp_dir().join(format!("zeropp-bf16-refs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (f32s, _) = train(&dir, "f32-refs", &[]);
+    let (bf16s, _) = train(&dir, "bf16-refs", &["--qwz-bf16-references", "true"]);
+    assert_eq!(bf16s["switches"]["qwz_bf16_references"], true, "{bf16s}");
+    let kept = |s: &serde_json::Value| s["kept_bytes"]["qwz_references"].as_u64().unwrap();
+    assert!(kept(&f32s) > 0);
+    assert_eq!(kept(&bf16s) * 2, kept(&f32s), "{bf16s}");
+    assert_eq!(bf16s["kept_bytes"]["hpz_secondary"], 0, "{bf16s}");
+    let (first, last) = (bf16s["initial_loss"].as_f64(), bf16s["final_loss"].as_f64());
+    assert!(last.unwrap() < 0.8 * first.unwrap(), "{bf16s}");
+    for (extra, says) in [
+        (&["--qwz-delta", "false"][..], "turn qwz_delta on"),
+        (&["--fp32-comm", "true"][..], "turn fp32_comm off"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+            .args(["train", "--steps", "1", "--qwz-bf16-references", "true"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{err}");
+    }
+    std::fs::remove_dir_all(dir).ok();
 }
 
 /// Bad input is a clear error naming what is wrong, never a panic or a hang.

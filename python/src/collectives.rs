@@ -966,8 +966,15 @@ impl QwzReference {
     #[new]
     /// `hpz`: hpZ over the whole node — backward gathers are served from
     /// the references inside the node (they are hpZ's secondary shard).
-    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false, hpz=false))]
-    fn new(refresh_every: u64, fp32: bool, hpz: bool) -> PyResult<QwzReference> {
+    /// `bf16_references`: kept in bf16 where the gather's dtype is bf16.
+    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false, hpz=false,
+                        bf16_references=false))]
+    fn new(
+        refresh_every: u64,
+        fp32: bool,
+        hpz: bool,
+        bf16_references: bool,
+    ) -> PyResult<QwzReference> {
         if refresh_every == 0 {
             return Err(invalid(
                 "qwz_refresh=0: refresh the references every 1 or more forward gathers",
@@ -978,6 +985,7 @@ impl QwzReference {
                 refresh_every,
                 fp32,
                 hpz,
+                bf16_references,
             },
             reference: Mutex::new(None),
             device: Mutex::new(None),

@@ -514,8 +514,8 @@ class ZeroppAllGather(AllGather):
         self._qwz_bits = switches["qwz_bits"]
         self._block = switches["block"]
         # qwZ on weight differences: this group's references of the shards
-        # its cross-node peers own (held in Rust, 1/G of the group, bf16
-        # where the gather's dtype is); with hpZ over the whole node they
+        # its cross-node peers own (held in Rust, 1/G of the group, f32 or
+        # with qwz_bf16_references bf16); with hpZ over the whole node they
         # are its secondary shard and serve the backward gather.
         self.qwz_reference = None
         if switches.get("qwz_delta") and switches["qwz_bits"]:
@@ -524,6 +524,7 @@ class ZeroppAllGather(AllGather):
                 refresh_every=switches["qwz_refresh"],
                 fp32=switches["fp32_comm"],
                 hpz=_references_serve_backward(switches, g),
+                bf16_references=switches.get("qwz_bf16_references", False),
             )
 
     def allocate(self, size, *, dtype, device):

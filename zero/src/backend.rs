@@ -277,31 +277,53 @@ pub trait ByteMover<Q: Quantizer> {
         fp32: bool,
     ) -> Result<(), ZeroError>;
 
-    /// [`ByteMover::all_gather_values`] stored straight into a caller's
-    /// tensor: member j's values are `pieces` equal pieces, piece p going
-    /// to `out[place(j, p)..]` (rounded to `T`). By default through a
-    /// gathered buffer and `q`; the host decodes each piece in place.
+    /// Every member's `len` kept values (`kept`; on the wire in bf16,
+    /// rounded to nearest even, or in f32 with `fp32`) stored straight
+    /// into a caller's tensor: member j's values
+    /// are `pieces` equal pieces, piece p going to `out[place(j, p)..]`
+    /// (rounded to `T`). By default through gathered f32 values and `q`;
+    /// the host sends and decodes the kept values in place.
     #[allow(clippy::too_many_arguments)]
-    fn all_gather_values_placed<T: GpuElement>(
+    fn all_gather_kept_placed<T: GpuElement>(
         &self,
         q: &Q,
         hop: Hop,
         phase: Phase,
-        mine: &Q::Values,
+        (kept, len, fp32): (&Q::Kept, usize, bool),
         (pieces, place): (usize, &dyn Fn(usize, usize) -> usize),
         out: &mut Q::TensorMut<'_, T>,
-        fp32: bool,
     ) -> Result<(), ZeroError> {
-        let (len, members) = (q.len(mine), self.size(hop));
+        let members = self.size(hop);
         let piece = check_pieces(len, pieces)?;
+        let mut mine = q.values(len)?;
+        q.load_kept(kept, 0, &mut mine, 0, len)?;
         let mut all = q.values(members * len)?;
-        self.all_gather_values(hop, phase, mine, &mut all, fp32)?;
+        self.all_gather_values(hop, phase, &mine, &mut all, fp32)?;
         for j in 0..members {
             for p in 0..pieces {
                 q.store_values(&all, (j * pieces + p) * piece, out, place(j, p), piece)?;
             }
         }
         Ok(())
+    }
+
+    /// [`ByteMover::all_gather_values`] into kept values (`kept`: the
+    /// group's size times `mine`'s length, member j's at `j · len(mine)`;
+    /// bf16 on the wire unless `fp32`, kept as `kept` keeps values). By
+    /// default through gathered f32 values; the host decodes in place.
+    fn all_gather_values_kept(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Values,
+        kept: &mut Q::Kept,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        let len = q.len(mine) * self.size(hop);
+        let mut all = q.values(len)?;
+        self.all_gather_values(hop, phase, mine, &mut all, fp32)?;
+        q.store_kept(&all, 0, kept, 0, len)
     }
 
     /// ZeRO-3's gather: every member's `mine` (a caller's tensor) into

@@ -38,6 +38,9 @@ pub struct DeltaWire {
     /// references inside the node ([`gather_inside_node`]), which are then
     /// hpZ's secondary shard — one copy of what the receivers hold.
     pub hpz: bool,
+    /// The references kept in bf16 where the hop inside the node is bf16
+    /// (half the memory of f32).
+    pub bf16_references: bool,
 }
 
 /// What one rank keeps of one unit between gathers: its references of the
@@ -103,10 +106,10 @@ impl Reference<Kept> {
 }
 
 impl DeltaWire {
-    /// Whether the references are kept in bf16: the hop inside the node
-    /// moves them in bf16, so the receivers never see more.
+    /// Whether the references are kept in bf16: asked, and the hop inside
+    /// the node moves them in bf16.
     pub fn keeps_bf16(&self) -> bool {
-        !self.fp32
+        self.bf16_references && !self.fp32
     }
 }
 
@@ -144,13 +147,8 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         None => true,
         Some(r) => phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every,
     };
-    // The references in f32 for this call.
-    let mut values = q.values(nodes * chunk)?;
     let mut r = match kept {
-        Some(r) if !refresh => {
-            q.load_kept(&r.kept, 0, &mut values, 0, nodes * chunk)?;
-            r
-        }
+        Some(r) if !refresh => r,
         _ => Reference {
             kept: q.kept(nodes * chunk, bf16)?,
             bf16,
@@ -173,23 +171,26 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     if refresh {
         // The weights themselves, in the plain wire: every reference
         // starts from what ZeRO-3 would have gathered.
-        m.all_gather_values(Hop::Cross, phase, &mine_now, &mut values, wire.fp32)?;
+        m.all_gather_values_kept(q, Hop::Cross, phase, &mine_now, &mut r.kept, wire.fp32)?;
     } else {
+        // One shard at a time in f32: the kept references are updated in
+        // place (bf16 rounds exactly as the hop inside the node does, so
+        // every holder keeps the same values).
         let mut delta = q.values(chunk)?;
-        q.copy(&values, layout.node() * chunk, &mut delta, 0, chunk)?;
+        q.load_kept(&r.kept, layout.node() * chunk, &mut delta, 0, chunk)?;
         q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
         let mut mine = q.chunks(wire.delta, chunk, 1)?;
         q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
         let mut across = q.chunks(wire.delta, chunk, nodes)?;
         m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
+        let mut shard = delta;
         for n in 0..nodes {
-            q.dequantize_accumulate(&across, n, &mut values, n * chunk)?;
+            q.load_kept(&r.kept, n * chunk, &mut shard, 0, chunk)?;
+            q.dequantize_accumulate(&across, n, &mut shard, 0)?;
+            q.store_kept(&shard, 0, &mut r.kept, n * chunk, chunk)?;
         }
     }
-    // Kept as the hop inside the node moves them (bf16 rounds exactly as
-    // that hop's wire does): every holder keeps the same values.
-    q.store_kept(&values, 0, &mut r.kept, 0, nodes * chunk)?;
-    inside_node(q, m, layout, &values, wire.fp32, out, phase)?;
+    inside_node(q, m, layout, &r, wire.fp32, out, phase)?;
     if phase == Phase::ForwardGather {
         r.forwards_since_refresh += 1;
     }
@@ -210,7 +211,6 @@ pub fn gather_inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     phase: Phase,
 ) -> Result<(), ZeroError> {
     check_hops(m, layout, "qwZ")?;
-    let len = reference.nodes * reference.chunk;
     if reference.nodes != layout.nodes || reference.bf16 != wire.keeps_bf16() {
         return Err(ZeroError::Invalid(format!(
             "qwZ references of {} nodes ({}) serve no gather of {} nodes ({})",
@@ -220,28 +220,25 @@ pub fn gather_inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             if wire.keeps_bf16() { "bf16" } else { "f32" },
         )));
     }
-    let mut values = q.values(len)?;
-    q.load_kept(&reference.kept, 0, &mut values, 0, len)?;
-    inside_node(q, m, layout, &values, wire.fp32, out, phase)
+    inside_node(q, m, layout, reference, wire.fp32, out, phase)
 }
 
-/// Inside the node: every local rank's references (`values`, N shards),
-/// local rank l's run of N shards at l·N, shard n of it rank n·G + l's,
-/// into `out` in rank order.
+/// Inside the node: every local rank's references (N shards), local rank
+/// l's run of N shards at l·N, shard n of it rank n·G + l's, into `out` in
+/// rank order.
 fn inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
     m: &M,
     layout: Layout,
-    values: &Q::Values,
+    r: &Reference<Q::Kept>,
     fp32: bool,
     out: &mut Q::TensorMut<'_, T>,
     phase: Phase,
 ) -> Result<(), ZeroError> {
-    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
-    let chunk = q.len(values) / nodes.max(1);
-    // Local rank l's shard n is rank n·G + l's.
+    let (g, chunk) = (layout.ranks_per_node, r.chunk);
     let place = move |l: usize, n: usize| (n * g + l) * chunk;
-    m.all_gather_values_placed(q, Hop::Node, phase, values, (nodes, &place), out, fp32)
+    let kept = (&r.kept, r.nodes * chunk, fp32);
+    m.all_gather_kept_placed(q, Hop::Node, phase, kept, (r.nodes, &place), out)
 }
 
 #[cfg(test)]
@@ -258,6 +255,7 @@ mod tests {
             refresh_every: every,
             fp32: true,
             hpz: false,
+            bf16_references: false,
         }
     }
 
@@ -342,6 +340,7 @@ mod tests {
     fn references_behind_a_bf16_hop_are_kept_in_bf16_and_stay_as_close() {
         let bf16_hop = DeltaWire {
             fp32: false,
+            bf16_references: true,
             ..wire(4, 1000)
         };
         let (outs, truths, _) = run(12, bf16_hop, 1e-3);

@@ -859,6 +859,7 @@ mod tests {
             refresh_every: 4,
             fp32: false,
             hpz: false,
+            bf16_references: false,
         })
     }
 

@@ -38,6 +38,8 @@ pub struct DeltaSettings {
     /// hpZ over the whole node: backward gathers are served inside the
     /// node from the references (`DeltaWire::hpz`).
     pub hpz: bool,
+    /// The references kept in bf16 where the hop inside the node is bf16.
+    pub bf16_references: bool,
 }
 
 impl Gather {
@@ -73,6 +75,7 @@ impl Gather {
                 refresh_every: d.refresh_every,
                 fp32: d.fp32 || !bf16,
                 hpz: d.hpz,
+                bf16_references: d.bf16_references,
             }),
             None => Gather::Quantized(format),
         })
@@ -214,6 +217,7 @@ mod tests {
             refresh_every: 4,
             fp32: false,
             hpz: false,
+            bf16_references: false,
         });
         let mut reference = None;
         for (bits, delta) in [(None, None), (Some(4), None), (Some(4), delta)] {
@@ -281,6 +285,7 @@ mod tests {
                 refresh_every: 1,
                 fp32: false,
                 hpz: false,
+                bf16_references: false,
             }),
             true,
         );

@@ -165,6 +165,18 @@ fn span_mut<'a, T>(
         .ok_or_else(|| out_of_range(what, at, len, n))
 }
 
+/// Checks that a member's gathered run holds the `due` bytes.
+fn check_run(b: &[u8], due: usize) -> Result<(), ZeroError> {
+    if b.len() == due {
+        return Ok(());
+    }
+    Err(CommError::Malformed(format!(
+        "a gathered run of {} bytes where {due} were due",
+        b.len()
+    ))
+    .into())
+}
+
 pub(crate) fn out_of_range(what: &str, at: usize, len: usize, have: usize) -> ZeroError {
     ZeroError::Invalid(format!(
         "{what}: values {at}..{} of a buffer of {have}",
@@ -613,36 +625,35 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn all_gather_values_placed<T: GpuElement>(
+    fn all_gather_kept_placed<T: GpuElement>(
         &self,
         _q: &K,
         hop: Hop,
         phase: Phase,
-        mine: &Vec<f32>,
+        (kept, len, fp32): (&Kept, usize, bool),
         (pieces, place): (usize, &dyn Fn(usize, usize) -> usize),
         out: &mut &mut [T],
-        fp32: bool,
     ) -> Result<(), ZeroError> {
         let group = self.group(hop);
-        let piece = check_pieces(mine.len(), pieces)?;
+        let piece = check_pieces(len, pieces)?;
+        if kept.len() != len {
+            return Err(ZeroError::Invalid(format!(
+                "gathering {len} kept values from a buffer of {}",
+                kept.len()
+            )));
+        }
         self.counter.set_phase(phase, 0.0);
-        let wire = if fp32 {
-            payload::encode_f32(mine)
-        } else {
-            payload::encode_bf16(mine)
+        let wire = match (kept, fp32) {
+            (Kept::F32(v), true) => payload::encode_f32(v),
+            (Kept::F32(v), false) => payload::encode_bf16(v),
+            (Kept::Bf16(v), true) => payload::encode_f32(v),
+            (Kept::Bf16(v), false) => payload::encode_bf16(v),
         };
         let from_each = self.comm.all_gather_v(group, wire)?;
         let width = if fp32 { 4 } else { 2 };
         let mut values = vec![0f32; piece];
         for (j, b) in from_each.iter().enumerate() {
-            if b.len() != mine.len() * width {
-                return Err(CommError::Malformed(format!(
-                    "a gathered run of {} bytes where {} were due",
-                    b.len(),
-                    mine.len() * width
-                ))
-                .into());
-            }
+            check_run(b, len * width)?;
             for p in 0..pieces {
                 let bytes = &b[p * piece * width..(p + 1) * piece * width];
                 if fp32 {
@@ -655,6 +666,39 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
                     span_mut(out, place(j, p), piece, "a gathered piece")?,
                 );
             }
+        }
+        Ok(())
+    }
+
+    fn all_gather_values_kept(
+        &self,
+        q: &K,
+        hop: Hop,
+        phase: Phase,
+        mine: &Vec<f32>,
+        kept: &mut Kept,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        let len = mine.len();
+        check_gather_len(len, kept.len(), group.size())?;
+        self.counter.set_phase(phase, 0.0);
+        let wire = if fp32 {
+            payload::encode_f32(mine)
+        } else {
+            payload::encode_bf16(mine)
+        };
+        let from_each = self.comm.all_gather_v(group, wire)?;
+        let width = if fp32 { 4 } else { 2 };
+        let mut values = vec![0f32; len];
+        for (j, b) in from_each.iter().enumerate() {
+            check_run(b, len * width)?;
+            if fp32 {
+                payload::decode_f32(b, &mut values)?;
+            } else {
+                payload::decode_bf16(b, &mut values)?;
+            }
+            q.store_kept(&values, 0, kept, j * len, len)?;
         }
         Ok(())
     }

@@ -201,6 +201,11 @@ macro_rules! with_switches {
             /// Values per quantization block of qgZ's hop across nodes.
             /// Unset: 64 in zeropp mode, else qgz_block.
             qgz_inter_block: Option<usize> as Option<usize> = None,
+            /// qwZ's references of weight differences kept in bf16 instead
+            /// of f32 (with qwz_delta, behind the bf16 hop inside the node):
+            /// half their memory, for weights a little further from the
+            /// master's (docs/TRAINING.md measures the loss).
+            qwz_bf16_references: bool as bool = false,
         }
     };
 }
@@ -262,6 +267,7 @@ impl Switches {
             qwz_refresh: DEFAULT_QWZ_REFRESH,
             qgz_hadamard: false,
             qgz_inter_block: None,
+            qwz_bf16_references: false,
         }
     }
 
@@ -287,6 +293,7 @@ impl Switches {
             qwz_refresh: DEFAULT_QWZ_REFRESH,
             qgz_hadamard: true,
             qgz_inter_block: Some(DEFAULT_QGZ_INTER_BLOCK),
+            qwz_bf16_references: false,
         }
     }
 
@@ -689,6 +696,20 @@ impl Plan {
             }
             None if s.fp32_comm => WeightWire::F32,
             None => WeightWire::Bf16,
+            _ if s.qwz_bf16_references && !(s.qwz_delta && s.qwz_bits.is_some()) => {
+                return Err(
+                    "qwz_bf16_references keeps qwZ's references of weight differences: \
+                            turn qwz_delta on (with qwz_bits), or it off"
+                        .into(),
+                );
+            }
+            _ if s.qwz_bf16_references && s.fp32_comm => {
+                return Err(
+                    "qwz_bf16_references keeps the references as the bf16 hop inside \
+                            the node moves them: turn fp32_comm off, or it off"
+                        .into(),
+                );
+            }
             Some(b) if s.qwz_delta => {
                 if s.qwz_refresh == 0 {
                     return Err("qwz_refresh=0: refresh the references every 1 or more \
@@ -702,6 +723,7 @@ impl Plan {
                     // hpZ over the whole node: the references are its
                     // secondary shard.
                     hpz: s.hpz && hpz_group == g,
+                    bf16_references: s.qwz_bf16_references,
                 })
             }
             Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),

@@ -62,6 +62,42 @@ def main():
         zt.traffic()["backward_gather"]["total"]["inter_node"] == before,
     )
 
+    # The default (weight differences, hpZ over the node): the references
+    # are hpZ's secondary shard, and a gather FSDP2 makes in backward is
+    # served from them inside the node — the forward's weights, bit for bit.
+    kept = {}
+    for bf16_refs in (False, True):
+        ag = zt.ZeroppAllGather(job, dict(default, qwz_bf16_references=bf16_refs), 2)
+        # Its own generator: the checks below keep their random inputs.
+        gen = torch.Generator().manual_seed(100 + rank)
+        shard = torch.randn(1000, generator=gen).to(torch.bfloat16)
+        forward = torch.empty(world * 1000, dtype=torch.bfloat16)
+        ag(forward, shard, world_group)
+        gathered = torch.empty_like(forward)
+
+        class InBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g, ag=ag, shard=shard, out=gathered):
+                ag(out, shard, world_group)
+                return g
+
+        before = zt.traffic()["backward_gather"]["total"]
+        InBackward.apply(torch.zeros(1, requires_grad=True)).sum().backward()
+        after = zt.traffic()["backward_gather"]["total"]
+        check(
+            f"backward gather from the references (bf16 {bf16_refs}): the forward's weights, "
+            "inside the node",
+            torch.equal(gathered, forward)
+            and after["inter_node"] == before["inter_node"]
+            and after["intra_node"] > before["intra_node"],
+        )
+        kept[bf16_refs] = ag.qwz_reference.reference_bytes()
+    check("bf16 references keep half the bytes", kept[True] * 2 == kept[False] > 0, f"{kept}")
+
     for dtype in (torch.float32, torch.bfloat16):
         grad = torch.randn(world * 777).to(dtype)
         ref = torch.empty(777, dtype=dtype)
