@@ -34,7 +34,7 @@ def serve(listener, window, counts, lock, done):
         conn.settimeout(0.5)
         buf = bytearray(CHUNK)
         view = memoryview(buf)
-        got = 0
+        got = outside = 0
         # Drain until the sender closes (its last send may end after the
         # window), or a while after the window if it never does.
         while time.time() < window[1] + 30:
@@ -49,9 +49,12 @@ def serve(listener, window, counts, lock, done):
             now = time.time()
             if window[0] <= now < window[1]:
                 got += n
+            else:
+                outside += n
         conn.close()
         with lock:
             counts[addr[0]] = counts.get(addr[0], 0) + got
+            counts["outside_window"] = counts.get("outside_window", 0) + outside
 
     while not done.is_set():
         try:
@@ -65,8 +68,9 @@ def serve(listener, window, counts, lock, done):
         t.join(timeout=max(0.0, window[1] + 31 - time.time()))
 
 
-def send(peer, port, start, stop, errors):
-    """One flow: connect, wait for the start, send until the stop."""
+def send(peer, port, start, stop, errors, late):
+    """One flow: connect, wait for the start, send until the stop; how late
+    after the start its first byte went (in `late`)."""
     payload = b"\0" * CHUNK
     deadline = time.time() + 30
     while True:
@@ -80,6 +84,7 @@ def send(peer, port, start, stop, errors):
             time.sleep(0.1)
     s.settimeout(5)
     time.sleep(max(0.0, start - time.time()))
+    late.append(round(time.time() - start, 3))
     try:
         while time.time() < stop:
             s.sendall(payload)
@@ -108,11 +113,13 @@ def main():
     listener.listen(256)
 
     window = (a.start + a.warmup, a.start + a.warmup + a.seconds)
-    counts, lock, done, errors = {}, threading.Lock(), threading.Event(), []
+    counts, lock, done, errors, late = {}, threading.Lock(), threading.Event(), [], []
     server = threading.Thread(target=serve, args=(listener, window, counts, lock, done), daemon=True)
     server.start()
     senders = [
-        threading.Thread(target=send, args=(peer, a.port, a.start, window[1], errors), daemon=True)
+        threading.Thread(
+            target=send, args=(peer, a.port, a.start, window[1], errors, late), daemon=True
+        )
         for peer in filter(None, a.to.split(","))
         for _ in range(a.flows)
     ]
@@ -127,11 +134,16 @@ def main():
     server.join(timeout=40)
     if errors:
         sys.exit("probe: " + "; ".join(errors))
+    outside = counts.pop("outside_window", 0)
     print(json.dumps({
         "node": a.node,
         "received_bytes": sum(counts.values()),
         "window_s": a.seconds,
         "from": counts,
+        # Diagnostics: bytes that arrived before or after the window, and
+        # how late after the agreed start each flow began sending.
+        "outside_window_bytes": outside,
+        "started_late_s": late,
     }))
 
 

@@ -165,7 +165,9 @@ counter() { netns_counter "$NODES" "$1"; }
 PROBE_CSV="$OUT/probe.csv"
 probe_link() {
   local rate="$1" pattern="$2" start k to
-  start=$(( $(date +%s) + 2 ))
+  # Every node starts sending at the same epoch second: far enough ahead
+  # for each node's Python to start and connect on a loaded machine.
+  start=$(( $(date +%s) + 5 ))
   local pids=()
   for k in $(seq 0 $((NODES - 1))); do
     case "$pattern" in

@@ -61,7 +61,7 @@ PY
 done
 probe="$(tail -n 1 "$out/probe.csv")"
 echo "bench-cluster selftest: probe $probe"
-python3 - "$probe" <<'PY'
+if python3 - "$probe" <<'PY'
 import sys
 f = sys.argv[1].split(",")
 mean, vs_nominal = float(f[5]), float(f[8])
@@ -69,6 +69,7 @@ assert mean > 0, f"the probe moved no data: {f}"
 # TCP payload can never exceed the shaped rate (headers take ~4% of it).
 assert vs_nominal <= 1.02, f"the link delivered {vs_nominal:.2f}x its shaped rate: tc is not shaping it ({f})"
 PY
+then :; else cat "$out"/probe-*.json >&2; exit 1; fi
 if [ -n "$python" ]; then
   # The ZeRO++ collectives' bytes, not the plan's choice: ZEROPP_PROBE=0
   # keeps mode=zeropp as it is (the one-time probe at join moved 7.3 MB
