@@ -373,6 +373,7 @@ where
             fp32: false,
             hpz: true,
             bf16_references,
+            frozen: false,
         };
         let world = nodes * g;
         let mut reference = None;

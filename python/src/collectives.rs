@@ -371,7 +371,7 @@ impl Job {
             )));
         }
         let over_world = hop == Hop::World;
-        let settings = delta.as_ref().map(|d| d.get().settings);
+        let settings = delta.as_ref().map(|d| d.get().settings());
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
         let phase = Phase::gather(backward);
@@ -955,10 +955,24 @@ impl AllReduceState {
 /// references of its cross group's shards (`zeropp_zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    pub(crate) settings: DeltaSettings,
+    settings: DeltaSettings,
+    /// No parameter of the group trains now (zeropp.torch sets it before
+    /// each gather): forward gathers of unchanged shards stay inside the
+    /// node (`DeltaWire::frozen`).
+    frozen: std::sync::atomic::AtomicBool,
     pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
     /// The same references for CUDA tensors, on their device.
     pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceKept>>>,
+}
+
+impl QwzReference {
+    /// The settings of the next gather.
+    pub(crate) fn settings(&self) -> DeltaSettings {
+        DeltaSettings {
+            frozen: self.frozen.load(std::sync::atomic::Ordering::Relaxed),
+            ..self.settings
+        }
+    }
 }
 
 #[pymethods]
@@ -986,7 +1000,9 @@ impl QwzReference {
                 fp32,
                 hpz,
                 bf16_references,
+                frozen: false,
             },
+            frozen: std::sync::atomic::AtomicBool::new(false),
             reference: Mutex::new(None),
             device: Mutex::new(None),
         })
@@ -1006,6 +1022,19 @@ impl QwzReference {
             .ok()
             .and_then(|r| r.as_ref().map(|r| r.bytes()));
         host.unwrap_or(0) + device.unwrap_or(0)
+    }
+
+    /// Whether the group's parameters are all frozen: its forward gathers
+    /// then cross nodes only where a shard changed.
+    #[getter]
+    fn get_frozen(&self) -> bool {
+        self.frozen.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    #[setter]
+    fn set_frozen(&self, frozen: bool) {
+        self.frozen
+            .store(frozen, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The next gather is a full refresh (after a checkpoint load: every

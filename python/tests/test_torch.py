@@ -167,6 +167,12 @@ def test_enable_serves_models_that_fsdp2_already_sharded():
     assert len(oks) == 12, p.stdout
 
 
+def test_frozen_weights_cross_nodes_once_and_are_never_served_stale():
+    p = torchrun(WORKERS / "frozen.py")
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    assert len(oks) == 4, p.stdout
+
+
 def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
     p = torchrun(WORKERS / "islands.py", [tmp_path / "dcp"])
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]

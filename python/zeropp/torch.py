@@ -530,7 +530,21 @@ class ZeroppAllGather(AllGather):
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def watch_frozen(self, params):
+        """The parameters this gather serves: while none of them requires a
+        gradient (a frozen base under LoRA), a forward gather whose shards
+        the receivers already hold crosses no node — frozen weights cross
+        once. A shard that changes (a state-dict load, an unfrozen weight
+        after its optimizer step) is sent again, never served stale."""
+        self._params = list(params)
+
+    def _mark_frozen(self):
+        if self.qwz_reference is not None:
+            params = getattr(self, "_params", None)
+            self.qwz_reference.frozen = bool(params) and not any(p.requires_grad for p in params)
+
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self._mark_frozen()
         if _on_device(output_tensor):
             op = self._cuda(output_tensor, input_tensor, group)
             return _device_work(op, async_op, (output_tensor, input_tensor))
@@ -931,6 +945,13 @@ class _Served:
         """zeropp's collectives on ``module`` (an FSDPModule), and on HSDP's
         mesh its all-reduce across the replicate dimension."""
         ag, rs = self.collectives()
+        ag.watch_frozen(
+            [
+                p.sharded_param
+                for g in module._get_fsdp_state()._fsdp_param_groups
+                for p in g.fsdp_params
+            ]
+        )
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
         if self.replicate is not None:

@@ -196,6 +196,18 @@ pub trait Quantizer {
         o: usize,
     ) -> Result<(), ZeroError>;
 
+    /// Whether `x[at_x..at_x + len]` and `y[at_y..]` hold the same values,
+    /// bit for bit (an answer on the host: the device's stream is waited
+    /// for).
+    fn same(
+        &self,
+        x: &Self::Values,
+        at_x: usize,
+        y: &Self::Values,
+        at_y: usize,
+        len: usize,
+    ) -> Result<bool, ZeroError>;
+
     /// `x[at_x..at_x + len] = y[at_y..at_y + len] − x[at_x..]`: what a
     /// quantization dropped, from what it kept (`x`) and what it was given
     /// (`y`).
@@ -264,6 +276,10 @@ pub trait ByteMover<Q: Quantizer> {
         mine: &Q::Chunks,
         all: &mut Q::Chunks,
     ) -> Result<(), ZeroError>;
+
+    /// Whether every member's `mine` is true (each member learns the same
+    /// answer): a byte from each across the group.
+    fn all_agree(&self, hop: Hop, phase: Phase, mine: bool) -> Result<bool, ZeroError>;
 
     /// Every member's values (`mine`) into `all` (the group's size times
     /// as many, member j's at `j · len(mine)`), on the wire in bf16 (round

@@ -41,6 +41,13 @@ pub struct DeltaWire {
     /// The references kept in bf16 where the hop inside the node is bf16
     /// (half the memory of f32).
     pub bf16_references: bool,
+    /// The caller's parameters are frozen (none trains): a forward gather
+    /// in which every shard of the cross group still equals what its
+    /// receivers hold — checked with a byte from each member — is served
+    /// from the references inside the node, so frozen weights cross the
+    /// nodes once. A shard that changed (loaded, or unfrozen and trained)
+    /// is sent as usual.
+    pub frozen: bool,
 }
 
 /// What one rank keeps of one unit between gathers: its references of the
@@ -133,18 +140,35 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
     let bf16 = wire.keeps_bf16();
+    let mut changed = false;
     if let Some(r) = reference.as_ref()
-        && wire.hpz
-        && phase == Phase::BackwardGather
         && (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes)
     {
-        return gather_inside_node(q, m, layout, wire, r, out, phase);
+        if wire.hpz && phase == Phase::BackwardGather {
+            return gather_inside_node(q, m, layout, wire, r, out, phase);
+        }
+        if wire.frozen && phase == Phase::ForwardGather {
+            // What a refresh would send now, against what the receivers
+            // hold of this rank's shard: where every shard of the cross
+            // group is unchanged, nothing crosses; where one changed (a
+            // load, an unfrozen weight), the cross group refreshes, so the
+            // next gathers of frozen weights stay inside again.
+            let now = wire_values(q, shard, !wire.fp32)?;
+            let mut held = q.values(chunk)?;
+            q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
+            let unchanged = q.same(&held, 0, &now, 0, chunk)?;
+            if m.all_agree(Hop::Cross, phase, unchanged)? {
+                return gather_inside_node(q, m, layout, wire, r, out, phase);
+            }
+            changed = true;
+        }
     }
     let kept = reference
         .take()
         .filter(|r| r.chunk == chunk && r.bf16 == bf16 && r.nodes == nodes);
     let refresh = match &kept {
         None => true,
+        Some(_) if changed => true,
         Some(r) => phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every,
     };
     let mut r = match kept {
@@ -161,13 +185,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     // Behind a bf16 hop the shard is first rounded as that hop would: the
     // bf16 references then converge to it exactly, and the rounding of
     // the large weights of a block never sets the block's scale.
-    let mut mine_now = q.values(chunk)?;
-    q.load_tensor(shard, &mut mine_now, 0)?;
-    if bf16 {
-        let mut rounded = q.kept(chunk, true)?;
-        q.store_kept(&mine_now, 0, &mut rounded, 0, chunk)?;
-        q.load_kept(&rounded, 0, &mut mine_now, 0, chunk)?;
-    }
+    let mine_now = wire_values(q, shard, bf16)?;
     if refresh {
         // The weights themselves, in the plain wire: every reference
         // starts from what ZeRO-3 would have gathered.
@@ -196,6 +214,23 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     }
     *reference = Some(r);
     Ok(())
+}
+
+/// `shard` in f32, rounded to bf16 (nearest even) where `round_bf16`.
+fn wire_values<Q: Quantizer, T: GpuElement>(
+    q: &Q,
+    shard: &Q::Tensor<'_, T>,
+    round_bf16: bool,
+) -> Result<Q::Values, ZeroError> {
+    let len = q.tensor_len(shard);
+    let mut values = q.values(len)?;
+    q.load_tensor(shard, &mut values, 0)?;
+    if round_bf16 {
+        let mut rounded = q.kept(len, true)?;
+        q.store_kept(&values, 0, &mut rounded, 0, len)?;
+        q.load_kept(&rounded, 0, &mut values, 0, len)?;
+    }
+    Ok(values)
 }
 
 /// hpZ's backward gather where the hpZ group is the whole node: the
@@ -256,6 +291,7 @@ mod tests {
             fp32: true,
             hpz: false,
             bf16_references: false,
+            frozen: false,
         }
     }
 
@@ -407,6 +443,59 @@ mod tests {
                 Some(2 * CHUNK * 2),
                 "2 shards of the cross group, in bf16"
             );
+        }
+    }
+
+    #[test]
+    fn frozen_weights_cross_once_and_a_changed_shard_is_sent_again() {
+        let frozen = DeltaWire {
+            frozen: true,
+            ..wire(4, 1000)
+        };
+        let got = on_ranks(2, 2, move |layout, mover| {
+            let mut reference = None;
+            let mut outs = Vec::new();
+            let mut crossed = Vec::new();
+            for call in 0..6 {
+                // Rank 1's shard is loaded anew before gather 3.
+                let step = usize::from(layout.rank == 1 && call >= 3);
+                let shard = truth(layout.rank, step, 1e-2);
+                let mut out = vec![0f32; 4 * CHUNK];
+                let before = mover.counter.traffic().total().inter_node;
+                let (x, mut o) = (&shard[..], &mut out[..]);
+                let p = Phase::ForwardGather;
+                gather(&Host, mover, layout, frozen, &mut reference, &x, &mut o, p).unwrap();
+                crossed.push(mover.counter.traffic().total().inter_node - before);
+                outs.push(out);
+            }
+            (outs, crossed)
+        });
+        let truths = |step: usize| -> Vec<f32> {
+            (0..4)
+                .flat_map(|r| truth(r, usize::from(r == 1) * step, 1e-2))
+                .collect()
+        };
+        for (rank, ((outs, crossed), _)) in got.iter().enumerate() {
+            // The first gather sends the weights (f32 here); the next two
+            // only a byte to the peer across; gather 3 refreshes rank 1's
+            // cross group (0 and 2 agree that nothing changed: a byte);
+            // then a byte again.
+            assert!(crossed[0] >= (CHUNK * 4) as u64, "rank {rank}: {crossed:?}");
+            assert_eq!(&crossed[1..3], &[1, 1], "rank {rank}");
+            if rank % 2 == 1 {
+                assert_eq!(
+                    crossed[3],
+                    1 + (CHUNK * 4) as u64,
+                    "rank {rank}: {crossed:?}"
+                );
+            } else {
+                assert_eq!(crossed[3], 1, "rank {rank}: {crossed:?}");
+            }
+            assert_eq!(&crossed[4..], &[1, 1], "rank {rank}");
+            for call in 0..6 {
+                let want = truths(usize::from(call >= 3));
+                assert_eq!(outs[call], want, "rank {rank}, gather {call}: never stale");
+            }
         }
     }
 

@@ -137,6 +137,22 @@ impl Quantizer for Gpu {
     type TensorMut<'a, T: GpuElement + 'a> = CudaViewMut<'a, T>;
     type Kept = DeviceKept;
 
+    fn same(
+        &self,
+        x: &DeviceValues,
+        at_x: usize,
+        y: &DeviceValues,
+        at_y: usize,
+        len: usize,
+    ) -> Result<bool, ZeroError> {
+        in_range(x, at_x, len, "comparing")?;
+        in_range(y, at_y, len, "comparing")?;
+        let (xv, yv) = (x.view(), y.view());
+        let a = self.download(&xv.slice(at_x..at_x + len))?;
+        let b = self.download(&yv.slice(at_y..at_y + len))?;
+        Ok(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()))
+    }
+
     fn kept(&self, len: usize, bf16: bool) -> Result<DeviceKept, ZeroError> {
         Ok(if bf16 {
             DeviceKept::Bf16(self.zeros::<half::bf16>(len)?)
@@ -557,6 +573,16 @@ fn shape(q: &DeviceQuantizedChunks) -> Shape {
 impl ByteMover<Gpu> for NcclMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.comm(hop).size()
+    }
+
+    fn all_agree(&self, hop: Hop, phase: Phase, mine: bool) -> Result<bool, ZeroError> {
+        let comm = self.comm(hop);
+        let gpu = self.gpu;
+        let flag = gpu.upload(&[u8::from(mine)])?;
+        let mut all = gpu.zeros::<u8>(comm.size())?;
+        comm.all_gather_bytes(&flag.as_view(), &mut all.as_view_mut())?;
+        self.count_plain(hop, phase, 1);
+        Ok(gpu.download(&all.as_view())?.iter().all(|&b| b == 1))
     }
 
     fn all_gather_values(

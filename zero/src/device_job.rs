@@ -860,6 +860,7 @@ mod tests {
             fp32: false,
             hpz: false,
             bf16_references: false,
+            frozen: false,
         })
     }
 

@@ -255,6 +255,21 @@ impl<K: HostKernels> Quantizer for K {
         Ok(vec![0.0; len])
     }
 
+    fn same(
+        &self,
+        x: &Vec<f32>,
+        at_x: usize,
+        y: &Vec<f32>,
+        at_y: usize,
+        len: usize,
+    ) -> Result<bool, ZeroError> {
+        let (x, y) = (
+            span(x, at_x, len, "comparing")?,
+            span(y, at_y, len, "comparing")?,
+        );
+        Ok(x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()))
+    }
+
     fn kept(&self, len: usize, bf16: bool) -> Result<Kept, ZeroError> {
         Ok(if bf16 {
             Kept::Bf16(vec![half::bf16::ZERO; len])
@@ -623,6 +638,18 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
             }
         }
         Ok(())
+    }
+
+    fn all_agree(&self, hop: Hop, phase: Phase, mine: bool) -> Result<bool, ZeroError> {
+        let group = self.group(hop);
+        self.counter.set_phase(phase, 0.0);
+        let each = self
+            .comm
+            .all_gather_v(group, Bytes::from(vec![u8::from(mine)]))?;
+        for b in &each {
+            check_run(b, 1)?;
+        }
+        Ok(each.iter().all(|b| b[0] == 1))
     }
 
     fn all_gather_kept_placed<T: GpuElement>(
