@@ -373,7 +373,6 @@ where
             fp32: false,
             hpz: true,
             bf16_references,
-            frozen: false,
         };
         let world = nodes * g;
         let mut reference = None;

@@ -381,6 +381,7 @@ impl Job {
             ..dim.groups.clone()
         };
         let layout = dim.layout;
+        let frozen = delta.as_ref().map(|d| d.get().frozen_ranges());
         Ok(self.submit(groups, move |mover| {
             let mut reference = match (&delta, how) {
                 (Some(state), Gather::Delta(_)) => {
@@ -388,6 +389,9 @@ impl Job {
                 }
                 _ => None,
             };
+            if let (Some(slot), Some(frozen)) = (reference.as_deref_mut(), frozen) {
+                with_frozen(slot.as_mut(), frozen)?;
+            }
             with_dtype!(dtype, T => {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
                 // FSDP2 gathers in place: read the input from a copy then,
@@ -956,22 +960,39 @@ impl AllReduceState {
 #[pyclass(frozen)]
 pub struct QwzReference {
     settings: DeltaSettings,
-    /// No parameter of the group trains now (zeropp.torch sets it before
-    /// each gather): forward gathers of unchanged shards stay inside the
-    /// node (`DeltaWire::frozen`).
-    frozen: std::sync::atomic::AtomicBool,
+    /// The ranges of this rank's shard (start, length) that hold frozen
+    /// parameters, as zeropp.torch sets them before each gather
+    /// (`Reference::set_frozen`).
+    frozen: Mutex<Vec<(usize, usize)>>,
     pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
     /// The same references for CUDA tensors, on their device.
     pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceKept>>>,
 }
 
 impl QwzReference {
-    /// The settings of the next gather.
+    /// The settings of the group's gathers.
     pub(crate) fn settings(&self) -> DeltaSettings {
-        DeltaSettings {
-            frozen: self.frozen.load(std::sync::atomic::Ordering::Relaxed),
-            ..self.settings
-        }
+        self.settings
+    }
+
+    /// The frozen ranges of the next gather's shard.
+    pub(crate) fn frozen_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        self.frozen
+            .lock()
+            .map(|f| f.iter().map(|&(at, len)| at..at + len).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// `reference`'s frozen ranges set to `frozen` (where it holds references
+/// yet: the first gather refreshes everything).
+pub(crate) fn with_frozen<K>(
+    reference: Option<&mut delta::Reference<K>>,
+    frozen: Vec<std::ops::Range<usize>>,
+) -> Result<(), ZeroError> {
+    match reference {
+        Some(r) => r.set_frozen(frozen),
+        None => Ok(()),
     }
 }
 
@@ -1000,9 +1021,8 @@ impl QwzReference {
                 fp32,
                 hpz,
                 bf16_references,
-                frozen: false,
             },
-            frozen: std::sync::atomic::AtomicBool::new(false),
+            frozen: Mutex::new(Vec::new()),
             reference: Mutex::new(None),
             device: Mutex::new(None),
         })
@@ -1024,17 +1044,18 @@ impl QwzReference {
         host.unwrap_or(0) + device.unwrap_or(0)
     }
 
-    /// Whether the group's parameters are all frozen: its forward gathers
-    /// then cross nodes only where a shard changed.
+    /// The ranges (start, length, in values) of this rank's shard that
+    /// hold frozen parameters: forward gathers then send across nodes only
+    /// the rest, while no frozen range changed.
     #[getter]
-    fn get_frozen(&self) -> bool {
-        self.frozen.load(std::sync::atomic::Ordering::Relaxed)
+    fn get_frozen(&self) -> Vec<(usize, usize)> {
+        self.frozen.lock().map(|f| f.clone()).unwrap_or_default()
     }
 
     #[setter]
-    fn set_frozen(&self, frozen: bool) {
-        self.frozen
-            .store(frozen, std::sync::atomic::Ordering::Relaxed);
+    fn set_frozen(&self, frozen: Vec<(usize, usize)>) -> PyResult<()> {
+        *self.frozen.lock().map_err(|_| to_py(poisoned()))? = frozen;
+        Ok(())
     }
 
     /// The next gather is a full refresh (after a checkpoint load: every

@@ -145,6 +145,9 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         ),
         _ => None,
     };
+    if let (Some(slot), Some(state)) = (reference.as_deref_mut(), delta) {
+        crate::collectives::with_frozen(slot.as_mut(), state.frozen_ranges())?;
+    }
     let call = DeviceGather {
         out: c.out,
         inp: c.inp,

@@ -530,21 +530,35 @@ class ZeroppAllGather(AllGather):
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def watch_frozen(self, params):
-        """The parameters this gather serves: while none of them requires a
-        gradient (a frozen base under LoRA), a forward gather whose shards
-        the receivers already hold crosses no node — frozen weights cross
-        once. A shard that changes (a state-dict load, an unfrozen weight
+    def watch_frozen(self, fsdp_params):
+        """The FSDP2 parameters this gather serves (FSDPParam, in the group's
+        order: each rank's shard is their padded shards one after the
+        other). The ranges of frozen ones (``requires_grad=False``: a base
+        under LoRA) cross nodes once: a forward gather checks with a byte
+        from each rank that holds the same shard on the other nodes that
+        none of them changed, then sends only the trainable ranges. A
+        frozen weight that changes (a state-dict load, an unfrozen weight
         after its optimizer step) is sent again, never served stale."""
-        self._params = list(params)
+        self._fsdp_params = list(fsdp_params)
 
-    def _mark_frozen(self):
-        if self.qwz_reference is not None:
-            params = getattr(self, "_params", None)
-            self.qwz_reference.frozen = bool(params) and not any(p.requires_grad for p in params)
+    def _mark_frozen(self, numel):
+        if self.qwz_reference is None:
+            return
+        ranges, at = [], 0
+        for p in getattr(self, "_fsdp_params", ()):
+            n = p.padded_sharded_param_size.numel()
+            if n and not p.sharded_param.requires_grad:
+                if ranges and ranges[-1][0] + ranges[-1][1] == at:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+                else:
+                    ranges.append((at, n))
+            at += n
+        # Another layout than FSDP2's plain one (an extension's all-gather
+        # inputs): nothing is taken for frozen.
+        self.qwz_reference.frozen = ranges if at == numel else []
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        self._mark_frozen()
+        self._mark_frozen(input_tensor.numel())
         if _on_device(output_tensor):
             op = self._cuda(output_tensor, input_tensor, group)
             return _device_work(op, async_op, (output_tensor, input_tensor))
@@ -946,11 +960,7 @@ class _Served:
         mesh its all-reduce across the replicate dimension."""
         ag, rs = self.collectives()
         ag.watch_frozen(
-            [
-                p.sharded_param
-                for g in module._get_fsdp_state()._fsdp_param_groups
-                for p in g.fsdp_params
-            ]
+            [p for g in module._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params]
         )
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)

@@ -15,6 +15,8 @@
 //! device alike (SDP4Bit, NeurIPS 2024, quantizes weight differences the
 //! same way).
 
+use std::ops::Range;
+
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, Rounding};
 
@@ -41,13 +43,6 @@ pub struct DeltaWire {
     /// The references kept in bf16 where the hop inside the node is bf16
     /// (half the memory of f32).
     pub bf16_references: bool,
-    /// The caller's parameters are frozen (none trains): a forward gather
-    /// in which every shard of the cross group still equals what its
-    /// receivers hold — checked with a byte from each member — is served
-    /// from the references inside the node, so frozen weights cross the
-    /// nodes once. A shard that changed (loaded, or unfrozen and trained)
-    /// is sent as usual.
-    pub frozen: bool,
 }
 
 /// What one rank keeps of one unit between gathers: its references of the
@@ -63,9 +58,38 @@ pub struct Reference<K> {
     nodes: usize,
     chunk: usize,
     forwards_since_refresh: u64,
+    /// The ranges of each shard that hold frozen parameters (the same on
+    /// every rank: FSDP2 lays every rank's shard out alike), set by the
+    /// caller before a gather ([`Reference::set_frozen`]).
+    frozen: Vec<Range<usize>>,
 }
 
 impl<K> Reference<K> {
+    /// The ranges of each shard (sorted, apart, inside the shard) that hold
+    /// frozen parameters: a forward gather checks, with a byte from each
+    /// member of the cross group, that none of them changed, then sends
+    /// only the rest — frozen weights cross the nodes once. Where one did
+    /// change (a load, an unfrozen weight), the cross group refreshes.
+    pub fn set_frozen(
+        &mut self,
+        frozen: impl IntoIterator<Item = Range<usize>>,
+    ) -> Result<(), ZeroError> {
+        let frozen: Vec<Range<usize>> = frozen.into_iter().collect();
+        let mut end = 0;
+        for r in &frozen {
+            if r.start < end || r.end > self.chunk || r.start >= r.end {
+                return Err(ZeroError::Invalid(format!(
+                    "frozen ranges {frozen:?} do not lie sorted and apart inside a shard of {} \
+                     values",
+                    self.chunk
+                )));
+            }
+            end = r.end;
+        }
+        self.frozen = frozen;
+        Ok(())
+    }
+
     /// Bytes it keeps: N shards of a chunk (1/G of the unit), 2 bytes a
     /// value in bf16, 4 in f32.
     pub fn bytes(&self) -> usize {
@@ -108,6 +132,7 @@ impl Reference<Kept> {
             nodes: parts.len(),
             chunk,
             forwards_since_refresh: first.forwards_since_refresh,
+            frozen: Vec::new(),
         })
     }
 }
@@ -141,28 +166,32 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     let chunk = q.tensor_len(shard);
     let bf16 = wire.keeps_bf16();
     let mut changed = false;
-    if let Some(r) = reference.as_ref()
+    if let Some(r) = reference.as_mut()
         && (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes)
     {
         if wire.hpz && phase == Phase::BackwardGather {
             return gather_inside_node(q, m, layout, wire, r, out, phase);
         }
-        if wire.frozen && phase == Phase::ForwardGather {
-            // What a refresh would send now, against what the receivers
-            // hold of this rank's shard: where every shard of the cross
-            // group is unchanged, nothing crosses; where one changed (a
-            // load, an unfrozen weight), the cross group refreshes, so the
-            // next gathers of frozen weights stay inside again.
+        if !r.frozen.is_empty() && phase == Phase::ForwardGather {
+            // The frozen ranges as a refresh would send them now, against
+            // what the receivers hold of this rank's shard.
             let now = wire_values(q, shard, !wire.fp32)?;
             let mut held = q.values(chunk)?;
             q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
-            let unchanged = q.same(&held, 0, &now, 0, chunk)?;
+            let mut unchanged = true;
+            for f in &r.frozen {
+                unchanged &= q.same(&held, f.start, &now, f.start, f.len())?;
+            }
             if m.all_agree(Hop::Cross, phase, unchanged)? {
-                return gather_inside_node(q, m, layout, wire, r, out, phase);
+                return gather_trainable(q, m, layout, wire, r, shard, out);
             }
             changed = true;
         }
     }
+    let frozen = reference
+        .as_ref()
+        .map(|r| r.frozen.clone())
+        .unwrap_or_default();
     let kept = reference
         .take()
         .filter(|r| r.chunk == chunk && r.bf16 == bf16 && r.nodes == nodes);
@@ -179,6 +208,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             nodes,
             chunk,
             forwards_since_refresh: 0,
+            frozen: frozen.into_iter().filter(|f| f.end <= chunk).collect(),
         },
     };
     // What this rank sends: its shard, less what the receivers hold of it.
@@ -213,6 +243,87 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         r.forwards_since_refresh += 1;
     }
     *reference = Some(r);
+    Ok(())
+}
+
+/// A forward gather in which no frozen range of the cross group changed:
+/// only the trainable ranges cross nodes (as differences, or refreshed when
+/// their period is due), packed one after the other; the frozen ranges are
+/// served from the references as they are. With nothing trainable, nothing
+/// crosses.
+fn gather_trainable<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    wire: DeltaWire,
+    r: &mut Reference<Q::Kept>,
+    shard: &Q::Tensor<'_, T>,
+    out: &mut Q::TensorMut<'_, T>,
+) -> Result<(), ZeroError> {
+    let phase = Phase::ForwardGather;
+    let (nodes, chunk) = (r.nodes, r.chunk);
+    let mut trainable = Vec::new();
+    let mut at = 0;
+    for f in r.frozen.iter().chain(std::iter::once(&(chunk..chunk))) {
+        if f.start > at {
+            trainable.push(at..f.start);
+        }
+        at = f.end;
+    }
+    let len: usize = trainable.iter().map(|t| t.len()).sum();
+    if len > 0 {
+        let mine = wire_values(q, shard, r.bf16)?;
+        let mut now = q.values(len)?;
+        let mut packed = 0;
+        for t in &trainable {
+            q.copy(&mine, t.start, &mut now, packed, t.len())?;
+            packed += t.len();
+        }
+        // Node n's trainable ranges: loaded from, and stored back into, its
+        // shard of the references.
+        let load = |n: usize, into: &mut Q::Values| -> Result<(), ZeroError> {
+            let mut packed = 0;
+            for t in &trainable {
+                q.load_kept(&r.kept, n * chunk + t.start, into, packed, t.len())?;
+                packed += t.len();
+            }
+            Ok(())
+        };
+        let mut values = q.values(nodes * len)?;
+        if r.forwards_since_refresh >= wire.refresh_every {
+            m.all_gather_values(Hop::Cross, phase, &now, &mut values, wire.fp32)?;
+            r.forwards_since_refresh = 0;
+        } else {
+            let mut delta = q.values(len)?;
+            load(layout.node(), &mut delta)?;
+            q.dropped(&mut delta, 0, &now, 0, len)?;
+            let mut mine = q.chunks(wire.delta, len, 1)?;
+            q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
+            let mut across = q.chunks(wire.delta, len, nodes)?;
+            m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
+            let mut shard_n = delta;
+            for n in 0..nodes {
+                load(n, &mut shard_n)?;
+                q.dequantize_accumulate(&across, n, &mut shard_n, 0)?;
+                q.copy(&shard_n, 0, &mut values, n * len, len)?;
+            }
+        }
+        for n in 0..nodes {
+            let mut packed = 0;
+            for t in &trainable {
+                q.store_kept(
+                    &values,
+                    n * len + packed,
+                    &mut r.kept,
+                    n * chunk + t.start,
+                    t.len(),
+                )?;
+                packed += t.len();
+            }
+        }
+    }
+    inside_node(q, m, layout, r, wire.fp32, out, phase)?;
+    r.forwards_since_refresh += 1;
     Ok(())
 }
 
@@ -291,7 +402,6 @@ mod tests {
             fp32: true,
             hpz: false,
             bf16_references: false,
-            frozen: false,
         }
     }
 
@@ -448,15 +558,15 @@ mod tests {
 
     #[test]
     fn frozen_weights_cross_once_and_a_changed_shard_is_sent_again() {
-        let frozen = DeltaWire {
-            frozen: true,
-            ..wire(4, 1000)
-        };
+        let frozen = wire(4, 1000);
         let got = on_ranks(2, 2, move |layout, mover| {
-            let mut reference = None;
+            let mut reference: Option<Reference<Kept>> = None;
             let mut outs = Vec::new();
             let mut crossed = Vec::new();
             for call in 0..6 {
+                if let Some(r) = reference.as_mut() {
+                    r.set_frozen(std::iter::once(0..CHUNK)).unwrap();
+                }
                 // Rank 1's shard is loaded anew before gather 3.
                 let step = usize::from(layout.rank == 1 && call >= 3);
                 let shard = truth(layout.rank, step, 1e-2);
@@ -492,9 +602,67 @@ mod tests {
                 assert_eq!(crossed[3], 1, "rank {rank}: {crossed:?}");
             }
             assert_eq!(&crossed[4..], &[1, 1], "rank {rank}");
-            for call in 0..6 {
+            for (call, out) in outs.iter().enumerate() {
                 let want = truths(usize::from(call >= 3));
-                assert_eq!(outs[call], want, "rank {rank}, gather {call}: never stale");
+                assert_eq!(out, &want, "rank {rank}, gather {call}: never stale");
+            }
+        }
+    }
+
+    #[test]
+    fn only_the_trainable_part_of_a_mixed_shard_crosses_nodes() {
+        // The first half of every shard frozen, the second half moving.
+        let half = CHUNK / 2;
+        let int4 = crate::plan::weight_format(4, 64).unwrap();
+        let got = on_ranks(2, 2, move |layout, mover| {
+            let mut reference: Option<Reference<Kept>> = None;
+            let (mut outs, mut crossed) = (Vec::new(), Vec::new());
+            for step in 0..5 {
+                if let Some(r) = reference.as_mut() {
+                    r.set_frozen(std::iter::once(0..half)).unwrap();
+                }
+                let mut shard = truth(layout.rank, 0, 0.0);
+                shard[half..].copy_from_slice(&truth(layout.rank, step, 1e-3)[half..]);
+                let mut out = vec![0f32; 4 * CHUNK];
+                let before = mover.counter.traffic().total().inter_node;
+                let (x, mut o) = (&shard[..], &mut out[..]);
+                let p = Phase::ForwardGather;
+                gather(
+                    &Host,
+                    mover,
+                    layout,
+                    wire(4, 1000),
+                    &mut reference,
+                    &x,
+                    &mut o,
+                    p,
+                )
+                .unwrap();
+                crossed.push(mover.counter.traffic().total().inter_node - before);
+                outs.push((out, shard));
+            }
+            (outs, crossed)
+        });
+        for (rank, ((outs, crossed), _)) in got.iter().enumerate() {
+            // After the first gather: a byte, then int4 differences of the
+            // trainable half only.
+            let each = 1 + int4.total_bytes(half) as u64;
+            assert_eq!(&crossed[1..], &[each; 4], "rank {rank}");
+            for (step, (out, _)) in outs.iter().enumerate() {
+                assert_eq!(out, &got[0].0.0[step].0, "rank {rank} at step {step}");
+            }
+        }
+        // Every rank's output: the frozen halves exact, the trainable ones
+        // within int4 of one step's change.
+        let (outs, _) = &got[0].0;
+        for (step, (out, _)) in outs.iter().enumerate() {
+            for r in 0..4 {
+                let mut want = truth(r, 0, 0.0);
+                want[half..].copy_from_slice(&truth(r, step, 1e-3)[half..]);
+                let at = r * CHUNK;
+                assert_eq!(&out[at..at + half], &want[..half], "step {step} rank {r}");
+                let e = max_err(&out[at + half..at + CHUNK], &want[half..]);
+                assert!(e < 1e-4, "step {step} rank {r}: {e}");
             }
         }
     }

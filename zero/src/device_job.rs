@@ -860,7 +860,6 @@ mod tests {
             fp32: false,
             hpz: false,
             bf16_references: false,
-            frozen: false,
         })
     }
 

@@ -40,8 +40,6 @@ pub struct DeltaSettings {
     pub hpz: bool,
     /// The references kept in bf16 where the hop inside the node is bf16.
     pub bf16_references: bool,
-    /// No parameter of the group trains (`DeltaWire::frozen`).
-    pub frozen: bool,
 }
 
 impl Gather {
@@ -78,7 +76,6 @@ impl Gather {
                 fp32: d.fp32 || !bf16,
                 hpz: d.hpz,
                 bf16_references: d.bf16_references,
-                frozen: d.frozen,
             }),
             None => Gather::Quantized(format),
         })
@@ -221,7 +218,6 @@ mod tests {
             fp32: false,
             hpz: false,
             bf16_references: false,
-            frozen: false,
         });
         let mut reference = None;
         for (bits, delta) in [(None, None), (Some(4), None), (Some(4), delta)] {
@@ -290,7 +286,6 @@ mod tests {
                 fp32: false,
                 hpz: false,
                 bf16_references: false,
-                frozen: false,
             }),
             true,
         );

@@ -724,8 +724,6 @@ impl Plan {
                     // secondary shard.
                     hpz: s.hpz && hpz_group == g,
                     bf16_references: s.qwz_bf16_references,
-                    // The native engine trains every weight.
-                    frozen: false,
                 })
             }
             Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
