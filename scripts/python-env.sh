@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python side's environment: a virtual environment (reused between runs;
-# ZEROPP_VENV, default ~/.cache/zeropp/venv) with PyTorch, pytest, ruff and
-# transformers (for the Hugging Face export's test) from PyPI; this
+# ZEROPP_VENV, default ~/.cache/zeropp/venv) with PyTorch, pytest, ruff,
+# transformers, accelerate and peft (the recipes' tests) from PyPI; this
 # checkout's `zeropp` wheel (PyO3 + maturin) installed into it and into a
 # clean environment beside it ($venv-wheel) that the tests run in. Sourced by
 # scripts/test.sh; sets ZEROPP_PYTHON (the clean one's) and ZEROPP_VENV_BIN.
@@ -16,11 +16,12 @@ zeropp_python_env() {
   local pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
   # torch from PyPI brings its CUDA libraries (several GB): installed once,
   # then reused.
-  if ! "$venv/bin/python" -c "import torch, numpy, pytest, maturin, transformers, accelerate" 2>/dev/null \
-     || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
-    echo "installing torch, numpy, pytest, ruff, maturin, transformers and accelerate from PyPI into $venv" >&2
+  if ! "$venv/bin/python" -c "import torch, numpy, pytest, maturin, transformers, accelerate, peft" \
+       2>/dev/null || ! "$venv/bin/ruff" --version >/dev/null 2>&1; then
+    echo "installing torch, numpy, pytest, ruff, maturin, transformers, accelerate and peft from" \
+      "PyPI into $venv" >&2
     "${pip[@]}" 'torch>=2.7' numpy pytest ruff 'maturin>=1.16,<2' 'transformers>=4.40' \
-      'accelerate>=1.10'
+      'accelerate>=1.10' 'peft>=0.13'
   fi
   # The wheel a user installs: abi3 (CPython >= 3.11), manylinux, built by
   # maturin; UCX, CUDA and NCCL are loaded at run time, not linked.
