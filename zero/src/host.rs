@@ -165,6 +165,15 @@ fn span_mut<'a, T>(
         .ok_or_else(|| out_of_range(what, at, len, n))
 }
 
+/// `b` (values in the plain wire: bf16, or f32 with `fp32`) into `out`.
+fn decode_plain(b: &[u8], fp32: bool, out: &mut [f32]) -> Result<(), CommError> {
+    if fp32 {
+        payload::decode_f32(b, out)
+    } else {
+        payload::decode_bf16(b, out)
+    }
+}
+
 /// Checks that a member's gathered run holds the `due` bytes.
 fn check_run(b: &[u8], due: usize) -> Result<(), ZeroError> {
     if b.len() == due {
@@ -527,6 +536,24 @@ impl HostMover<'_> {
         }
     }
 
+    /// Every member's `values` as the plain wire carries them (bf16,
+    /// rounded to nearest even, or f32 with `fp32`), counted under `phase`.
+    fn gather_plain<E: Element>(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        values: &[E],
+        fp32: bool,
+    ) -> Result<Vec<Bytes>, ZeroError> {
+        self.counter.set_phase(phase, 0.0);
+        let wire = if fp32 {
+            payload::encode_f32(values)
+        } else {
+            payload::encode_bf16(values)
+        };
+        Ok(self.comm.all_gather_v(self.group(hop), wire)?)
+    }
+
     /// ZeRO-3's all-reduce over `hop`, in place: `x` (padded with zeros
     /// to a multiple of the members) reduce-scattered as
     /// [`ByteMover::reduce_scatter_tensor`] does (a bf16 ring for bf16
@@ -619,23 +646,14 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         all: &mut Vec<f32>,
         fp32: bool,
     ) -> Result<(), ZeroError> {
-        let group = self.group(hop);
         let len = mine.len();
-        check_gather_len(len, all.len(), group.size())?;
-        self.counter.set_phase(phase, 0.0);
-        let wire = if fp32 {
-            payload::encode_f32(mine)
-        } else {
-            payload::encode_bf16(mine)
-        };
-        let from_each = self.comm.all_gather_v(group, wire)?;
-        for (j, b) in from_each.iter().enumerate() {
-            let out = &mut all[j * len..(j + 1) * len];
-            if fp32 {
-                payload::decode_f32(b, out)?;
-            } else {
-                payload::decode_bf16(b, out)?;
-            }
+        check_gather_len(len, all.len(), self.group(hop).size())?;
+        for (j, b) in self
+            .gather_plain(hop, phase, mine, fp32)?
+            .iter()
+            .enumerate()
+        {
+            decode_plain(b, fp32, &mut all[j * len..(j + 1) * len])?;
         }
         Ok(())
     }
@@ -661,7 +679,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         (pieces, place): (usize, &dyn Fn(usize, usize) -> usize),
         out: &mut &mut [T],
     ) -> Result<(), ZeroError> {
-        let group = self.group(hop);
         let piece = check_pieces(len, pieces)?;
         if kept.len() != len {
             return Err(ZeroError::Invalid(format!(
@@ -669,25 +686,17 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
                 kept.len()
             )));
         }
-        self.counter.set_phase(phase, 0.0);
-        let wire = match (kept, fp32) {
-            (Kept::F32(v), true) => payload::encode_f32(v),
-            (Kept::F32(v), false) => payload::encode_bf16(v),
-            (Kept::Bf16(v), true) => payload::encode_f32(v),
-            (Kept::Bf16(v), false) => payload::encode_bf16(v),
+        let from_each = match kept {
+            Kept::F32(v) => self.gather_plain(hop, phase, v, fp32)?,
+            Kept::Bf16(v) => self.gather_plain(hop, phase, v, fp32)?,
         };
-        let from_each = self.comm.all_gather_v(group, wire)?;
         let width = if fp32 { 4 } else { 2 };
         let mut values = vec![0f32; piece];
         for (j, b) in from_each.iter().enumerate() {
             check_run(b, len * width)?;
             for p in 0..pieces {
                 let bytes = &b[p * piece * width..(p + 1) * piece * width];
-                if fp32 {
-                    payload::decode_f32(bytes, &mut values)?;
-                } else {
-                    payload::decode_bf16(bytes, &mut values)?;
-                }
+                decode_plain(bytes, fp32, &mut values)?;
                 T::narrow_slice(
                     &values,
                     span_mut(out, place(j, p), piece, "a gathered piece")?,
@@ -706,25 +715,15 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         kept: &mut Kept,
         fp32: bool,
     ) -> Result<(), ZeroError> {
-        let group = self.group(hop);
         let len = mine.len();
-        check_gather_len(len, kept.len(), group.size())?;
-        self.counter.set_phase(phase, 0.0);
-        let wire = if fp32 {
-            payload::encode_f32(mine)
-        } else {
-            payload::encode_bf16(mine)
-        };
-        let from_each = self.comm.all_gather_v(group, wire)?;
-        let width = if fp32 { 4 } else { 2 };
+        check_gather_len(len, kept.len(), self.group(hop).size())?;
         let mut values = vec![0f32; len];
-        for (j, b) in from_each.iter().enumerate() {
-            check_run(b, len * width)?;
-            if fp32 {
-                payload::decode_f32(b, &mut values)?;
-            } else {
-                payload::decode_bf16(b, &mut values)?;
-            }
+        for (j, b) in self
+            .gather_plain(hop, phase, mine, fp32)?
+            .iter()
+            .enumerate()
+        {
+            decode_plain(b, fp32, &mut values)?;
             q.store_kept(&values, 0, kept, j * len, len)?;
         }
         Ok(())
