@@ -383,32 +383,12 @@ where
                 .zip(gradient(chunk, layout.rank, call))
                 .map(|(w, d)| half::bf16::from_f32(w + 1e-3 * call as f32 * d))
                 .collect();
-            let mut out = vec![half::bf16::ZERO; chunk * world];
-            delta::gather::<_, _, half::bf16>(
-                &q,
-                mover,
-                layout,
-                wire,
-                &mut reference,
-                &shard.as_slice(),
-                &mut out.as_mut_slice(),
-                Phase::ForwardGather,
-            )
-            .unwrap();
-            seen.push(out.iter().map(|v| v.to_bits()).collect());
-            let mut back = vec![half::bf16::ZERO; chunk * world];
-            delta::gather::<_, _, half::bf16>(
-                &q,
-                mover,
-                layout,
-                wire,
-                &mut reference,
-                &shard.as_slice(),
-                &mut back.as_mut_slice(),
-                Phase::BackwardGather,
-            )
-            .unwrap();
-            seen.push(back.iter().map(|v| v.to_bits()).collect());
+            for phase in [Phase::ForwardGather, Phase::BackwardGather] {
+                let mut out = vec![half::bf16::ZERO; chunk * world];
+                let (x, o) = (&shard.as_slice(), &mut out.as_mut_slice());
+                delta::gather(&q, mover, layout, wire, &mut reference, x, o, phase).unwrap();
+                seen.push(out.iter().map(|v| v.to_bits()).collect());
+            }
         }
         (seen, counter.traffic())
     })

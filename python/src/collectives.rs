@@ -371,7 +371,7 @@ impl Job {
             )));
         }
         let over_world = hop == Hop::World;
-        let settings = delta.as_ref().map(|d| d.get().settings());
+        let settings = delta.as_ref().map(|d| d.get().settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
             .map_err(to_py)?;
         let phase = Phase::gather(backward);
@@ -959,7 +959,7 @@ impl AllReduceState {
 /// references of its cross group's shards (`zeropp_zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    settings: DeltaSettings,
+    pub(crate) settings: DeltaSettings,
     /// The ranges of this rank's shard (start, length) that hold frozen
     /// parameters, as zeropp.torch sets them before each gather
     /// (`Reference::set_frozen`).
@@ -970,11 +970,6 @@ pub struct QwzReference {
 }
 
 impl QwzReference {
-    /// The settings of the group's gathers.
-    pub(crate) fn settings(&self) -> DeltaSettings {
-        self.settings
-    }
-
     /// The frozen ranges of the next gather's shard.
     pub(crate) fn frozen_ranges(&self) -> Vec<std::ops::Range<usize>> {
         self.frozen

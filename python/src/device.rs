@@ -98,7 +98,7 @@ impl GatherCall {
         delta: Option<&QwzReference>,
     ) -> Result<GatherCall, ZeroError> {
         let over_world = job.hop_of(&ranks)? == Some(Hop::World);
-        let settings = delta.map(|d| d.settings());
+        let settings = delta.map(|d| d.settings);
         let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)?;
         Ok(GatherCall {
             out,

@@ -542,7 +542,8 @@ class ZeroppAllGather(AllGather):
         self._fsdp_params = list(fsdp_params)
 
     def _mark_frozen(self, numel):
-        if self.qwz_reference is None:
+        # Only forward gathers cross nodes: backward ones never read these.
+        if self.qwz_reference is None or _is_backward():
             return
         ranges, at = [], 0
         for p in getattr(self, "_fsdp_params", ()):
@@ -926,9 +927,10 @@ class _Served:
 
     def references_serve_backward(self):
         """hpZ over the whole node with qwZ on weight differences: the
-        references (1/G of each group, in the gather's dtype) are the
-        secondary shard, and the backward all-gather is served from them
-        inside the node — FSDP2 keeps no second copy after forward."""
+        references (1/G of each group; f32, or bf16 with
+        qwz_bf16_references) are the secondary shard, and the backward
+        all-gather is served from them inside the node — FSDP2 keeps no
+        second copy after forward."""
         return _references_serve_backward(self.switches, self.ranks_per_node)
 
     def keep_secondary(self, reshard_after_forward):

@@ -45,9 +45,6 @@ pub trait Quantizer {
     /// `len` zeros to keep, in bf16 (`bf16`) or f32.
     fn kept(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError>;
 
-    /// Bytes a kept buffer holds.
-    fn kept_bytes(&self, k: &Self::Kept) -> usize;
-
     /// `k[at_k..at_k + len]` in f32 into `out[at..]`.
     fn load_kept(
         &self,

@@ -37,7 +37,7 @@ pub struct DeltaWire {
     /// of bf16.
     pub fp32: bool,
     /// hpZ over the whole node: a backward gather is served from the
-    /// references inside the node ([`gather_inside_node`]), which are then
+    /// references inside the node, which are then
     /// hpZ's secondary shard — one copy of what the receivers hold.
     pub hpz: bool,
     /// The references kept in bf16 where the hop inside the node is bf16
@@ -50,8 +50,8 @@ pub struct DeltaWire {
 /// place, identical on every rank that holds it. Kept in bf16 where the hop
 /// inside the node moves bf16 (what every consumer of the references sees
 /// then), in f32 otherwise. With hpZ over the whole node they are also
-/// hpZ's secondary shard: [`gather_inside_node`] serves the backward
-/// gather from them.
+/// hpZ's secondary shard: [`gather`] serves the backward gather from
+/// them.
 pub struct Reference<K> {
     kept: K,
     bf16: bool,
@@ -150,6 +150,12 @@ impl DeltaWire {
 /// (`None` at first, after a load or a resize: the gather is then a full
 /// refresh, and every rank of the job must pass `None` alike). On an
 /// error the reference is dropped (the job cannot go on from it).
+///
+/// With hpZ over the node a backward gather is served from the references
+/// inside the node. With frozen ranges ([`Reference::set_frozen`]) a
+/// forward gather first asks the cross group, a byte each, whether any
+/// changed: if none did only the other ranges cross, else the cross group
+/// refreshes.
 #[allow(clippy::too_many_arguments)]
 pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
@@ -165,80 +171,71 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
     let bf16 = wire.keeps_bf16();
-    let mut changed = false;
-    if let Some(r) = reference.as_mut()
-        && (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes)
-    {
-        if wire.hpz && phase == Phase::BackwardGather {
-            return gather_inside_node(q, m, layout, wire, r, out, phase);
-        }
-        if !r.frozen.is_empty() && phase == Phase::ForwardGather {
-            // The frozen ranges as a refresh would send them now, against
-            // what the receivers hold of this rank's shard.
-            let now = wire_values(q, shard, !wire.fp32)?;
-            let mut held = q.values(chunk)?;
-            q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
-            let mut unchanged = true;
-            for f in &r.frozen {
-                unchanged &= q.same(&held, f.start, &now, f.start, f.len())?;
-            }
-            if m.all_agree(Hop::Cross, phase, unchanged)? {
-                return gather_trainable(q, m, layout, wire, r, shard, out);
-            }
-            changed = true;
-        }
-    }
-    let frozen = reference
-        .as_ref()
-        .map(|r| r.frozen.clone())
-        .unwrap_or_default();
     let kept = reference
         .take()
-        .filter(|r| r.chunk == chunk && r.bf16 == bf16 && r.nodes == nodes);
-    let refresh = match &kept {
-        None => true,
-        Some(_) if changed => true,
-        Some(r) => phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every,
-    };
-    let mut r = match kept {
-        Some(r) if !refresh => r,
-        _ => Reference {
-            kept: q.kept(nodes * chunk, bf16)?,
-            bf16,
-            nodes,
-            chunk,
-            forwards_since_refresh: 0,
-            frozen: frozen.into_iter().filter(|f| f.end <= chunk).collect(),
-        },
-    };
-    // What this rank sends: its shard, less what the receivers hold of it.
-    // Behind a bf16 hop the shard is first rounded as that hop would: the
-    // bf16 references then converge to it exactly, and the rounding of
-    // the large weights of a block never sets the block's scale.
-    let mine_now = wire_values(q, shard, bf16)?;
-    if refresh {
-        // The weights themselves, in the plain wire: every reference
-        // starts from what ZeRO-3 would have gathered.
-        m.all_gather_values_kept(q, Hop::Cross, phase, &mine_now, &mut r.kept, wire.fp32)?;
-    } else {
-        // One shard at a time in f32: the kept references are updated in
-        // place (bf16 rounds exactly as the hop inside the node does, so
-        // every holder keeps the same values).
-        let mut delta = q.values(chunk)?;
-        q.load_kept(&r.kept, layout.node() * chunk, &mut delta, 0, chunk)?;
-        q.dropped(&mut delta, 0, &mine_now, 0, chunk)?;
-        let mut mine = q.chunks(wire.delta, chunk, 1)?;
-        q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
-        let mut across = q.chunks(wire.delta, chunk, nodes)?;
-        m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
-        let mut shard = delta;
-        for n in 0..nodes {
-            q.load_kept(&r.kept, n * chunk, &mut shard, 0, chunk)?;
-            q.dequantize_accumulate(&across, n, &mut shard, 0)?;
-            q.store_kept(&shard, 0, &mut r.kept, n * chunk, chunk)?;
-        }
+        .filter(|r| (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes));
+    if let Some(r) = &kept
+        && wire.hpz
+        && phase == Phase::BackwardGather
+    {
+        inside_node(q, m, layout, r, wire.fp32, out, phase)?;
+        *reference = kept;
+        return Ok(());
     }
+    // The shard as the plain wire carries it: rounded to bf16 behind a
+    // bf16 hop. Kept in bf16, the references take differences against it,
+    // so they converge to it exactly and the rounding of a block's large
+    // weights never sets the block's scale.
+    let mut loaded = q.values(chunk)?;
+    q.load_tensor(shard, &mut loaded, 0)?;
+    let check_frozen =
+        phase == Phase::ForwardGather && kept.as_ref().is_some_and(|r| !r.frozen.is_empty());
+    let rounded = if !wire.fp32 && (bf16 || check_frozen) {
+        Some(rounded_to_bf16(q, &loaded)?)
+    } else {
+        None
+    };
+    let on_wire = rounded.as_ref().unwrap_or(&loaded);
+    let (mut r, refresh, ranges) = match kept {
+        None => {
+            let r = Reference {
+                kept: q.kept(nodes * chunk, bf16)?,
+                bf16,
+                nodes,
+                chunk,
+                forwards_since_refresh: 0,
+                frozen: Vec::new(),
+            };
+            (r, true, trainable(&[], chunk))
+        }
+        Some(r) => {
+            let mut ranges = trainable(&[], chunk);
+            let mut changed = false;
+            if check_frozen {
+                // The frozen ranges as a refresh would send them now,
+                // against what the receivers hold of this rank's shard.
+                let mut held = q.values(chunk)?;
+                q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
+                let mut unchanged = true;
+                for f in &r.frozen {
+                    unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
+                }
+                changed = !m.all_agree(Hop::Cross, phase, unchanged)?;
+                if !changed {
+                    ranges = trainable(&r.frozen, chunk);
+                }
+            }
+            let due =
+                phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every;
+            (r, changed || due, ranges)
+        }
+    };
+    let mine = if bf16 { on_wire } else { &loaded };
+    exchange(q, m, layout, wire, &mut r, mine, &ranges, refresh, phase)?;
     inside_node(q, m, layout, &r, wire.fp32, out, phase)?;
+    if refresh {
+        r.forwards_since_refresh = 0;
+    }
     if phase == Phase::ForwardGather {
         r.forwards_since_refresh += 1;
     }
@@ -246,127 +243,124 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     Ok(())
 }
 
-/// A forward gather in which no frozen range of the cross group changed:
-/// only the trainable ranges cross nodes (as differences, or refreshed when
-/// their period is due), packed one after the other; the frozen ranges are
-/// served from the references as they are. With nothing trainable, nothing
-/// crosses.
-fn gather_trainable<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+/// The ranges of a shard of `chunk` values between the `frozen` ones.
+fn trainable(frozen: &[Range<usize>], chunk: usize) -> Vec<Range<usize>> {
+    let mut ranges = Vec::new();
+    let mut at = 0;
+    for f in frozen.iter().chain(std::iter::once(&(chunk..chunk))) {
+        if f.start > at {
+            ranges.push(at..f.start);
+        }
+        at = f.end;
+    }
+    ranges
+}
+
+/// Across nodes: the `ranges` of this rank's shard (`mine`, the whole
+/// shard) into the references of every member of the cross group — the
+/// values themselves in the plain wire (`refresh`), or their quantized
+/// differences from what the receivers hold. Ranges other than the whole
+/// shard travel packed one after the other.
+#[allow(clippy::too_many_arguments)]
+fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     q: &Q,
     m: &M,
     layout: Layout,
     wire: DeltaWire,
     r: &mut Reference<Q::Kept>,
-    shard: &Q::Tensor<'_, T>,
-    out: &mut Q::TensorMut<'_, T>,
+    mine: &Q::Values,
+    ranges: &[Range<usize>],
+    refresh: bool,
+    phase: Phase,
 ) -> Result<(), ZeroError> {
-    let phase = Phase::ForwardGather;
     let (nodes, chunk) = (r.nodes, r.chunk);
-    let mut trainable = Vec::new();
-    let mut at = 0;
-    for f in r.frozen.iter().chain(std::iter::once(&(chunk..chunk))) {
-        if f.start > at {
-            trainable.push(at..f.start);
-        }
-        at = f.end;
+    let len: usize = ranges.iter().map(|t| t.len()).sum();
+    if len == 0 {
+        return Ok(());
     }
-    let len: usize = trainable.iter().map(|t| t.len()).sum();
-    if len > 0 {
-        let mine = wire_values(q, shard, r.bf16)?;
-        let mut now = q.values(len)?;
-        let mut packed = 0;
-        for t in &trainable {
-            q.copy(&mine, t.start, &mut now, packed, t.len())?;
-            packed += t.len();
+    if refresh && len == chunk {
+        // Every reference starts again from what ZeRO-3 would gather.
+        return m.all_gather_values_kept(q, Hop::Cross, phase, mine, &mut r.kept, wire.fp32);
+    }
+    let packed;
+    let now = if len == chunk {
+        mine
+    } else {
+        let mut p = q.values(len)?;
+        let mut at = 0;
+        for t in ranges {
+            q.copy(mine, t.start, &mut p, at, t.len())?;
+            at += t.len();
         }
-        // Node n's trainable ranges: loaded from, and stored back into, its
-        // shard of the references.
-        let load = |n: usize, into: &mut Q::Values| -> Result<(), ZeroError> {
-            let mut packed = 0;
-            for t in &trainable {
-                q.load_kept(&r.kept, n * chunk + t.start, into, packed, t.len())?;
-                packed += t.len();
-            }
-            Ok(())
-        };
-        let mut values = q.values(nodes * len)?;
-        if r.forwards_since_refresh >= wire.refresh_every {
-            m.all_gather_values(Hop::Cross, phase, &now, &mut values, wire.fp32)?;
-            r.forwards_since_refresh = 0;
-        } else {
-            let mut delta = q.values(len)?;
-            load(layout.node(), &mut delta)?;
-            q.dropped(&mut delta, 0, &now, 0, len)?;
-            let mut mine = q.chunks(wire.delta, len, 1)?;
-            q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut mine, 0)?;
-            let mut across = q.chunks(wire.delta, len, nodes)?;
-            m.all_gather(Hop::Cross, phase, &mine, &mut across)?;
-            let mut shard_n = delta;
-            for n in 0..nodes {
-                load(n, &mut shard_n)?;
-                q.dequantize_accumulate(&across, n, &mut shard_n, 0)?;
-                q.copy(&shard_n, 0, &mut values, n * len, len)?;
-            }
-        }
+        packed = p;
+        &packed
+    };
+    if refresh {
+        let mut all = q.values(nodes * len)?;
+        m.all_gather_values(Hop::Cross, phase, now, &mut all, wire.fp32)?;
         for n in 0..nodes {
-            let mut packed = 0;
-            for t in &trainable {
-                q.store_kept(
-                    &values,
-                    n * len + packed,
-                    &mut r.kept,
-                    n * chunk + t.start,
-                    t.len(),
-                )?;
-                packed += t.len();
-            }
+            store_ranges(q, &all, n * len, &mut r.kept, n * chunk, ranges)?;
         }
+        return Ok(());
     }
-    inside_node(q, m, layout, r, wire.fp32, out, phase)?;
-    r.forwards_since_refresh += 1;
+    // One node's shard at a time in f32, updated in place (bf16 rounds as
+    // the hop inside the node does: every holder keeps the same values).
+    let mut delta = q.values(len)?;
+    load_ranges(q, &r.kept, layout.node() * chunk, ranges, &mut delta)?;
+    q.dropped(&mut delta, 0, now, 0, len)?;
+    let mut sent = q.chunks(wire.delta, len, 1)?;
+    q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut sent, 0)?;
+    let mut across = q.chunks(wire.delta, len, nodes)?;
+    m.all_gather(Hop::Cross, phase, &sent, &mut across)?;
+    let mut shard = delta;
+    for n in 0..nodes {
+        load_ranges(q, &r.kept, n * chunk, ranges, &mut shard)?;
+        q.dequantize_accumulate(&across, n, &mut shard, 0)?;
+        store_ranges(q, &shard, 0, &mut r.kept, n * chunk, ranges)?;
+    }
     Ok(())
 }
 
-/// `shard` in f32, rounded to bf16 (nearest even) where `round_bf16`.
-fn wire_values<Q: Quantizer, T: GpuElement>(
+/// The `ranges` of `kept` from `base` on, packed into `into`.
+fn load_ranges<Q: Quantizer>(
     q: &Q,
-    shard: &Q::Tensor<'_, T>,
-    round_bf16: bool,
-) -> Result<Q::Values, ZeroError> {
-    let len = q.tensor_len(shard);
-    let mut values = q.values(len)?;
-    q.load_tensor(shard, &mut values, 0)?;
-    if round_bf16 {
-        let mut rounded = q.kept(len, true)?;
-        q.store_kept(&values, 0, &mut rounded, 0, len)?;
-        q.load_kept(&rounded, 0, &mut values, 0, len)?;
+    kept: &Q::Kept,
+    base: usize,
+    ranges: &[Range<usize>],
+    into: &mut Q::Values,
+) -> Result<(), ZeroError> {
+    let mut at = 0;
+    for t in ranges {
+        q.load_kept(kept, base + t.start, into, at, t.len())?;
+        at += t.len();
     }
-    Ok(values)
+    Ok(())
 }
 
-/// hpZ's backward gather where the hpZ group is the whole node: the
-/// weights the last forward gather delivered, from the references alone
-/// (nothing crosses nodes; the bytes of hpZ's gather of a secondary shard).
-pub fn gather_inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+/// Packed values of `x` from `at` on, into the `ranges` of `kept` from
+/// `base` on.
+fn store_ranges<Q: Quantizer>(
     q: &Q,
-    m: &M,
-    layout: Layout,
-    wire: DeltaWire,
-    reference: &Reference<Q::Kept>,
-    out: &mut Q::TensorMut<'_, T>,
-    phase: Phase,
+    x: &Q::Values,
+    mut at: usize,
+    kept: &mut Q::Kept,
+    base: usize,
+    ranges: &[Range<usize>],
 ) -> Result<(), ZeroError> {
-    check_hops(m, layout, "qwZ")?;
-    if reference.nodes != layout.nodes || reference.bf16 != wire.keeps_bf16() {
-        return Err(ZeroError::Invalid(format!(
-            "qwZ references of {} nodes ({}) serve no gather of {} nodes ({})",
-            reference.nodes,
-            if reference.bf16 { "bf16" } else { "f32" },
-            layout.nodes,
-            if wire.keeps_bf16() { "bf16" } else { "f32" },
-        )));
+    for t in ranges {
+        q.store_kept(x, at, kept, base + t.start, t.len())?;
+        at += t.len();
     }
-    inside_node(q, m, layout, reference, wire.fp32, out, phase)
+    Ok(())
+}
+
+/// `x` rounded to bf16 (nearest even), in f32.
+fn rounded_to_bf16<Q: Quantizer>(q: &Q, x: &Q::Values) -> Result<Q::Values, ZeroError> {
+    let len = q.len(x);
+    let (mut bf16, mut out) = (q.kept(len, true)?, q.values(len)?);
+    q.store_kept(x, 0, &mut bf16, 0, len)?;
+    q.load_kept(&bf16, 0, &mut out, 0, len)?;
+    Ok(out)
 }
 
 /// Inside the node: every local rank's references (N shards), local rank

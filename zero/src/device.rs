@@ -112,14 +112,6 @@ impl DeviceKept {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Bytes it holds.
-    pub fn bytes(&self) -> usize {
-        match self {
-            DeviceKept::F32(s) => s.len() * 4,
-            DeviceKept::Bf16(s) => s.len() * 2,
-        }
-    }
 }
 
 fn kept_range(k: &DeviceKept, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
@@ -159,10 +151,6 @@ impl Quantizer for Gpu {
         } else {
             DeviceKept::F32(self.zeros::<f32>(len)?)
         })
-    }
-
-    fn kept_bytes(&self, k: &DeviceKept) -> usize {
-        k.bytes()
     }
 
     fn load_kept(

@@ -216,14 +216,6 @@ impl Kept {
         self.len() == 0
     }
 
-    /// Bytes it holds.
-    pub fn bytes(&self) -> usize {
-        match self {
-            Kept::F32(v) => v.len() * 4,
-            Kept::Bf16(v) => v.len() * 2,
-        }
-    }
-
     /// Values `at..at + len` in f32.
     pub fn to_f32(&self, at: usize, len: usize) -> Result<Vec<f32>, ZeroError> {
         let mut out = vec![0f32; len];
@@ -246,10 +238,6 @@ impl Kept {
         } else {
             Kept::F32(values.to_vec())
         }
-    }
-
-    pub fn is_bf16(&self) -> bool {
-        matches!(self, Kept::Bf16(_))
     }
 }
 
@@ -285,10 +273,6 @@ impl<K: HostKernels> Quantizer for K {
         } else {
             Kept::F32(vec![0.0; len])
         })
-    }
-
-    fn kept_bytes(&self, k: &Kept) -> usize {
-        k.bytes()
     }
 
     fn load_kept(
