@@ -88,11 +88,14 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 class Llama(nn.Module):
     """transformers' LlamaForCausalLM built from a config (no download): the
     model users bring. Its decoder layers are the units FSDP2 shards."""
 
-    def __init__(self, width, layers, heads, context, vocab=256):
+    def __init__(self, width, layers, heads, context, vocab=256, lora=0):
         super().__init__()
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -108,6 +111,18 @@ class Llama(nn.Module):
         )
         self.inner = LlamaForCausalLM(config)
         self.blocks = self.inner.model.layers
+        if lora:
+            # peft's LoRA on every attention and MLP projection: the base
+            # frozen, rank-`lora` adapters trained (examples/hf_trainer_lora.py).
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(
+                r=lora,
+                lora_alpha=2 * lora,
+                lora_dropout=0.0,
+                target_modules=PROJECTIONS,
+            )
+            self.inner = get_peft_model(self.inner, config)
 
     def forward(self, idx):
         return self.inner(input_ids=idx, use_cache=False).logits
@@ -138,6 +153,14 @@ def parse_args(argv=None):
         default="gpt",
         help="this file's GPT, or a transformers LlamaForCausalLM of the same width, "
         "layers and heads (a quarter as many key/value heads), built from a config",
+    )
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="R",
+        help="--model llama only: fine-tune with peft's rank-R LoRA adapters on every "
+        "attention and MLP projection, the base frozen (pip install peft)",
     )
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -320,6 +343,8 @@ def main(argv=None):
         args.mode, args.mesh = "fsdp2", "hsdp"
     if args.islands > 1 and (args.mode not in ("zeropp", "zero3") or args.mesh != "world"):
         raise SystemExit("--islands runs the zeropp modes on their own (island, shard) mesh")
+    if args.lora and args.model != "llama":
+        raise SystemExit("--lora fine-tunes the transformers Llama: add --model llama")
     torch.set_num_threads(args.threads)
     device = open_device(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -330,9 +355,13 @@ def main(argv=None):
     )
     lead = rank == 0
     torch.manual_seed(args.seed)
-    kind = GPT if args.model == "gpt" else Llama
-    model = kind(args.width, args.layers, args.heads, args.context).to(device)
+    if args.model == "gpt":
+        model = GPT(args.width, args.layers, args.heads, args.context)
+    else:
+        model = Llama(args.width, args.layers, args.heads, args.context, lora=args.lora)
+    model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     switches = shard(model, args, world, g, device)
     if args.local_reduce_scatter:
         for m in model.modules():
@@ -373,7 +402,8 @@ def main(argv=None):
     metrics = open(args.metrics, "w") if (lead and args.metrics) else None
     if lead:
         print(
-            f"{args.mode}: {params} parameters, {world} ranks on {nodes} node(s), "
+            f"{args.mode}: {params} parameters ({trainable} trained), {world} ranks on "
+            f"{nodes} node(s), "
             f"switches {json.dumps(switches) if switches else '(FSDP2, PyTorch collectives)'} "
             f"on {device.type}",
             flush=True,
@@ -475,11 +505,13 @@ def main(argv=None):
         "mode": args.mode,
         "mesh": args.mesh,
         "model": args.model,
+        "lora": args.lora,
         "device": device.type,
         "switches": switches,
         "world_size": world,
         "nodes": nodes,
         "params": params,
+        "trainable_params": trainable,
         "steps": args.steps,
         "initial_loss": losses[0],
         "final_loss": sum(tail) / len(tail),
@@ -536,7 +568,7 @@ def main(argv=None):
     return 0
 
 
-PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer")
+PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer", "frozen")
 
 
 def thread_cpu_s():

@@ -386,7 +386,17 @@ where
             for phase in [Phase::ForwardGather, Phase::BackwardGather] {
                 let mut out = vec![half::bf16::ZERO; chunk * world];
                 let (x, o) = (&shard.as_slice(), &mut out.as_mut_slice());
-                delta::gather(&q, mover, layout, wire, &mut reference, x, o, phase).unwrap();
+                delta::gather(
+                    &q,
+                    mover,
+                    layout,
+                    wire,
+                    delta::Slot::new(&mut reference),
+                    x,
+                    o,
+                    phase,
+                )
+                .unwrap();
                 seen.push(out.iter().map(|v| v.to_bits()).collect());
             }
         }

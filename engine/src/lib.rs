@@ -471,7 +471,7 @@ impl Engine {
                     &mover,
                     layout,
                     delta_wire,
-                    &mut *reference,
+                    delta::Slot::new(&mut reference),
                     &mine.as_slice(),
                     &mut full.as_mut_slice(),
                     phase,

@@ -218,7 +218,8 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
                         WeightWire::Delta(d) => Gather::Delta(d),
                         WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
                     };
-                    let r = matches!(how, Gather::Delta(_)).then_some(&mut reference);
+                    let r = matches!(how, Gather::Delta(_))
+                        .then(|| zeropp_zero::delta::Slot::new(&mut reference));
                     if plan.weights == WeightWire::Bf16 {
                         // FSDP2 gathers the bf16 parameters.
                         let mut shard = vec![bf16::ZERO; master.len()];

@@ -389,9 +389,7 @@ impl Job {
                 }
                 _ => None,
             };
-            if let (Some(slot), Some(frozen)) = (reference.as_deref_mut(), frozen) {
-                with_frozen(slot.as_mut(), frozen)?;
-            }
+            let frozen = frozen.unwrap_or_default();
             with_dtype!(dtype, T => {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
                 // FSDP2 gathers in place: read the input from a copy then,
@@ -399,7 +397,10 @@ impl Job {
                 let copy = out.overlaps(&inp).then(|| shard.to_vec());
                 let shard = copy.as_deref().unwrap_or(shard);
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
-                let r = reference.as_deref_mut();
+                let r = reference.as_deref_mut().map(|reference| delta::Slot {
+                    reference,
+                    frozen: &frozen,
+                });
                 fsdp::all_gather(&Host, mover, layout, hop, how, phase, r, &shard, &mut o)?;
             });
             Ok(())
@@ -962,7 +963,7 @@ pub struct QwzReference {
     pub(crate) settings: DeltaSettings,
     /// The ranges of this rank's shard (start, length) that hold frozen
     /// parameters, as zeropp.torch sets them before each gather
-    /// (`Reference::set_frozen`).
+    /// (`delta::Slot`).
     frozen: Mutex<Vec<(usize, usize)>>,
     pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
     /// The same references for CUDA tensors, on their device.
@@ -976,18 +977,6 @@ impl QwzReference {
             .lock()
             .map(|f| f.iter().map(|&(at, len)| at..at + len).collect())
             .unwrap_or_default()
-    }
-}
-
-/// `reference`'s frozen ranges set to `frozen` (where it holds references
-/// yet: the first gather refreshes everything).
-pub(crate) fn with_frozen<K>(
-    reference: Option<&mut delta::Reference<K>>,
-    frozen: Vec<std::ops::Range<usize>>,
-) -> Result<(), ZeroError> {
-    match reference {
-        Some(r) => r.set_frozen(frozen),
-        None => Ok(()),
     }
 }
 

@@ -12,7 +12,7 @@ use zeropp_cuda::Gpu;
 use zeropp_quant::QuantizedChunks;
 use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
-use zeropp_zero::delta::Reference;
+use zeropp_zero::delta::{Reference, Slot};
 use zeropp_zero::device::DeviceKept;
 use zeropp_zero::device_job::{
     ChunksOf, Device, DeviceAllReduce, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter,
@@ -145,9 +145,7 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         ),
         _ => None,
     };
-    if let (Some(slot), Some(state)) = (reference.as_deref_mut(), delta) {
-        crate::collectives::with_frozen(slot.as_mut(), state.frozen_ranges())?;
-    }
+    let frozen = delta.map(|d| d.frozen_ranges()).unwrap_or_default();
     let call = DeviceGather {
         out: c.out,
         inp: c.inp,
@@ -156,7 +154,10 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         stream: c.stream,
         how: c.how,
         phase: Phase::gather(c.backward),
-        reference: reference.as_deref_mut(),
+        slot: reference.as_deref_mut().map(|reference| Slot {
+            reference,
+            frozen: &frozen,
+        }),
     };
     // SAFETY: the caller's promise.
     unsafe {

@@ -329,12 +329,15 @@ def measured():
 def traffic():
     """Bytes this rank sent through zeropp, by phase (forward_gather,
     backward_gather, gradient, other, replicate: HSDP's all-reduce across
-    its replicate dimension, and outer: islands' outer sync) and hop
-    (intra_node, inter_node), with the block scales apart."""
+    its replicate dimension, outer: islands' outer sync, and frozen: the
+    frozen weights' part of the forward gathers — their crossings and the
+    byte that says they did not change —, so that forward_gather holds the
+    trainable weights' part) and hop (intra_node, inter_node), with the
+    block scales apart."""
     return json.loads(job().traffic_json())
 
 
-_PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer")
+_PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer", "frozen")
 _HOPS = ("intra_node", "inter_node")
 
 
@@ -352,8 +355,9 @@ class TrafficLog:
     """Bytes this rank sent through zeropp since the previous call, as flat
     numbers a framework's logger takes: ``zeropp/inter_node_bytes``,
     ``zeropp/<phase>/<hop>_bytes`` and ``..._scale_bytes`` for every phase
-    (forward_gather, backward_gather, gradient, other, replicate, outer) and
-    hop (intra_node, inter_node). With Accelerate: ``accelerator.log(log(), step=step)``."""
+    (forward_gather, backward_gather, gradient, other, replicate, outer,
+    frozen) and hop (intra_node, inter_node). With Accelerate:
+    ``accelerator.log(log(), step=step)``."""
 
     def __init__(self):
         self._last = None

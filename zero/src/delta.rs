@@ -58,43 +58,54 @@ pub struct Reference<K> {
     nodes: usize,
     chunk: usize,
     forwards_since_refresh: u64,
-    /// The ranges of each shard that hold frozen parameters (the same on
-    /// every rank: FSDP2 lays every rank's shard out alike), set by the
-    /// caller before a gather ([`Reference::set_frozen`]).
-    frozen: Vec<Range<usize>>,
 }
 
 impl<K> Reference<K> {
-    /// The ranges of each shard (sorted, apart, inside the shard) that hold
-    /// frozen parameters: a forward gather checks, with a byte from each
-    /// member of the cross group, that none of them changed, then sends
-    /// only the rest — frozen weights cross the nodes once. Where one did
-    /// change (a load, an unfrozen weight), the cross group refreshes.
-    pub fn set_frozen(
-        &mut self,
-        frozen: impl IntoIterator<Item = Range<usize>>,
-    ) -> Result<(), ZeroError> {
-        let frozen: Vec<Range<usize>> = frozen.into_iter().collect();
-        let mut end = 0;
-        for r in &frozen {
-            if r.start < end || r.end > self.chunk || r.start >= r.end {
-                return Err(ZeroError::Invalid(format!(
-                    "frozen ranges {frozen:?} do not lie sorted and apart inside a shard of {} \
-                     values",
-                    self.chunk
-                )));
-            }
-            end = r.end;
-        }
-        self.frozen = frozen;
-        Ok(())
-    }
-
     /// Bytes it keeps: N shards of a chunk (1/G of the unit), 2 bytes a
     /// value in bf16, 4 in f32.
     pub fn bytes(&self) -> usize {
         self.nodes * self.chunk * if self.bf16 { 2 } else { 4 }
     }
+}
+
+/// A parameter group's place in a delta gather: its references (`None` at
+/// first, after a load or a resize), and the ranges of each shard that hold
+/// frozen parameters, as the caller reads them before every gather (the
+/// same on every rank: FSDP2 lays every rank's shard out alike; sorted,
+/// apart, inside the shard). A forward gather checks, with a byte from
+/// each member of the cross group, that no frozen range changed, then
+/// sends only the rest — frozen weights cross the nodes once; where one
+/// did change (a load, an unfrozen weight) the cross group refreshes. The
+/// bytes that carry frozen ranges, or check them, count as
+/// [`Phase::Frozen`].
+pub struct Slot<'a, K> {
+    pub reference: &'a mut Option<Reference<K>>,
+    pub frozen: &'a [Range<usize>],
+}
+
+impl<'a, K> Slot<'a, K> {
+    /// A group with nothing frozen.
+    pub fn new(reference: &'a mut Option<Reference<K>>) -> Self {
+        Slot {
+            reference,
+            frozen: &[],
+        }
+    }
+}
+
+/// Whether `frozen` lies sorted and apart inside a shard of `chunk`.
+fn check_frozen(frozen: &[Range<usize>], chunk: usize) -> Result<(), ZeroError> {
+    let mut end = 0;
+    for r in frozen {
+        if r.start < end || r.end > chunk || r.start >= r.end {
+            return Err(ZeroError::Invalid(format!(
+                "frozen ranges {frozen:?} do not lie sorted and apart inside a shard of {chunk} \
+                 values"
+            )));
+        }
+        end = r.end;
+    }
+    Ok(())
 }
 
 /// What a checkpoint keeps of a rank's [`Reference`]: the receivers' view
@@ -132,7 +143,6 @@ impl Reference<Kept> {
             nodes: parts.len(),
             chunk,
             forwards_since_refresh: first.forwards_since_refresh,
-            frozen: Vec::new(),
         })
     }
 }
@@ -146,23 +156,22 @@ impl DeltaWire {
 }
 
 /// The delta gather: every rank's `shard` (rank order, equal lengths) into
-/// `out` (W · chunk values), through this rank's `reference` of the unit
-/// (`None` at first, after a load or a resize: the gather is then a full
-/// refresh, and every rank of the job must pass `None` alike). On an
+/// `out` (W · chunk values), through this rank's references of the unit in
+/// `slot` (`None` at first, after a load or a resize: the gather is then a
+/// full refresh, and every rank of the job must pass `None` alike). On an
 /// error the reference is dropped (the job cannot go on from it).
 ///
 /// With hpZ over the node a backward gather is served from the references
-/// inside the node. With frozen ranges ([`Reference::set_frozen`]) a
-/// forward gather first asks the cross group, a byte each, whether any
-/// changed: if none did only the other ranges cross, else the cross group
-/// refreshes.
+/// inside the node. With frozen ranges ([`Slot`]) a forward gather sends
+/// them across only at a refresh they need (the first, or one of them
+/// changed), else only the other ranges.
 #[allow(clippy::too_many_arguments)]
 pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
     m: &M,
     layout: Layout,
     wire: DeltaWire,
-    reference: &mut Option<Reference<Q::Kept>>,
+    slot: Slot<'_, Q::Kept>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
     phase: Phase,
@@ -171,6 +180,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
     let bf16 = wire.keeps_bf16();
+    let reference = slot.reference;
     let kept = reference
         .take()
         .filter(|r| (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes));
@@ -182,21 +192,28 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         *reference = kept;
         return Ok(());
     }
+    // Frozen ranges count on forward gathers (a backward gather without
+    // hpZ sends the whole shard's differences).
+    let frozen: &[Range<usize>] = match phase {
+        Phase::ForwardGather => slot.frozen,
+        _ => &[],
+    };
+    check_frozen(frozen, chunk)?;
     // The shard as the plain wire carries it: rounded to bf16 behind a
     // bf16 hop. Kept in bf16, the references take differences against it,
     // so they converge to it exactly and the rounding of a block's large
     // weights never sets the block's scale.
     let mut loaded = q.values(chunk)?;
     q.load_tensor(shard, &mut loaded, 0)?;
-    let check_frozen =
-        phase == Phase::ForwardGather && kept.as_ref().is_some_and(|r| !r.frozen.is_empty());
-    let rounded = if !wire.fp32 && (bf16 || check_frozen) {
+    let check = kept.is_some() && !frozen.is_empty();
+    let rounded = if !wire.fp32 && (bf16 || check) {
         Some(rounded_to_bf16(q, &loaded)?)
     } else {
         None
     };
     let on_wire = rounded.as_ref().unwrap_or(&loaded);
-    let (mut r, refresh, ranges) = match kept {
+    // Whether the frozen ranges cross with this gather's refresh.
+    let (mut r, refresh, send_frozen) = match kept {
         None => {
             let r = Reference {
                 kept: q.kept(nodes * chunk, bf16)?,
@@ -204,33 +221,42 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
                 nodes,
                 chunk,
                 forwards_since_refresh: 0,
-                frozen: Vec::new(),
             };
-            (r, true, trainable(&[], chunk))
+            (r, true, true)
         }
         Some(r) => {
-            let mut ranges = trainable(&[], chunk);
             let mut changed = false;
-            if check_frozen {
+            if check {
                 // The frozen ranges as a refresh would send them now,
                 // against what the receivers hold of this rank's shard.
                 let mut held = q.values(chunk)?;
                 q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
                 let mut unchanged = true;
-                for f in &r.frozen {
+                for f in frozen {
                     unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
                 }
-                changed = !m.all_agree(Hop::Cross, phase, unchanged)?;
-                if !changed {
-                    ranges = trainable(&r.frozen, chunk);
-                }
+                changed = !m.all_agree(Hop::Cross, Phase::Frozen, unchanged)?;
             }
             let due =
                 phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every;
-            (r, changed || due, ranges)
+            (r, changed || due, changed)
         }
     };
     let mine = if bf16 { on_wire } else { &loaded };
+    if send_frozen && !frozen.is_empty() {
+        exchange(
+            q,
+            m,
+            layout,
+            wire,
+            &mut r,
+            mine,
+            frozen,
+            true,
+            Phase::Frozen,
+        )?;
+    }
+    let ranges = trainable(frozen, chunk);
     exchange(q, m, layout, wire, &mut r, mine, &ranges, refresh, phase)?;
     inside_node(q, m, layout, &r, wire.fp32, out, phase)?;
     if refresh {
@@ -427,7 +453,7 @@ mod tests {
                     mover,
                     layout,
                     w,
-                    &mut reference,
+                    Slot::new(&mut reference),
                     &shard.as_slice(),
                     &mut out.as_mut_slice(),
                     Phase::ForwardGather,
@@ -508,7 +534,7 @@ mod tests {
                     mover,
                     layout,
                     bf16_hop,
-                    &mut reference,
+                    Slot::new(&mut reference),
                     &x,
                     &mut o,
                     p,
@@ -533,7 +559,7 @@ mod tests {
                 mover,
                 layout,
                 bf16_hop,
-                &mut reference,
+                Slot::new(&mut reference),
                 &x,
                 &mut o,
                 p,
@@ -557,21 +583,27 @@ mod tests {
             let mut reference: Option<Reference<Kept>> = None;
             let mut outs = Vec::new();
             let mut crossed = Vec::new();
+            let (mut frozen_bytes, frozen_ranges) =
+                (Vec::new(), std::iter::once(0..CHUNK).collect::<Vec<_>>());
             for call in 0..6 {
-                if let Some(r) = reference.as_mut() {
-                    r.set_frozen(std::iter::once(0..CHUNK)).unwrap();
-                }
                 // Rank 1's shard is loaded anew before gather 3.
                 let step = usize::from(layout.rank == 1 && call >= 3);
                 let shard = truth(layout.rank, step, 1e-2);
                 let mut out = vec![0f32; 4 * CHUNK];
-                let before = mover.counter.traffic().total().inter_node;
+                let before = mover.counter.traffic();
                 let (x, mut o) = (&shard[..], &mut out[..]);
                 let p = Phase::ForwardGather;
-                gather(&Host, mover, layout, frozen, &mut reference, &x, &mut o, p).unwrap();
-                crossed.push(mover.counter.traffic().total().inter_node - before);
+                let slot = Slot {
+                    reference: &mut reference,
+                    frozen: &frozen_ranges,
+                };
+                gather(&Host, mover, layout, frozen, slot, &x, &mut o, p).unwrap();
+                let sent = mover.counter.traffic().since(&before);
+                crossed.push(sent.total().inter_node);
+                frozen_bytes.push(sent.frozen.total.inter_node);
                 outs.push(out);
             }
+            assert_eq!(frozen_bytes, crossed, "all of it frozen weights");
             (outs, crossed)
         });
         let truths = |step: usize| -> Vec<f32> {
@@ -580,11 +612,12 @@ mod tests {
                 .collect()
         };
         for (rank, ((outs, crossed), _)) in got.iter().enumerate() {
-            // The first gather sends the weights (f32 here); the next two
+            // The first gather sends the weights (f32 here: a message of
+            // the frozen range, one of the empty rest); the next two
             // only a byte to the peer across; gather 3 refreshes rank 1's
             // cross group (0 and 2 agree that nothing changed: a byte);
             // then a byte again.
-            assert!(crossed[0] >= (CHUNK * 4) as u64, "rank {rank}: {crossed:?}");
+            assert_eq!(crossed[0], (CHUNK * 4) as u64, "rank {rank}: {crossed:?}");
             assert_eq!(&crossed[1..3], &[1, 1], "rank {rank}");
             if rank % 2 == 1 {
                 assert_eq!(
@@ -611,30 +644,28 @@ mod tests {
         let got = on_ranks(2, 2, move |layout, mover| {
             let mut reference: Option<Reference<Kept>> = None;
             let (mut outs, mut crossed) = (Vec::new(), Vec::new());
+            let (mut frozen_bytes, frozen) =
+                (Vec::new(), std::iter::once(0..half).collect::<Vec<_>>());
             for step in 0..5 {
-                if let Some(r) = reference.as_mut() {
-                    r.set_frozen(std::iter::once(0..half)).unwrap();
-                }
                 let mut shard = truth(layout.rank, 0, 0.0);
                 shard[half..].copy_from_slice(&truth(layout.rank, step, 1e-3)[half..]);
                 let mut out = vec![0f32; 4 * CHUNK];
-                let before = mover.counter.traffic().total().inter_node;
+                let before = mover.counter.traffic();
                 let (x, mut o) = (&shard[..], &mut out[..]);
                 let p = Phase::ForwardGather;
-                gather(
-                    &Host,
-                    mover,
-                    layout,
-                    wire(4, 1000),
-                    &mut reference,
-                    &x,
-                    &mut o,
-                    p,
-                )
-                .unwrap();
-                crossed.push(mover.counter.traffic().total().inter_node - before);
+                let slot = Slot {
+                    reference: &mut reference,
+                    frozen: &frozen,
+                };
+                gather(&Host, mover, layout, wire(4, 1000), slot, &x, &mut o, p).unwrap();
+                let sent = mover.counter.traffic().since(&before);
+                crossed.push(sent.total().inter_node);
+                frozen_bytes.push(sent.frozen.total.inter_node);
                 outs.push((out, shard));
             }
+            // The frozen half crosses once (f32 here), then a byte a gather.
+            assert_eq!(frozen_bytes, [(half * 4) as u64, 1, 1, 1, 1]);
+            assert_eq!(crossed[0], (CHUNK * 4) as u64, "and the rest beside it");
             (outs, crossed)
         });
         for (rank, ((outs, crossed), _)) in got.iter().enumerate() {

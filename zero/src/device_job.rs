@@ -28,7 +28,7 @@ use zeropp_cuda::{CudaError, Gpu, GpuElement};
 use zeropp_quant::QuantizedChunks;
 
 use super::allreduce;
-use super::delta::Reference;
+use super::delta::Slot;
 use super::device::NcclMover;
 use super::error::ZeroError;
 use super::fsdp::{self, Gather, Scatter};
@@ -270,8 +270,8 @@ pub struct DeviceGather<'a, V> {
     pub how: Gather,
     pub phase: Phase,
     /// The parameter group's references on this device (`V`: its kept
-    /// values), for [`Gather::Delta`].
-    pub reference: Option<&'a mut Option<Reference<V>>>,
+    /// values) and its frozen ranges, for [`Gather::Delta`].
+    pub slot: Option<Slot<'a, V>>,
 }
 
 /// One reduce-scatter over a mesh dimension on the caller's device
@@ -594,9 +594,9 @@ impl<D: Device> DeviceJob<D> {
                 };
                 let m = device.mover(comms, rank, counter, hpz);
                 let size = m.size(hop);
-                let (q, how, phase, reference) = (device.kernels(), c.how, c.phase, c.reference);
+                let (q, how, phase, slot) = (device.kernels(), c.how, c.phase, c.slot);
                 let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
-                    fsdp::all_gather(q, &m, layout, hop, how, phase, reference, x, o)
+                    fsdp::all_gather(q, &m, layout, hop, how, phase, slot, x, o)
                 };
                 // SAFETY: the caller's promise.
                 unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel * size), run) }
@@ -881,7 +881,7 @@ mod tests {
                 let mut out = vec![bf16::ZERO; LEN];
                 let (x, mut o) = (&shard[..], &mut out[..]);
                 let phase = Phase::ForwardGather;
-                let r = Some(&mut reference);
+                let r = Some(Slot::new(&mut reference));
                 fsdp::all_gather(&Host, &m, l, Hop::World, how, phase, r, &x, &mut o).unwrap();
                 outs.push(bits(&out));
             }
@@ -942,7 +942,7 @@ mod tests {
         ranks: &[usize],
         how: Gather,
         phase: Phase,
-        reference: Option<&mut Option<Reference<crate::host::Kept>>>,
+        slot: Option<Slot<'_, crate::host::Kept>>,
     ) {
         let n = shard.len();
         out[at * n..(at + 1) * n].copy_from_slice(shard);
@@ -954,7 +954,7 @@ mod tests {
             stream: 0,
             how,
             phase,
-            reference,
+            slot,
         };
         // SAFETY: `out` holds the group's size times `n` values, the
         // input is its run `at`.
@@ -1006,7 +1006,7 @@ mod tests {
                     &world,
                     how,
                     phase,
-                    Some(&mut reference),
+                    Some(Slot::new(&mut reference)),
                 );
                 outs.push(bits(&out));
             }
@@ -1088,7 +1088,7 @@ mod tests {
                     stream: 0,
                     how: Gather::Plain,
                     phase: Phase::ForwardGather,
-                    reference: None,
+                    slot: None,
                 };
                 // SAFETY: refused before anything is read (no such group;
                 // a misaligned address).
@@ -1262,7 +1262,7 @@ mod tests {
                     stream: 0,
                     how: Gather::Plain,
                     phase: Phase::ForwardGather,
-                    reference: None,
+                    slot: None,
                 };
                 // SAFETY: `x` holds 4 values, `out` 8.
                 unsafe { job.all_gather::<f32>(c) }.unwrap_err()

@@ -8,7 +8,7 @@ use zeropp_cuda::GpuElement;
 use zeropp_quant::QuantFormat;
 
 use super::backend::{ByteMover, Hop, Quantizer};
-use super::delta::{self, DeltaWire, Reference};
+use super::delta::{self, DeltaWire, Slot};
 use super::error::ZeroError;
 use super::plan::{self, Layout};
 use super::qgz::{self, Reduction};
@@ -85,8 +85,8 @@ impl Gather {
 /// FSDP2's all-gather over `hop` (the world, or the hpZ group for a
 /// sub-group's gather): `shard` (this rank's) into `out` (every member's,
 /// in member order), moved as `how` says and counted under `phase`.
-/// `reference` holds the references of [`Gather::Delta`] (required there,
-/// unused otherwise).
+/// `slot` holds the references of [`Gather::Delta`] and the group's frozen
+/// ranges (required there, unused otherwise).
 #[allow(clippy::too_many_arguments)]
 pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
@@ -95,7 +95,7 @@ pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     hop: Hop,
     how: Gather,
     phase: Phase,
-    reference: Option<&mut Option<Reference<Q::Kept>>>,
+    slot: Option<Slot<'_, Q::Kept>>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
 ) -> Result<(), ZeroError> {
@@ -116,10 +116,10 @@ pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             qwz::dequantize_all(q, &all, |r| qwz::gathered_position(layout, r), out)
         }
         Gather::Delta(wire) => {
-            let reference = reference.ok_or_else(|| {
+            let slot = slot.ok_or_else(|| {
                 ZeroError::Invalid("qwZ on weight differences needs the group's references".into())
             })?;
-            delta::gather(q, m, layout, wire, reference, shard, out, phase)
+            delta::gather(q, m, layout, wire, slot, shard, out, phase)
         }
     }
 }
@@ -225,7 +225,7 @@ mod tests {
             for _ in 0..2 {
                 let mut out = vec![bf16::ZERO; len];
                 let (x, mut o) = (&shard[..], &mut out[..]);
-                let r = Some(&mut reference);
+                let r = Some(Slot::new(&mut reference));
                 let phase = Phase::ForwardGather;
                 all_gather(k, m, layout, Hop::World, how, phase, r, &x, &mut o).unwrap();
                 outs.push(out.iter().map(|v| v.to_bits()).collect());

@@ -1,6 +1,6 @@
 //! Byte counters: every byte this rank sends, by phase (forward gather,
 //! backward gather, gradient, other, HSDP's replicate all-reduce, islands'
-//! outer sync) and hop class (inside the node, across nodes), payload and
+//! outer sync, frozen weights' crossings) and hop class (inside the node, across nodes), payload and
 //! block scales separately. Counted in a transport
 //! wrapper, so they are what was actually handed to the network (frame
 //! headers aside).
@@ -25,6 +25,10 @@ pub enum Phase {
     Replicate = 4,
     /// Islands' outer sync: the outer deltas across islands.
     Outer = 5,
+    /// A forward gather's frozen weights: the ranges of a shard that hold
+    /// frozen parameters when they cross (their first gather, a refresh
+    /// after one changed) and the byte a rank sends to say they did not.
+    Frozen = 6,
 }
 
 impl Phase {
@@ -62,6 +66,9 @@ pub struct Traffic {
     pub replicate: PhaseBytes,
     /// Islands' outer sync across islands.
     pub outer: PhaseBytes,
+    /// Forward gathers' frozen weights (crossings and checks); the rest of
+    /// a forward gather, its trainable weights, counts as `forward_gather`.
+    pub frozen: PhaseBytes,
     /// Messages sent, by hop class (each travels with a frame header).
     pub messages: HopBytes,
 }
@@ -75,6 +82,7 @@ impl Traffic {
             Phase::Other => &mut self.other,
             Phase::Replicate => &mut self.replicate,
             Phase::Outer => &mut self.outer,
+            Phase::Frozen => &mut self.frozen,
         }
     }
 
@@ -88,6 +96,7 @@ impl Traffic {
             self.other,
             self.replicate,
             self.outer,
+            self.frozen,
         ] {
             t.intra_node += p.total.intra_node;
             t.inter_node += p.total.inter_node;
@@ -112,6 +121,7 @@ impl Traffic {
             other: p(self.other, earlier.other),
             replicate: p(self.replicate, earlier.replicate),
             outer: p(self.outer, earlier.outer),
+            frozen: p(self.frozen, earlier.frozen),
             messages: d(self.messages, earlier.messages),
         }
     }

@@ -5,7 +5,8 @@ zeropp (weight differences, the default) and through zeropp's zero3 mode
 the peer across and deliver exactly ZeRO-3's weights; a state-dict load
 into the frozen base, and unfreezing it, are never served stale; in one
 group mixing a frozen base and a trainable adapter only the adapter's
-differences cross. Prints one "ok NAME" line per check on rank 0."""
+differences cross; the traffic report counts the frozen weights' bytes
+apart from the trainable ones. Prints one "ok NAME" line per check on rank 0."""
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,15 @@ def adapted(mode):
     return m
 
 
+def across():
+    """Bytes this rank's forward gathers sent across nodes: (trainable
+    weights, frozen weights) as the traffic report splits them."""
+    t = zt.traffic()
+    return t["forward_gather"]["total"]["inter_node"], t["frozen"]["total"]["inter_node"]
+
+
 def forward_bytes():
-    return zt.traffic()["forward_gather"]["total"]["inter_node"]
+    return sum(across())
 
 
 def main():
@@ -56,6 +64,7 @@ def main():
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(dist.get_rank()))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (zpp, z3)]
     crossed = []
+    split = []
     same = []
     for _ in range(4):
         # A step through the root (FSDP2 initializes there), then the base
@@ -64,10 +73,11 @@ def main():
             m(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        before = forward_bytes()
+        before = across()
         with torch.no_grad():
             base = zpp[0](x)
-        crossed.append(forward_bytes() - before)
+        split.append(tuple(b - a for a, b in zip(before, across(), strict=True)))
+        crossed.append(sum(split[-1]))
         with torch.no_grad():
             same.append(torch.equal(base, z3[0](x)))
     check("a frozen base gathers ZeRO-3's weights, bit for bit", all(same), f"{same}")
@@ -75,6 +85,11 @@ def main():
         "after its first gather a frozen base sends a byte across per gather",
         crossed == [1, 1, 1, 1],
         f"{crossed}",
+    )
+    check(
+        "the traffic report counts a frozen base's bytes as frozen",
+        split == [(0, 1)] * 4,
+        f"{split}",
     )
 
     # A load into the frozen base (every rank alike) is sent again.
@@ -105,15 +120,16 @@ def main():
     # adapter's differences cross after the first gather.
     mixed = [adapted(mode) for mode in ("zeropp", "zero3")]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in mixed]
-    crossed = []
+    crossed, split = [], []
     for _ in range(4):
         for i, (m, opt) in enumerate(zip(mixed, opts, strict=True)):
-            before = forward_bytes()
+            before = across()
             m(x).square().mean().backward()
             opt.step()
             opt.zero_grad()
             if i == 0:
-                crossed.append(forward_bytes() - before)
+                split.append(tuple(b - a for a, b in zip(before, across(), strict=True)))
+                crossed.append(sum(split[-1]))
     trainable = 64 * 64 // dist.get_world_size()  # the adapter's shard
     # A refresh first (the whole shard, bf16 or f32); then a byte and the
     # adapter's int4 differences (about half a byte a value).
@@ -121,6 +137,15 @@ def main():
         "a mixed group sends only its trainable part's differences after the first gather",
         crossed[0] > trainable and all(0 < c < 0.6 * trainable + 64 for c in crossed[1:]),
         f"{crossed}",
+    )
+    frozen_part = 64 * 64 + 64  # the base's weight and bias: a shard of them
+    sent_frozen = [f for _, f in split]
+    check(
+        "a mixed group's frozen part is counted as frozen: one crossing, then a byte",
+        sent_frozen[0] >= 2 * frozen_part // dist.get_world_size()
+        and sent_frozen[1:] == [1, 1, 1]
+        and all(t > 1 for t, _ in split),
+        f"{split}",
     )
     full = []
     for m in mixed:
