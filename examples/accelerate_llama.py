@@ -22,6 +22,13 @@ by zeropp's outer step:
     torchrun --standalone --nproc-per-node 4 examples/accelerate_llama.py \
         --zeropp zeropp --ranks-per-node 2 --islands 2 --sync-every 10
 
+LoRA: ``--lora R`` fine-tunes with peft's rank-R adapters on every attention
+and MLP projection, the base frozen (each decoder layer's FSDP2 group holds
+both): the frozen base crosses the nodes once.
+
+    torchrun --standalone --nproc-per-node 4 examples/accelerate_llama.py \
+        --zeropp zeropp --ranks-per-node 2 --lora 8
+
 Accelerate shards with FSDP only on accelerators (on CPU ranks it falls back
 to DDP); ``--cpu-fsdp`` forces its FSDP2 path on CPU ranks, as the tests do.
 On GPUs leave it off.
@@ -41,6 +48,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import zeropp
 import zeropp.torch
 
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -51,6 +60,7 @@ def main():
     p.add_argument("--cpu-fsdp", action="store_true", help="force Accelerate's FSDP2 on CPU")
     p.add_argument("--islands", type=int, default=1, help="HSDP replicas trained as islands")
     p.add_argument("--sync-every", type=int, default=20, help="inner steps between outer syncs")
+    p.add_argument("--lora", type=int, default=0, metavar="R", help="peft LoRA of rank R")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -94,7 +104,19 @@ def main():
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=args.lora,
+            lora_alpha=2 * args.lora,
+            lora_dropout=0.0,
+            target_modules=PROJECTIONS,
+        )
+        model = get_peft_model(model, lora)
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=3e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     # The one line: zeropp's collectives on every module Accelerate sharded.
     if args.zeropp != "none":
@@ -135,7 +157,13 @@ def main():
         if args.zeropp != "none":
             logged.update(traffic_log())
         accelerator.log(logged, step=step)
-    summary = {"zeropp": args.zeropp, "losses": losses, "last_log": logged}
+    summary = {
+        "zeropp": args.zeropp,
+        "losses": losses,
+        "last_log": logged,
+        "parameters": parameters,
+        "trainable": sum(p.numel() for p in trainable),
+    }
     if outer is not None:
         outer.finish()
         mine = torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()])
@@ -149,6 +177,12 @@ def main():
         }
     if args.zeropp != "none":
         summary["switches"] = zeropp.torch.resolved_switches()[args.zeropp]["switches"]
+        t = zeropp.torch.traffic()
+        phases = [k for k, v in t.items() if isinstance(v, dict) and "total" in v]
+        # Bytes across nodes by phase, summed over every rank of the job.
+        across = torch.tensor([t[k]["total"]["inter_node"] for k in phases], dtype=torch.int64)
+        dist.all_reduce(across)
+        summary["inter_node_bytes"] = dict(zip(phases, across.tolist(), strict=True))
     if rank == 0:
         print(f"{args.zeropp}: loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
         if args.summary_json:

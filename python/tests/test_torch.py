@@ -249,13 +249,17 @@ def test_lora_adapters_resume_from_a_dcp_checkpoint_of_their_own(tmp_path, mode)
         assert result["frozen_after_first"] == 9, result["frozen_after_first"]
 
 
-def test_lora_under_the_trainer_the_frozen_base_crosses_nodes_once(tmp_path):
-    # peft LoRA (r=8) on the recipes' Llama, the Trainer's FSDP2 wrapping
-    # (each decoder layer: frozen base and adapters in one group).
+@pytest.mark.parametrize("recipe", ["hf_trainer_lora.py", "accelerate_llama.py"])
+def test_lora_under_the_trainer_and_accelerate_the_frozen_base_crosses_nodes_once(tmp_path, recipe):
+    # peft LoRA (r=8) on the recipes' Llama, the Trainer's or Accelerate's
+    # FSDP2 wrapping (each decoder layer: frozen base and adapters in one
+    # group; Accelerate's then zeropp.torch.enable).
+    lora = ["--lora", 8] if recipe == "accelerate_llama.py" else []
+
     def run(which, steps):
         out = tmp_path / f"lora-{which}.json"
-        args = ["--zeropp", which, "--steps", steps, "--ranks-per-node", 2, "--cpu-fsdp"]
-        torchrun(ROOT / "examples" / "hf_trainer_lora.py", [*args, "--summary-json", out])
+        args = ["--zeropp", which, "--steps", steps, "--ranks-per-node", 2, "--cpu-fsdp", *lora]
+        torchrun(ROOT / "examples" / recipe, [*args, "--summary-json", out])
         return json.loads(out.read_text())
 
     base, z3 = run("none", 8), run("zero3", 8)
