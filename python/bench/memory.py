@@ -9,6 +9,10 @@ process's RSS before the model was built (what training added).
       torchrun --standalone --nproc-per-node 4 python/bench/memory.py \\
           --mode $mode --ranks-per-node 2 --hidden 512 --layers 8
     done
+
+``--lora R`` fine-tunes with peft's rank-R LoRA (the base frozen); each
+line then also gives zeropp's kept bytes per rank (``kept_bytes``: the
+frozen weights' cache among them).
 """
 
 import argparse
@@ -40,6 +44,9 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=32)
+    p.add_argument(
+        "--lora", type=int, default=0, metavar="R", help="peft LoRA of rank R, the base frozen"
+    )
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -56,18 +63,25 @@ def main():
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
+    layers = model.model.layers
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets)
+        model = get_peft_model(model, lora)
     params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     if args.mode == "fsdp2":
-        for layer in model.model.layers:
+        for layer in layers:
             fsdp_fully_shard(layer, mp_policy=mp)
         fsdp_fully_shard(model, mp_policy=mp)
     else:
         zt.job(ranks_per_node=args.ranks_per_node)
-        for layer in model.model.layers:
+        for layer in layers:
             zt.fully_shard(layer, mode=args.mode, mp_policy=mp)
         zt.fully_shard(model, mode=args.mode, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     g = torch.Generator().manual_seed(rank)
     for _ in range(args.steps):
         x = torch.randint(0, 256, (args.batch, args.context), generator=g)
@@ -75,7 +89,8 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
-    peak = torch.tensor([status_kb("VmHWM") * 1024, before_kb * 1024], dtype=torch.int64)
+    kept = 0 if args.mode == "fsdp2" else zt.kept_bytes(model)["total"]
+    peak = torch.tensor([status_kb("VmHWM") * 1024, before_kb * 1024, kept], dtype=torch.int64)
     every = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(every, peak)
     if rank == 0:
@@ -84,6 +99,10 @@ def main():
             "params": params,
             "peak_rss_bytes": [int(t[0]) for t in every],
             "growth_bytes": [int(t[0] - t[1]) for t in every],
+            # zeropp.torch.kept_bytes: references (with LoRA, the frozen
+            # weights' cache) and residuals, in host memory here.
+            "kept_bytes": [int(t[2]) for t in every],
+            "lora": args.lora,
             "loss": float(loss),
         }
         print(json.dumps(line), flush=True)

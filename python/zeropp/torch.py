@@ -68,6 +68,7 @@ __all__ = [
     "enable",
     "fully_shard",
     "job",
+    "kept_bytes",
     "measured",
     "OuterSync",
     "resolved_switches",
@@ -1542,29 +1543,60 @@ def _local(p):
     return t.data
 
 
+def kept_bytes(module):
+    """Bytes zeropp keeps between steps for the zeropp-sharded submodules of
+    ``module`` on this rank, beside FSDP2's own: ``qwz_references`` (qwZ's
+    references of weight differences: 1/G of each group, f32 or bf16 —
+    with hpZ over the node they are also its secondary shard and the frozen
+    weights' cache, in host memory for CPU tensors and on the device for
+    CUDA ones), ``qgz_residuals`` (error feedback of the gradients, HSDP's
+    all-reduce included) and ``total`` — as ``zeropp train``'s summary
+    reports ``kept_bytes``."""
+    references = residuals = 0
+    for group in _zeropp_groups(module):
+        rs = group._reduce_scatter_comm
+        if isinstance(rs, ZeroppReduceScatter):
+            if rs.qgz_state is not None:
+                residuals += rs.qgz_state.residual_bytes()
+            if rs.replicate is not None and rs.replicate.state is not None:
+                residuals += rs.replicate.state.residual_bytes()
+        ag = group._all_gather_comm
+        if isinstance(ag, ZeroppAllGather) and ag.qwz_reference is not None:
+            references += ag.qwz_reference.reference_bytes()
+    return {
+        "qwz_references": references,
+        "qgz_residuals": residuals,
+        "total": references + residuals,
+    }
+
+
+def _zeropp_groups(module):
+    """The FSDP2 parameter groups of ``module``'s sharded submodules."""
+    for m in module.modules():
+        if getattr(m, "_get_fsdp_state", None) is None:
+            continue
+        yield from m._get_fsdp_state()._fsdp_param_groups
+
+
 def reset_error_feedback(module):
     """Error feedback starts over, and the qwZ references (``qwz_delta``) are
     refreshed at the next gather, in every zeropp-sharded submodule of
     ``module``: call it on every rank after loading a checkpoint (neither is
     part of a state dict). Returns the parameter groups reset."""
     n = 0
-    for m in module.modules():
-        state = getattr(m, "_get_fsdp_state", None)
-        if state is None:
-            continue
-        for group in m._get_fsdp_state()._fsdp_param_groups:
-            reset = False
-            rs = group._reduce_scatter_comm
-            if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
-                rs.qgz_state.reset()
+    for group in _zeropp_groups(module):
+        reset = False
+        rs = group._reduce_scatter_comm
+        if isinstance(rs, ZeroppReduceScatter) and rs.qgz_state is not None:
+            rs.qgz_state.reset()
+            reset = True
+        if isinstance(rs, ZeroppReduceScatter) and rs.replicate is not None:
+            if rs.replicate.state is not None:
+                rs.replicate.state.reset()
                 reset = True
-            if isinstance(rs, ZeroppReduceScatter) and rs.replicate is not None:
-                if rs.replicate.state is not None:
-                    rs.replicate.state.reset()
-                    reset = True
-            ag = group._all_gather_comm
-            if isinstance(ag, ZeroppAllGather) and ag.qwz_reference is not None:
-                ag.qwz_reference.reset()
-                reset = True
-            n += reset
+        ag = group._all_gather_comm
+        if isinstance(ag, ZeroppAllGather) and ag.qwz_reference is not None:
+            ag.qwz_reference.reset()
+            reset = True
+        n += reset
     return n

@@ -102,6 +102,20 @@ def main():
         stays = torch.equal(zpp[0](x), z3[0](x))
     check("a frozen weight that was loaded is gathered anew, never stale", loaded and stays)
 
+    # What zeropp keeps beside FSDP2: the references of each group's cross
+    # group (2 nodes x a shard, f32 here) — the frozen base's cache — and
+    # the head's error feedback; nothing in zero3 mode.
+    kept, kept3 = zt.kept_bytes(zpp), zt.kept_bytes(z3)
+    shards = (64 * 64 + 64) // 4 + (8 * 64 + 8) // 4  # the base's and the head's
+    check(
+        "kept_bytes reports the references (the frozen cache) and the residuals",
+        kept["qwz_references"] == 2 * 4 * shards
+        and kept["qgz_residuals"] > 0
+        and kept["total"] == kept["qwz_references"] + kept["qgz_residuals"]
+        and kept3["total"] == 0,
+        f"{kept} {kept3}",
+    )
+
     # Unfrozen, it trains like any weight (qwZ's differences, not exact).
     for m in (zpp, z3):
         m[0].requires_grad_(True)
