@@ -652,3 +652,96 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
         "qgZ"
     );
 }
+
+/// qwZ on weight differences on the device, its references kept on the
+/// device and in host memory (`frozen_cache="host"`), half of each shard
+/// frozen: the same weights as the host library's, gather after gather,
+/// and the references where they were asked for.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
+    use half::bf16;
+    use zeropp::zero::Hop;
+    use zeropp::zero::fsdp::{self, DeltaSettings, Gather};
+    let settings = DeltaSettings {
+        refresh_every: 100,
+        fp32: false,
+        hpz: true,
+        bf16_references: false,
+    };
+    let how = Gather::choose(Some(4), 64, true, Some(settings), true).unwrap();
+    let frozen: Vec<_> = std::iter::once(0..150).collect();
+    let shards: Vec<Vec<bf16>> = (0..4)
+        .map(|call| {
+            let (w, d) = (gradient(300, 0, 9), gradient(300, 0, call));
+            (0..300)
+                .map(|i| bf16::from_f32(w[i] + if i < 150 { 0.0 } else { 1e-3 * d[i] }))
+                .collect()
+        })
+        .collect();
+    let phases = [Phase::ForwardGather, Phase::BackwardGather];
+    let (host_shards, frozen_gpu) = (shards.clone(), frozen.clone());
+    let host = on_ranks(1, 1, 1, move |layout, m, _| {
+        let mut reference = None;
+        let mut seen = Vec::new();
+        for shard in &host_shards {
+            for phase in phases {
+                let mut out = vec![bf16::ZERO; 300];
+                let slot = delta::Slot {
+                    reference: &mut reference,
+                    frozen: &frozen,
+                    on_host: false,
+                };
+                let (i, mut o) = (&shard[..], &mut out[..]);
+                fsdp::all_gather(
+                    &Host,
+                    m,
+                    layout,
+                    Hop::World,
+                    how,
+                    phase,
+                    Some(slot),
+                    &i,
+                    &mut o,
+                )
+                .unwrap();
+                seen.push(out);
+            }
+        }
+        seen
+    });
+    let one = OneGpu::open();
+    let (gpu, layout, m) = (&one.gpu, OneGpu::LAYOUT, one.mover());
+    for on_host in [false, true] {
+        let mut reference = None;
+        let mut seen = Vec::new();
+        for shard in &shards {
+            let dx = gpu.upload(shard).unwrap();
+            for phase in phases {
+                let mut out = gpu.zeros::<bf16>(300).unwrap();
+                let slot = delta::Slot {
+                    reference: &mut reference,
+                    frozen: &frozen_gpu,
+                    on_host,
+                };
+                let (i, mut o) = (dx.as_view(), out.as_view_mut());
+                fsdp::all_gather(
+                    gpu,
+                    &m,
+                    layout,
+                    Hop::World,
+                    how,
+                    phase,
+                    Some(slot),
+                    &i,
+                    &mut o,
+                )
+                .unwrap();
+                seen.push(gpu.download(&out.as_view()).unwrap());
+            }
+        }
+        assert_eq!(seen, host[0], "references on the host: {on_host}");
+        let kept = reference.as_ref().map(|r| r.kept().on_host());
+        assert_eq!(kept, Some(on_host), "where the references are kept");
+    }
+}

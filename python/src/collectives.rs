@@ -397,9 +397,11 @@ impl Job {
                 let copy = out.overlaps(&inp).then(|| shard.to_vec());
                 let shard = copy.as_deref().unwrap_or(shard);
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                // Host memory is where the host path keeps them anyway.
                 let r = reference.as_deref_mut().map(|reference| delta::Slot {
                     reference,
                     frozen: &frozen,
+                    on_host: false,
                 });
                 fsdp::all_gather(&Host, mover, layout, hop, how, phase, r, &shard, &mut o)?;
             });
@@ -965,6 +967,8 @@ pub struct QwzReference {
     /// parameters, as zeropp.torch sets them before each gather
     /// (`delta::Slot`).
     frozen: Mutex<Vec<(usize, usize)>>,
+    /// CUDA tensors' references kept in host memory (`qwz_host_references`).
+    pub(crate) host_references: bool,
     pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
     /// The same references for CUDA tensors, on their device.
     pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceKept>>>,
@@ -986,13 +990,16 @@ impl QwzReference {
     /// `hpz`: hpZ over the whole node — backward gathers are served from
     /// the references inside the node (they are hpZ's secondary shard).
     /// `bf16_references`: kept in bf16 where the gather's dtype is bf16.
+    /// `host_references`: CUDA tensors' references kept in host memory
+    /// (the host path's are there anyway).
     #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false, hpz=false,
-                        bf16_references=false))]
+                        bf16_references=false, host_references=false))]
     fn new(
         refresh_every: u64,
         fp32: bool,
         hpz: bool,
         bf16_references: bool,
+        host_references: bool,
     ) -> PyResult<QwzReference> {
         if refresh_every == 0 {
             return Err(invalid(
@@ -1007,6 +1014,7 @@ impl QwzReference {
                 bf16_references,
             },
             frozen: Mutex::new(Vec::new()),
+            host_references,
             reference: Mutex::new(None),
             device: Mutex::new(None),
         })

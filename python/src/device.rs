@@ -146,6 +146,7 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         _ => None,
     };
     let frozen = delta.map(|d| d.frozen_ranges()).unwrap_or_default();
+    let on_host = delta.is_some_and(|d| d.host_references);
     let call = DeviceGather {
         out: c.out,
         inp: c.inp,
@@ -157,6 +158,7 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         slot: reference.as_deref_mut().map(|reference| Slot {
             reference,
             frozen: &frozen,
+            on_host,
         }),
     };
     // SAFETY: the caller's promise.

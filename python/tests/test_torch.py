@@ -152,7 +152,7 @@ def test_the_emulated_device_serves_every_mesh_as_the_host_does(tmp_path, mesh):
 def test_the_emulated_device_is_asynchronous_and_raises_at_wait():
     p = torchrun(WORKERS / "emulated.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 7, p.stdout
+    assert len(oks) == 8, p.stdout
 
 
 def test_the_collectives_as_fsdp2_calls_them_and_bad_input():

@@ -530,6 +530,7 @@ class ZeroppAllGather(AllGather):
                 fp32=switches["fp32_comm"],
                 hpz=_references_serve_backward(switches, g),
                 bf16_references=switches.get("qwz_bf16_references", False),
+                host_references=switches.get("qwz_host_references", False),
             )
 
     def allocate(self, size, *, dtype, device):

@@ -45,6 +45,13 @@ pub trait Quantizer {
     /// `len` zeros to keep, in bf16 (`bf16`) or f32.
     fn kept(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError>;
 
+    /// [`Quantizer::kept`] in host memory: the device copies them in and
+    /// out as they are used (`frozen_cache="host"`); the host's own are
+    /// host memory already.
+    fn kept_on_host(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError> {
+        self.kept(len, bf16)
+    }
+
     /// `k[at_k..at_k + len]` in f32 into `out[at..]`.
     fn load_kept(
         &self,

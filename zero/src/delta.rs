@@ -55,6 +55,8 @@ pub struct DeltaWire {
 pub struct Reference<K> {
     kept: K,
     bf16: bool,
+    /// Kept in host memory ([`Slot::on_host`]).
+    on_host: bool,
     nodes: usize,
     chunk: usize,
     forwards_since_refresh: u64,
@@ -65,6 +67,11 @@ impl<K> Reference<K> {
     /// value in bf16, 4 in f32.
     pub fn bytes(&self) -> usize {
         self.nodes * self.chunk * if self.bf16 { 2 } else { 4 }
+    }
+
+    /// What it keeps them in.
+    pub fn kept(&self) -> &K {
+        &self.kept
     }
 }
 
@@ -77,18 +84,23 @@ impl<K> Reference<K> {
 /// sends only the rest — frozen weights cross the nodes once; where one
 /// did change (a load, an unfrozen weight) the cross group refreshes. The
 /// bytes that carry frozen ranges, or check them, count as
-/// [`Phase::Frozen`].
+/// [`Phase::Frozen`]. With `on_host` the references are kept in host
+/// memory ([`Quantizer::kept_on_host`]: `frozen_cache="host"`, the
+/// device's memory then stays at ZeRO-3's).
 pub struct Slot<'a, K> {
     pub reference: &'a mut Option<Reference<K>>,
     pub frozen: &'a [Range<usize>],
+    pub on_host: bool,
 }
 
 impl<'a, K> Slot<'a, K> {
-    /// A group with nothing frozen.
+    /// A group with nothing frozen, its references where the quantizer
+    /// keeps values.
     pub fn new(reference: &'a mut Option<Reference<K>>) -> Self {
         Slot {
             reference,
             frozen: &[],
+            on_host: false,
         }
     }
 }
@@ -140,6 +152,7 @@ impl Reference<Kept> {
         (same && chunk > 0).then(|| Reference {
             kept: Kept::from_f32(&values, wire.keeps_bf16()),
             bf16: wire.keeps_bf16(),
+            on_host: false,
             nodes: parts.len(),
             chunk,
             forwards_since_refresh: first.forwards_since_refresh,
@@ -180,10 +193,10 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
     let bf16 = wire.keeps_bf16();
-    let reference = slot.reference;
+    let (reference, on_host) = (slot.reference, slot.on_host);
     let kept = reference
         .take()
-        .filter(|r| (r.chunk, r.bf16, r.nodes) == (chunk, bf16, nodes));
+        .filter(|r| (r.chunk, r.bf16, r.on_host, r.nodes) == (chunk, bf16, on_host, nodes));
     if let Some(r) = &kept
         && wire.hpz
         && phase == Phase::BackwardGather
@@ -215,9 +228,14 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     // Whether the frozen ranges cross with this gather's refresh.
     let (mut r, refresh, send_frozen) = match kept {
         None => {
+            let kept = match on_host {
+                true => q.kept_on_host(nodes * chunk, bf16)?,
+                false => q.kept(nodes * chunk, bf16)?,
+            };
             let r = Reference {
-                kept: q.kept(nodes * chunk, bf16)?,
+                kept,
                 bf16,
+                on_host,
                 nodes,
                 chunk,
                 forwards_since_refresh: 0,
@@ -596,6 +614,7 @@ mod tests {
                 let slot = Slot {
                     reference: &mut reference,
                     frozen: &frozen_ranges,
+                    on_host: false,
                 };
                 gather(&Host, mover, layout, frozen, slot, &x, &mut o, p).unwrap();
                 let sent = mover.counter.traffic().since(&before);
@@ -656,6 +675,7 @@ mod tests {
                 let slot = Slot {
                     reference: &mut reference,
                     frozen: &frozen,
+                    on_host: false,
                 };
                 gather(&Host, mover, layout, wire(4, 1000), slot, &x, &mut o, p).unwrap();
                 let sent = mover.counter.traffic().since(&before);

@@ -14,6 +14,7 @@ use super::backend::{
     check_gather_len, check_scatter_len, scale_fraction,
 };
 use super::error::ZeroError;
+use super::host::{Host, Kept};
 use super::plan::Layout;
 use super::traffic::{CountingTransport, Phase};
 
@@ -95,10 +96,14 @@ fn chunk_view_mut(c: &mut DeviceQuantizedChunks, i: usize) -> QuantViewMut<'_> {
     }
 }
 
-/// Values kept on the device between calls ([`Quantizer::Kept`]).
+/// Values kept between calls ([`Quantizer::Kept`]): on the device, or in
+/// host memory ([`Quantizer::kept_on_host`]), copied to and from the
+/// device as they are loaded and stored (kept alike: the host rounds to
+/// bf16 as the device does, to nearest even).
 pub enum DeviceKept {
     F32(CudaSlice<f32>),
     Bf16(CudaSlice<half::bf16>),
+    Host(Kept),
 }
 
 impl DeviceKept {
@@ -106,7 +111,13 @@ impl DeviceKept {
         match self {
             DeviceKept::F32(s) => s.len(),
             DeviceKept::Bf16(s) => s.len(),
+            DeviceKept::Host(k) => k.len(),
         }
+    }
+
+    /// Whether they are kept in host memory.
+    pub fn on_host(&self) -> bool {
+        matches!(self, DeviceKept::Host(_))
     }
 
     pub fn is_empty(&self) -> bool {
@@ -153,6 +164,10 @@ impl Quantizer for Gpu {
         })
     }
 
+    fn kept_on_host(&self, len: usize, bf16: bool) -> Result<DeviceKept, ZeroError> {
+        Ok(DeviceKept::Host(Host.kept(len, bf16)?))
+    }
+
     fn load_kept(
         &self,
         k: &DeviceKept,
@@ -168,6 +183,10 @@ impl Quantizer for Gpu {
         match k {
             DeviceKept::F32(s) => Gpu::copy(self, &s.slice(at_k..at_k + len), &mut o)?,
             DeviceKept::Bf16(s) => self.widen(&s.slice(at_k..at_k + len), &mut o)?,
+            DeviceKept::Host(k) => {
+                let up = self.upload(&k.to_f32(at_k, len)?)?;
+                Gpu::copy(self, &up.slice(0..len), &mut o)?
+            }
         }
         Ok(())
     }
@@ -187,6 +206,10 @@ impl Quantizer for Gpu {
         match k {
             DeviceKept::F32(s) => Gpu::copy(self, &src, &mut s.slice_mut(at_k..at_k + len))?,
             DeviceKept::Bf16(s) => self.narrow(&src, &mut s.slice_mut(at_k..at_k + len))?,
+            DeviceKept::Host(k) => {
+                let values = self.download(&src)?;
+                Host.store_kept(&values, 0, k, at_k, len)?
+            }
         }
         Ok(())
     }

@@ -206,6 +206,12 @@ macro_rules! with_switches {
             /// half their memory, for weights a little further from the
             /// master's (docs/TRAINING.md measures the loss).
             qwz_bf16_references: bool as bool = false,
+            /// qwZ's references of weight differences (the frozen weights'
+            /// cache, and hpZ's secondary shard) kept in host memory for
+            /// device tensors, copied in and out as they are used: the
+            /// device's memory stays at ZeRO-3's. The host path keeps them
+            /// in host memory either way.
+            qwz_host_references: bool as bool = false,
         }
     };
 }
@@ -268,6 +274,7 @@ impl Switches {
             qgz_hadamard: false,
             qgz_inter_block: None,
             qwz_bf16_references: false,
+            qwz_host_references: false,
         }
     }
 
@@ -294,6 +301,7 @@ impl Switches {
             qgz_hadamard: true,
             qgz_inter_block: Some(DEFAULT_QGZ_INTER_BLOCK),
             qwz_bf16_references: false,
+            qwz_host_references: false,
         }
     }
 
@@ -703,6 +711,13 @@ impl Plan {
                         .into(),
                 );
             }
+            _ if s.qwz_host_references && !(s.qwz_delta && s.qwz_bits.is_some()) => {
+                return Err(
+                    "qwz_host_references keeps qwZ's references of weight differences: \
+                            turn qwz_delta on (with qwz_bits), or it off"
+                        .into(),
+                );
+            }
             _ if s.qwz_bf16_references && s.fp32_comm => {
                 return Err(
                     "qwz_bf16_references keeps the references as the bf16 hop inside \
@@ -1086,6 +1101,14 @@ mod tests {
             e.contains("invalid switches: qwZ supports 8 or 4 bits"),
             "{e}"
         );
+        // References kept in bf16 or in host memory need references.
+        for switch in ["qwz_bf16_references", "qwz_host_references"] {
+            let asked = format!(r#"{{"qwz_delta": false, "{switch}": true}}"#);
+            let e = err("zeropp", &asked).unwrap_err();
+            assert!(e.contains(switch) && e.contains("turn qwz_delta on"), "{e}");
+            let asked = format!(r#"{{"{switch}": true}}"#);
+            assert!(err("zeropp", &asked).is_ok(), "{switch} with the default");
+        }
     }
 
     #[test]

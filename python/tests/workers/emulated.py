@@ -67,6 +67,15 @@ def main():
         "both took their paths",
         zt.device_calls()["emulated"] == {"all_gather": 2, "reduce_scatter": 1},
     )
+    # qwZ's references kept in host memory (qwz_host_references: a GPU's
+    # stay off the device): the same weights.
+    hosted = zt.ZeroppAllGather(job, dict(zpp, qwz_host_references=True))
+    out3 = torch.empty(world * 5000)
+    hosted(out3, shard, group, async_op=True).wait()
+    check(
+        "references kept in host memory gather the same weights",
+        torch.equal(out3, host_out) and hosted.qwz_reference.reference_bytes() > 0,
+    )
 
     # A group never joined (ranks 1 and 2 straddle the two logical nodes):
     # refused at the call, before anything is queued.
