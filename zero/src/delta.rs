@@ -243,18 +243,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             (r, true, true)
         }
         Some(r) => {
-            let mut changed = false;
-            if check {
-                // The frozen ranges as a refresh would send them now,
-                // against what the receivers hold of this rank's shard.
-                let mut held = q.values(chunk)?;
-                q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
-                let mut unchanged = true;
-                for f in frozen {
-                    unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
-                }
-                changed = !m.all_agree(Hop::Cross, Phase::Frozen, unchanged)?;
-            }
+            let changed = check && !frozen_unchanged(q, m, layout, &r, frozen, on_wire)?;
             let due =
                 phase == Phase::ForwardGather && r.forwards_since_refresh >= wire.refresh_every;
             (r, changed || due, changed)
@@ -262,17 +251,8 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     };
     let mine = if bf16 { on_wire } else { &loaded };
     if send_frozen && !frozen.is_empty() {
-        exchange(
-            q,
-            m,
-            layout,
-            wire,
-            &mut r,
-            mine,
-            frozen,
-            true,
-            Phase::Frozen,
-        )?;
+        let phase = Phase::Frozen;
+        exchange(q, m, layout, wire, &mut r, mine, frozen, true, phase)?;
     }
     let ranges = trainable(frozen, chunk);
     exchange(q, m, layout, wire, &mut r, mine, &ranges, refresh, phase)?;
@@ -285,6 +265,27 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     }
     *reference = Some(r);
     Ok(())
+}
+
+/// Whether every member of the cross group found its `frozen` ranges as
+/// the receivers hold them (`on_wire`: this rank's shard as a refresh
+/// would send it now): a byte from each.
+fn frozen_unchanged<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    r: &Reference<Q::Kept>,
+    frozen: &[Range<usize>],
+    on_wire: &Q::Values,
+) -> Result<bool, ZeroError> {
+    let chunk = r.chunk;
+    let mut held = q.values(chunk)?;
+    q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
+    let mut unchanged = true;
+    for f in frozen {
+        unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
+    }
+    m.all_agree(Hop::Cross, Phase::Frozen, unchanged)
 }
 
 /// The ranges of a shard of `chunk` values between the `frozen` ones.
