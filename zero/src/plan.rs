@@ -678,6 +678,82 @@ pub fn gradient_formats(
     Ok((intra, inter))
 }
 
+/// How a unit's weights cross nodes under `s` (`hpz_over_node`: hpZ's group
+/// is the whole node, so qwZ's references serve the backward gather).
+fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, String> {
+    Ok(match s.qwz_bits {
+        None if s.qwz_delta => {
+            return Err(
+                "qwz_delta sends qwZ's weight differences: set qwz_bits (4 or 8) for \
+                        their bits, or turn qwz_delta off"
+                    .into(),
+            );
+        }
+        None if s.fp32_comm => WeightWire::F32,
+        None => WeightWire::Bf16,
+        _ if !s.qwz_delta && (s.qwz_bf16_references || s.qwz_host_references) => {
+            let switch = match s.qwz_bf16_references {
+                true => "qwz_bf16_references",
+                false => "qwz_host_references",
+            };
+            return Err(format!(
+                "{switch} keeps qwZ's references of weight differences: turn qwz_delta on \
+                 (with qwz_bits), or it off"
+            ));
+        }
+        _ if s.qwz_bf16_references && s.fp32_comm => {
+            return Err(
+                "qwz_bf16_references keeps the references as the bf16 hop inside \
+                        the node moves them: turn fp32_comm off, or it off"
+                    .into(),
+            );
+        }
+        Some(b) if s.qwz_delta => {
+            if s.qwz_refresh == 0 {
+                return Err("qwz_refresh=0: refresh the references every 1 or more \
+                            forward gathers"
+                    .into());
+            }
+            WeightWire::Delta(super::delta::DeltaWire {
+                delta: weight_format(b, s.block)?,
+                refresh_every: s.qwz_refresh as u64,
+                fp32: s.fp32_comm,
+                // hpZ over the whole node: the references are its
+                // secondary shard.
+                hpz: hpz_over_node,
+                bf16_references: s.qwz_bf16_references,
+            })
+        }
+        Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
+    })
+}
+
+/// How gradients are reduced under `s`.
+fn grad_wire(s: &Switches) -> Result<GradWire, String> {
+    Ok(if s.qgz {
+        let (intra, inter) = gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
+        GradWire::TwoHop {
+            intra,
+            inter,
+            error_feedback: s.error_feedback,
+            stochastic: s.qgz_stochastic,
+            hadamard: s.qgz_hadamard,
+        }
+    } else {
+        if s.qgz_hadamard {
+            return Err("qgz_hadamard rotates qgZ's hop across nodes: turn qgz on".into());
+        }
+        if s.error_feedback {
+            return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
+        }
+        if s.fp32_comm {
+            GradWire::RingF32
+        } else {
+            GradWire::RingBf16
+        }
+    })
+}
+
 impl Plan {
     pub fn new(layout: Layout, s: &Switches) -> Result<Plan, String> {
         if layout.world() == 0 || layout.rank >= layout.world() {
@@ -694,78 +770,8 @@ impl Plan {
                  use a divisor of {g}"
             ));
         }
-        let weights = match s.qwz_bits {
-            None if s.qwz_delta => {
-                return Err(
-                    "qwz_delta sends qwZ's weight differences: set qwz_bits (4 or 8) for \
-                            their bits, or turn qwz_delta off"
-                        .into(),
-                );
-            }
-            None if s.fp32_comm => WeightWire::F32,
-            None => WeightWire::Bf16,
-            _ if s.qwz_bf16_references && !(s.qwz_delta && s.qwz_bits.is_some()) => {
-                return Err(
-                    "qwz_bf16_references keeps qwZ's references of weight differences: \
-                            turn qwz_delta on (with qwz_bits), or it off"
-                        .into(),
-                );
-            }
-            _ if s.qwz_host_references && !(s.qwz_delta && s.qwz_bits.is_some()) => {
-                return Err(
-                    "qwz_host_references keeps qwZ's references of weight differences: \
-                            turn qwz_delta on (with qwz_bits), or it off"
-                        .into(),
-                );
-            }
-            _ if s.qwz_bf16_references && s.fp32_comm => {
-                return Err(
-                    "qwz_bf16_references keeps the references as the bf16 hop inside \
-                            the node moves them: turn fp32_comm off, or it off"
-                        .into(),
-                );
-            }
-            Some(b) if s.qwz_delta => {
-                if s.qwz_refresh == 0 {
-                    return Err("qwz_refresh=0: refresh the references every 1 or more \
-                                forward gathers"
-                        .into());
-                }
-                WeightWire::Delta(super::delta::DeltaWire {
-                    delta: weight_format(b, s.block)?,
-                    refresh_every: s.qwz_refresh as u64,
-                    fp32: s.fp32_comm,
-                    // hpZ over the whole node: the references are its
-                    // secondary shard.
-                    hpz: s.hpz && hpz_group == g,
-                    bf16_references: s.qwz_bf16_references,
-                })
-            }
-            Some(b) => WeightWire::Quantized(weight_format(b, s.block)?),
-        };
-        let grads = if s.qgz {
-            let (intra, inter) =
-                gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
-            GradWire::TwoHop {
-                intra,
-                inter,
-                error_feedback: s.error_feedback,
-                stochastic: s.qgz_stochastic,
-                hadamard: s.qgz_hadamard,
-            }
-        } else {
-            if s.qgz_hadamard {
-                return Err("qgz_hadamard rotates qgZ's hop across nodes: turn qgz on".into());
-            }
-            if s.error_feedback {
-                return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
-            }
-            if s.fp32_comm {
-                GradWire::RingF32
-            } else {
-                GradWire::RingBf16
-            }
-        };
+        let weights = weight_wire(s, s.hpz && hpz_group == g)?;
+        let grads = grad_wire(s)?;
         Ok(Plan {
             layout,
             weights,
