@@ -43,12 +43,10 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from transformers import LlamaConfig, LlamaForCausalLM
+from hf_trainer_llama import recipe_llama
 
 import zeropp
 import zeropp.torch
-
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def main():
@@ -93,27 +91,11 @@ def main():
     rank = accelerator.process_index
 
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = recipe_llama()
     if args.lora:
-        from peft import LoraConfig, get_peft_model
+        from hf_trainer_lora import with_lora
 
-        lora = LoraConfig(
-            r=args.lora,
-            lora_alpha=2 * args.lora,
-            lora_dropout=0.0,
-            target_modules=PROJECTIONS,
-        )
-        model = get_peft_model(model, lora)
+        model = with_lora(model, args.lora)
     parameters = sum(p.numel() for p in model.parameters())
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=3e-3)

@@ -84,21 +84,8 @@ class CpuFsdpTrainer(Trainer):
         )
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--zeropp", choices=["none", "zero3", "zeropp"], default="zeropp")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ranks-per-node", type=int, default=None)
-    p.add_argument("--cpu-fsdp", action="store_true", help="force the Trainer's FSDP2 on CPU")
-    p.add_argument("--islands", type=int, default=1, help="HSDP replicas trained as islands")
-    p.add_argument("--sync-every", type=int, default=20, help="inner steps between outer syncs")
-    p.add_argument("--out", default="/tmp/zeropp-hf-trainer")
-    p.add_argument("--summary-json", default=None)
-    args = p.parse_args()
-    torch.set_num_threads(1)
-
-    torch.manual_seed(args.seed)
+def recipe_llama():
+    """The recipes' LlamaForCausalLM, built from a config (no download)."""
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,
@@ -109,17 +96,14 @@ def main():
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    parallelism = None
-    if args.islands > 1:
-        from accelerate import ParallelismConfig
+    return LlamaForCausalLM(config)
 
-        world = int(os.environ["WORLD_SIZE"])
-        parallelism = ParallelismConfig(
-            dp_replicate_size=args.islands, dp_shard_size=world // args.islands
-        )
-        CpuFsdpTrainer.parallelism = parallelism
-    training = TrainingArguments(
+
+def training_arguments(args, **more):
+    """The recipes' TrainingArguments: ``args.steps`` constant-rate steps
+    of 4 sequences a rank, a log entry each, FSDP2 wrapping each decoder
+    layer (forced on CPU ranks with ``args.cpu_fsdp``), and ``more``."""
+    return TrainingArguments(
         output_dir=args.out,
         max_steps=args.steps,
         per_device_train_batch_size=4,
@@ -138,6 +122,37 @@ def main():
             "reshard_after_forward": True,
         },
         dataloader_drop_last=True,
+        **more,
+    )
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--zeropp", choices=["none", "zero3", "zeropp"], default="zeropp")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--cpu-fsdp", action="store_true", help="force the Trainer's FSDP2 on CPU")
+    p.add_argument("--islands", type=int, default=1, help="HSDP replicas trained as islands")
+    p.add_argument("--sync-every", type=int, default=20, help="inner steps between outer syncs")
+    p.add_argument("--out", default="/tmp/zeropp-hf-trainer")
+    p.add_argument("--summary-json", default=None)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    torch.manual_seed(args.seed)
+    model = recipe_llama()
+    parallelism = None
+    if args.islands > 1:
+        from accelerate import ParallelismConfig
+
+        world = int(os.environ["WORLD_SIZE"])
+        parallelism = ParallelismConfig(
+            dp_replicate_size=args.islands, dp_shard_size=world // args.islands
+        )
+        CpuFsdpTrainer.parallelism = parallelism
+    training = training_arguments(
+        args,
         # Islands: no per-step count of tokens over the whole job (it would
         # cross the slow link every step); each island's own mean.
         average_tokens_across_devices=args.islands == 1,

@@ -25,14 +25,26 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import Trainer
 
 import zeropp.torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hf_trainer_llama import Corpus, CpuFsdpTrainer  # noqa: E402
+from hf_trainer_llama import (  # noqa: E402
+    Corpus,
+    CpuFsdpTrainer,
+    recipe_llama,
+    training_arguments,
+)
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def with_lora(model, r):
+    """``model`` under peft's LoRA: rank-``r`` adapters (alpha 2r, no
+    dropout) on every attention and MLP projection, the rest frozen."""
+    config = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=PROJECTIONS)
+    return get_peft_model(model, config)
 
 
 def main():
@@ -49,46 +61,10 @@ def main():
     torch.set_num_threads(1)
 
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    base = LlamaForCausalLM(config)
-    lora = LoraConfig(
-        r=args.lora_rank,
-        lora_alpha=2 * args.lora_rank,
-        lora_dropout=0.0,
-        target_modules=PROJECTIONS,
-    )
-    model = get_peft_model(base, lora)
+    model = with_lora(recipe_llama(), args.lora_rank)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    training = TrainingArguments(
-        output_dir=args.out,
-        max_steps=args.steps,
-        per_device_train_batch_size=4,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=args.seed,
-        data_seed=args.seed,
-        use_cpu=args.cpu_fsdp,
-        fsdp=True,
-        fsdp_config={
-            "fsdp_version": 2,
-            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-            "reshard_after_forward": True,
-        },
-        dataloader_drop_last=True,
-    )
+    training = training_arguments(args)
     callbacks = []
     if args.zeropp != "none":
         callbacks.append(

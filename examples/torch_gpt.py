@@ -88,9 +88,6 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 class Llama(nn.Module):
     """transformers' LlamaForCausalLM built from a config (no download): the
     model users bring. Its decoder layers are the units FSDP2 shards."""
@@ -114,15 +111,9 @@ class Llama(nn.Module):
         if lora:
             # peft's LoRA on every attention and MLP projection: the base
             # frozen, rank-`lora` adapters trained (examples/hf_trainer_lora.py).
-            from peft import LoraConfig, get_peft_model
+            from hf_trainer_lora import with_lora
 
-            config = LoraConfig(
-                r=lora,
-                lora_alpha=2 * lora,
-                lora_dropout=0.0,
-                target_modules=PROJECTIONS,
-            )
-            self.inner = get_peft_model(self.inner, config)
+            self.inner = with_lora(self.inner, lora)
 
     def forward(self, idx):
         return self.inner(input_ids=idx, use_cache=False).logits

@@ -30,6 +30,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hf_trainer_llama import recipe_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import (
@@ -37,7 +38,6 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import zeropp
 import zeropp.torch
@@ -114,17 +114,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model = recipe_llama()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
     dp = world // args.tp

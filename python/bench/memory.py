@@ -17,6 +17,8 @@ frozen weights' cache among them).
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,11 +67,10 @@ def main():
     model = LlamaForCausalLM(config)
     layers = model.model.layers
     if args.lora:
-        from peft import LoraConfig, get_peft_model
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+        from hf_trainer_lora import with_lora
 
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        lora = LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=targets)
-        model = get_peft_model(model, lora)
+        model = with_lora(model, args.lora)
     params = sum(p.numel() for p in model.parameters())
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     if args.mode == "fsdp2":

@@ -12,40 +12,30 @@ argv: CHECKPOINT_DIR MODE(zeropp|zero3)."""
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from peft import LoraConfig, get_peft_model
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
-import zeropp
-import zeropp.torch as zt
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+from hf_trainer_llama import recipe_llama  # noqa: E402
+from hf_trainer_lora import with_lora  # noqa: E402
 
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+import zeropp  # noqa: E402
+import zeropp.torch as zt  # noqa: E402
 
 
 def build(adapter_seed, mode):
     torch.manual_seed(0)  # the base: the same "pretrained" weights each time
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    base = LlamaForCausalLM(config)
+    base = recipe_llama()
     torch.manual_seed(adapter_seed)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=PROJECTIONS)
-    model = get_peft_model(base, lora)
+    model = with_lora(base, 8)
     # LoRA's B starts at zero: give the adapters weights that differ by seed,
     # so that a load that did not replace them would show.
     with torch.no_grad():
