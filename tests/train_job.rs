@@ -386,6 +386,12 @@ fn bad_input_is_a_named_error() {
         ("ucx", "ZEROPP_RECV_POOL", "lots", "0 to turn the pool off"),
         ("tcp", "ZEROPP_RECV_POOL", "lots", "0 to turn the pool off"),
         ("ucx", "ZEROPP_SHM_SEGMENT", "half", "or 0 to send them"),
+        (
+            "tcp",
+            "ZEROPP_SCRATCH_POOL",
+            "plenty",
+            "or 0 to free every buffer",
+        ),
     ];
     for (transport, var, value, says) in bad_env {
         let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))

@@ -15,7 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 
 use super::group::tag;
-use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport};
+use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport, scratch};
 
 /// Splits `len` items into `parts` contiguous ranges whose sizes differ by
 /// at most one (the first `len % parts` get one more).
@@ -114,13 +114,7 @@ pub fn f32_bytes(x: &[f32]) -> Bytes {
 
 /// An f32 vector as `Bytes`, without a copy.
 pub fn f32_vec_bytes(x: Vec<f32>) -> Bytes {
-    struct Owner(Vec<f32>);
-    impl AsRef<[u8]> for Owner {
-        fn as_ref(&self) -> &[u8] {
-            bytemuck::cast_slice(&self.0)
-        }
-    }
-    Bytes::from_owner(Owner(x))
+    Bytes::from_owner(scratch::Returned(x))
 }
 
 /// Bytes to f32 (the length must be a multiple of 4; one copy).
@@ -305,7 +299,7 @@ impl Communicator {
         reduce: &dyn Reduce,
     ) -> Result<Vec<u8>, CommError> {
         let me = self.index_in(group)?;
-        let mut out = vec![0u8; bounds.get(me).map_or(0, |r| r.len())];
+        let mut out = scratch::take_for_overwrite(bounds.get(me).map_or(0, |r| r.len()));
         self.reduce_scatter_into(group, data, owned, bounds, reduce, &mut out)?;
         Ok(out)
     }
@@ -379,15 +373,16 @@ impl Communicator {
                         mine.len()
                     )));
                 }
-                // Reduce into the received buffer itself (it is ours alone).
-                let mut acc = incoming
-                    .try_into_mut()
-                    .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
-                reduce.reduce(&mut acc, mine)?;
+                let mut acc = Partial::of(incoming);
+                reduce.reduce(acc.as_mut(), mine)?;
                 if step + 2 < p {
-                    sends.push((next, self.send(next, step_tag(step + 1, j), acc.freeze())?));
+                    sends.push((
+                        next,
+                        self.send(next, step_tag(step + 1, j), acc.into_bytes())?,
+                    ));
                 } else {
-                    out[filled..filled + acc.len()].copy_from_slice(&acc);
+                    let acc = acc.as_mut();
+                    out[filled..filled + acc.len()].copy_from_slice(acc);
                     filled += acc.len();
                 }
             }
@@ -420,7 +415,7 @@ impl Communicator {
     ) -> Result<Vec<f32>, CommError> {
         let bounds = f32_byte_bounds(data.len() / 4, group.size());
         let me = self.index_in(group)?;
-        let mut out = vec![0f32; bounds[me].len() / 4];
+        let mut out = scratch::take_for_overwrite(bounds[me].len() / 4);
         self.reduce_scatter_into(
             group,
             data,
@@ -569,6 +564,48 @@ impl Communicator {
     }
 }
 
+/// A ring step's partial sum: the received buffer itself where it is
+/// this member's alone, else a reused copy of it ([`scratch`]).
+enum Partial {
+    Received(BytesMut),
+    Copied(Vec<u8>),
+}
+
+impl Partial {
+    fn of(incoming: Bytes) -> Partial {
+        match incoming.try_into_mut() {
+            Ok(own) => Partial::Received(own),
+            Err(shared) => {
+                let mut copy = scratch::take_for_overwrite(shared.len());
+                copy.copy_from_slice(&shared);
+                Partial::Copied(copy)
+            }
+        }
+    }
+
+    fn as_mut(&mut self) -> &mut [u8] {
+        match self {
+            Partial::Received(b) => b,
+            Partial::Copied(v) => v,
+        }
+    }
+
+    fn into_bytes(mut self) -> Bytes {
+        match &mut self {
+            Partial::Received(b) => std::mem::take(b).freeze(),
+            Partial::Copied(v) => Bytes::from_owner(scratch::Returned(std::mem::take(v))),
+        }
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if let Partial::Copied(v) = self {
+            scratch::give(std::mem::take(v));
+        }
+    }
+}
+
 /// A result that a communication thread is computing (its error: `E`).
 pub struct Pending<T, E = CommError> {
     rx: mpsc::Receiver<Result<T, E>>,
@@ -618,7 +655,10 @@ impl CommThread {
         &self,
         f: impl FnOnce(&Communicator) -> Result<T, E> + Send + 'static,
     ) -> Pending<T, E> {
-        let (tx, rx) = mpsc::channel();
+        // One slot, allocated here: the communication thread's send of the
+        // result allocates nothing (an unbounded channel's first send
+        // allocates a block of slots on the sending thread).
+        let (tx, rx) = mpsc::sync_channel(1);
         let task: Task = Box::new(move |c| {
             let _ = tx.send(f(c));
         });

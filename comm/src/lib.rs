@@ -14,6 +14,7 @@ pub mod launch;
 pub mod mailbox;
 pub mod pool;
 pub mod rendezvous;
+pub mod scratch;
 pub mod tcp;
 pub mod torch_store;
 pub mod ucx;

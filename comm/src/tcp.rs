@@ -475,8 +475,13 @@ impl TcpTransport {
                         tag: msg.tag,
                         len: msg.data.len() as u64,
                     };
-                    match wire::write_frame(&mut write_half, &header, &msg.data) {
-                        Ok(()) => msg.done.complete(Ok(())),
+                    let written = wire::write_frame(&mut write_half, &header, &msg.data);
+                    // The bytes let go before the send completes: a reused
+                    // buffer is back in its pool when the sender's wait ends.
+                    let Outgoing { data, done, .. } = msg;
+                    drop(data);
+                    match written {
+                        Ok(()) => done.complete(Ok(())),
                         Err(e) => {
                             let reason = format!("sending to it failed: {e}");
                             failures.peer_died_unless_leaving(
@@ -484,7 +489,7 @@ impl TcpTransport {
                                 reason.clone(),
                                 Duration::from_millis(500),
                             );
-                            msg.done.complete(Err(reason.clone()));
+                            done.complete(Err(reason.clone()));
                             broken = Some(reason);
                         }
                     }

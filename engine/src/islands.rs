@@ -775,7 +775,7 @@ impl Engine {
         if due > self.step {
             let eager = outer::eager(run.cfg.outer, state, &mine);
             let su = &mut self.units[u];
-            su.master.copy_from_slice(&eager);
+            Arc::make_mut(&mut su.master).copy_from_slice(&eager);
             su.weights_jumped();
         }
         let master = &self.units[u].master;
@@ -859,7 +859,7 @@ impl Engine {
                 }
             }
         });
-        run.live[u] = Some((due as u64, master.clone(), exchange));
+        run.live[u] = Some((due as u64, master.to_vec(), exchange));
         Ok(())
     }
 
@@ -909,7 +909,7 @@ impl Engine {
             state,
             &flight.then,
             &flight.averaged,
-            &mut su.master,
+            Arc::make_mut(&mut su.master).as_mut_slice(),
         )?;
         su.weights_jumped();
         Ok(())

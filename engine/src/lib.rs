@@ -34,7 +34,7 @@ use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz};
+use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz, scratch};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -64,8 +64,9 @@ struct ShardedUnit {
     /// Elements of the padded flat buffer, and of each rank's chunk.
     padded: usize,
     chunk: usize,
-    /// fp32 master weights of this rank's chunk.
-    master: Vec<f32>,
+    /// fp32 master weights of this rank's chunk (shared with the gathers
+    /// under way; the optimizer step has them to itself).
+    master: Arc<Vec<f32>>,
     adam: AdamState,
     /// Whether weight decay applies to each element of the chunk.
     decay: Vec<bool>,
@@ -118,6 +119,18 @@ enum Gathered {
 enum Secondary {
     Payloads(Vec<Bytes>),
     Quantized(Arc<QuantizedChunks>),
+}
+
+impl Secondary {
+    /// Lets go of the shard: its buffers are reused once no gather holds
+    /// them.
+    fn recycle(self) {
+        if let Secondary::Quantized(q) = self
+            && let Ok(q) = Arc::try_unwrap(q)
+        {
+            zeropp_zero::Quantizer::recycle_chunks(&Host, q);
+        }
+    }
 }
 
 impl ShardedUnit {
@@ -177,6 +190,11 @@ pub struct KeptBytes {
     /// error feedback) of this rank's shard.
     #[serde(default)]
     pub outer_state: u64,
+    /// Free buffers the collectives' pools hold for the next call
+    /// (`zeropp_comm::scratch`; the process's, so shared by the ranks of an
+    /// in-process job).
+    #[serde(default)]
+    pub scratch: u64,
 }
 
 /// What one step did.
@@ -243,6 +261,7 @@ impl Engine {
     ) -> Result<Engine> {
         let transport = &counter;
         cfg.model.validate().map_err(EngineError::Model)?;
+        scratch::budget_from_env()?;
         if transport.world_size() != layout.world() || transport.rank() != layout.rank {
             return Err(EngineError::Layout {
                 transport_rank: transport.rank(),
@@ -297,7 +316,7 @@ impl Engine {
                     numel,
                     padded,
                     chunk,
-                    master: full[mine.clone()].to_vec(),
+                    master: Arc::new(full[mine.clone()].to_vec()),
                     adam: AdamState::new(chunk),
                     decay: decay_full[mine].to_vec(),
                     secondary: None,
@@ -416,6 +435,7 @@ impl Engine {
             k.outer_state = run.outer_bytes() as u64;
         }
         k.hpz_secondary = self.secondary_bytes();
+        k.scratch = scratch::held_bytes();
         k
     }
 
@@ -488,6 +508,7 @@ impl Engine {
                     groups: groups.clone(),
                 };
                 let chunks = qwz::gather_chunks(&Host, &mover, layout, &mine, phase)?;
+                zeropp_zero::Quantizer::recycle_chunks(&Host, mine);
                 Ok(Gathered::Quantized {
                     chunks,
                     rank_order: false,
@@ -583,6 +604,7 @@ impl Engine {
                 };
                 let mut full = vec![0f32; su.padded];
                 qwz::dequantize_all(&Host, &chunks, position, &mut full.as_mut_slice())?;
+                zeropp_zero::Quantizer::recycle_chunks(&Host, chunks);
                 full
             }
         })
@@ -602,8 +624,10 @@ impl Engine {
             GradWire::RingBf16 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
                 let mine = qgz::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
-                let mut out = vec![0f32; mine.len() / 2];
+                scratch::give(grad);
+                let mut out = scratch::take_for_overwrite(mine.len() / 2);
                 payload::decode_bf16(&mine, &mut out)?;
+                scratch::give(mine);
                 mean(out)
             })),
             GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
@@ -628,7 +652,7 @@ impl Engine {
                             unit: self.units[u].name.clone(),
                             source,
                         })?;
-                drop(grad);
+                scratch::give(grad);
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
                     let mut residual_inter = residual_inter
@@ -704,7 +728,7 @@ impl Engine {
                     .transpose()?;
                 Ok(UnitShard {
                     layout,
-                    master: su.master.clone(),
+                    master: su.master.to_vec(),
                     m: su.adam.m.clone(),
                     v: su.adam.v.clone(),
                     residual: su.residual.clone(),
@@ -746,7 +770,7 @@ impl Engine {
                     "checkpoint unit {name:?}: state of the wrong length"
                 )));
             }
-            su.master = sh.master;
+            su.master = Arc::new(sh.master);
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
@@ -980,5 +1004,10 @@ impl Engine {
     }
 }
 
+#[cfg(test)]
+mod counting;
+#[cfg(test)]
+#[global_allocator]
+static COUNTING: counting::Counting = counting::Counting;
 #[cfg(test)]
 mod tests;

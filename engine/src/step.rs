@@ -9,8 +9,8 @@ use candle_core::{Tensor, Var};
 use super::model::{Tied, extend_with, param_offset, vars_from_flat};
 use super::{Engine, EngineError, MAX_GRADS_IN_FLIGHT, Result, StepStats};
 use zeropp_comm::collectives::Pending;
-use zeropp_zero::ZeroError;
 use zeropp_zero::traffic::Phase;
+use zeropp_zero::{ZeroError, scratch};
 
 /// Seconds the compute thread spent waiting on communication.
 #[derive(Default)]
@@ -199,7 +199,9 @@ impl Engine {
                 Some(up) => (out * up)?.sum_all()?,
             };
             let grads = objective.backward()?;
-            let mut flat = Vec::with_capacity(self.units[u].padded);
+            // A reused buffer: the reduce-scatter gives it back.
+            let mut flat = scratch::take_for_overwrite(self.units[u].padded);
+            flat.clear();
             for v in &vars {
                 match grads.get(v.as_tensor()) {
                     Some(gt) => extend_with(&mut flat, gt)?,
@@ -360,11 +362,14 @@ impl Engine {
                 &self.cfg.optim,
                 lr,
                 self.step,
-                &mut su.master,
+                std::sync::Arc::make_mut(&mut su.master).as_mut_slice(),
                 &gr,
                 &su.decay,
             );
-            su.secondary = None;
+            scratch::give(gr);
+            if let Some(s) = su.secondary.take() {
+                s.recycle();
+            }
         }
     }
 }

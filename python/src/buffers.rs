@@ -5,6 +5,8 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
+use zeropp_comm::scratch;
+
 use crate::invalid;
 
 /// The element types of tensors zeropp quantizes and moves.
@@ -142,3 +144,48 @@ fn misaligned<T>(what: &str, len: usize) -> String {
 // the GIL); the slices handed out follow the single-writer rule above.
 unsafe impl Send for HostBuf {}
 unsafe impl Sync for HostBuf {}
+
+/// A copy of a caller's values in a reused buffer (`zeropp_comm::scratch`):
+/// what an in-place call reads while it writes the same memory. Back to
+/// the pool when dropped.
+pub enum ScratchCopy {
+    Two(Vec<u16>),
+    Four(Vec<u32>),
+}
+
+impl ScratchCopy {
+    /// A copy of `x` (2- or 4-byte elements: the dtypes zeropp moves).
+    pub fn of<T: bytemuck::Pod>(x: &[T]) -> ScratchCopy {
+        let bytes: &[u8] = bytemuck::cast_slice(x);
+        let mut copy = match size_of::<T>() {
+            2 => ScratchCopy::Two(scratch::take_for_overwrite(x.len())),
+            _ => ScratchCopy::Four(scratch::take_for_overwrite(bytes.len() / 4)),
+        };
+        copy.bytes_mut().copy_from_slice(bytes);
+        copy
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            ScratchCopy::Two(v) => bytemuck::cast_slice_mut(v),
+            ScratchCopy::Four(v) => bytemuck::cast_slice_mut(v),
+        }
+    }
+
+    /// The copied values.
+    pub fn values<T: bytemuck::Pod>(&self) -> &[T] {
+        match self {
+            ScratchCopy::Two(v) => bytemuck::cast_slice(v),
+            ScratchCopy::Four(v) => bytemuck::cast_slice(v),
+        }
+    }
+}
+
+impl Drop for ScratchCopy {
+    fn drop(&mut self) {
+        match self {
+            ScratchCopy::Two(v) => scratch::give(std::mem::take(v)),
+            ScratchCopy::Four(v) => scratch::give(std::mem::take(v)),
+        }
+    }
+}

@@ -28,7 +28,7 @@ use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
 use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, qgz};
 
-use crate::buffers::{Dtype, HostBuf, with_dtype};
+use crate::buffers::{Dtype, HostBuf, ScratchCopy, with_dtype};
 use crate::{invalid, to_py};
 
 /// A joined job: this rank's transport, communication thread, layout and
@@ -113,6 +113,7 @@ impl Job {
             return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));
         }
         let timeout = Duration::from_secs_f64(timeout_s);
+        zeropp_comm::scratch::budget_from_env().map_err(to_py)?;
         let ip = match master_addr.as_deref() {
             Some(host) if !host.is_empty() => {
                 let master = zeropp_comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
@@ -394,8 +395,8 @@ impl Job {
                 let shard: &[T] = inp.typed("input").map_err(bad)?;
                 // FSDP2 gathers in place: read the input from a copy then,
                 // so it and the output never alias.
-                let copy = out.overlaps(&inp).then(|| shard.to_vec());
-                let shard = copy.as_deref().unwrap_or(shard);
+                let copy = out.overlaps(&inp).then(|| ScratchCopy::of(shard));
+                let shard = copy.as_ref().map_or(shard, ScratchCopy::values);
                 let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
                 // Host memory is where the host path keeps them anyway.
                 let r = reference.as_deref_mut().map(|reference| delta::Slot {
@@ -506,10 +507,10 @@ impl Job {
                         let s = state.settings(rank);
                         // The input read from a copy: the buffer is the
                         // output too.
-                        let input = x.to_vec();
+                        let input = ScratchCopy::of(&*x);
                         let mut o: &mut [T] = x;
                         allreduce::all_reduce(
-                            &Host, mover, hop, s, reduction, feedback, &&input[..], &mut o,
+                            &Host, mover, hop, s, reduction, feedback, &input.values(), &mut o,
                         )?;
                     }
                 }

@@ -136,6 +136,20 @@ fn builtin_corpus<'py>(py: Python<'py>, n: usize, seed: u64) -> Bound<'py, pyo3:
     pyo3::types::PyBytes::new(py, &zeropp_corpus::builtin_corpus(n, seed))
 }
 
+/// The collectives' reused buffers in this process
+/// (`zeropp_comm::scratch`): buffers taken, how many of them were reused
+/// rather than allocated, and the bytes of free buffers held now.
+#[pyfunction]
+fn scratch_stats() -> std::collections::HashMap<&'static str, u64> {
+    let s = zeropp_comm::scratch::stats();
+    std::collections::HashMap::from([
+        ("taken", s.taken),
+        ("reused", s.reused),
+        ("allocated", s.allocated()),
+        ("held_bytes", zeropp_comm::scratch::held_bytes()),
+    ])
+}
+
 #[pymodule]
 fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ZeroppError", m.py().get_type::<ZeroppError>())?;
@@ -144,6 +158,7 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(routing_plan_json, m)?)?;
     m.add_function(wrap_pyfunction!(builtin_corpus, m)?)?;
     m.add_function(wrap_pyfunction!(switch_names, m)?)?;
+    m.add_function(wrap_pyfunction!(scratch_stats, m)?)?;
     quant::register(m)?;
     collectives::register(m)?;
     cuda::register(m)?;

@@ -73,6 +73,7 @@ __all__ = [
     "OuterSync",
     "resolved_switches",
     "routing",
+    "scratch_stats",
     "TrafficLog",
     "trainer_callback",
     "traffic",
@@ -1552,7 +1553,8 @@ def kept_bytes(module):
     weights' cache, in host memory for CPU tensors and on the device for
     CUDA ones), ``qgz_residuals`` (error feedback of the gradients, HSDP's
     all-reduce included) and ``total`` — as ``zeropp train``'s summary
-    reports ``kept_bytes``."""
+    reports ``kept_bytes``; beside them ``scratch``, the free buffers this
+    process's collectives hold for their next call (``scratch_stats``)."""
     references = residuals = 0
     for group in _zeropp_groups(module):
         rs = group._reduce_scatter_comm
@@ -1568,7 +1570,19 @@ def kept_bytes(module):
         "qwz_references": references,
         "qgz_residuals": residuals,
         "total": references + residuals,
+        "scratch": scratch_stats()["held_bytes"],
     }
+
+
+def scratch_stats():
+    """This process's reused collective buffers: ``taken`` (buffers of 1 KiB
+    or more the host collectives asked for), ``reused`` (of those, taken
+    from a free buffer), ``allocated`` (the rest) and ``held_bytes`` (free
+    buffers kept for the next call; ``ZEROPP_SCRATCH_POOL`` bounds them,
+    ``0`` frees every buffer after use). After the first steps of a job
+    ``allocated`` stops growing: the gathers and reduce-scatters reuse
+    their buffers."""
+    return dict(_zeropp.scratch_stats())
 
 
 def _zeropp_groups(module):

@@ -164,7 +164,7 @@ impl Summary {
             "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB \
              across nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; \
              kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3}, hpZ secondary \
-             shards {:.3})",
+             shards {:.3}); reused buffers held {:.3} MB",
             self.initial_loss,
             self.final_loss,
             self.val_loss,
@@ -180,6 +180,7 @@ impl Summary {
             self.kept_bytes.qwz_references as f64 / 1e6,
             self.kept_bytes.qgz_residuals as f64 / 1e6,
             self.kept_bytes.hpz_secondary as f64 / 1e6,
+            self.kept_bytes.scratch as f64 / 1e6,
         );
         if let Some(i) = &self.islands {
             line += &format!(

@@ -70,13 +70,13 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     quantize_kept(q, &mut work, members, s.rounding, &mut sent, feedback.sent)?;
     let mut got = q.chunks(s.format, part, members)?;
     m.all_to_all(hop, phase, &sent, &mut got)?;
-    drop(sent);
+    q.recycle_chunks(sent);
     // This member's part of the result, summed in f32 in member order.
     let mut mine = q.values(part)?;
     for j in 0..members {
         q.dequantize_accumulate(&got, j, &mut mine, 0)?;
     }
-    drop(got);
+    q.recycle_chunks(got);
     if reduction == Reduction::Mean {
         q.divide(&mut mine, members as f32)?;
     }
@@ -86,13 +86,18 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     // Every member's part, and this member's own from the same codes.
     let mut all = q.chunks(s.format, part, members)?;
     m.all_gather(hop, phase, &owned, &mut all)?;
+    q.recycle(mine);
+    q.recycle_chunks(owned);
     for j in 0..members {
         q.dequantize(&all, j, &mut work, j * part)?;
     }
+    q.recycle_chunks(all);
     if s.hadamard {
         q.rotate(&mut work, 0, part * members, block)?;
     }
-    q.copy(&work, 0, x, 0, len)
+    q.copy(&work, 0, x, 0, len)?;
+    q.recycle(work);
+    Ok(())
 }
 
 /// The quantized all-reduce of `x` (a caller's tensor) over `hop` into
@@ -114,7 +119,9 @@ pub fn all_reduce<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     let mut values = q.values(len)?;
     q.load_tensor(x, &mut values, 0)?;
     all_reduce_quantized(q, m, (hop, phase), s, reduction, &mut values, feedback)?;
-    q.store_values(&values, 0, out, 0, len)
+    q.store_values(&values, 0, out, 0, len)?;
+    q.recycle(values);
+    Ok(())
 }
 
 #[cfg(test)]

@@ -134,6 +134,13 @@ pub trait Quantizer {
         count: usize,
     ) -> Result<Self::Chunks, ZeroError>;
 
+    /// Gives a temporary back for reuse (the host's [`crate::scratch`];
+    /// the device's allocations already come from CUDA's memory pool).
+    fn recycle(&self, _x: Self::Values) {}
+
+    /// Gives temporary chunks back for reuse, as [`Quantizer::recycle`].
+    fn recycle_chunks(&self, _q: Self::Chunks) {}
+
     /// `(format, chunk_len, count)` of a chunked buffer.
     fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
 
@@ -324,6 +331,8 @@ pub trait ByteMover<Q: Quantizer> {
                 q.store_values(&all, (j * pieces + p) * piece, out, place(j, p), piece)?;
             }
         }
+        q.recycle(mine);
+        q.recycle(all);
         Ok(())
     }
 
@@ -343,7 +352,9 @@ pub trait ByteMover<Q: Quantizer> {
         let len = q.len(mine) * self.size(hop);
         let mut all = q.values(len)?;
         self.all_gather_values(hop, phase, mine, &mut all, fp32)?;
-        q.store_kept(&all, 0, kept, 0, len)
+        q.store_kept(&all, 0, kept, 0, len)?;
+        q.recycle(all);
+        Ok(())
     }
 
     /// ZeRO-3's gather: every member's `mine` (a caller's tensor) into

@@ -257,6 +257,10 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     let ranges = trainable(frozen, chunk);
     exchange(q, m, layout, wire, &mut r, mine, &ranges, refresh, phase)?;
     inside_node(q, m, layout, &r, wire.fp32, out, phase)?;
+    q.recycle(loaded);
+    if let Some(rounded) = rounded {
+        q.recycle(rounded);
+    }
     if refresh {
         r.forwards_since_refresh = 0;
     }
@@ -285,6 +289,7 @@ fn frozen_unchanged<Q: Quantizer, M: ByteMover<Q>>(
     for f in frozen {
         unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
     }
+    q.recycle(held);
     m.all_agree(Hop::Cross, Phase::Frozen, unchanged)
 }
 
@@ -327,24 +332,28 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         // Every reference starts again from what ZeRO-3 would gather.
         return m.all_gather_values_kept(q, Hop::Cross, phase, mine, &mut r.kept, wire.fp32);
     }
-    let packed;
-    let now = if len == chunk {
-        mine
-    } else {
-        let mut p = q.values(len)?;
-        let mut at = 0;
-        for t in ranges {
-            q.copy(mine, t.start, &mut p, at, t.len())?;
-            at += t.len();
+    let packed = match len == chunk {
+        true => None,
+        false => {
+            let mut p = q.values(len)?;
+            let mut at = 0;
+            for t in ranges {
+                q.copy(mine, t.start, &mut p, at, t.len())?;
+                at += t.len();
+            }
+            Some(p)
         }
-        packed = p;
-        &packed
     };
+    let now = packed.as_ref().unwrap_or(mine);
     if refresh {
         let mut all = q.values(nodes * len)?;
         m.all_gather_values(Hop::Cross, phase, now, &mut all, wire.fp32)?;
         for n in 0..nodes {
             store_ranges(q, &all, n * len, &mut r.kept, n * chunk, ranges)?;
+        }
+        q.recycle(all);
+        if let Some(packed) = packed {
+            q.recycle(packed);
         }
         return Ok(());
     }
@@ -362,6 +371,12 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         load_ranges(q, &r.kept, n * chunk, ranges, &mut shard)?;
         q.dequantize_accumulate(&across, n, &mut shard, 0)?;
         store_ranges(q, &shard, 0, &mut r.kept, n * chunk, ranges)?;
+    }
+    q.recycle(shard);
+    q.recycle_chunks(sent);
+    q.recycle_chunks(across);
+    if let Some(packed) = packed {
+        q.recycle(packed);
     }
     Ok(())
 }

@@ -113,7 +113,9 @@ pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         Gather::Plain => m.all_gather_tensor(hop, phase, shard, out),
         Gather::Quantized(format) => {
             let all = qwz::gather_quantized(q, m, layout, shard, format, phase)?;
-            qwz::dequantize_all(q, &all, |r| qwz::gathered_position(layout, r), out)
+            qwz::dequantize_all(q, &all, |r| qwz::gathered_position(layout, r), out)?;
+            q.recycle_chunks(all);
+            Ok(())
         }
         Gather::Delta(wire) => {
             let slot = slot.ok_or_else(|| {
@@ -159,7 +161,10 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             let mut g = q.values(len)?;
             q.load_tensor(grad, &mut g, 0)?;
             let sum = qgz::reduce_scatter(q, m, layout, (s, reduction), &g, feedback)?;
-            q.store_values(&sum, 0, out, 0, q.len(&sum))
+            q.recycle(g);
+            q.store_values(&sum, 0, out, 0, q.len(&sum))?;
+            q.recycle(sum);
+            Ok(())
         }
     }
 }

@@ -21,6 +21,7 @@ use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
 use super::traffic::{CountingTransport, Phase};
 use super::{payload, qgz};
+use zeropp_comm::scratch;
 
 /// The kernels of a backend whose buffers live in host memory, on slices
 /// already checked to fit: [`Quantizer`] follows for every such set.
@@ -249,7 +250,15 @@ impl<K: HostKernels> Quantizer for K {
     type Kept = Kept;
 
     fn values(&self, len: usize) -> Result<Vec<f32>, ZeroError> {
-        Ok(vec![0.0; len])
+        Ok(scratch::take(len))
+    }
+
+    fn recycle(&self, x: Vec<f32>) {
+        scratch::give(x);
+    }
+
+    fn recycle_chunks(&self, q: QuantizedChunks) {
+        give_chunks(q);
     }
 
     fn same(
@@ -325,7 +334,7 @@ impl<K: HostKernels> Quantizer for K {
         chunk_len: usize,
         count: usize,
     ) -> Result<QuantizedChunks, ZeroError> {
-        Ok(QuantizedChunks::zeroed(format, chunk_len, count))
+        Ok(pooled_chunks(format, chunk_len, count))
     }
 
     fn shape(&self, q: &QuantizedChunks) -> (QuantFormat, usize, usize) {
@@ -573,6 +582,33 @@ impl HostMover<'_> {
     }
 }
 
+/// Zeroed quantized chunks (as `QuantizedChunks::zeroed`) in reused
+/// buffers ([`scratch`]).
+fn pooled_chunks(format: QuantFormat, chunk_len: usize, count: usize) -> QuantizedChunks {
+    QuantizedChunks {
+        format,
+        chunk_len,
+        count,
+        codes: scratch::take(count * format.code_bytes(chunk_len)),
+        block_max: scratch::take(count * format.num_blocks(chunk_len)),
+        block_min: scratch::take(count * format.num_block_mins(chunk_len)),
+    }
+}
+
+/// Gives quantized chunks' buffers back.
+fn give_chunks(q: QuantizedChunks) {
+    scratch::give(q.codes);
+    scratch::give(q.block_max);
+    scratch::give(q.block_min);
+}
+
+/// `bytes` as a message, in a reused buffer.
+fn pooled_copy(bytes: &[u8]) -> Bytes {
+    let mut b = scratch::take_for_overwrite::<u8>(bytes.len());
+    b.copy_from_slice(bytes);
+    Bytes::from_owner(scratch::Returned(b))
+}
+
 fn shape(q: &QuantizedChunks) -> Shape {
     (q.format, q.chunk_len, q.count)
 }
@@ -675,7 +711,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
             Kept::Bf16(v) => self.gather_plain(hop, phase, v, fp32)?,
         };
         let width = if fp32 { 4 } else { 2 };
-        let mut values = vec![0f32; piece];
+        let mut values = scratch::take_for_overwrite::<f32>(piece);
         for (j, b) in from_each.iter().enumerate() {
             check_run(b, len * width)?;
             for p in 0..pieces {
@@ -687,6 +723,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
                 );
             }
         }
+        scratch::give(values);
         Ok(())
     }
 
@@ -701,7 +738,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
     ) -> Result<(), ZeroError> {
         let len = mine.len();
         check_gather_len(len, kept.len(), self.group(hop).size())?;
-        let mut values = vec![0f32; len];
+        let mut values = scratch::take_for_overwrite::<f32>(len);
         for (j, b) in self
             .gather_plain(hop, phase, mine, fp32)?
             .iter()
@@ -710,6 +747,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
             decode_plain(b, fp32, &mut values)?;
             q.store_kept(&values, 0, kept, j * len, len)?;
         }
+        scratch::give(values);
         Ok(())
     }
 
@@ -724,9 +762,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         check_gather_len(mine.len(), all.len(), group.size())?;
         self.counter.set_phase(phase, 0.0);
         let mine: &[u8] = bytemuck::cast_slice(mine);
-        let parts = self
-            .comm
-            .all_gather_v(group, Bytes::copy_from_slice(mine))?;
+        let parts = self.comm.all_gather_v(group, pooled_copy(mine))?;
         let all: &mut [u8] = bytemuck::cast_slice_mut(all);
         for (j, part) in parts.iter().enumerate() {
             if part.len() != mine.len() {
@@ -754,19 +790,22 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         check_scatter_len(x.len(), out.len(), group.size())?;
         self.counter.set_phase(phase, 0.0);
         let mut sum = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
-            let bytes = Bytes::copy_from_slice(bytemuck::cast_slice(x));
+            let bytes = pooled_copy(bytemuck::cast_slice(x));
             let mine = qgz::ring_bf16(self.comm, group, bytes)?;
-            let mut v = vec![0f32; mine.len() / 2];
+            let mut v = scratch::take_for_overwrite::<f32>(mine.len() / 2);
             payload::decode_bf16(&mine, &mut v)?;
+            scratch::give(mine);
             v
         } else {
-            let mut wide = vec![0f32; x.len()];
+            let mut wide = scratch::take_for_overwrite::<f32>(x.len());
             HostKernels::widen(q, x, &mut wide)?;
             qgz::ring_f32(self.comm, group, wide)?
         };
         if mean {
             HostKernels::divide(q, &mut sum, group.size() as f32)?;
         }
-        HostKernels::narrow(q, &sum, out)
+        HostKernels::narrow(q, &sum, out)?;
+        scratch::give(sum);
+        Ok(())
     }
 }

@@ -38,3 +38,4 @@ pub mod traffic;
 pub use backend::{ByteMover, Hop, Quantizer};
 pub use error::ZeroError;
 pub use groups::ZeroGroups;
+pub use zeropp_comm::scratch;

@@ -3,11 +3,13 @@
 //! little-endian). Decoding checks the length against the plan, so a
 //! truncated or foreign message is an error naming what was expected.
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use half::bf16;
 use zeropp_quant::{Element, QuantizedChunks};
 
 use zeropp_comm::CommError;
+
+use zeropp_comm::scratch::{self, Returned};
 
 fn malformed(what: &str, expected: usize, found: usize) -> CommError {
     CommError::Malformed(format!(
@@ -16,32 +18,27 @@ fn malformed(what: &str, expected: usize, found: usize) -> CommError {
     ))
 }
 
-/// Values whose bytes are the message, without a copy into a byte buffer.
-struct Words<T>(Vec<T>);
-
-impl<T: bytemuck::Pod> AsRef<[u8]> for Words<T> {
-    fn as_ref(&self) -> &[u8] {
-        bytemuck::cast_slice(&self.0)
-    }
-}
-
 /// Values (any element type, widened to f32) → bf16 bytes, round to
 /// nearest even, little-endian (`to_le` is a no-op on little-endian hosts).
 /// Written as one map over the values so that it vectorises (appending two
 /// bytes at a time did not: it was a tenth of a one-rank step of the 3.76M
-/// model).
+/// model). The bytes are a reused buffer ([`scratch`]) until the transport
+/// lets go of them.
 pub fn encode_bf16<T: Element>(x: &[T]) -> Bytes {
-    let words: Vec<u16> = x
-        .iter()
-        .map(|v| <bf16 as Element>::from_f32(v.to_f32()).to_bits().to_le())
-        .collect();
-    Bytes::from_owner(Words(words))
+    let mut words = scratch::take_for_overwrite::<u16>(x.len());
+    for (w, v) in words.iter_mut().zip(x) {
+        *w = <bf16 as Element>::from_f32(v.to_f32()).to_bits().to_le();
+    }
+    Bytes::from_owner(Returned(words))
 }
 
 /// Values (any element type) → little-endian f32 bytes.
 pub fn encode_f32<T: Element>(x: &[T]) -> Bytes {
-    let words: Vec<u32> = x.iter().map(|v| v.to_f32().to_bits().to_le()).collect();
-    Bytes::from_owner(Words(words))
+    let mut words = scratch::take_for_overwrite::<u32>(x.len());
+    for (w, v) in words.iter_mut().zip(x) {
+        *w = v.to_f32().to_bits().to_le();
+    }
+    Bytes::from_owner(Returned(words))
 }
 
 /// bf16 bytes → f32, written into `out`.
@@ -66,25 +63,23 @@ pub fn decode_f32(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
     Ok(())
 }
 
-fn put_params(b: &mut BytesMut, codes: &[u8], max: &[f32], min: &[f32]) {
-    b.extend_from_slice(codes);
-    b.extend_from_slice(bytemuck::cast_slice(max));
-    b.extend_from_slice(bytemuck::cast_slice(min));
-}
-
 /// Chunks `range` of `q` as one message: their codes, then their block
 /// maxima, then their minima (each part of a run of chunks is contiguous in
 /// `q`, whatever the chunk length).
 pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Bytes {
     let (c, s, m) = q.strides();
-    let mut b = BytesMut::with_capacity(range.len() * (c + 4 * (s + m)));
-    put_params(
-        &mut b,
+    let parts: [&[u8]; 3] = [
         &q.codes[range.start * c..range.end * c],
-        &q.block_max[range.start * s..range.end * s],
-        &q.block_min[range.start * m..range.end * m],
-    );
-    b.freeze()
+        bytemuck::cast_slice(&q.block_max[range.start * s..range.end * s]),
+        bytemuck::cast_slice(&q.block_min[range.start * m..range.end * m]),
+    ];
+    let mut b = scratch::take_for_overwrite::<u8>(parts.iter().map(|p| p.len()).sum());
+    let mut at = 0;
+    for p in parts {
+        b[at..at + p.len()].copy_from_slice(p);
+        at += p.len();
+    }
+    Bytes::from_owner(Returned(b))
 }
 
 fn read_f32s(b: &[u8], out: &mut [f32]) {

@@ -124,6 +124,7 @@ fn keep_dropped<Q: Quantizer>(
         q.dropped(&mut dropped, 0, x, r * chunk, chunk)?;
         q.quantize_chunk(&dropped, 0, Rounding::NearestEven, residual, r)?;
     }
+    q.recycle(dropped);
     Ok(())
 }
 
@@ -194,6 +195,7 @@ pub fn quantize_first_hop<Q: Quantizer>(
         &corrected,
         residual,
     )?;
+    q.recycle(corrected);
     Ok(out)
 }
 
@@ -233,7 +235,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     // node n.
     let mut got = q.chunks(intra, chunk, count)?;
     m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
-    drop(first);
+    q.recycle_chunks(first);
     if nodes == 1 {
         // One node: its sums are the world's, with no hop across to
         // quantize them for a second time.
@@ -241,6 +243,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         for src in 0..g {
             q.dequantize_accumulate(&got, src, &mut sum, 0)?;
         }
+        q.recycle_chunks(got);
         reduction.apply(q, &mut sum, layout)?;
         return Ok(sum);
     }
@@ -265,7 +268,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
             requantize_partial(q, layout, sum, &mut second)?
         }
     };
-    drop(got);
+    q.recycle_chunks(got);
     hop_two(q, m, layout, partial, &second, reduction)
 }
 
@@ -289,6 +292,7 @@ fn requantize_partial<Q: Quantizer>(
     }
     let (rounding, residual) = (second.rounding.for_part(1), second.residual.as_deref_mut());
     quantize_kept(q, &mut sum, nodes, rounding, &mut partial, residual)?;
+    q.recycle(sum);
     Ok(partial)
 }
 
@@ -307,11 +311,12 @@ fn hop_two<Q: Quantizer, M: ByteMover<Q>>(
     let block = second.format.block;
     let mut theirs = q.chunks(second.format, chunk, nodes)?;
     m.all_to_all(Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
-    drop(partial);
+    q.recycle_chunks(partial);
     let mut sum = q.values(chunk)?;
     for src in 0..nodes {
         q.dequantize_accumulate(&theirs, src, &mut sum, 0)?;
     }
+    q.recycle_chunks(theirs);
     if second.hadamard {
         q.rotate(&mut sum, 0, chunk, block)?;
     }

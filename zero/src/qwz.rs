@@ -38,7 +38,9 @@ pub fn gather_quantized<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     phase: Phase,
 ) -> Result<Q::Chunks, ZeroError> {
     let mine = quantize_shard(q, shard, format)?;
-    gather_chunks(q, m, layout, &mine, phase)
+    let all = gather_chunks(q, m, layout, &mine, phase)?;
+    q.recycle_chunks(mine);
+    Ok(all)
 }
 
 /// This rank's shard as qwZ sends it: one chunk, rounded to nearest.
@@ -72,6 +74,7 @@ pub fn gather_chunks<Q: Quantizer, M: ByteMover<Q>>(
     m.all_gather(Hop::Cross, phase, mine, &mut across)?;
     let mut all = q.chunks(format, len, nodes * g)?;
     m.all_gather(Hop::Node, phase, &across, &mut all)?;
+    q.recycle_chunks(across);
     Ok(all)
 }
 

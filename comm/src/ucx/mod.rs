@@ -556,6 +556,7 @@ impl Worker {
             (self.ucp.tag_send_nbx)(self.eps[peer], iov.as_ptr().cast(), 2, ucx_tag, p.as_ptr())
         };
         if r.is_null() {
+            drop(data);
             done.complete(Ok(()));
             return Ok(None);
         }
@@ -926,9 +927,13 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
             busy = true;
             let (req, op) = pending.swap_remove(i);
             w.free(req);
-            match op {
-                Op::Send { done, .. } if s == UCS_OK => done.complete(Ok(())),
-                Op::Send { done, .. } => done.complete(Err(w.ucp.describe(s))),
+            // The bytes let go before the send completes: a reused buffer
+            // is back in its pool when the sender's wait ends.
+            let Op::Send { done, _data, .. } = op;
+            drop(_data);
+            match s == UCS_OK {
+                true => done.complete(Ok(())),
+                false => done.complete(Err(w.ucp.describe(s))),
             }
         }
         let mut arrived = Vec::new();
