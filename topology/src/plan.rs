@@ -140,17 +140,7 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
     }
     let gpus = !t.gpus.is_empty();
     let island = if gpus { nvlink_island(t, g) } else { 1 };
-    let intra_gbps = if !gpus {
-        SHM_GBPS
-    } else if island == g && g > 1 {
-        match t.link(0, 1) {
-            Some(LinkKind::Nvlink { count }) => *count as f64 * NVLINK_GBPS_PER_LINK,
-            _ => SHM_GBPS,
-        }
-    } else {
-        let gpu = &t.gpus[0];
-        pcie_gbps(gpu.link_speed.as_deref(), gpu.link_width)
-    };
+    let intra_gbps = inside_gbps(t, g, island);
     let pool = nic_pool(t);
     let rdma = pool.iter().any(|n| is_rdma(n));
     let node_gbps: f64 = pool
@@ -159,7 +149,6 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
         .sum::<f64>()
         / 8.0;
     let inter_per_rank = node_gbps / g as f64;
-    let transport = if gpus { "NCCL" } else { "UCX" };
     let mut hops = vec![Hop {
         name: "inside the node".into(),
         group_size: g,
@@ -178,6 +167,7 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
         },
     }];
     if nodes > 1 {
+        let transport = if gpus { "NCCL" } else { "UCX" };
         hops.push(Hop {
             name: "across nodes".into(),
             group_size: nodes,
@@ -211,17 +201,53 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
             "the node: the backward gather never leaves it".to_string(),
         )
     };
+    let (qgz_bits, bits_why) = gradient_bits(nodes, intra_gbps, inter_per_rank);
+    let rank_nics = (0..g).map(|l| nic_for(t, l)).collect::<Vec<_>>();
+    let mut names: Vec<String> = rank_nics.iter().filter_map(|r| r.nic.clone()).collect();
+    names.sort();
+    names.dedup();
+    Ok(RoutingPlan {
+        nodes,
+        ranks_per_node: g,
+        hops,
+        hpz_group,
+        hpz_why,
+        qgz_bits,
+        bits_why,
+        rank_nics,
+        env: transport_env(rdma, &names),
+    })
+}
+
+/// GB/s per rank inside the node: NVLink where the `g` ranks form one
+/// island, else the GPUs' PCIe link; shared memory without GPUs.
+fn inside_gbps(t: &Topology, g: usize, island: usize) -> f64 {
+    if t.gpus.is_empty() {
+        SHM_GBPS
+    } else if island == g && g > 1 {
+        match t.link(0, 1) {
+            Some(LinkKind::Nvlink { count }) => *count as f64 * NVLINK_GBPS_PER_LINK,
+            _ => SHM_GBPS,
+        }
+    } else {
+        let gpu = &t.gpus[0];
+        pcie_gbps(gpu.link_speed.as_deref(), gpu.link_width)
+    }
+}
+
+/// qgZ's bits inside the node and across, and why. Its first hop stays
+/// inside the node and its second crosses: the first hop's bits cost time
+/// only when inside is not much faster than across, so int8 there (16
+/// times finer steps than int4, measured to keep small models' loss
+/// within 1% of ZeRO-3's) unless it would slow the step; the hop across is
+/// int4 whenever there is one.
+fn gradient_bits(nodes: usize, intra_gbps: f64, inter_per_rank: f64) -> ([u32; 2], String) {
     let ratio = if inter_per_rank > 0.0 {
         intra_gbps / inter_per_rank
     } else {
         f64::INFINITY
     };
-    // qgZ's first hop stays inside the node and its second crosses: the
-    // first hop's bits cost time only when inside is not much faster than
-    // across, so int8 there (16 times finer steps than int4, measured to
-    // keep small models' loss within 1% of ZeRO-3's) unless it would slow
-    // the step; the hop across is int4 whenever there is one.
-    let (qgz_bits, bits_why) = if nodes > 1 && inter_per_rank == 0.0 {
+    if nodes > 1 && inter_per_rank == 0.0 {
         (
             [8, 4],
             "the speed across nodes is unknown: assume a slow link; int4 gradients across, int8 \
@@ -249,11 +275,12 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
                 "links inside and across are within {ratio:.1}x: int4 gradients on both hops (int8 inside would slow the step)"
             ),
         )
-    };
-    let rank_nics = (0..g).map(|l| nic_for(t, l)).collect::<Vec<_>>();
-    let mut names: Vec<String> = rank_nics.iter().filter_map(|r| r.nic.clone()).collect();
-    names.sort();
-    names.dedup();
+    }
+}
+
+/// The environment NCCL and UCX read to use the ranks' NICs (`names`):
+/// RDMA where a NIC offers it, else sockets.
+fn transport_env(rdma: bool, names: &[String]) -> Vec<(String, String)> {
     let mut env = Vec::new();
     if rdma {
         env.push(("NCCL_IB_DISABLE".into(), "0".into()));
@@ -274,17 +301,7 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String>
         }
         env.push(("UCX_TLS".into(), "tcp,sm,self".into()));
     }
-    Ok(RoutingPlan {
-        nodes,
-        ranks_per_node: g,
-        hops,
-        hpz_group,
-        hpz_why,
-        qgz_bits,
-        bits_why,
-        rank_nics,
-        env,
-    })
+    env
 }
 
 impl RoutingPlan {
