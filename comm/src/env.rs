@@ -90,55 +90,103 @@ fn slurm_tasks_per_node(v: &str) -> Option<usize> {
     v.split([',', '(']).next()?.trim().parse().ok()
 }
 
-impl RankFacts {
-    /// Reads the facts from the process environment.
-    pub fn from_env() -> Result<RankFacts, EnvError> {
-        Self::from_lookup(&|k| std::env::var(k).ok())
+/// Where the launcher put this rank, from its variables.
+struct Placement {
+    launcher: &'static str,
+    rank: usize,
+    world: usize,
+    local_rank: usize,
+    local_world: usize,
+    /// The node's index where the launcher says it.
+    node: Option<usize>,
+}
+
+impl Placement {
+    fn from_launcher(get: &dyn Fn(&str) -> Option<String>) -> Result<Placement, EnvError> {
+        if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
+            let l = "torchrun-style";
+            let rank = need(get, "RANK", "rank", l)?;
+            let world: usize = need(get, "WORLD_SIZE", "world size", l)?;
+            let local_rank = parse(get, "LOCAL_RANK", "local rank")?.unwrap_or(rank);
+            let local_world = parse(get, "LOCAL_WORLD_SIZE", "local world size")?.unwrap_or(world);
+            let node = match parse(get, "NODE_RANK", "node rank")? {
+                Some(n) => Some(n),
+                None => parse(get, "GROUP_RANK", "node rank")?,
+            };
+            Ok(Placement::new(
+                l,
+                rank,
+                world,
+                local_rank,
+                local_world,
+                node,
+            ))
+        } else if get("SLURM_PROCID").is_some() {
+            let l = "Slurm";
+            let rank = need(get, "SLURM_PROCID", "rank", l)?;
+            let world = need(get, "SLURM_NTASKS", "task count", l)?;
+            let local_rank = need(get, "SLURM_LOCALID", "local rank", l)?;
+            let local_world = match parse(get, "SLURM_NTASKS_PER_NODE", "tasks per node")? {
+                Some(n) => n,
+                None => get("SLURM_TASKS_PER_NODE")
+                    .as_deref()
+                    .and_then(slurm_tasks_per_node)
+                    .unwrap_or(world),
+            };
+            let node = parse(get, "SLURM_NODEID", "node id")?;
+            Ok(Placement::new(
+                l,
+                rank,
+                world,
+                local_rank,
+                local_world,
+                node,
+            ))
+        } else if get("OMPI_COMM_WORLD_RANK").is_some() {
+            let l = "Open MPI";
+            let rank = need(get, "OMPI_COMM_WORLD_RANK", "rank", l)?;
+            let world = need(get, "OMPI_COMM_WORLD_SIZE", "world size", l)?;
+            let local_rank = need(get, "OMPI_COMM_WORLD_LOCAL_RANK", "local rank", l)?;
+            let local_world = need(get, "OMPI_COMM_WORLD_LOCAL_SIZE", "local size", l)?;
+            // OMPI_COMM_WORLD_NODE_RANK is the rank on the node, not the
+            // node's index: the node follows from the rank (placement by
+            // slot), and the rendezvous checks it against the hosts.
+            Ok(Placement::new(
+                l,
+                rank,
+                world,
+                local_rank,
+                local_world,
+                None,
+            ))
+        } else {
+            Err(EnvError::Missing)
+        }
     }
 
-    /// Reads the facts through `get` (tests pass a map).
-    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<RankFacts, EnvError> {
-        let (launcher, rank, world_size, local_rank, local_world_size, node_rank) =
-            if get("RANK").is_some() || get("WORLD_SIZE").is_some() {
-                let l = "torchrun-style";
-                let rank = need(get, "RANK", "rank", l)?;
-                let world: usize = need(get, "WORLD_SIZE", "world size", l)?;
-                let local_rank = parse(get, "LOCAL_RANK", "local rank")?.unwrap_or(rank);
-                let local_world =
-                    parse(get, "LOCAL_WORLD_SIZE", "local world size")?.unwrap_or(world);
-                let node = match parse(get, "NODE_RANK", "node rank")? {
-                    Some(n) => Some(n),
-                    None => parse(get, "GROUP_RANK", "node rank")?,
-                };
-                (l, rank, world, local_rank, local_world, node)
-            } else if get("SLURM_PROCID").is_some() {
-                let l = "Slurm";
-                let rank = need(get, "SLURM_PROCID", "rank", l)?;
-                let world = need(get, "SLURM_NTASKS", "task count", l)?;
-                let local_rank = need(get, "SLURM_LOCALID", "local rank", l)?;
-                let local_world = match parse(get, "SLURM_NTASKS_PER_NODE", "tasks per node")? {
-                    Some(n) => n,
-                    None => get("SLURM_TASKS_PER_NODE")
-                        .as_deref()
-                        .and_then(slurm_tasks_per_node)
-                        .unwrap_or(world),
-                };
-                let node = parse(get, "SLURM_NODEID", "node id")?;
-                (l, rank, world, local_rank, local_world, node)
-            } else if get("OMPI_COMM_WORLD_RANK").is_some() {
-                let l = "Open MPI";
-                let rank = need(get, "OMPI_COMM_WORLD_RANK", "rank", l)?;
-                let world = need(get, "OMPI_COMM_WORLD_SIZE", "world size", l)?;
-                let local_rank = need(get, "OMPI_COMM_WORLD_LOCAL_RANK", "local rank", l)?;
-                let local_world = need(get, "OMPI_COMM_WORLD_LOCAL_SIZE", "local size", l)?;
-                // OMPI_COMM_WORLD_NODE_RANK is the rank on the node, not the
-                // node's index: the node follows from the rank (placement
-                // by slot), and the rendezvous checks it against the hosts.
-                (l, rank, world, local_rank, local_world, None)
-            } else {
-                return Err(EnvError::Missing);
-            };
+    fn new(
+        launcher: &'static str,
+        rank: usize,
+        world: usize,
+        local_rank: usize,
+        local_world: usize,
+        node: Option<usize>,
+    ) -> Placement {
+        Placement {
+            launcher,
+            rank,
+            world,
+            local_rank,
+            local_world,
+            node,
+        }
+    }
 
+    /// Checks the placement holds together; the node's index
+    /// (`ZEROPP_NODE_RANK` first, else the launcher's, else from the rank).
+    fn check(&self, get: &dyn Fn(&str) -> Option<String>) -> Result<usize, EnvError> {
+        let (launcher, rank, world_size) = (self.launcher, self.rank, self.world);
+        let (local_rank, local_world_size) = (self.local_rank, self.local_world);
         if world_size == 0 || rank >= world_size {
             return Err(EnvError::Inconsistent(format!(
                 "rank {rank} is outside the world size {world_size} ({launcher} variables)"
@@ -158,7 +206,7 @@ impl RankFacts {
         }
         let node_rank = match parse(get, "ZEROPP_NODE_RANK", "node rank")? {
             Some(n) => n,
-            None => node_rank.unwrap_or(rank / local_world_size),
+            None => self.node.unwrap_or(rank / local_world_size),
         };
         if node_rank >= world_size / local_world_size {
             return Err(EnvError::Inconsistent(format!(
@@ -167,37 +215,72 @@ impl RankFacts {
                 world_size / local_world_size
             )));
         }
+        Ok(node_rank)
+    }
+}
 
-        // Slurm: rank 0 runs on the first host of the step (or the job).
-        let slurm_first_host =
-            match get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")) {
-                Some(list) if launcher == "Slurm" => Some(
-                    super::hostlist::expand(&list)
-                        .map_err(EnvError::Inconsistent)?
-                        .swap_remove(0),
-                ),
-                _ => None,
-            };
-        let master = get("MASTER_ADDR")
-            .or(slurm_first_host)
-            .unwrap_or_else(|| "127.0.0.1".into());
-        if world_size / local_world_size > 1 && get("MASTER_ADDR").is_none() && launcher != "Slurm"
-        {
-            return Err(EnvError::Inconsistent(
-                "MASTER_ADDR is not set, and this job spans several nodes: set it to the host \
-                 of rank 0 on every rank"
-                    .into(),
-            ));
-        }
-        let (master_addr, port_in_addr) = split_host_port(&master)?;
-        let master_port = match parse(get, "MASTER_PORT", "port")? {
-            Some(p) => p,
-            None => port_in_addr.unwrap_or(DEFAULT_PORT),
-        };
+/// Rank 0's address and port: `MASTER_ADDR` (and `MASTER_PORT`), under
+/// Slurm the first host of the step (or the job); required where the job
+/// spans `nodes` > 1 otherwise.
+fn master(
+    get: &dyn Fn(&str) -> Option<String>,
+    launcher: &str,
+    nodes: usize,
+) -> Result<(String, u16), EnvError> {
+    let slurm_first_host = match get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")) {
+        Some(list) if launcher == "Slurm" => Some(
+            super::hostlist::expand(&list)
+                .map_err(EnvError::Inconsistent)?
+                .swap_remove(0),
+        ),
+        _ => None,
+    };
+    let master = get("MASTER_ADDR")
+        .or(slurm_first_host)
+        .unwrap_or_else(|| "127.0.0.1".into());
+    if nodes > 1 && get("MASTER_ADDR").is_none() && launcher != "Slurm" {
+        return Err(EnvError::Inconsistent(
+            "MASTER_ADDR is not set, and this job spans several nodes: set it to the host \
+             of rank 0 on every rank"
+                .into(),
+        ));
+    }
+    let (master_addr, port_in_addr) = split_host_port(&master)?;
+    let master_port = match parse(get, "MASTER_PORT", "port")? {
+        Some(p) => p,
+        None => port_in_addr.unwrap_or(DEFAULT_PORT),
+    };
+    Ok((master_addr, master_port))
+}
+
+/// Every network wait's limit: `ZEROPP_TIMEOUT_S`, else the default.
+fn timeout(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration, EnvError> {
+    match parse::<f64>(get, "ZEROPP_TIMEOUT_S", "number of seconds")? {
+        Some(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(EnvError::Invalid {
+            name: "ZEROPP_TIMEOUT_S".into(),
+            value: s.to_string(),
+            what: "positive number of seconds",
+        }),
+        None => Ok(DEFAULT_TIMEOUT),
+    }
+}
+
+impl RankFacts {
+    /// Reads the facts from the process environment.
+    pub fn from_env() -> Result<RankFacts, EnvError> {
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// Reads the facts through `get` (tests pass a map).
+    pub fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Result<RankFacts, EnvError> {
+        let p = Placement::from_launcher(get)?;
+        let node_rank = p.check(get)?;
+        let (master_addr, master_port) = master(get, p.launcher, p.world / p.local_world)?;
         // torchrun's workers set TORCHELASTIC_*: its agent holds
         // MASTER_PORT with the store zeropp then joins.
         let torch_store = match get("TORCHELASTIC_RUN_ID") {
-            Some(run) if launcher == "torchrun-style" => Some(format!(
+            Some(run) if p.launcher == "torchrun-style" => Some(format!(
                 "{run}/{}",
                 get("TORCHELASTIC_RESTART_COUNT").unwrap_or_else(|| "0".into())
             )),
@@ -206,12 +289,12 @@ impl RankFacts {
         let launcher = if torch_store.is_some() {
             "torchrun"
         } else {
-            launcher
+            p.launcher
         };
         let token = match get("ZEROPP_TOKEN") {
             Some(t) if !t.is_empty() => t,
             // Drawn by rank 0 and shared through torchrun's store.
-            _ if world_size == 1 || torch_store.is_some() => String::new(),
+            _ if p.world == 1 || torch_store.is_some() => String::new(),
             _ => {
                 return Err(EnvError::Inconsistent(
                     "ZEROPP_TOKEN is not set: set it to the same secret on every rank \
@@ -221,29 +304,18 @@ impl RankFacts {
                 ));
             }
         };
-        let timeout = match parse::<f64>(get, "ZEROPP_TIMEOUT_S", "number of seconds")? {
-            Some(s) if s > 0.0 && s.is_finite() => Duration::from_secs_f64(s),
-            Some(s) => {
-                return Err(EnvError::Invalid {
-                    name: "ZEROPP_TIMEOUT_S".into(),
-                    value: s.to_string(),
-                    what: "positive number of seconds",
-                });
-            }
-            None => DEFAULT_TIMEOUT,
-        };
         let islands = parse::<usize>(get, "ZEROPP_ISLANDS", "number of islands")?.unwrap_or(1);
         let rejoin = get("ZEROPP_REJOIN").is_some_and(|v| v == "1");
         Ok(RankFacts {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
+            rank: p.rank,
+            world_size: p.world,
+            local_rank: p.local_rank,
+            local_world_size: p.local_world,
             node_rank,
             master_addr,
             master_port,
             token,
-            timeout,
+            timeout: timeout(get)?,
             launcher,
             torch_store,
             islands: islands.max(1),
