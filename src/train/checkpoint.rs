@@ -486,16 +486,7 @@ pub fn save(
     // Rank 0 prepares an empty temporary directory; a leftover from a crash
     // is removed. Everyone waits for it.
     let prepared = if rank == lead {
-        (|| -> Result<()> {
-            std::fs::create_dir_all(root)
-                .with_context(|| format!("cannot create {}", root.display()))?;
-            if tmp.exists() {
-                std::fs::remove_dir_all(&tmp)
-                    .with_context(|| format!("cannot remove {}", tmp.display()))?;
-            }
-            std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
-        })()
-        .map_err(|e| format!("{e:#}"))
+        prepare(root, &tmp).map_err(|e| format!("{e:#}"))
     } else {
         Ok(())
     };
@@ -514,32 +505,7 @@ pub fn save(
     }
 
     // Every rank writes and syncs its shard, then all learn how it went.
-    let mine = (|| -> Result<ShardInfo> {
-        let units = engine.shard_state()?;
-        let raw = encode_shard(rank, world, &units);
-        let packed = zstd::encode_all(&raw[..], 3).context("compressing the shard")?;
-        let file = shard_file_name(rank);
-        write_synced(&tmp.join(&file), &packed)?;
-        Ok(ShardInfo {
-            rank,
-            file,
-            bytes: packed.len() as u64,
-            crc32: crc32fast::hash(&packed),
-            residual_lens: units
-                .iter()
-                .map(|u| (u.residual.len(), u.residual_inter.len()))
-                .collect(),
-            reference_lens: units
-                .iter()
-                .map(|u| u.reference.as_ref().map_or(0, |r| r.own.len()))
-                .collect(),
-            outer: units
-                .iter()
-                .map(|u| u.outer.as_ref().map(OuterLens::of))
-                .collect(),
-        })
-    })();
-    let report = match mine {
+    let report = match write_shard(engine, rank, world, &tmp) {
         Ok(info) => Written::Ok(info),
         Err(e) => Written::Failed(format!("{e:#}")),
     };
@@ -562,30 +528,7 @@ pub fn save(
         let _ = std::fs::remove_dir_all(&tmp);
         Err(failures.join("; "))
     } else {
-        let layout = engine.job_layout();
-        let manifest = Manifest {
-            format: FORMAT.into(),
-            version: VERSION,
-            step,
-            nodes: layout.nodes,
-            ranks_per_node: layout.ranks_per_node,
-            world_size: world,
-            config: cfg.clone(),
-            data_next_step: step,
-            rng: "stochastic rounding is seeded by (seed, step, unit, rank); \
-                  initial weights by (seed, unit); no other RNG state"
-                .into(),
-            units: engine.unit_layouts(),
-            lost_islands: lost_islands(world, engine.islands().map_or(1, |(c, _)| c.count), &ranks),
-            islands_schedule: engine.island_schedule().and_then(|(h, origin, why)| {
-                why.map(|_| IslandSchedule {
-                    sync_every: h,
-                    origin,
-                })
-            }),
-            shards,
-            switches: Some(engine.switches().clone()),
-        };
+        let manifest = manifest(engine, cfg, step, shards, &ranks);
         finish(root, &tmp, &dest, &name, &manifest, keep).map_err(|e| {
             let _ = std::fs::remove_dir_all(&tmp);
             format!("{e:#}")
@@ -602,6 +545,80 @@ pub fn save(
             "saving the checkpoint of step {step} failed ({e}); the previous checkpoint in {} is intact",
             root.display()
         ),
+    }
+}
+
+/// An empty temporary directory `tmp` under `root` (a leftover from a
+/// crash removed).
+fn prepare(root: &Path, tmp: &Path) -> Result<()> {
+    std::fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
+    if tmp.exists() {
+        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+    }
+    std::fs::create_dir(tmp).with_context(|| format!("cannot create {}", tmp.display()))
+}
+
+/// This rank's shard written (compressed) and synced under `tmp`, and
+/// what the manifest says of it.
+fn write_shard(engine: &Engine, rank: usize, world: usize, tmp: &Path) -> Result<ShardInfo> {
+    let units = engine.shard_state()?;
+    let raw = encode_shard(rank, world, &units);
+    let packed = zstd::encode_all(&raw[..], 3).context("compressing the shard")?;
+    let file = shard_file_name(rank);
+    write_synced(&tmp.join(&file), &packed)?;
+    Ok(ShardInfo {
+        rank,
+        file,
+        bytes: packed.len() as u64,
+        crc32: crc32fast::hash(&packed),
+        residual_lens: units
+            .iter()
+            .map(|u| (u.residual.len(), u.residual_inter.len()))
+            .collect(),
+        reference_lens: units
+            .iter()
+            .map(|u| u.reference.as_ref().map_or(0, |r| r.own.len()))
+            .collect(),
+        outer: units
+            .iter()
+            .map(|u| u.outer.as_ref().map(OuterLens::of))
+            .collect(),
+    })
+}
+
+/// The manifest of the checkpoint of `step` whose `shards` the ranks
+/// `saved` wrote.
+fn manifest(
+    engine: &Engine,
+    cfg: &TrainConfig,
+    step: usize,
+    shards: Vec<ShardInfo>,
+    saved: &[usize],
+) -> Manifest {
+    let layout = engine.job_layout();
+    let world = layout.world();
+    Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        step,
+        nodes: layout.nodes,
+        ranks_per_node: layout.ranks_per_node,
+        world_size: world,
+        config: cfg.clone(),
+        data_next_step: step,
+        rng: "stochastic rounding is seeded by (seed, step, unit, rank); \
+              initial weights by (seed, unit); no other RNG state"
+            .into(),
+        units: engine.unit_layouts(),
+        lost_islands: lost_islands(world, engine.islands().map_or(1, |(c, _)| c.count), saved),
+        islands_schedule: engine.island_schedule().and_then(|(h, origin, why)| {
+            why.map(|_| IslandSchedule {
+                sync_every: h,
+                origin,
+            })
+        }),
+        shards,
+        switches: Some(engine.switches().clone()),
     }
 }
 
