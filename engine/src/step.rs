@@ -4,6 +4,7 @@
 //! all-reduce for the global norm, the loss and the non-finite flags, and
 //! the optimizer step. Evaluation is the forward pass alone.
 
+use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 
 use super::model::{Tied, extend_with, param_offset, vars_from_flat};
@@ -199,25 +200,8 @@ impl Engine {
                 Some(up) => (out * up)?.sum_all()?,
             };
             let grads = objective.backward()?;
-            // A reused buffer: the reduce-scatter gives it back.
-            let mut flat = scratch::take_for_overwrite(self.units[u].padded);
-            flat.clear();
-            for v in &vars {
-                match grads.get(v.as_tensor()) {
-                    Some(gt) => extend_with(&mut flat, gt)?,
-                    None => flat.extend(std::iter::repeat_n(0.0, v.as_tensor().elem_count())),
-                }
-            }
-            flat.resize(self.units[u].padded, 0.0);
-            if let Some(gt) = tied_var.as_ref().and_then(|tv| grads.get(tv.as_tensor())) {
-                tied_grad = Some(gt.flatten_all()?.to_vec1::<f32>()?);
-            }
-            if let Some(t) = tie.filter(|t| t.from == u)
-                && let Some(tg) = tied_grad.take()
-            {
-                let at = param_offset(&*model, u, t.param);
-                flat[at..].iter_mut().zip(&tg).for_each(|(f, t)| *f += t);
-            }
+            let tied_var = tied_var.as_ref();
+            let mut flat = self.flat_gradient(u, &grads, &vars, (tied_var, &mut tied_grad))?;
             upstream = match &input_var {
                 Some(iv) => Some(grads.get(iv.as_tensor()).cloned().ok_or_else(|| {
                     EngineError::Model(format!(
@@ -254,6 +238,39 @@ impl Engine {
             chunk_grads,
             nonfinite,
         })
+    }
+
+    /// Unit `u`'s gradient as one flat buffer (padded; a reused buffer the
+    /// reduce-scatter gives back): its variables' gradients in order, with
+    /// a tie's gradient, kept from the unit that differentiated the tied
+    /// parameter (`tied_var`), added where the parameter lives.
+    fn flat_gradient(
+        &self,
+        u: usize,
+        grads: &GradStore,
+        vars: &[Var],
+        (tied_var, tied_grad): (Option<&Var>, &mut Option<Vec<f32>>),
+    ) -> Result<Vec<f32>> {
+        let (model, tie) = (&*self.cfg.model, self.cfg.model.tie());
+        let mut flat = scratch::take_for_overwrite(self.units[u].padded);
+        flat.clear();
+        for v in vars {
+            match grads.get(v.as_tensor()) {
+                Some(gt) => extend_with(&mut flat, gt)?,
+                None => flat.extend(std::iter::repeat_n(0.0, v.as_tensor().elem_count())),
+            }
+        }
+        flat.resize(self.units[u].padded, 0.0);
+        if let Some(gt) = tied_var.and_then(|tv| grads.get(tv.as_tensor())) {
+            *tied_grad = Some(gt.flatten_all()?.to_vec1::<f32>()?);
+        }
+        if let Some(t) = tie.filter(|t| t.from == u)
+            && let Some(tg) = tied_grad.take()
+        {
+            let at = param_offset(model, u, t.param);
+            flat[at..].iter_mut().zip(&tg).for_each(|(f, t)| *f += t);
+        }
+        Ok(flat)
     }
 
     /// The global gradient norm, the mean loss and one non-finite flag per
