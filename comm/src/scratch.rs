@@ -13,7 +13,9 @@
 //! frees every buffer when it is given back, as before the pools).
 //!
 //! Free buffers are kept by exact length, at most [`PER_LENGTH`] of each;
-//! buffers under [`MIN_POOLED`] bytes are ordinary allocations (the
+//! a full pool frees buffers of other lengths (largest first) to keep one
+//! of the length given back. Buffers under [`MIN_POOLED`] bytes are
+//! ordinary allocations (the
 //! allocator recycles those without faults). [`held_bytes`] says what is
 //! held now, [`stats`] what was taken and how much of it was reused
 //! (zeropp.torch's `scratch_stats()`).
@@ -166,18 +168,52 @@ pub fn give<T: Pooled>(v: Vec<T>) {
     if !pooled::<T>(len) || v.capacity() != len {
         return;
     }
-    if HELD.load(Ordering::Relaxed) + bytes > LIMIT.load(Ordering::Relaxed) {
+    let limit = LIMIT.load(Ordering::Relaxed);
+    if bytes > limit {
         return;
     }
+    let mut evicted = Vec::new();
     let mut free = T::pool().lock();
-    let list = free
-        .get_or_insert_with(HashMap::new)
-        .entry(len)
-        .or_default();
-    if list.len() < PER_LENGTH {
-        list.push(v);
+    let by_len = free.get_or_insert_with(HashMap::new);
+    if by_len.get(&len).is_some_and(|l| l.len() >= PER_LENGTH) {
+        return; // freed when `v` drops, after the lock
+    }
+    let over = (HELD.load(Ordering::Relaxed) + bytes).saturating_sub(limit);
+    if over > 0 {
+        let freed;
+        (freed, evicted) = make_room(by_len, len, over);
+        HELD.fetch_sub(freed, Ordering::Relaxed);
+    }
+    if HELD.load(Ordering::Relaxed) + bytes <= limit {
+        by_len.entry(len).or_default().push(v);
         HELD.fetch_add(bytes, Ordering::Relaxed);
     }
+    drop(free);
+    drop(evicted); // freed after the lock
+}
+
+/// Takes free buffers of lengths other than `keep` out of `by_len`,
+/// largest first, until at least `need` bytes are out (or none is left):
+/// the lengths in use now matter more than those of earlier calls (a probe
+/// at join, a checkpoint). Returns the bytes taken out and the buffers, to
+/// free after the lock.
+fn make_room<T>(
+    by_len: &mut HashMap<usize, Vec<Vec<T>>>,
+    keep: usize,
+    need: usize,
+) -> (usize, Vec<Vec<T>>) {
+    let (mut freed, mut evicted) = (0, Vec::new());
+    while freed < need {
+        let victim = by_len
+            .iter()
+            .filter(|(l, free)| **l != keep && !free.is_empty())
+            .map(|(l, _)| *l)
+            .max();
+        let Some(victim) = victim else { break };
+        evicted.extend(by_len.get_mut(&victim).and_then(Vec::pop));
+        freed += victim * size_of::<T>();
+    }
+    (freed, evicted)
 }
 
 /// A pooled buffer that goes back to its pool when dropped: the owner of
@@ -217,6 +253,28 @@ mod tests {
         // Small buffers are not pooled, nor are they counted.
         let small = take::<u8>(MIN_POOLED - 1);
         assert_eq!(small.len(), MIN_POOLED - 1);
+    }
+
+    #[test]
+    fn a_full_pool_makes_room_for_the_length_in_use() {
+        // Free buffers of lengths 10, 20 (two) and 30 (f32): room for 90
+        // bytes beside length 20 frees the one of 30 (120 bytes) alone;
+        // room for 200 frees 30's and 10's and never 20's.
+        let pool = || {
+            HashMap::from([
+                (10usize, vec![vec![0f32; 10]]),
+                (20, vec![vec![0f32; 20], vec![0f32; 20]]),
+                (30, vec![vec![0f32; 30]]),
+            ])
+        };
+        let mut p = pool();
+        let (freed, out) = make_room(&mut p, 20, 90);
+        assert_eq!((freed, out.len()), (120, 1));
+        assert!(p[&30].is_empty() && p[&10].len() == 1);
+        let mut p = pool();
+        let (freed, _) = make_room(&mut p, 20, 200);
+        assert_eq!(freed, 160);
+        assert_eq!(p[&20].len(), 2);
     }
 
     #[test]
