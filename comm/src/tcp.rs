@@ -188,6 +188,73 @@ fn connect_to(
     }
 }
 
+/// Accepts the connections of every rank above `rank` that does not
+/// connect to it itself (`connects`: the ranks this one connected to), each
+/// checked by its hello, into `streams`, until `deadline`.
+fn accept_higher(
+    (rank, world_size): (usize, usize),
+    listener: &TcpListener,
+    options: &TcpOptions,
+    deadline: Instant,
+    connects: &dyn Fn(usize) -> bool,
+    streams: &mut [Option<TcpStream>],
+) -> Result<(), CommError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(io_err("the listener"))?;
+    let mut missing: usize = (rank + 1..world_size).filter(|&p| !connects(p)).count();
+    while missing > 0 {
+        match listener.accept() {
+            Ok((mut stream, from)) => {
+                stream
+                    .set_nonblocking(false)
+                    .map_err(io_err("an accepted socket"))?;
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                match read_hello(
+                    &mut stream,
+                    &options.token,
+                    world_size,
+                    remaining.max(Duration::from_millis(1)),
+                ) {
+                    Ok(peer)
+                        if peer > rank
+                            && peer < world_size
+                            && !connects(peer)
+                            && streams[peer].is_none() =>
+                    {
+                        send_hello(&mut stream, rank, &options.token, world_size)
+                            .map_err(io_err(format!("rank {peer} at {from}")))?;
+                        streams[peer] = Some(stream);
+                        missing -= 1;
+                    }
+                    Ok(peer) => tracing::warn!(
+                        "refused a connection from {from}: it claims rank {peer}, which is \
+                         not expected here (duplicate, lower or out of range)"
+                    ),
+                    Err(reason) => {
+                        tracing::warn!("refused a connection from {from}: {reason}")
+                    }
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let absent: Vec<usize> = (rank + 1..world_size)
+                        .filter(|&p| !connects(p) && streams[p].is_none())
+                        .collect();
+                    return Err(CommError::Join(format!(
+                        "ranks {absent:?} did not connect within {:?}; they failed to start \
+                         or cannot reach this host",
+                        options.connect_timeout
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(io_err("the listener")(e)),
+        }
+    }
+    Ok(())
+}
+
 impl TcpTransport {
     /// Builds the mesh. `listener` is this rank's bound listener (its address
     /// is `addresses[rank]`); `addresses` lists every rank's listener.
@@ -241,59 +308,14 @@ impl TcpTransport {
         }
 
         // Accept every higher rank (a rejoining rank: those of its island).
-        listener
-            .set_nonblocking(true)
-            .map_err(io_err("the listener"))?;
-        let mut missing: usize = (rank + 1..world_size).filter(|&p| !connects(p)).count();
-        while missing > 0 {
-            match listener.accept() {
-                Ok((mut stream, from)) => {
-                    stream
-                        .set_nonblocking(false)
-                        .map_err(io_err("an accepted socket"))?;
-                    let remaining = deadline.saturating_duration_since(Instant::now());
-                    match read_hello(
-                        &mut stream,
-                        &options.token,
-                        world_size,
-                        remaining.max(Duration::from_millis(1)),
-                    ) {
-                        Ok(peer)
-                            if peer > rank
-                                && peer < world_size
-                                && !connects(peer)
-                                && streams[peer].is_none() =>
-                        {
-                            send_hello(&mut stream, rank, &options.token, world_size)
-                                .map_err(io_err(format!("rank {peer} at {from}")))?;
-                            streams[peer] = Some(stream);
-                            missing -= 1;
-                        }
-                        Ok(peer) => tracing::warn!(
-                            "refused a connection from {from}: it claims rank {peer}, which is \
-                             not expected here (duplicate, lower or out of range)"
-                        ),
-                        Err(reason) => {
-                            tracing::warn!("refused a connection from {from}: {reason}")
-                        }
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let absent: Vec<usize> = (rank + 1..world_size)
-                            .filter(|&p| !connects(p) && streams[p].is_none())
-                            .collect();
-                        return Err(CommError::Join(format!(
-                            "ranks {absent:?} did not connect within {:?}; they failed to start \
-                             or cannot reach this host",
-                            options.connect_timeout
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(io_err("the listener")(e)),
-            }
-        }
+        accept_higher(
+            (rank, world_size),
+            &listener,
+            options,
+            deadline,
+            &connects,
+            &mut streams,
+        )?;
 
         let mailbox = Arc::new(Mailbox::default());
         for (peer, why) in unreachable {
