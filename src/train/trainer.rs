@@ -25,6 +25,7 @@ use crate::train::summary::{
 };
 use crate::zero::plan::{Layout, Resolved};
 use crate::zero::probe::Measured;
+use crate::zero::traffic::Traffic;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 /// `skip_nonfinite` gives up after this many skipped steps in a row.
@@ -98,21 +99,7 @@ impl Trainer {
             islands,
         };
         let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
-        let start = match &cfg.checkpoint.resume {
-            // A restarted rank of a lost island: the state of a live
-            // island's rank at its place, at their next outer sync.
-            _ if facts.rejoin => {
-                eprintln!(
-                    "rank {}: rejoining the running job (waiting for the islands' next outer sync)",
-                    facts.rank
-                );
-                let step = engine.rejoin()?;
-                eprintln!("rank {}: rejoined after step {step}", facts.rank);
-                step
-            }
-            None => 0,
-            Some(path) => resume(&mut engine, path, lead)?,
-        };
+        let start = start_step(&mut engine, &cfg, &facts)?;
         let end = cfg
             .run
             .stop_after
@@ -126,38 +113,7 @@ impl Trainer {
         }
         let tokens_per_step = (layout.world() * cfg.run.batch * cfg.model.context) as f64;
         if lead {
-            println!(
-                "training {} parameters, {} nodes x {} ranks over {}, mode {:?}, {} steps of {} \
-                 tokens",
-                engine.parameter_count(),
-                layout.nodes,
-                layout.ranks_per_node,
-                transport_name.to_uppercase(),
-                cfg.switches.mode,
-                cfg.run.steps,
-                tokens_per_step
-            );
-            println!("switches: {}", serde_json::to_string(&resolved.switches)?);
-            if let Some((c, _)) = engine.islands() {
-                let every = if c.auto && engine.island_schedule().is_some_and(|s| s.2.is_none()) {
-                    format!("{} steps, then the H measured there (auto)", c.sync_every)
-                } else {
-                    format!("{} steps", c.sync_every)
-                };
-                println!(
-                    "islands: {} of {} ranks, each sharding over its own; outer sync every {every} \
-                     ({}, Nesterov lr {} momentum {})",
-                    c.count,
-                    engine.plan().layout.world(),
-                    if c.quantized.is_some() {
-                        "int4 with error feedback"
-                    } else {
-                        "f32"
-                    },
-                    c.outer.lr,
-                    c.outer.momentum
-                );
-            }
+            print_start(&engine, &cfg, &resolved, transport_name, tokens_per_step)?;
         }
         // The metrics file opens with what ran: the same resolved switches
         // as the summary and the manifest, and where each chosen value came
@@ -282,80 +238,14 @@ impl Trainer {
             msgs.intra_node as f32,
             msgs.inter_node as f32,
         ])?;
-        let (ranks, peaks) = engine.all_gather_bytes(Bytes::copy_from_slice(
-            &peak_rss_bytes().unwrap_or(0).to_le_bytes(),
-        ))?;
-        let lead = self.facts.rank == ranks[0];
-        let peak_rss_bytes = peaks
-            .iter()
-            .map(|b| {
-                let a: [u8; 8] = b[..].try_into().map_err(|_| {
-                    anyhow::anyhow!("a rank's peak memory arrived as {} bytes, not 8", b.len())
-                })?;
-                Ok(u64::from_le_bytes(a))
-            })
-            .collect::<Result<Vec<u64>>>()?;
+        let (first, peak_rss_bytes) = ranks_peak_rss(engine)?;
+        let lead = self.facts.rank == first;
         let tail: Vec<f32> = r.losses[r.losses.len().saturating_sub(10)..]
             .iter()
             .map(|&(_, l)| l)
             .collect();
         let steps_run = (self.end - self.start) as f64;
-        let islands = match engine.islands() {
-            None => None,
-            Some((c, _)) => {
-                let (outer, all) = (traffic.outer.total, traffic.total());
-                let job =
-                    engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
-                let (exchanges, waited_s, _) = engine.outer_exchanges();
-                let fragments = c.fragments_of(engine.unit_layouts().len());
-                // One whole model's exchange, against the inner step (the
-                // median: steps without a sync).
-                let whole_s = engine.whole_exchange_s();
-                let inner_s = median(&r.times);
-                let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
-                Some(IslandsSummary {
-                    sync_every_chosen: engine.island_schedule().and_then(|(h, origin, why)| {
-                        why.map(|why| ChosenSyncEvery {
-                            sync_every: h,
-                            from_step: origin,
-                            why,
-                        })
-                    }),
-                    count: c.count,
-                    ranks_per_island: engine.plan().layout.world(),
-                    sync_every: c.sync_every,
-                    fragments,
-                    delay: c.delay,
-                    exchanges,
-                    waited_s,
-                    exchange_s: whole_s,
-                    hiding_sync_every: hides,
-                    why: format!(
-                        "an exchange of the whole model took {whole_s:.3} s on rank 0 and an \
-                         inner step {inner_s:.3} s: H >= {hides} hides the exchange behind the \
-                         inner steps (this run: H = {}, {} fragment(s), landing {} steps later)",
-                        c.sync_every, fragments, c.delay
-                    ),
-                    outer_bits: cfg.islands.outer_bits,
-                    outer_bytes: job[0] as f64,
-                    inner_inter_node_bytes: (job[1] - job[0]) as f64,
-                    lost: engine
-                        .lost_islands()
-                        .into_iter()
-                        .map(|l| LostIslandSummary {
-                            island: l.island,
-                            after_step: l.step,
-                            why: l.why,
-                        })
-                        .collect(),
-                    rejoined: engine
-                        .rejoined_islands()
-                        .into_iter()
-                        .map(|(island, after_step)| RejoinedIsland { island, after_step })
-                        .collect(),
-                })
-            }
-        };
+        let islands = islands_summary(engine, cfg, &traffic, &r.times)?;
         let summary = Summary {
             mode: format!("{:?}", cfg.switches.mode).to_lowercase(),
             switches: engine.switches().clone(),
@@ -393,23 +283,179 @@ impl Trainer {
             return Ok(None);
         }
         println!("{}", summary.done_line());
-        if let Some(p) = &cfg.output.plot {
-            let series = Series {
-                name: format!("{} (validation {:.3})", summary.mode, summary.val_loss),
-                points: step_points(&r.losses),
-            };
-            let title = format!(
-                "training loss, {} nodes x {} ranks",
-                layout.nodes, layout.ranks_per_node
-            );
-            plot::loss_curves(p, &title, &[series])?;
-        }
-        if let Some(p) = &cfg.output.summary_json {
-            std::fs::write(p, serde_json::to_vec_pretty(&summary)?)
-                .with_context(|| format!("cannot write {}", p.display()))?;
-        }
+        write_outputs(&summary, cfg, &r.losses, layout)?;
         Ok(Some(summary))
     }
+}
+
+/// The step a rank starts from: a restarted rank of a lost island takes
+/// the state of a live island's rank at its place, at their next outer
+/// sync; `--resume` loads a checkpoint; else 0.
+fn start_step(engine: &mut Engine, cfg: &TrainConfig, facts: &RankFacts) -> Result<usize> {
+    if facts.rejoin {
+        eprintln!(
+            "rank {}: rejoining the running job (waiting for the islands' next outer sync)",
+            facts.rank
+        );
+        let step = engine.rejoin()?;
+        eprintln!("rank {}: rejoined after step {step}", facts.rank);
+        return Ok(step);
+    }
+    match &cfg.checkpoint.resume {
+        None => Ok(0),
+        Some(path) => resume(engine, path, facts.rank == 0),
+    }
+}
+
+/// Rank 0's first lines: what trains, over what, with which switches and
+/// islands.
+fn print_start(
+    engine: &Engine,
+    cfg: &TrainConfig,
+    resolved: &Resolved,
+    transport_name: &str,
+    tokens_per_step: f64,
+) -> Result<()> {
+    let layout = engine.job_layout();
+    println!(
+        "training {} parameters, {} nodes x {} ranks over {}, mode {:?}, {} steps of {} tokens",
+        engine.parameter_count(),
+        layout.nodes,
+        layout.ranks_per_node,
+        transport_name.to_uppercase(),
+        cfg.switches.mode,
+        cfg.run.steps,
+        tokens_per_step
+    );
+    println!("switches: {}", serde_json::to_string(&resolved.switches)?);
+    if let Some((c, _)) = engine.islands() {
+        let every = if c.auto && engine.island_schedule().is_some_and(|s| s.2.is_none()) {
+            format!("{} steps, then the H measured there (auto)", c.sync_every)
+        } else {
+            format!("{} steps", c.sync_every)
+        };
+        println!(
+            "islands: {} of {} ranks, each sharding over its own; outer sync every {every} ({}, \
+             Nesterov lr {} momentum {})",
+            c.count,
+            engine.plan().layout.world(),
+            if c.quantized.is_some() {
+                "int4 with error feedback"
+            } else {
+                "f32"
+            },
+            c.outer.lr,
+            c.outer.momentum
+        );
+    }
+    Ok(())
+}
+
+/// The first rank of the job (with islands, of those still taking part)
+/// and every rank's peak RSS (a collective).
+fn ranks_peak_rss(engine: &Engine) -> Result<(usize, Vec<u64>)> {
+    let (ranks, peaks) = engine.all_gather_bytes(Bytes::copy_from_slice(
+        &peak_rss_bytes().unwrap_or(0).to_le_bytes(),
+    ))?;
+    let peaks = peaks
+        .iter()
+        .map(|b| {
+            let a: [u8; 8] = b[..].try_into().map_err(|_| {
+                anyhow::anyhow!("a rank's peak memory arrived as {} bytes, not 8", b.len())
+            })?;
+            Ok(u64::from_le_bytes(a))
+        })
+        .collect::<Result<Vec<u64>>>()?;
+    Ok((ranks[0], peaks))
+}
+
+/// The islands' part of the summary (a collective: the outer bytes summed
+/// over the ranks); none without islands. `traffic`: the run's, `times`:
+/// its step times.
+fn islands_summary(
+    engine: &Engine,
+    cfg: &TrainConfig,
+    traffic: &Traffic,
+    times: &[f64],
+) -> Result<Option<IslandsSummary>> {
+    let Some((c, _)) = engine.islands() else {
+        return Ok(None);
+    };
+    let (outer, all) = (traffic.outer.total, traffic.total());
+    let job = engine.sum_over_ranks(&[outer.inter_node as f32, all.inter_node as f32])?;
+    let (exchanges, waited_s, _) = engine.outer_exchanges();
+    let fragments = c.fragments_of(engine.unit_layouts().len());
+    // One whole model's exchange, against the inner step (the median:
+    // steps without a sync).
+    let whole_s = engine.whole_exchange_s();
+    let inner_s = median(times);
+    let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
+    Ok(Some(IslandsSummary {
+        sync_every_chosen: engine.island_schedule().and_then(|(h, origin, why)| {
+            why.map(|why| ChosenSyncEvery {
+                sync_every: h,
+                from_step: origin,
+                why,
+            })
+        }),
+        count: c.count,
+        ranks_per_island: engine.plan().layout.world(),
+        sync_every: c.sync_every,
+        fragments,
+        delay: c.delay,
+        exchanges,
+        waited_s,
+        exchange_s: whole_s,
+        hiding_sync_every: hides,
+        why: format!(
+            "an exchange of the whole model took {whole_s:.3} s on rank 0 and an inner step \
+             {inner_s:.3} s: H >= {hides} hides the exchange behind the inner steps (this run: \
+             H = {}, {} fragment(s), landing {} steps later)",
+            c.sync_every, fragments, c.delay
+        ),
+        outer_bits: cfg.islands.outer_bits,
+        outer_bytes: job[0] as f64,
+        inner_inter_node_bytes: (job[1] - job[0]) as f64,
+        lost: engine
+            .lost_islands()
+            .into_iter()
+            .map(|l| LostIslandSummary {
+                island: l.island,
+                after_step: l.step,
+                why: l.why,
+            })
+            .collect(),
+        rejoined: engine
+            .rejoined_islands()
+            .into_iter()
+            .map(|(island, after_step)| RejoinedIsland { island, after_step })
+            .collect(),
+    }))
+}
+
+/// The loss plot and the summary's JSON, where asked for.
+fn write_outputs(
+    summary: &Summary,
+    cfg: &TrainConfig,
+    losses: &[(usize, f32)],
+    layout: Layout,
+) -> Result<()> {
+    if let Some(p) = &cfg.output.plot {
+        let series = Series {
+            name: format!("{} (validation {:.3})", summary.mode, summary.val_loss),
+            points: step_points(losses),
+        };
+        let title = format!(
+            "training loss, {} nodes x {} ranks",
+            layout.nodes, layout.ranks_per_node
+        );
+        plot::loss_curves(p, &title, &[series])?;
+    }
+    if let Some(p) = &cfg.output.summary_json {
+        std::fs::write(p, serde_json::to_vec_pretty(summary)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
+    Ok(())
 }
 
 /// This rank's place in the job: nodes of the launcher's
