@@ -568,40 +568,28 @@ impl Communicator {
 /// this member's alone, else a reused copy of it ([`scratch`]).
 enum Partial {
     Received(BytesMut),
-    Copied(Vec<u8>),
+    Copied(scratch::Returned<u8>),
 }
 
 impl Partial {
     fn of(incoming: Bytes) -> Partial {
         match incoming.try_into_mut() {
             Ok(own) => Partial::Received(own),
-            Err(shared) => {
-                let mut copy = scratch::take_for_overwrite(shared.len());
-                copy.copy_from_slice(&shared);
-                Partial::Copied(copy)
-            }
+            Err(shared) => Partial::Copied(scratch::copied(&shared)),
         }
     }
 
     fn as_mut(&mut self) -> &mut [u8] {
         match self {
             Partial::Received(b) => b,
-            Partial::Copied(v) => v,
+            Partial::Copied(c) => &mut c.0,
         }
     }
 
-    fn into_bytes(mut self) -> Bytes {
-        match &mut self {
-            Partial::Received(b) => std::mem::take(b).freeze(),
-            Partial::Copied(v) => Bytes::from_owner(scratch::Returned(std::mem::take(v))),
-        }
-    }
-}
-
-impl Drop for Partial {
-    fn drop(&mut self) {
-        if let Partial::Copied(v) = self {
-            scratch::give(std::mem::take(v));
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Partial::Received(b) => b.freeze(),
+            Partial::Copied(c) => Bytes::from_owner(c),
         }
     }
 }

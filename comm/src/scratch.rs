@@ -217,8 +217,15 @@ fn make_room<T>(
 }
 
 /// A pooled buffer that goes back to its pool when dropped: the owner of
-/// a message's bytes while the transport sends it.
+/// a message's bytes while the transport sends it, or of a copy.
 pub struct Returned<T: Pooled>(pub Vec<T>);
+
+/// A copy of `x` in a reused buffer.
+pub fn copied<T: Pooled>(x: &[T]) -> Returned<T> {
+    let mut v = take_for_overwrite(x.len());
+    v.copy_from_slice(x);
+    Returned(v)
+}
 
 impl<T: Pooled> Drop for Returned<T> {
     fn drop(&mut self) {

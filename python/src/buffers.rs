@@ -149,43 +149,24 @@ unsafe impl Sync for HostBuf {}
 /// what an in-place call reads while it writes the same memory. Back to
 /// the pool when dropped.
 pub enum ScratchCopy {
-    Two(Vec<u16>),
-    Four(Vec<u32>),
+    Two(scratch::Returned<u16>),
+    Four(scratch::Returned<u32>),
 }
 
 impl ScratchCopy {
     /// A copy of `x` (2- or 4-byte elements: the dtypes zeropp moves).
     pub fn of<T: bytemuck::Pod>(x: &[T]) -> ScratchCopy {
-        let bytes: &[u8] = bytemuck::cast_slice(x);
-        let mut copy = match size_of::<T>() {
-            2 => ScratchCopy::Two(scratch::take_for_overwrite(x.len())),
-            _ => ScratchCopy::Four(scratch::take_for_overwrite(bytes.len() / 4)),
-        };
-        copy.bytes_mut().copy_from_slice(bytes);
-        copy
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            ScratchCopy::Two(v) => bytemuck::cast_slice_mut(v),
-            ScratchCopy::Four(v) => bytemuck::cast_slice_mut(v),
+        match size_of::<T>() {
+            2 => ScratchCopy::Two(scratch::copied(bytemuck::cast_slice(x))),
+            _ => ScratchCopy::Four(scratch::copied(bytemuck::cast_slice(x))),
         }
     }
 
     /// The copied values.
     pub fn values<T: bytemuck::Pod>(&self) -> &[T] {
         match self {
-            ScratchCopy::Two(v) => bytemuck::cast_slice(v),
-            ScratchCopy::Four(v) => bytemuck::cast_slice(v),
-        }
-    }
-}
-
-impl Drop for ScratchCopy {
-    fn drop(&mut self) {
-        match self {
-            ScratchCopy::Two(v) => scratch::give(std::mem::take(v)),
-            ScratchCopy::Four(v) => scratch::give(std::mem::take(v)),
+            ScratchCopy::Two(c) => bytemuck::cast_slice(&c.0),
+            ScratchCopy::Four(c) => bytemuck::cast_slice(&c.0),
         }
     }
 }

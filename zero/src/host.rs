@@ -604,9 +604,7 @@ fn give_chunks(q: QuantizedChunks) {
 
 /// `bytes` as a message, in a reused buffer.
 fn pooled_copy(bytes: &[u8]) -> Bytes {
-    let mut b = scratch::take_for_overwrite::<u8>(bytes.len());
-    b.copy_from_slice(bytes);
-    Bytes::from_owner(scratch::Returned(b))
+    Bytes::from_owner(scratch::copied(bytes))
 }
 
 fn shape(q: &QuantizedChunks) -> Shape {

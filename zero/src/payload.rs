@@ -20,10 +20,9 @@ fn malformed(what: &str, expected: usize, found: usize) -> CommError {
 
 /// Values (any element type, widened to f32) → bf16 bytes, round to
 /// nearest even, little-endian (`to_le` is a no-op on little-endian hosts).
-/// Written as one map over the values so that it vectorises (appending two
-/// bytes at a time did not: it was a tenth of a one-rank step of the 3.76M
-/// model). The bytes are a reused buffer ([`scratch`]) until the transport
-/// lets go of them.
+/// Written as one pass over the values, a word each (appending two bytes
+/// at a time was a tenth of a one-rank step of the 3.76M model). The bytes
+/// are a reused buffer ([`scratch`]) until the transport lets go of them.
 pub fn encode_bf16<T: Element>(x: &[T]) -> Bytes {
     let mut words = scratch::take_for_overwrite::<u16>(x.len());
     for (w, v) in words.iter_mut().zip(x) {
