@@ -542,6 +542,7 @@ def main(argv=None):
         summary["run_bytes"] = {"intra_node": run[0], "inter_node": run[1]}
         summary["run_messages"] = {"intra_node": run[2], "inter_node": run[3]}
         summary["device_calls"] = zeropp.torch.device_calls()
+        summary["in_flight_peak"] = zeropp.torch.in_flight_peak()
     if lead:
         print(
             f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "

@@ -745,3 +745,52 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
         assert_eq!(kept, Some(on_host), "where the references are kept");
     }
 }
+
+/// The CUDA device's queue (`zero::work` over `CudaQueue`): a launched
+/// call returns with an event recorded after it on the caller's stream;
+/// the wait is that stream waiting on it (the host goes on), the event
+/// completes once the stream ran, and an error of the call is raised at
+/// the wait.
+#[test]
+#[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
+fn on_cuda_a_launched_call_returns_with_an_event_the_callers_stream_waits_on() {
+    use zeropp::zero::ZeroError;
+    use zeropp::zero::device::CudaQueue;
+    use zeropp::zero::work::{Fail, Watchdog, Work};
+    use zeropp_cuda::Gpu;
+
+    struct NeverStuck;
+    impl Fail for NeverStuck {
+        fn fail_stuck(&self, _: Duration) -> String {
+            "stuck".into()
+        }
+    }
+    let gpu = Arc::new(Gpu::open_shared(0).unwrap());
+    let stream = gpu.context().new_stream().unwrap();
+    let raw = stream.cu_stream() as usize;
+    let queue = Arc::new(CudaQueue {
+        ctx: gpu.context().clone(),
+    });
+    let job = Arc::new(NeverStuck);
+    let watchdog = Watchdog::start(Arc::downgrade(&job), Duration::from_secs(10));
+    // A copy big enough to be in flight when the call returns.
+    let src = Arc::new(stream.clone_htod(&vec![1f32; 1 << 26]).unwrap());
+    let copied = src.clone();
+    let on = stream.clone();
+    let call = move || {
+        let mut dst = on.alloc_zeros::<f32>(copied.len()).unwrap();
+        on.memcpy_dtod(&*copied, &mut dst).unwrap();
+        Ok(())
+    };
+    // SAFETY: `stream` lives to the end of the test; the buffers live in
+    // the call.
+    let work = unsafe { Work::launch(&queue, raw, &watchdog, call) }.unwrap();
+    unsafe { work.wait(raw) }.unwrap();
+    stream.synchronize().unwrap();
+    assert!(work.is_completed().unwrap());
+    let failing = || Err(ZeroError::Invalid("bad input found by the call".into()));
+    let work = unsafe { Work::launch(&queue, raw, &watchdog, failing) }.unwrap();
+    let e = unsafe { work.wait(raw) }.unwrap_err().to_string();
+    assert!(e.contains("bad input"), "{e}");
+    drop(src);
+}

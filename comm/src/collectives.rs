@@ -15,6 +15,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 
 use super::group::tag;
+use super::liveness::Liveness;
 use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport, scratch};
 
 /// Splits `len` items into `parts` contiguous ranges whose sizes differ by
@@ -132,13 +133,20 @@ pub fn bytes_f32(b: &[u8]) -> Result<Vec<f32>, CommError> {
 
 /// Runs collectives for one rank over a transport.
 pub struct Communicator {
+    /// This rank's waits and the answers to other ranks' inquiries (before
+    /// `transport`: its responder ends before the transport is let go).
+    liveness: Arc<Liveness>,
     transport: Arc<dyn Transport>,
     timeout: Duration,
 }
 
 impl Communicator {
     pub fn new(transport: Arc<dyn Transport>, timeout: Duration) -> Self {
-        Communicator { transport, timeout }
+        Communicator {
+            liveness: Liveness::of(&transport),
+            transport,
+            timeout,
+        }
     }
 
     pub fn rank(&self) -> usize {
@@ -180,13 +188,26 @@ impl Communicator {
         self.transport.send(peer, tag, data)
     }
 
+    /// The next message from `peer` under `tag`; a wait that times out
+    /// names the rank the job is stuck on ([`Liveness::culprit`]).
     fn recv(&self, peer: usize, tag: Tag) -> Result<Bytes, CommError> {
-        self.transport.recv(peer, tag, self.timeout)
+        let t = &*self.transport;
+        // Still waiting on `peer` while finding the culprit: an inquiry
+        // from another rank meanwhile is told so.
+        self.liveness.waiting_on(peer, || {
+            t.recv(peer, tag, self.timeout)
+                .map_err(|e| self.liveness.culprit(t, peer, e))
+        })
     }
 
     fn wait_all(&self, sends: Vec<(usize, SendHandle)>) -> Result<(), CommError> {
         for (peer, h) in sends {
-            if let Err(e) = h.wait(peer, self.timeout) {
+            let t = &*self.transport;
+            let waited = self.liveness.waiting_on(peer, || {
+                h.wait(peer, self.timeout)
+                    .map_err(|e| self.liveness.culprit(t, peer, e))
+            });
+            if let Err(e) = waited {
                 // A failed send is usually a symptom (the peer left because a
                 // third rank died): give that death a moment to be reported,
                 // then name it.
@@ -877,6 +898,62 @@ mod tests {
         let err = out[0].as_ref().unwrap_err().to_string();
         assert!(err.contains("rank 2"), "rank 0: {err}");
         assert!(out[1].is_err());
+    }
+
+    /// Rank 2 is stopped (alive, silent: its transport open, nothing
+    /// running); rank 1 waits on it, rank 0 on rank 1. Both name rank 2:
+    /// rank 0 follows rank 1's answer to its inquiry (or takes rank 1's
+    /// verdict), it does not blame rank 1.
+    #[test]
+    fn a_stall_that_spread_names_the_stopped_rank_not_the_one_waited_on() {
+        let mut world = InProcess::world(3);
+        let stopped = world.pop().unwrap();
+        let timeout = Duration::from_millis(500);
+        let waiting: Vec<_> = world
+            .into_iter()
+            .map(|t| {
+                std::thread::spawn(move || {
+                    let c = Communicator::new(Arc::new(t), timeout);
+                    let (ranks, n) = match c.rank() {
+                        0 => (vec![0, 1], 1),
+                        _ => (vec![1, 2], 2),
+                    };
+                    let g = Group::new(GroupKind::Numbered(n), ranks).unwrap();
+                    let started = std::time::Instant::now();
+                    let e = c.all_gather(&g, Bytes::from_static(b"x")).unwrap_err();
+                    (e, started.elapsed())
+                })
+            })
+            .collect();
+        let out: Vec<_> = waiting.into_iter().map(|h| h.join().unwrap()).collect();
+        for (rank, (e, took)) in out.iter().enumerate() {
+            let named = match e {
+                CommError::PeerFailed { peer, .. } | CommError::Timeout { peer, .. } => *peer,
+                other => panic!("rank {rank}: {other}"),
+            };
+            assert_eq!(named, 2, "rank {rank}: {e}");
+            assert!(*took < Duration::from_secs(8), "rank {rank} took {took:?}");
+        }
+        assert!(
+            out[0].0.to_string().contains("stopped or hung"),
+            "{}",
+            out[0].0
+        );
+        drop(stopped);
+    }
+
+    /// A live rank that is not in the collective (slow, or calling another
+    /// one) answers the inquiry: the wait's own timeout names it, and no
+    /// rank is told it died.
+    #[test]
+    fn a_live_rank_outside_the_collective_is_named_but_not_declared_dead() {
+        let mut world = InProcess::world(2);
+        let c1 = Communicator::new(Arc::new(world.pop().unwrap()), Duration::from_secs(5));
+        let c0 = Communicator::new(Arc::new(world.pop().unwrap()), Duration::from_millis(300));
+        let err = c0.barrier(&c0.world_group()).unwrap_err();
+        assert!(matches!(err, CommError::Timeout { peer: 1, .. }), "{err}");
+        assert!(c0.transport().first_death().is_none());
+        assert!(c1.transport().first_death().is_none());
     }
 
     #[test]

@@ -243,6 +243,13 @@ pub fn rejoin_tag(what: u16) -> Tag {
     ((id as u64) << 40) | what as u64
 }
 
+/// A liveness message's tag ([`super::liveness`]): outside every
+/// collective, beside the rejoin tags (bit 39 set), `kind` and `nonce` below.
+pub(crate) fn liveness_tag(kind: u8, nonce: u32) -> Tag {
+    let id = GroupKind::Rejoin.id().expect("the rejoin id fits");
+    ((id as u64) << 40) | (1 << 39) | ((kind as u64) << 32) | nonce as u64
+}
+
 pub(crate) fn tag(group: &Group, call: u32, step: usize) -> Tag {
     ((group.id as u64) << 40) | (((call & 0xff_ffff) as u64) << 16) | (step as u64 & 0xffff)
 }

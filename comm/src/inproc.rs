@@ -81,6 +81,10 @@ impl Transport for InProcess {
         self.mailboxes[self.rank].contain(fatal)
     }
 
+    fn declare_dead(&self, peer: usize, reason: String) {
+        self.mailboxes[self.rank].peer_died(peer, reason)
+    }
+
     fn name(&self) -> &'static str {
         "inproc"
     }

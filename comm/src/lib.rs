@@ -11,6 +11,7 @@ pub mod hostlist;
 pub mod inproc;
 pub mod job;
 pub mod launch;
+mod liveness;
 pub mod mailbox;
 pub mod pool;
 pub mod rendezvous;
@@ -228,6 +229,12 @@ pub trait Transport: Send + Sync {
     fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
         let _ = fatal;
     }
+    /// Takes `peer` for dead (this rank found it stuck): every wait fails
+    /// naming it from now on, as when its connection breaks. Transports
+    /// without a mailbox ignore it.
+    fn declare_dead(&self, peer: usize, reason: String) {
+        let _ = (peer, reason);
+    }
 }
 
 /// A shared transport is one: what a probe used at join, handed on to the
@@ -259,5 +266,8 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
     fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
         (**self).contain_deaths(fatal)
+    }
+    fn declare_dead(&self, peer: usize, reason: String) {
+        (**self).declare_dead(peer, reason)
     }
 }

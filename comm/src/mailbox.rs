@@ -48,8 +48,15 @@ impl Mailbox {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Queues a message from `source`.
+    /// Queues a message from `source`; a verdict (another rank found a
+    /// rank stuck: [`super::liveness`]) is taken as that rank's death.
     pub fn deliver(&self, source: usize, tag: Tag, data: Bytes) {
+        if tag == super::liveness::verdict_tag() {
+            if let Some((peer, reason)) = super::liveness::parse_verdict(&data) {
+                self.peer_died(peer, format!("{reason} (found by rank {source})"));
+            }
+            return;
+        }
         self.lock()
             .queues
             .entry((source, tag))

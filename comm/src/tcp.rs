@@ -631,6 +631,10 @@ impl Transport for TcpTransport {
         self.mailbox.contain(fatal)
     }
 
+    fn declare_dead(&self, peer: usize, reason: String) {
+        self.mailbox.peer_died(peer, reason)
+    }
+
     fn name(&self) -> &'static str {
         "tcp"
     }

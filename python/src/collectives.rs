@@ -38,7 +38,9 @@ pub struct Job {
     /// The job's communicator, used on `thread` (and by `outer`'s
     /// exchanges, on groups of their own).
     comm: Arc<Communicator>,
-    thread: CommThread,
+    /// One ordered queue: the host path's collectives, and the emulated
+    /// device's stream.
+    thread: Arc<CommThread>,
     /// The islands' streamed outer exchanges, started when first needed:
     /// they run while the island's own collectives go on `thread`.
     outer: std::sync::OnceLock<CommThread>,
@@ -186,7 +188,7 @@ impl Job {
             groups: groups.clone(),
         };
         Ok(Job {
-            thread: CommThread::new(comm.clone()),
+            thread: Arc::new(CommThread::new(comm.clone())),
             outer: std::sync::OnceLock::new(),
             comm,
             counter,
@@ -598,13 +600,10 @@ impl Job {
         )
     }
 
-    /// Runs `f` on the communication thread (one ordered queue, the
-    /// emulated device's stream): the call in flight.
-    pub(crate) fn queue(&self, f: impl FnOnce() -> Result<(), ZeroError> + Send + 'static) -> Op {
-        Op::new(
-            self.layout.rank,
-            self.thread.submit(move |_: &Communicator| f()),
-        )
+    /// The communication thread (one ordered queue: the emulated device's
+    /// stream).
+    pub(crate) fn comm_thread(&self) -> Arc<CommThread> {
+        self.thread.clone()
     }
 
     pub(crate) fn communicator(&self) -> Arc<Communicator> {

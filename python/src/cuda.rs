@@ -3,8 +3,13 @@
 //! kernels over NCCL communicators, on the caller's current stream). The
 //! job's layout, switches and byte counters are the host job's ([`Job`]);
 //! the NCCL ids travel through the torch store (Python does the exchange).
-//! Each call releases the GIL while it runs. The calls themselves are the
-//! device path's, written once for every device ([`crate::device`]).
+//! Each call releases the GIL while its host side runs and returns a
+//! [`DeviceWork`] (the device job's `Work`: a CUDA event after the call's
+//! kernels and NCCL calls, which the caller's stream waits on). The calls
+//! themselves are the device path's, written once for every device
+//! ([`crate::device`]).
+
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -15,7 +20,7 @@ use zeropp_zero::plan::Layout;
 
 use crate::buffers::Dtype;
 use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
-use crate::device::{self, AllReduceCall, GatherCall, ScatterCall};
+use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
 use crate::to_py;
 
 /// A fresh NCCL id (128 bytes): made by one member of a communicator and
@@ -43,7 +48,7 @@ pub fn cuda_status() -> String {
 /// The CUDA half of a joined job (`zeropp_zero::device_job::DeviceJob`).
 #[pyclass(frozen)]
 pub struct CudaJob {
-    job: DeviceJob<Gpu>,
+    job: Arc<DeviceJob<Gpu>>,
 }
 
 #[pymethods]
@@ -56,7 +61,7 @@ impl CudaJob {
         let job = py
             .detach(|| DeviceJob::open(device, layout, counter, timeout))
             .map_err(to_py)?;
-        Ok(CudaJob { job })
+        Ok(CudaJob { job: Arc::new(job) })
     }
 
     #[getter]
@@ -149,8 +154,7 @@ impl CudaJob {
         block: usize,
         backward: bool,
         delta: Option<Py<QwzReference>>,
-    ) -> PyResult<()> {
-        let delta = delta.as_ref().map(|d| d.get());
+    ) -> PyResult<DeviceWork> {
         let call = GatherCall::new(
             &self.job,
             (out, inp, numel),
@@ -159,15 +163,16 @@ impl CudaJob {
             stream,
             (qwz_bits, block),
             backward,
-            delta,
+            delta.as_ref().map(|d| d.get()),
         )
         .map_err(to_py)?;
         // SAFETY: zeropp.torch passes the data pointers of live CUDA
         // tensors on this job's device holding these sizes (FSDP2's
-        // buffers, untouched until the call returns) and
+        // buffers, kept until the Work is waited for) and
         // torch.cuda.current_stream().
-        py.detach(|| unsafe { device::all_gather(&self.job, &call, delta) })
-            .map_err(to_py)
+        self.launch(py, stream, move |job| unsafe {
+            device::all_gather(job, &call, delta.as_ref().map(|d| d.get()))
+        })
     }
 
     /// FSDP2's gradient reduce-scatter over the mesh dimension `ranks` on
@@ -191,7 +196,7 @@ impl CudaJob {
         stream: usize,
         mean: bool,
         qgz: Option<Py<QgzState>>,
-    ) -> PyResult<()> {
+    ) -> PyResult<DeviceWork> {
         let call = ScatterCall {
             out,
             inp,
@@ -201,10 +206,10 @@ impl CudaJob {
             stream,
             mean,
         };
-        let qgz = qgz.as_ref().map(|q| q.get());
         // SAFETY: as in `all_gather`.
-        py.detach(|| unsafe { device::reduce_scatter(&self.job, &call, qgz) })
-            .map_err(to_py)
+        self.launch(py, stream, move |job| unsafe {
+            device::reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get()))
+        })
     }
 
     /// HSDP's all-reduce across the mesh dimension `ranks` (its replicate
@@ -223,7 +228,7 @@ impl CudaJob {
         stream: usize,
         mean: bool,
         state: Py<AllReduceState>,
-    ) -> PyResult<()> {
+    ) -> PyResult<DeviceWork> {
         let call = AllReduceCall {
             buf,
             numel,
@@ -234,10 +239,30 @@ impl CudaJob {
         };
         // SAFETY: zeropp.torch passes the data pointer of a live CUDA
         // tensor on this job's device holding `numel` values (FSDP2's
-        // reduce-scatter output, untouched until the call returns) and
+        // reduce-scatter output, kept until the Work is waited for) and
         // torch.cuda.current_stream().
-        py.detach(|| unsafe { device::all_reduce(&self.job, &call, state.get()) })
-            .map_err(to_py)
+        self.launch(py, stream, move |job| unsafe {
+            device::all_reduce(job, &call, state.get())
+        })
+    }
+}
+
+impl CudaJob {
+    /// Launches `call` in the order of the caller's `stream`
+    /// (`DeviceJob::launch`: its host side runs here, the GIL released).
+    fn launch(
+        &self,
+        py: Python<'_>,
+        stream: usize,
+        call: impl FnOnce(&DeviceJob<Gpu>) -> Result<(), zeropp_zero::ZeroError> + Send + 'static,
+    ) -> PyResult<DeviceWork> {
+        // SAFETY: zeropp.torch passes torch.cuda.current_stream() of this
+        // job's device; the buffers are the caller's, kept by zeropp.torch
+        // until the Work is waited for.
+        let work = py
+            .detach(|| unsafe { self.job.launch(stream, call) })
+            .map_err(to_py)?;
+        Ok(DeviceWork::new(self.job.layout().rank, work))
     }
 }
 

@@ -8,6 +8,7 @@
 use std::sync::Mutex;
 
 use half::{bf16, f16};
+use pyo3::prelude::*;
 use zeropp_cuda::Gpu;
 use zeropp_quant::QuantizedChunks;
 use zeropp_zero::Hop;
@@ -22,9 +23,11 @@ use zeropp_zero::emulated::EmulatedDevice;
 use zeropp_zero::fsdp::Gather;
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
+use zeropp_zero::work::{Queue, Work};
 
 use crate::buffers::Dtype;
 use crate::collectives::{AllReduceState, QgzState, QwzReference};
+use crate::{Raised, to_py};
 
 /// Where a device keeps a parameter group's state.
 pub(crate) trait DeviceState: Device + Sized {
@@ -251,5 +254,94 @@ pub(crate) unsafe fn all_reduce<D: DeviceState>(
             Dtype::Bf16 => job.all_reduce::<bf16>(call),
             Dtype::F16 => job.all_reduce::<f16>(call),
         }
+    }
+}
+
+/// A collective in flight on a device, whichever device
+/// (`zeropp_zero::work::Work` over its queue).
+trait InFlight: Send + Sync {
+    fn is_completed(&self) -> Result<bool, ZeroError>;
+
+    /// # Safety
+    /// `stream` is a live stream of the device.
+    unsafe fn wait(&self, stream: usize) -> Result<(), ZeroError>;
+}
+
+impl<Q: Queue> InFlight for Work<Q> {
+    fn is_completed(&self) -> Result<bool, ZeroError> {
+        Work::is_completed(self)
+    }
+
+    unsafe fn wait(&self, stream: usize) -> Result<(), ZeroError> {
+        // SAFETY: the caller's promise.
+        unsafe { Work::wait(self, stream) }
+    }
+}
+
+/// A collective launched on a device (CUDA or the emulated one), returned
+/// at once: `wait(stream)` makes the caller's stream wait for it (on CUDA
+/// a stream wait, the host goes on; on the emulated device the caller's
+/// thread waits) and raises its error; `is_completed()` polls.
+#[pyclass(frozen)]
+pub struct DeviceWork {
+    /// This rank (named in the collective's own errors).
+    rank: usize,
+    work: Box<dyn InFlight>,
+    /// The error the first wait raised, raised again by later waits.
+    raised: Mutex<Option<Raised>>,
+}
+
+impl DeviceWork {
+    pub(crate) fn new<Q: Queue>(rank: usize, work: Work<Q>) -> DeviceWork {
+        DeviceWork {
+            rank,
+            work: Box::new(work),
+            raised: Mutex::new(None),
+        }
+    }
+
+    /// A failure, as the host path's `Op` raises it: a peer's names the
+    /// peer, any other this rank.
+    fn raised(&self, e: ZeroError) -> Raised {
+        let peer = e.is_peer_failure();
+        Raised {
+            peer,
+            message: match peer {
+                true => e.to_string(),
+                false => format!("rank {}: {e}", self.rank),
+            },
+        }
+    }
+}
+
+#[pymethods]
+impl DeviceWork {
+    /// Makes `stream` (the caller's current one; 0 on the emulated device)
+    /// wait for the collective, and raises its error.
+    fn wait(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let mut raised = self
+            .raised
+            .lock()
+            .map_err(|_| to_py(ZeroError::Poisoned("state of this collective")))?;
+        if let Some(r) = raised.as_ref() {
+            return Err(to_py(r.clone()));
+        }
+        // SAFETY: zeropp.torch passes the caller's current stream of the
+        // device (torch.cuda.current_stream().cuda_stream), or 0 on the
+        // emulated device, whose stream is its queue.
+        match py.detach(|| unsafe { self.work.wait(stream) }) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let r = self.raised(e);
+                *raised = Some(r.clone());
+                Err(to_py(r))
+            }
+        }
+    }
+
+    /// Whether the collective is done (its error, if any, is raised by
+    /// `wait`).
+    fn is_completed(&self) -> PyResult<bool> {
+        self.work.is_completed().map_err(to_py)
     }
 }

@@ -6,9 +6,10 @@
 //! `zeropp_zero::emulated::EmulatedDevice`: the CUDA kernels' own source on
 //! host memory, the host job's groups as communicators and its
 //! communication thread as the stream (one ordered queue). A call returns
-//! once its work is queued, with an [`Op`] to wait on (the emulated
-//! device's event); it gives the host path's results bit for bit, so CI
-//! runs the device path's orchestration in real FSDP2 steps without a GPU.
+//! once its work is queued, with a [`DeviceWork`] to wait on (the device
+//! job's `Work`, as on CUDA); it gives the host path's results bit for bit,
+//! so CI runs the device path's orchestration in real FSDP2 steps without
+//! a GPU.
 
 use std::sync::Arc;
 
@@ -17,8 +18,8 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::emulated::EmulatedDevice;
 
 use crate::buffers::{Dtype, HostBuf};
-use crate::collectives::{AllReduceState, Job, Op, QgzState, QwzReference};
-use crate::device::{self, AllReduceCall, GatherCall, ScatterCall};
+use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
+use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
 use crate::{invalid, to_py};
 
 /// The emulated device of a joined job: the same calls as `CudaJob`, on
@@ -57,6 +58,7 @@ impl EmulatedJob {
         let h = host.get();
         let device = EmulatedDevice {
             comm: h.communicator(),
+            stream: h.comm_thread(),
         };
         let job = DeviceJob::new(device, 0, h.layout(), h.counter(), h.timeout());
         let g = h.groups();
@@ -97,7 +99,7 @@ impl EmulatedJob {
     }
 
     /// `CudaJob.all_reduce` on a host buffer, queued on the device's one
-    /// queue: an [`Op`] to wait on.
+    /// queue: a [`DeviceWork`] to wait on.
     #[allow(clippy::too_many_arguments)]
     fn all_reduce(
         &self,
@@ -108,7 +110,7 @@ impl EmulatedJob {
         stream: usize,
         mean: bool,
         state: Py<AllReduceState>,
-    ) -> PyResult<Op> {
+    ) -> PyResult<DeviceWork> {
         let d = Dtype::parse(dtype)?;
         let buf = buffer(buf, true, "all-reduce buffer", numel, d)?;
         let call = AllReduceCall {
@@ -119,18 +121,17 @@ impl EmulatedJob {
             stream,
             mean,
         };
-        let job = self.job.clone();
-        Ok(self.host.get().queue(move || {
+        self.launch(stream, move |job| {
             let _held = &buf;
             // SAFETY: `buf` is a live host buffer of this size, held by
             // this closure; Python hands it to this call alone until its
-            // Op is waited for.
-            unsafe { device::all_reduce(&job, &call, state.get()) }
-        }))
+            // Work is waited for.
+            unsafe { device::all_reduce(job, &call, state.get()) }
+        })
     }
 
     /// `CudaJob.all_gather` on host buffers, queued on the device's one
-    /// queue (`stream` names no other): an [`Op`] to wait on.
+    /// queue (`stream` names no other): a [`DeviceWork`] to wait on.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
                         backward=false, delta=None))]
     #[allow(clippy::too_many_arguments)]
@@ -146,7 +147,7 @@ impl EmulatedJob {
         block: usize,
         backward: bool,
         delta: Option<Py<QwzReference>>,
-    ) -> PyResult<Op> {
+    ) -> PyResult<DeviceWork> {
         let d = Dtype::parse(dtype)?;
         if !self.job.has_group(&ranks).map_err(to_py)? {
             return Err(invalid(format!(
@@ -168,19 +169,18 @@ impl EmulatedJob {
             delta.as_ref().map(|d| d.get()),
         )
         .map_err(to_py)?;
-        let job = self.job.clone();
-        Ok(self.host.get().queue(move || {
+        self.launch(stream, move |job| {
             let _held = (&inp, &out);
             // SAFETY: `inp` and `out` are live host buffers of these sizes,
             // held by this closure; Python hands them to this call alone
-            // until its Op is waited for.
-            unsafe { device::all_gather(&job, &call, delta.as_ref().map(|d| d.get())) }
-        }))
+            // until its Work is waited for.
+            unsafe { device::all_gather(job, &call, delta.as_ref().map(|d| d.get())) }
+        })
     }
 
     /// `CudaJob.reduce_scatter` on host buffers: the sum in `dtype`, or
-    /// with `qgz` the sum or (`mean`) the mean over the world; an [`Op`]
-    /// to wait on.
+    /// with `qgz` the sum or (`mean`) the mean over the world; a
+    /// [`DeviceWork`] to wait on.
     #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter(
@@ -193,7 +193,7 @@ impl EmulatedJob {
         stream: usize,
         mean: bool,
         qgz: Option<Py<QgzState>>,
-    ) -> PyResult<Op> {
+    ) -> PyResult<DeviceWork> {
         let d = Dtype::parse(dtype)?;
         let w = ranks.len().max(1);
         let inp = buffer(inp, false, "reduce-scatter input", numel, d)?;
@@ -207,15 +207,31 @@ impl EmulatedJob {
             stream,
             mean,
         };
-        let job = self.job.clone();
-        Ok(self.host.get().queue(move || {
+        self.launch(stream, move |job| {
             let _held = (&inp, &out);
             // SAFETY: as in `all_gather`.
-            unsafe { device::reduce_scatter(&job, &call, qgz.as_ref().map(|q| q.get())) }
-        }))
+            unsafe { device::reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get())) }
+        })
+    }
+}
+
+impl EmulatedJob {
+    /// Launches `call` on the device's queue (`DeviceJob::launch`).
+    fn launch(
+        &self,
+        stream: usize,
+        call: impl FnOnce(&DeviceJob<EmulatedDevice>) -> Result<(), zeropp_zero::ZeroError>
+        + Send
+        + 'static,
+    ) -> PyResult<DeviceWork> {
+        // SAFETY: every stream of the emulated device is its queue; the
+        // buffers are held by `call` itself.
+        let work = unsafe { self.job.launch(stream, call) }.map_err(to_py)?;
+        Ok(DeviceWork::new(self.job.layout().rank, work))
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<EmulatedJob>()
+    m.add_class::<EmulatedJob>()?;
+    m.add_class::<DeviceWork>()
 }

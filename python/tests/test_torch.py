@@ -130,6 +130,31 @@ def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_pa
         assert emulated["losses"] == host["losses"], what
         assert emulated["val_loss"] == host["val_loss"], what
         assert emulated["run_bytes"] == host["run_bytes"], what
+        # Both prefetch: the next gather is issued before the one before it
+        # is waited on.
+        for run in (host, emulated):
+            assert run["in_flight_peak"]["all_gather"] >= 2, (what, run["in_flight_peak"])
+
+
+def test_the_host_path_gathers_ahead_and_zeropp_prefetch_0_turns_it_off(tmp_path):
+    # The next modules' gathers are issued before the one before them is
+    # waited on (two in flight at once), with the same losses as FSDP2's
+    # own order; ZEROPP_PREFETCH=0 keeps FSDP2's order, a bad value is an
+    # error that says what to give.
+    common = ("--ranks-per-node", 2, "--layers", 4, "--bf16")
+    ahead = train(tmp_path, "zeropp", *common, steps=6)
+    (tmp_path / "off").mkdir()
+    off = train(tmp_path / "off", "zeropp", *common, steps=6, env={"ZEROPP_PREFETCH": "0"})
+    assert ahead["in_flight_peak"]["all_gather"] >= 2, ahead["in_flight_peak"]
+    assert off["in_flight_peak"]["all_gather"] == 1, off["in_flight_peak"]
+    assert ahead["losses"] == off["losses"]
+    p = torchrun(
+        ROOT / "examples" / "torch_gpt.py",
+        ("--mode", "zeropp", "--steps", 1, "--ranks-per-node", 2),
+        env={"ZEROPP_PREFETCH": "two"},
+        check=False,
+    )
+    assert p.returncode != 0 and "ZEROPP_PREFETCH='two'" in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("mesh", ["sub", "hsdp"])
@@ -445,6 +470,54 @@ def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport, device):
             f"rank {r} must name rank {victim}:\n{err[-3000:]}"
         )
     assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("device", ["", "emulated"], ids=["host", "emulated"])
+def test_a_rank_stopped_mid_step_is_named_by_every_other_rank(device):
+    # SIGSTOP: alive, its connections open, silent. The rank waiting on it
+    # times out and finds it silent; the others, stuck behind that rank,
+    # must name it too (not the rank they waited on), and their next step
+    # must fail at once.
+    port, world, victim, timeout_s = free_port(), 4, 3, 10
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKERS / "kill.py")],
+            env=rank_env(
+                r,
+                world,
+                port,
+                KILL_RANK=str(victim),
+                KILL_SIGNAL="stop",
+                ZEROPP_TIMEOUT_S=str(timeout_s),
+                ZEROPP_DEVICE=device,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    outputs = {}
+    try:
+        for r, p in enumerate(procs):
+            if r != victim:
+                outputs[r] = p.communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    took = time.monotonic() - start
+    for r, (out, err) in outputs.items():
+        first = [line for line in out.splitlines() if line.startswith("first error:")]
+        nxt = [line for line in out.splitlines() if line.startswith("next error after")]
+        assert first and nxt, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"
+        assert f"rank {victim}" in first[0], f"rank {r} must name rank {victim}: {first[0]}"
+        others = [f"rank {q} failed" for q in range(world) if q != victim]
+        assert not any(o in first[0] for o in others), f"rank {r}: {first[0]}"
+        assert f"rank {victim}" in nxt[0], f"rank {r}: {nxt[0]}"
+        assert float(nxt[0].split()[3]) < 5, f"rank {r}: {nxt[0]}"
+    # Startup, a step or two, one deadline and one inquiry.
+    assert took < 60, took
 
 
 @pytest.mark.parametrize("stateful", [False, True])

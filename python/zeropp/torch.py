@@ -67,6 +67,7 @@ __all__ = [
     "device_calls",
     "enable",
     "fully_shard",
+    "in_flight_peak",
     "job",
     "kept_bytes",
     "measured",
@@ -89,11 +90,25 @@ _cuda_job = None
 _emulated_job = None
 # Collectives that took the device path, by device kind and collective.
 _device_calls = {}
+# Collectives issued and not yet waited for, by collective: [now, peak].
+_in_flight = {}
 _switches_used = {}
 # The mesh dimensions registered with the job, by their ranks: their layout
 # (nodes, ranks per node, this rank's position) and this rank's node and
 # cross group in them.
 _mesh_dims = {}
+
+
+def _prefetch_depth():
+    """How many modules ahead the host and emulated paths gather in forward
+    (``ZEROPP_PREFETCH``, default 2; 0 leaves FSDP2's own order: each
+    module's gather waited for before it runs)."""
+    raw = os.environ.get("ZEROPP_PREFETCH", "2")
+    if not raw.isdigit():
+        raise ZeroppError(
+            f"ZEROPP_PREFETCH={raw!r}: expected how many modules ahead to gather (0, 1, 2, ...)"
+        )
+    return int(raw)
 
 
 def _timeout_s():
@@ -455,17 +470,40 @@ def _is_backward():
     return torch._C._current_graph_task_id() != -1
 
 
+def in_flight_peak():
+    """The most collectives of each kind this rank had issued and not yet
+    waited for at once: ``{"all_gather": 2, "reduce_scatter": 1}``. On the
+    host and emulated paths zeropp.torch prefetches the next gathers in
+    forward order (see :func:`fully_shard`), so after the first step a
+    peak of 2 all-gathers says the next gather was issued while the one
+    before it was still unwaited."""
+    return {k: v[1] for k, v in _in_flight.items()}
+
+
 class _Work(dist.Work):
     """A zeropp collective in flight, as FSDP2 expects from async_op=True; it
-    keeps the tensors alive until it is waited on."""
+    keeps the tensors alive until it is waited on. On the device path
+    (``device`` given) its wait makes the caller's current stream wait for
+    the collective: on CUDA the host goes on."""
 
-    def __init__(self, op, *tensors):
+    def __init__(self, op, *tensors, kind="all_gather", device=None):
         super().__init__()
         self._op = op
         self._tensors = tensors
+        self._device = device
+        self._kind = kind
+        count = _in_flight.setdefault(kind, [0, 0])
+        count[0] += 1
+        count[1] = max(count[1], count[0])
 
     def wait(self, timeout=None):
-        self._op.wait()
+        if self._kind is not None:
+            _in_flight[self._kind][0] -= 1
+            self._kind = None
+        if self._device is None:
+            self._op.wait()
+        else:
+            self._op.wait(_stream(self._device))
         self._tensors = ()
         return True
 
@@ -476,13 +514,12 @@ class _Work(dist.Work):
         return self.is_completed()
 
 
-def _device_work(op, async_op, tensors):
-    """The device path's answer to FSDP2. On the emulated device ``op`` is
-    in flight on the device's queue: its Work's ``wait`` orders what follows.
-    On CUDA the work is queued on the caller's stream (``op`` is None)."""
-    if op is None:
-        return _Done() if async_op else None
-    work = _Work(op, *tensors)
+def _device_work(op, async_op, tensors, kind):
+    """The device path's answer to FSDP2: ``op`` (the device job's Work) is
+    in flight on the device, launched in the order of the caller's stream
+    (on the emulated device, its one queue); the Work's ``wait`` makes the
+    stream current then wait for it."""
+    work = _Work(op, *tensors, kind=kind, device=tensors[0].device)
     if async_op:
         return work
     work.wait()
@@ -490,8 +527,8 @@ def _device_work(op, async_op, tensors):
 
 
 class _Done(dist.Work):
-    """A collective that finished before it returned (the CUDA path: its
-    work is queued on the caller's stream)."""
+    """A collective with nothing left to wait for (an island keeps its own
+    gradient: nothing crosses)."""
 
     def wait(self, timeout=None):
         return True
@@ -569,7 +606,7 @@ class ZeroppAllGather(AllGather):
         self._mark_frozen(input_tensor.numel())
         if _on_device(output_tensor):
             op = self._cuda(output_tensor, input_tensor, group)
-            return _device_work(op, async_op, (output_tensor, input_tensor))
+            return _device_work(op, async_op, (output_tensor, input_tensor), "all_gather")
         op = self._job.all_gather(
             host_bytes(output_tensor, "all-gather output"),
             host_bytes(input_tensor, "all-gather input"),
@@ -662,7 +699,7 @@ class _Replicate:
                 mean,
                 self.state,
             )
-            return _device_work(op, True, (tensor,))
+            return _device_work(op, True, (tensor,), "all_reduce")
         op = self.job.all_reduce(
             host_bytes(tensor, "all-reduce buffer"),
             dtype_name(tensor),
@@ -670,7 +707,7 @@ class _Replicate:
             mean,
             state=self.state,
         )
-        return _Work(op, tensor)
+        return _Work(op, tensor, kind="all_reduce")
 
 
 # The all-reduce FSDP2 issues next, across an HSDP mesh's replicate
@@ -776,7 +813,7 @@ class ZeroppReduceScatter(ReduceScatter):
             op, tensors = self._cuda(output_tensor, input_tensor, group, mean)
             if self.replicate is not None:
                 _next_all_reduce[0] = (output_tensor, self.replicate)
-            return _device_work(op, async_op, tensors)
+            return _device_work(op, async_op, tensors, "reduce_scatter")
         work = _Work(
             self._job.reduce_scatter(
                 host_bytes(output_tensor, "reduce-scatter output"),
@@ -788,6 +825,7 @@ class ZeroppReduceScatter(ReduceScatter):
             ),
             output_tensor,
             input_tensor,
+            kind="reduce_scatter",
         )
         if self.replicate is not None:
             _next_all_reduce[0] = (output_tensor, self.replicate)
@@ -884,6 +922,79 @@ def _group_ranks(pg):
     return list(dist.get_process_group_ranks(pg))
 
 
+class _ForwardOrder:
+    """Prefetching on the host and emulated paths. Without CUDA streams
+    FSDP2 waits for each module's gather before computing it, so nothing
+    would overlap; zeropp asks FSDP2 for asynchronous unshards there (its
+    backward then prefetches the module before, in flight on zeropp's
+    communication thread while this one computes its gradient) and, once
+    two forward passes ran the served modules in the same order, has each
+    module prefetch the next ``depth`` ones (``ZEROPP_PREFETCH``, default
+    2: FSDP2's explicit forward prefetch): the next gathers are issued before the one before them is
+    waited on, as FSDP2's own gathers on CUDA streams are. A pass in
+    another order (a model whose modules run conditionally, a submodule
+    run alone) turns the forward prefetch off until two passes agree
+    again. One per model: FSDP2's root and the modules under it share
+    their state context, which holds it."""
+
+    def __init__(self, depth):
+        self.depth = depth
+        self.current = []
+        self.last = []
+        self.applied = []
+
+    def seen(self, module):
+        """Forward pre-hook: ``module`` runs now."""
+        if any(m is module for m in self.current):
+            self._pass_ended()
+        self.current.append(module)
+
+    def _pass_ended(self):
+        order, self.current = self.current, []
+        same = len(order) == len(self.last) and all(
+            a is b for a, b in zip(order, self.last, strict=True)
+        )
+        self.last = order
+        if same and self._is_applied(order):
+            return
+        for m in self.applied:
+            m.set_modules_to_forward_prefetch([])
+        self.applied = []
+        if same:
+            for k, m in enumerate(order):
+                m.set_modules_to_forward_prefetch(order[k + 1 : k + 1 + self.depth])
+            self.applied = order
+
+    def _is_applied(self, order):
+        return len(order) == len(self.applied) and all(
+            a is b for a, b in zip(order, self.applied, strict=True)
+        )
+
+    @staticmethod
+    def install(module):
+        """Asynchronous unshards and forward prefetch for ``module`` (an
+        FSDPModule) where its parameters live on the CPU (the host and the
+        emulated paths); CUDA keeps FSDP2's own streams."""
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if not groups or any(g.device.type != "cpu" for g in groups) or not _prefetch_depth():
+            return
+        for g in groups:
+            g.unshard_async_op = True
+        if not getattr(module, "_zeropp_forward_order", False):
+            module.register_forward_pre_hook(_ForwardOrder._runs)
+            module._zeropp_forward_order = True
+
+    @staticmethod
+    def _runs(module, _args):
+        # After FSDP2's own pre-forward: its lazy init gave the module its
+        # root's state context.
+        ctx = module._get_fsdp_state()._state_ctx
+        order = getattr(ctx, "_zeropp_forward_order", None)
+        if order is None:
+            order = ctx._zeropp_forward_order = _ForwardOrder(_prefetch_depth())
+        order.seen(module)
+
+
 class _Served:
     """What zeropp serves of one FSDP2 mesh: the dimension FSDP2 shards over
     (its ranks laid out on their nodes, and the switches resolved on that
@@ -973,6 +1084,7 @@ class _Served:
         )
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
+        _ForwardOrder.install(module)
         if self.replicate is not None:
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 _serve_replicate(group.mesh_info)

@@ -3,7 +3,12 @@
 //! counts them in the host job's [`CountingTransport`]. The collectives
 //! (`zero::qgz`, ...) run on it as they run on the host.
 
-use zeropp_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use std::sync::Arc;
+use std::time::Instant;
+
+use zeropp_cuda::cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError, sys,
+};
 use zeropp_cuda::device::{DeviceQuantizedChunks, QuantView, QuantViewMut};
 use zeropp_cuda::nccl::NcclComm;
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
@@ -17,6 +22,7 @@ use super::error::ZeroError;
 use super::host::{Host, Kept};
 use super::plan::Layout;
 use super::traffic::{CountingTransport, Phase};
+use super::work::{Outcome, Queue};
 
 /// f32 values on the device: a buffer of zeropp's, or a caller's tensor
 /// borrowed for the call.
@@ -700,5 +706,66 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         let peers: Vec<_> = self.members(hop).iter().map(|&p| (p, each)).collect();
         self.count(phase, mine, &peers);
         Ok(())
+    }
+}
+
+/// The CUDA device's order of work ([`Queue`]): a call's host side runs
+/// where it is launched, queueing its kernels and NCCL calls on the
+/// caller's stream, and a CUDA event recorded after them marks its end;
+/// a wait is the caller's stream waiting on that event.
+pub struct CudaQueue {
+    pub ctx: Arc<CudaContext>,
+}
+
+impl CudaQueue {
+    /// The caller's stream `raw`, borrowed.
+    ///
+    /// # Safety
+    /// `raw` is a live stream of this context.
+    unsafe fn stream(&self, raw: usize) -> Arc<CudaStream> {
+        // SAFETY: the caller's promise.
+        unsafe { self.ctx.wrap_borrowed_stream(raw as sys::CUstream) }
+    }
+}
+
+fn event_error(what: &str, source: DriverError) -> ZeroError {
+    ZeroError::Device(CudaError::Driver {
+        what: what.into(),
+        source,
+    })
+}
+
+impl Queue for CudaQueue {
+    type Event = CudaEvent;
+
+    unsafe fn launch(
+        &self,
+        stream: usize,
+        _outcome: &Arc<Outcome>,
+        call: Box<dyn FnOnce() + Send>,
+    ) -> Result<CudaEvent, ZeroError> {
+        call();
+        // SAFETY: the caller's promise.
+        let s = unsafe { self.stream(stream) };
+        s.record_event(None)
+            .map_err(|e| event_error("recording the event after a collective", e))
+    }
+
+    fn query(&self, e: &CudaEvent) -> Result<bool, ZeroError> {
+        e.try_is_complete()
+            .map_err(|e| event_error("querying a collective's event", e))
+    }
+
+    unsafe fn wait_event(
+        &self,
+        stream: usize,
+        e: &CudaEvent,
+        _deadline: Instant,
+    ) -> Result<bool, ZeroError> {
+        // SAFETY: the caller's promise.
+        let s = unsafe { self.stream(stream) };
+        s.wait(e)
+            .map_err(|e| event_error("making the stream wait for a collective", e))?;
+        Ok(true)
     }
 }

@@ -17,8 +17,7 @@
 //! on the stream, where the caller's next use of the output waits for it.
 //! The emulated device's stream is the queue its caller runs the calls on.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use zeropp_comm::Transport;
@@ -29,12 +28,13 @@ use zeropp_quant::QuantizedChunks;
 
 use super::allreduce;
 use super::delta::Slot;
-use super::device::NcclMover;
+use super::device::{CudaQueue, NcclMover};
 use super::error::ZeroError;
 use super::fsdp::{self, Gather, Scatter};
 use super::plan::Layout;
 use super::qgz::{self, Reduction};
 use super::traffic::{CountingTransport, Phase};
+use super::work::{Fail, Queue, Watchdog, Work};
 use super::{ByteMover, Hop, Quantizer};
 
 /// How long a failed collective waits for the host transport to see which
@@ -66,8 +66,14 @@ pub trait Device {
     type Mover<'a>: ByteMover<Self::Kernels>
     where
         Self: 'a;
+    /// The order of the device's work: where a call runs and what marks
+    /// its end ([`Queue`]).
+    type Queue: Queue;
 
     fn kernels(&self) -> &Self::Kernels;
+
+    /// This device's queue.
+    fn queue(&self) -> Self::Queue;
 
     /// Joins the communicator `id` as member `rank` of `size`.
     fn join(
@@ -248,12 +254,17 @@ pub struct DeviceJob<D: Device> {
     /// `has_group` reads without waiting for a collective that holds the
     /// device.
     joined: Mutex<Option<Joined>>,
-    /// Set by the first peer failure: every communicator is aborted then.
-    dead: AtomicBool,
+    /// The first peer failure, once one happened: every communicator is
+    /// aborted then, and every later call refuses naming it.
+    dead: Mutex<Option<String>>,
     index: usize,
     layout: Layout,
     counter: Arc<CountingTransport>,
     timeout: Duration,
+    /// Where calls run in the order of the caller's stream.
+    queue: Arc<D::Queue>,
+    /// Started with the first launched call.
+    watchdog: OnceLock<Watchdog>,
 }
 
 /// One all-gather on the caller's device pointers: `numel` values at `inp`
@@ -415,12 +426,14 @@ impl<D: Device> DeviceJob<D> {
         timeout: Duration,
     ) -> DeviceJob<D> {
         DeviceJob {
+            queue: Arc::new(device.queue()),
+            watchdog: OnceLock::new(),
             side: Mutex::new(Side {
                 device,
                 dims: Vec::new(),
             }),
             joined: Mutex::new(None),
-            dead: AtomicBool::new(false),
+            dead: Mutex::new(None),
             index,
             layout,
             counter,
@@ -685,23 +698,56 @@ impl<D: Device> DeviceJob<D> {
         })
     }
 
+    /// Launches `call` (one of this job's collectives on the caller's
+    /// pointers: [`DeviceJob::all_gather`], ...) in the order of the work
+    /// on the caller's `stream`, and returns at once with its [`Work`]
+    /// (on CUDA once its host side queued its kernels and NCCL calls; on
+    /// the emulated device once it is queued). The job's watchdog reads
+    /// its outcome.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device, and the buffers `call`
+    /// uses stay live and untouched by anything else until the Work is
+    /// waited for.
+    pub unsafe fn launch(
+        self: &Arc<Self>,
+        stream: usize,
+        call: impl FnOnce(&DeviceJob<D>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> Result<Work<D::Queue>, ZeroError>
+    where
+        D: Send + 'static,
+        D::Comm: Send + Sync,
+    {
+        self.refuse_if_dead()?;
+        let watchdog = self
+            .watchdog
+            .get_or_init(|| Watchdog::start(Arc::downgrade(self), self.timeout));
+        let job = self.clone();
+        // SAFETY: the caller's promise.
+        unsafe { Work::launch(&self.queue, stream, watchdog, move || call(&job)) }
+    }
+
     /// Runs `f` on the device side, refusing once a peer failed.
     fn on_side<R>(
         &self,
         f: impl FnOnce(&mut Side<D>) -> Result<R, ZeroError>,
     ) -> Result<R, ZeroError> {
-        if self.dead.load(Ordering::Relaxed) {
-            return Err(ZeroError::Device(CudaError::Peer(
-                "an earlier failure of a collective (a rank died or hung) ended this job's \
-                 communicators; the job cannot continue"
-                    .into(),
-            )));
-        }
+        self.refuse_if_dead()?;
         let mut side = self
             .side
             .lock()
             .map_err(|_| ZeroError::Poisoned("state of this device job"))?;
         f(&mut side)
+    }
+
+    /// The failure that ended this job, if one did.
+    fn refuse_if_dead(&self) -> Result<(), ZeroError> {
+        match self.dead.lock().ok().and_then(|d| d.clone()) {
+            Some(why) => Err(ZeroError::Device(CudaError::Peer(format!(
+                "{why} — that failure ended this job's communicators; the job cannot continue"
+            )))),
+            None => Ok(()),
+        }
     }
 
     /// A collective's failure. Bad input stays what it is. On a peer's
@@ -724,21 +770,50 @@ impl<D: Device> DeviceJob<D> {
             }
             e => return e,
         };
-        self.dead.store(true, Ordering::Relaxed);
         for c in dims.into_iter().flatten() {
             c.all().for_each(D::abort);
         }
         let deadline = Instant::now() + NAME_THE_DEAD;
         let m = loop {
-            if let Some((rank, why)) = self.counter.first_death() {
-                break format!("rank {rank} failed: {why}; {m}");
+            match self.counter.first_death() {
+                Some((rank, _)) if m.contains(&format!("rank {rank} failed")) => break m,
+                Some((rank, why)) => break format!("rank {rank} failed: {why}; {m}"),
+                None if Instant::now() >= deadline => break m,
+                None => std::thread::sleep(Duration::from_millis(50)),
             }
-            if Instant::now() >= deadline {
-                break m;
-            }
-            std::thread::sleep(Duration::from_millis(50));
         };
+        if let Ok(mut dead) = self.dead.lock() {
+            dead.get_or_insert_with(|| m.clone());
+        }
         ZeroError::Device(CudaError::Peer(m))
+    }
+}
+
+/// The watchdog's verdict on a call that ran past the deadline: the job
+/// ends as on a peer's failure (communicators aborted where no call holds
+/// them), naming the dead rank when the host job's connections saw one.
+impl<D: Device + Send + 'static> Fail for DeviceJob<D>
+where
+    D::Comm: Send + Sync,
+{
+    fn fail_stuck(&self, limit: Duration) -> String {
+        let m = format!(
+            "rank {}: a collective ran longer than the job's deadline ({:.0} s with the time to \
+             name a stuck peer) and was ended by the job's watchdog",
+            self.layout.rank,
+            limit.as_secs_f64()
+        );
+        let m = match self.counter.first_death() {
+            Some((rank, why)) => format!("rank {rank} failed: {why}; {m}"),
+            None => m,
+        };
+        if let Ok(side) = self.side.try_lock() {
+            side.dims.iter().for_each(|c| c.all().for_each(D::abort));
+        }
+        if let Ok(mut dead) = self.dead.lock() {
+            dead.get_or_insert_with(|| m.clone());
+        }
+        m
     }
 }
 
@@ -748,9 +823,16 @@ impl Device for Gpu {
     type Comm = NcclComm;
     type Id = NcclId;
     type Mover<'a> = NcclMover<'a>;
+    type Queue = CudaQueue;
 
     fn kernels(&self) -> &Gpu {
         self
+    }
+
+    fn queue(&self) -> CudaQueue {
+        CudaQueue {
+            ctx: self.context().clone(),
+        }
     }
 
     fn join(
@@ -818,6 +900,7 @@ mod tests {
     use crate::host::{Host, HostMover};
     use crate::plan;
     use crate::testing::{Rank, bf16s, gradient as values, on_world};
+    use zeropp_comm::collectives::CommThread;
 
     fn bits(x: &[bf16]) -> Vec<u32> {
         x.iter().map(|v| u32::from(v.to_bits())).collect()
@@ -830,10 +913,14 @@ mod tests {
     /// Rank `r`'s device job on the emulated device, connected over the
     /// standard groups.
     fn emulated_job(r: &Rank) -> DeviceJob<EmulatedDevice> {
+        emulated_job_within(r, Duration::from_secs(30))
+    }
+
+    fn emulated_job_within(r: &Rank, timeout: Duration) -> DeviceJob<EmulatedDevice> {
         let device = EmulatedDevice {
             comm: r.comm.clone(),
+            stream: Arc::new(CommThread::new(r.comm.clone())),
         };
-        let timeout = Duration::from_secs(30);
         let job = DeviceJob::new(device, 0, r.layout, r.counter.clone(), timeout);
         let g = &r.groups;
         job.connect(&g.world, &g.node, &g.cross).unwrap();
@@ -1071,6 +1158,7 @@ mod tests {
         let errors = on_world(1, 4, timeout, move |r| {
             let device = EmulatedDevice {
                 comm: r.comm.clone(),
+                stream: Arc::new(CommThread::new(r.comm.clone())),
             };
             let job = DeviceJob::new(device, 0, r.layout, r.counter.clone(), timeout);
             let not_connected = job.has_group(&[0, 1]).unwrap_err().to_string();
@@ -1274,7 +1362,142 @@ mod tests {
         let (peer, first, next) = got[0].clone().unwrap();
         assert!(peer, "{first}");
         assert!(first.contains("rank 1"), "{first}");
-        assert!(next.contains("earlier failure"), "{next}");
+        assert!(
+            next.contains("rank 1") && next.contains("cannot continue"),
+            "{next}"
+        );
         assert!(started.elapsed() < timeout, "named within the deadline");
+    }
+
+    type EmulatedWork = Work<crate::emulated::EmulatedQueue>;
+
+    /// A plain gather of `x` over the world into `out`, launched on the
+    /// job's queue (the buffers live in the call until it ran).
+    fn launch_gather(
+        job: &Arc<DeviceJob<EmulatedDevice>>,
+        x: Arc<Vec<f32>>,
+        out: Arc<Mutex<Vec<f32>>>,
+    ) -> EmulatedWork {
+        let ranks: Vec<usize> = (0..job.layout().world()).collect();
+        let call = move |job: &DeviceJob<EmulatedDevice>| {
+            let mut o = out.lock().unwrap();
+            let c = DeviceGather {
+                out: o.as_mut_ptr() as u64,
+                inp: x.as_ptr() as u64,
+                numel: x.len(),
+                ranks: &ranks,
+                stream: 0,
+                how: Gather::Plain,
+                phase: Phase::ForwardGather,
+                slot: None,
+            };
+            // SAFETY: `x` holds `numel` values, `out` the world's times.
+            unsafe { job.all_gather::<f32>(c) }
+        };
+        // SAFETY: the buffers live in the call.
+        unsafe { job.launch(0, call) }.unwrap()
+    }
+
+    #[test]
+    fn a_launched_collective_returns_before_it_completes_and_its_wait_orders_it() {
+        let got = on_world(2, 1, Duration::from_secs(10), |r| {
+            let job = Arc::new(emulated_job(&r));
+            let rank = r.layout.rank;
+            if rank == 1 {
+                // Rank 0's calls cannot finish before rank 1 joins them.
+                std::thread::sleep(Duration::from_millis(600));
+            }
+            let x = Arc::new(vec![rank as f32 + 1.0; 4]);
+            let outs: Vec<_> = (0..2)
+                .map(|_| Arc::new(Mutex::new(vec![0f32; 8])))
+                .collect();
+            let started = Instant::now();
+            let first = launch_gather(&job, x.clone(), outs[0].clone());
+            let second = launch_gather(&job, x, outs[1].clone());
+            let returned = started.elapsed();
+            let both_pending = !first.is_completed().unwrap() && !second.is_completed().unwrap();
+            // The caller's thread goes on while they run.
+            let mut polls = 0;
+            while !first.is_completed().unwrap() {
+                polls += 1;
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // SAFETY: the emulated device's stream is its queue.
+            unsafe { first.wait(0) }.unwrap();
+            unsafe { second.wait(0) }.unwrap();
+            let outs: Vec<Vec<f32>> = outs.iter().map(|o| o.lock().unwrap().clone()).collect();
+            (returned, both_pending, polls, outs)
+        });
+        let (returned, both_pending, polls, _) = &got[0];
+        assert!(*returned < Duration::from_millis(300), "{returned:?}");
+        assert!(*both_pending, "two gathers in flight at once");
+        assert!(*polls > 10, "{polls}");
+        let expect = [1f32, 1., 1., 1., 2., 2., 2., 2.];
+        for (_, _, _, outs) in &got {
+            assert!(outs.iter().all(|o| o[..] == expect), "{outs:?}");
+        }
+    }
+
+    #[test]
+    fn an_error_found_after_the_call_returned_surfaces_at_wait() {
+        let got = on_world(2, 2, Duration::from_secs(10), |r| {
+            let job = Arc::new(emulated_job(&r));
+            let mut grad = values(r.layout.rank, LEN);
+            grad[7] = f32::NAN;
+            let world: Vec<usize> = (0..r.layout.world()).collect();
+            let mut feedback = DeviceFeedback::default();
+            let call = move |job: &DeviceJob<EmulatedDevice>| {
+                let mut out = vec![0f32; grad.len() / world.len()];
+                let (s, keeps) = qgz_settings();
+                let c = DeviceScatter {
+                    out: out.as_mut_ptr() as u64,
+                    inp: grad.as_ptr() as u64,
+                    numel: grad.len(),
+                    ranks: &world,
+                    stream: 0,
+                    reduction: Reduction::Mean,
+                    qgz: Some((s, keeps, &mut feedback)),
+                };
+                // SAFETY: `grad` holds `numel` values, `out` a W-th.
+                unsafe { job.reduce_scatter::<f32>(c) }
+            };
+            // SAFETY: the buffers live in the call.
+            let work = unsafe { job.launch(0, call) }.expect("launched: the NaN is not seen yet");
+            unsafe { work.wait(0) }.unwrap_err().to_string()
+        });
+        for e in &got {
+            assert!(e.contains("finite"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_call_stuck_past_the_deadline_is_ended_by_the_watchdog_and_the_job_refuses_the_next() {
+        let timeout = Duration::from_secs(1);
+        let got = on_world(1, 2, Duration::from_secs(10), move |r| {
+            let job = Arc::new(emulated_job_within(&r, timeout));
+            let stuck = |_: &DeviceJob<EmulatedDevice>| {
+                std::thread::sleep(Duration::from_secs(3));
+                Ok(())
+            };
+            let started = Instant::now();
+            // SAFETY: the call touches no buffer.
+            let work = unsafe { job.launch(0, stuck) }.unwrap();
+            let e = unsafe { work.wait(0) }.unwrap_err();
+            let ended = started.elapsed();
+            let next = unsafe { job.launch(0, |_| Ok(())) }
+                .err()
+                .map(|e| e.to_string());
+            (e.is_peer_failure(), e.to_string(), ended, next)
+        });
+        for (peer, e, ended, next) in got {
+            assert!(peer && e.contains("watchdog"), "{e}");
+            // The deadline and 1 s to name the stuck peer, not the call's 3 s.
+            assert!(ended < Duration::from_millis(2700), "{ended:?}");
+            let next = next.expect("the next call is refused");
+            assert!(
+                next.contains("watchdog") && next.contains("cannot continue"),
+                "{next}"
+            );
+        }
     }
 }

@@ -16,8 +16,9 @@ use zeropp_cuda_emu as emu;
 use zeropp_quant::{QuantError, QuantizedChunks, QuantizedMut, QuantizedRef, Rounding, Scheme};
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use zeropp_comm::collectives::CommThread;
 use zeropp_comm::{Communicator, Group};
 
 use super::ZeroGroups;
@@ -25,6 +26,7 @@ use super::device_job::{Comms, Device};
 use super::error::{ZeroError, quant_failure};
 use super::host::{Host, HostKernels, HostMover};
 use super::traffic::CountingTransport;
+use super::work::{Outcome, Queue};
 
 /// The CUDA kernels on host memory.
 #[derive(Clone, Copy, Debug, Default)]
@@ -318,11 +320,51 @@ fn cast<A: GpuElement, B: GpuElement>(name: &str, x: &[A], y: &mut [B]) -> Resul
 /// The emulated device of a device job ([`super::device_job::Device`]):
 /// "device" memory is host memory, the kernels are [`Emulated`], a
 /// communicator is one of the host job's groups, moved by its transports
-/// (the ids: the groups themselves). Its stream is whatever queue the
-/// caller runs the calls on (`zeropp.torch`: the host job's communication
-/// thread, one ordered queue).
+/// (the ids: the groups themselves). Its stream is one ordered queue, a
+/// thread (`zeropp.torch`: the host job's communication thread): every
+/// stream the caller names is that one.
 pub struct EmulatedDevice {
     pub comm: Arc<Communicator>,
+    pub stream: Arc<CommThread>,
+}
+
+/// The emulated device's order of work ([`Queue`]): its one thread runs
+/// the calls in order; a call's event is its own outcome, set by that
+/// thread when the call ends (a marker in the queue). Its caller computes
+/// on its own thread, so a wait is that thread waiting for the marker.
+pub struct EmulatedQueue {
+    thread: Arc<CommThread>,
+}
+
+impl Queue for EmulatedQueue {
+    type Event = Arc<Outcome>;
+
+    unsafe fn launch(
+        &self,
+        _stream: usize,
+        outcome: &Arc<Outcome>,
+        call: Box<dyn FnOnce() + Send>,
+    ) -> Result<Arc<Outcome>, ZeroError> {
+        // The thread's own result channel carries nothing: the outcome does.
+        drop(self.thread.submit(move |_: &Communicator| {
+            call();
+            Ok::<(), ZeroError>(())
+        }));
+        Ok(outcome.clone())
+    }
+
+    fn query(&self, e: &Arc<Outcome>) -> Result<bool, ZeroError> {
+        Ok(e.is_settled())
+    }
+
+    unsafe fn wait_event(
+        &self,
+        _stream: usize,
+        e: &Arc<Outcome>,
+        deadline: Instant,
+    ) -> Result<bool, ZeroError> {
+        Ok(e.wait_until(deadline))
+    }
 }
 
 impl Device for EmulatedDevice {
@@ -330,9 +372,16 @@ impl Device for EmulatedDevice {
     type Comm = Arc<Group>;
     type Id = Arc<Group>;
     type Mover<'a> = HostMover<'a>;
+    type Queue = EmulatedQueue;
 
     fn kernels(&self) -> &Emulated {
         &Emulated
+    }
+
+    fn queue(&self) -> EmulatedQueue {
+        EmulatedQueue {
+            thread: self.stream.clone(),
+        }
     }
 
     fn join(

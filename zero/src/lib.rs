@@ -34,6 +34,7 @@ pub mod residual;
 #[cfg(test)]
 pub(crate) mod testing;
 pub mod traffic;
+pub mod work;
 
 pub use backend::{ByteMover, Hop, Quantizer};
 pub use error::ZeroError;

@@ -265,6 +265,10 @@ impl Transport for CountingTransport {
     fn contain_deaths(&self, fatal: std::ops::Range<usize>) {
         self.inner.contain_deaths(fatal)
     }
+
+    fn declare_dead(&self, peer: usize, reason: String) {
+        self.inner.declare_dead(peer, reason)
+    }
 }
 
 #[cfg(test)]

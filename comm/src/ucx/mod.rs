@@ -1248,6 +1248,10 @@ impl Transport for UcxTransport {
         self.mailbox.contain(fatal)
     }
 
+    fn declare_dead(&self, peer: usize, reason: String) {
+        self.mailbox.peer_died(peer, reason)
+    }
+
     fn name(&self) -> &'static str {
         "ucx"
     }

@@ -1,10 +1,15 @@
 """Worker: trains the example GPT with zeropp.torch; at step 3 the rank
 named by KILL_RANK dies in the middle of the forward pass (os._exit, as a
-crash or an OOM kill would). The others must fail with an error naming it.
+crash or an OOM kill would), or with KILL_SIGNAL=stop stops there (SIGSTOP:
+alive, its connections open, silent). The others must fail with an error
+naming it; with KILL_SIGNAL=stop each then tries one more step, which
+must fail at once naming it too (it prints both errors).
 KILL_DEVICE=cuda trains on the GPU (python/gpu_tests)."""
 
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,16 +37,37 @@ def main():
 
     def die(_module, _args):
         if step == 3 and rank == victim:
+            if os.environ.get("KILL_SIGNAL") == "stop":
+                print(f"rank {rank} stops now", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
             print(f"rank {rank} exits now", flush=True)
             os._exit(17)
 
     model.blocks[1].register_forward_pre_hook(die)
-    for step in range(1000):
+
+    def train_step(step):
         x, y = data.batch(step, 4, 32, device=device)
         loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+    for step in range(1000):
+        if os.environ.get("KILL_SIGNAL") != "stop":
+            train_step(step)
+        else:
+            try:
+                train_step(step)
+            except zt.PeerError as e:
+                print(f"first error: {e}", flush=True)
+                started = time.monotonic()
+                try:
+                    train_step(step + 1)
+                    print("next step: no error", flush=True)
+                except zt.PeerError as e:
+                    took = time.monotonic() - started
+                    print(f"next error after {took:.1f} s: {e}", flush=True)
+                return 1
         print(f"rank {rank} step {step} done", flush=True)
     return 0
 
