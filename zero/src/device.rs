@@ -1,16 +1,22 @@
 //! The CUDA backend: [`Gpu`] quantizes with zeropp-cuda's kernels on device
 //! buffers, [`NcclMover`] moves chunks with NCCL on the same stream and
 //! counts them in the host job's [`CountingTransport`]. The collectives
-//! (`zero::qgz`, ...) run on it as they run on the host.
+//! (`zero::qgz`, ...) run on it as they run on the host, and the device
+//! job ([`super::device_job`]) on `Gpu` as its [`Device`], with
+//! [`CudaQueue`] as its order of work. On CUDA a launched call's host side
+//! returns once its kernels have reported bad input and its NCCL
+//! collectives have finished within the job's deadline; what follows the
+//! last of them (a scaling kernel, the frees) stays queued on the stream,
+//! behind the event its Work's wait makes the caller's stream wait on.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use zeropp_cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError, sys,
 };
 use zeropp_cuda::device::{DeviceQuantizedChunks, QuantView, QuantViewMut};
-use zeropp_cuda::nccl::NcclComm;
+use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
@@ -18,6 +24,7 @@ use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
     check_gather_len, check_scatter_len, scale_fraction,
 };
+use super::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
 use super::error::ZeroError;
 use super::host::{Host, Kept};
 use super::plan::Layout;
@@ -767,5 +774,91 @@ impl Queue for CudaQueue {
         s.wait(e)
             .map_err(|e| event_error("making the stream wait for a collective", e))?;
         Ok(true)
+    }
+}
+
+/// The CUDA device: zeropp's CUDA kernels, NCCL communicators.
+impl Device for Gpu {
+    type Kernels = Gpu;
+    type Comm = NcclComm;
+    type Id = NcclId;
+    type Mover<'a> = NcclMover<'a>;
+    type Queue = CudaQueue;
+
+    fn kernels(&self) -> &Gpu {
+        self
+    }
+
+    fn queue(&self) -> CudaQueue {
+        CudaQueue {
+            ctx: self.context().clone(),
+        }
+    }
+
+    fn join(
+        &self,
+        id: &NcclId,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> Result<NcclComm, ZeroError> {
+        Ok(NcclComm::init(self, id, rank, size, timeout)?)
+    }
+
+    fn abort(comm: &NcclComm) {
+        comm.abort();
+    }
+
+    unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<NcclComm>) {
+        // SAFETY: the caller's promise.
+        unsafe { Gpu::use_stream(self, stream) };
+        comms.all().for_each(|c| c.use_stream(self.stream()));
+    }
+
+    fn mover<'a>(
+        &'a self,
+        comms: &'a Comms<NcclComm>,
+        rank: usize,
+        counter: &'a CountingTransport,
+        (hpz, hpz_ranks): (&'a NcclComm, &'a [usize]),
+    ) -> NcclMover<'a> {
+        NcclMover {
+            world: &comms.world,
+            node: &comms.node,
+            cross: &comms.cross,
+            hpz,
+            members: [&comms.ranks[0], &comms.ranks[1], &comms.ranks[2], hpz_ranks],
+            rank,
+            layout: comms.layout,
+            counter,
+            gpu: self,
+        }
+    }
+
+    unsafe fn with_tensors<T: GpuElement>(
+        &self,
+        (inp, n_in): (u64, usize),
+        (out, n_out): (u64, usize),
+        f: impl FnOnce(&TensorOf<'_, Self, T>, &mut TensorMutOf<'_, Self, T>) -> Result<(), ZeroError>,
+    ) -> Result<(), ZeroError> {
+        // SAFETY: the caller's promise.
+        let x = unsafe { self.borrow::<T>(inp, n_in) }?;
+        let mut o = unsafe { self.borrow::<T>(out, n_out) }?;
+        f(&x.view(), &mut o.view_mut())
+    }
+}
+
+impl DeviceJob<Gpu> {
+    /// Opens CUDA device `device` (compiling or loading zeropp's kernels
+    /// for it) for a job of `layout` counting in `counter`; the
+    /// communicators come next, with [`DeviceJob::connect`].
+    pub fn open(
+        device: usize,
+        layout: Layout,
+        counter: Arc<CountingTransport>,
+        timeout: Duration,
+    ) -> Result<DeviceJob<Gpu>, ZeroError> {
+        let gpu = Gpu::open_shared(device)?;
+        Ok(DeviceJob::new(gpu, device, layout, counter, timeout))
     }
 }

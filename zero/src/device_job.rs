@@ -3,32 +3,26 @@
 //! (the world, this node, this local rank's ranks across nodes, hpZ
 //! sub-groups), FSDP2's two calls ([`super::fsdp`]) on the caller's
 //! pointers and stream, and what a failure does (every communicator
-//! aborted, the dead rank named). A [`Device`] says what differs: the CUDA
-//! device with NCCL ([`Gpu`]), or the emulated device
-//! ([`super::emulated::EmulatedDevice`]: the CUDA kernels' source on host
-//! memory, the host transports as communicators). The layout, the byte
-//! counters and the deadline are the host job's; the communicators' ids
-//! travel however the caller exchanges them (`zeropp.torch`: the torch
-//! store).
-//!
-//! On CUDA each call returns once its kernels have reported bad input and
-//! its NCCL collectives have finished within the job's deadline; what
-//! follows the last of them (a scaling kernel, the frees) is left queued
-//! on the stream, where the caller's next use of the output waits for it.
-//! The emulated device's stream is the queue its caller runs the calls on.
+//! aborted, the dead rank named), and every call launched the same way
+//! ([`DeviceJob::launch`]: a [`Work`] returned at once, its outcome read
+//! by the job's watchdog). A [`Device`] says what differs: the CUDA device
+//! with NCCL (`zeropp_cuda::Gpu`, in [`super::device`]), or the emulated
+//! device ([`super::emulated::EmulatedDevice`]: the CUDA kernels' source on
+//! host memory, the host transports as communicators, one thread as its
+//! stream). The layout, the byte counters and the deadline are the host
+//! job's; the communicators' ids travel however the caller exchanges them
+//! (`zeropp.torch`: the torch store).
 
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use zeropp_comm::Transport;
 use zeropp_cuda::device::DeviceQuantizedChunks;
-use zeropp_cuda::nccl::{NcclComm, NcclId};
-use zeropp_cuda::{CudaError, Gpu, GpuElement};
+use zeropp_cuda::{CudaError, GpuElement};
 use zeropp_quant::QuantizedChunks;
 
 use super::allreduce;
 use super::delta::Slot;
-use super::device::{CudaQueue, NcclMover};
 use super::error::ZeroError;
 use super::fsdp::{self, Gather, Scatter};
 use super::plan::Layout;
@@ -397,21 +391,6 @@ fn residual_slot<'a, Q: Quantizer>(
         *slot = Some(q.chunks(super::residual::format(), 0, 0)?);
     }
     Ok(slot.as_mut().expect("filled above"))
-}
-
-impl DeviceJob<Gpu> {
-    /// Opens CUDA device `device` (compiling or loading zeropp's kernels
-    /// for it) for a job of `layout` counting in `counter`; the
-    /// communicators come next, with [`DeviceJob::connect`].
-    pub fn open(
-        device: usize,
-        layout: Layout,
-        counter: Arc<CountingTransport>,
-        timeout: Duration,
-    ) -> Result<DeviceJob<Gpu>, ZeroError> {
-        let gpu = Gpu::open_shared(device)?;
-        Ok(DeviceJob::new(gpu, device, layout, counter, timeout))
-    }
 }
 
 impl<D: Device> DeviceJob<D> {
@@ -814,77 +793,6 @@ where
             dead.get_or_insert_with(|| m.clone());
         }
         m
-    }
-}
-
-/// The CUDA device: zeropp's CUDA kernels, NCCL communicators.
-impl Device for Gpu {
-    type Kernels = Gpu;
-    type Comm = NcclComm;
-    type Id = NcclId;
-    type Mover<'a> = NcclMover<'a>;
-    type Queue = CudaQueue;
-
-    fn kernels(&self) -> &Gpu {
-        self
-    }
-
-    fn queue(&self) -> CudaQueue {
-        CudaQueue {
-            ctx: self.context().clone(),
-        }
-    }
-
-    fn join(
-        &self,
-        id: &NcclId,
-        rank: usize,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<NcclComm, ZeroError> {
-        Ok(NcclComm::init(self, id, rank, size, timeout)?)
-    }
-
-    fn abort(comm: &NcclComm) {
-        comm.abort();
-    }
-
-    unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<NcclComm>) {
-        // SAFETY: the caller's promise.
-        unsafe { Gpu::use_stream(self, stream) };
-        comms.all().for_each(|c| c.use_stream(self.stream()));
-    }
-
-    fn mover<'a>(
-        &'a self,
-        comms: &'a Comms<NcclComm>,
-        rank: usize,
-        counter: &'a CountingTransport,
-        (hpz, hpz_ranks): (&'a NcclComm, &'a [usize]),
-    ) -> NcclMover<'a> {
-        NcclMover {
-            world: &comms.world,
-            node: &comms.node,
-            cross: &comms.cross,
-            hpz,
-            members: [&comms.ranks[0], &comms.ranks[1], &comms.ranks[2], hpz_ranks],
-            rank,
-            layout: comms.layout,
-            counter,
-            gpu: self,
-        }
-    }
-
-    unsafe fn with_tensors<T: GpuElement>(
-        &self,
-        (inp, n_in): (u64, usize),
-        (out, n_out): (u64, usize),
-        f: impl FnOnce(&TensorOf<'_, Self, T>, &mut TensorMutOf<'_, Self, T>) -> Result<(), ZeroError>,
-    ) -> Result<(), ZeroError> {
-        // SAFETY: the caller's promise.
-        let x = unsafe { self.borrow::<T>(inp, n_in) }?;
-        let mut o = unsafe { self.borrow::<T>(out, n_out) }?;
-        f(&x.view(), &mut o.view_mut())
     }
 }
 

@@ -793,52 +793,102 @@ fn u64_at(b: &[u8], at: usize) -> Option<u64> {
 /// Runs on the progress thread until shutdown: posts sends, progresses the
 /// worker, receives every arriving message into the mailbox.
 fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>) {
-    let (rank, world, inbox, wake) = (ends.rank, ends.world, ends.inbox, &ends.wake);
-    let _ = wake.thread.set(std::thread::current());
-    let mut pending: Vec<(*mut c_void, Op)> = Vec::new();
-    // Receives per source in the order UCX matched them (messages from a
-    // stray source last): a large message probed at its first fragment
-    // completes after a small one probed behind it, and is delivered first.
-    let mut receiving: Vec<VecDeque<Receiving>> = (0..=world).map(|_| VecDeque::new()).collect();
-    let mut idle = 0u32;
-    let mut goodbyes = 0usize;
-    let mut shutting_down: Option<Instant> = None;
-    let mut next_watch = Instant::now() + WATCH_EVERY;
-    // Peers' segments, mapped when they offer them.
-    let mut segments: Vec<Option<Arc<PeerSegment>>> = (0..world).map(|_| None).collect();
-    let post = |w: &Worker, pending: &mut Vec<_>, peer, kind, tag, data, done: SendHandle| match w
-        .post_send(peer, kind, rank, tag, data, done.clone())
-    {
-        Ok(Some(p)) => pending.push(p),
-        Ok(None) => {}
-        Err(reason) => {
-            inbox.peer_died(peer, format!("sending to it failed: {reason}"));
-            done.complete(Err(reason));
+    let _ = ends.wake.thread.set(std::thread::current());
+    let mut p = Progress::new(ends);
+    p.offer_segment(w);
+    loop {
+        let mut busy = p.take_commands(w, &commands);
+        busy |= w.progress();
+        busy |= p.post_receives(w);
+        busy |= p.complete_sends(w);
+        let (received, arrived) = p.complete_receives(w);
+        busy |= received;
+        for buf in arrived {
+            p.handle(w, buf);
         }
-    };
-    // Offer this rank's segment to the peers that can map it.
-    if let Some(seg) = &ends.local.segment {
+        p.watch_the_dead(w);
+        if p.finished_shutdown(w) {
+            return;
+        }
+        p.rest(w, busy);
+    }
+}
+
+/// The progress thread's state between rounds.
+struct Progress<'e, 'a> {
+    ends: &'e Ends<'a>,
+    /// Sends under way.
+    pending: Vec<(*mut c_void, Op)>,
+    /// Receives per source in the order UCX matched them (messages from a
+    /// stray source last): a large message probed at its first fragment
+    /// completes after a small one probed behind it, and is delivered first.
+    receiving: Vec<VecDeque<Receiving>>,
+    /// Rounds without work.
+    idle: u32,
+    goodbyes: usize,
+    shutting_down: Option<Instant>,
+    next_watch: Instant,
+    /// Peers' segments, mapped when they offer them.
+    segments: Vec<Option<Arc<PeerSegment>>>,
+}
+
+impl<'e, 'a> Progress<'e, 'a> {
+    fn new(ends: &'e Ends<'a>) -> Self {
+        let world = ends.world;
+        Progress {
+            ends,
+            pending: Vec::new(),
+            receiving: (0..=world).map(|_| VecDeque::new()).collect(),
+            idle: 0,
+            goodbyes: 0,
+            shutting_down: None,
+            next_watch: Instant::now() + WATCH_EVERY,
+            segments: (0..world).map(|_| None).collect(),
+        }
+    }
+
+    /// Posts a send; a send that cannot be posted fails its peer.
+    fn post(
+        &mut self,
+        w: &Worker,
+        peer: usize,
+        kind: u32,
+        tag: Tag,
+        data: Bytes,
+        done: SendHandle,
+    ) {
+        match w.post_send(peer, kind, self.ends.rank, tag, data, done.clone()) {
+            Ok(Some(p)) => self.pending.push(p),
+            Ok(None) => {}
+            Err(reason) => {
+                self.ends
+                    .inbox
+                    .peer_died(peer, format!("sending to it failed: {reason}"));
+                done.complete(Err(reason));
+            }
+        }
+    }
+
+    /// Offers this rank's segment to the peers that can map it.
+    fn offer_segment(&mut self, w: &Worker) {
+        let Some(seg) = &self.ends.local.segment else {
+            return;
+        };
         let mut hello = Vec::with_capacity(12);
         hello.extend_from_slice(&(seg.fd() as u32).to_le_bytes());
         hello.extend_from_slice(&(seg.size() as u64).to_le_bytes());
         let hello = Bytes::from(hello);
         for peer in w.watched.iter().map(|x| x.peer).collect::<Vec<_>>() {
             let done = SendHandle::default();
-            post(
-                w,
-                &mut pending,
-                peer,
-                KIND_SHM_HELLO,
-                0,
-                hello.clone(),
-                done,
-            );
+            self.post(w, peer, KIND_SHM_HELLO, 0, hello.clone(), done);
         }
     }
-    loop {
+
+    /// New sends, releases of peers' segments, and shutdown (goodbyes to
+    /// every peer); whether there were any.
+    fn take_commands(&mut self, w: &Worker, commands: &mpsc::Receiver<Command>) -> bool {
         let mut busy = false;
-        // 1. New sends.
-        while shutting_down.is_none() {
+        while self.shutting_down.is_none() {
             match commands.try_recv() {
                 Ok(Command::Send {
                     peer,
@@ -848,40 +898,42 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                     done,
                 }) => {
                     busy = true;
-                    post(w, &mut pending, peer, kind, tag, data, done);
+                    self.post(w, peer, kind, tag, data, done);
                 }
                 Ok(Command::Release { peer, off }) => {
                     busy = true;
                     let data = Bytes::copy_from_slice(&off.to_le_bytes());
-                    let done = SendHandle::default();
-                    post(w, &mut pending, peer, KIND_SHM_FREE, 0, data, done);
+                    self.post(w, peer, KIND_SHM_FREE, 0, data, SendHandle::default());
                 }
                 Ok(Command::Shutdown) | Err(mpsc::TryRecvError::Disconnected) => {
+                    let (rank, world) = (self.ends.rank, self.ends.world);
                     for peer in (0..world).filter(|&p| p != rank) {
-                        if let Ok(Some(p)) = w.post_send(
-                            peer,
-                            KIND_GOODBYE,
-                            rank,
-                            0,
-                            Bytes::new(),
-                            SendHandle::default(),
-                        ) {
-                            pending.push(p);
+                        let bye = Bytes::new();
+                        if let Ok(Some(p)) =
+                            w.post_send(peer, KIND_GOODBYE, rank, 0, bye, SendHandle::default())
+                        {
+                            self.pending.push(p);
                         }
                     }
-                    shutting_down = Some(Instant::now());
+                    self.shutting_down = Some(Instant::now());
                 }
                 Err(mpsc::TryRecvError::Empty) => break,
             }
         }
-        // 2. Progress, then take every message that has arrived.
-        busy |= w.progress();
+        busy
+    }
+
+    /// Posts a receive for every message that has arrived; whether any
+    /// had.
+    fn post_receives(&mut self, w: &Worker) -> bool {
+        let (ends, world) = (self.ends, self.ends.world);
+        let mut busy = false;
         loop {
             let mut info = ucp_tag_recv_info_t::default();
             // SAFETY: valid worker; `info` is a valid out-pointer.
             let msg = unsafe { (w.ucp.tag_probe_nb)(w.worker, 0, 0, 1, &mut info) };
             if msg.is_null() {
-                break;
+                return busy;
             }
             busy = true;
             // A reused buffer when one of about this size came back: no
@@ -910,22 +962,26 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                 tracing::warn!("UCX receive failed: {}", w.ucp.describe(ptr_status(r)));
                 continue;
             }
-            receiving[from].push_back(Receiving {
+            self.receiving[from].push_back(Receiving {
                 req: r,
                 failed: false,
                 buf,
             });
         }
-        // 3. Completions.
+    }
+
+    /// Completes the sends UCX finished; whether any.
+    fn complete_sends(&mut self, w: &Worker) -> bool {
+        let mut busy = false;
         let mut i = 0;
-        while i < pending.len() {
-            let s = w.status(pending[i].0);
+        while i < self.pending.len() {
+            let s = w.status(self.pending[i].0);
             if s == UCS_INPROGRESS {
                 i += 1;
                 continue;
             }
             busy = true;
-            let (req, op) = pending.swap_remove(i);
+            let (req, op) = self.pending.swap_remove(i);
             w.free(req);
             // The bytes let go before the send completes: a reused buffer
             // is back in its pool when the sender's wait ends.
@@ -936,8 +992,15 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                 false => done.complete(Err(w.ucp.describe(s))),
             }
         }
+        busy
+    }
+
+    /// The receives UCX finished, each source's in the order they were
+    /// matched: whether any, and the buffers to deliver.
+    fn complete_receives(&mut self, w: &Worker) -> (bool, Vec<RecvBuf>) {
+        let mut busy = false;
         let mut arrived = Vec::new();
-        for queue in &mut receiving {
+        for queue in &mut self.receiving {
             for r in queue.iter_mut().filter(|r| !r.req.is_null()) {
                 let s = w.status(r.req);
                 if s != UCS_INPROGRESS {
@@ -957,105 +1020,124 @@ fn progress_loop(w: &mut Worker, ends: &Ends, commands: mpsc::Receiver<Command>)
                 }
             }
         }
-        for buf in arrived {
-            match deliver(ends, &segments, buf) {
-                Arrival::Done => {}
-                Arrival::Goodbye => goodbyes += 1,
-                Arrival::Hello { peer, fd, size } => {
-                    if segments[peer].is_some() {
-                        // Offered once: a second mapping would be a second
-                        // producer on this rank's ring.
-                        tracing::warn!("rank {peer} offered its segment twice; kept the first");
-                        continue;
-                    }
-                    let Some(pid) = w.watched.iter().find(|x| x.peer == peer).map(|x| x.pid) else {
-                        continue; // not a peer whose process this rank sees
-                    };
-                    match PeerSegment::open(pid, fd, size, rank, world) {
-                        Ok(seg) => {
-                            segments[peer] = Some(Arc::new(seg));
-                            let done = SendHandle::default();
-                            post(w, &mut pending, peer, KIND_SHM_READY, 0, Bytes::new(), done);
-                        }
-                        Err(e) => tracing::warn!(
-                            "rank {rank} cannot map rank {peer}'s shared segment ({e}): \
-                             messages from it go through UCX alone"
-                        ),
-                    }
+        (busy, arrived)
+    }
+
+    /// Delivers one received message and does what it asks.
+    fn handle(&mut self, w: &Worker, buf: RecvBuf) {
+        let rank = self.ends.rank;
+        match deliver(self.ends, &self.segments, buf) {
+            Arrival::Done => {}
+            Arrival::Goodbye => self.goodbyes += 1,
+            Arrival::Hello { peer, fd, size } => {
+                if self.segments[peer].is_some() {
+                    // Offered once: a second mapping would be a second
+                    // producer on this rank's ring.
+                    tracing::warn!("rank {peer} offered its segment twice; kept the first");
+                    return;
                 }
-                Arrival::Ready { peer } => ends.local.ready[peer].store(true, Ordering::Release),
-            }
-        }
-        if !w.watched.is_empty() && Instant::now() >= next_watch {
-            // Shared memory never fails a send to a dead process: fail the
-            // waits here (the buffers stay with the request until shutdown).
-            for dead in w.check_watched(inbox) {
-                ends.local.ready[dead].store(false, Ordering::Release);
-                if let Some(seg) = &ends.local.segment {
-                    seg.forget(dead);
-                }
-                for (_, op) in &pending {
-                    if let Op::Send { peer, done, .. } = op
-                        && *peer == dead
-                    {
-                        done.complete(Err(format!("rank {dead}'s process is gone")));
-                    }
-                }
-            }
-            next_watch = Instant::now() + WATCH_EVERY;
-        }
-        if let Some(since) = shutting_down {
-            // Leave once our goodbyes are flushed and every peer's has
-            // arrived (so none is left unmatched in UCX), a dead peer
-            // counting as both, or after 2 s.
-            let flushed = pending.iter().all(|(_, op)| match op {
-                Op::Send { peer, .. } => w.dead.contains(peer),
-            });
-            if (flushed && goodbyes + 1 + w.dead.len() >= world)
-                || since.elapsed() > Duration::from_secs(2)
-            {
-                for (req, _) in pending.drain(..) {
-                    w.free(req);
-                }
-                for r in receiving.iter_mut().flat_map(|q| q.drain(..)) {
-                    if !r.req.is_null() {
-                        w.free(r.req);
-                    }
-                }
-                return;
-            }
-        }
-        if busy {
-            idle = 0;
-            wake.sleeping.store(false, Ordering::Relaxed);
-        } else {
-            idle = idle.saturating_add(1);
-            // Spin briefly, then yield the core (ranks often share cores).
-            // From here commands signal (`Wake::wake`); one more round reads
-            // the queue after the fence, so none is missed.
-            if idle == SPIN {
-                wake.sleeping.store(true, Ordering::Relaxed);
-                fence(Ordering::SeqCst);
-            } else if idle > SPIN {
-                wake.rounds.fetch_add(1, Ordering::Relaxed);
-                // Sleep in the kernel until a message or a command arrives,
-                // waking for the dead-peer watch and shutdown.
-                let timeout = match shutting_down {
-                    Some(_) => Duration::from_millis(10),
-                    None if w.watched.is_empty() => SLEEP,
-                    None => next_watch
-                        .saturating_duration_since(Instant::now())
-                        .min(SLEEP),
+                let Some(pid) = w.watched.iter().find(|x| x.peer == peer).map(|x| x.pid) else {
+                    return; // not a peer whose process this rank sees
                 };
-                if !w.sleep(wake, timeout) {
-                    // No event fd: nap, and after a long quiet spell (no
-                    // traffic for ~100 ms: evaluation, a one-rank job)
-                    // wake less often.
-                    if idle > SPIN + NAP_ROUNDS {
-                        std::thread::park_timeout(LONG_NAP);
-                    } else {
-                        std::thread::park_timeout(NAP);
+                match PeerSegment::open(pid, fd, size, rank, self.ends.world) {
+                    Ok(seg) => {
+                        self.segments[peer] = Some(Arc::new(seg));
+                        let done = SendHandle::default();
+                        self.post(w, peer, KIND_SHM_READY, 0, Bytes::new(), done);
                     }
+                    Err(e) => tracing::warn!(
+                        "rank {rank} cannot map rank {peer}'s shared segment ({e}): \
+                         messages from it go through UCX alone"
+                    ),
+                }
+            }
+            Arrival::Ready { peer } => self.ends.local.ready[peer].store(true, Ordering::Release),
+        }
+    }
+
+    /// Shared memory never fails a send to a dead process: every
+    /// `WATCH_EVERY`, fails the waits on the peers whose process is gone
+    /// (the buffers stay with the request until shutdown).
+    fn watch_the_dead(&mut self, w: &mut Worker) {
+        if w.watched.is_empty() || Instant::now() < self.next_watch {
+            return;
+        }
+        for dead in w.check_watched(self.ends.inbox) {
+            self.ends.local.ready[dead].store(false, Ordering::Release);
+            if let Some(seg) = &self.ends.local.segment {
+                seg.forget(dead);
+            }
+            for (_, op) in &self.pending {
+                if let Op::Send { peer, done, .. } = op
+                    && *peer == dead
+                {
+                    done.complete(Err(format!("rank {dead}'s process is gone")));
+                }
+            }
+        }
+        self.next_watch = Instant::now() + WATCH_EVERY;
+    }
+
+    /// Shutting down: whether to leave now — once our goodbyes are flushed
+    /// and every peer's has arrived (so none is left unmatched in UCX), a
+    /// dead peer counting as both, or after 2 s; the requests freed then.
+    fn finished_shutdown(&mut self, w: &Worker) -> bool {
+        let Some(since) = self.shutting_down else {
+            return false;
+        };
+        let flushed = self.pending.iter().all(|(_, op)| match op {
+            Op::Send { peer, .. } => w.dead.contains(peer),
+        });
+        let all_said = self.goodbyes + 1 + w.dead.len() >= self.ends.world;
+        if !(flushed && all_said) && since.elapsed() <= Duration::from_secs(2) {
+            return false;
+        }
+        for (req, _) in self.pending.drain(..) {
+            w.free(req);
+        }
+        for r in self.receiving.iter_mut().flat_map(|q| q.drain(..)) {
+            if !r.req.is_null() {
+                w.free(r.req);
+            }
+        }
+        true
+    }
+
+    /// After a round: go on at once if it was `busy`, else spin briefly,
+    /// then yield the core (ranks often share cores).
+    fn rest(&mut self, w: &Worker, busy: bool) {
+        let wake = &self.ends.wake;
+        if busy {
+            self.idle = 0;
+            wake.sleeping.store(false, Ordering::Relaxed);
+            return;
+        }
+        self.idle = self.idle.saturating_add(1);
+        // From here commands signal (`Wake::wake`); one more round reads
+        // the queue after the fence, so none is missed.
+        if self.idle == SPIN {
+            wake.sleeping.store(true, Ordering::Relaxed);
+            fence(Ordering::SeqCst);
+        } else if self.idle > SPIN {
+            wake.rounds.fetch_add(1, Ordering::Relaxed);
+            // Sleep in the kernel until a message or a command arrives,
+            // waking for the dead-peer watch and shutdown.
+            let timeout = match self.shutting_down {
+                Some(_) => Duration::from_millis(10),
+                None if w.watched.is_empty() => SLEEP,
+                None => self
+                    .next_watch
+                    .saturating_duration_since(Instant::now())
+                    .min(SLEEP),
+            };
+            if !w.sleep(wake, timeout) {
+                // No event fd: nap, and after a long quiet spell (no
+                // traffic for ~100 ms: evaluation, a one-rank job) wake
+                // less often.
+                if self.idle > SPIN + NAP_ROUNDS {
+                    std::thread::park_timeout(LONG_NAP);
+                } else {
+                    std::thread::park_timeout(NAP);
                 }
             }
         }
