@@ -86,12 +86,11 @@ pub fn join(
             world: opts.world_size,
         });
     }
-    let me = ProcessIdentity::of_self();
-    let mut mine = Published {
+    let mine = Published {
         rank: opts.rank,
         world_size: opts.world_size,
         hostname: super::rendezvous::hostname(),
-        process: me.clone(),
+        process: ProcessIdentity::of_self(),
         host_id: super::rendezvous::host_identity(),
         tcp_address: None,
         ucx_address: None,
@@ -102,79 +101,9 @@ pub fn join(
         let all = exchange(bytes)?;
         decode_all(&all, opts)
     };
-    let (transport, all, hosts): (Box<dyn Transport>, Vec<Published>, HostLayout) = match opts.kind
-    {
-        TransportKind::Tcp => {
-            let listener =
-                TcpListener::bind(SocketAddr::new(opts.ip, 0)).map_err(|e| CommError::Io {
-                    what: format!("a transport listener on {}", opts.ip),
-                    source: e,
-                })?;
-            let address = listener.local_addr().map_err(|e| CommError::Io {
-                what: "the transport listener".into(),
-                source: e,
-            })?;
-            mine.tcp_address = Some(address.to_string());
-            let all = share(&mine)?;
-            let addresses = all
-                .iter()
-                .map(|p| {
-                    let a = p
-                        .tcp_address
-                        .as_deref()
-                        .ok_or_else(|| mixed_transports(p.rank, "ucx", opts.rank, "tcp"))?;
-                    a.parse::<SocketAddr>().map_err(|_| CommError::BadAddress {
-                        rank: p.rank,
-                        address: a.to_string(),
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            let options = TcpOptions {
-                token: opts.token.clone(),
-                connect_timeout: opts.timeout,
-                write_timeout: opts.timeout,
-                rejoins: opts.rejoins.clone(),
-            };
-            let hosts = layout_of(&all, opts)?;
-            let t = TcpTransport::connect(opts.rank, &addresses, listener, &options)?;
-            (Box::new(t), all, hosts)
-        }
-        TransportKind::Ucx => {
-            let mut table = Vec::new();
-            let mut layout = None;
-            let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
-                mine.ucx_address = Some(super::ucx::address_to_hex(&address));
-                table = share(&mine)?;
-                // Shared memory only inside this rank's node: the traffic of
-                // logical nodes must cross their (emulated) links.
-                let hosts = layout_of(&table, opts)?;
-                layout = Some(hosts);
-                let g = hosts.ranks_per_node;
-                table
-                    .iter()
-                    .map(|p| {
-                        let hex = p
-                            .ucx_address
-                            .as_deref()
-                            .ok_or_else(|| mixed_transports(p.rank, "tcp", opts.rank, "ucx"))?;
-                        let worker = super::ucx::address_from_hex(hex).ok_or_else(|| {
-                            CommError::BadAddress {
-                                rank: p.rank,
-                                address: hex.to_string(),
-                            }
-                        })?;
-                        let same_node = p.rank / g == opts.rank / g;
-                        let local_pid =
-                            (same_node && me.same_host(&p.process)).then_some(p.process.pid);
-                        Ok(PeerAddress { worker, local_pid })
-                    })
-                    .collect()
-            })?;
-            let hosts = layout.ok_or_else(|| {
-                CommError::Join("UCX connected without exchanging addresses".into())
-            })?;
-            (Box::new(t), table, hosts)
-        }
+    let (transport, all, hosts) = match opts.kind {
+        TransportKind::Tcp => join_tcp(opts, mine, &mut share)?,
+        TransportKind::Ucx => join_ucx(opts, mine, &mut share)?,
     };
     let peers = all
         .into_iter()
@@ -189,6 +118,92 @@ pub fn join(
         peers,
         hosts,
     })
+}
+
+/// What joining over one transport gives: the transport, every rank's
+/// published facts and the layout of their hosts.
+type JoinedOver = (Box<dyn Transport>, Vec<Published>, HostLayout);
+
+/// Joins over TCP: a listener on this rank's address, published with
+/// `share`, then connected to every rank's.
+fn join_tcp(
+    opts: &JoinOptions,
+    mut mine: Published,
+    share: &mut dyn FnMut(&Published) -> Result<Vec<Published>, CommError>,
+) -> Result<JoinedOver, CommError> {
+    let listener = TcpListener::bind(SocketAddr::new(opts.ip, 0)).map_err(|e| CommError::Io {
+        what: format!("a transport listener on {}", opts.ip),
+        source: e,
+    })?;
+    let address = listener.local_addr().map_err(|e| CommError::Io {
+        what: "the transport listener".into(),
+        source: e,
+    })?;
+    mine.tcp_address = Some(address.to_string());
+    let all = share(&mine)?;
+    let addresses = all
+        .iter()
+        .map(|p| {
+            let a = p
+                .tcp_address
+                .as_deref()
+                .ok_or_else(|| mixed_transports(p.rank, "ucx", opts.rank, "tcp"))?;
+            a.parse::<SocketAddr>().map_err(|_| CommError::BadAddress {
+                rank: p.rank,
+                address: a.to_string(),
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let options = TcpOptions {
+        token: opts.token.clone(),
+        connect_timeout: opts.timeout,
+        write_timeout: opts.timeout,
+        rejoins: opts.rejoins.clone(),
+    };
+    let hosts = layout_of(&all, opts)?;
+    let t = TcpTransport::connect(opts.rank, &addresses, listener, &options)?;
+    Ok((Box::new(t), all, hosts))
+}
+
+/// Joins over UCX: this rank's worker address published with `share`,
+/// then every rank's worker reached (through shared memory inside this
+/// rank's node only: the traffic of logical nodes must cross their
+/// emulated links).
+fn join_ucx(
+    opts: &JoinOptions,
+    mut mine: Published,
+    share: &mut dyn FnMut(&Published) -> Result<Vec<Published>, CommError>,
+) -> Result<JoinedOver, CommError> {
+    let me = mine.process.clone();
+    let mut table = Vec::new();
+    let mut layout = None;
+    let t = UcxTransport::connect(opts.rank, opts.world_size, |address| {
+        mine.ucx_address = Some(super::ucx::address_to_hex(&address));
+        table = share(&mine)?;
+        let hosts = layout_of(&table, opts)?;
+        layout = Some(hosts);
+        let g = hosts.ranks_per_node;
+        table
+            .iter()
+            .map(|p| {
+                let hex = p
+                    .ucx_address
+                    .as_deref()
+                    .ok_or_else(|| mixed_transports(p.rank, "tcp", opts.rank, "ucx"))?;
+                let worker =
+                    super::ucx::address_from_hex(hex).ok_or_else(|| CommError::BadAddress {
+                        rank: p.rank,
+                        address: hex.to_string(),
+                    })?;
+                let same_node = p.rank / g == opts.rank / g;
+                let local_pid = (same_node && me.same_host(&p.process)).then_some(p.process.pid);
+                Ok(PeerAddress { worker, local_pid })
+            })
+            .collect()
+    })?;
+    let hosts = layout
+        .ok_or_else(|| CommError::Join("UCX connected without exchanging addresses".into()))?;
+    Ok((Box::new(t), table, hosts))
 }
 
 /// The nodes of the job: its hosts, or logical nodes of `ranks_per_node`

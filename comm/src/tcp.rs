@@ -442,91 +442,18 @@ impl TcpTransport {
             .set_write_timeout(Some(options.write_timeout))
             .map_err(io_err("a socket"))?;
         let read_half = stream.try_clone().map_err(io_err("a socket"))?;
-        let mut write_half = stream.try_clone().map_err(io_err("a socket"))?;
+        let write_half = stream.try_clone().map_err(io_err("a socket"))?;
 
-        let inbox = mailbox.clone();
-        let pool = pool.clone();
+        let (inbox, pool) = (mailbox.clone(), pool.clone());
         let reader = std::thread::Builder::new()
             .name(format!("zeropp-rx-{peer}"))
-            .spawn(move || {
-                let mut r = BufReader::with_capacity(1 << 16, read_half);
-                loop {
-                    match wire::read_frame_pooled(&mut r, &pool) {
-                        Ok(Some((h, payload))) if h.source as usize == peer => match h.kind {
-                            Kind::Data => inbox.deliver(peer, h.tag, payload.into_bytes()),
-                            Kind::Goodbye => {
-                                inbox.peer_left(peer, "it closed its connections (it finished or shut down)".into());
-                                return;
-                            }
-                            Kind::Hello => {
-                                inbox.peer_died(peer, "it sent a second hello: protocol error".into());
-                                return;
-                            }
-                        },
-                        Ok(Some((h, _))) => {
-                            inbox.peer_died(peer, format!("a frame on its connection claims to come from rank {}", h.source));
-                            return;
-                        }
-                        Ok(None) => {
-                            inbox.peer_died(peer, "its connection closed without a goodbye (the process died or was killed)".into());
-                            return;
-                        }
-                        Err(e) => {
-                            inbox.peer_died(peer, format!("its connection broke: {e}"));
-                            return;
-                        }
-                    }
-                }
-            })
+            .spawn(move || read_from(peer, read_half, &inbox, &pool))
             .map_err(io_err("a reader thread"))?;
-
         let (queue, outgoing) = mpsc::channel::<Outgoing>();
         let failures = mailbox.clone();
         let writer = std::thread::Builder::new()
             .name(format!("zeropp-tx-{peer}"))
-            .spawn(move || {
-                let mut broken: Option<String> = None;
-                for msg in outgoing {
-                    if let Some(reason) = &broken {
-                        msg.done.complete(Err(reason.clone()));
-                        continue;
-                    }
-                    let header = Header {
-                        kind: Kind::Data,
-                        source: rank as u32,
-                        tag: msg.tag,
-                        len: msg.data.len() as u64,
-                    };
-                    let written = wire::write_frame(&mut write_half, &header, &msg.data);
-                    // The bytes let go before the send completes: a reused
-                    // buffer is back in its pool when the sender's wait ends.
-                    let Outgoing { data, done, .. } = msg;
-                    drop(data);
-                    match written {
-                        Ok(()) => done.complete(Ok(())),
-                        Err(e) => {
-                            let reason = format!("sending to it failed: {e}");
-                            failures.peer_died_unless_leaving(
-                                peer,
-                                reason.clone(),
-                                Duration::from_millis(500),
-                            );
-                            done.complete(Err(reason.clone()));
-                            broken = Some(reason);
-                        }
-                    }
-                }
-                // The queue closed: say goodbye so the peer knows this was on purpose.
-                if broken.is_none() {
-                    let bye = Header {
-                        kind: Kind::Goodbye,
-                        source: rank as u32,
-                        tag: 0,
-                        len: 0,
-                    };
-                    let _ = wire::write_frame(&mut write_half, &bye, &[]);
-                }
-            })
+            .spawn(move || write_to(rank, peer, write_half, outgoing, &failures))
             .map_err(io_err("a writer thread"))?;
         Ok(Peer {
             queue: Some(queue),
@@ -544,6 +471,86 @@ impl TcpTransport {
                 world: self.world_size,
             })
         }
+    }
+}
+
+/// A peer's reader thread: files each frame from `peer` in the mailbox
+/// until its goodbye, or records why its connection ended.
+fn read_from(peer: usize, read_half: TcpStream, inbox: &Mailbox, pool: &Arc<BufferPool>) {
+    let mut r = BufReader::with_capacity(1 << 16, read_half);
+    loop {
+        let why = match wire::read_frame_pooled(&mut r, pool) {
+            Ok(Some((h, payload))) if h.source as usize == peer => match h.kind {
+                Kind::Data => {
+                    inbox.deliver(peer, h.tag, payload.into_bytes());
+                    continue;
+                }
+                Kind::Goodbye => {
+                    let why = "it closed its connections (it finished or shut down)";
+                    inbox.peer_left(peer, why.into());
+                    return;
+                }
+                Kind::Hello => "it sent a second hello: protocol error".to_string(),
+            },
+            Ok(Some((h, _))) => format!(
+                "a frame on its connection claims to come from rank {}",
+                h.source
+            ),
+            Ok(None) => "its connection closed without a goodbye (the process died or was killed)"
+                .to_string(),
+            Err(e) => format!("its connection broke: {e}"),
+        };
+        inbox.peer_died(peer, why);
+        return;
+    }
+}
+
+/// A peer's writer thread: writes each queued message to `peer`, then a
+/// goodbye once the queue closes; after a failed write every later send
+/// fails with the same reason.
+fn write_to(
+    rank: usize,
+    peer: usize,
+    mut write_half: TcpStream,
+    outgoing: mpsc::Receiver<Outgoing>,
+    failures: &Mailbox,
+) {
+    let mut broken: Option<String> = None;
+    for msg in outgoing {
+        if let Some(reason) = &broken {
+            msg.done.complete(Err(reason.clone()));
+            continue;
+        }
+        let header = Header {
+            kind: Kind::Data,
+            source: rank as u32,
+            tag: msg.tag,
+            len: msg.data.len() as u64,
+        };
+        let written = wire::write_frame(&mut write_half, &header, &msg.data);
+        // The bytes let go before the send completes: a reused buffer is
+        // back in its pool when the sender's wait ends.
+        let Outgoing { data, done, .. } = msg;
+        drop(data);
+        match written {
+            Ok(()) => done.complete(Ok(())),
+            Err(e) => {
+                let reason = format!("sending to it failed: {e}");
+                failures.peer_died_unless_leaving(peer, reason.clone(), Duration::from_millis(500));
+                done.complete(Err(reason.clone()));
+                broken = Some(reason);
+            }
+        }
+    }
+    // The queue closed: say goodbye so the peer knows this was on purpose.
+    if broken.is_none() {
+        let bye = Header {
+            kind: Kind::Goodbye,
+            source: rank as u32,
+            tag: 0,
+            len: 0,
+        };
+        let _ = wire::write_frame(&mut write_half, &bye, &[]);
     }
 }
 

@@ -2,6 +2,7 @@
 //! device-to-device copy of the same bytes measured in the same run (bytes
 //! moved = bytes read + bytes written, for the copy as for the kernels).
 
+use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 use zeropp_quant::{Bits, QuantFormat, Rounding, Scheme};
@@ -65,39 +66,58 @@ pub fn run(gpu: &Gpu, mib: usize, reps: usize) -> Result<Vec<BenchRow>, CudaErro
     })?;
     drop(copy_dst);
     let copy_bytes = 2 * 4 * n as u64;
-    let copy_gbps = copy_bytes as f64 / copy_s / 1e9;
-    let mut rows = vec![BenchRow {
-        kernel: "copy f32 (device to device)".into(),
-        bytes_moved: copy_bytes,
-        seconds: copy_s,
-        gbps: copy_gbps,
-        ratio_to_copy: 1.0,
-    }];
-    let mut push = |kernel: String, bytes: u64, s: f64| {
+    let mut rows = Rows {
+        copy_gbps: copy_bytes as f64 / copy_s / 1e9,
+        rows: Vec::new(),
+    };
+    rows.push("copy f32 (device to device)".into(), copy_bytes, copy_s);
+    let x = (gpu, &dx, n, reps);
+    f32_formats(x, &mut rows)?;
+    bf16_weights(x, &mut rows)?;
+    qgz_steps(x, &mut rows)?;
+    Ok(rows.rows)
+}
+
+/// What each bench reads: the device, the f32 input, its length and the
+/// repetitions.
+type Input<'a> = (&'a Gpu, &'a CudaSlice<f32>, usize, usize);
+
+/// The measured rows, each with its ratio to the copy's GB/s.
+struct Rows {
+    copy_gbps: f64,
+    rows: Vec<BenchRow>,
+}
+
+impl Rows {
+    fn push(&mut self, kernel: String, bytes: u64, s: f64) {
         let gbps = bytes as f64 / s / 1e9;
-        rows.push(BenchRow {
+        self.rows.push(BenchRow {
             kernel,
             bytes_moved: bytes,
             seconds: s,
             gbps,
-            ratio_to_copy: gbps / copy_gbps,
+            ratio_to_copy: gbps / self.copy_gbps,
         });
-    };
+    }
+}
 
+/// Quantize, dequantize and dequantize-accumulate of f32 in int8 and
+/// int4, and int4 with stochastic rounding.
+fn f32_formats((gpu, dx, n, reps): Input<'_>, rows: &mut Rows) -> Result<(), CudaError> {
     let int8 = QuantFormat::int8(256)?;
     let int4 = QuantFormat::int4(256)?;
     let rn = Rounding::NearestEven;
     for f in [int8, int4] {
         let mut q = DeviceQuantized::zeroed(gpu, f, n)?;
         let s = time(gpu, reps, || gpu.quantize(&dx.as_view(), rn, &mut q))?;
-        push(
+        rows.push(
             format!("quantize f32 -> {f}"),
             (4 * n + q.bytes()) as u64,
             s,
         );
         let mut out = gpu.zeros::<f32>(n)?;
         let s = time(gpu, reps, || gpu.dequantize(&q, &mut out.as_view_mut()))?;
-        push(
+        rows.push(
             format!("dequantize {f} -> f32"),
             (4 * n + q.bytes()) as u64,
             s,
@@ -105,7 +125,7 @@ pub fn run(gpu: &Gpu, mib: usize, reps: usize) -> Result<Vec<BenchRow>, CudaErro
         let s = time(gpu, reps, || {
             gpu.dequantize_accumulate(&q, &mut out.as_view_mut())
         })?;
-        push(
+        rows.push(
             format!("dequantize-accumulate {f} -> f32"),
             (8 * n + q.bytes()) as u64,
             s,
@@ -115,13 +135,18 @@ pub fn run(gpu: &Gpu, mib: usize, reps: usize) -> Result<Vec<BenchRow>, CudaErro
     let s = time(gpu, reps, || {
         gpu.quantize(&dx.as_view(), Rounding::Stochastic { seed: 1 }, &mut q4)
     })?;
-    push(
+    rows.push(
         format!("quantize f32 -> {int4} stochastic"),
         (4 * n + q4.bytes()) as u64,
         s,
     );
+    Ok(())
+}
 
-    // bf16 weights (the qwZ case).
+/// bf16 weights (the qwZ case): int8 quantize and dequantize.
+fn bf16_weights((gpu, dx, n, reps): Input<'_>, rows: &mut Rows) -> Result<(), CudaError> {
+    let int8 = QuantFormat::int8(256)?;
+    let rn = Rounding::NearestEven;
     let xb: Vec<bf16> = gpu
         .download(&dx.as_view())?
         .into_iter()
@@ -131,28 +156,31 @@ pub fn run(gpu: &Gpu, mib: usize, reps: usize) -> Result<Vec<BenchRow>, CudaErro
     drop(xb);
     let mut q8 = DeviceQuantized::zeroed(gpu, int8, n)?;
     let s = time(gpu, reps, || gpu.quantize(&dxb.as_view(), rn, &mut q8))?;
-    push(
+    rows.push(
         format!("quantize bf16 -> {int8}"),
         (2 * n + q8.bytes()) as u64,
         s,
     );
     let mut outb = gpu.zeros::<bf16>(n)?;
     let s = time(gpu, reps, || gpu.dequantize(&q8, &mut outb.as_view_mut()))?;
-    push(
+    rows.push(
         format!("dequantize {int8} -> bf16"),
         (2 * n + q8.bytes()) as u64,
         s,
     );
-    drop((dxb, outb));
+    Ok(())
+}
 
-    // qgZ: swizzled int4 quantize of a gradient for 2 nodes x 4 ranks, then
-    // the fused step summing 4 received chunks.
+/// qgZ: swizzled int4 quantize of a gradient for 2 nodes x 4 ranks, then
+/// the fused step summing 4 received chunks.
+fn qgz_steps((gpu, dx, n, reps): Input<'_>, rows: &mut Rows) -> Result<(), CudaError> {
+    let rn = Rounding::NearestEven;
     let g32 = QuantFormat::new(Bits::Four, Scheme::Symmetric, 32)?;
     let mut sw = DeviceQuantizedChunks::zeroed(gpu, g32, n / 8, 8)?;
     let s = time(gpu, reps, || {
         gpu.quantize_swizzled(&dx.as_view(), 2, 4, rn, &mut sw)
     })?;
-    push(
+    rows.push(
         format!("swizzled quantize f32 -> {g32} (2x4)"),
         (4 * n + g32.total_bytes(n)) as u64,
         s,
@@ -170,12 +198,12 @@ pub fn run(gpu: &Gpu, mib: usize, reps: usize) -> Result<Vec<BenchRow>, CudaErro
     let refs: Vec<&DeviceQuantized> = parts.iter().collect();
     let mut fused = DeviceQuantized::zeroed(gpu, g32, part)?;
     let s = time(gpu, reps, || gpu.sum_requantize(&refs, rn, &mut fused))?;
-    push(
+    rows.push(
         format!("fused sum-requantize {k} x {g32} -> {g32}"),
         ((k + 1) * g32.total_bytes(part)) as u64,
         s,
     );
-    Ok(rows)
+    Ok(())
 }
 
 /// The rows as a table.

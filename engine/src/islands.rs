@@ -19,7 +19,7 @@ use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
 use zeropp_zero::residual::Residual;
-use zeropp_zero::traffic::Phase;
+use zeropp_zero::traffic::{CountingTransport, Phase};
 use zeropp_zero::{Hop, ZeroError, ZeroGroups};
 
 use crate::{Engine, EngineError, Result, UnitLayout, UnitShard};
@@ -786,78 +786,12 @@ impl Engine {
         let (counter, members, quantized) =
             (self.counter.clone(), run.members.clone(), run.cfg.quantized);
         let exchange = run.thread.submit(move |c: &Communicator| {
-            let (mut sent, mut owned) = residuals;
-            let t = Instant::now();
-            let mut again = false;
-            loop {
-                let across = {
-                    let m = lock(&members);
-                    if let Some(why) = &m.broken {
-                        return Err(ZeroError::Invalid(format!(
-                            "not started: an earlier outer exchange failed ({why})"
-                        )));
-                    }
-                    m.across.clone()
-                };
-                if across.size() == 1 {
-                    return Ok((mine, Residual::none(), Residual::none(), 0.0));
-                }
-                // Run again after a loss: first check every rank is at it.
-                let checked = if again {
-                    same_exchange(c, &across, (step, u))
-                } else {
-                    Ok(())
-                };
-                again = true;
-                let mover = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups: ZeroGroups {
-                        world: across.clone(),
-                        node: across.clone(),
-                        cross: across.clone(),
-                        hpz: across,
-                    },
-                };
-                let mut delta = mine.clone();
-                let tried = checked.and_then(|()| {
-                    outer::exchange(
-                        &mover,
-                        Hop::World,
-                        quantized,
-                        (&mut sent, &mut owned),
-                        &mut delta,
-                    )
-                });
-                match tried {
-                    Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
-                    Err(e) => {
-                        let mut m = lock(&members);
-                        let before = m.lost.len();
-                        let lost = match e.failed_peer() {
-                            Some(peer) => {
-                                let island = m.island_of(peer);
-                                m.lose(island, step, e.what_happened())
-                                    .map_err(|e| ZeroError::Invalid(e.to_string()))?
-                            }
-                            None => false,
-                        };
-                        if !lost {
-                            m.broken = Some(e.to_string());
-                            return Err(e);
-                        }
-                        if m.lost.len() > before {
-                            tracing::warn!(
-                                "islands: island {} left the outer sync after step {step} ({}); \
-                                 the others go on",
-                                m.lost.last().map_or(0, |l| l.island),
-                                e.what_happened()
-                            );
-                        }
-                        (sent, owned) = (Residual::none(), Residual::none());
-                    }
-                }
-            }
+            let with = Across {
+                members: &members,
+                counter: &counter,
+                quantized,
+            };
+            with.exchange(c, mine, residuals, (step, u))
         });
         run.live[u] = Some((due as u64, master.to_vec(), exchange));
         Ok(())
@@ -1069,6 +1003,108 @@ fn decode_rejoin(
         return Err(format!("{} bytes past the end", bytes.len() - at));
     }
     Ok((step, alive, shards))
+}
+
+/// What one unit's outer exchange runs with, on the islands' thread.
+struct Across<'a> {
+    members: &'a Mutex<Membership>,
+    counter: &'a Arc<CountingTransport>,
+    quantized: Option<QuantizedAllReduce>,
+}
+
+/// An exchange's result: the averaged delta, both residuals after it and
+/// the seconds it took.
+type Exchanged = (Vec<f32>, Residual, Residual, f64);
+
+impl Across<'_> {
+    /// Unit `u`'s outer exchange after `step` of this island's delta
+    /// `mine` with the islands alive, run again without an island that is
+    /// lost during it (its residuals start over then).
+    fn exchange(
+        &self,
+        c: &Communicator,
+        mine: Vec<f32>,
+        (mut sent, mut owned): (Residual, Residual),
+        (step, u): (u64, usize),
+    ) -> std::result::Result<Exchanged, ZeroError> {
+        let t = Instant::now();
+        let mut again = false;
+        loop {
+            let across = {
+                let m = lock(self.members);
+                if let Some(why) = &m.broken {
+                    return Err(ZeroError::Invalid(format!(
+                        "not started: an earlier outer exchange failed ({why})"
+                    )));
+                }
+                m.across.clone()
+            };
+            if across.size() == 1 {
+                return Ok((mine, Residual::none(), Residual::none(), 0.0));
+            }
+            // Run again after a loss: first check every rank is at it.
+            let checked = if again {
+                same_exchange(c, &across, (step, u))
+            } else {
+                Ok(())
+            };
+            again = true;
+            let mover = HostMover {
+                comm: c,
+                counter: self.counter,
+                groups: ZeroGroups {
+                    world: across.clone(),
+                    node: across.clone(),
+                    cross: across.clone(),
+                    hpz: across,
+                },
+            };
+            let mut delta = mine.clone();
+            let tried = checked.and_then(|()| {
+                let residuals = (&mut sent, &mut owned);
+                outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)
+            });
+            match tried {
+                Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
+                Err(e) => {
+                    self.lose_the_failed_island(e, step)?;
+                    (sent, owned) = (Residual::none(), Residual::none());
+                }
+            }
+        }
+    }
+
+    /// After exchange error `e`: the island of the rank that failed leaves
+    /// the outer sync (Ok: run the exchange again without it), or, when no
+    /// island can be taken out for it, the islands' sync is broken (`e`).
+    fn lose_the_failed_island(
+        &self,
+        e: ZeroError,
+        step: u64,
+    ) -> std::result::Result<(), ZeroError> {
+        let mut m = lock(self.members);
+        let before = m.lost.len();
+        let lost = match e.failed_peer() {
+            Some(peer) => {
+                let island = m.island_of(peer);
+                m.lose(island, step, e.what_happened())
+                    .map_err(|e| ZeroError::Invalid(e.to_string()))?
+            }
+            None => false,
+        };
+        if !lost {
+            m.broken = Some(e.to_string());
+            return Err(e);
+        }
+        if m.lost.len() > before {
+            tracing::warn!(
+                "islands: island {} left the outer sync after step {step} ({}); the others go on",
+                m.lost.last().map_or(0, |l| l.island),
+                e.what_happened()
+            );
+        }
+        Ok(())
+    }
 }
 
 /// The membership, even if a thread panicked holding it (it is only ever

@@ -89,6 +89,55 @@ struct ShardedUnit {
 }
 
 impl ShardedUnit {
+    /// Unit `i` of the model, initialized from `cfg.seed`, this rank's
+    /// shard of it (padded for `plan`'s blocks) with its optimizer state
+    /// and, where `plan` keeps error feedback, its residuals.
+    fn new(
+        cfg: &EngineConfig,
+        plan: &Plan,
+        layout: Layout,
+        i: usize,
+        first_hop_feedback: bool,
+    ) -> ShardedUnit {
+        let model = &cfg.model;
+        let numel = model.unit_numel(i);
+        let padded = plan.padded_len(numel);
+        let chunk = padded / layout.world();
+        let mut full = model.init(i, cfg.seed);
+        full.resize(padded, 0.0);
+        let mine = layout.rank * chunk..(layout.rank + 1) * chunk;
+        // Decay matrices, not vectors (biases, norms); padding is inert.
+        let mut decay_full = Vec::with_capacity(padded);
+        for shape in model.param_shapes(i) {
+            let len = shape.iter().product();
+            decay_full.extend(std::iter::repeat_n(shape.len() >= 2, len));
+        }
+        decay_full.resize(padded, false);
+        ShardedUnit {
+            name: model.unit_name(i),
+            numel,
+            padded,
+            chunk,
+            master: Arc::new(full[mine.clone()].to_vec()),
+            adam: AdamState::new(chunk),
+            decay: decay_full[mine].to_vec(),
+            secondary: None,
+            residual: if first_hop_feedback {
+                Residual::zeros(chunk, layout.world())
+            } else {
+                Residual::none()
+            },
+            residual_inter: Arc::new(Mutex::new(if cfg.switches.error_feedback {
+                Residual::zeros(chunk, layout.nodes)
+            } else {
+                Residual::none()
+            })),
+            reference: Arc::new(Mutex::new(None)),
+        }
+    }
+}
+
+impl ShardedUnit {
     /// The weights jumped (an outer step wrote them): the hpZ secondary
     /// shard is stale and the qwZ references refresh at the next forward
     /// gather.
@@ -295,44 +344,8 @@ impl Engine {
             } => qgz::first_hop_feedback(error_feedback, intra),
             _ => false,
         };
-        let model = &cfg.model;
-        let units = (0..model.unit_count())
-            .map(|i| {
-                let numel = model.unit_numel(i);
-                let padded = plan.padded_len(numel);
-                let chunk = padded / layout.world();
-                let mut full = model.init(i, cfg.seed);
-                full.resize(padded, 0.0);
-                let mine = layout.rank * chunk..(layout.rank + 1) * chunk;
-                // Decay matrices, not vectors (biases, norms); padding is inert.
-                let mut decay_full = Vec::with_capacity(padded);
-                for shape in model.param_shapes(i) {
-                    let len = shape.iter().product();
-                    decay_full.extend(std::iter::repeat_n(shape.len() >= 2, len));
-                }
-                decay_full.resize(padded, false);
-                ShardedUnit {
-                    name: model.unit_name(i),
-                    numel,
-                    padded,
-                    chunk,
-                    master: Arc::new(full[mine.clone()].to_vec()),
-                    adam: AdamState::new(chunk),
-                    decay: decay_full[mine].to_vec(),
-                    secondary: None,
-                    residual: if first_hop_feedback {
-                        Residual::zeros(chunk, layout.world())
-                    } else {
-                        Residual::none()
-                    },
-                    residual_inter: Arc::new(Mutex::new(if cfg.switches.error_feedback {
-                        Residual::zeros(chunk, layout.nodes)
-                    } else {
-                        Residual::none()
-                    })),
-                    reference: Arc::new(Mutex::new(None)),
-                }
-            })
+        let units = (0..cfg.model.unit_count())
+            .map(|i| ShardedUnit::new(&cfg, &plan, layout, i, first_hop_feedback))
             .collect::<Vec<_>>();
         let islands = match cfg.islands {
             Some(c) if c.count > 1 => {

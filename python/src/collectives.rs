@@ -31,6 +31,83 @@ use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, qgz};
 use crate::buffers::{Dtype, HostBuf, ScratchCopy, with_dtype};
 use crate::{invalid, to_py};
 
+/// The transport a job asks for: `"ucx"`, `"tcp"`, or None
+/// (ZEROPP_TRANSPORT, else UCX when libucp loads; rank 0 says why not).
+fn transport_kind(transport: Option<&str>, rank: usize) -> PyResult<TransportKind> {
+    match transport {
+        Some("ucx") => Ok(TransportKind::Ucx),
+        Some("tcp") => Ok(TransportKind::Tcp),
+        Some(other) => Err(invalid(format!(
+            "transport={other:?}: use \"ucx\", \"tcp\" or None (ZEROPP_TRANSPORT, else UCX \
+             when libucp loads)"
+        ))),
+        None => {
+            let (kind, why_not_ucx) = TransportKind::from_env().map_err(to_py)?;
+            if let (Some(why), 0) = (why_not_ucx, rank) {
+                eprintln!("zeropp: note: using TCP between ranks: {why}");
+            }
+            Ok(kind)
+        }
+    }
+}
+
+/// This host's address towards the job's master (`MASTER_ADDR`), or
+/// loopback without one.
+fn local_ip(master_addr: Option<&str>, master_port: Option<u16>) -> PyResult<std::net::IpAddr> {
+    match master_addr {
+        Some(host) if !host.is_empty() => {
+            let master = zeropp_comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
+                .map_err(to_py)?;
+            zeropp_comm::rendezvous::local_ip_towards(master).map_err(to_py)
+        }
+        _ => Ok(std::net::IpAddr::from([127, 0, 0, 1])),
+    }
+}
+
+/// Joins the job, this rank's topology among its facts, every rank's
+/// joining bytes through `exchange` (the torch store: a callable taking
+/// this rank's bytes and returning every rank's, in rank order).
+fn join_through_store(
+    py: Python<'_>,
+    exchange: &Py<PyAny>,
+    opts: &JoinOptions,
+) -> PyResult<exchange::Joined> {
+    let topology = zeropp_topology::detect::detect(std::path::Path::new("/"))
+        .ok()
+        .and_then(|t| serde_json::to_value(t).ok())
+        .unwrap_or(serde_json::Value::Null);
+    let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
+        let store = |e: PyErr| {
+            bad(format!(
+                "exchanging zeropp's addresses through the torch.distributed store: {e}"
+            ))
+        };
+        let all = exchange
+            .bind(py)
+            .call1((PyBytes::new(py, &mine),))
+            .map_err(store)?;
+        let all = all.cast::<PyList>().map_err(|e| store(e.into()))?;
+        all.iter()
+            .map(|b| b.extract::<Vec<u8>>().map_err(store))
+            .collect()
+    };
+    let facts = serde_json::json!({ "topology": topology });
+    exchange::join(opts, facts, &mut call_exchange).map_err(to_py)
+}
+
+/// The routing plan from every node's topology (each node's first rank's).
+fn cluster_routing(
+    joined: &exchange::Joined,
+    layout: Layout,
+) -> Result<zeropp_topology::plan::ClusterView, String> {
+    let g = layout.ranks_per_node;
+    let tops: Option<Vec<zeropp_topology::Topology>> = (0..layout.nodes)
+        .map(|n| serde_json::from_value(joined.peers[n * g].facts["topology"].clone()).ok())
+        .collect();
+    tops.ok_or_else(|| "not every node could read its topology".to_string())
+        .and_then(|t| zeropp_topology::plan::cluster(&t, g))
+}
+
 /// A joined job: this rank's transport, communication thread, layout and
 /// routing plan.
 #[pyclass(frozen)]
@@ -94,83 +171,30 @@ impl Job {
         timeout_s: f64,
         ranks_per_node: Option<usize>,
     ) -> PyResult<Job> {
-        let kind = match transport.as_deref() {
-            Some("ucx") => TransportKind::Ucx,
-            Some("tcp") => TransportKind::Tcp,
-            Some(other) => {
-                return Err(invalid(format!(
-                    "transport={other:?}: use \"ucx\", \"tcp\" or None (ZEROPP_TRANSPORT, else \
-                     UCX when libucp loads)"
-                )));
-            }
-            None => {
-                let (kind, why_not_ucx) = TransportKind::from_env().map_err(to_py)?;
-                if let (Some(why), 0) = (why_not_ucx, rank) {
-                    eprintln!("zeropp: note: using TCP between ranks: {why}");
-                }
-                kind
-            }
-        };
+        let kind = transport_kind(transport.as_deref(), rank)?;
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));
         }
         let timeout = Duration::from_secs_f64(timeout_s);
         zeropp_comm::scratch::budget_from_env().map_err(to_py)?;
-        let ip = match master_addr.as_deref() {
-            Some(host) if !host.is_empty() => {
-                let master = zeropp_comm::rendezvous::resolve(host, master_port.unwrap_or(29500))
-                    .map_err(to_py)?;
-                zeropp_comm::rendezvous::local_ip_towards(master).map_err(to_py)?
-            }
-            _ => std::net::IpAddr::from([127, 0, 0, 1]),
-        };
-        let topology = zeropp_topology::detect::detect(std::path::Path::new("/"))
-            .ok()
-            .and_then(|t| serde_json::to_value(t).ok())
-            .unwrap_or(serde_json::Value::Null);
         let opts = JoinOptions {
             kind,
             rank,
             world_size,
             token,
-            ip,
+            ip: local_ip(master_addr.as_deref(), master_port)?,
             timeout,
             ranks_per_node,
             rejoins: None,
         };
-        let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
-            let store = |e: PyErr| {
-                bad(format!(
-                    "exchanging zeropp's addresses through the torch.distributed store: {e}"
-                ))
-            };
-            let all = exchange
-                .bind(py)
-                .call1((PyBytes::new(py, &mine),))
-                .map_err(store)?;
-            let all = all.cast::<PyList>().map_err(|e| store(e.into()))?;
-            all.iter()
-                .map(|b| b.extract::<Vec<u8>>().map_err(store))
-                .collect()
-        };
-        let joined = exchange::join(
-            &opts,
-            serde_json::json!({ "topology": topology }),
-            &mut call_exchange,
-        )
-        .map_err(to_py)?;
+        let joined = join_through_store(py, &exchange, &opts)?;
         let g = joined.hosts.ranks_per_node;
         let layout = Layout {
             nodes: world_size / g,
             ranks_per_node: g,
             rank,
         };
-        let tops: Option<Vec<zeropp_topology::Topology>> = (0..layout.nodes)
-            .map(|n| serde_json::from_value(joined.peers[n * g].facts["topology"].clone()).ok())
-            .collect();
-        let routing = tops
-            .ok_or_else(|| "not every node could read its topology".to_string())
-            .and_then(|t| zeropp_topology::plan::cluster(&t, g));
+        let routing = cluster_routing(&joined, layout);
         let transport = joined.transport.name();
         let counter = Arc::new(CountingTransport::new(joined.transport, g));
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));

@@ -427,40 +427,51 @@ def rank_env(rank, world, port, **extra):
     )
 
 
-@pytest.mark.parametrize(
-    "transport,device",
-    [("tcp", ""), ("ucx", ""), ("tcp", "emulated")],
-    ids=["tcp", "ucx", "emulated"],
-)
-def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport, device):
-    port, world, victim = free_port(), 4, 3
+def run_kill_workers(world, victim, **env):
+    """Runs workers/kill.py on `world` ranks (rank `victim` dies or stops
+    mid-step); the others' (returncode, stdout, stderr) once they ended,
+    the victim's too unless it stopped, and how long it all took."""
+    port = free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKERS / "kill.py")],
-            env=rank_env(
-                r,
-                world,
-                port,
-                KILL_RANK=str(victim),
-                ZEROPP_TRANSPORT=transport,
-                ZEROPP_TIMEOUT_S="30",
-                ZEROPP_DEVICE=device,
-            ),
+            env=rank_env(r, world, port, KILL_RANK=str(victim), **env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for r in range(world)
     ]
+    stops = env.get("KILL_SIGNAL") == "stop"
     start = time.monotonic()
     outputs = []
     try:
-        for p in procs:
+        for r, p in enumerate(procs):
+            if stops and r == victim:
+                outputs.append((None, "", ""))
+                continue
             out, err = p.communicate(timeout=120)
             outputs.append((p.returncode, out, err))
     finally:
         for p in procs:
             p.kill()
+    return outputs, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "transport,device",
+    [("tcp", ""), ("ucx", ""), ("tcp", "emulated")],
+    ids=["tcp", "ucx", "emulated"],
+)
+def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport, device):
+    world, victim = 4, 3
+    outputs, took = run_kill_workers(
+        world,
+        victim,
+        ZEROPP_TRANSPORT=transport,
+        ZEROPP_TIMEOUT_S="30",
+        ZEROPP_DEVICE=device,
+    )
     assert outputs[victim][0] == 17, outputs[victim]
     for r, (code, out, err) in enumerate(outputs):
         if r == victim:
@@ -469,7 +480,7 @@ def test_a_rank_killed_mid_step_is_named_by_every_other_rank(transport, device):
         assert f"rank {victim} failed" in err and "PeerError" in err, (
             f"rank {r} must name rank {victim}:\n{err[-3000:]}"
         )
-    assert time.monotonic() - start < 90
+    assert took < 90
 
 
 @pytest.mark.parametrize("device", ["", "emulated"], ids=["host", "emulated"])
@@ -478,36 +489,17 @@ def test_a_rank_stopped_mid_step_is_named_by_every_other_rank(device):
     # times out and finds it silent; the others, stuck behind that rank,
     # must name it too (not the rank they waited on), and their next step
     # must fail at once.
-    port, world, victim, timeout_s = free_port(), 4, 3, 10
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKERS / "kill.py")],
-            env=rank_env(
-                r,
-                world,
-                port,
-                KILL_RANK=str(victim),
-                KILL_SIGNAL="stop",
-                ZEROPP_TIMEOUT_S=str(timeout_s),
-                ZEROPP_DEVICE=device,
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    start = time.monotonic()
-    outputs = {}
-    try:
-        for r, p in enumerate(procs):
-            if r != victim:
-                outputs[r] = p.communicate(timeout=120)
-    finally:
-        for p in procs:
-            p.kill()
-    took = time.monotonic() - start
-    for r, (out, err) in outputs.items():
+    world, victim = 4, 3
+    outputs, took = run_kill_workers(
+        world,
+        victim,
+        KILL_SIGNAL="stop",
+        ZEROPP_TIMEOUT_S="10",
+        ZEROPP_DEVICE=device,
+    )
+    for r, (_, out, err) in enumerate(outputs):
+        if r == victim:
+            continue
         first = [line for line in out.splitlines() if line.startswith("first error:")]
         nxt = [line for line in out.splitlines() if line.startswith("next error after")]
         assert first and nxt, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"

@@ -58,115 +58,20 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
     let c = &job.comm;
     let g = job.world_group();
     let p = g.size();
-    let me = c.rank();
-    let next = (me + 1) % p;
-    let prev = (me + p - 1) % p;
-    if me == 0 {
-        println!(
-            "zeropp bench collectives: {p} ranks, transport {}, {iters} iterations per size; \
-             busbw in GB/s, ratio = busbw / raw ring point-to-point bandwidth; memcpy: every rank copying \
-             the same bytes at once (its ratio: raw / memcpy)",
-            c.transport().name()
-        );
-        println!(
-            "{:>8} {:>10} {:>8} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
-            "size",
-            "raw p2p",
-            "memcpy",
-            "ratio",
-            "allgather",
-            "ratio",
-            "red-scat",
-            "ratio",
-            "allreduce",
-            "ratio",
-            "alltoall",
-            "ratio"
-        );
+    if c.rank() == 0 {
+        print_header(p, iters, c.transport().name());
     }
     let mut raw_tag = 1u64 << 63;
     let mut rows = Vec::new();
     for &size in sizes {
         let size = size.max(4 * p) / (4 * p) * (4 * p); // whole f32 per rank
-        let moved = size as f64 * (p - 1) as f64 / p as f64;
-        // Raw: every rank streams (p-1)/p of the buffer to its successor.
-        let payload = Bytes::from(vec![1u8; moved as usize]);
-        let raw = timed(c, &g, iters, || {
-            raw_tag += 1;
-            let h = c.transport().send(next, raw_tag, payload.clone())?;
-            c.transport().recv(prev, raw_tag, c.timeout())?;
-            h.wait(next, c.timeout())?;
-            Ok(())
-        })?;
-        // The copy limit: every rank at once copies what it would send into
-        // a buffer of its own (touched before, like the pool's buffers).
-        let mut copy_to = vec![0u8; moved as usize];
-        let copy = timed(c, &g, iters, || {
-            copy_to.copy_from_slice(&payload);
-            std::hint::black_box(&mut copy_to);
-            Ok(())
-        })?;
-        let block = Bytes::from(vec![me as u8; size / p]);
-        // The block form: what the engine consumes (the contiguous form
-        // `all_gather` adds one copy of the result).
-        let ag = timed(c, &g, iters, || {
-            c.all_gather_v(&g, block.clone())
-                .map(|_| ())
-                .map_err(Into::into)
-        })?;
-        let data: Vec<f32> = (0..size / 4).map(|i| (i % 7) as f32).collect();
-        // Handed over like the engine's gradients, built once like the other
-        // collectives' inputs.
-        let owned = f32_vec_bytes(data.clone());
-        let f32_bounds = f32_byte_bounds(size / 4, p);
-        let rs = timed(c, &g, iters, || {
-            c.reduce_scatter_bytes(&g, owned.clone(), &f32_bounds, &SumF32)
-                .map(|_| ())
-                .map_err(Into::into)
-        })?;
-        // Into a buffer kept across calls, as MPI_Allreduce's receive buffer.
-        let mut reduced = vec![0f32; data.len()];
-        let ar = timed(c, &g, iters, || {
-            c.all_reduce_f32_into(&g, &data, &mut reduced)
-                .map_err(Into::into)
-        })?;
-        // Built once, like Open MPI's send buffer below (a fresh buffer per
-        // call would time its page faults, not the collective).
-        let to_each: Vec<Bytes> = balanced_bounds(size, p)
-            .iter()
-            .map(|r| Bytes::from(vec![me as u8; r.len()]))
-            .collect();
-        let a2a = timed(c, &g, iters, || {
-            c.all_to_all_v(&g, to_each.clone())
-                .map(|_| ())
-                .map_err(Into::into)
-        })?;
-        if me == 0 {
-            let gbs = |bytes: f64, t: f64| bytes / t / 1e9;
-            let raw_bw = gbs(moved, raw);
-            let copy_bw = gbs(moved, copy);
-            let row = [
-                gbs(moved, ag),
-                gbs(moved, rs),
-                gbs(2.0 * moved, ar),
-                gbs(moved, a2a),
-            ];
-            print!(
-                "{:>8} {:>10.3} {:>8.3} {:>5.2}x",
-                human(size),
-                raw_bw,
-                copy_bw,
-                raw_bw / copy_bw
-            );
-            for bw in row {
-                print!(" | {:>9.3} {:>5.2}x", bw, bw / raw_bw);
-            }
-            println!();
-            rows.push((size, row));
+        let row = time_one_size(c, &g, size, iters, &mut raw_tag)?;
+        if c.rank() == 0 {
+            rows.push((size, row.print(size, p)));
         }
     }
     c.barrier(&g)?;
-    if me == 0 {
+    if c.rank() == 0 {
         let one_host = job
             .table
             .iter()
@@ -179,6 +84,141 @@ pub fn run(sizes: &[usize], iters: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_header(p: usize, iters: usize, transport: &str) {
+    println!(
+        "zeropp bench collectives: {p} ranks, transport {transport}, {iters} iterations per size; \
+         busbw in GB/s, ratio = busbw / raw ring point-to-point bandwidth; memcpy: every rank copying \
+         the same bytes at once (its ratio: raw / memcpy)"
+    );
+    println!(
+        "{:>8} {:>10} {:>8} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6} | {:>9} {:>6}",
+        "size",
+        "raw p2p",
+        "memcpy",
+        "ratio",
+        "allgather",
+        "ratio",
+        "red-scat",
+        "ratio",
+        "allreduce",
+        "ratio",
+        "alltoall",
+        "ratio"
+    );
+}
+
+/// Seconds per call of each measurement on one buffer size.
+struct Timed {
+    raw: f64,
+    copy: f64,
+    all_gather: f64,
+    reduce_scatter: f64,
+    all_reduce: f64,
+    all_to_all: f64,
+}
+
+impl Timed {
+    /// Prints the row (bus bandwidths and their ratios to the raw ring's)
+    /// and returns the collectives' bandwidths.
+    fn print(&self, size: usize, p: usize) -> [f64; 4] {
+        let moved = size as f64 * (p - 1) as f64 / p as f64;
+        let gbs = |bytes: f64, t: f64| bytes / t / 1e9;
+        let raw_bw = gbs(moved, self.raw);
+        let copy_bw = gbs(moved, self.copy);
+        let row = [
+            gbs(moved, self.all_gather),
+            gbs(moved, self.reduce_scatter),
+            gbs(2.0 * moved, self.all_reduce),
+            gbs(moved, self.all_to_all),
+        ];
+        print!(
+            "{:>8} {:>10.3} {:>8.3} {:>5.2}x",
+            human(size),
+            raw_bw,
+            copy_bw,
+            raw_bw / copy_bw
+        );
+        for bw in row {
+            print!(" | {:>9.3} {:>5.2}x", bw, bw / raw_bw);
+        }
+        println!();
+        row
+    }
+}
+
+/// Times the raw ring, the copy limit and each collective on `size` bytes.
+fn time_one_size(
+    c: &Communicator,
+    g: &Group,
+    size: usize,
+    iters: usize,
+    raw_tag: &mut u64,
+) -> Result<Timed> {
+    let (p, me) = (g.size(), c.rank());
+    let (next, prev) = ((me + 1) % p, (me + p - 1) % p);
+    let moved = size as f64 * (p - 1) as f64 / p as f64;
+    // Raw: every rank streams (p-1)/p of the buffer to its successor.
+    let payload = Bytes::from(vec![1u8; moved as usize]);
+    let raw = timed(c, g, iters, || {
+        *raw_tag += 1;
+        let h = c.transport().send(next, *raw_tag, payload.clone())?;
+        c.transport().recv(prev, *raw_tag, c.timeout())?;
+        h.wait(next, c.timeout())?;
+        Ok(())
+    })?;
+    // The copy limit: every rank at once copies what it would send into
+    // a buffer of its own (touched before, like the pool's buffers).
+    let mut copy_to = vec![0u8; moved as usize];
+    let copy = timed(c, g, iters, || {
+        copy_to.copy_from_slice(&payload);
+        std::hint::black_box(&mut copy_to);
+        Ok(())
+    })?;
+    let block = Bytes::from(vec![me as u8; size / p]);
+    // The block form: what the engine consumes (the contiguous form
+    // `all_gather` adds one copy of the result).
+    let all_gather = timed(c, g, iters, || {
+        c.all_gather_v(g, block.clone())
+            .map(|_| ())
+            .map_err(Into::into)
+    })?;
+    let data: Vec<f32> = (0..size / 4).map(|i| (i % 7) as f32).collect();
+    // Handed over like the engine's gradients, built once like the other
+    // collectives' inputs.
+    let owned = f32_vec_bytes(data.clone());
+    let f32_bounds = f32_byte_bounds(size / 4, p);
+    let reduce_scatter = timed(c, g, iters, || {
+        c.reduce_scatter_bytes(g, owned.clone(), &f32_bounds, &SumF32)
+            .map(|_| ())
+            .map_err(Into::into)
+    })?;
+    // Into a buffer kept across calls, as MPI_Allreduce's receive buffer.
+    let mut reduced = vec![0f32; data.len()];
+    let all_reduce = timed(c, g, iters, || {
+        c.all_reduce_f32_into(g, &data, &mut reduced)
+            .map_err(Into::into)
+    })?;
+    // Built once, like Open MPI's send buffer below (a fresh buffer per
+    // call would time its page faults, not the collective).
+    let to_each: Vec<Bytes> = balanced_bounds(size, p)
+        .iter()
+        .map(|r| Bytes::from(vec![me as u8; r.len()]))
+        .collect();
+    let all_to_all = timed(c, g, iters, || {
+        c.all_to_all_v(g, to_each.clone())
+            .map(|_| ())
+            .map_err(Into::into)
+    })?;
+    Ok(Timed {
+        raw,
+        copy,
+        all_gather,
+        reduce_scatter,
+        all_reduce,
+        all_to_all,
+    })
 }
 
 /// The same collectives through Open MPI on this host, after zeropp's own

@@ -100,37 +100,8 @@ pub struct PlanArgs {
 
 /// Runs `zeropp plan` with `a`.
 pub fn run(a: &PlanArgs) -> Result<()> {
-    let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
-        (Some(c), None, _) => c,
-        (None, Some(path), _) => compute_from_summary(path)?,
-        (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
-        (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
-        // The measured run's own compute.
-        (None, None, None) if a.measured.is_some() => {
-            compute_from_summary(a.measured.as_deref().expect("checked"))?
-        }
-        _ => bail!(
-            "give the compute per step: --compute-s S, --compute-from SUMMARY_JSON, or --tflops T (with --tokens-per-rank)"
-        ),
-    };
-    if !(compute_s.is_finite() && compute_s >= 0.0) {
-        bail!("the compute per step must be a non-negative number of seconds, not {compute_s}");
-    }
-    let quant_gbps = match a.quant_gbps {
-        Some(q) if q > 0.0 && q.is_finite() => q,
-        Some(q) => bail!("--quant-gbps must be a positive number of GB/s, not {q}"),
-        // The run's own figure replaces it.
-        None if a.measured.is_some() => 1.0,
-        None => {
-            let q = crate::planner::measure_quant_gbps()?;
-            if !a.json {
-                println!(
-                    "quantization: {q:.2} GB/s of f32 measured on this CPU (one thread; give --quant-gbps for GPU kernels)"
-                );
-            }
-            q
-        }
-    };
+    let compute_s = compute_per_step(a)?;
+    let quant_gbps = quantize_speed(a)?;
     if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
         bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
     }
@@ -157,16 +128,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     };
     let run = match &a.measured {
         None => None,
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("reading the run summary {}", path.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("{} is not JSON", path.display()))?;
-            Some(
-                crate::planner::from_run(&v, &input)
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?,
-            )
-        }
+        Some(path) => Some(measured_run(path, &input)?),
     };
     let input = run.as_ref().map_or(input, |r| r.input.clone());
     let this_run = run.as_ref().map(|r| {
@@ -190,25 +152,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         ),
     };
     if a.json {
-        let preds = input.compare();
-        if let Some(isl) = &islands {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&serde_json::json!({
-                    "input": input, "predictions": preds, "islands": isl, "run": this_run,
-                }))?
-            );
-            return Ok(());
-        }
-        match this_run {
-            None => println!("{}", serde_json::to_string_pretty(&preds)?),
-            Some(r) => println!(
-                "{}",
-                serde_json::to_string_pretty(
-                    &serde_json::json!({ "run": r, "input": input, "predictions": preds })
-                )?
-            ),
-        }
+        print_json(&input, this_run, islands)
     } else {
         let tokens = a.tokens_per_rank * input.world() as f64;
         print!("{}", zeropp_topology::cost::render(&input, tokens));
@@ -218,7 +162,80 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         if let Some(isl) = &islands {
             print!("{}", zeropp_topology::cost::render_islands(&input, isl));
         }
+        Ok(())
     }
+}
+
+/// The compute per step the plan is for: given, read from a run's
+/// summary, or estimated from the model's FLOPs and the device's TFLOP/s.
+fn compute_per_step(a: &PlanArgs) -> Result<f64> {
+    let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
+        (Some(c), None, _) => c,
+        (None, Some(path), _) => compute_from_summary(path)?,
+        (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
+        (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
+        // The measured run's own compute.
+        (None, None, None) if a.measured.is_some() => {
+            compute_from_summary(a.measured.as_deref().expect("checked"))?
+        }
+        _ => bail!(
+            "give the compute per step: --compute-s S, --compute-from SUMMARY_JSON, or --tflops T (with --tokens-per-rank)"
+        ),
+    };
+    if !(compute_s.is_finite() && compute_s >= 0.0) {
+        bail!("the compute per step must be a non-negative number of seconds, not {compute_s}");
+    }
+    Ok(compute_s)
+}
+
+/// The quantizer's speed: given, the measured run's own, or measured on
+/// this CPU now.
+fn quantize_speed(a: &PlanArgs) -> Result<f64> {
+    match a.quant_gbps {
+        Some(q) if q > 0.0 && q.is_finite() => Ok(q),
+        Some(q) => bail!("--quant-gbps must be a positive number of GB/s, not {q}"),
+        // The run's own figure replaces it.
+        None if a.measured.is_some() => Ok(1.0),
+        None => {
+            let q = crate::planner::measure_quant_gbps()?;
+            if !a.json {
+                println!(
+                    "quantization: {q:.2} GB/s of f32 measured on this CPU (one thread; give --quant-gbps for GPU kernels)"
+                );
+            }
+            Ok(q)
+        }
+    }
+}
+
+/// The run a `--measured` summary describes, as the plan's input.
+fn measured_run(
+    path: &std::path::Path,
+    input: &zeropp_topology::cost::PlanInput,
+) -> Result<crate::planner::FromRun> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the run summary {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    crate::planner::from_run(&v, input).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
+/// `--json`: the predictions, with the measured run and the islands' when
+/// asked for.
+fn print_json(
+    input: &zeropp_topology::cost::PlanInput,
+    this_run: Option<serde_json::Value>,
+    islands: Option<Vec<zeropp_topology::cost::IslandsPrediction>>,
+) -> Result<()> {
+    let preds = input.compare();
+    let out = match (islands, this_run) {
+        (Some(isl), run) => serde_json::json!({
+            "input": input, "predictions": preds, "islands": isl, "run": run,
+        }),
+        (None, None) => serde_json::to_value(&preds)?,
+        (None, Some(r)) => serde_json::json!({ "run": r, "input": input, "predictions": preds }),
+    };
+    println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
 }
 

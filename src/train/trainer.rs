@@ -15,6 +15,7 @@ use bytes::Bytes;
 use crate::comm::env::RankFacts;
 use crate::comm::job::Job;
 use crate::engine::{Engine, EngineConfig, StepStats};
+use crate::train::auto_islands::IslandsChosen;
 use crate::train::checkpoint;
 use crate::train::config::{Mode, TrainConfig};
 use crate::train::data::Dataset;
@@ -505,17 +506,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     };
     // `auto` measures the whole job's links before it chooses.
     let island = island_of(asked_islands.unwrap_or(1))?;
-    let published = if facts.local_rank == 0 {
-        match zeropp_topology::detect::detect(Path::new("/")) {
-            Ok(t) => serde_json::json!({ "topology": t }),
-            Err(e) => {
-                tracing::debug!("no topology facts: {e}");
-                serde_json::Value::Null
-            }
-        }
-    } else {
-        serde_json::Value::Null
-    };
+    let published = published_facts(facts);
     let (transport, table) = match cfg.launch.transport {
         Some(kind) => Job::connect_over(kind, facts, published)?,
         None => Job::connect(facts, published)?,
@@ -554,28 +545,8 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
             )
         })
     };
-    let mut proposed = None;
-    let (islands, chosen) = match asked_islands {
-        // The default, one job, on measured links: what the plan would
-        // propose (from the cross link measured at join; no more probing).
-        Some(1) if measured.is_some() && layout.nodes > 1 => {
-            // A proposal only: where the plan cannot make one, the run
-            // goes on as asked.
-            proposed = match plan_islands(false) {
-                Ok(c) => Some(c).filter(|c| c.islands > 1),
-                Err(e) => {
-                    tracing::debug!("no islands proposal: {e}");
-                    None
-                }
-            };
-            (1, None)
-        }
-        Some(n) => (n, None),
-        None => {
-            let c = plan_islands(true)?;
-            (c.islands, Some(c))
-        }
-    };
+    let proposes = measured.is_some() && layout.nodes > 1;
+    let (islands, chosen, proposed) = decide_islands(asked_islands, proposes, plan_islands)?;
     let island = island_of(islands)?;
     let mut wanted = wanted;
     let mut inside = std::collections::BTreeMap::new();
@@ -617,6 +588,50 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         measured,
         islands,
         chosen,
+    })
+}
+
+/// What this rank publishes when joining: its machine's topology on each
+/// node's first rank, nothing on the others.
+fn published_facts(facts: &RankFacts) -> serde_json::Value {
+    if facts.local_rank != 0 {
+        return serde_json::Value::Null;
+    }
+    match zeropp_topology::detect::detect(Path::new("/")) {
+        Ok(t) => serde_json::json!({ "topology": t }),
+        Err(e) => {
+            tracing::debug!("no topology facts: {e}");
+            serde_json::Value::Null
+        }
+    }
+}
+
+/// How many islands the run trains as: `asked` (None: `auto`, the plan's
+/// choice, `plan(true)` probing the seams), and the `auto` choice and a
+/// proposal where one job was asked on measured links across nodes
+/// (`proposes`; from the link measured at join, no more probing) — only a
+/// proposal: where the plan cannot make one, the run goes on as asked.
+fn decide_islands(
+    asked: Option<usize>,
+    proposes: bool,
+    plan: impl Fn(bool) -> Result<IslandsChosen>,
+) -> Result<(usize, Option<IslandsChosen>, Option<IslandsChosen>)> {
+    Ok(match asked {
+        Some(1) if proposes => {
+            let proposed = match plan(false) {
+                Ok(c) => Some(c).filter(|c| c.islands > 1),
+                Err(e) => {
+                    tracing::debug!("no islands proposal: {e}");
+                    None
+                }
+            };
+            (1, None, proposed)
+        }
+        Some(n) => (n, None, None),
+        None => {
+            let c = plan(true)?;
+            (c.islands, Some(c), None)
+        }
     })
 }
 
