@@ -85,6 +85,10 @@ impl Transport for InProcess {
         self.mailboxes[self.rank].peer_died(peer, reason)
     }
 
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        self.mailboxes[self.rank].sources_with(tag)
+    }
+
     fn name(&self) -> &'static str {
         "inproc"
     }

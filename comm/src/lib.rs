@@ -209,6 +209,13 @@ pub trait Transport: Send + Sync {
     /// Whether a message from `peer` under `tag` has arrived (a receive
     /// would not wait).
     fn probe(&self, peer: usize, tag: Tag) -> bool;
+    /// The peers with a message under `tag` waiting (a receive from each
+    /// would not wait).
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        (0..self.world_size())
+            .filter(|&p| p != self.rank() && self.probe(p, tag))
+            .collect()
+    }
     /// The same bytes, placed where a send to `peer` need not copy them,
     /// for a buffer the caller both sends and keeps (UCX: in this rank's
     /// shared segment, for a node-local peer); otherwise `data` itself.
@@ -254,6 +261,9 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
     fn probe(&self, peer: usize, tag: Tag) -> bool {
         (**self).probe(peer, tag)
+    }
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        (**self).waiting_from(tag)
     }
     fn stage(&self, peer: usize, data: Bytes) -> Bytes {
         (**self).stage(peer, data)

@@ -200,7 +200,7 @@ fn tell_everyone(t: &dyn Transport, peer: usize, reason: &str) {
 fn respond(t: &dyn Transport, waits: &Mutex<Vec<usize>>, stopped: &mpsc::Receiver<()>) {
     let ping = ping_tag();
     while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(POLL) {
-        for peer in (0..t.world_size()).filter(|&p| p != t.rank()) {
+        for peer in t.waiting_from(ping) {
             while t.probe(peer, ping) {
                 let Ok(b) = t.recv(peer, ping, Duration::ZERO) else {
                     break;

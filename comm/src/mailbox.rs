@@ -219,6 +219,18 @@ impl Mailbox {
     pub fn has(&self, source: usize, tag: Tag) -> bool {
         self.lock().queues.contains_key(&(source, tag))
     }
+
+    /// The sources with a message under `tag` waiting (one look, however
+    /// many ranks the job has).
+    pub fn sources_with(&self, tag: Tag) -> Vec<usize> {
+        let state = self.lock();
+        state
+            .queues
+            .keys()
+            .filter(|(_, t)| *t == tag)
+            .map(|(s, _)| *s)
+            .collect()
+    }
 }
 
 #[cfg(test)]

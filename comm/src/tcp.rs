@@ -642,6 +642,10 @@ impl Transport for TcpTransport {
         self.mailbox.peer_died(peer, reason)
     }
 
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        self.mailbox.sources_with(tag)
+    }
+
     fn name(&self) -> &'static str {
         "tcp"
     }

@@ -269,6 +269,10 @@ impl Transport for CountingTransport {
     fn declare_dead(&self, peer: usize, reason: String) {
         self.inner.declare_dead(peer, reason)
     }
+
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        self.inner.waiting_from(tag)
+    }
 }
 
 #[cfg(test)]

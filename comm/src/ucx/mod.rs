@@ -1334,6 +1334,10 @@ impl Transport for UcxTransport {
         self.mailbox.peer_died(peer, reason)
     }
 
+    fn waiting_from(&self, tag: Tag) -> Vec<usize> {
+        self.mailbox.sources_with(tag)
+    }
+
     fn name(&self) -> &'static str {
         "ucx"
     }
