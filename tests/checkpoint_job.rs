@@ -610,9 +610,15 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
     let after = lost[0]["after_step"].as_u64().unwrap();
     assert!((20..1000).contains(&after), "{sm}");
     // Named by the rank that saw it: rank 2 itself, or rank 3 (across
-    // from rank 1), which ends once rank 2 is gone.
+    // from rank 1), which ends once rank 2 is gone. The summary is rank
+    // 0's: where rank 1 saw it first (a race under load), rank 0 relays
+    // it, naming the rank when the job-wide call carried it.
     let why = lost[0]["why"].as_str().unwrap();
-    assert!(why.contains("rank 2") || why.contains("rank 3"), "{sm}");
+    let relayed = why.starts_with("another rank of this island lost it");
+    assert!(
+        why.contains("rank 2") || why.contains("rank 3") || relayed,
+        "{sm}"
+    );
     assert!(sm["val_loss"].as_f64().unwrap().is_finite(), "{sm}");
     // Island 0 never stopped for long: every step it logged (the one
     // that found island 1 gone included) took seconds at most.

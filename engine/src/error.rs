@@ -14,6 +14,10 @@ pub enum EngineError {
     /// The switches cannot run on this layout.
     #[error("invalid switches: {0}")]
     Switches(String),
+    /// The switches or the job's shape make no plan (the switch at fault
+    /// is in the error).
+    #[error("invalid switches: {0}")]
+    Plan(#[from] zeropp_zero::plan::PlanError),
     #[error(
         "the transport is rank {transport_rank} of {transport_world}, the layout says rank \
          {rank} of {world} ({nodes} nodes x {ranks_per_node})"

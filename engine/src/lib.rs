@@ -323,8 +323,8 @@ impl Engine {
         }
         let job = layout;
         let count = cfg.islands.map_or(1, |i| i.count);
-        let (island, layout) = job.island(count).map_err(EngineError::Switches)?;
-        let plan = Plan::new(layout, &cfg.switches).map_err(EngineError::Switches)?;
+        let (island, layout) = job.island(count)?;
+        let plan = Plan::new(layout, &cfg.switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm.clone());
         let (_, groups, across) = ZeroGroups::island(&job, count, plan.hpz_group)?;
@@ -954,13 +954,17 @@ impl Engine {
                 return Ok(result?);
             };
             let count = run.cfg.count;
-            // Per island: a rank of it failed a call here; last: a call
-            // failed here at all.
-            let mut failed = vec![0f32; count + 1];
+            // Per island: a rank of it failed a call here; then a call
+            // failed here at all; then per island the failed rank + 1 (so
+            // a rank that only hears of it can name the rank when one
+            // rank of this island saw it).
+            let mut failed = vec![0f32; 2 * count + 1];
             if let Err(e) = &result {
                 failed[count] = 1.0;
                 if let Some(peer) = e.failed_peer().filter(|&p| p < self.job.world()) {
-                    failed[islands::lock(&run.members).island_of(peer)] = 1.0;
+                    let island = islands::lock(&run.members).island_of(peer);
+                    failed[island] = 1.0;
+                    failed[count + 1 + island] = (peer + 1) as f32;
                 }
             }
             let agreed = self.sum_over_island(&failed)?;
@@ -973,6 +977,10 @@ impl Engine {
                 if n > 0.0 {
                     let why = match &result {
                         Err(e) => e.what_happened(),
+                        Ok(_) if n == 1.0 => format!(
+                            "another rank of this island lost it: rank {} failed",
+                            agreed[count + 1 + i] as usize - 1
+                        ),
                         Ok(_) => "another rank of this island lost it".into(),
                     };
                     lost |= m.lose(i, self.step as u64, why)?;

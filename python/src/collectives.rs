@@ -314,7 +314,7 @@ impl Job {
         let dim = match self.find_dim(&ranks)? {
             Some(dim) => dim,
             None => {
-                let layout = self.layout.of_ranks(&ranks).map_err(invalid)?;
+                let layout = self.layout.of_ranks(&ranks).map_err(to_py)?;
                 let groups = ZeroGroups::of_ranks(&layout, &ranks, |set| {
                     self.group_of_set(set, &mut number)
                 })
@@ -768,7 +768,7 @@ fn resolve(
 ) -> PyResult<String> {
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)
         .map_err(|e| invalid(format!("switches are not a JSON object: {e}")))?;
-    let r = plan::resolve_mode(mode, &asked, layout, routing, measured).map_err(invalid)?;
+    let r = plan::resolve_mode(mode, &asked, layout, routing, measured).map_err(to_py)?;
     serde_json::to_string(&r).map_err(|e| invalid(e.to_string()))
 }
 
@@ -866,7 +866,7 @@ impl QgzState {
         inter_block: Option<usize>,
     ) -> PyResult<QgzState> {
         let (intra, inter) =
-            plan::gradient_formats(intra_bits, block, inter_block).map_err(invalid)?;
+            plan::gradient_formats(intra_bits, block, inter_block).map_err(to_py)?;
         Ok(QgzState {
             intra,
             inter,

@@ -210,7 +210,11 @@ fn an_hpz_group_that_does_not_divide_the_node_is_an_error() {
         rank: 0,
     };
     let err = Plan::new(layout, &s).unwrap_err();
-    assert!(err.contains("does not divide the 4 ranks"), "{err}");
+    assert_eq!(switch_of(&err), "hpz_group", "{err}");
+    assert!(
+        err.to_string().contains("does not divide the 4 ranks"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -269,7 +273,8 @@ fn weight_differences_without_qwz_bits_are_an_error() {
         &s,
     )
     .unwrap_err();
-    assert!(e.contains("set qwz_bits"), "{e}");
+    assert_eq!(switch_of(&e), "qwz_delta", "{e}");
+    assert!(e.to_string().contains("set qwz_bits"), "{e}");
 }
 
 #[test]
@@ -284,7 +289,16 @@ fn a_hadamard_hop_without_qgz_is_an_error() {
         rank: 0,
     };
     let e = Plan::new(layout, &s).unwrap_err();
-    assert!(e.contains("turn qgz on"), "{e}");
+    assert_eq!(switch_of(&e), "qgz_hadamard", "{e}");
+    assert!(e.to_string().contains("turn qgz on"), "{e}");
+}
+
+/// The switch a plan error names (the test fails on a layout error).
+fn switch_of(e: &crate::zero::plan::PlanError) -> &str {
+    match e {
+        crate::zero::plan::PlanError::Switch { switch, .. } => switch,
+        other => panic!("a layout error where a switch was expected: {other}"),
+    }
 }
 
 #[test]

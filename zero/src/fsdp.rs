@@ -64,7 +64,7 @@ impl Gather {
                 ));
             }
             (None, None) => return Ok(Gather::Plain),
-            (Some(bits), _) => plan::weight_format(bits, block).map_err(ZeroError::Invalid)?,
+            (Some(bits), _) => plan::weight_format(bits, block)?,
         };
         if !over_world {
             return Ok(Gather::Plain);

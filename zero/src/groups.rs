@@ -84,7 +84,9 @@ impl ZeroGroups {
         islands: usize,
         hpz_group: usize,
     ) -> Result<(Layout, ZeroGroups, Arc<Group>), CommError> {
-        let (island, l) = job.island(islands).map_err(CommError::Group)?;
+        let (island, l) = job
+            .island(islands)
+            .map_err(|e| CommError::Group(e.to_string()))?;
         let size = l.world();
         let across = Arc::new(Group::new(
             GroupKind::Across {

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
 use zeropp_topology::plan::ClusterView;
 
+use super::error::ZeroError;
 use super::probe::Measured;
 
 /// Where this rank sits: `nodes` × `ranks_per_node`, ranks numbered node by
@@ -40,13 +41,13 @@ impl Layout {
     /// This rank's island when the job is cut into `islands` islands of
     /// consecutive whole nodes: the island's number and its layout (this
     /// rank's place among the island's ranks).
-    pub fn island(&self, islands: usize) -> Result<(usize, Layout), String> {
+    pub fn island(&self, islands: usize) -> Result<(usize, Layout), PlanError> {
         if islands == 0 || !self.nodes.is_multiple_of(islands) {
-            return Err(format!(
+            return Err(PlanError::layout(format!(
                 "{islands} islands of a job of {} nodes: the islands are equal sets of whole \
                  nodes, so their number must divide the nodes (1 to {})",
                 self.nodes, self.nodes
-            ));
+            )));
         }
         let nodes = self.nodes / islands;
         let size = nodes * self.ranks_per_node;
@@ -65,22 +66,22 @@ impl Layout {
     /// this rank is its position among them. The ranks must be ascending
     /// and hold as many ranks of every node they span, so that position p
     /// is local rank p mod g of node p / g, as on the whole job.
-    pub fn of_ranks(&self, ranks: &[usize]) -> Result<Layout, String> {
+    pub fn of_ranks(&self, ranks: &[usize]) -> Result<Layout, PlanError> {
         let ascending = ranks.windows(2).all(|p| p[0] < p[1]);
         let position = ranks.iter().position(|&r| r == self.rank);
         let (Some(&last), true, Some(rank)) = (ranks.last(), ascending, position) else {
-            return Err(format!(
+            return Err(PlanError::layout(format!(
                 "a mesh dimension over ranks {ranks:?}: zeropp serves a dimension whose ranks \
                  are ascending and include this rank {} (build the mesh with \
                  init_device_mesh, which orders them so)",
                 self.rank
-            ));
+            )));
         };
         if last >= self.world() {
-            return Err(format!(
+            return Err(PlanError::layout(format!(
                 "a mesh dimension over ranks {ranks:?} in a job of {} ranks",
                 self.world()
-            ));
+            )));
         }
         let mut per_node: Vec<(usize, usize)> = Vec::new();
         for &r in ranks {
@@ -91,13 +92,13 @@ impl Layout {
         }
         let g = per_node[0].1;
         if let Some(&(node, count)) = per_node.iter().find(|(_, c)| *c != g) {
-            return Err(format!(
+            return Err(PlanError::layout(format!(
                 "a mesh dimension over ranks {ranks:?} holds {g} ranks of node {} but {count} \
                  of node {node}: zeropp shards over a dimension with as many ranks on every \
                  node it spans (nodes of {} ranks); shape the mesh so that each node holds an \
                  equal part of it",
                 per_node[0].0, self.ranks_per_node
-            ));
+            )));
         }
         Ok(Layout {
             nodes: per_node.len(),
@@ -122,20 +123,20 @@ impl Layout {
     /// Checks a group a collective may run over besides the world:
     /// consecutive ranks of one node that include this rank (FSDP2's
     /// `reshard_after_forward=<int>` groups, hpZ's).
-    pub fn check_subgroup(&self, ranks: &[usize]) -> Result<(), String> {
+    pub fn check_subgroup(&self, ranks: &[usize]) -> Result<(), PlanError> {
         let consecutive = ranks.windows(2).all(|p| p[1] == p[0] + 1);
         let inside = matches!((ranks.first(), ranks.last()),
             (Some(&f), Some(&l)) if l < self.world() && self.node_of(f) == self.node_of(l));
         if consecutive && inside && ranks.contains(&self.rank) {
             return Ok(());
         }
-        Err(format!(
+        Err(PlanError::layout(format!(
             "zeropp gathers over the world (ranks 0..{}) or over consecutive ranks of one node \
              that include this rank {} (FSDP2's reshard_after_forward=<int> groups); got ranks \
              {ranks:?}: use a 1-D mesh over the whole job",
             self.world(),
             self.rank
-        ))
+        )))
     }
 }
 
@@ -360,7 +361,7 @@ pub fn resolve(
     layout: Layout,
     routing: &Result<ClusterView, String>,
     measured: Option<&Measured>,
-) -> Result<Resolved, String> {
+) -> Result<Resolved, PlanError> {
     let mut why = BTreeMap::new();
     for a in asked {
         why.insert(a.to_string(), "asked".to_string());
@@ -414,38 +415,43 @@ pub fn resolve_mode(
     layout: Layout,
     routing: &Result<ClusterView, String>,
     measured: Option<&Measured>,
-) -> Result<Resolved, String> {
+) -> Result<Resolved, PlanError> {
     let block = 256;
     let base = match mode {
         "zeropp" => Switches::zeropp(block),
         "zero3" => Switches::zero3(block),
         other => {
-            return Err(format!(
-                "mode={other:?}: use \"zeropp\" (qwZ + hpZ + qgZ) or \"zero3\" (plain \
-                 communication through zeropp's transports)"
+            return Err(PlanError::switch(
+                "mode",
+                format!(
+                    "mode={other:?}: use \"zeropp\" (qwZ + hpZ + qgZ) or \"zero3\" (plain \
+                     communication through zeropp's transports)"
+                ),
             ));
         }
     };
-    let mut value = serde_json::to_value(&base).map_err(|e| e.to_string())?;
+    let serialized = |e: String| PlanError::switch("switches", e);
+    let mut value = serde_json::to_value(&base).map_err(|e| serialized(e.to_string()))?;
     let obj = value
         .as_object_mut()
-        .ok_or("the switches do not serialize to an object")?;
+        .ok_or_else(|| serialized("the switches do not serialize to an object".into()))?;
     for (k, v) in overrides {
         if !obj.contains_key(k) {
             let mut names: Vec<&String> = obj.keys().collect();
             names.sort();
-            return Err(format!(
-                "unknown switch {k:?}; zeropp's switches are {names:?}"
+            return Err(PlanError::switch(
+                k.clone(),
+                format!("unknown switch {k:?}; zeropp's switches are {names:?}"),
             ));
         }
         obj.insert(k.clone(), v.clone());
     }
-    let mut s: Switches =
-        serde_json::from_value(value).map_err(|e| format!("a switch has the wrong type: {e}"))?;
+    let mut s: Switches = serde_json::from_value(value)
+        .map_err(|e| serialized(format!("a switch has the wrong type: {e}")))?;
     let asked: Vec<&str> = overrides.keys().map(String::as_str).collect();
     s.settle_overrides(&asked);
     let measured = measured.filter(|_| mode == "zeropp");
-    resolve(s, &asked, layout, routing, measured).map_err(|e| format!("invalid switches: {e}"))
+    resolve(s, &asked, layout, routing, measured).map_err(|e| e.after("invalid switches: "))
 }
 
 /// `s` as it would run on `layout` before anything is measured, the
@@ -648,14 +654,62 @@ pub struct Plan {
     pub granule: usize,
 }
 
+/// Why switches, a layout or a mesh make no plan: what is at fault (a
+/// switch by its name, or the job's shape) and, in the message, what to do.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// A switch, or switches that do not go together (the one named).
+    #[error("{why}")]
+    Switch { switch: String, why: String },
+    /// The job's shape: its ranks, nodes, islands or a mesh over them.
+    #[error("{0}")]
+    Layout(String),
+}
+
+impl PlanError {
+    fn switch(switch: impl Into<String>, why: impl Into<String>) -> PlanError {
+        PlanError::Switch {
+            switch: switch.into(),
+            why: why.into(),
+        }
+    }
+
+    fn layout(why: String) -> PlanError {
+        PlanError::Layout(why)
+    }
+
+    /// The same error, its message after `context`.
+    #[must_use]
+    fn after(self, context: &str) -> PlanError {
+        match self {
+            PlanError::Switch { switch, why } => PlanError::Switch {
+                switch,
+                why: format!("{context}{why}"),
+            },
+            PlanError::Layout(why) => PlanError::Layout(format!("{context}{why}")),
+        }
+    }
+}
+
+/// A collective asked for a format or a group no plan allows.
+impl From<PlanError> for ZeroError {
+    fn from(e: PlanError) -> ZeroError {
+        ZeroError::Invalid(e.to_string())
+    }
+}
+
 /// qwZ's wire format: symmetric blocks of `block` values at `bits` (8 or
 /// 4). The one place the engine and the bindings take it from.
-pub fn weight_format(bits: u32, block: usize) -> Result<QuantFormat, String> {
+pub fn weight_format(bits: u32, block: usize) -> Result<QuantFormat, PlanError> {
     if !matches!(bits, 8 | 4) {
-        return Err(format!("qwZ supports 8 or 4 bits, not {bits}"));
+        return Err(PlanError::switch(
+            "qwz_bits",
+            format!("qwZ supports 8 or 4 bits, not {bits}"),
+        ));
     }
-    let bits = Bits::from_u32(bits).map_err(|e| e.to_string())?;
-    QuantFormat::new(bits, Scheme::Symmetric, block).map_err(|e| e.to_string())
+    let bits = Bits::from_u32(bits).map_err(|e| PlanError::switch("qwz_bits", e.to_string()))?;
+    QuantFormat::new(bits, Scheme::Symmetric, block)
+        .map_err(|e| PlanError::switch("block", e.to_string()))
 }
 
 /// qgZ's wire formats: the hop inside the node (`intra_bits`, 8 or 4) and
@@ -666,28 +720,31 @@ pub fn gradient_formats(
     intra_bits: u32,
     block: usize,
     inter_block: Option<usize>,
-) -> Result<(QuantFormat, QuantFormat), String> {
+) -> Result<(QuantFormat, QuantFormat), PlanError> {
+    let intra_bits_error = |why: String| PlanError::switch("qgz_intra_bits", why);
     if !matches!(intra_bits, 8 | 4) {
-        return Err(format!(
+        return Err(intra_bits_error(format!(
             "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4"
-        ));
+        )));
     }
-    let bits = Bits::from_u32(intra_bits).map_err(|e| e.to_string())?;
-    let intra = QuantFormat::new(bits, Scheme::Symmetric, block).map_err(|e| e.to_string())?;
-    let inter = QuantFormat::int4(inter_block.unwrap_or(block)).map_err(|e| e.to_string())?;
+    let bits = Bits::from_u32(intra_bits).map_err(|e| intra_bits_error(e.to_string()))?;
+    let intra = QuantFormat::new(bits, Scheme::Symmetric, block)
+        .map_err(|e| PlanError::switch("qgz_block", e.to_string()))?;
+    let inter = QuantFormat::int4(inter_block.unwrap_or(block))
+        .map_err(|e| PlanError::switch("qgz_inter_block", e.to_string()))?;
     Ok((intra, inter))
 }
 
 /// How a unit's weights cross nodes under `s` (`hpz_over_node`: hpZ's group
 /// is the whole node, so qwZ's references serve the backward gather).
-fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, String> {
+fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, PlanError> {
     Ok(match s.qwz_bits {
         None if s.qwz_delta => {
-            return Err(
-                "qwz_delta sends qwZ's weight differences: set qwz_bits (4 or 8) for \
-                        their bits, or turn qwz_delta off"
-                    .into(),
-            );
+            return Err(PlanError::switch(
+                "qwz_delta",
+                "qwz_delta sends qwZ's weight differences: set qwz_bits (4 or 8) for their \
+                 bits, or turn qwz_delta off",
+            ));
         }
         None if s.fp32_comm => WeightWire::F32,
         None => WeightWire::Bf16,
@@ -696,23 +753,27 @@ fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, String> 
                 true => "qwz_bf16_references",
                 false => "qwz_host_references",
             };
-            return Err(format!(
-                "{switch} keeps qwZ's references of weight differences: turn qwz_delta on \
-                 (with qwz_bits), or it off"
+            return Err(PlanError::switch(
+                switch,
+                format!(
+                    "{switch} keeps qwZ's references of weight differences: turn qwz_delta on \
+                     (with qwz_bits), or it off"
+                ),
             ));
         }
         _ if s.qwz_bf16_references && s.fp32_comm => {
-            return Err(
-                "qwz_bf16_references keeps the references as the bf16 hop inside \
-                        the node moves them: turn fp32_comm off, or it off"
-                    .into(),
-            );
+            return Err(PlanError::switch(
+                "qwz_bf16_references",
+                "qwz_bf16_references keeps the references as the bf16 hop inside the node \
+                 moves them: turn fp32_comm off, or it off",
+            ));
         }
         Some(b) if s.qwz_delta => {
             if s.qwz_refresh == 0 {
-                return Err("qwz_refresh=0: refresh the references every 1 or more \
-                            forward gathers"
-                    .into());
+                return Err(PlanError::switch(
+                    "qwz_refresh",
+                    "qwz_refresh=0: refresh the references every 1 or more forward gathers",
+                ));
             }
             WeightWire::Delta(super::delta::DeltaWire {
                 delta: weight_format(b, s.block)?,
@@ -729,7 +790,7 @@ fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, String> 
 }
 
 /// How gradients are reduced under `s`.
-fn grad_wire(s: &Switches) -> Result<GradWire, String> {
+fn grad_wire(s: &Switches) -> Result<GradWire, PlanError> {
     Ok(if s.qgz {
         let (intra, inter) = gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
         GradWire::TwoHop {
@@ -741,10 +802,16 @@ fn grad_wire(s: &Switches) -> Result<GradWire, String> {
         }
     } else {
         if s.qgz_hadamard {
-            return Err("qgz_hadamard rotates qgZ's hop across nodes: turn qgz on".into());
+            return Err(PlanError::switch(
+                "qgz_hadamard",
+                "qgz_hadamard rotates qgZ's hop across nodes: turn qgz on",
+            ));
         }
         if s.error_feedback {
-            return Err("error feedback needs qgZ (it corrects the quantized gradient)".into());
+            return Err(PlanError::switch(
+                "error_feedback",
+                "error feedback needs qgZ (it corrects the quantized gradient)",
+            ));
         }
         if s.fp32_comm {
             GradWire::RingF32
@@ -755,19 +822,22 @@ fn grad_wire(s: &Switches) -> Result<GradWire, String> {
 }
 
 impl Plan {
-    pub fn new(layout: Layout, s: &Switches) -> Result<Plan, String> {
+    pub fn new(layout: Layout, s: &Switches) -> Result<Plan, PlanError> {
         if layout.world() == 0 || layout.rank >= layout.world() {
-            return Err(format!(
+            return Err(PlanError::layout(format!(
                 "rank {} is outside {} nodes x {} ranks",
                 layout.rank, layout.nodes, layout.ranks_per_node
-            ));
+            )));
         }
         let g = layout.ranks_per_node;
         let hpz_group = s.hpz_group.unwrap_or(g);
         if hpz_group == 0 || !g.is_multiple_of(hpz_group) {
-            return Err(format!(
-                "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a node: \
-                 use a divisor of {g}"
+            return Err(PlanError::switch(
+                "hpz_group",
+                format!(
+                    "an hpZ group of {hpz_group} ranks does not divide the {g} ranks of a \
+                     node: use a divisor of {g}"
+                ),
             ));
         }
         let weights = weight_wire(s, s.hpz && hpz_group == g)?;
@@ -934,8 +1004,15 @@ mod tests {
             two,
         )
         .unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Switch { switch, .. } if switch == "qgz_hadamard"),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(e.contains("turn qgz on"), "{e}");
-        let e = get(r#"{"qwz_bits": null, "qwz_delta": true}"#, two).unwrap_err();
+        let e = get(r#"{"qwz_bits": null, "qwz_delta": true}"#, two)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("set qwz_bits"), "{e}");
         // DeepSpeed's ZeRO++ as published is one override away.
         let r = resolve_mode(
@@ -982,6 +1059,8 @@ mod tests {
         }
         for bad in [&[4, 6][..], &[6, 7], &[3, 4, 5], &[], &[5, 8]] {
             let e = l.check_subgroup(bad).unwrap_err();
+            assert!(matches!(e, PlanError::Layout(_)), "{e}");
+            let e = e.to_string();
             assert!(e.contains("consecutive ranks of one node"), "{bad:?}: {e}");
         }
     }
@@ -1015,7 +1094,7 @@ mod tests {
             (&[], "include this rank"),
             (&[5, 9], "in a job of 8 ranks"),
         ] {
-            let e = job(5).of_ranks(bad).unwrap_err();
+            let e = job(5).of_ranks(bad).unwrap_err().to_string();
             assert!(e.contains(says), "{bad:?}: {e}");
         }
     }
@@ -1093,16 +1172,26 @@ mod tests {
         let r = resolve_mode("zero3", &json("{}"), layout(), &routing(), None).unwrap();
         assert_eq!(r.switches, Switches::zero3(256));
         let err = |mode: &str, o: &str| resolve_mode(mode, &json(o), layout(), &routing(), None);
-        let e = err("zero4", "{}").unwrap_err();
+        let e = err("zero4", "{}").unwrap_err().to_string();
         assert!(e.contains("use \"zeropp\""), "{e}");
         let e = err("zeropp", r#"{"qwz": 8}"#).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Switch { switch, .. } if switch == "qwz"),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains("unknown switch \"qwz\"") && e.contains("qwz_bits"),
             "{e}"
         );
-        let e = err("zeropp", r#"{"hpz": "yes"}"#).unwrap_err();
+        let e = err("zeropp", r#"{"hpz": "yes"}"#).unwrap_err().to_string();
         assert!(e.contains("wrong type"), "{e}");
         let e = err("zeropp", r#"{"qwz_bits": 3}"#).unwrap_err();
+        assert!(
+            matches!(&e, PlanError::Switch { switch, .. } if switch == "qwz_bits"),
+            "{e}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains("invalid switches: qwZ supports 8 or 4 bits"),
             "{e}"
@@ -1111,6 +1200,11 @@ mod tests {
         for switch in ["qwz_bf16_references", "qwz_host_references"] {
             let asked = format!(r#"{{"qwz_delta": false, "{switch}": true}}"#);
             let e = err("zeropp", &asked).unwrap_err();
+            assert!(
+                matches!(&e, PlanError::Switch { switch: s, .. } if s == switch),
+                "{e}"
+            );
+            let e = e.to_string();
             assert!(e.contains(switch) && e.contains("turn qwz_delta on"), "{e}");
             let asked = format!(r#"{{"{switch}": true}}"#);
             assert!(err("zeropp", &asked).is_ok(), "{switch} with the default");
@@ -1131,15 +1225,16 @@ mod tests {
                 QuantFormat::int4(32).unwrap()
             )
         );
-        let e = weight_format(2, 256).unwrap_err();
+        let e = weight_format(2, 256).unwrap_err().to_string();
         assert!(e.contains("8 or 4 bits, not 2"), "{e}");
-        let e = gradient_formats(2, 32, None).unwrap_err();
+        let e = gradient_formats(2, 32, None).unwrap_err().to_string();
         assert!(e.contains("int8 or int4"), "{e}");
         let mut s = Switches::zeropp(256);
         s.qgz_intra_bits = 2;
         assert!(
             Plan::new(layout(), &s)
                 .unwrap_err()
+                .to_string()
                 .contains("int8 or int4")
         );
     }
@@ -1176,6 +1271,10 @@ mod tests {
         let mut s = Switches::zeropp(256);
         s.hpz_group = Some(3);
         let e = resolve(s, &["hpz_group"], layout(), &routing(), None).unwrap_err();
-        assert!(e.contains("use a divisor of 4"), "{e}");
+        assert!(
+            matches!(&e, PlanError::Switch { switch, .. } if switch == "hpz_group"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("use a divisor of 4"), "{e}");
     }
 }

@@ -265,7 +265,7 @@ fn decode_f64(b: &[u8]) -> Result<f64, ZeroError> {
 fn quantization_speed() -> Result<(f64, f64), ZeroError> {
     let n = 1 << 20;
     let x: Vec<f32> = (0..n).map(|i| ((i as f32) * 0.618).sin() * 0.02).collect();
-    let format = weight_format(8, 256).map_err(ZeroError::Invalid)?;
+    let format = weight_format(8, 256)?;
     let mut out = vec![0f32; n];
     let (mut q_best, mut d_best) = (f64::INFINITY, f64::INFINITY);
     for _ in 0..3 {
@@ -472,8 +472,7 @@ fn route_times(
     }
     let gather_plain = t.elapsed().as_secs_f64();
     // qwZ.
-    let format =
-        super::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block).map_err(ZeroError::Invalid)?;
+    let format = super::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block)?;
     ready()?;
     let t = Instant::now();
     let all = qwz::gather_quantized(
@@ -503,8 +502,7 @@ fn route_times(
     let reduce_plain = t.elapsed().as_secs_f64();
     // qgZ, from f32 as the bindings give it.
     let (intra, inter) =
-        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)
-            .map_err(ZeroError::Invalid)?;
+        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
     ready()?;
     let t = Instant::now();
     let g32: Vec<f32> = grad.iter().map(|v| v.to_f32()).collect();
