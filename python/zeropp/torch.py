@@ -922,6 +922,11 @@ def _group_ranks(pg):
     return list(dist.get_process_group_ranks(pg))
 
 
+def _same_modules(a, b):
+    """Whether two recorded passes ran the same modules in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 class _ForwardOrder:
     """Prefetching on the host and emulated paths. Without CUDA streams
     FSDP2 waits for each module's gather before computing it, so nothing
@@ -951,11 +956,9 @@ class _ForwardOrder:
 
     def _pass_ended(self):
         order, self.current = self.current, []
-        same = len(order) == len(self.last) and all(
-            a is b for a, b in zip(order, self.last, strict=True)
-        )
+        same = _same_modules(order, self.last)
         self.last = order
-        if same and self._is_applied(order):
+        if same and _same_modules(order, self.applied):
             return
         for m in self.applied:
             m.set_modules_to_forward_prefetch([])
@@ -964,11 +967,6 @@ class _ForwardOrder:
             for k, m in enumerate(order):
                 m.set_modules_to_forward_prefetch(order[k + 1 : k + 1 + self.depth])
             self.applied = order
-
-    def _is_applied(self, order):
-        return len(order) == len(self.applied) and all(
-            a is b for a, b in zip(order, self.applied, strict=True)
-        )
 
     @staticmethod
     def install(module):
