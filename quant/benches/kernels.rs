@@ -134,6 +134,19 @@ fn main() {
         secs: t.as_secs_f64(),
         memcpy,
     });
+    for block in [64, 256] {
+        for isa in Isa::available() {
+            acc.copy_from_slice(&x);
+            let t = best_of(reps, || {
+                hadamard::rotate_blocks_on(isa, black_box(&mut acc), block).unwrap()
+            });
+            rows.push(Row {
+                name: format!("Hadamard rotation, blocks of {block} ({isa:?})"),
+                secs: t.as_secs_f64(),
+                memcpy,
+            });
+        }
+    }
 
     println!(
         "{:<42} {:>9} {:>10}",
