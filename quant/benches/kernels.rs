@@ -56,6 +56,7 @@ fn bench_type<T: Element>(reps: usize, rows: &mut Vec<Row>) {
     });
     for (label, format) in [
         ("int8", QuantFormat::int8(256).unwrap()),
+        ("int8 (blocks of 32)", QuantFormat::int8(32).unwrap()),
         ("int4", QuantFormat::int4(256).unwrap()),
         (
             "int4 asym",

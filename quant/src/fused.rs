@@ -69,6 +69,100 @@ pub fn sum_requantize_on(
     Ok(())
 }
 
+/// Error feedback around one quantization, in one pass: `x += kept`'s
+/// values, `x` quantized into `out` with `rounding`, and `dropped` becomes
+/// what that quantization lost (`x` minus `out`'s values, quantized in
+/// `dropped`'s format, rounded to nearest). The same IEEE operations in the
+/// same order as [`dequantize_accumulate`](crate::dequantize_accumulate),
+/// [`quantize`](crate::quantize), [`dequantize`](crate::dequantize) and
+/// `quantize` again one after another — bit for bit — but a span of a few
+/// blocks at a time, so `x` is read from memory once. `kept` and `dropped`
+/// may share a format, not storage (the caller keeps the old residual until
+/// the call succeeds: an error leaves it as it was).
+pub fn quantize_with_feedback(
+    x: &mut [f32],
+    rounding: Rounding,
+    out: QuantizedMut<'_>,
+    kept: QuantizedRef<'_>,
+    dropped: QuantizedMut<'_>,
+) -> Result<(), QuantError> {
+    quantize_with_feedback_on(Isa::detect(), x, rounding, out, kept, dropped)
+}
+
+/// The span the fused kernel works on: every format's blocks tile it
+/// (blocks are powers of two), and it fits on the stack.
+const FEEDBACK_SPAN: usize = 1024;
+
+/// [`quantize_with_feedback`] with a chosen instruction set.
+pub fn quantize_with_feedback_on(
+    isa: Isa,
+    x: &mut [f32],
+    rounding: Rounding,
+    mut out: QuantizedMut<'_>,
+    kept: QuantizedRef<'_>,
+    mut dropped: QuantizedMut<'_>,
+) -> Result<(), QuantError> {
+    let len = x.len();
+    out.check_len(len)?;
+    dropped.check_len(len)?;
+    kept.check_out_len(len)?;
+    let span = out
+        .format
+        .block
+        .max(dropped.format.block)
+        .max(kept.format.block);
+    if span > FEEDBACK_SPAN {
+        // Blocks this large: the kernels one after another.
+        crate::kernels::dequantize_accumulate_on(isa, kept, x)?;
+        crate::kernels::quantize_on(isa, x, rounding, out.reborrow())?;
+        let mut lost = vec![0f32; len];
+        crate::kernels::dequantize_on(isa, out.as_ref(), &mut lost)?;
+        lost.iter_mut().zip(x.iter()).for_each(|(d, x)| *d = x - *d);
+        return crate::kernels::quantize_on(isa, &lost, Rounding::NearestEven, dropped);
+    }
+    let mut lost = [0f32; FEEDBACK_SPAN];
+    let mut start = 0;
+    while start < len {
+        let end = (start + span).min(len);
+        let xs = &mut x[start..end];
+        dequantize_range_on(isa, &kept, start, xs, |o, v| *o += v)?;
+        quantize_blocks(isa, xs, start, rounding, &mut out)?;
+        let lost = &mut lost[..end - start];
+        dequantize_range_on(isa, &out.as_ref(), start, lost, |o, v| *o = v)?;
+        lost.iter_mut()
+            .zip(xs.iter())
+            .for_each(|(d, x)| *d = x - *d);
+        quantize_blocks(isa, lost, start, Rounding::NearestEven, &mut dropped)?;
+        start = end;
+    }
+    Ok(())
+}
+
+/// `x` (values `start..start + x.len()` of `out`'s tensor, whole blocks but
+/// for the tensor's last) quantized into their blocks of `out`.
+fn quantize_blocks(
+    isa: Isa,
+    x: &[f32],
+    start: usize,
+    rounding: Rounding,
+    out: &mut QuantizedMut<'_>,
+) -> Result<(), QuantError> {
+    let format = out.format;
+    let per_block_bytes = format.code_bytes(format.block);
+    for (i, xb) in x.chunks(format.block).enumerate() {
+        let b = start / format.block + i;
+        let block = BlockOut {
+            index: b,
+            start: b * format.block,
+            codes: &mut out.codes[b * per_block_bytes..][..format.code_bytes(xb.len())],
+            max: &mut out.block_max[b],
+            min: out.block_min.get_mut(b),
+        };
+        quantize_block_on(isa, xb, &format, rounding, block)?;
+    }
+    Ok(())
+}
+
 /// Which rank's chunk sits at `position` of the swizzled order: positions are
 /// ordered by (destination local rank g, destination node n), so position
 /// `g·N + n` holds the chunk of rank `n·G + g`.

@@ -214,6 +214,22 @@ pub fn quantize_on<T: Element>(
     out: QuantizedMut<'_>,
 ) -> Result<(), QuantError> {
     out.check_len(input.len())?;
+    match isa {
+        Isa::Portable => quantize_blocks(input, rounding, out),
+        // SAFETY: as in `quantize_block_on`.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::quantize_blocks(input, rounding, out) },
+    }
+}
+
+/// Every block of `input` quantized into `out` (checked to fit), in one
+/// function so that short blocks cost no call each.
+#[inline(always)]
+fn quantize_blocks<T: Element>(
+    input: &[T],
+    rounding: Rounding,
+    out: QuantizedMut<'_>,
+) -> Result<(), QuantError> {
     let QuantizedMut {
         format,
         codes,
@@ -232,7 +248,7 @@ pub fn quantize_on<T: Element>(
             max: &mut block_max[b],
             min: block_min.get_mut(b),
         };
-        quantize_block_on(isa, x, &format, rounding, block)?;
+        quantize_block(x, &format, rounding, block)?;
     }
     Ok(())
 }
@@ -300,6 +316,15 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2")]
+    pub(super) fn quantize_blocks<T: Element>(
+        input: &[T],
+        rounding: Rounding,
+        out: QuantizedMut<'_>,
+    ) -> Result<(), QuantError> {
+        super::quantize_blocks(input, rounding, out)
+    }
+
+    #[target_feature(enable = "avx2")]
     pub(super) fn dequantize_range<O>(
         q: &QuantizedRef<'_>,
         start: usize,
@@ -310,9 +335,31 @@ mod avx2 {
     }
 }
 
+/// Blocks of bf16 or f16 up to this long are widened to f32 on the stack
+/// first: the code loop over a short block of 16-bit values ran scalar
+/// (the results are the same, widening being exact).
+const WIDENED_BLOCK: usize = 64;
+
 /// Quantizes one block.
 #[inline(always)]
 fn quantize_block<T: Element>(
+    x: &[T],
+    format: &QuantFormat,
+    rounding: Rounding,
+    out: BlockOut<'_>,
+) -> Result<(), QuantError> {
+    if size_of::<T>() < size_of::<f32>() && x.len() <= WIDENED_BLOCK {
+        let mut wide = [0f32; WIDENED_BLOCK];
+        let wide = &mut wide[..x.len()];
+        T::widen_slice(x, wide);
+        return quantize_wide_block(wide, format, rounding, out);
+    }
+    quantize_wide_block(x, format, rounding, out)
+}
+
+/// [`quantize_block`] once the block is as wide as it will be.
+#[inline(always)]
+fn quantize_wide_block<T: Element>(
     x: &[T],
     format: &QuantFormat,
     rounding: Rounding,

@@ -93,8 +93,8 @@ pub mod tensor;
 pub use element::Element;
 pub use format::{Bits, MAX_BLOCK, MIN_BLOCK, QuantFormat, Rounding, Scheme};
 pub use fused::{
-    QuantizedChunks, quantize_swizzled, sum_requantize, sum_requantize_on, swizzled_chunk_len,
-    swizzled_rank,
+    QuantizedChunks, quantize_swizzled, quantize_with_feedback, quantize_with_feedback_on,
+    sum_requantize, sum_requantize_on, swizzled_chunk_len, swizzled_rank,
 };
 pub use isa::Isa;
 pub use kernels::{

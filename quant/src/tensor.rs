@@ -98,6 +98,28 @@ impl<'a> QuantizedMut<'a> {
     pub(crate) fn check_len(&self, input_len: usize) -> Result<(), QuantError> {
         check_size("input values", self.len, input_len)
     }
+
+    /// A read-only view of the same buffers.
+    pub fn as_ref(&self) -> QuantizedRef<'_> {
+        QuantizedRef {
+            format: self.format,
+            len: self.len,
+            codes: self.codes,
+            block_max: self.block_max,
+            block_min: self.block_min,
+        }
+    }
+
+    /// The same buffers, borrowed for a shorter while.
+    pub fn reborrow(&mut self) -> QuantizedMut<'_> {
+        QuantizedMut {
+            format: self.format,
+            len: self.len,
+            codes: self.codes,
+            block_max: self.block_max,
+            block_min: self.block_min,
+        }
+    }
 }
 
 /// An owned quantized tensor.

@@ -194,6 +194,37 @@ proptest! {
     }
 
     #[test]
+    fn fused_error_feedback_equals_its_composition(
+        format in formats(), residual_format in formats(), seed in any::<u64>(), stochastic in any::<bool>(),
+        x in tensors(), large_blocks in any::<bool>(),
+    ) {
+        // Large blocks (beyond the fused kernel's span) take the composed path.
+        let format = if large_blocks { QuantFormat::new(format.bits, format.scheme, 4096).unwrap() } else { format };
+        let len = x.len();
+        let rounding = if stochastic { Rounding::Stochastic { seed } } else { Rounding::NearestEven };
+        let last: Vec<f32> = x.iter().enumerate().map(|(j, v)| v * 0.01 * ((j % 7) as f32 - 3.0)).collect();
+        let kept = QuantizedTensor::quantize(&last, residual_format, Rounding::NearestEven).unwrap();
+
+        let mut sum = x.clone();
+        dequantize_accumulate(kept.as_ref(), &mut sum).unwrap();
+        let sent = QuantizedTensor::quantize(&sum, format, rounding).unwrap();
+        let mut lost: Vec<f32> = sent.dequantize().unwrap();
+        lost.iter_mut().zip(&sum).for_each(|(d, s)| *d = s - *d);
+        let dropped = QuantizedTensor::quantize(&lost, residual_format, Rounding::NearestEven).unwrap();
+
+        for isa in Isa::available() {
+            let mut y = x.clone();
+            let mut out = QuantizedTensor::zeroed(format, len);
+            let mut now = QuantizedTensor::zeroed(residual_format, len);
+            quantize_with_feedback_on(isa, &mut y, rounding, out.as_mut(), kept.as_ref(), now.as_mut()).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            prop_assert_eq!(bits(&y), bits(&sum));
+            prop_assert_eq!(&out, &sent);
+            prop_assert_eq!(&now, &dropped);
+        }
+    }
+
+    #[test]
     fn swizzled_quantize_equals_quantizing_each_chunk(
         format in formats(), nodes in 1usize..5, ranks_per_node in 1usize..5, chunk in 0usize..300,
         seed in any::<u64>(), stochastic in any::<bool>(),
@@ -213,6 +244,29 @@ proptest! {
             prop_assert_eq!(got.codes, &alone.codes[..]);
             prop_assert_eq!(got.block_max, &alone.block_max[..]);
             prop_assert_eq!(got.block_min, &alone.block_min[..]);
+        }
+    }
+
+    #[test]
+    fn a_16_bit_tensor_quantizes_as_its_f32_widening(format in formats(), x in tensors(), seed in any::<u64>(), stochastic in any::<bool>()) {
+        // What qgZ relies on when it quantizes a bf16 gradient straight
+        // from the caller's tensor.
+        let rounding = if stochastic { Rounding::Stochastic { seed } } else { Rounding::NearestEven };
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let xh: Vec<f16> = x.iter().map(|&v| f16::from_f32(v)).collect();
+        let wide_b: Vec<f32> = xb.iter().map(|v| v.to_f32()).collect();
+        let wide_h: Vec<f32> = xh.iter().map(|v| v.to_f32()).collect();
+        for isa in Isa::available() {
+            let mut a = QuantizedTensor::zeroed(format, x.len());
+            let mut b = QuantizedTensor::zeroed(format, x.len());
+            quantize_on(isa, &xb, rounding, a.as_mut()).unwrap();
+            quantize_on(isa, &wide_b, rounding, b.as_mut()).unwrap();
+            prop_assert_eq!(&a, &b);
+            if wide_h.iter().all(|v| v.is_finite()) {
+                quantize_on(isa, &xh, rounding, a.as_mut()).unwrap();
+                quantize_on(isa, &wide_h, rounding, b.as_mut()).unwrap();
+                prop_assert_eq!(&a, &b);
+            }
         }
     }
 

@@ -37,6 +37,12 @@ pub trait Quantizer {
     /// `len` zeros.
     fn values(&self, len: usize) -> Result<Self::Values, ZeroError>;
 
+    /// `len` values the caller overwrites before reading any (zeros where a
+    /// backend has nothing cheaper).
+    fn values_for_overwrite(&self, len: usize) -> Result<Self::Values, ZeroError> {
+        self.values(len)
+    }
+
     /// Values kept from one call to the next (qwZ's references): in f32,
     /// or in bf16 where everything they feed travels in bf16 (half the
     /// bytes, and nothing the receivers see changes).
@@ -166,6 +172,42 @@ pub trait Quantizer {
         rounding: Rounding,
         out: &mut Self::Chunks,
     ) -> Result<(), ZeroError>;
+
+    /// [`Quantizer::quantize_swizzled`] of a caller's tensor, as its values
+    /// converted to f32 would be (bit for bit): straight from the tensor
+    /// where a backend can, else through f32 values.
+    fn quantize_tensor_swizzled<T: GpuElement>(
+        &self,
+        x: &Self::Tensor<'_, T>,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+    ) -> Result<(), ZeroError> {
+        let mut values = self.values_for_overwrite(self.tensor_len(x))?;
+        self.load_tensor(x, &mut values, 0)?;
+        self.quantize_swizzled(&values, nodes, ranks_per_node, rounding, out)?;
+        self.recycle(values);
+        Ok(())
+    }
+
+    /// Error feedback around [`Quantizer::quantize_swizzled`]: `residual`
+    /// (one chunk per rank, in rank order; the caller gives it its shape)
+    /// added to `x`, `x` quantized into `out` as `quantize_swizzled` does,
+    /// and `residual` replaced by what that dropped, rounded to nearest. By
+    /// default [`swizzled_kept_composed`]; a backend may fuse it, bit for
+    /// bit the same.
+    fn quantize_swizzled_kept(
+        &self,
+        x: &mut Self::Values,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        residual: &mut Self::Chunks,
+    ) -> Result<(), ZeroError> {
+        swizzled_kept_composed(self, x, (nodes, ranks_per_node), rounding, out, residual)
+    }
 
     /// `x[at..at + chunk_len]` quantized into chunk `i` of `out`.
     fn quantize_chunk(
@@ -503,4 +545,31 @@ pub fn check_all_gather(mine: Shape, all: Shape, members: usize) -> Result<usize
 /// byte counters report apart.
 pub fn scale_fraction(format: QuantFormat, chunk_len: usize) -> f64 {
     format.param_bytes(chunk_len) as f64 / format.total_bytes(chunk_len).max(1) as f64
+}
+
+/// [`Quantizer::quantize_swizzled_kept`] as the kernels one after another:
+/// every residual chunk added to `x`, the swizzled quantization, then per
+/// chunk what it dropped (dequantized, subtracted, quantized again).
+pub fn swizzled_kept_composed<Q: Quantizer + ?Sized>(
+    q: &Q,
+    x: &mut Q::Values,
+    (nodes, ranks_per_node): (usize, usize),
+    rounding: Rounding,
+    out: &mut Q::Chunks,
+    residual: &mut Q::Chunks,
+) -> Result<(), ZeroError> {
+    let (_, chunk, count) = q.shape(residual);
+    for r in 0..count {
+        q.dequantize_accumulate(residual, r, x, r * chunk)?;
+    }
+    q.quantize_swizzled(x, nodes, ranks_per_node, rounding, out)?;
+    let mut lost = q.values_for_overwrite(chunk)?;
+    for p in 0..count {
+        let r = zeropp_quant::swizzled_rank(p, nodes, ranks_per_node);
+        q.dequantize(out, p, &mut lost, 0)?;
+        q.dropped(&mut lost, 0, x, r * chunk, chunk)?;
+        q.quantize_chunk(&lost, 0, Rounding::NearestEven, residual, r)?;
+    }
+    q.recycle(lost);
+    Ok(())
 }

@@ -170,9 +170,9 @@ impl HostKernels for Emulated {
         quantize_parts(x, (1, 1, 1), rounding, out)
     }
 
-    fn quantize_swizzled(
+    fn quantize_swizzled<T: GpuElement>(
         &self,
-        x: &[f32],
+        x: &[T],
         nodes: usize,
         ranks_per_node: usize,
         rounding: Rounding,

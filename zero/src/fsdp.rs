@@ -158,10 +158,7 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             m.reduce_scatter_tensor(q, Hop::World, Phase::Gradient, grad, out, mean)
         }
         Scatter::Qgz(s, feedback) => {
-            let mut g = q.values(len)?;
-            q.load_tensor(grad, &mut g, 0)?;
-            let sum = qgz::reduce_scatter(q, m, layout, (s, reduction), &g, feedback)?;
-            q.recycle(g);
+            let sum = qgz::reduce_scatter_tensor(q, m, layout, (s, reduction), grad, feedback)?;
             q.store_values(&sum, 0, out, 0, q.len(&sum))?;
             q.recycle(sum);
             Ok(())

@@ -15,13 +15,22 @@ use zeropp_comm::CommError;
 
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    check_gather_len, check_pieces, check_scatter_len, scale_fraction,
+    check_gather_len, check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
 };
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
 use super::traffic::{CountingTransport, Phase};
 use super::{payload, qgz};
 use zeropp_comm::scratch;
+
+/// `zeropp_quant::quantize_with_feedback`'s signature.
+pub type FusedFeedback = fn(
+    &mut [f32],
+    Rounding,
+    QuantizedMut<'_>,
+    QuantizedRef<'_>,
+    QuantizedMut<'_>,
+) -> Result<(), zeropp_quant::QuantError>;
 
 /// The kernels of a backend whose buffers live in host memory, on slices
 /// already checked to fit: [`Quantizer`] follows for every such set.
@@ -35,9 +44,9 @@ pub trait HostKernels {
     ) -> Result<(), ZeroError>;
 
     /// `zeropp_quant::quantize_swizzled`.
-    fn quantize_swizzled(
+    fn quantize_swizzled<T: GpuElement>(
         &self,
-        x: &[f32],
+        x: &[T],
         nodes: usize,
         ranks_per_node: usize,
         rounding: Rounding,
@@ -59,6 +68,13 @@ pub trait HostKernels {
         rounding: Rounding,
         out: QuantizedMut<'_>,
     ) -> Result<(), ZeroError>;
+
+    /// `zeropp_quant::quantize_with_feedback` on one chunk where the
+    /// backend has it fused; `None`: its [`Quantizer`] composes the kernels
+    /// (`swizzled_kept_composed`).
+    fn fused_feedback(&self) -> Option<FusedFeedback> {
+        None
+    }
 
     /// `x = y − x` (equal lengths).
     fn dropped(&self, x: &mut [f32], y: &[f32]) -> Result<(), ZeroError>;
@@ -90,9 +106,9 @@ impl HostKernels for Host {
         zeropp_quant::quantize(x, rounding, out).map_err(quant_failure("quantizing"))
     }
 
-    fn quantize_swizzled(
+    fn quantize_swizzled<T: GpuElement>(
         &self,
-        x: &[f32],
+        x: &[T],
         nodes: usize,
         ranks_per_node: usize,
         rounding: Rounding,
@@ -122,6 +138,10 @@ impl HostKernels for Host {
     ) -> Result<(), ZeroError> {
         zeropp_quant::sum_requantize(inputs, rounding, out, &mut Vec::new())
             .map_err(quant_failure("summing and requantizing"))
+    }
+
+    fn fused_feedback(&self) -> Option<FusedFeedback> {
+        Some(zeropp_quant::quantize_with_feedback)
     }
 
     fn dropped(&self, x: &mut [f32], y: &[f32]) -> Result<(), ZeroError> {
@@ -251,6 +271,10 @@ impl<K: HostKernels> Quantizer for K {
 
     fn values(&self, len: usize) -> Result<Vec<f32>, ZeroError> {
         Ok(scratch::take(len))
+    }
+
+    fn values_for_overwrite(&self, len: usize) -> Result<Vec<f32>, ZeroError> {
+        Ok(scratch::take_for_overwrite(len))
     }
 
     fn recycle(&self, x: Vec<f32>) {
@@ -432,6 +456,63 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::quantize_swizzled(self, x, nodes, ranks_per_node, rounding, out)
     }
 
+    fn quantize_swizzled_kept(
+        &self,
+        x: &mut Vec<f32>,
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+        residual: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        let Some(fused) = self.fused_feedback() else {
+            let shape = (nodes, ranks_per_node);
+            return swizzled_kept_composed(self, x, shape, rounding, out, residual);
+        };
+        let (chunk, count) = (residual.chunk_len, residual.count);
+        if (out.chunk_len, out.count) != (chunk, count) || x.len() != chunk * count {
+            return Err(ZeroError::Invalid(format!(
+                "error feedback of {} values through {} chunks of {} and a residual of {count} \
+                 chunks of {chunk}",
+                x.len(),
+                out.count,
+                out.chunk_len
+            )));
+        }
+        // The new residual goes into fresh chunks (every byte written): an
+        // error leaves the old.
+        let mut fresh = pooled_chunks_for_overwrite(residual.format, chunk, count);
+        for p in 0..count {
+            let r = zeropp_quant::swizzled_rank(p, nodes, ranks_per_node);
+            let x = &mut x[r * chunk..][..chunk];
+            let done = fused(
+                x,
+                rounding.for_part(r),
+                out.chunk_mut(p),
+                residual.chunk(r),
+                fresh.chunk_mut(r),
+            );
+            if let Err(e) = done {
+                give_chunks(fresh);
+                return Err(quant_failure("quantizing with error feedback")(e));
+            }
+        }
+        std::mem::swap(residual, &mut fresh);
+        give_chunks(fresh);
+        Ok(())
+    }
+
+    fn quantize_tensor_swizzled<T: GpuElement>(
+        &self,
+        x: &&[T],
+        nodes: usize,
+        ranks_per_node: usize,
+        rounding: Rounding,
+        out: &mut QuantizedChunks,
+    ) -> Result<(), ZeroError> {
+        HostKernels::quantize_swizzled(self, x, nodes, ranks_per_node, rounding, out)
+    }
+
     fn quantize_chunk(
         &self,
         x: &Vec<f32>,
@@ -592,6 +673,22 @@ fn pooled_chunks(format: QuantFormat, chunk_len: usize, count: usize) -> Quantiz
         codes: scratch::take(count * format.code_bytes(chunk_len)),
         block_max: scratch::take(count * format.num_blocks(chunk_len)),
         block_min: scratch::take(count * format.num_block_mins(chunk_len)),
+    }
+}
+
+/// [`pooled_chunks`] whose every byte the caller writes before reading.
+fn pooled_chunks_for_overwrite(
+    format: QuantFormat,
+    chunk_len: usize,
+    count: usize,
+) -> QuantizedChunks {
+    QuantizedChunks {
+        format,
+        chunk_len,
+        count,
+        codes: scratch::take_for_overwrite(count * format.code_bytes(chunk_len)),
+        block_max: scratch::take_for_overwrite(count * format.num_blocks(chunk_len)),
+        block_min: scratch::take_for_overwrite(count * format.num_block_mins(chunk_len)),
     }
 }
 

@@ -31,8 +31,8 @@ pub mod probe;
 pub mod qgz;
 pub mod qwz;
 pub mod residual;
-#[cfg(test)]
-pub(crate) mod testing;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod traffic;
 pub mod work;
 

@@ -10,10 +10,11 @@
 //! rings on the host) live here too.
 
 use bytes::Bytes;
-use zeropp_quant::{QuantFormat, Rounding, swizzled_rank};
+use zeropp_quant::{QuantFormat, Rounding};
 
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 use zeropp_comm::{CommError, Communicator, Group};
+use zeropp_cuda::GpuElement;
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
@@ -93,41 +94,6 @@ fn ensure_residual<Q: Quantizer>(
     Ok(())
 }
 
-/// Adds `residual`'s chunks into `x` (chunk i at i · chunk length).
-fn add_residual<Q: Quantizer>(
-    q: &Q,
-    residual: &Q::Chunks,
-    x: &mut Q::Values,
-) -> Result<(), ZeroError> {
-    let (_, chunk, count) = q.shape(residual);
-    for i in 0..count {
-        q.dequantize_accumulate(residual, i, x, i * chunk)?;
-    }
-    Ok(())
-}
-
-/// Keeps in `residual` what quantizing `x` into `sent` dropped: chunk p of
-/// `sent` holds chunk `source(p)` of `x`, and residual chunk `source(p)`
-/// becomes that chunk of `x` minus what `sent` carries (rounded to nearest).
-fn keep_dropped<Q: Quantizer>(
-    q: &Q,
-    sent: &Q::Chunks,
-    source: impl Fn(usize) -> usize,
-    x: &Q::Values,
-    residual: &mut Q::Chunks,
-) -> Result<(), ZeroError> {
-    let (_, chunk, count) = q.shape(sent);
-    let mut dropped = q.values(chunk)?;
-    for p in 0..count {
-        let r = source(p);
-        q.dequantize(sent, p, &mut dropped, 0)?;
-        q.dropped(&mut dropped, 0, x, r * chunk, chunk)?;
-        q.quantize_chunk(&dropped, 0, Rounding::NearestEven, residual, r)?;
-    }
-    q.recycle(dropped);
-    Ok(())
-}
-
 /// `x` (`count` equal chunks) quantized into `out`, chunk r rounded with
 /// `rounding.for_part(r)`; with `residual`, what it kept from the last
 /// call is added to `x` first and it is replaced by what this
@@ -144,9 +110,7 @@ pub(crate) fn quantize_kept<Q: Quantizer>(
         return q.quantize_swizzled(x, count, 1, rounding, out);
     };
     ensure_residual(q, residual, q.len(x) / count, count)?;
-    add_residual(q, residual, x)?;
-    q.quantize_swizzled(x, count, 1, rounding, out)?;
-    keep_dropped(q, out, |p| p, x, residual)
+    q.quantize_swizzled_kept(x, count, 1, rounding, out, residual)
 }
 
 /// The length of each of `layout`'s W chunks of a gradient of `len`
@@ -183,18 +147,9 @@ pub fn quantize_first_hop<Q: Quantizer>(
         return Ok(out);
     };
     ensure_residual(q, residual, chunk, world)?;
-    let mut corrected = q.values(len)?;
+    let mut corrected = q.values_for_overwrite(len)?;
     q.copy(grad, 0, &mut corrected, 0, len)?;
-    add_residual(q, residual, &mut corrected)?;
-    q.quantize_swizzled(&corrected, nodes, g, rounding, &mut out)?;
-    // Position p carries rank swizzled_rank(p)'s chunk: keep the rest.
-    keep_dropped(
-        q,
-        &out,
-        |p| swizzled_rank(p, nodes, g),
-        &corrected,
-        residual,
-    )?;
+    q.quantize_swizzled_kept(&mut corrected, nodes, g, rounding, &mut out, residual)?;
     q.recycle(corrected);
     Ok(out)
 }
@@ -239,10 +194,8 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     if nodes == 1 {
         // One node: its sums are the world's, with no hop across to
         // quantize them for a second time.
-        let mut sum = q.values(chunk)?;
-        for src in 0..g {
-            q.dequantize_accumulate(&got, src, &mut sum, 0)?;
-        }
+        let mut sum = q.values_for_overwrite(chunk)?;
+        sum_chunks(q, &got, 0..g, &mut sum, 0)?;
         q.recycle_chunks(got);
         reduction.apply(q, &mut sum, layout)?;
         return Ok(sum);
@@ -259,17 +212,48 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
             partial
         }
         _ => {
-            let mut sum = q.values(nodes * chunk)?;
-            for src in 0..g {
-                for n in 0..nodes {
-                    q.dequantize_accumulate(&got, src * nodes + n, &mut sum, n * chunk)?;
-                }
+            let mut sum = q.values_for_overwrite(nodes * chunk)?;
+            for n in 0..nodes {
+                sum_chunks(
+                    q,
+                    &got,
+                    (0..g).map(|src| src * nodes + n),
+                    &mut sum,
+                    n * chunk,
+                )?;
             }
             requantize_partial(q, layout, sum, &mut second)?
         }
     };
     q.recycle_chunks(got);
     hop_two(q, m, layout, partial, &second, reduction)
+}
+
+/// The f32 sum of chunks `sources` of `from`, in that order, into
+/// `sum[at..at + chunk_len]`, which need not be zeroed: the first is
+/// written, the rest added. Bit for bit what adding each to zeros gives:
+/// qgZ's formats are symmetric (`plan::gradient_formats`), whose values
+/// are never −0 (a zero code is +0, and a block of scale 0 has only zero
+/// codes).
+fn sum_chunks<Q: Quantizer>(
+    q: &Q,
+    from: &Q::Chunks,
+    mut sources: impl Iterator<Item = usize>,
+    sum: &mut Q::Values,
+    at: usize,
+) -> Result<(), ZeroError> {
+    let (format, ..) = q.shape(from);
+    let first = sources.next();
+    let (Some(first), zeropp_quant::Scheme::Symmetric) = (first, format.scheme) else {
+        return Err(ZeroError::Invalid(format!(
+            "qgZ sums chunks of a symmetric format, at least one: not {format:?}"
+        )));
+    };
+    q.dequantize(from, first, sum, at)?;
+    for src in sources {
+        q.dequantize_accumulate(from, src, sum, at)?;
+    }
+    Ok(())
 }
 
 /// The node's partial sums (`sum`: N chunks, f32) requantized for the hop
@@ -312,10 +296,8 @@ fn hop_two<Q: Quantizer, M: ByteMover<Q>>(
     let mut theirs = q.chunks(second.format, chunk, nodes)?;
     m.all_to_all(Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
     q.recycle_chunks(partial);
-    let mut sum = q.values(chunk)?;
-    for src in 0..nodes {
-        q.dequantize_accumulate(&theirs, src, &mut sum, 0)?;
-    }
+    let mut sum = q.values_for_overwrite(chunk)?;
+    sum_chunks(q, &theirs, 0..nodes, &mut sum, 0)?;
     q.recycle_chunks(theirs);
     if second.hadamard {
         q.rotate(&mut sum, 0, chunk, block)?;
@@ -376,12 +358,45 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         check_hops(m, layout, "qgZ")?;
         let len = q.len(grad);
         chunk_len(len, layout)?;
-        let mut sum = q.values(len)?;
+        let mut sum = q.values_for_overwrite(len)?;
         q.copy(grad, 0, &mut sum, 0, len)?;
         let partial = requantize_partial(q, layout, sum, &mut second)?;
         return hop_two(q, m, layout, partial, &second, reduction);
     }
     let first = quantize_first_hop(q, grad, layout, s.intra, s.rounding, feedback.first)?;
+    exchange(q, m, layout, first, second, reduction)
+}
+
+/// [`reduce_scatter`] of a caller's tensor (any [`GpuElement`]), the same
+/// bit for bit: where nothing is added to the gradient before the first
+/// hop (no error feedback inside the node) it is quantized straight from
+/// the tensor, without a copy in f32 first.
+pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    (s, reduction): (Qgz, Reduction),
+    grad: &Q::Tensor<'_, T>,
+    feedback: Feedback<'_, Q>,
+) -> Result<Q::Values, ZeroError> {
+    let len = q.tensor_len(grad);
+    if feedback.first.is_some() || layout.ranks_per_node == 1 {
+        let mut values = q.values_for_overwrite(len)?;
+        q.load_tensor(grad, &mut values, 0)?;
+        let sum = reduce_scatter(q, m, layout, (s, reduction), &values, feedback);
+        q.recycle(values);
+        return sum;
+    }
+    let chunk = chunk_len(len, layout)?;
+    let mut first = q.chunks(s.intra, chunk, layout.world())?;
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    q.quantize_tensor_swizzled(grad, nodes, g, s.rounding, &mut first)?;
+    let second = SecondHop {
+        format: s.inter,
+        rounding: s.rounding,
+        residual: feedback.second,
+        hadamard: s.hadamard,
+    };
     exchange(q, m, layout, first, second, reduction)
 }
 
@@ -430,7 +445,7 @@ pub fn ring_f32(c: &Communicator, world: &Group, grad: Vec<f32>) -> Result<Vec<f
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::host::Host;
+    use crate::host::{Host, HostMover};
     use crate::plan::gradient_formats;
     use crate::testing::on_ranks;
 
@@ -476,6 +491,69 @@ mod tests {
         .into_iter()
         .map(|(r, _)| r)
         .collect()
+    }
+
+    #[test]
+    fn a_tensor_quantized_straight_gives_what_its_f32_copy_gives_bit_for_bit() {
+        // bf16 and f32 gradients, with and without the first hop's
+        // feedback (which takes the f32 copy), three calls each (the
+        // residuals carried), on the host and the emulated device.
+        fn calls<K: crate::host::HostKernels + Sync>(
+            k: &K,
+            layout: Layout,
+            m: &HostMover<'_>,
+        ) -> Vec<u32> {
+            let mut bits = Vec::new();
+            for (intra_bits, bf16) in [(8, true), (4, true), (8, false)] {
+                let (intra, inter) = gradient_formats(intra_bits, 32, Some(64)).unwrap();
+                let s = Qgz {
+                    intra,
+                    inter,
+                    rounding: Rounding::NearestEven,
+                    hadamard: true,
+                };
+                let keeps = first_hop_feedback(true, intra);
+                let empty = || k.chunks(crate::residual::format(), 32, 1).unwrap();
+                let mut kept = [(empty(), empty()), (empty(), empty())];
+                for call in 0..3 {
+                    let grad: Vec<f32> = gradient(layout.rank + call, 4 * 640)
+                        .iter()
+                        .map(|&v| {
+                            if bf16 {
+                                half::bf16::from_f32(v).to_f32()
+                            } else {
+                                v
+                            }
+                        })
+                        .collect();
+                    let halves: Vec<half::bf16> =
+                        grad.iter().map(|&v| half::bf16::from_f32(v)).collect();
+                    let [a, b] = &mut kept;
+                    let fa = Feedback::kept((keeps, true), &mut a.0, &mut a.1);
+                    let want =
+                        reduce_scatter(k, m, layout, (s, Reduction::Mean), &grad, fa).unwrap();
+                    let fb = Feedback::kept((keeps, true), &mut b.0, &mut b.1);
+                    let got = if bf16 {
+                        reduce_scatter_tensor(k, m, layout, (s, Reduction::Mean), &&halves[..], fb)
+                    } else {
+                        reduce_scatter_tensor(k, m, layout, (s, Reduction::Mean), &&grad[..], fb)
+                    }
+                    .unwrap();
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "int{intra_bits} inside, bf16 {bf16}, call {call}"
+                    );
+                    bits.extend(got.iter().map(|v| v.to_bits()));
+                }
+            }
+            bits
+        }
+        let host = on_ranks(2, 2, |layout, m| calls(&Host, layout, m));
+        let emulated = on_ranks(2, 2, |layout, m| {
+            calls(&crate::emulated::Emulated, layout, m)
+        });
+        assert_eq!(host, emulated);
     }
 
     /// Root-mean-square error over every rank's chunk, relative to the

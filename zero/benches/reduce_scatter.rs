@@ -1,0 +1,106 @@
+//! The host path's gradient reduce-scatter on one machine: qgZ (the
+//! default: int8 blocks of 32 inside the node, int4 blocks of 64 across,
+//! Hadamard-rotated, error feedback) against ZeRO-3's plain bf16 ring —
+//! what FSDP2's own reduce-scatter moves — measured in the same run, on a
+//! bf16 gradient of the 3.76M-parameter GPT of docs/BENCHMARKS.md over 2
+//! logical nodes of 2 ranks (threads over in-process transports). On a
+//! machine with fewer cores than ranks the CPU seconds per call are the
+//! figure that transfers; the wall time includes waiting for the others.
+//!
+//! Run: `cargo bench -p zeropp-zero --features testing --bench reduce_scatter`
+
+use std::time::{Duration, Instant};
+
+use half::bf16;
+use zeropp_quant::{QuantFormat, Rounding};
+use zeropp_zero::backend::Quantizer;
+use zeropp_zero::fsdp::{Scatter, reduce_scatter};
+use zeropp_zero::host::Host;
+use zeropp_zero::qgz::{Feedback, Qgz, Reduction};
+use zeropp_zero::testing::{bf16s, gradient, on_world};
+
+const VALUES: usize = 3_758_592;
+const CALLS: usize = 20;
+
+/// This thread's CPU seconds so far.
+fn thread_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").unwrap_or_default();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok());
+    match (ticks(11), ticks(12)) {
+        (Some(user), Some(system)) => (user + system) / 100.0,
+        _ => f64::NAN,
+    }
+}
+
+/// (best wall seconds, CPU seconds per call) of every rank.
+fn run(quantized: bool) -> Vec<(f64, f64)> {
+    on_world(2, 2, Duration::from_secs(60), move |r| {
+        let (layout, m) = (r.layout, r.mover());
+        let grad = bf16s(&gradient(layout.rank, VALUES));
+        let mut out = vec![bf16::ZERO; VALUES / layout.world()];
+        let mut residual = Host.chunks(zeropp_zero::residual::format(), 32, 1).unwrap();
+        let (mut best, mut cpu) = (f64::MAX, 0.0);
+        for call in 0..CALLS + 2 {
+            let how = match quantized {
+                false => Scatter::Plain,
+                true => Scatter::Qgz(
+                    Qgz {
+                        intra: QuantFormat::int8(32).unwrap(),
+                        inter: QuantFormat::int4(64).unwrap(),
+                        rounding: Rounding::NearestEven,
+                        hadamard: true,
+                    },
+                    Feedback {
+                        first: None,
+                        second: Some(&mut residual),
+                    },
+                ),
+            };
+            let (t, c) = (Instant::now(), thread_cpu());
+            let (x, mut o) = (&grad[..], &mut out[..]);
+            reduce_scatter(&Host, &m, layout, how, Reduction::Mean, &x, &mut o).unwrap();
+            if call >= 2 {
+                // The first two fill the buffer pools.
+                best = best.min(t.elapsed().as_secs_f64());
+                cpu += thread_cpu() - c;
+            }
+        }
+        (best, cpu / CALLS as f64)
+    })
+}
+
+fn main() {
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for (name, quantized) in [("plain bf16 ring (ZeRO-3)", false), ("qgZ (default)", true)] {
+        let r = run(quantized);
+        let wall = r.iter().map(|x| x.0).fold(0.0, f64::max);
+        let cpu = median(r.iter().map(|x| x.1).collect());
+        rows.push((name, wall, cpu));
+    }
+    println!(
+        "reduce-scatter of {VALUES} bf16 values, 2 nodes x 2 ranks in one process, {CALLS} calls"
+    );
+    println!(
+        "{:<28} {:>12} {:>16} {:>12}",
+        "", "best wall ms", "CPU ms per rank", "CPU vs ring"
+    );
+    let ring = rows[0].2;
+    for (name, wall, cpu) in rows {
+        println!(
+            "{name:<28} {:>12.2} {:>16.2} {:>11.2}x",
+            wall * 1e3,
+            cpu * 1e3,
+            cpu / ring
+        );
+    }
+}
