@@ -10,10 +10,99 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::job::{ProcessIdentity, TransportKind, mixed_transports};
 use super::tcp::{TcpOptions, TcpTransport};
 use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Transport};
+
+/// Which transport carries a job's messages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// A full TCP mesh (framed, checksummed headers).
+    Tcp,
+    /// UCX tag matching (libucp loaded at run time): shared memory inside a
+    /// host, TCP or RDMA between hosts.
+    Ucx,
+}
+
+impl std::str::FromStr for TransportKind {
+    type Err = String;
+
+    /// `tcp` or `ucx`, as `ZEROPP_TRANSPORT` and `--transport` spell them.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tcp" => Ok(TransportKind::Tcp),
+            "ucx" => Ok(TransportKind::Ucx),
+            other => Err(format!("{other:?} is not a transport: use ucx or tcp")),
+        }
+    }
+}
+
+impl TransportKind {
+    /// The transport of a rank that was not told one: UCX when libucp loads
+    /// here, else TCP and why not UCX.
+    pub fn default_here() -> (TransportKind, Option<String>) {
+        match super::ucx::available() {
+            Ok(()) => (TransportKind::Ucx, None),
+            Err(why) => (TransportKind::Tcp, Some(why)),
+        }
+    }
+
+    /// `ZEROPP_TRANSPORT` (`tcp` or `ucx`), else [`TransportKind::default_here`].
+    pub fn from_env() -> Result<(TransportKind, Option<String>), CommError> {
+        match std::env::var("ZEROPP_TRANSPORT") {
+            Err(_) => Ok(Self::default_here()),
+            Ok(v) => v
+                .parse()
+                .map(|k| (k, None))
+                .map_err(|_| CommError::Setting {
+                    name: "ZEROPP_TRANSPORT",
+                    problem: format!("{v:?}: use ucx (the default when libucp loads) or tcp"),
+                }),
+        }
+    }
+}
+
+/// The error of ranks that picked different transports.
+pub(crate) fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
+    CommError::Join(format!(
+        "rank {them} uses the {theirs} transport and rank {me} {mine}: set ZEROPP_TRANSPORT \
+         to the same value (ucx or tcp) for every rank (unset, each rank picks UCX when libucp \
+         loads on its host)"
+    ))
+}
+
+/// Which process a rank is, and where: two ranks with the same boot id and
+/// PID namespace see each other's processes in /proc.
+#[derive(serde::Serialize, serde::Deserialize, Clone, Debug, PartialEq)]
+pub(crate) struct ProcessIdentity {
+    pub(crate) pid: u32,
+    pub(crate) boot_id: String,
+    pid_namespace: String,
+}
+
+impl ProcessIdentity {
+    pub(crate) fn of_self() -> Self {
+        ProcessIdentity {
+            pid: std::process::id(),
+            boot_id: std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+                .map(|s| s.trim().to_string())
+                .unwrap_or_default(),
+            pid_namespace: std::fs::read_link("/proc/self/ns/pid")
+                .map(|p| p.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// Whether `other` runs on this host in this PID namespace (unknown
+    /// facts never match).
+    pub(crate) fn same_host(&self, other: &ProcessIdentity) -> bool {
+        !self.boot_id.is_empty()
+            && !self.pid_namespace.is_empty()
+            && self.boot_id == other.boot_id
+            && self.pid_namespace == other.pid_namespace
+    }
+}
 
 /// What one rank publishes.
 #[derive(Serialize, Deserialize, Clone, Debug)]

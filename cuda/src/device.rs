@@ -22,9 +22,23 @@ use crate::kernels::{
 use crate::toolkit::Toolkit;
 use crate::{CudaError, DriverContext};
 
+/// A value type NCCL reduces: its `ncclDataType_t`.
+pub trait NcclElement: DeviceRepr {
+    const TYPE: std::ffi::c_int;
+}
+impl NcclElement for f32 {
+    const TYPE: std::ffi::c_int = 7;
+}
+impl NcclElement for half::f16 {
+    const TYPE: std::ffi::c_int = 6;
+}
+impl NcclElement for half::bf16 {
+    const TYPE: std::ffi::c_int = 9;
+}
+
 /// An element type the kernels read and write on the device.
 pub trait GpuElement:
-    Element + DeviceRepr + ValidAsZeroBits + Default + bytemuck::Pod + crate::nccl::NcclElement
+    Element + DeviceRepr + ValidAsZeroBits + Default + bytemuck::Pod + NcclElement
 {
     /// As kernel names spell it.
     const TAG: &'static str;

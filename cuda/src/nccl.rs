@@ -25,7 +25,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut}
 use libloading::Library;
 
 use crate::CudaError;
-use crate::device::Gpu;
+use crate::device::{Gpu, NcclElement};
 
 type NcclResult = c_int;
 type Comm = *mut c_void;
@@ -36,24 +36,10 @@ const REMOTE_ERROR: NcclResult = 6;
 /// `ncclSystemError`: a system call failed (a peer's socket closing, too).
 const SYSTEM_ERROR: NcclResult = 2;
 const UINT8: c_int = 1;
-const FLOAT32: c_int = 7;
+const FLOAT32: c_int = <f32 as NcclElement>::TYPE;
 const SUM: c_int = 0;
 /// `ncclAvg` (NCCL ≥ 2.10): the sum divided by the communicator's size.
 const AVG: c_int = 4;
-
-/// A value type NCCL reduces (`ncclDataType_t`).
-pub trait NcclElement: cudarc::driver::DeviceRepr {
-    const TYPE: c_int;
-}
-impl NcclElement for f32 {
-    const TYPE: c_int = FLOAT32;
-}
-impl NcclElement for half::f16 {
-    const TYPE: c_int = 6;
-}
-impl NcclElement for half::bf16 {
-    const TYPE: c_int = 9;
-}
 
 /// `ncclUniqueId`: 128 opaque bytes, made on one rank and given to all.
 #[repr(C)]

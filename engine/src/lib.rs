@@ -29,8 +29,9 @@ use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
 use zeropp_zero::host::{Host, HostMover, Kept};
+use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
-use zeropp_zero::plan::{GradWire, Layout, Plan, Switches, WeightWire};
+use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
@@ -323,7 +324,7 @@ impl Engine {
         }
         let job = layout;
         let count = cfg.islands.map_or(1, |i| i.count);
-        let (island, layout) = job.island(count)?;
+        let (island, layout) = job.island(count).map_err(PlanError::from)?;
         let plan = Plan::new(layout, &cfg.switches)?;
         let comm = Arc::new(Communicator::new(counter.clone(), timeout));
         let thread = CommThread::new(comm.clone());
@@ -636,7 +637,8 @@ impl Engine {
         match self.plan.grads {
             GradWire::RingBf16 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                let mine = qgz::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
+                let mine =
+                    zeropp_zero::host::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
                 scratch::give(grad);
                 let mut out = scratch::take_for_overwrite(mine.len() / 2);
                 payload::decode_bf16(&mine, &mut out)?;
@@ -645,7 +647,7 @@ impl Engine {
             })),
             GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
                 counter.set_phase(Phase::Gradient, 0.0);
-                mean(qgz::ring_f32(c, &groups.world, grad)?)
+                mean(zeropp_zero::host::ring_f32(c, &groups.world, grad)?)
             })),
             GradWire::TwoHop {
                 intra,

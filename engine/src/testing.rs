@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use zeropp_comm::inproc::InProcess;
-use zeropp_zero::plan::{Layout, Switches};
+use zeropp_zero::layout::Layout;
+use zeropp_zero::plan::Switches;
 use zeropp_zero::traffic::Traffic;
 
 use crate::model::{Model, Tie, Tied, tensors_from_flat};

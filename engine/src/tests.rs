@@ -12,8 +12,9 @@ use super::testing::{TiedMlp, batch, reference_grad_norm, run_model};
 use super::*;
 use zeropp_comm::inproc::InProcess;
 use zeropp_comm::{CommError, GroupKind};
+use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterSettings;
-use zeropp_zero::plan::{Layout, Switches};
+use zeropp_zero::plan::Switches;
 
 fn mlp() -> TiedMlp {
     TiedMlp {

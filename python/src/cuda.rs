@@ -16,7 +16,7 @@ use pyo3::types::PyBytes;
 use zeropp_cuda::Gpu;
 use zeropp_cuda::nccl::NcclId;
 use zeropp_zero::device_job::DeviceJob;
-use zeropp_zero::plan::Layout;
+use zeropp_zero::layout::Layout;
 
 use crate::buffers::Dtype;
 use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};

@@ -55,6 +55,12 @@ impl Failure for zeropp_zero::plan::PlanError {
     }
 }
 
+impl Failure for zeropp_zero::layout::LayoutError {
+    fn is_peer_failure(&self) -> bool {
+        false
+    }
+}
+
 impl Failure for zeropp_cuda::CudaError {
     fn is_peer_failure(&self) -> bool {
         zeropp_cuda::CudaError::is_peer_failure(self)

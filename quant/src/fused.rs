@@ -8,7 +8,7 @@ use crate::element::Element;
 use crate::format::{QuantFormat, Rounding};
 use crate::isa::Isa;
 use crate::kernels::{BlockOut, dequantize_range_on, quantize_block_on};
-use crate::tensor::{QuantizedMut, QuantizedRef};
+use crate::views::{QuantizedMut, QuantizedRef};
 
 /// Dequantizes `k` inputs of the same length, sums them in f32 and quantizes
 /// the sum into `out`, block by block in one pass (each block of the sum lives

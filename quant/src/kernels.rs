@@ -9,7 +9,7 @@ use crate::QuantError;
 use crate::element::Element;
 use crate::format::{Bits, QuantFormat, Rounding, Scheme};
 use crate::isa::Isa;
-use crate::tensor::{QuantizedMut, QuantizedRef};
+use crate::views::{QuantizedMut, QuantizedRef};
 
 /// Adding then subtracting 1.5·2^23 rounds an f32 of magnitude below 2^22 to
 /// the nearest integer, ties to even, under the default rounding mode. It is

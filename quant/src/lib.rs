@@ -89,6 +89,7 @@ pub mod isa;
 pub mod kernels;
 pub mod stats;
 pub mod tensor;
+pub mod views;
 
 pub use element::Element;
 pub use format::{Bits, MAX_BLOCK, MIN_BLOCK, QuantFormat, Rounding, Scheme};
@@ -102,7 +103,8 @@ pub use kernels::{
     quantize_on,
 };
 pub use stats::{ErrorStats, Figures};
-pub use tensor::{QuantizedMut, QuantizedRef, QuantizedTensor};
+pub use tensor::QuantizedTensor;
+pub use views::{QuantizedMut, QuantizedRef};
 
 /// What can go wrong in quantization.
 #[derive(Debug, thiserror::Error, Clone, PartialEq)]

@@ -15,8 +15,9 @@ use zeropp_topology::cost::{IslandsCandidate, PlanInput};
 
 use crate::comm::{Communicator, Group};
 use crate::train::config::TrainConfig;
-use crate::zero::plan::{Layout, Switches};
-use crate::zero::probe::Measured;
+use crate::zero::layout::Layout;
+use crate::zero::measured::Measured;
+use crate::zero::plan::Switches;
 
 /// What `--islands auto` chose, and from what (the summary's
 /// `islands_chosen`).

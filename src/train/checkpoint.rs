@@ -931,7 +931,7 @@ pub fn state_for(
     dir: &Path,
     m: &Manifest,
     layouts: &[UnitLayout],
-    job: crate::zero::plan::Layout,
+    job: crate::zero::layout::Layout,
     islands: usize,
     place: usize,
 ) -> Result<Vec<UnitShard>> {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::comm::job::TransportKind;
+use crate::comm::exchange::TransportKind;
 use crate::engine::optim::OptimConfig;
 use crate::train::model::ModelConfig;
 use crate::zero::plan::Switches;
@@ -439,7 +439,8 @@ mod tests {
     fn the_trainer_and_zeropp_torch_read_overrides_alike() {
         // The same overrides as a config file and as fully_shard's
         // keywords (JSON): the same switches, the same reasons.
-        use crate::zero::plan::{Layout, resolve, resolve_mode};
+        use crate::zero::layout::Layout;
+        use crate::zero::plan::{resolve, resolve_mode};
         let layout = Layout {
             nodes: 2,
             ranks_per_node: 2,

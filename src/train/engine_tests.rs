@@ -6,7 +6,8 @@
 use std::sync::Arc;
 
 use zeropp_engine::testing::{RunResult, batch, reference_grad_norm, run_model};
-use zeropp_zero::plan::{Layout, Plan, Switches};
+use zeropp_zero::layout::Layout;
+use zeropp_zero::plan::{Plan, Switches};
 
 use crate::train::model::ModelConfig;
 

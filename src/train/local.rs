@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::comm::job::TransportKind;
+use crate::comm::exchange::TransportKind;
 use crate::train::config::{Mode, TrainConfig};
 use crate::train::plot::{self, Series};
 use crate::train::summary::{Summary, comparison_table, step_points};

@@ -75,7 +75,7 @@ pub struct Summary {
     /// What the job measured at join (default mode on nodes that are
     /// hosts), `null` otherwise.
     #[serde(default)]
-    pub measured: Option<crate::zero::probe::Measured>,
+    pub measured: Option<crate::zero::measured::Measured>,
     /// What rank 0 kept between steps for ZeRO++ at the end (qwZ
     /// references, qgZ residuals), in bytes.
     #[serde(default)]

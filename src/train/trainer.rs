@@ -24,8 +24,9 @@ use crate::train::summary::{
     BytesPerStep, ChosenSyncEvery, IslandsSummary, LostIslandSummary, RejoinedIsland, StepMetrics,
     Summary, median, peak_rss_bytes, step_points,
 };
-use crate::zero::plan::{Layout, Resolved};
-use crate::zero::probe::Measured;
+use crate::zero::layout::Layout;
+use crate::zero::measured::Measured;
+use crate::zero::plan::Resolved;
 use crate::zero::traffic::Traffic;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -980,7 +981,7 @@ fn measure_links(
     cfg: &TrainConfig,
     wanted: &crate::zero::plan::Switches,
     facts: &RankFacts,
-) -> Result<Option<crate::zero::probe::Measured>> {
+) -> Result<Option<crate::zero::measured::Measured>> {
     let hosts: std::collections::BTreeSet<(&str, &str)> = table
         .iter()
         .map(|p| (p.host.as_str(), p.host_id.as_str()))

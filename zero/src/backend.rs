@@ -498,7 +498,7 @@ pub fn check_copy_chunk(src: Shape, i: usize, dst: Shape, j: usize) -> Result<()
 /// `collective` (its name in the error).
 pub fn check_hops<Q: Quantizer>(
     m: &impl ByteMover<Q>,
-    layout: super::plan::Layout,
+    layout: super::layout::Layout,
     collective: &'static str,
 ) -> Result<(), ZeroError> {
     let (node, cross) = (m.size(Hop::Node), m.size(Hop::Cross));

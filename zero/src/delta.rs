@@ -23,7 +23,7 @@ use zeropp_quant::{QuantFormat, Rounding};
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
 use super::host::Kept;
-use super::plan::Layout;
+use super::layout::Layout;
 use super::traffic::Phase;
 
 /// How a unit's weights cross nodes as differences.

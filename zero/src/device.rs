@@ -27,7 +27,7 @@ use super::backend::{
 use super::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
 use super::error::ZeroError;
 use super::host::{Host, Kept};
-use super::plan::Layout;
+use super::layout::Layout;
 use super::traffic::{CountingTransport, Phase};
 use super::work::{Outcome, Queue};
 

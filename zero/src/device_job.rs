@@ -25,7 +25,7 @@ use super::allreduce;
 use super::delta::Slot;
 use super::error::ZeroError;
 use super::fsdp::{self, Gather, Scatter};
-use super::plan::Layout;
+use super::layout::Layout;
 use super::qgz::{self, Reduction};
 use super::traffic::{CountingTransport, Phase};
 use super::work::{Fail, Queue, Watchdog, Work};

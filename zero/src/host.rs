@@ -12,6 +12,7 @@ use zeropp_comm::{Communicator, Group};
 
 use bytes::Bytes;
 use zeropp_comm::CommError;
+use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use super::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
@@ -19,8 +20,8 @@ use super::backend::{
 };
 use super::error::{ZeroError, quant_failure};
 use super::groups::ZeroGroups;
+use super::payload;
 use super::traffic::{CountingTransport, Phase};
-use super::{payload, qgz};
 use zeropp_comm::scratch;
 
 /// `zeropp_quant::quantize_with_feedback`'s signature.
@@ -886,7 +887,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         self.counter.set_phase(phase, 0.0);
         let mut sum = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
             let bytes = pooled_copy(bytemuck::cast_slice(x));
-            let mine = qgz::ring_bf16(self.comm, group, bytes)?;
+            let mine = ring_bf16(self.comm, group, bytes)?;
             let mut v = scratch::take_for_overwrite::<f32>(mine.len() / 2);
             payload::decode_bf16(&mine, &mut v)?;
             scratch::give(mine);
@@ -894,7 +895,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         } else {
             let mut wide = scratch::take_for_overwrite::<f32>(x.len());
             HostKernels::widen(q, x, &mut wide)?;
-            qgz::ring_f32(self.comm, group, wide)?
+            ring_f32(self.comm, group, wide)?
         };
         if mean {
             HostKernels::divide(q, &mut sum, group.size() as f32)?;
@@ -903,4 +904,46 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         scratch::give(sum);
         Ok(())
     }
+}
+/// ZeRO-3's plain rings on the host (the reduce-scatter qgZ replaces).
+/// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
+pub struct SumBf16;
+
+impl Reduce for SumBf16 {
+    fn granule(&self) -> usize {
+        2
+    }
+
+    fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError> {
+        if acc.len() != mine.len() || !acc.len().is_multiple_of(2) {
+            return Err(CommError::Malformed(format!(
+                "bf16 sum of {} and {} bytes",
+                acc.len(),
+                mine.len()
+            )));
+        }
+        for (a, b) in acc.chunks_exact_mut(2).zip(mine.chunks_exact(2)) {
+            let x = f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16);
+            let y = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+            let s: half::bf16 = zeropp_quant::Element::from_f32(x + y);
+            a.copy_from_slice(&s.to_bits().to_le_bytes());
+        }
+        Ok(())
+    }
+}
+
+/// ZeRO-3's reduce-scatter of bf16 values (`bf16` little-endian bytes, W
+/// equal chunks): this rank's chunk of the sum, as bf16 bytes.
+pub fn ring_bf16(c: &Communicator, world: &Group, bf16: Bytes) -> Result<Vec<u8>, CommError> {
+    let values = bf16.len() / 2;
+    let bounds: Vec<_> = balanced_bounds(values, world.size())
+        .into_iter()
+        .map(|r| r.start * 2..r.end * 2)
+        .collect();
+    c.reduce_scatter_bytes(world, bf16, &bounds, &SumBf16)
+}
+
+/// ZeRO-3's reduce-scatter in f32: this rank's chunk of the sum.
+pub fn ring_f32(c: &Communicator, world: &Group, grad: Vec<f32>) -> Result<Vec<f32>, CommError> {
+    c.reduce_scatter_f32_vec(world, grad)
 }

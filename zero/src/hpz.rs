@@ -11,7 +11,7 @@ use zeropp_comm::{CommError, Communicator, Group};
 
 use super::backend::{ByteMover, Hop, Quantizer};
 use super::error::ZeroError;
-use super::plan::Layout;
+use super::layout::Layout;
 use super::qwz::{concat, gathered_position, split_bundle};
 use super::traffic::Phase;
 

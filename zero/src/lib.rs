@@ -23,6 +23,8 @@ pub mod fsdp;
 pub mod groups;
 pub mod host;
 pub mod hpz;
+pub mod layout;
+pub mod measured;
 pub mod outer;
 pub mod payload;
 pub mod plan;

@@ -20,8 +20,8 @@ pub struct FromRun {
 /// Reads a run summary into the plan of that run (`base` gives what the
 /// summary does not: compute, units, overlap). Errors say what is missing.
 pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun, String> {
+    use crate::measured::Measured;
     use crate::plan::Switches;
-    use crate::probe::Measured;
     let field = |k: &str| {
         summary.get(k).filter(|v| !v.is_null()).ok_or_else(|| {
             format!("the summary has no {k:?}: give the JSON `zeropp train --summary-json` writes")
@@ -68,7 +68,7 @@ pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun
 /// and the switches it runs with; `base` gives the rest (compute, units,
 /// overlap) and any figure the measurement lacks.
 pub fn input_from(
-    measured: &crate::probe::Measured,
+    measured: &crate::measured::Measured,
     switches: &crate::plan::Switches,
     nodes: usize,
     g: usize,
@@ -114,7 +114,7 @@ pub fn input_from(
 
 /// A node's NIC rate, Gbit/s, from a link the probe measured per rank
 /// while the node's `g` ranks sent at once.
-pub fn nic_gbit(link: crate::probe::Link, g: usize) -> f64 {
+pub fn nic_gbit(link: crate::measured::Link, g: usize) -> f64 {
     link.bytes_per_s * g as f64 * 8.0 / 1e9
 }
 

@@ -9,40 +9,16 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use zeropp_quant::{QuantizedTensor, Rounding};
 
 use zeropp_comm::{Communicator, Group, GroupKind};
 
 use super::ZeroError;
 use super::groups::ZeroGroups;
-use super::plan::{Layout, weight_format};
+use super::layout::Layout;
+use super::measured::{Link, Links, Measured, Routes};
+use super::plan::weight_format;
 use super::traffic::{CountingTransport, Phase};
-
-/// One hop as the collectives see it: what each rank receives per second
-/// while every rank of its group sends at once, and the time of an empty
-/// exchange.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Link {
-    pub bytes_per_s: f64,
-    pub latency_s: f64,
-}
-
-/// The job's links and quantization speed, agreed by every rank.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Links {
-    /// Inside a node (none with one rank per node).
-    pub node: Option<Link>,
-    /// Across nodes, each local rank to its peers on the other nodes, all
-    /// local ranks at once (none on one node).
-    pub cross: Option<Link>,
-    /// Values per second this rank quantizes (f32 to int8 blocks).
-    pub quantize_per_s: f64,
-    /// Values per second it dequantizes.
-    pub dequantize_per_s: f64,
-    /// How long the probe took on this rank.
-    pub seconds: f64,
-}
 
 /// The longest one hop's probe goes on: a size is the last once one
 /// exchange takes this long.
@@ -318,14 +294,6 @@ fn agree(c: &Communicator, world: &Group, mine: Links) -> Result<Links, ZeroErro
     })
 }
 
-/// What the job measured at join: its links, and the two collectives
-/// timed by each route. What `mode="zeropp"` resolves its switches by.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Measured {
-    pub links: Links,
-    pub routes: Routes,
-}
-
 /// Measures the links, then times the routes on a unit sized from them
 /// ([`probe_values`]), at most `largest` values (the model's largest unit,
 /// when known: the probe moves no more than a gather of the model does),
@@ -348,22 +316,6 @@ pub fn measure_all(
         let routes = time_routes(c, counter, groups, layout, s, values)?;
         Ok(Measured { links, routes })
     })
-}
-
-/// The two collectives timed on this job by each route, with the code
-/// that runs them in training (ZeRO-3's rings, qwZ, qgZ without error
-/// feedback) on a unit of `values` parameters: seconds per call, the
-/// slowest rank's.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Routes {
-    pub values: usize,
-    pub gather_plain: f64,
-    pub gather_qwz: f64,
-    pub reduce_plain: f64,
-    pub reduce_qgz: f64,
-    /// How long timing the routes took (the slowest rank).
-    #[serde(default)]
-    pub seconds: f64,
 }
 
 /// The unit [`time_routes`] measures with: large enough that the bytes,
@@ -496,7 +448,7 @@ fn route_times(
         .collect();
     ready()?;
     let t = Instant::now();
-    let mine = qgz::ring_bf16(c, &groups.world, bytes(&grad))?;
+    let mine = super::host::ring_bf16(c, &groups.world, bytes(&grad))?;
     let mut sum = vec![0f32; mine.len() / 2];
     super::payload::decode_bf16(&mine, &mut sum)?;
     let reduce_plain = t.elapsed().as_secs_f64();

@@ -6,19 +6,16 @@
 //! and summed in f32 again: each rank ends with the sum over the world of
 //! its own chunk, divided by W for the mean. Error feedback keeps what each
 //! quantization dropped (compressed: [`super::residual`]) and adds it back
-//! on the next call. The plain reduce-scatters of ZeRO-3 (bf16 or f32
-//! rings on the host) live here too.
+//! on the next call. ZeRO-3's plain rings live with the host backend
+//! (`super::host::ring_bf16`, `ring_f32`).
 
-use bytes::Bytes;
 use zeropp_quant::{QuantFormat, Rounding};
 
-use zeropp_comm::collectives::{Reduce, balanced_bounds};
-use zeropp_comm::{CommError, Communicator, Group};
 use zeropp_cuda::GpuElement;
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
-use super::plan::Layout;
+use super::layout::Layout;
 use super::residual;
 use super::traffic::Phase;
 
@@ -398,48 +395,6 @@ pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         hadamard: s.hadamard,
     };
     exchange(q, m, layout, first, second, reduction)
-}
-
-/// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
-pub struct SumBf16;
-
-impl Reduce for SumBf16 {
-    fn granule(&self) -> usize {
-        2
-    }
-
-    fn reduce(&self, acc: &mut [u8], mine: &[u8]) -> Result<(), CommError> {
-        if acc.len() != mine.len() || !acc.len().is_multiple_of(2) {
-            return Err(CommError::Malformed(format!(
-                "bf16 sum of {} and {} bytes",
-                acc.len(),
-                mine.len()
-            )));
-        }
-        for (a, b) in acc.chunks_exact_mut(2).zip(mine.chunks_exact(2)) {
-            let x = f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16);
-            let y = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
-            let s: half::bf16 = zeropp_quant::Element::from_f32(x + y);
-            a.copy_from_slice(&s.to_bits().to_le_bytes());
-        }
-        Ok(())
-    }
-}
-
-/// ZeRO-3's reduce-scatter of bf16 values (`bf16` little-endian bytes, W
-/// equal chunks): this rank's chunk of the sum, as bf16 bytes.
-pub fn ring_bf16(c: &Communicator, world: &Group, bf16: Bytes) -> Result<Vec<u8>, CommError> {
-    let values = bf16.len() / 2;
-    let bounds: Vec<_> = balanced_bounds(values, world.size())
-        .into_iter()
-        .map(|r| r.start * 2..r.end * 2)
-        .collect();
-    c.reduce_scatter_bytes(world, bf16, &bounds, &SumBf16)
-}
-
-/// ZeRO-3's reduce-scatter in f32: this rank's chunk of the sum.
-pub fn ring_f32(c: &Communicator, world: &Group, grad: Vec<f32>) -> Result<Vec<f32>, CommError> {
-    c.reduce_scatter_f32_vec(world, grad)
 }
 
 #[cfg(test)]

@@ -13,8 +13,8 @@ use zeropp_comm::CommError;
 
 use super::backend::{ByteMover, Hop, Quantizer, check_hops};
 use super::error::ZeroError;
+use super::layout::Layout;
 use super::payload;
-use super::plan::Layout;
 use super::traffic::Phase;
 
 /// Where rank `r`'s chunk sits in what [`gather_quantized`] returns: the

@@ -9,7 +9,7 @@ use zeropp_comm::inproc::InProcess;
 
 use super::groups::ZeroGroups;
 use super::host::HostMover;
-use super::plan::Layout;
+use super::layout::Layout;
 use super::traffic::CountingTransport;
 
 /// Rank `rank`'s test values (a full gradient, or with another seed a
