@@ -135,6 +135,43 @@ fn main() {
         secs: t.as_secs_f64(),
         memcpy,
     });
+    // qgZ's hop across nodes: int4 blocks of 64 with error feedback kept in
+    // int8 blocks of 32, one fused pass, against its kernels in turn.
+    let int4 = QuantFormat::int4(64).unwrap();
+    let int8 = QuantFormat::int8(32).unwrap();
+    let kept = QuantizedTensor::quantize(&x, int8, Rounding::NearestEven).unwrap();
+    let mut sent = QuantizedTensor::zeroed(int4, n);
+    let mut now = QuantizedTensor::zeroed(int8, n);
+    let t = best_of(reps, || {
+        acc.copy_from_slice(&x);
+        quantize_with_feedback(
+            &mut acc,
+            Rounding::NearestEven,
+            sent.as_mut(),
+            kept.as_ref(),
+            now.as_mut(),
+        )
+        .unwrap()
+    });
+    rows.push(Row {
+        name: "error feedback int4/64 + int8/32, fused".into(),
+        secs: t.as_secs_f64(),
+        memcpy,
+    });
+    let mut lost = vec![0f32; n];
+    let t = best_of(reps, || {
+        acc.copy_from_slice(&x);
+        dequantize_accumulate(kept.as_ref(), &mut acc).unwrap();
+        quantize(&acc, Rounding::NearestEven, sent.as_mut()).unwrap();
+        dequantize(sent.as_ref(), &mut lost).unwrap();
+        lost.iter_mut().zip(&acc).for_each(|(d, a)| *d = a - *d);
+        quantize(&lost, Rounding::NearestEven, now.as_mut()).unwrap();
+    });
+    rows.push(Row {
+        name: "error feedback, the kernels in turn".into(),
+        secs: t.as_secs_f64(),
+        memcpy,
+    });
     for block in [64, 256] {
         for isa in Isa::available() {
             acc.copy_from_slice(&x);

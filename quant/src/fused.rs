@@ -7,7 +7,9 @@ use crate::QuantError;
 use crate::element::Element;
 use crate::format::{QuantFormat, Rounding};
 use crate::isa::Isa;
-use crate::kernels::{BlockOut, dequantize_range_on, quantize_block_on};
+use crate::kernels::{
+    BlockOut, dequantize_range, dequantize_range_on, quantize_block, quantize_block_on,
+};
 use crate::views::{QuantizedMut, QuantizedRef};
 
 /// Dequantizes `k` inputs of the same length, sums them in f32 and quantizes
@@ -100,7 +102,7 @@ pub fn quantize_with_feedback_on(
     rounding: Rounding,
     mut out: QuantizedMut<'_>,
     kept: QuantizedRef<'_>,
-    mut dropped: QuantizedMut<'_>,
+    dropped: QuantizedMut<'_>,
 ) -> Result<(), QuantError> {
     let len = x.len();
     out.check_len(len)?;
@@ -120,19 +122,55 @@ pub fn quantize_with_feedback_on(
         lost.iter_mut().zip(x.iter()).for_each(|(d, x)| *d = x - *d);
         return crate::kernels::quantize_on(isa, &lost, Rounding::NearestEven, dropped);
     }
+    let views = (out, kept, dropped);
+    match isa {
+        Isa::Portable => feedback_spans(x, span, rounding, views),
+        // SAFETY: `Isa::Avx2` is only ever produced where the CPU has AVX2.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2::feedback_spans(x, span, rounding, views) },
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn feedback_spans(
+        x: &mut [f32],
+        span: usize,
+        rounding: Rounding,
+        views: FeedbackViews<'_, '_, '_>,
+    ) -> Result<(), QuantError> {
+        super::feedback_spans(x, span, rounding, views)
+    }
+}
+
+/// What [`quantize_with_feedback`] quantizes into, reads and keeps.
+type FeedbackViews<'a, 'b, 'c> = (QuantizedMut<'a>, QuantizedRef<'b>, QuantizedMut<'c>);
+
+/// [`quantize_with_feedback`]'s spans, in one function (every kernel
+/// inlined into it) so that a short block costs no call.
+#[inline(always)]
+fn feedback_spans(
+    x: &mut [f32],
+    span: usize,
+    rounding: Rounding,
+    (mut out, kept, mut dropped): FeedbackViews<'_, '_, '_>,
+) -> Result<(), QuantError> {
     let mut lost = [0f32; FEEDBACK_SPAN];
     let mut start = 0;
-    while start < len {
-        let end = (start + span).min(len);
+    while start < x.len() {
+        let end = (start + span).min(x.len());
         let xs = &mut x[start..end];
-        dequantize_range_on(isa, &kept, start, xs, |o, v| *o += v)?;
-        quantize_blocks(isa, xs, start, rounding, &mut out)?;
+        dequantize_range(&kept, start, xs, |o, v| *o += v)?;
+        quantize_span(xs, start, rounding, &mut out)?;
         let lost = &mut lost[..end - start];
-        dequantize_range_on(isa, &out.as_ref(), start, lost, |o, v| *o = v)?;
+        dequantize_range(&out.as_ref(), start, lost, |o, v| *o = v)?;
         lost.iter_mut()
             .zip(xs.iter())
             .for_each(|(d, x)| *d = x - *d);
-        quantize_blocks(isa, lost, start, Rounding::NearestEven, &mut dropped)?;
+        quantize_span(lost, start, Rounding::NearestEven, &mut dropped)?;
         start = end;
     }
     Ok(())
@@ -140,8 +178,8 @@ pub fn quantize_with_feedback_on(
 
 /// `x` (values `start..start + x.len()` of `out`'s tensor, whole blocks but
 /// for the tensor's last) quantized into their blocks of `out`.
-fn quantize_blocks(
-    isa: Isa,
+#[inline(always)]
+fn quantize_span(
     x: &[f32],
     start: usize,
     rounding: Rounding,
@@ -158,7 +196,7 @@ fn quantize_blocks(
             max: &mut out.block_max[b],
             min: out.block_min.get_mut(b),
         };
-        quantize_block_on(isa, xb, &format, rounding, block)?;
+        quantize_block(xb, &format, rounding, block)?;
     }
     Ok(())
 }

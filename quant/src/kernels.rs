@@ -342,7 +342,7 @@ const WIDENED_BLOCK: usize = 64;
 
 /// Quantizes one block.
 #[inline(always)]
-fn quantize_block<T: Element>(
+pub(crate) fn quantize_block<T: Element>(
     x: &[T],
     format: &QuantFormat,
     rounding: Rounding,
@@ -473,7 +473,7 @@ fn read_codes<O, const PER: usize, const SIGNED: bool>(
 /// `start` must be a multiple of the format's codes per byte (every block
 /// boundary is).
 #[inline(always)]
-fn dequantize_range<O>(
+pub(crate) fn dequantize_range<O>(
     q: &QuantizedRef<'_>,
     start: usize,
     out: &mut [O],
