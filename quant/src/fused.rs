@@ -8,7 +8,7 @@ use crate::element::Element;
 use crate::format::{QuantFormat, Rounding};
 use crate::isa::Isa;
 use crate::kernels::{
-    BlockOut, dequantize_range, dequantize_range_on, quantize_block, quantize_block_on,
+    BlockOut, block_bytes, dequantize_range, dequantize_range_on, quantize_block, quantize_block_on,
 };
 use crate::views::{QuantizedMut, QuantizedRef};
 
@@ -58,7 +58,8 @@ pub fn sum_requantize_on(
         for q in inputs {
             dequantize_range_on(isa, q, start, sum, |o, v| *o += v)?;
         }
-        let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(block_len)];
+        let code_out =
+            &mut codes[b * per_block_bytes..][..block_bytes(&format, per_block_bytes, block_len)];
         let block = BlockOut {
             index: b,
             start,
@@ -192,7 +193,8 @@ fn quantize_span(
         let block = BlockOut {
             index: b,
             start: b * format.block,
-            codes: &mut out.codes[b * per_block_bytes..][..format.code_bytes(xb.len())],
+            codes: &mut out.codes[b * per_block_bytes..]
+                [..block_bytes(&format, per_block_bytes, xb.len())],
             max: &mut out.block_max[b],
             min: out.block_min.get_mut(b),
         };

@@ -194,6 +194,18 @@ fn write_rounded_codes<T: Element>(
     }
 }
 
+/// Code bytes of a block of `len` values: `per_block` (the format's
+/// whole block's) but for a short last block, so that a whole block costs
+/// no division.
+#[inline(always)]
+pub(crate) fn block_bytes(format: &QuantFormat, per_block: usize, len: usize) -> usize {
+    if len == format.block {
+        per_block
+    } else {
+        format.code_bytes(len)
+    }
+}
+
 /// Quantizes `input` into `out` in the format `out` was made for.
 ///
 /// Errors: a non-finite input value (named by block and index), a block whose
@@ -240,7 +252,8 @@ fn quantize_blocks<T: Element>(
     let per_block_bytes = format.code_bytes(format.block);
     for (b, x) in input.chunks(format.block).enumerate() {
         let start = b * format.block;
-        let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(x.len())];
+        let code_out =
+            &mut codes[b * per_block_bytes..][..block_bytes(&format, per_block_bytes, x.len())];
         let block = BlockOut {
             index: b,
             start,
@@ -479,48 +492,57 @@ pub(crate) fn dequantize_range<O>(
     out: &mut [O],
     put: impl FnMut(&mut O, f32) + Copy,
 ) -> Result<(), QuantError> {
+    debug_assert_eq!(start % q.format.bits.codes_per_byte(), 0);
+    // One loop per format, so that codes per byte are constants.
+    match (q.format.bits, q.format.scheme) {
+        (Bits::Eight, Scheme::Symmetric) => dequantize_blocks::<O, 1, true>(q, start, out, put),
+        (Bits::Four, Scheme::Symmetric) => dequantize_blocks::<O, 2, true>(q, start, out, put),
+        (Bits::Two, Scheme::Symmetric) => dequantize_blocks::<O, 4, true>(q, start, out, put),
+        (Bits::Eight, Scheme::Asymmetric) => dequantize_blocks::<O, 1, false>(q, start, out, put),
+        (Bits::Four, Scheme::Asymmetric) => dequantize_blocks::<O, 2, false>(q, start, out, put),
+        (Bits::Two, Scheme::Asymmetric) => dequantize_blocks::<O, 4, false>(q, start, out, put),
+    }
+}
+
+/// [`dequantize_range`] for one format (`PER` codes per byte, symmetric
+/// when `SIGNED`), block by block: a block's position by a shift where the
+/// block is a power of two (as `QuantFormat::new` makes it), so that a
+/// short block costs no division.
+#[inline(always)]
+fn dequantize_blocks<O, const PER: usize, const SIGNED: bool>(
+    q: &QuantizedRef<'_>,
+    start: usize,
+    out: &mut [O],
+    put: impl FnMut(&mut O, f32) + Copy,
+) -> Result<(), QuantError> {
     let format = q.format;
     let qmax = format.qmax();
-    let per_byte = format.bits.codes_per_byte();
-    debug_assert_eq!(start % per_byte, 0);
+    let shift = format
+        .block
+        .is_power_of_two()
+        .then(|| format.block.trailing_zeros());
+    let block_of = |pos: usize| match shift {
+        Some(s) => pos >> s,
+        None => pos / format.block,
+    };
     let end = start + out.len();
     let mut pos = start;
     while pos < end {
-        let b = pos / format.block;
+        let b = block_of(pos);
         let block_end = ((b + 1) * format.block).min(end);
         let max = q.block_max[b];
-        let (min, valid) = match format.scheme {
-            Scheme::Symmetric => (0.0, max.is_finite() && max >= 0.0),
-            Scheme::Asymmetric => {
-                let min = q.block_min[b];
-                (min, min.is_finite() && max.is_finite() && min <= max)
-            }
+        let (min, valid) = if SIGNED {
+            (0.0, max.is_finite() && max >= 0.0)
+        } else {
+            let min = q.block_min[b];
+            (min, min.is_finite() && max.is_finite() && min <= max)
         };
         if !valid {
             return Err(QuantError::CorruptParams { block: b, min, max });
         }
-        let codes = &q.codes[pos / per_byte..block_end.div_ceil(per_byte)];
+        let codes = &q.codes[pos / PER..block_end.div_ceil(PER)];
         let o = &mut out[pos - start..block_end - start];
-        match (format.bits, format.scheme) {
-            (Bits::Eight, Scheme::Symmetric) => {
-                read_codes::<O, 1, true>(codes, o, qmax, min, max, put)
-            }
-            (Bits::Four, Scheme::Symmetric) => {
-                read_codes::<O, 2, true>(codes, o, qmax, min, max, put)
-            }
-            (Bits::Two, Scheme::Symmetric) => {
-                read_codes::<O, 4, true>(codes, o, qmax, min, max, put)
-            }
-            (Bits::Eight, Scheme::Asymmetric) => {
-                read_codes::<O, 1, false>(codes, o, qmax, min, max, put)
-            }
-            (Bits::Four, Scheme::Asymmetric) => {
-                read_codes::<O, 2, false>(codes, o, qmax, min, max, put)
-            }
-            (Bits::Two, Scheme::Asymmetric) => {
-                read_codes::<O, 4, false>(codes, o, qmax, min, max, put)
-            }
-        }
+        read_codes::<O, PER, SIGNED>(codes, o, qmax, min, max, put);
         pos = block_end;
     }
     Ok(())
