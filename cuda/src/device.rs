@@ -833,16 +833,7 @@ struct QuantizeLaunch {
 }
 
 fn size_check(what: &'static str, expected: usize, found: usize) -> Result<(), CudaError> {
-    if expected == found {
-        Ok(())
-    } else {
-        Err(QuantError::SizeMismatch {
-            what,
-            expected,
-            found,
-        }
-        .into())
-    }
+    Ok(zeropp_quant::views::check_size(what, expected, found)?)
 }
 
 fn grid_config(grid: u64, name: &str) -> Result<LaunchConfig, CudaError> {
@@ -1010,10 +1001,16 @@ pub struct QuantViewMut<'a> {
     pub block_min: CudaViewMut<'a, f32>,
 }
 
-fn check_parts(f: &QuantFormat, len: usize, sizes: [usize; 3]) -> Result<(), CudaError> {
-    size_check("code bytes", f.code_bytes(len), sizes[0])?;
-    size_check("block maxima", f.num_blocks(len), sizes[1])?;
-    size_check("block minima", f.num_block_mins(len), sizes[2])
+fn check_parts(
+    f: &QuantFormat,
+    len: usize,
+    [codes, maxima, minima]: [usize; 3],
+) -> Result<(), CudaError> {
+    Ok(zeropp_quant::views::check_sizes(
+        f,
+        len,
+        (codes, maxima, minima),
+    )?)
 }
 
 impl QuantView<'_> {

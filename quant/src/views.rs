@@ -5,7 +5,8 @@
 use crate::QuantError;
 use crate::format::QuantFormat;
 
-fn check_size(what: &'static str, expected: usize, found: usize) -> Result<(), QuantError> {
+/// `found` values (or bytes) of `what` where `expected` were due.
+pub fn check_size(what: &'static str, expected: usize, found: usize) -> Result<(), QuantError> {
     if expected == found {
         Ok(())
     } else {
@@ -15,6 +16,18 @@ fn check_size(what: &'static str, expected: usize, found: usize) -> Result<(), Q
             found,
         })
     }
+}
+
+/// Buffers of (code bytes, block maxima, block minima) against the sizes
+/// `format` gives for `len` values.
+pub fn check_sizes(
+    format: &QuantFormat,
+    len: usize,
+    (codes, maxima, minima): (usize, usize, usize),
+) -> Result<(), QuantError> {
+    check_size("code bytes", format.code_bytes(len), codes)?;
+    check_size("block maxima", format.num_blocks(len), maxima)?;
+    check_size("block minima", format.num_block_mins(len), minima)
 }
 
 /// A read-only quantized tensor of `len` values: packed codes, one f32
@@ -39,9 +52,11 @@ impl<'a> QuantizedRef<'a> {
         block_max: &'a [f32],
         block_min: &'a [f32],
     ) -> Result<Self, QuantError> {
-        check_size("code bytes", format.code_bytes(len), codes.len())?;
-        check_size("block maxima", format.num_blocks(len), block_max.len())?;
-        check_size("block minima", format.num_block_mins(len), block_min.len())?;
+        check_sizes(
+            &format,
+            len,
+            (codes.len(), block_max.len(), block_min.len()),
+        )?;
         Ok(QuantizedRef {
             format,
             len,
@@ -75,9 +90,11 @@ impl<'a> QuantizedMut<'a> {
         block_max: &'a mut [f32],
         block_min: &'a mut [f32],
     ) -> Result<Self, QuantError> {
-        check_size("code bytes", format.code_bytes(len), codes.len())?;
-        check_size("block maxima", format.num_blocks(len), block_max.len())?;
-        check_size("block minima", format.num_block_mins(len), block_min.len())?;
+        check_sizes(
+            &format,
+            len,
+            (codes.len(), block_max.len(), block_min.len()),
+        )?;
         Ok(QuantizedMut {
             format,
             len,

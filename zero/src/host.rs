@@ -667,14 +667,11 @@ impl HostMover<'_> {
 /// Zeroed quantized chunks (as `QuantizedChunks::zeroed`) in reused
 /// buffers ([`scratch`]).
 fn pooled_chunks(format: QuantFormat, chunk_len: usize, count: usize) -> QuantizedChunks {
-    QuantizedChunks {
-        format,
-        chunk_len,
-        count,
-        codes: scratch::take(count * format.code_bytes(chunk_len)),
-        block_max: scratch::take(count * format.num_blocks(chunk_len)),
-        block_min: scratch::take(count * format.num_block_mins(chunk_len)),
-    }
+    let mut q = pooled_chunks_for_overwrite(format, chunk_len, count);
+    q.codes.fill(0);
+    q.block_max.fill(0.0);
+    q.block_min.fill(0.0);
+    q
 }
 
 /// [`pooled_chunks`] whose every byte the caller writes before reading.
