@@ -8,7 +8,7 @@ use crate::element::Element;
 use crate::format::{QuantFormat, Rounding};
 use crate::isa::Isa;
 use crate::kernels::{
-    BlockOut, block_bytes, dequantize_range, dequantize_range_on, quantize_block, quantize_block_on,
+    BlockOut, dequantize_range, dequantize_range_on, quantize_block_on, quantize_span,
 };
 use crate::views::{QuantizedMut, QuantizedRef};
 
@@ -58,8 +58,7 @@ pub fn sum_requantize_on(
         for q in inputs {
             dequantize_range_on(isa, q, start, sum, |o, v| *o += v)?;
         }
-        let code_out =
-            &mut codes[b * per_block_bytes..][..block_bytes(&format, per_block_bytes, block_len)];
+        let code_out = &mut codes[b * per_block_bytes..][..format.code_bytes(block_len)];
         let block = BlockOut {
             index: b,
             start,
@@ -92,8 +91,9 @@ pub fn quantize_with_feedback(
     quantize_with_feedback_on(Isa::detect(), x, rounding, out, kept, dropped)
 }
 
-/// The span the fused kernel works on: every format's blocks tile it
-/// (blocks are powers of two), and it fits on the stack.
+/// The largest span the fused kernel keeps on the stack (the span is the
+/// largest of the three formats' blocks: powers of two, so every format's
+/// blocks tile it).
 const FEEDBACK_SPAN: usize = 1024;
 
 /// [`quantize_with_feedback`] with a chosen instruction set.
@@ -101,7 +101,7 @@ pub fn quantize_with_feedback_on(
     isa: Isa,
     x: &mut [f32],
     rounding: Rounding,
-    mut out: QuantizedMut<'_>,
+    out: QuantizedMut<'_>,
     kept: QuantizedRef<'_>,
     dropped: QuantizedMut<'_>,
 ) -> Result<(), QuantError> {
@@ -114,21 +114,21 @@ pub fn quantize_with_feedback_on(
         .block
         .max(dropped.format.block)
         .max(kept.format.block);
-    if span > FEEDBACK_SPAN {
-        // Blocks this large: the kernels one after another.
-        crate::kernels::dequantize_accumulate_on(isa, kept, x)?;
-        crate::kernels::quantize_on(isa, x, rounding, out.reborrow())?;
-        let mut lost = vec![0f32; len];
-        crate::kernels::dequantize_on(isa, out.as_ref(), &mut lost)?;
-        lost.iter_mut().zip(x.iter()).for_each(|(d, x)| *d = x - *d);
-        return crate::kernels::quantize_on(isa, &lost, Rounding::NearestEven, dropped);
-    }
+    // What a span dropped, before it is quantized: on the stack, but for
+    // blocks larger than it holds.
+    let (mut stack, mut heap) = ([0f32; FEEDBACK_SPAN], Vec::new());
+    let lost = if span <= FEEDBACK_SPAN {
+        &mut stack[..span]
+    } else {
+        heap.resize(span, 0.0);
+        &mut heap[..]
+    };
     let views = (out, kept, dropped);
     match isa {
-        Isa::Portable => feedback_spans(x, span, rounding, views),
+        Isa::Portable => feedback_spans(x, lost, rounding, views),
         // SAFETY: `Isa::Avx2` is only ever produced where the CPU has AVX2.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { avx2::feedback_spans(x, span, rounding, views) },
+        Isa::Avx2 => unsafe { avx2::feedback_spans(x, lost, rounding, views) },
     }
 }
 
@@ -139,27 +139,28 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) fn feedback_spans(
         x: &mut [f32],
-        span: usize,
+        lost: &mut [f32],
         rounding: Rounding,
         views: FeedbackViews<'_, '_, '_>,
     ) -> Result<(), QuantError> {
-        super::feedback_spans(x, span, rounding, views)
+        super::feedback_spans(x, lost, rounding, views)
     }
 }
 
 /// What [`quantize_with_feedback`] quantizes into, reads and keeps.
 type FeedbackViews<'a, 'b, 'c> = (QuantizedMut<'a>, QuantizedRef<'b>, QuantizedMut<'c>);
 
-/// [`quantize_with_feedback`]'s spans, in one function (every kernel
-/// inlined into it) so that a short block costs no call.
+/// [`quantize_with_feedback`]'s spans of `lost.len()` values (a whole
+/// number of every format's blocks), in one function (every kernel inlined
+/// into it) so that a short block costs no call.
 #[inline(always)]
 fn feedback_spans(
     x: &mut [f32],
-    span: usize,
+    lost: &mut [f32],
     rounding: Rounding,
     (mut out, kept, mut dropped): FeedbackViews<'_, '_, '_>,
 ) -> Result<(), QuantError> {
-    let mut lost = [0f32; FEEDBACK_SPAN];
+    let span = lost.len();
     let mut start = 0;
     while start < x.len() {
         let end = (start + span).min(x.len());
@@ -173,32 +174,6 @@ fn feedback_spans(
             .for_each(|(d, x)| *d = x - *d);
         quantize_span(lost, start, Rounding::NearestEven, &mut dropped)?;
         start = end;
-    }
-    Ok(())
-}
-
-/// `x` (values `start..start + x.len()` of `out`'s tensor, whole blocks but
-/// for the tensor's last) quantized into their blocks of `out`.
-#[inline(always)]
-fn quantize_span(
-    x: &[f32],
-    start: usize,
-    rounding: Rounding,
-    out: &mut QuantizedMut<'_>,
-) -> Result<(), QuantError> {
-    let format = out.format;
-    let per_block_bytes = format.code_bytes(format.block);
-    for (i, xb) in x.chunks(format.block).enumerate() {
-        let b = start / format.block + i;
-        let block = BlockOut {
-            index: b,
-            start: b * format.block,
-            codes: &mut out.codes[b * per_block_bytes..]
-                [..block_bytes(&format, per_block_bytes, xb.len())],
-            max: &mut out.block_max[b],
-            min: out.block_min.get_mut(b),
-        };
-        quantize_block(xb, &format, rounding, block)?;
     }
     Ok(())
 }

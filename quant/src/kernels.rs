@@ -194,18 +194,6 @@ fn write_rounded_codes<T: Element>(
     }
 }
 
-/// Code bytes of a block of `len` values: `per_block` (the format's
-/// whole block's) but for a short last block, so that a whole block costs
-/// no division.
-#[inline(always)]
-pub(crate) fn block_bytes(format: &QuantFormat, per_block: usize, len: usize) -> usize {
-    if len == format.block {
-        per_block
-    } else {
-        format.code_bytes(len)
-    }
-}
-
 /// Quantizes `input` into `out` in the format `out` was made for.
 ///
 /// Errors: a non-finite input value (named by block and index), a block whose
@@ -240,28 +228,32 @@ pub fn quantize_on<T: Element>(
 fn quantize_blocks<T: Element>(
     input: &[T],
     rounding: Rounding,
-    out: QuantizedMut<'_>,
+    mut out: QuantizedMut<'_>,
 ) -> Result<(), QuantError> {
-    let QuantizedMut {
-        format,
-        codes,
-        block_max,
-        block_min,
-        ..
-    } = out;
+    quantize_span(input, 0, rounding, &mut out)
+}
+
+/// `x` (values `start..start + x.len()` of `out`'s tensor: whole blocks,
+/// but for the tensor's last) quantized into their blocks of `out`.
+#[inline(always)]
+pub(crate) fn quantize_span<T: Element>(
+    x: &[T],
+    start: usize,
+    rounding: Rounding,
+    out: &mut QuantizedMut<'_>,
+) -> Result<(), QuantError> {
+    let format = out.format;
     let per_block_bytes = format.code_bytes(format.block);
-    for (b, x) in input.chunks(format.block).enumerate() {
-        let start = b * format.block;
-        let code_out =
-            &mut codes[b * per_block_bytes..][..block_bytes(&format, per_block_bytes, x.len())];
+    for (i, xb) in x.chunks(format.block).enumerate() {
+        let b = start / format.block + i;
         let block = BlockOut {
             index: b,
-            start,
-            codes: code_out,
-            max: &mut block_max[b],
-            min: block_min.get_mut(b),
+            start: b * format.block,
+            codes: &mut out.codes[b * per_block_bytes..][..format.code_bytes(xb.len())],
+            max: &mut out.block_max[b],
+            min: out.block_min.get_mut(b),
         };
-        quantize_block(x, &format, rounding, block)?;
+        quantize_block(xb, &format, rounding, block)?;
     }
     Ok(())
 }
@@ -505,9 +497,7 @@ pub(crate) fn dequantize_range<O>(
 }
 
 /// [`dequantize_range`] for one format (`PER` codes per byte, symmetric
-/// when `SIGNED`), block by block: a block's position by a shift where the
-/// block is a power of two (as `QuantFormat::new` makes it), so that a
-/// short block costs no division.
+/// when `SIGNED`), block by block.
 #[inline(always)]
 fn dequantize_blocks<O, const PER: usize, const SIGNED: bool>(
     q: &QuantizedRef<'_>,
@@ -517,18 +507,10 @@ fn dequantize_blocks<O, const PER: usize, const SIGNED: bool>(
 ) -> Result<(), QuantError> {
     let format = q.format;
     let qmax = format.qmax();
-    let shift = format
-        .block
-        .is_power_of_two()
-        .then(|| format.block.trailing_zeros());
-    let block_of = |pos: usize| match shift {
-        Some(s) => pos >> s,
-        None => pos / format.block,
-    };
     let end = start + out.len();
     let mut pos = start;
     while pos < end {
-        let b = block_of(pos);
+        let b = pos / format.block;
         let block_end = ((b + 1) * format.block).min(end);
         let max = q.block_max[b];
         let (min, valid) = if SIGNED {

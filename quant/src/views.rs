@@ -118,15 +118,4 @@ impl<'a> QuantizedMut<'a> {
             block_min: self.block_min,
         }
     }
-
-    /// The same buffers, borrowed for a shorter while.
-    pub fn reborrow(&mut self) -> QuantizedMut<'_> {
-        QuantizedMut {
-            format: self.format,
-            len: self.len,
-            codes: self.codes,
-            block_max: self.block_max,
-            block_min: self.block_min,
-        }
-    }
 }

@@ -902,7 +902,9 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 }
-/// ZeRO-3's plain rings on the host (the reduce-scatter qgZ replaces).
+
+// ZeRO-3's plain rings on the host (the reduce-scatter qgZ replaces).
+
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
 pub struct SumBf16;
 

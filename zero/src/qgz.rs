@@ -164,6 +164,18 @@ pub struct SecondHop<'a, Q: Quantizer> {
     pub hadamard: bool,
 }
 
+impl<'a, Q: Quantizer> SecondHop<'a, Q> {
+    /// The hop across nodes of the qgZ call `s`, with `residual`.
+    fn of(s: Qgz, residual: Option<&'a mut Q::Chunks>) -> Self {
+        SecondHop {
+            format: s.inter,
+            rounding: s.rounding,
+            residual,
+            hadamard: s.hadamard,
+        }
+    }
+}
+
 /// Hops 1 and 2 of `first` (from [`quantize_first_hop`]): this rank's
 /// chunk of the sum over every rank, in f32, as `reduction` asks.
 pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
@@ -343,12 +355,7 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
     grad: &Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
-    let mut second = SecondHop {
-        format: s.inter,
-        rounding: s.rounding,
-        residual: feedback.second,
-        hadamard: s.hadamard,
-    };
+    let mut second = SecondHop::of(s, feedback.second);
     if layout.ranks_per_node == 1 {
         // A node of one rank: nothing to exchange inside it, so its
         // partial sum is its own gradient, not quantized a first time.
@@ -388,13 +395,14 @@ pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     let mut first = q.chunks(s.intra, chunk, layout.world())?;
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
     q.quantize_tensor_swizzled(grad, nodes, g, s.rounding, &mut first)?;
-    let second = SecondHop {
-        format: s.inter,
-        rounding: s.rounding,
-        residual: feedback.second,
-        hadamard: s.hadamard,
-    };
-    exchange(q, m, layout, first, second, reduction)
+    exchange(
+        q,
+        m,
+        layout,
+        first,
+        SecondHop::of(s, feedback.second),
+        reduction,
+    )
 }
 
 #[cfg(test)]
