@@ -127,6 +127,9 @@ struct Published {
 pub struct Peer {
     pub rank: usize,
     pub hostname: String,
+    /// Boot id and network namespace: two ranks with equal `hostname` and
+    /// `host_id` run on one host.
+    pub host_id: String,
     pub facts: serde_json::Value,
 }
 
@@ -199,6 +202,7 @@ pub fn join(
         .map(|p| Peer {
             rank: p.rank,
             hostname: p.hostname,
+            host_id: p.host_id,
             facts: p.facts,
         })
         .collect();

@@ -23,11 +23,10 @@ use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::measured::Measured;
 use zeropp_zero::plan;
-use zeropp_zero::probe;
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
-use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, qgz};
+use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, job, qgz};
 
 use crate::buffers::{Dtype, HostBuf, ScratchCopy, with_dtype};
 use crate::{invalid, to_py};
@@ -73,10 +72,6 @@ fn join_through_store(
     exchange: &Py<PyAny>,
     opts: &JoinOptions,
 ) -> PyResult<exchange::Joined> {
-    let topology = zeropp_topology::detect::detect(std::path::Path::new("/"))
-        .ok()
-        .and_then(|t| serde_json::to_value(t).ok())
-        .unwrap_or(serde_json::Value::Null);
     let mut call_exchange = |mine: Vec<u8>| -> Result<Vec<Vec<u8>>, CommError> {
         let store = |e: PyErr| {
             bad(format!(
@@ -92,21 +87,7 @@ fn join_through_store(
             .map(|b| b.extract::<Vec<u8>>().map_err(store))
             .collect()
     };
-    let facts = serde_json::json!({ "topology": topology });
-    exchange::join(opts, facts, &mut call_exchange).map_err(to_py)
-}
-
-/// The routing plan from every node's topology (each node's first rank's).
-fn cluster_routing(
-    joined: &exchange::Joined,
-    layout: Layout,
-) -> Result<zeropp_topology::plan::ClusterView, String> {
-    let g = layout.ranks_per_node;
-    let tops: Option<Vec<zeropp_topology::Topology>> = (0..layout.nodes)
-        .map(|n| serde_json::from_value(joined.peers[n * g].facts["topology"].clone()).ok())
-        .collect();
-    tops.ok_or_else(|| "not every node could read its topology".to_string())
-        .and_then(|t| zeropp_topology::plan::cluster(&t, g))
+    exchange::join(opts, job::facts_to_publish(), &mut call_exchange).map_err(to_py)
 }
 
 /// A joined job: this rank's transport, communication thread, layout and
@@ -122,9 +103,12 @@ pub struct Job {
     /// The islands' streamed outer exchanges, started when first needed:
     /// they run while the island's own collectives go on `thread`.
     outer: std::sync::OnceLock<CommThread>,
-    counter: Arc<CountingTransport>,
-    layout: Layout,
-    groups: ZeroGroups,
+    /// The counted transport, this rank's place and groups, the routing
+    /// plan, whether the links are measurable (`zeropp_zero::job`'s rule,
+    /// as the native trainer's): measured once, when `mode="zeropp"` is
+    /// first resolved (every rank does that in the same order), so a
+    /// ZeRO-3 job spends nothing on it.
+    job: Arc<job::Joined>,
     /// Every group this rank has made, by its ranks (one set of ranks is
     /// one group, with one sequence of calls).
     known: Mutex<HashMap<Vec<usize>, Arc<Group>>>,
@@ -132,16 +116,9 @@ pub struct Job {
     /// `add_mesh_dim` registered (FSDP2's shard dimension of a sub-mesh or
     /// an HSDP mesh, HSDP's replicate dimension).
     dims: Mutex<Vec<Arc<MeshDim>>>,
-    routing: Result<zeropp_topology::plan::ClusterView, String>,
-    /// Whether this job measures its links (nodes that are hosts, more
-    /// than one rank, ZEROPP_PROBE not 0): once, when `mode="zeropp"` is
-    /// first resolved (every rank does that in the same order), so a
-    /// ZeRO-3 job spends nothing on it.
-    probes: bool,
     /// What was measured, which `mode="zeropp"` resolves its switches by.
     measured: Mutex<Option<Measured>>,
     transport: &'static str,
-    timeout: Duration,
 }
 
 fn bad(msg: String) -> CommError {
@@ -195,14 +172,11 @@ impl Job {
             ranks_per_node: g,
             rank,
         };
-        let routing = cluster_routing(&joined, layout);
         let transport = joined.transport.name();
-        let counter = Arc::new(CountingTransport::new(joined.transport, g));
-        let comm = Arc::new(Communicator::new(counter.clone(), timeout));
-        let groups = ZeroGroups::new(&layout, g).map_err(to_py)?;
-        // Real nodes' links are measured; logical nodes (ranks_per_node)
-        // emulate a cluster whose links are not these.
-        let probes = ranks_per_node.is_none() && layout.world() > 1 && probe::enabled();
+        let job =
+            job::Joined::new(joined.transport, &joined.peers, layout, timeout).map_err(to_py)?;
+        let comm = Arc::new(job.communicator());
+        let groups = job.groups.clone();
         let known = [&groups.world, &groups.node, &groups.cross]
             .into_iter()
             .map(|g| (g.ranks().to_vec(), g.clone()))
@@ -216,37 +190,32 @@ impl Job {
             thread: Arc::new(CommThread::new(comm.clone())),
             outer: std::sync::OnceLock::new(),
             comm,
-            counter,
-            layout,
-            groups,
+            job: Arc::new(job),
             known: Mutex::new(known),
             dims: Mutex::new(vec![Arc::new(world)]),
-            routing,
-            probes,
             measured: Mutex::new(None),
             transport,
-            timeout,
         })
     }
 
     #[getter]
     fn rank(&self) -> usize {
-        self.layout.rank
+        self.job.layout.rank
     }
 
     #[getter]
     fn world_size(&self) -> usize {
-        self.layout.world()
+        self.job.layout.world()
     }
 
     #[getter]
     fn nodes(&self) -> usize {
-        self.layout.nodes
+        self.job.layout.nodes
     }
 
     #[getter]
     fn ranks_per_node(&self) -> usize {
-        self.layout.ranks_per_node
+        self.job.layout.ranks_per_node
     }
 
     #[getter]
@@ -257,7 +226,7 @@ impl Job {
     /// The routing plan every rank derived from every node's topology, as
     /// JSON (`{"error": ...}` when there is none).
     fn routing_json(&self) -> String {
-        match &self.routing {
+        match &self.job.routing {
             Ok(view) => serde_json::to_string(view).unwrap_or_default(),
             Err(e) => serde_json::json!({ "error": e }).to_string(),
         }
@@ -278,13 +247,13 @@ impl Job {
     ) -> PyResult<String> {
         let layout = match ranks {
             Some(ranks) => self.dim(&ranks)?.layout,
-            None => self.layout,
+            None => self.job.layout,
         };
         resolve(
             mode,
             overrides,
             layout,
-            &self.routing,
+            &self.job.routing,
             self.measured(py, mode)?.as_ref(),
         )
     }
@@ -315,7 +284,7 @@ impl Job {
         let dim = match self.find_dim(&ranks)? {
             Some(dim) => dim,
             None => {
-                let layout = self.layout.of_ranks(&ranks).map_err(to_py)?;
+                let layout = self.job.layout.of_ranks(&ranks).map_err(to_py)?;
                 let groups = ZeroGroups::of_ranks(&layout, &ranks, |set| {
                     self.group_of_set(set, &mut number)
                 })
@@ -359,7 +328,7 @@ impl Job {
 
     /// Bytes this rank sent, by phase and hop (JSON).
     fn traffic_json(&self) -> String {
-        serde_json::to_string(&self.counter.traffic()).unwrap_or_default()
+        serde_json::to_string(&self.job.counter.traffic()).unwrap_or_default()
     }
 
     /// FSDP2's all-gather: `inp` (this rank's shard, `dtype` values) into
@@ -514,7 +483,7 @@ impl Job {
         let dtype = Dtype::parse(dtype)?;
         let dim = self.dim(&ranks)?;
         let buf = HostBuf::new(buf, true, "all-reduce buffer")?;
-        let rank = self.layout.rank;
+        let rank = self.job.layout.rank;
         let reduction = Reduction::mean_if(mean);
         let hop = (Hop::World, Phase::Replicate);
         Ok(self.submit(dim.groups.clone(), move |mover| {
@@ -552,7 +521,7 @@ impl Job {
     /// job's links and routes, measured on its communication thread the
     /// first time (after whatever it was doing) and kept.
     fn measured(&self, py: Python<'_>, mode: &str) -> PyResult<Option<Measured>> {
-        if !self.probes || mode != "zeropp" {
+        if !self.job.measurable || mode != "zeropp" {
             return Ok(None);
         }
         let mut kept = self
@@ -560,11 +529,10 @@ impl Job {
             .lock()
             .map_err(|_| to_py(ZeroError::Poisoned("record of the measured links")))?;
         if kept.is_none() {
-            let (counter, groups, layout) =
-                (self.counter.clone(), self.groups.clone(), self.layout);
+            let job = self.job.clone();
             let pending = self.thread.submit(move |c: &Communicator| {
-                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], layout);
-                probe::measure_all(c, &counter, &groups, layout, &zpp, probe::BUDGET, None)
+                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], job.layout);
+                job.measure(c, &zpp, None)
             });
             let m = py.detach(|| pending.wait()).map_err(|e| {
                 to_py(crate::Raised {
@@ -612,9 +580,9 @@ impl Job {
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        let counter = self.counter.clone();
+        let counter = self.job.counter.clone();
         Op::new(
-            self.layout.rank,
+            self.job.layout.rank,
             thread.submit(move |c: &Communicator| {
                 f(&HostMover {
                     comm: c,
@@ -636,19 +604,19 @@ impl Job {
     }
 
     pub(crate) fn groups(&self) -> &ZeroGroups {
-        &self.groups
+        &self.job.groups
     }
 
     pub(crate) fn layout(&self) -> Layout {
-        self.layout
+        self.job.layout
     }
 
     pub(crate) fn counter(&self) -> Arc<CountingTransport> {
-        self.counter.clone()
+        self.job.counter.clone()
     }
 
     pub(crate) fn timeout(&self) -> Duration {
-        self.timeout
+        self.job.timeout
     }
 
     /// The group of `ranks`: the one this rank already made of them, else
@@ -666,7 +634,7 @@ impl Job {
         if let Some(group) = known.get(&ranks) {
             return Ok(group.clone());
         }
-        let kind = match self.layout.check_subgroup(&ranks) {
+        let kind = match self.job.layout.check_subgroup(&ranks) {
             Ok(()) => GroupKind::Run {
                 first: ranks[0],
                 size: ranks.len(),
@@ -693,7 +661,7 @@ impl Job {
             Err(CommError::Group(format!(
                 "no group of ranks {set:?} on rank {}: zeropp runs over the mesh dimensions \
                  it was given and runs of their ranks inside a node that include this rank",
-                self.layout.rank
+                self.job.layout.rank
             )))
         })
         .map_err(to_py)
@@ -715,7 +683,7 @@ impl Job {
                 "a collective over ranks {ranks:?}, which is no mesh dimension zeropp was \
                  given: zeropp serves the meshes of the modules zeropp.torch.fully_shard or \
                  enable sharded (the whole job ranks 0..{}, or a dimension they registered)",
-                self.layout.world()
+                self.job.layout.world()
             ))
         })
     }
@@ -735,7 +703,7 @@ impl Job {
             .clone();
         for dim in dims {
             let inside = ranks.iter().all(|r| dim.groups.node.ranks().contains(r));
-            if !inside || !ranks.contains(&self.layout.rank) {
+            if !inside || !ranks.contains(&self.job.layout.rank) {
                 continue;
             }
             if let Ok(group) = self.known_group(ranks) {

@@ -490,9 +490,10 @@ struct Connected {
     chosen: Option<crate::train::auto_islands::IslandsChosen>,
 }
 
-/// Joins the job (each node's first rank publishing what its machine is
-/// made of), derives the routing plan from the nodes' facts, measures the
-/// links where that applies, chooses the islands where the run asks for
+/// Joins the job through zeropp's rendezvous, then builds it as
+/// zeropp.torch's bindings do (`zero::job`: each rank publishing what its
+/// machine is made of, the routing plan from the nodes' facts, the links
+/// measured where the nodes are hosts and the mode is zeropp), chooses the islands where the run asks for
 /// `auto`, and resolves the switches; rank 0 prints the plan and the
 /// choices.
 /// With islands the switches are resolved for an island's layout (each
@@ -507,31 +508,46 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     };
     // `auto` measures the whole job's links before it chooses.
     let island = island_of(asked_islands.unwrap_or(1))?;
-    let published = published_facts(facts);
+    let published = crate::zero::job::facts_to_publish();
     let (transport, table) = match cfg.launch.transport {
         Some(kind) => Job::connect_over(kind, facts, published)?,
         None => Job::connect(facts, published)?,
     };
+    let peers: Vec<crate::comm::exchange::Peer> = table
+        .into_iter()
+        .map(|p| crate::comm::exchange::Peer {
+            rank: p.rank,
+            hostname: p.host,
+            host_id: p.host_id,
+            facts: p.facts,
+        })
+        .collect();
     // Every rank derives the same plan from the same published facts; the
     // engine takes its hpZ group from it unless --hpz-group says otherwise.
-    let routing = cluster_plan(&table, layout.nodes, layout.ranks_per_node);
+    let job = crate::zero::job::Joined::new(transport, &peers, layout, facts.timeout)?;
+    let (routing, counter) = (&job.routing, job.counter.clone());
     let (wanted, asked) = cfg.wanted_switches();
-    let counter = std::sync::Arc::new(crate::zero::traffic::CountingTransport::new(
-        transport,
-        layout.ranks_per_node,
-    ));
     let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, island);
     // Islands of one node: nothing inside them crosses a node, so there is
     // no route to time (and the probe's bytes would cross the slow link).
-    let one_node_islands = |n: usize, island: Layout| n > 1 && island.nodes == 1;
     // A rejoining rank cannot measure the job's links (the others train).
-    let measured = if one_node_islands(asked_islands.unwrap_or(1), island) || facts.rejoin {
-        None
-    } else {
-        measure_links(&counter, &table, layout, cfg, &timed, facts)?
+    let one_node_islands = |n: usize, island: Layout| n > 1 && island.nodes == 1;
+    let measures = cfg.switches.mode == Mode::Zeropp
+        && job.measurable
+        && !one_node_islands(asked_islands.unwrap_or(1), island)
+        && !facts.rejoin;
+    let measured = match measures {
+        true => {
+            let largest = cfg.model.units().iter().map(|u| u.numel(&cfg.model)).max();
+            let m = job
+                .measure(&job.communicator(), &timed, largest)
+                .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
+            Some(m)
+        }
+        false => None,
     };
     let plan_islands = |probe_seams: bool| {
-        let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
+        let comm = job.communicator();
         let world =
             crate::comm::Group::new(crate::comm::GroupKind::World, (0..layout.world()).collect())?;
         counter.pinned(crate::zero::traffic::Phase::Other, || {
@@ -559,7 +575,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         wanted,
         &asked,
         island,
-        &routing,
+        routing,
         measured.as_ref().filter(|_| !one_node),
     )
     .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
@@ -575,7 +591,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         );
     }
     if facts.rank == 0 {
-        print_plan(&routing, &resolved, measured.is_some());
+        print_plan(routing, &resolved, measured.is_some());
         if let Some(c) = &chosen {
             println!("islands (auto): {}", c.why);
         }
@@ -590,21 +606,6 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         islands,
         chosen,
     })
-}
-
-/// What this rank publishes when joining: its machine's topology on each
-/// node's first rank, nothing on the others.
-fn published_facts(facts: &RankFacts) -> serde_json::Value {
-    if facts.local_rank != 0 {
-        return serde_json::Value::Null;
-    }
-    match zeropp_topology::detect::detect(Path::new("/")) {
-        Ok(t) => serde_json::json!({ "topology": t }),
-        Err(e) => {
-            tracing::debug!("no topology facts: {e}");
-            serde_json::Value::Null
-        }
-    }
 }
 
 /// How many islands the run trains as: `asked` (None: `auto`, the plan's
@@ -967,66 +968,6 @@ impl Validator {
         let sum = engine.sum_over_ranks(&[val, 1.0])?;
         Ok(sum[0] / sum[1])
     }
-}
-
-/// In the default mode, on nodes that are hosts (not logical nodes of one
-/// machine, whose links are not the cluster's being emulated): the job's
-/// links and each collective's routes measured at join
-/// ([`crate::zero::probe`]), which the plan chooses the switches by. The
-/// counter (which counted the probe) is the engine's.
-fn measure_links(
-    counter: &std::sync::Arc<crate::zero::traffic::CountingTransport>,
-    table: &[crate::comm::rendezvous::PeerInfo],
-    layout: Layout,
-    cfg: &TrainConfig,
-    wanted: &crate::zero::plan::Switches,
-    facts: &RankFacts,
-) -> Result<Option<crate::zero::measured::Measured>> {
-    let hosts: std::collections::BTreeSet<(&str, &str)> = table
-        .iter()
-        .map(|p| (p.host.as_str(), p.host_id.as_str()))
-        .collect();
-    let probe = cfg.switches.mode == Mode::Zeropp
-        && layout.world() > 1
-        && hosts.len() == layout.nodes
-        && crate::zero::probe::enabled();
-    if !probe {
-        return Ok(None);
-    }
-    let g = layout.ranks_per_node;
-    let comm = crate::comm::Communicator::new(counter.clone(), facts.timeout);
-    let groups = crate::zero::ZeroGroups::new(&layout, g)?;
-    let m = crate::zero::probe::measure_all(
-        &comm,
-        counter,
-        &groups,
-        layout,
-        wanted,
-        crate::zero::probe::BUDGET,
-        cfg.model.units().iter().map(|u| u.numel(&cfg.model)).max(),
-    )
-    .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
-    Ok(Some(m))
-}
-
-/// The cluster view and routing plan (for the weakest node, as `zeropp topo
-/// plan` for a whole job) from the topology facts each node's first rank
-/// published, or why there is none.
-fn cluster_plan(
-    table: &[crate::comm::rendezvous::PeerInfo],
-    nodes: usize,
-    ranks_per_node: usize,
-) -> Result<zeropp_topology::plan::ClusterView, String> {
-    let tops: Option<Vec<zeropp_topology::Topology>> = (0..nodes)
-        .map(|n| {
-            let p = table
-                .iter()
-                .find(|p| p.node_rank == n && p.local_rank == 0)?;
-            serde_json::from_value(p.facts.get("topology")?.clone()).ok()
-        })
-        .collect();
-    let tops = tops.ok_or("not every node published its facts")?;
-    zeropp_topology::plan::cluster(&tops, ranks_per_node)
 }
 
 /// What rank 0 prints about the cluster: the nodes, how they differ, and

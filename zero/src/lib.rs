@@ -23,6 +23,7 @@ pub mod fsdp;
 pub mod groups;
 pub mod host;
 pub mod hpz;
+pub mod job;
 pub mod layout;
 pub mod measured;
 pub mod outer;
