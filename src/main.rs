@@ -44,7 +44,7 @@ enum Command {
     /// zeropp topo --nccl-xml topo.xml
     Topo(zeropp::cli::topo::TopoArgs),
     /// Predict step time and throughput of ZeRO-3 and the ZeRO++ switch
-    /// sets (the cost model of `zeropp_topology::cost`), per phase, and recommend one.
+    /// sets (the cost model of `zeropp_zero::cost`), per phase, and recommend one.
     ///
     /// Example (a 7B model on 16 nodes of 8 GPUs with one 100 Gbit/s NIC,
     /// 300 GB/s NVLink, 2 s of compute per step):

@@ -102,7 +102,7 @@ impl IslandConfig {
             );
             (h, why)
         } else {
-            let h = zeropp_topology::cost::hiding_sync_every(exchange_s, inner).max(self.delay + 1);
+            let h = zeropp_zero::cost::hiding_sync_every(exchange_s, inner).max(self.delay + 1);
             let why = format!(
                 "an exchange of the whole model took {exchange_s:.3} s and an inner step \
                  {inner_s:.3} s: H = {h} is the smallest whose inner steps hide the streamed \

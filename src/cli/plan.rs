@@ -1,5 +1,5 @@
 //! `zeropp plan`: its command line and what it prints (the model itself
-//! is [`zeropp_topology::cost`], fed by [`crate::planner`]).
+//! is [`zeropp_zero::cost`], fed by [`crate::planner`]).
 
 use std::path::PathBuf;
 
@@ -108,7 +108,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
     if !(0.0..=1.0).contains(&a.overlap) {
         bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
     }
-    let input = zeropp_topology::cost::PlanInput {
+    let input = zeropp_zero::cost::PlanInput {
         params: a.params,
         nodes: a.nodes,
         ranks_per_node: a.ranks_per_node,
@@ -155,12 +155,12 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         print_json(&input, this_run, islands)
     } else {
         let tokens = a.tokens_per_rank * input.world() as f64;
-        print!("{}", zeropp_topology::cost::render(&input, tokens));
+        print!("{}", zeropp_zero::cost::render(&input, tokens));
         if let Some(r) = this_run {
-            println!("{}", zeropp_topology::cost::render_run(&r));
+            println!("{}", zeropp_zero::cost::render_run(&r));
         }
         if let Some(isl) = &islands {
-            print!("{}", zeropp_topology::cost::render_islands(&input, isl));
+            print!("{}", zeropp_zero::cost::render_islands(&input, isl));
         }
         Ok(())
     }
@@ -211,7 +211,7 @@ fn quantize_speed(a: &PlanArgs) -> Result<f64> {
 /// The run a `--measured` summary describes, as the plan's input.
 fn measured_run(
     path: &std::path::Path,
-    input: &zeropp_topology::cost::PlanInput,
+    input: &zeropp_zero::cost::PlanInput,
 ) -> Result<crate::planner::FromRun> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the run summary {}", path.display()))?;
@@ -223,9 +223,9 @@ fn measured_run(
 /// `--json`: the predictions, with the measured run and the islands' when
 /// asked for.
 fn print_json(
-    input: &zeropp_topology::cost::PlanInput,
+    input: &zeropp_zero::cost::PlanInput,
     this_run: Option<serde_json::Value>,
-    islands: Option<Vec<zeropp_topology::cost::IslandsPrediction>>,
+    islands: Option<Vec<zeropp_zero::cost::IslandsPrediction>>,
 ) -> Result<()> {
     let preds = input.compare();
     let out = match (islands, this_run) {

@@ -3,7 +3,7 @@
 //! (where islands of whole nodes could be cut: [`crate::zero::probe::seams`];
 //! on two nodes, the cross link itself), the step's compute estimated from
 //! one block and the head timed at join, and the cost model
-//! ([`zeropp_topology::cost::PlanInput::choose_islands`]) predicting every
+//! ([`zeropp_zero::cost::PlanInput::choose_islands`]) predicting every
 //! count of islands; every rank derives the same choice from the same
 //! agreed figures.
 
@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
-use zeropp_topology::cost::{IslandsCandidate, PlanInput};
+use zeropp_zero::cost::{IslandsCandidate, PlanInput};
 
 use crate::comm::{Communicator, Group};
 use crate::train::config::TrainConfig;

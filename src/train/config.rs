@@ -51,7 +51,7 @@ pub type SyncEvery = OrAuto;
 
 /// How many islands: a divisor of the nodes, or `auto`: the plan's
 /// choice from the links measured at join
-/// ([`zeropp_topology::cost::PlanInput::choose_islands`]).
+/// ([`zeropp_zero::cost::PlanInput::choose_islands`]).
 pub type IslandCount = OrAuto;
 
 /// The word `auto` in a config file.

@@ -391,7 +391,7 @@ fn islands_summary(
     // steps without a sync).
     let whole_s = engine.whole_exchange_s();
     let inner_s = median(times);
-    let hides = zeropp_topology::cost::hiding_sync_every(whole_s, inner_s);
+    let hides = zeropp_zero::cost::hiding_sync_every(whole_s, inner_s);
     Ok(Some(IslandsSummary {
         sync_every_chosen: engine.island_schedule().and_then(|(h, origin, why)| {
             why.map(|why| ChosenSyncEvery {

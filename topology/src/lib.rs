@@ -9,7 +9,6 @@
 //! needs root or a GPU.
 
 pub mod capture;
-pub mod cost;
 pub mod detect;
 pub mod nccl;
 pub mod nvml;

@@ -14,6 +14,7 @@
 
 pub mod allreduce;
 pub mod backend;
+pub mod cost;
 pub mod delta;
 pub mod device;
 pub mod device_job;

@@ -1,8 +1,8 @@
-//! `zeropp plan --measured`: the cost model ([`zeropp_topology::cost`])
+//! `zeropp plan --measured`: the cost model ([`crate::cost`])
 //! fed by what a run measured at join ([`from_run`]), and this CPU's
 //! quantization throughput ([`measure_quant_gbps`]).
 
-use zeropp_topology::cost::{Config, PlanInput};
+use crate::cost::{Config, PlanInput};
 
 /// What `zeropp plan --measured` takes from a run's summary (`zeropp
 /// train --summary-json`): the links and quantization speed the job
@@ -147,7 +147,7 @@ pub fn measure_quant_gbps() -> Result<f64, zeropp_quant::QuantError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use zeropp_topology::cost::config;
+    use crate::cost::config;
 
     /// A summary as `zeropp train --summary-json` writes it on 2 hosts x 2
     /// ranks with the links measured at join.
