@@ -12,33 +12,20 @@
 //! kernels and NCCL) and the emulated device ([`emulated`]: the CUDA
 //! kernels' source on host buffers, moved by the host transports).
 
-pub mod allreduce;
-pub mod backend;
-pub mod cost;
-pub mod delta;
-pub mod device;
-pub mod device_job;
-pub mod emulated;
+mod backends;
+mod base;
+mod collectives;
 pub mod error;
-pub mod fsdp;
-pub mod groups;
-pub mod host;
-pub mod hpz;
-pub mod job;
-pub mod layout;
-pub mod measured;
-pub mod outer;
-pub mod payload;
-pub mod plan;
-pub mod planner;
-pub mod probe;
-pub mod qgz;
-pub mod qwz;
-pub mod residual;
+mod policy;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
-pub mod traffic;
-pub mod work;
+
+// The folders show the layers (base, collectives, backends, policy); each
+// module keeps its path at the crate's root.
+pub use backends::{backend, device, device_job, emulated, host, work};
+pub use base::{groups, layout, measured, traffic};
+pub use collectives::{allreduce, delta, fsdp, hpz, outer, payload, qgz, qwz, residual};
+pub use policy::{cost, job, plan, planner, probe};
 
 pub use backend::{ByteMover, Hop, Quantizer};
 pub use error::ZeroError;

@@ -7,10 +7,10 @@ use std::time::Duration;
 use zeropp_comm::Communicator;
 use zeropp_comm::inproc::InProcess;
 
-use super::groups::ZeroGroups;
-use super::host::HostMover;
-use super::layout::Layout;
-use super::traffic::CountingTransport;
+use crate::groups::ZeroGroups;
+use crate::host::HostMover;
+use crate::layout::Layout;
+use crate::traffic::CountingTransport;
 
 /// Rank `rank`'s test values (a full gradient, or with another seed a
 /// shard): `len` small, distinct values.

@@ -9,11 +9,11 @@ use bytes::Bytes;
 
 use zeropp_comm::{CommError, Communicator, Group};
 
-use super::backend::{ByteMover, Hop, Quantizer};
-use super::error::ZeroError;
-use super::layout::Layout;
-use super::qwz::{concat, gathered_position, split_bundle};
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer};
+use crate::error::ZeroError;
+use crate::layout::Layout;
+use crate::qwz::{concat, gathered_position, split_bundle};
+use crate::traffic::Phase;
 
 /// Chunks one secondary shard holds: W / the hpZ group size.
 pub fn secondary_chunks(world: usize, hpz_group: usize) -> usize {
@@ -44,7 +44,7 @@ pub fn gather(c: &Communicator, hpz: &Group, secondary: &[Bytes]) -> Result<Vec<
     Ok(by_rank)
 }
 
-/// This rank's secondary shard out of a qwZ gather ([`super::qwz::gather_quantized`]):
+/// This rank's secondary shard out of a qwZ gather ([`crate::qwz::gather_quantized`]):
 /// member `i` of a group of `hpz_group` keeps the chunks of ranks
 /// `i·k .. (i+1)·k` (k = W / `hpz_group`), in rank order.
 pub fn keep_quantized<Q: Quantizer>(

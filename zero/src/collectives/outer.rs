@@ -2,17 +2,17 @@
 //! each rank's outer delta — its shard of the anchor minus its shard of the
 //! weights — is averaged over the ranks of the other islands that hold the
 //! same shard (plain in f32, or quantized with error feedback:
-//! [`super::allreduce`]), Nesterov SGD turns the averaged delta into the
+//! [`crate::allreduce`]), Nesterov SGD turns the averaged delta into the
 //! new anchor, and the island continues from it. The state (anchor,
 //! momentum) is per shard: O(Ψ/W_island) per rank.
 
-use super::allreduce::{self, QuantizedAllReduce, ReplicaFeedback};
-use super::backend::Hop;
-use super::error::ZeroError;
-use super::host::{Host, HostMover};
-use super::qgz::Reduction;
-use super::residual::Residual;
-use super::traffic::Phase;
+use crate::allreduce::{self, QuantizedAllReduce, ReplicaFeedback};
+use crate::backend::Hop;
+use crate::error::ZeroError;
+use crate::host::{Host, HostMover};
+use crate::qgz::Reduction;
+use crate::residual::Residual;
+use crate::traffic::Phase;
 
 /// The outer optimizer: SGD with Nesterov momentum on the averaged outer
 /// delta. Default lr 0.3, momentum 0.6: measured best at H = 20 on runs

@@ -5,19 +5,19 @@
 //! requantized, exchanged all-to-all across nodes among equal local ranks
 //! and summed in f32 again: each rank ends with the sum over the world of
 //! its own chunk, divided by W for the mean. Error feedback keeps what each
-//! quantization dropped (compressed: [`super::residual`]) and adds it back
+//! quantization dropped (compressed: [`crate::residual`]) and adds it back
 //! on the next call. ZeRO-3's plain rings live with the host backend
-//! (`super::host::ring_bf16`, `ring_f32`).
+//! (`crate::host::ring_bf16`, `ring_f32`).
 
 use zeropp_quant::{QuantFormat, Rounding};
 
 use zeropp_cuda::GpuElement;
 
-use super::backend::{ByteMover, Hop, Quantizer, check_hops};
-use super::error::ZeroError;
-use super::layout::Layout;
-use super::residual;
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer, check_hops};
+use crate::error::ZeroError;
+use crate::layout::Layout;
+use crate::residual;
+use crate::traffic::Phase;
 
 /// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
 /// when the switch is on: only at int4. Its residual is as long as the

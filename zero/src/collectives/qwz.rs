@@ -11,11 +11,11 @@ use zeropp_quant::{Element, QuantFormat, Rounding};
 
 use zeropp_comm::CommError;
 
-use super::backend::{ByteMover, Hop, Quantizer, check_hops};
-use super::error::ZeroError;
-use super::layout::Layout;
-use super::payload;
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer, check_hops};
+use crate::error::ZeroError;
+use crate::layout::Layout;
+use crate::payload;
+use crate::traffic::Phase;
 
 /// Where rank `r`'s chunk sits in what [`gather_quantized`] returns: the
 /// runs of N chunks arrive in local-rank order, each in node order, so

@@ -13,10 +13,10 @@
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::backend::{ByteMover, Hop, Quantizer};
-use super::error::ZeroError;
-use super::qgz::{Reduction, quantize_kept};
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer};
+use crate::error::ZeroError;
+use crate::qgz::{Reduction, quantize_kept};
+use crate::traffic::Phase;
 
 /// The settings of a quantized all-reduce.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,13 +1,13 @@
 //! The device half of a joined job, written once for every device: one
 //! device with zeropp's kernels, the communicators of the job's groups
 //! (the world, this node, this local rank's ranks across nodes, hpZ
-//! sub-groups), FSDP2's two calls ([`super::fsdp`]) on the caller's
+//! sub-groups), FSDP2's two calls ([`crate::fsdp`]) on the caller's
 //! pointers and stream, and what a failure does (every communicator
 //! aborted, the dead rank named), and every call launched the same way
 //! ([`DeviceJob::launch`]: a [`Work`] returned at once, its outcome read
 //! by the job's watchdog). A [`Device`] says what differs: the CUDA device
-//! with NCCL (`zeropp_cuda::Gpu`, in [`super::device`]), or the emulated
-//! device ([`super::emulated::EmulatedDevice`]: the CUDA kernels' source on
+//! with NCCL (`zeropp_cuda::Gpu`, in [`crate::device`]), or the emulated
+//! device ([`crate::emulated::EmulatedDevice`]: the CUDA kernels' source on
 //! host memory, the host transports as communicators, one thread as its
 //! stream). The layout, the byte counters and the deadline are the host
 //! job's; the communicators' ids travel however the caller exchanges them
@@ -21,15 +21,15 @@ use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::{CudaError, GpuElement};
 use zeropp_quant::QuantizedChunks;
 
-use super::allreduce;
-use super::delta::Slot;
-use super::error::ZeroError;
-use super::fsdp::{self, Gather, Scatter};
-use super::layout::Layout;
-use super::qgz::{self, Reduction};
-use super::traffic::{CountingTransport, Phase};
-use super::work::{Fail, Queue, Watchdog, Work};
-use super::{ByteMover, Hop, Quantizer};
+use crate::allreduce;
+use crate::delta::Slot;
+use crate::error::ZeroError;
+use crate::fsdp::{self, Gather, Scatter};
+use crate::layout::Layout;
+use crate::qgz::{self, Reduction};
+use crate::traffic::{CountingTransport, Phase};
+use crate::work::{Fail, Queue, Watchdog, Work};
+use crate::{ByteMover, Hop, Quantizer};
 
 /// How long a failed collective waits for the host transport to see which
 /// rank died (its connections close with the process).
@@ -388,7 +388,7 @@ fn residual_slot<'a, Q: Quantizer>(
     slot: &'a mut Option<Q::Chunks>,
 ) -> Result<&'a mut Q::Chunks, ZeroError> {
     if slot.is_none() {
-        *slot = Some(q.chunks(super::residual::format(), 0, 0)?);
+        *slot = Some(q.chunks(crate::residual::format(), 0, 0)?);
     }
     Ok(slot.as_mut().expect("filled above"))
 }

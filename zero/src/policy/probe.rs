@@ -4,7 +4,7 @@
 //! this rank's own quantize and dequantize throughput. Every rank measures,
 //! then the job agrees on one set of figures (the slowest link, the
 //! slowest rank), so every rank resolves the plan the same way
-//! ([`super::plan::resolve`]).
+//! ([`crate::plan::resolve`]).
 
 use std::time::{Duration, Instant};
 
@@ -13,12 +13,12 @@ use zeropp_quant::{QuantizedTensor, Rounding};
 
 use zeropp_comm::{Communicator, Group, GroupKind};
 
-use super::ZeroError;
-use super::groups::ZeroGroups;
-use super::layout::Layout;
-use super::measured::{Link, Links, Measured, Routes};
-use super::plan::weight_format;
-use super::traffic::{CountingTransport, Phase};
+use crate::ZeroError;
+use crate::groups::ZeroGroups;
+use crate::layout::Layout;
+use crate::measured::{Link, Links, Measured, Routes};
+use crate::plan::weight_format;
+use crate::traffic::{CountingTransport, Phase};
 
 /// The longest one hop's probe goes on: a size is the last once one
 /// exchange takes this long.
@@ -304,7 +304,7 @@ pub fn measure_all(
     counter: &CountingTransport,
     groups: &ZeroGroups,
     layout: Layout,
-    s: &super::plan::Switches,
+    s: &crate::plan::Switches,
     budget: Duration,
     largest: Option<usize>,
 ) -> Result<Measured, ZeroError> {
@@ -349,7 +349,7 @@ pub fn time_routes(
     counter: &CountingTransport,
     groups: &ZeroGroups,
     layout: Layout,
-    s: &super::plan::Switches,
+    s: &crate::plan::Switches,
     values: usize,
 ) -> Result<Routes, ZeroError> {
     let start = Instant::now();
@@ -391,13 +391,13 @@ fn route_times(
     counter: &CountingTransport,
     groups: &ZeroGroups,
     layout: Layout,
-    s: &super::plan::Switches,
+    s: &crate::plan::Switches,
     values: usize,
 ) -> Result<[f64; 4], ZeroError> {
-    use super::host::{Host, HostMover};
-    use super::qgz::{self, Feedback, Qgz, Reduction};
-    use super::qwz;
-    use super::traffic::Phase;
+    use crate::host::{Host, HostMover};
+    use crate::qgz::{self, Feedback, Qgz, Reduction};
+    use crate::qwz;
+    use crate::traffic::Phase;
     use half::bf16;
 
     let w = layout.world();
@@ -424,7 +424,7 @@ fn route_times(
     }
     let gather_plain = t.elapsed().as_secs_f64();
     // qwZ.
-    let format = super::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block)?;
+    let format = crate::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block)?;
     ready()?;
     let t = Instant::now();
     let all = qwz::gather_quantized(
@@ -448,13 +448,13 @@ fn route_times(
         .collect();
     ready()?;
     let t = Instant::now();
-    let mine = super::host::ring_bf16(c, &groups.world, bytes(&grad))?;
+    let mine = crate::host::ring_bf16(c, &groups.world, bytes(&grad))?;
     let mut sum = vec![0f32; mine.len() / 2];
-    super::payload::decode_bf16(&mine, &mut sum)?;
+    crate::payload::decode_bf16(&mine, &mut sum)?;
     let reduce_plain = t.elapsed().as_secs_f64();
     // qgZ, from f32 as the bindings give it.
     let (intra, inter) =
-        super::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
+        crate::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
     ready()?;
     let t = Instant::now();
     let g32: Vec<f32> = grad.iter().map(|v| v.to_f32()).collect();
@@ -497,7 +497,7 @@ mod tests {
             |_, t| Box::new(t),
             move |c, counter, l| {
                 let groups = ZeroGroups::new(&l, g).unwrap();
-                let s = super::super::plan::Switches::zeropp(256);
+                let s = crate::plan::Switches::zeropp(256);
                 measure_all(c, counter, &groups, l, &s, budget, largest).unwrap()
             },
         )
@@ -535,7 +535,7 @@ mod tests {
     #[test]
     fn the_probe_s_bytes_count_as_other_not_as_training_s() {
         let got = crate::testing::on_world(2, 2, Duration::from_secs(30), |r| {
-            let s = super::super::plan::Switches::zeropp(256);
+            let s = crate::plan::Switches::zeropp(256);
             let budget = Duration::from_millis(300);
             measure_all(&r.comm, &r.counter, &r.groups, r.layout, &s, budget, None).unwrap();
             r.counter.traffic()

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use zeropp_comm::{CommError, Group, GroupKind};
 
-use super::layout::Layout;
+use crate::layout::Layout;
 
 /// The standard groups of one rank.
 #[derive(Clone)]

@@ -7,14 +7,14 @@
 use zeropp_cuda::GpuElement;
 use zeropp_quant::QuantFormat;
 
-use super::backend::{ByteMover, Hop, Quantizer};
-use super::delta::{self, DeltaWire, Slot};
-use super::error::ZeroError;
-use super::layout::Layout;
-use super::plan;
-use super::qgz::{self, Reduction};
-use super::qwz;
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer};
+use crate::delta::{self, DeltaWire, Slot};
+use crate::error::ZeroError;
+use crate::layout::Layout;
+use crate::plan;
+use crate::qgz::{self, Reduction};
+use crate::qwz;
+use crate::traffic::Phase;
 
 /// How an all-gather moves the weights.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -20,11 +20,11 @@ use std::ops::Range;
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::backend::{ByteMover, Hop, Quantizer, check_hops};
-use super::error::ZeroError;
-use super::host::Kept;
-use super::layout::Layout;
-use super::traffic::Phase;
+use crate::backend::{ByteMover, Hop, Quantizer, check_hops};
+use crate::error::ZeroError;
+use crate::host::Kept;
+use crate::layout::Layout;
+use crate::traffic::Phase;
 
 /// How a unit's weights cross nodes as differences.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1,7 +1,7 @@
 //! The host backend. Host memory is one implementation of the buffers
 //! (`Vec<f32>`, `QuantizedChunks`, slices) for any set of [`HostKernels`]:
 //! [`Host`] (zeropp-quant, the CPU library) or the emulated device's CUDA
-//! kernels (`super::emulated::Emulated`). [`HostMover`] moves chunks
+//! kernels (`crate::emulated::Emulated`). [`HostMover`] moves chunks
 //! through zeropp's transports (UCX, TCP, in process) and counts them in
 //! the job's [`CountingTransport`], for both.
 
@@ -14,14 +14,14 @@ use bytes::Bytes;
 use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
-use super::backend::{
+use crate::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
     check_gather_len, check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
 };
-use super::error::{ZeroError, quant_failure};
-use super::groups::ZeroGroups;
-use super::payload;
-use super::traffic::{CountingTransport, Phase};
+use crate::error::{ZeroError, quant_failure};
+use crate::groups::ZeroGroups;
+use crate::payload;
+use crate::traffic::{CountingTransport, Phase};
 use zeropp_comm::scratch;
 
 /// `zeropp_quant::quantize_with_feedback`'s signature.

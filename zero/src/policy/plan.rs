@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
 use zeropp_topology::plan::ClusterView;
 
-use super::error::ZeroError;
-use super::layout::{Layout, LayoutError};
-use super::measured::Measured;
+use crate::error::ZeroError;
+use crate::layout::{Layout, LayoutError};
+use crate::measured::Measured;
 
 /// Every ZeRO++ switch, declared once: its name, doc, the type it has
 /// once resolved, and how a config asks for it (`resolved as asked =
@@ -221,7 +221,7 @@ pub struct Resolved {
 /// the asked ones, else the plan's, else int8 (the plan's choice when the
 /// speed across is unknown). Checked the way the engine will use them.
 ///
-/// With `measured` links and routes ([`super::probe`]), each ZeRO++ switch
+/// With `measured` links and routes ([`crate::probe`]), each ZeRO++ switch
 /// the user did not set is kept only where it pays on this job: qwZ where
 /// its gather was at least 10% faster than the plain ring's at join, qgZ
 /// likewise for the reduce-scatter, hpZ where there is a hop across nodes
@@ -384,7 +384,7 @@ fn choose_by_links(
 ) {
     let (r, links) = (&m.routes, &m.links);
     let ms = |x: f64| format!("{:.2} ms", x * 1e3);
-    let rate = |l: Option<super::measured::Link>| match l {
+    let rate = |l: Option<crate::measured::Link>| match l {
         Some(l) => format!("{:.0} MB/s", l.bytes_per_s / 1e6),
         None => "none".into(),
     };
@@ -476,7 +476,7 @@ pub enum WeightWire {
     /// Symmetric blocks, gathered across nodes, then within the node.
     Quantized(QuantFormat),
     /// Quantized differences across nodes, references inside the node.
-    Delta(super::delta::DeltaWire),
+    Delta(crate::delta::DeltaWire),
 }
 
 impl WeightWire {
@@ -652,7 +652,7 @@ fn weight_wire(s: &Switches, hpz_over_node: bool) -> Result<WeightWire, PlanErro
                     "qwz_refresh=0: refresh the references every 1 or more forward gathers",
                 ));
             }
-            WeightWire::Delta(super::delta::DeltaWire {
+            WeightWire::Delta(crate::delta::DeltaWire {
                 delta: weight_format(b, s.block)?,
                 refresh_every: s.qwz_refresh as u64,
                 fp32: s.fp32_comm,
@@ -770,14 +770,14 @@ mod tests {
     /// What a job measured: routes of these times (ms), links unknown.
     fn measured(gather: (f64, f64), reduce: (f64, f64)) -> Measured {
         Measured {
-            links: super::super::measured::Links {
+            links: crate::measured::Links {
                 node: None,
                 cross: None,
                 quantize_per_s: 1e9,
                 dequantize_per_s: 2e9,
                 seconds: 0.5,
             },
-            routes: super::super::measured::Routes {
+            routes: crate::measured::Routes {
                 values: 1 << 20,
                 gather_plain: gather.0 / 1e3,
                 gather_qwz: gather.1 / 1e3,

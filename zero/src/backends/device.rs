@@ -2,7 +2,7 @@
 //! buffers, [`NcclMover`] moves chunks with NCCL on the same stream and
 //! counts them in the host job's [`CountingTransport`]. The collectives
 //! (`zero::qgz`, ...) run on it as they run on the host, and the device
-//! job ([`super::device_job`]) on `Gpu` as its [`Device`], with
+//! job ([`crate::device_job`]) on `Gpu` as its [`Device`], with
 //! [`CudaQueue`] as its order of work. On CUDA a launched call's host side
 //! returns once its kernels have reported bad input and its NCCL
 //! collectives have finished within the job's deadline; what follows the
@@ -20,16 +20,16 @@ use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::backend::{
+use crate::backend::{
     self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
     check_gather_len, check_scatter_len, scale_fraction,
 };
-use super::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
-use super::error::ZeroError;
-use super::host::{Host, Kept};
-use super::layout::Layout;
-use super::traffic::{CountingTransport, Phase};
-use super::work::{Outcome, Queue};
+use crate::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
+use crate::error::ZeroError;
+use crate::host::{Host, Kept};
+use crate::layout::Layout;
+use crate::traffic::{CountingTransport, Phase};
+use crate::work::{Outcome, Queue};
 
 /// f32 values on the device: a buffer of zeropp's, or a caller's tensor
 /// borrowed for the call.
@@ -69,7 +69,7 @@ fn in_range(x: &DeviceValues, at: usize, len: usize, what: &str) -> Result<(), Z
     if at + len <= x.len() {
         Ok(())
     } else {
-        Err(super::host::out_of_range(what, at, len, x.len()))
+        Err(crate::host::out_of_range(what, at, len, x.len()))
     }
 }
 
@@ -142,7 +142,7 @@ fn kept_range(k: &DeviceKept, at: usize, len: usize, what: &str) -> Result<(), Z
     if at + len <= k.len() {
         Ok(())
     } else {
-        Err(super::host::out_of_range(what, at, len, k.len()))
+        Err(crate::host::out_of_range(what, at, len, k.len()))
     }
 }
 
@@ -252,7 +252,7 @@ impl Quantizer for Gpu {
     ) -> Result<(), ZeroError> {
         in_range(x, at_x, len, "storing values")?;
         if at_out + len > out.len() {
-            return Err(super::host::out_of_range(
+            return Err(crate::host::out_of_range(
                 "storing values",
                 at_out,
                 len,
@@ -287,7 +287,7 @@ impl Quantizer for Gpu {
         check_chunk(q, i, "dequantizing a chunk")?;
         let (len, n) = (q.chunk_len, out.len());
         if at + len > n {
-            return Err(super::host::out_of_range(
+            return Err(crate::host::out_of_range(
                 "dequantizing a chunk",
                 at,
                 len,

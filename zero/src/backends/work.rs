@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use zeropp_cuda::CudaError;
 
-use super::error::ZeroError;
+use crate::error::ZeroError;
 
 /// A call's result once it is known, and when the call began to run.
 #[derive(Default)]

@@ -15,8 +15,8 @@
 use zeropp_cuda::GpuElement;
 use zeropp_quant::{QuantFormat, Rounding};
 
-use super::error::ZeroError;
-use super::traffic::Phase;
+use crate::error::ZeroError;
+use crate::traffic::Phase;
 
 /// Quantizing on one kind of memory.
 pub trait Quantizer {
@@ -498,7 +498,7 @@ pub fn check_copy_chunk(src: Shape, i: usize, dst: Shape, j: usize) -> Result<()
 /// `collective` (its name in the error).
 pub fn check_hops<Q: Quantizer>(
     m: &impl ByteMover<Q>,
-    layout: super::layout::Layout,
+    layout: crate::layout::Layout,
     collective: &'static str,
 ) -> Result<(), ZeroError> {
     let (node, cross) = (m.size(Hop::Node), m.size(Hop::Cross));

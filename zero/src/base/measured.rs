@@ -1,6 +1,6 @@
 //! What a job measured at join (the facts the plan decides from): its
 //! links and quantization speed, and each route's collectives timed. The
-//! probe (`super::probe`) measures them; `super::plan::resolve` reads them.
+//! probe (`crate::probe`) measures them; `crate::plan::resolve` reads them.
 
 use serde::{Deserialize, Serialize};
 

@@ -1,0 +1,17 @@
+//! The collectives, each written once over a [`crate::Quantizer`] and a
+//! [`crate::ByteMover`]: qwZ's weight gather ([`qwz`]) and its weight
+//! differences ([`delta`]), hpZ's gather inside the node ([`hpz`]), qgZ's
+//! two-hop reduce-scatter ([`qgz`]) with its error feedback
+//! ([`residual`]), the quantized all-reduce ([`allreduce`]) and the
+//! islands' outer sync ([`outer`]), FSDP2's two calls over them ([`fsdp`]),
+//! and the wire's byte formats ([`payload`]).
+
+pub mod allreduce;
+pub mod delta;
+pub mod fsdp;
+pub mod hpz;
+pub mod outer;
+pub mod payload;
+pub mod qgz;
+pub mod qwz;
+pub mod residual;
