@@ -21,7 +21,7 @@ for line in sys.stdin:
 exe=$(test_binary zeropp-cuda gpu)
 [ -n "$exe" ] || { echo "could not find the GPU test binary" >&2; exit 1; }
 cp "$exe" "$out/gpu-tests"
-exe=$(test_binary zeropp device_collectives)
+exe=$(test_binary zeropp-zero device_collectives)
 [ -n "$exe" ] || { echo "could not find the device collectives test binary" >&2; exit 1; }
 cp "$exe" "$out/device-tests"
 ls -la "$out"

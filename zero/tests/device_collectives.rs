@@ -1,4 +1,4 @@
-//! One implementation of each ZeRO++ collective (`zeropp::zero::{qgz, qwz,
+//! One implementation of each ZeRO++ collective (`zeropp_zero::{qgz, qwz,
 //! hpz}`), every backend: the host library, the emulated device (the CUDA
 //! kernels' own source on host buffers) and the GPU. Each rank of an
 //! in-process job runs the collective over its backend and the host
@@ -8,17 +8,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use zeropp::comm::Communicator;
-use zeropp::comm::inproc::InProcess;
-use zeropp::zero::emulated::Emulated;
-use zeropp::zero::host::{Host, HostKernels, HostMover};
-use zeropp::zero::layout::Layout;
-use zeropp::zero::plan;
-use zeropp::zero::qgz::{self, Feedback, Qgz, Reduction};
-use zeropp::zero::traffic::Phase;
-use zeropp::zero::traffic::{CountingTransport, Traffic};
-use zeropp::zero::{Quantizer, ZeroGroups};
-use zeropp::zero::{delta, hpz, qwz};
+use zeropp_comm::Communicator;
+use zeropp_comm::inproc::InProcess;
+use zeropp_zero::emulated::Emulated;
+use zeropp_zero::host::{Host, HostKernels, HostMover};
+use zeropp_zero::layout::Layout;
+use zeropp_zero::plan;
+use zeropp_zero::qgz::{self, Feedback, Qgz, Reduction};
+use zeropp_zero::traffic::Phase;
+use zeropp_zero::traffic::{CountingTransport, Traffic};
+use zeropp_zero::{Quantizer, ZeroGroups};
+use zeropp_zero::{delta, hpz, qwz};
 use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
 
 /// A gradient that is different on every rank and call, with a few large
@@ -499,8 +499,8 @@ impl OneGpu {
         }
     }
 
-    fn mover(&self) -> zeropp::zero::device::NcclMover<'_> {
-        zeropp::zero::device::NcclMover {
+    fn mover(&self) -> zeropp_zero::device::NcclMover<'_> {
+        zeropp_zero::device::NcclMover {
             world: &self.world,
             node: &self.node,
             cross: &self.cross,
@@ -519,7 +519,7 @@ impl OneGpu {
 #[test]
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_gives_the_host_librarys_qgz_bit_for_bit() {
-    use zeropp::zero::device::DeviceValues;
+    use zeropp_zero::device::DeviceValues;
     let case = CASES[0];
     let host = run(case, Host);
     let one = OneGpu::open();
@@ -593,8 +593,8 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
     use half::bf16;
-    use zeropp::zero::Hop;
-    use zeropp::zero::fsdp::{self, Gather, Scatter};
+    use zeropp_zero::Hop;
+    use zeropp_zero::fsdp::{self, Gather, Scatter};
     use zeropp_cuda::Gpu;
     let x: Vec<bf16> = gradient(1000, 0, 3)
         .into_iter()
@@ -662,8 +662,8 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
     use half::bf16;
-    use zeropp::zero::Hop;
-    use zeropp::zero::fsdp::{self, DeltaSettings, Gather};
+    use zeropp_zero::Hop;
+    use zeropp_zero::fsdp::{self, DeltaSettings, Gather};
     let settings = DeltaSettings {
         refresh_every: 100,
         fp32: false,
@@ -755,9 +755,9 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn on_cuda_a_launched_call_returns_with_an_event_the_callers_stream_waits_on() {
-    use zeropp::zero::ZeroError;
-    use zeropp::zero::device::CudaQueue;
-    use zeropp::zero::work::{Fail, Watchdog, Work};
+    use zeropp_zero::ZeroError;
+    use zeropp_zero::device::CudaQueue;
+    use zeropp_zero::work::{Fail, Watchdog, Work};
     use zeropp_cuda::Gpu;
 
     struct NeverStuck;
