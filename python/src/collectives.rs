@@ -18,7 +18,7 @@ use zeropp_comm::{CommError, Communicator, Group, GroupKind};
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_quant::{QuantFormat, QuantizedChunks};
 use zeropp_zero::device_job::DeviceFeedback;
-use zeropp_zero::fsdp::{self, DeltaSettings, Gather, Scatter};
+use zeropp_zero::fsdp::{self, Gather, Scatter};
 use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::measured::Measured;
@@ -258,6 +258,24 @@ impl Job {
         )
     }
 
+    /// The plan of `switches` (resolved switches, as JSON) on the mesh
+    /// dimension `ranks` (registered with `add_mesh_dim`; None: the whole
+    /// job): how its collectives move data, decided once, and the state
+    /// each parameter group keeps for them (`Plan.qwz_reference`,
+    /// `Plan.qgz_state`, `Plan.all_reduce_state`). Switches that make no
+    /// plan on this layout raise a ZeroppError naming the switch.
+    #[pyo3(signature = (switches, ranks=None))]
+    fn plan(&self, switches: &str, ranks: Option<Vec<usize>>) -> PyResult<Plan> {
+        let switches: plan::Switches = serde_json::from_str(switches)
+            .map_err(|e| invalid(format!("switches are not resolved switches: {e}")))?;
+        let layout = match ranks {
+            Some(ranks) => self.dim(&ranks)?.layout,
+            None => self.job.layout,
+        };
+        let plan = plan::Plan::new(layout, &switches).map_err(to_py)?;
+        Ok(Plan { plan, switches })
+    }
+
     /// Registers the mesh dimension over `ranks` (global ranks, ascending;
     /// this rank among them) for the collectives FSDP2 runs over it, and
     /// the runs of `hpz_group` of its ranks inside a node its backward
@@ -338,8 +356,7 @@ impl Job {
     /// a node): one ring there.
     /// With `delta` (and `qwz_bits`): qwZ on weight differences against
     /// that state's references.
-    #[pyo3(signature = (out, inp, dtype, ranks, qwz_bits=None, block=256, backward=false,
-                        delta=None))]
+    #[pyo3(signature = (out, inp, dtype, ranks, plan, backward=false, delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -347,8 +364,7 @@ impl Job {
         inp: &Bound<'_, PyAny>,
         dtype: &str,
         ranks: Vec<usize>,
-        qwz_bits: Option<u32>,
-        block: usize,
+        plan: PyRef<'_, Plan>,
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<Op> {
@@ -367,9 +383,8 @@ impl Job {
                 out.len()
             )));
         }
-        let over_world = hop == Hop::World;
-        let settings = delta.as_ref().map(|d| d.get().settings);
-        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)
+        let how = plan
+            .gather(hop == Hop::World, dtype == Dtype::Bf16, delta.is_some())
             .map_err(to_py)?;
         let phase = Phase::gather(backward);
         // A sub-group's gather runs over it as hpZ's group.
@@ -741,6 +756,106 @@ fn resolve(
     serde_json::to_string(&r).map_err(|e| invalid(e.to_string()))
 }
 
+/// How one mesh dimension's collectives move data (`zeropp_zero::plan::Plan`,
+/// decided once from its resolved switches by `Job.plan`), and the maker of
+/// the state each parameter group keeps for them. Every call of a group
+/// passes its plan; nothing is re-decided per call.
+#[pyclass(frozen)]
+pub struct Plan {
+    pub(crate) plan: plan::Plan,
+    switches: plan::Switches,
+}
+
+impl Plan {
+    /// The gather of a group over the world (`over_world`) or a sub-group,
+    /// of bf16 tensors or others; `with_references`: the caller passes the
+    /// group's references (qwZ on weight differences needs them).
+    pub(crate) fn gather(
+        &self,
+        over_world: bool,
+        bf16: bool,
+        with_references: bool,
+    ) -> Result<Gather, ZeroError> {
+        let how = Gather::of(self.plan.weights, over_world, bf16);
+        if matches!(how, Gather::Delta(_)) && !with_references {
+            return Err(ZeroError::Invalid(
+                "this plan gathers weight differences: pass the group's references \
+                 (delta=plan.qwz_reference(), made once per parameter group)"
+                    .into(),
+            ));
+        }
+        Ok(how)
+    }
+}
+
+#[pymethods]
+impl Plan {
+    /// hpZ over the whole node with qwZ on weight differences: the
+    /// references are the secondary shard and serve the backward gather
+    /// inside the node (FSDP2 keeps no second copy after forward).
+    #[getter]
+    fn references_serve_backward(&self) -> bool {
+        matches!(self.plan.weights, plan::WeightWire::Delta(d) if d.hpz)
+    }
+
+    /// qwZ's references of weight differences for one parameter group
+    /// (its cross-node peers' shards, 1/G of the group; f32, or bf16 with
+    /// qwz_bf16_references; in host memory with qwz_host_references), or
+    /// None where this plan sends no differences.
+    fn qwz_reference(&self) -> Option<QwzReference> {
+        matches!(self.plan.weights, plan::WeightWire::Delta(_)).then(|| QwzReference {
+            frozen: Mutex::new(Vec::new()),
+            host_references: self.switches.qwz_host_references,
+            reference: Mutex::new(None),
+            device: Mutex::new(None),
+        })
+    }
+
+    /// qgZ's state for one parameter group (its rounding seeded by `seed`,
+    /// its error feedback), or None where this plan reduce-scatters plainly.
+    #[pyo3(signature = (seed=0))]
+    fn qgz_state(&self, seed: u64) -> Option<QgzState> {
+        match self.plan.grads {
+            plan::GradWire::TwoHop {
+                intra,
+                inter,
+                error_feedback,
+                stochastic,
+                hadamard,
+            } => Some(QgzState::of(
+                intra,
+                inter,
+                (error_feedback, stochastic, hadamard),
+                seed,
+            )),
+            plan::GradWire::RingBf16 | plan::GradWire::RingF32 => None,
+        }
+    }
+
+    /// The quantized all-reduce's state for one parameter group across
+    /// HSDP's replicate dimension, where this plan (resolved on that
+    /// dimension) keeps qgZ: int4 blocks of qgZ's hop across nodes, rotated
+    /// with `qgz_hadamard`, error feedback with `error_feedback`; else None
+    /// (ZeRO-3's reduce-scatter and all-gather).
+    #[pyo3(signature = (seed=0))]
+    fn all_reduce_state(&self, seed: u64) -> Option<AllReduceState> {
+        match self.plan.grads {
+            plan::GradWire::TwoHop {
+                inter,
+                error_feedback,
+                stochastic,
+                hadamard,
+                ..
+            } => Some(AllReduceState::of(
+                inter,
+                (error_feedback, stochastic, hadamard),
+                seed,
+            )),
+            plan::GradWire::RingBf16 | plan::GradWire::RingF32 => None,
+        }
+    }
+}
+
 /// The qgZ settings and error-feedback state of one FSDP parameter group:
 /// what each quantization dropped, added back on the next reduce-scatter.
 #[pyclass(frozen)]
@@ -798,6 +913,26 @@ impl HeldFeedback {
 }
 
 impl QgzState {
+    /// The state of one parameter group whose plan reduce-scatters its
+    /// gradient with qgZ in these formats.
+    fn of(
+        intra: QuantFormat,
+        inter: QuantFormat,
+        (error_feedback, stochastic, hadamard): (bool, bool, bool),
+        seed: u64,
+    ) -> QgzState {
+        QgzState {
+            intra,
+            inter,
+            error_feedback,
+            stochastic,
+            hadamard,
+            seed,
+            calls: AtomicU64::new(0),
+            feedback: Default::default(),
+        }
+    }
+
     /// This group's next reduce-scatter on `rank`: its formats, and its
     /// rounding (call numbers counted per group, `qgz::rounding`).
     pub(crate) fn settings(&self, rank: usize) -> qgz::Qgz {
@@ -822,32 +957,6 @@ impl QgzState {
 
 #[pymethods]
 impl QgzState {
-    #[new]
-    #[pyo3(signature = (intra_bits=8, block=32, error_feedback=true, stochastic=false, seed=0,
-                        hadamard=false, inter_block=None))]
-    fn new(
-        intra_bits: u32,
-        block: usize,
-        error_feedback: bool,
-        stochastic: bool,
-        seed: u64,
-        hadamard: bool,
-        inter_block: Option<usize>,
-    ) -> PyResult<QgzState> {
-        let (intra, inter) =
-            plan::gradient_formats(intra_bits, block, inter_block).map_err(to_py)?;
-        Ok(QgzState {
-            intra,
-            inter,
-            error_feedback,
-            stochastic,
-            hadamard,
-            seed,
-            calls: AtomicU64::new(0),
-            feedback: Default::default(),
-        })
-    }
-
     /// Whether the hop across nodes keeps error feedback.
     #[getter]
     fn error_feedback(&self) -> bool {
@@ -896,6 +1005,24 @@ pub struct AllReduceState {
 }
 
 impl AllReduceState {
+    /// int4 blocks of `format`, rotated first with `hadamard`, error
+    /// feedback on both quantizations with `error_feedback`.
+    fn of(
+        format: QuantFormat,
+        (error_feedback, stochastic, hadamard): (bool, bool, bool),
+        seed: u64,
+    ) -> AllReduceState {
+        AllReduceState {
+            format,
+            hadamard,
+            error_feedback,
+            stochastic,
+            seed,
+            calls: AtomicU64::new(0),
+            feedback: Default::default(),
+        }
+    }
+
     /// This group's next all-reduce on `rank` (call numbers counted per
     /// group, `qgz::rounding`).
     pub(crate) fn settings(&self, rank: usize) -> allreduce::QuantizedAllReduce {
@@ -910,30 +1037,6 @@ impl AllReduceState {
 
 #[pymethods]
 impl AllReduceState {
-    /// int4 blocks of `block` values (a power of two), rotated first with
-    /// `hadamard`, error feedback on both quantizations with
-    /// `error_feedback`.
-    #[new]
-    #[pyo3(signature = (block=64, error_feedback=true, hadamard=true, stochastic=false, seed=0))]
-    fn new(
-        block: usize,
-        error_feedback: bool,
-        hadamard: bool,
-        stochastic: bool,
-        seed: u64,
-    ) -> PyResult<AllReduceState> {
-        let format = QuantFormat::int4(block).map_err(|e| invalid(e.to_string()))?;
-        Ok(AllReduceState {
-            format,
-            hadamard,
-            error_feedback,
-            stochastic,
-            seed,
-            calls: AtomicU64::new(0),
-            feedback: Default::default(),
-        })
-    }
-
     #[getter]
     fn error_feedback(&self) -> bool {
         self.error_feedback
@@ -955,7 +1058,6 @@ impl AllReduceState {
 /// references of its cross group's shards (`zeropp_zero::delta`).
 #[pyclass(frozen)]
 pub struct QwzReference {
-    pub(crate) settings: DeltaSettings,
     /// The ranges of this rank's shard (start, length) that hold frozen
     /// parameters, as zeropp.torch sets them before each gather
     /// (`delta::Slot`).
@@ -979,40 +1081,6 @@ impl QwzReference {
 
 #[pymethods]
 impl QwzReference {
-    #[new]
-    /// `hpz`: hpZ over the whole node — backward gathers are served from
-    /// the references inside the node (they are hpZ's secondary shard).
-    /// `bf16_references`: kept in bf16 where the gather's dtype is bf16.
-    /// `host_references`: CUDA tensors' references kept in host memory
-    /// (the host path's are there anyway).
-    #[pyo3(signature = (refresh_every=plan::DEFAULT_QWZ_REFRESH as u64, fp32=false, hpz=false,
-                        bf16_references=false, host_references=false))]
-    fn new(
-        refresh_every: u64,
-        fp32: bool,
-        hpz: bool,
-        bf16_references: bool,
-        host_references: bool,
-    ) -> PyResult<QwzReference> {
-        if refresh_every == 0 {
-            return Err(invalid(
-                "qwz_refresh=0: refresh the references every 1 or more forward gathers",
-            ));
-        }
-        Ok(QwzReference {
-            settings: DeltaSettings {
-                refresh_every,
-                fp32,
-                hpz,
-                bf16_references,
-            },
-            frozen: Mutex::new(Vec::new()),
-            host_references,
-            reference: Mutex::new(None),
-            device: Mutex::new(None),
-        })
-    }
-
     /// Bytes of references held (bf16 where the hop inside the node is
     /// bf16, else f32).
     fn reference_bytes(&self) -> usize {
@@ -1139,6 +1207,7 @@ impl Op {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Job>()?;
+    m.add_class::<Plan>()?;
     m.add_class::<QgzState>()?;
     m.add_class::<QwzReference>()?;
     m.add_class::<AllReduceState>()?;

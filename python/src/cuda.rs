@@ -19,7 +19,7 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::layout::Layout;
 
 use crate::buffers::Dtype;
-use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
+use crate::collectives::{AllReduceState, Job, Plan, QgzState, QwzReference};
 use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
 use crate::to_py;
 
@@ -138,8 +138,8 @@ impl CudaJob {
     /// codes and scales, dequantize into place); otherwise NCCL's
     /// all-gather of the caller's bytes. `backward` counts the bytes as the
     /// backward gather's.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
-                        backward=false, delta=None))]
+    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, plan, backward=false,
+                        delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -150,8 +150,7 @@ impl CudaJob {
         dtype: &str,
         ranks: Vec<usize>,
         stream: usize,
-        qwz_bits: Option<u32>,
-        block: usize,
+        plan: PyRef<'_, Plan>,
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<DeviceWork> {
@@ -161,7 +160,7 @@ impl CudaJob {
             Dtype::parse(dtype)?,
             ranks,
             stream,
-            (qwz_bits, block),
+            &plan,
             backward,
             delta.as_ref().map(|d| d.get()),
         )

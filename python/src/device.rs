@@ -26,7 +26,7 @@ use zeropp_zero::traffic::Phase;
 use zeropp_zero::work::{Queue, Work};
 
 use crate::buffers::Dtype;
-use crate::collectives::{AllReduceState, QgzState, QwzReference};
+use crate::collectives::{AllReduceState, Plan, QgzState, QwzReference};
 use crate::{Raised, to_py};
 
 /// Where a device keeps a parameter group's state.
@@ -87,7 +87,7 @@ pub(crate) struct GatherCall {
 }
 
 impl GatherCall {
-    /// The gather FSDP2 asks for (`Gather::choose`), checked before
+    /// The gather FSDP2 asks for (its group's `plan`), checked before
     /// anything runs.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new<D: Device>(
@@ -96,13 +96,12 @@ impl GatherCall {
         dtype: Dtype,
         ranks: Vec<usize>,
         stream: usize,
-        (qwz_bits, block): (Option<u32>, usize),
+        plan: &Plan,
         backward: bool,
         delta: Option<&QwzReference>,
     ) -> Result<GatherCall, ZeroError> {
         let over_world = job.hop_of(&ranks)? == Some(Hop::World);
-        let settings = delta.map(|d| d.settings);
-        let how = Gather::choose(qwz_bits, block, over_world, settings, dtype == Dtype::Bf16)?;
+        let how = plan.gather(over_world, dtype == Dtype::Bf16, delta.is_some())?;
         Ok(GatherCall {
             out,
             inp,

@@ -18,7 +18,7 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::emulated::EmulatedDevice;
 
 use crate::buffers::{Dtype, HostBuf};
-use crate::collectives::{AllReduceState, Job, QgzState, QwzReference};
+use crate::collectives::{AllReduceState, Job, Plan, QgzState, QwzReference};
 use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
 use crate::{invalid, to_py};
 
@@ -132,8 +132,8 @@ impl EmulatedJob {
 
     /// `CudaJob.all_gather` on host buffers, queued on the device's one
     /// queue (`stream` names no other): a [`DeviceWork`] to wait on.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, qwz_bits=None, block=256,
-                        backward=false, delta=None))]
+    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, plan, backward=false,
+                        delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(
         &self,
@@ -143,8 +143,7 @@ impl EmulatedJob {
         dtype: &str,
         ranks: Vec<usize>,
         stream: usize,
-        qwz_bits: Option<u32>,
-        block: usize,
+        plan: PyRef<'_, Plan>,
         backward: bool,
         delta: Option<Py<QwzReference>>,
     ) -> PyResult<DeviceWork> {
@@ -164,7 +163,7 @@ impl EmulatedJob {
             d,
             ranks,
             stream,
-            (qwz_bits, block),
+            &plan,
             backward,
             delta.as_ref().map(|d| d.get()),
         )

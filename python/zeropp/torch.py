@@ -540,36 +540,22 @@ class _Done(dist.Work):
         return True
 
 
-def _references_serve_backward(switches, ranks_per_node):
-    s = switches
-    delta = bool(s.get("qwz_delta") and s["qwz_bits"])
-    return delta and s["hpz"] and (s["hpz_group"] or ranks_per_node) == ranks_per_node
-
-
 class ZeroppAllGather(AllGather):
     """FSDP2's all-gather through zeropp: qwZ over the world; in backward,
     inside the node from qwZ's references (hpZ with weight differences) or
     a plain ring inside the hpZ group."""
 
-    def __init__(self, zjob, switches, ranks_per_node=None):
+    def __init__(self, zjob, switches, ranks=None):
         self._job = zjob
         self.settings = (zjob, dict(switches))
-        self._qwz_bits = switches["qwz_bits"]
-        self._block = switches["block"]
+        # How this group's gathers move data, decided once in Rust from the
+        # switches on the mesh dimension ``ranks`` (None: the whole job).
+        self.plan = zjob.plan(json.dumps(switches), ranks)
         # qwZ on weight differences: this group's references of the shards
         # its cross-node peers own (held in Rust, 1/G of the group, f32 or
         # with qwz_bf16_references bf16); with hpZ over the whole node they
         # are its secondary shard and serve the backward gather.
-        self.qwz_reference = None
-        if switches.get("qwz_delta") and switches["qwz_bits"]:
-            g = ranks_per_node or self._job.ranks_per_node
-            self.qwz_reference = _zeropp.QwzReference(
-                refresh_every=switches["qwz_refresh"],
-                fp32=switches["fp32_comm"],
-                hpz=_references_serve_backward(switches, g),
-                bf16_references=switches.get("qwz_bf16_references", False),
-                host_references=switches.get("qwz_host_references", False),
-            )
+        self.qwz_reference = self.plan.qwz_reference()
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -612,8 +598,7 @@ class ZeroppAllGather(AllGather):
             host_bytes(input_tensor, "all-gather input"),
             dtype_name(input_tensor),
             dist.get_process_group_ranks(group),
-            qwz_bits=self._qwz_bits,
-            block=self._block,
+            self.plan,
             backward=_is_backward(),
             delta=self.qwz_reference,
         )
@@ -643,8 +628,7 @@ class ZeroppAllGather(AllGather):
             dtype_name(input_tensor),
             ranks,
             _stream(output_tensor.device),
-            qwz_bits=self._qwz_bits,
-            block=self._block,
+            self.plan,
             backward=_is_backward(),
             delta=self.qwz_reference,
         )
@@ -674,15 +658,7 @@ class _Replicate:
     def __init__(self, zjob, ranks, switches, seed):
         self.job, self.ranks = zjob, list(ranks)
         self.settings = (tuple(ranks), json.dumps(switches, sort_keys=True), seed)
-        self.state = None
-        if switches["qgz"]:
-            self.state = _zeropp.AllReduceState(
-                block=switches["qgz_inter_block"] or switches["qgz_block"],
-                error_feedback=switches["error_feedback"],
-                hadamard=switches["qgz_hadamard"],
-                stochastic=switches["qgz_stochastic"],
-                seed=seed,
-            )
+        self.state = zjob.plan(json.dumps(switches), self.ranks).all_reduce_state(seed)
 
     def all_reduce(self, tensor, op):
         mean = _mean(op, "all-reduce")
@@ -782,7 +758,7 @@ class ZeroppReduceScatter(ReduceScatter):
     ZeRO-3's ring; on HSDP's mesh, followed by zeropp's all-reduce across
     the replicate dimension (``replicate``)."""
 
-    def __init__(self, zjob, switches, seed=0, replicate=None):
+    def __init__(self, zjob, switches, seed=0, replicate=None, ranks=None):
         self._job = zjob
         self.replicate = replicate
         self.settings = (
@@ -791,18 +767,9 @@ class ZeroppReduceScatter(ReduceScatter):
             seed,
             None if replicate is None else replicate.settings,
         )
-        # qgZ's settings and error feedback (host and device), per group.
-        self.qgz_state = None
-        if switches["qgz"]:
-            self.qgz_state = _zeropp.QgzState(
-                intra_bits=switches["qgz_intra_bits"],
-                block=switches["qgz_block"],
-                error_feedback=switches["error_feedback"],
-                stochastic=switches["qgz_stochastic"],
-                seed=seed,
-                hadamard=switches["qgz_hadamard"],
-                inter_block=switches["qgz_inter_block"],
-            )
+        # qgZ's settings and error feedback (host and device), per group,
+        # from the plan of the switches on the mesh dimension ``ranks``.
+        self.qgz_state = zjob.plan(json.dumps(switches), ranks).qgz_state(seed)
 
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
@@ -1013,6 +980,7 @@ class _Served:
         self.ranks_per_node = g
         resolved = json.loads(zjob.resolve_switches(mode, json.dumps(switches), self.shard_ranks))
         self.switches = resolved["switches"]
+        self.plan = zjob.plan(json.dumps(self.switches), self.shard_ranks)
         mesh = {"shard": {"ranks": self.shard_ranks, "nodes": nodes, "ranks_per_node": g}}
         self.replicate = None
         if self.replicate_ranks is not None:
@@ -1047,7 +1015,7 @@ class _Served:
         qwz_bf16_references) are the secondary shard, and the backward
         all-gather is served from them inside the node — FSDP2 keeps no
         second copy after forward."""
-        return _references_serve_backward(self.switches, self.ranks_per_node)
+        return self.plan.references_serve_backward
 
     def keep_secondary(self, reshard_after_forward):
         """Registers the hpZ groups of FSDP2's ``reshard_after_forward=<int>``
@@ -1069,8 +1037,14 @@ class _Served:
 
     def collectives(self):
         return (
-            ZeroppAllGather(self.job, self.switches, self.ranks_per_node),
-            ZeroppReduceScatter(self.job, self.switches, seed=self.seed, replicate=self.replicate),
+            ZeroppAllGather(self.job, self.switches, self.shard_ranks),
+            ZeroppReduceScatter(
+                self.job,
+                self.switches,
+                seed=self.seed,
+                replicate=self.replicate,
+                ranks=self.shard_ranks,
+            ),
         )
 
     def install(self, module):

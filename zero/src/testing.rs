@@ -92,3 +92,22 @@ pub fn on_ranks<R: Send + 'static>(
         (out, r.counter.traffic().total().inter_node)
     })
 }
+
+/// A gather's three kinds of wire, as a plan makes them: plain (bf16), qwZ
+/// in int`bits` blocks of `block`, and weight differences in that format
+/// (refreshed every 4 forward gathers, bf16 inside the node, no hpZ).
+pub fn every_weight_wire(bits: u32, block: usize) -> [crate::plan::WeightWire; 3] {
+    use crate::plan::{WeightWire, weight_format};
+    let format = weight_format(bits, block).expect("a weight format");
+    [
+        WeightWire::Bf16,
+        WeightWire::Quantized(format),
+        WeightWire::Delta(crate::delta::DeltaWire {
+            delta: format,
+            refresh_every: 4,
+            fp32: false,
+            hpz: false,
+            bf16_references: false,
+        }),
+    ]
+}

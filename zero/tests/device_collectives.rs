@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use zeropp_comm::Communicator;
 use zeropp_comm::inproc::InProcess;
+use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
 use zeropp_zero::emulated::Emulated;
 use zeropp_zero::host::{Host, HostKernels, HostMover};
 use zeropp_zero::layout::Layout;
@@ -19,7 +20,6 @@ use zeropp_zero::traffic::Phase;
 use zeropp_zero::traffic::{CountingTransport, Traffic};
 use zeropp_zero::{Quantizer, ZeroGroups};
 use zeropp_zero::{delta, hpz, qwz};
-use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
 
 /// A gradient that is different on every rank and call, with a few large
 /// values so blocks have different scales.
@@ -593,9 +593,9 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
     use half::bf16;
+    use zeropp_cuda::Gpu;
     use zeropp_zero::Hop;
     use zeropp_zero::fsdp::{self, Gather, Scatter};
-    use zeropp_cuda::Gpu;
     let x: Vec<bf16> = gradient(1000, 0, 3)
         .into_iter()
         .map(bf16::from_f32)
@@ -663,14 +663,15 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
 fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
     use half::bf16;
     use zeropp_zero::Hop;
-    use zeropp_zero::fsdp::{self, DeltaSettings, Gather};
-    let settings = DeltaSettings {
+    use zeropp_zero::fsdp::{self, Gather};
+    let wire = zeropp_zero::plan::WeightWire::Delta(zeropp_zero::delta::DeltaWire {
+        delta: plan::weight_format(4, 64).unwrap(),
         refresh_every: 100,
         fp32: false,
         hpz: true,
         bf16_references: false,
-    };
-    let how = Gather::choose(Some(4), 64, true, Some(settings), true).unwrap();
+    });
+    let how = Gather::of(wire, true, true);
     let frozen: Vec<_> = std::iter::once(0..150).collect();
     let shards: Vec<Vec<bf16>> = (0..4)
         .map(|call| {
@@ -755,10 +756,10 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
 #[test]
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn on_cuda_a_launched_call_returns_with_an_event_the_callers_stream_waits_on() {
+    use zeropp_cuda::Gpu;
     use zeropp_zero::ZeroError;
     use zeropp_zero::device::CudaQueue;
     use zeropp_zero::work::{Fail, Watchdog, Work};
-    use zeropp_cuda::Gpu;
 
     struct NeverStuck;
     impl Fail for NeverStuck {

@@ -13,6 +13,7 @@ from checks import check, expect_error
 import zeropp
 import zeropp.torch as zt
 from zeropp import _zeropp
+from zeropp._buffers import host_bytes
 
 
 def main():
@@ -67,7 +68,7 @@ def main():
     # served from them inside the node — the forward's weights, bit for bit.
     kept = {}
     for bf16_refs in (False, True):
-        ag = zt.ZeroppAllGather(job, dict(default, qwz_bf16_references=bf16_refs), 2)
+        ag = zt.ZeroppAllGather(job, dict(default, qwz_bf16_references=bf16_refs))
         # Its own generator: the checks below keep their random inputs.
         gen = torch.Generator().manual_seed(100 + rank)
         shard = torch.randn(1000, generator=gen).to(torch.bfloat16)
@@ -205,6 +206,36 @@ def main():
         "an hpZ group that does not divide the node is refused",
         lambda: job.resolve_switches("zeropp", json.dumps({"hpz_group": 3})),
         "divide",
+    )
+    # The plan: decided once from the switches, checked at its making, and
+    # every call of a group passes it.
+    plan = job.plan(json.dumps(default))
+    check(
+        "the default's plan: references serve the backward gather, qgZ's state",
+        plan.references_serve_backward
+        and plan.qwz_reference() is not None
+        and plan.qgz_state(0) is not None,
+    )
+    plain = job.plan(json.dumps(z3))
+    check(
+        "ZeRO-3's plan keeps no state",
+        plain.qwz_reference() is None and plain.qgz_state(0) is None,
+    )
+    expect_error(
+        "switches that make no plan are refused when the plan is made, naming the switch",
+        lambda: job.plan(json.dumps(dict(default, hpz_group=3))),
+        "hpZ group of 3 ranks",
+    )
+    expect_error(
+        "a gather of weight differences without the group's references is refused",
+        lambda: job.all_gather(
+            host_bytes(torch.empty(world * 8)),
+            host_bytes(torch.empty(8)),
+            "float32",
+            list(range(world)),
+            plan,
+        ),
+        "qwz_reference",
     )
     expect_error(
         "other options after the job is joined are refused",

@@ -83,7 +83,13 @@ def main():
     expect_error(
         "a gather over a group never joined is refused at the call",
         lambda: cj.all_gather(
-            host_bytes(torch.empty(2 * 5000)), host_bytes(shard), 5000, "float32", [1, 2], 0
+            host_bytes(torch.empty(2 * 5000)),
+            host_bytes(shard),
+            5000,
+            "float32",
+            [1, 2],
+            0,
+            job.plan(json.dumps(zpp)),
         ),
         "add_group",
     )

@@ -804,7 +804,6 @@ mod tests {
     use super::*;
     use crate::ZeroGroups;
     use crate::emulated::EmulatedDevice;
-    use crate::fsdp::DeltaSettings;
     use crate::host::{Host, HostMover};
     use crate::plan;
     use crate::testing::{Rank, bf16s, gradient as values, on_world};
@@ -849,15 +848,6 @@ mod tests {
 
     const LEN: usize = 8 * 96;
 
-    fn delta() -> Option<DeltaSettings> {
-        Some(DeltaSettings {
-            refresh_every: 4,
-            fp32: false,
-            hpz: false,
-            bf16_references: false,
-        })
-    }
-
     /// The hpZ sub-group of this rank: two consecutive ranks of its node.
     fn pair(l: Layout) -> Vec<usize> {
         let first = l.rank / 2 * 2;
@@ -870,8 +860,11 @@ mod tests {
         let shard = bf16s(&values(l.rank + 10, LEN / 8));
         let mut outs = Vec::new();
         let mut reference = None;
-        for (bits_, delta, calls) in [(None, None, 1), (Some(4), None, 1), (Some(4), delta(), 2)] {
-            let how = Gather::choose(bits_, 256, true, delta, true).unwrap();
+        for (wire, calls) in crate::testing::every_weight_wire(4, 256)
+            .into_iter()
+            .zip([1, 1, 2])
+        {
+            let how = Gather::of(wire, true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let (x, mut o) = (&shard[..], &mut out[..]);
@@ -989,8 +982,11 @@ mod tests {
         let mut outs = Vec::new();
         let mut reference = None;
         let world: Vec<usize> = (0..l.world()).collect();
-        for (bits_, delta, calls) in [(None, None, 1), (Some(4), None, 1), (Some(4), delta(), 2)] {
-            let how = Gather::choose(bits_, 256, true, delta, true).unwrap();
+        for (wire, calls) in crate::testing::every_weight_wire(4, 256)
+            .into_iter()
+            .zip([1, 1, 2])
+        {
+            let how = Gather::of(wire, true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let phase = Phase::ForwardGather;
@@ -1146,7 +1142,7 @@ mod tests {
                 rounding: Rounding::NearestEven,
                 hadamard,
             };
-            let qwz = Gather::choose(Some(8), 64, true, None, true).unwrap();
+            let qwz = Gather::of(crate::testing::every_weight_wire(8, 64)[1], true, true);
             let mut outs = Vec::new();
             let m = HostMover {
                 groups: groups.clone(),

@@ -11,7 +11,7 @@ use crate::backend::{ByteMover, Hop, Quantizer};
 use crate::delta::{self, DeltaWire, Slot};
 use crate::error::ZeroError;
 use crate::layout::Layout;
-use crate::plan;
+use crate::plan::WeightWire;
 use crate::qgz::{self, Reduction};
 use crate::qwz;
 use crate::traffic::Phase;
@@ -29,57 +29,25 @@ pub enum Gather {
     Delta(DeltaWire),
 }
 
-/// qwZ on weight differences, as a parameter group asks for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeltaSettings {
-    /// Forward gathers between full refreshes (≥ 1).
-    pub refresh_every: u64,
-    /// Refreshes and the hop inside the node in f32 even for bf16 tensors.
-    pub fp32: bool,
-    /// hpZ over the whole node: backward gathers are served inside the
-    /// node from the references (`DeltaWire::hpz`).
-    pub hpz: bool,
-    /// The references kept in bf16 where the hop inside the node is bf16.
-    pub bf16_references: bool,
-}
-
 impl Gather {
-    /// The gather of a parameter group with `qwz_bits` (4 or 8, blocks of
-    /// `block`; None: plain) over the world (`over_world`) or a sub-group,
-    /// on differences when `delta` is given. qwZ runs over the world only:
-    /// a sub-group moves the bytes as they are. Differences cross nodes in
-    /// `qwz_bits`; the hop inside the node moves what plain FSDP2 would
-    /// move for these tensors (bf16 ones in bf16, others in f32).
-    pub fn choose(
-        qwz_bits: Option<u32>,
-        block: usize,
-        over_world: bool,
-        delta: Option<DeltaSettings>,
-        bf16: bool,
-    ) -> Result<Gather, ZeroError> {
-        let format = match (qwz_bits, delta) {
-            (None, Some(_)) => {
-                return Err(ZeroError::Invalid(
-                    "qwZ on weight differences needs qwz_bits (4 or 8): the bits of a difference"
-                        .into(),
-                ));
-            }
-            (None, None) => return Ok(Gather::Plain),
-            (Some(bits), _) => plan::weight_format(bits, block)?,
-        };
-        if !over_world {
-            return Ok(Gather::Plain);
-        }
-        Ok(match delta {
-            Some(d) => Gather::Delta(DeltaWire {
-                delta: format,
-                refresh_every: d.refresh_every,
+    /// The gather of a parameter group whose plan moves weights as `wire`
+    /// (`plan::Plan::weights`, decided once from the switches), over the
+    /// world (`over_world`) or a sub-group, of bf16 tensors (`bf16`) or
+    /// others. qwZ runs over the world only: a sub-group moves the bytes as
+    /// they are, and so do the plan's plain wires (the tensor's own dtype
+    /// is FSDP2's). Differences cross nodes in the plan's format; the hop
+    /// inside the node moves what plain FSDP2 would move for these tensors
+    /// (bf16 ones in bf16 unless the plan says f32, others in f32).
+    pub fn of(wire: WeightWire, over_world: bool, bf16: bool) -> Gather {
+        match wire {
+            _ if !over_world => Gather::Plain,
+            WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
+            WeightWire::Quantized(format) => Gather::Quantized(format),
+            WeightWire::Delta(d) => Gather::Delta(DeltaWire {
                 fp32: d.fp32 || !bf16,
-                hpz: d.hpz,
-                bf16_references: d.bf16_references,
+                ..d
             }),
-            None => Gather::Quantized(format),
-        })
+        }
     }
 }
 
@@ -174,7 +142,8 @@ mod tests {
     use super::*;
     use crate::emulated::Emulated;
     use crate::host::{Host, HostKernels, HostMover};
-    use crate::testing::{bf16s, gradient, on_ranks};
+    use crate::plan;
+    use crate::testing::{self, bf16s, gradient, on_ranks};
 
     #[test]
     fn a_plain_reduce_scatter_is_the_sum_or_mean_of_every_ranks_chunk() {
@@ -216,15 +185,9 @@ mod tests {
         let grad = bf16s(&gradient(layout.rank, len));
         let shard = bf16s(&gradient(layout.rank + 10, len / 4));
         let mut outs = Vec::new();
-        let delta = Some(DeltaSettings {
-            refresh_every: 4,
-            fp32: false,
-            hpz: false,
-            bf16_references: false,
-        });
         let mut reference = None;
-        for (bits, delta) in [(None, None), (Some(4), None), (Some(4), delta)] {
-            let how = Gather::choose(bits, 256, true, delta, true).unwrap();
+        for wire in testing::every_weight_wire(4, 256) {
+            let how = Gather::of(wire, true, true);
             for _ in 0..2 {
                 let mut out = vec![bf16::ZERO; len];
                 let (x, mut o) = (&shard[..], &mut out[..]);
@@ -280,24 +243,15 @@ mod tests {
 
     #[test]
     fn a_gather_refuses_what_it_cannot_run() {
-        let e = Gather::choose(
-            None,
-            256,
-            true,
-            Some(DeltaSettings {
-                refresh_every: 1,
-                fp32: false,
-                hpz: false,
-                bf16_references: false,
-            }),
-            true,
-        );
-        assert!(e.unwrap_err().to_string().contains("needs qwz_bits"));
-        assert!(Gather::choose(Some(3), 256, true, None, true).is_err());
-        assert_eq!(
-            Gather::choose(Some(8), 256, false, None, true).unwrap(),
-            Gather::Plain
-        );
+        // A sub-group's gather and the plan's plain wires move the bytes as
+        // they are; differences of f32 tensors keep f32 inside the node.
+        let [plain, quantized, delta] = testing::every_weight_wire(8, 256);
+        assert_eq!(Gather::of(quantized, false, true), Gather::Plain);
+        assert_eq!(Gather::of(plain, true, true), Gather::Plain);
+        match Gather::of(delta, true, false) {
+            Gather::Delta(d) => assert!(d.fp32),
+            other => panic!("{other:?}"),
+        }
         let r = on_ranks(1, 2, |layout, m| {
             let shard = [1f32; 8];
             let mut out = [0f32; 8];
