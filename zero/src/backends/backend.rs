@@ -120,8 +120,22 @@ pub trait Quantizer {
     ) -> Result<(), ZeroError>;
 
     /// Chunk `i` of `src` into chunk `j` of `dst` (the same format and
-    /// chunk length).
+    /// chunk length). Checked here; the backend copies
+    /// ([`Quantizer::copy_chunk_unchecked`]).
     fn copy_chunk(
+        &self,
+        src: &Self::Chunks,
+        i: usize,
+        dst: &mut Self::Chunks,
+        j: usize,
+    ) -> Result<(), ZeroError> {
+        check_copy_chunk(self.shape(src), i, self.shape(dst), j)?;
+        self.copy_chunk_unchecked(src, i, dst, j)
+    }
+
+    /// [`Quantizer::copy_chunk`] once checked: both chunks exist, of one
+    /// format and length.
+    fn copy_chunk_unchecked(
         &self,
         src: &Self::Chunks,
         i: usize,
@@ -209,8 +223,25 @@ pub trait Quantizer {
         swizzled_kept_composed(self, x, (nodes, ranks_per_node), rounding, out, residual)
     }
 
-    /// `x[at..at + chunk_len]` quantized into chunk `i` of `out`.
+    /// `x[at..at + chunk_len]` quantized into chunk `i` of `out`. Checked
+    /// here; the backend quantizes ([`Quantizer::quantize_chunk_unchecked`]).
     fn quantize_chunk(
+        &self,
+        x: &Self::Values,
+        at: usize,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        let (_, chunk_len, _) = self.shape(out);
+        check_chunk(self.shape(out), i, "quantizing a chunk")?;
+        check_span(self.len(x), at, chunk_len, "quantizing a chunk")?;
+        self.quantize_chunk_unchecked(x, at, rounding, out, i)
+    }
+
+    /// [`Quantizer::quantize_chunk`] once checked: chunk `i` exists and `x`
+    /// holds its values at `at`.
+    fn quantize_chunk_unchecked(
         &self,
         x: &Self::Values,
         at: usize,
@@ -229,7 +260,24 @@ pub trait Quantizer {
     ) -> Result<(), ZeroError>;
 
     /// Chunk `i` of `q` dequantized and added into `out[at..]` (f32).
+    /// Checked here; the backend sums
+    /// ([`Quantizer::dequantize_accumulate_unchecked`]).
     fn dequantize_accumulate(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        let (_, chunk_len, _) = self.shape(q);
+        check_chunk(self.shape(q), i, "summing a chunk")?;
+        check_span(self.len(out), at, chunk_len, "summing a chunk")?;
+        self.dequantize_accumulate_unchecked(q, i, out, at)
+    }
+
+    /// [`Quantizer::dequantize_accumulate`] once checked: chunk `i` exists
+    /// and `out` holds its length at `at`.
+    fn dequantize_accumulate_unchecked(
         &self,
         q: &Self::Chunks,
         i: usize,
@@ -239,8 +287,26 @@ pub trait Quantizer {
 
     /// Chunks `inputs` of `q` dequantized, summed in f32 in that order
     /// (from +0) and requantized into chunk `o` of `out`, in one pass
-    /// (`zeropp_quant::sum_requantize`).
+    /// (`zeropp_quant::sum_requantize`). Checked here; the backend sums
+    /// ([`Quantizer::sum_requantize_unchecked`]).
     fn sum_requantize(
+        &self,
+        q: &Self::Chunks,
+        inputs: &[usize],
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        o: usize,
+    ) -> Result<(), ZeroError> {
+        for &i in inputs {
+            check_chunk(self.shape(q), i, "summing chunks")?;
+        }
+        check_chunk(self.shape(out), o, "requantizing a sum")?;
+        self.sum_requantize_unchecked(q, inputs, rounding, out, o)
+    }
+
+    /// [`Quantizer::sum_requantize`] once checked: every input chunk and
+    /// chunk `o` exist.
+    fn sum_requantize_unchecked(
         &self,
         q: &Self::Chunks,
         inputs: &[usize],
@@ -469,9 +535,21 @@ fn same_chunks(what: &str, a: Shape, b: Shape) -> Result<(), ZeroError> {
         Ok(())
     } else {
         Err(ZeroError::Invalid(format!(
-            "{what}: chunks of {} values in {:?} into chunks of {} in {:?}",
+            "{what}: chunks of {} values in {} into chunks of {} in {}",
             a.1, a.0, b.1, b.0
         )))
+    }
+}
+
+/// Checks that values `at..at + len` lie in a buffer of `have` values
+/// (`what`: the operation, in the error).
+pub fn check_span(have: usize, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
+    match at.checked_add(len) {
+        Some(end) if end <= have => Ok(()),
+        _ => Err(ZeroError::Invalid(format!(
+            "{what}: values {at}..{} of a buffer of {have}",
+            at.saturating_add(len)
+        ))),
     }
 }
 
@@ -572,4 +650,57 @@ pub fn swizzled_kept_composed<Q: Quantizer + ?Sized>(
     }
     q.recycle(lost);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::emulated::Emulated;
+    use crate::host::Host;
+    use zeropp_quant::{QuantFormat, Rounding};
+
+    /// The front door's refusals, the same for every backend: they are
+    /// the trait's, not each backend's.
+    fn refusals<Q: Quantizer<Values = Vec<f32>>>(q: &Q) -> Vec<String> {
+        let format = QuantFormat::int4(32).unwrap();
+        let mut out = q.chunks(format, 32, 2).unwrap();
+        let other = q.chunks(QuantFormat::int4(64).unwrap(), 32, 2).unwrap();
+        let x = vec![0.5f32; 40];
+        let mut sum = vec![0f32; 40];
+        let r = Rounding::NearestEven;
+        let errors = [
+            q.quantize_chunk(&x, 0, r, &mut out, 2),
+            q.quantize_chunk(&x, 16, r, &mut out, 1),
+            q.dequantize_accumulate(&out, 0, &mut sum, 9),
+            q.sum_requantize(&other, &[0, 5], r, &mut out, 0),
+            q.sum_requantize(&other, &[0, 1], r, &mut out, 2),
+            q.copy_chunk(&other, 0, &mut out, 1),
+        ];
+        // In range, the same calls work.
+        q.quantize_chunk(&x, 8, r, &mut out, 1).unwrap();
+        q.dequantize_accumulate(&out, 1, &mut sum, 8).unwrap();
+        assert!(sum[8..].iter().all(|v| (v - 0.5).abs() < 0.1), "{sum:?}");
+        errors
+            .into_iter()
+            .map(|e| e.unwrap_err().to_string())
+            .collect()
+    }
+
+    #[test]
+    fn chunk_calls_are_checked_once_at_the_front_door_for_every_backend() {
+        let host = refusals(&Host);
+        assert_eq!(host, refusals(&Emulated));
+        assert_eq!(
+            host,
+            [
+                "invalid call: quantizing a chunk: chunk 2 of 2 chunks",
+                "invalid call: quantizing a chunk: values 16..48 of a buffer of 40",
+                "invalid call: summing a chunk: values 9..41 of a buffer of 40",
+                "invalid call: summing chunks: chunk 5 of 2 chunks",
+                "invalid call: requantizing a sum: chunk 2 of 2 chunks",
+                "invalid call: copying a chunk: chunks of 32 values in int4-sym-b64 into chunks of 32 \
+                 in int4-sym-b32",
+            ]
+        );
+    }
 }

@@ -21,8 +21,8 @@ use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
 use crate::backend::{
-    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    check_gather_len, check_scatter_len, scale_fraction,
+    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
+    check_scatter_len, scale_fraction,
 };
 use crate::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
 use crate::error::ZeroError;
@@ -297,14 +297,13 @@ impl Quantizer for Gpu {
         Ok(self.dequantize_view(&chunk_view(q, i), &mut out.slice_mut(at..at + len))?)
     }
 
-    fn copy_chunk(
+    fn copy_chunk_unchecked(
         &self,
         src: &DeviceQuantizedChunks,
         i: usize,
         dst: &mut DeviceQuantizedChunks,
         j: usize,
     ) -> Result<(), ZeroError> {
-        check_copy_chunk(shape(src), i, shape(dst), j)?;
         let (from, mut to) = (chunk_view(src, i), chunk_view_mut(dst, j));
         Gpu::copy(self, &from.codes, &mut to.codes)?;
         Gpu::copy(self, &from.block_max, &mut to.block_max)?;
@@ -372,7 +371,7 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn quantize_chunk(
+    fn quantize_chunk_unchecked(
         &self,
         x: &DeviceValues,
         at: usize,
@@ -380,9 +379,7 @@ impl Quantizer for Gpu {
         out: &mut DeviceQuantizedChunks,
         i: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(out, i, "quantizing a chunk")?;
         let len = out.chunk_len;
-        in_range(x, at, len, "quantizing a chunk")?;
         let src = x.view();
         Ok(self.quantize_view(
             &src.slice(at..at + len),
@@ -404,15 +401,13 @@ impl Quantizer for Gpu {
         Ok(self.dequantize_view(&chunk_view(q, i), &mut dst.slice_mut(at..at + q.chunk_len))?)
     }
 
-    fn dequantize_accumulate(
+    fn dequantize_accumulate_unchecked(
         &self,
         q: &DeviceQuantizedChunks,
         i: usize,
         out: &mut DeviceValues,
         at: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(q, i, "summing a chunk")?;
-        in_range(out, at, q.chunk_len, "summing a chunk")?;
         let mut dst = out.view_mut();
         Ok(self.dequantize_accumulate_view(
             &chunk_view(q, i),
@@ -420,7 +415,7 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn sum_requantize(
+    fn sum_requantize_unchecked(
         &self,
         q: &DeviceQuantizedChunks,
         inputs: &[usize],
@@ -428,10 +423,6 @@ impl Quantizer for Gpu {
         out: &mut DeviceQuantizedChunks,
         o: usize,
     ) -> Result<(), ZeroError> {
-        for &i in inputs {
-            check_chunk(q, i, "summing chunks")?;
-        }
-        check_chunk(out, o, "requantizing a sum")?;
         let views: Vec<QuantView<'_>> = inputs.iter().map(|&i| chunk_view(q, i)).collect();
         Ok(self.sum_requantize_views(&views, rounding, &mut chunk_view_mut(out, o))?)
     }

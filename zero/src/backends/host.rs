@@ -15,8 +15,8 @@ use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
-    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_copy_chunk,
-    check_gather_len, check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
+    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
+    check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
 use crate::groups::ZeroGroups;
@@ -378,14 +378,13 @@ impl<K: HostKernels> Quantizer for K {
         Ok(())
     }
 
-    fn copy_chunk(
+    fn copy_chunk_unchecked(
         &self,
         src: &QuantizedChunks,
         i: usize,
         dst: &mut QuantizedChunks,
         j: usize,
     ) -> Result<(), ZeroError> {
-        check_copy_chunk(shape(src), i, shape(dst), j)?;
         let (from, to) = (src.chunk(i), dst.chunk_mut(j));
         to.codes.copy_from_slice(from.codes);
         to.block_max.copy_from_slice(from.block_max);
@@ -514,7 +513,7 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::quantize_swizzled(self, x, nodes, ranks_per_node, rounding, out)
     }
 
-    fn quantize_chunk(
+    fn quantize_chunk_unchecked(
         &self,
         x: &Vec<f32>,
         at: usize,
@@ -522,8 +521,7 @@ impl<K: HostKernels> Quantizer for K {
         out: &mut QuantizedChunks,
         i: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(out, i, "quantizing a chunk")?;
-        let x = span(x, at, out.chunk_len, "quantizing a chunk")?;
+        let x = &x[at..at + out.chunk_len];
         HostKernels::quantize(self, x, rounding, out.chunk_mut(i))
     }
 
@@ -537,19 +535,18 @@ impl<K: HostKernels> Quantizer for K {
         self.dequantize_tensor(q, i, &mut out.as_mut_slice(), at)
     }
 
-    fn dequantize_accumulate(
+    fn dequantize_accumulate_unchecked(
         &self,
         q: &QuantizedChunks,
         i: usize,
         out: &mut Vec<f32>,
         at: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(q, i, "summing a chunk")?;
-        let out = span_mut(out, at, q.chunk_len, "summing a chunk")?;
+        let out = &mut out[at..at + q.chunk_len];
         HostKernels::dequantize_accumulate(self, q.chunk(i), out)
     }
 
-    fn sum_requantize(
+    fn sum_requantize_unchecked(
         &self,
         q: &QuantizedChunks,
         inputs: &[usize],
@@ -557,10 +554,6 @@ impl<K: HostKernels> Quantizer for K {
         out: &mut QuantizedChunks,
         o: usize,
     ) -> Result<(), ZeroError> {
-        for &i in inputs {
-            check_chunk(q, i, "summing chunks")?;
-        }
-        check_chunk(out, o, "requantizing a sum")?;
         let views: Vec<_> = inputs.iter().map(|&i| q.chunk(i)).collect();
         HostKernels::sum_requantize(self, &views, rounding, out.chunk_mut(o))
     }

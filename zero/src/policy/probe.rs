@@ -647,13 +647,13 @@ mod tests {
 
     #[test]
     fn the_seams_find_the_slow_link_between_two_sites() {
-        // 4 nodes x 2 ranks; the link between nodes 1 and 2 at 20 MB/s.
+        // 4 nodes x 2 ranks; the link between nodes 1 and 2 at 4 MB/s.
         let (nodes, g) = (4, 2);
         let slowed = move |_, inner| -> Box<dyn zeropp_comm::Transport> {
             Box::new(Slowed {
                 inner,
                 g,
-                slow: (1, 20e6),
+                slow: (1, 4e6),
             })
         };
         let all = on_ranks(nodes, g, slowed, |c, _, l| {
@@ -666,12 +666,13 @@ mod tests {
         let s = &all[0];
         assert_eq!(s.len(), 3, "{s:?}");
         assert!(
-            s[1].bytes_per_s < 40e6 && s[1].bytes_per_s > 5e6,
+            s[1].bytes_per_s < 8e6 && s[1].bytes_per_s > 1e6,
             "the slow seam measured at {} B/s: {s:?}",
             s[1].bytes_per_s
         );
-        // The fast seams are in-memory links on a loaded machine (CI measured
-        // one at 9.7x the slowed one): what the plan needs is that the slow
+        // The fast seams are in-memory links on a loaded machine (one
+        // measured 25 MB/s while a build ran, 1.25x the 20 MB/s this test
+        // slowed its link to before): what the plan needs is that the slow
         // seam stands out clearly, not a figure for the fast ones.
         for fast in [s[0], s[2]] {
             assert!(fast.bytes_per_s > 3.0 * s[1].bytes_per_s, "{s:?}");
