@@ -33,6 +33,11 @@ fn topo_describes_this_machine_captures_it_and_names_bad_input() {
     let p: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(p["hpz_group"], 2);
     assert_eq!(p["hops"].as_array().unwrap().len(), 2);
+    // And the switches a run here resolves from it (before measuring).
+    let run = &p["run_switches"];
+    assert_eq!(run["switches"]["hpz_group"], 2, "{run}");
+    assert_eq!(run["switches"]["qgz"], true, "{run}");
+    assert!(run["why"]["hpz_group"].is_string(), "{run}");
 
     let dir = std::env::temp_dir().join(format!("zeropp-topo-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -82,6 +87,11 @@ fn topo_reads_an_nccl_dump_and_plans_from_it() {
     let text = String::from_utf8_lossy(&o.stdout);
     assert!(
         text.contains("mlx5_0") && text.contains("NCCL over RDMA"),
+        "{text}"
+    );
+    assert!(
+        text.contains("switches of `zeropp train` here")
+            && text.contains("hpZ: secondary shards over groups of 8 ranks"),
         "{text}"
     );
 

@@ -95,10 +95,14 @@ pub fn run(args: TopoArgs) -> Result<()> {
                 }) => {
                     let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
                         .map_err(anyhow::Error::msg)?;
+                    let run = run_switches(&topo, nodes, ranks_per_node)?;
                     if json {
-                        println!("{}", serde_json::to_string_pretty(&plan)?);
+                        let mut v = serde_json::to_value(&plan)?;
+                        v["run_switches"] = serde_json::to_value(&run)?;
+                        println!("{}", serde_json::to_string_pretty(&v)?);
                     } else {
                         print!("{}", plan.render());
+                        print!("{}", render_run_switches(&run));
                     }
                 }
                 _ if json => println!("{}", serde_json::to_string_pretty(&topo)?),
@@ -107,4 +111,54 @@ pub fn run(args: TopoArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The switches `zeropp train` (mode zeropp) resolves on `nodes` nodes like
+/// `topo`, `g` ranks each, from this routing plan: the run's own
+/// resolution (`zero::plan::resolve_mode`), before the links it measures
+/// at join, which may change them.
+fn run_switches(
+    topo: &zeropp_topology::Topology,
+    nodes: usize,
+    g: usize,
+) -> Result<crate::zero::plan::Resolved> {
+    let tops = vec![topo.clone(); nodes];
+    let routing = zeropp_topology::plan::cluster(&tops, g);
+    let layout = crate::zero::layout::Layout {
+        nodes,
+        ranks_per_node: g,
+        rank: 0,
+    };
+    crate::zero::plan::resolve_mode("zeropp", &Default::default(), layout, &routing, None)
+        .map_err(|e| anyhow::anyhow!("resolving the switches of a run here: {e}"))
+}
+
+/// The switches a run would use, with why where the plan chose them.
+fn render_run_switches(r: &crate::zero::plan::Resolved) -> String {
+    let s = &r.switches;
+    let mut out = String::from(
+        "switches of `zeropp train` here (mode zeropp, before the links a run measures at join, \
+         which may change them; the run prints its own):\n",
+    );
+    let weights = match (s.qwz_bits, s.qwz_delta) {
+        (Some(b), true) => format!("int{b} weight differences across nodes"),
+        (Some(b), false) => format!("int{b} weights across nodes"),
+        (None, _) => "weights unquantized".into(),
+    };
+    out += &format!("  qwZ: {weights}\n");
+    let hpz = match (s.hpz, s.hpz_group) {
+        (true, Some(h)) => format!("secondary shards over groups of {h} ranks"),
+        (true, None) => "secondary shards over the node".into(),
+        (false, _) => "off".into(),
+    };
+    out += &format!("  hpZ: {hpz}\n");
+    let qgz = match s.qgz {
+        true => format!("int{} inside the node, int4 across", s.qgz_intra_bits),
+        false => "off (plain ring)".into(),
+    };
+    out += &format!("  qgZ: {qgz}\n");
+    for (name, why) in &r.why {
+        out += &format!("  {name}: {why}\n");
+    }
+    out
 }
