@@ -228,7 +228,7 @@ impl Job {
     fn routing_json(&self) -> String {
         match &self.job.routing {
             Ok(view) => serde_json::to_string(view).unwrap_or_default(),
-            Err(e) => serde_json::json!({ "error": e }).to_string(),
+            Err(e) => serde_json::json!({ "error": e.to_string() }).to_string(),
         }
     }
 
@@ -747,7 +747,7 @@ fn resolve(
     mode: &str,
     overrides: &str,
     layout: Layout,
-    routing: &Result<zeropp_topology::plan::ClusterView, String>,
+    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
     measured: Option<&Measured>,
 ) -> PyResult<String> {
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)

@@ -127,7 +127,8 @@ fn routing_plan_json(
     let root = sysfs_root.unwrap_or_else(|| "/".into());
     let topo = zeropp_topology::detect::detect(std::path::Path::new(&root))
         .map_err(|e| invalid(format!("topology of {root}: {e}")))?;
-    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node).map_err(invalid)?;
+    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
+        .map_err(|e| invalid(e.to_string()))?;
     serde_json::to_string(&plan).map_err(|e| invalid(e.to_string()))
 }
 

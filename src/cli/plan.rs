@@ -147,7 +147,7 @@ pub fn run(a: &PlanArgs) -> Result<()> {
             a.sync_every
                 .iter()
                 .map(|&h| input.predict_islands(n, h, a.outer_fragments, a.outer_delay))
-                .collect::<std::result::Result<Vec<_>, String>>()
+                .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|e| anyhow::anyhow!("--islands: {e}"))?,
         ),
     };

@@ -446,7 +446,7 @@ mod tests {
             ranks_per_node: 2,
             rank: 0,
         };
-        let routing = Err("no routing plan in this test".to_string());
+        let routing = Err(zeropp_topology::plan::RoutingError::Unpublished);
         for (mode, overrides) in [
             ("zeropp", "{}"),
             ("zero3", "{}"),

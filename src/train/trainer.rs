@@ -640,7 +640,7 @@ fn decide_islands(
 /// What rank 0 prints about the plan before training: the routing report
 /// and the switches the plan chose, with the reasons.
 fn print_plan(
-    routing: &Result<zeropp_topology::plan::ClusterView, String>,
+    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
     resolved: &Resolved,
     measured: bool,
 ) {
@@ -972,7 +972,9 @@ impl Validator {
 
 /// What rank 0 prints about the cluster: the nodes, how they differ, and
 /// the routing plan.
-fn routing_report(routing: &Result<zeropp_topology::plan::ClusterView, String>) -> String {
+fn routing_report(
+    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
+) -> String {
     match routing {
         Ok(view) => {
             let mut s = format!(

@@ -126,17 +126,37 @@ fn nic_for(t: &Topology, local: usize) -> RankNic {
     }
 }
 
+/// Why there is no routing plan.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RoutingError {
+    #[error("{nodes} nodes x {g} ranks: nodes and ranks per node must be at least 1")]
+    Shape { nodes: usize, g: usize },
+    #[error("{ranks} ranks per node but this node has {gpus} GPUs: use at most one rank per GPU")]
+    MoreRanksThanGpus { ranks: usize, gpus: usize },
+    /// A node's first rank published no topology (it could not read its
+    /// machine's), so there is nothing to plan for.
+    #[error("not every node published its topology")]
+    Unpublished,
+    /// One node of a cluster has no plan.
+    #[error("node {node} ({host}): {why}")]
+    Node {
+        node: usize,
+        host: String,
+        why: Box<RoutingError>,
+    },
+}
+
 /// The plan for `nodes` nodes like `t`, `g` ranks each (one per GPU when
 /// there are GPUs).
-pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, String> {
+pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, RoutingError> {
     if nodes == 0 || g == 0 {
-        return Err("nodes and ranks per node must be at least 1".into());
+        return Err(RoutingError::Shape { nodes, g });
     }
     if !t.gpus.is_empty() && g > t.gpus.len() {
-        return Err(format!(
-            "{g} ranks per node but this node has {} GPUs: use at most one rank per GPU",
-            t.gpus.len()
-        ));
+        return Err(RoutingError::MoreRanksThanGpus {
+            ranks: g,
+            gpus: t.gpus.len(),
+        });
     }
     let gpus = !t.gpus.is_empty();
     let island = if gpus { nvlink_island(t, g) } else { 1 };
@@ -383,16 +403,20 @@ fn shape(t: &Topology) -> String {
 /// Merges the nodes' facts into one view and plans for the weakest node:
 /// a plan must hold on every node, so when nodes differ, the one whose hop
 /// across (then inside) is slowest decides, and the differences are listed.
-pub fn cluster(nodes: &[Topology], ranks_per_node: usize) -> Result<ClusterView, String> {
+pub fn cluster(nodes: &[Topology], ranks_per_node: usize) -> Result<ClusterView, RoutingError> {
     if nodes.is_empty() {
-        return Err("no node published its topology".into());
+        return Err(RoutingError::Unpublished);
     }
     let n = nodes.len();
     let plans = nodes
         .iter()
         .enumerate()
         .map(|(i, t)| {
-            plan(t, n, ranks_per_node).map_err(|e| format!("node {i} ({}): {e}", t.hostname))
+            plan(t, n, ranks_per_node).map_err(|e| RoutingError::Node {
+                node: i,
+                host: t.hostname.clone(),
+                why: Box::new(e),
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let shapes: Vec<String> = nodes.iter().map(shape).collect();

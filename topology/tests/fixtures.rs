@@ -7,6 +7,7 @@
 use std::path::{Path, PathBuf};
 
 use zeropp_topology::detect::detect;
+use zeropp_topology::plan::RoutingError;
 use zeropp_topology::{LinkKind, NicKind, PciePath, Topology, smi};
 
 struct Tree {
@@ -469,11 +470,9 @@ fn plan_for_hgx_nodes_uses_the_numa_closest_ndr_nic_per_gpu() {
     assert!(env["UCX_NET_DEVICES"].starts_with("mlx5_0:1,mlx5_1:1"));
     assert!(p.render().contains("hpZ group: 8 ranks"));
     // More ranks than GPUs is refused.
-    assert!(
-        plan(&t.detect(), 2, 9)
-            .unwrap_err()
-            .contains("one rank per GPU")
-    );
+    let e = plan(&t.detect(), 2, 9).unwrap_err();
+    assert_eq!(e, RoutingError::MoreRanksThanGpus { ranks: 9, gpus: 8 });
+    assert!(e.to_string().contains("one rank per GPU"), "{e}");
 }
 
 #[test]
@@ -799,5 +798,6 @@ fn a_cluster_of_unlike_nodes_is_planned_for_the_weakest() {
     );
     // A node with fewer GPUs than ranks cannot be planned: named.
     let e = cluster(&[a.detect(), b.detect()], 9).unwrap_err();
-    assert!(e.starts_with("node 0 (hgx-01)"), "{e}");
+    assert!(e.to_string().starts_with("node 0 (hgx-01)"), "{e}");
+    assert!(matches!(e, RoutingError::Node { node: 0, .. }), "{e:?}");
 }

@@ -299,6 +299,31 @@ impl PlanInput {
     }
 }
 
+/// Why islands cannot be predicted or chosen: what to give instead.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum IslandsError {
+    #[error(
+        "{islands} islands of {nodes} nodes syncing every {h} steps in {fragments} fragments: the \
+         islands (2 or more) divide the nodes, H and the fragments are at least 1"
+    )]
+    Shape {
+        islands: usize,
+        nodes: usize,
+        h: usize,
+        fragments: usize,
+    },
+    #[error(
+        "{given} link rates between consecutive nodes for {nodes} nodes: give nodes − 1 positive \
+         rates"
+    )]
+    Seams { given: usize, nodes: usize },
+    #[error(
+        "islands syncing every {h} steps in {fragments} fragments: H and the fragments are at \
+         least 1"
+    )]
+    Schedule { h: usize, fragments: usize },
+}
+
 /// What islands (`zeropp train --islands N --sync-every H`) would do: the
 /// inner step of one island (the fastest configuration on its own nodes),
 /// one outer exchange of the whole model across the islands, and the step
@@ -338,13 +363,14 @@ impl PlanInput {
         h: usize,
         fragments: usize,
         delay: usize,
-    ) -> Result<IslandsPrediction, String> {
+    ) -> Result<IslandsPrediction, IslandsError> {
         if islands < 2 || !self.nodes.is_multiple_of(islands) || h == 0 || fragments == 0 {
-            return Err(format!(
-                "{islands} islands of {} nodes syncing every {h} steps in {fragments} fragments: \
-                 the islands (2 or more) divide the nodes, H and the fragments are at least 1",
-                self.nodes
-            ));
+            return Err(IslandsError::Shape {
+                islands,
+                nodes: self.nodes,
+                h,
+                fragments,
+            });
         }
         let (best, exchange, per_node, step) =
             self.islands_step(islands, self.nic_gbit, self.nic_gbit, (h, fragments, delay));
@@ -433,21 +459,16 @@ impl PlanInput {
         h: usize,
         fragments: usize,
         delay: usize,
-    ) -> Result<IslandsChoice, String> {
+    ) -> Result<IslandsChoice, IslandsError> {
         if seams_gbit.len() + 1 != self.nodes || seams_gbit.iter().any(|s| s.is_nan() || *s <= 0.0)
         {
-            return Err(format!(
-                "{} link rates between consecutive nodes for {} nodes: give nodes − 1 positive \
-                 rates",
-                seams_gbit.len(),
-                self.nodes
-            ));
+            return Err(IslandsError::Seams {
+                given: seams_gbit.len(),
+                nodes: self.nodes,
+            });
         }
         if h == 0 || fragments == 0 {
-            return Err(format!(
-                "islands syncing every {h} steps in {fragments} fragments: H and the fragments \
-                 are at least 1"
-            ));
+            return Err(IslandsError::Schedule { h, fragments });
         }
         // The slowest of the seams `keep` picks (infinite where none).
         let slowest = |keep: &dyn Fn(usize) -> bool| {
@@ -793,10 +814,15 @@ mod tests {
             &[1.0, f64::NAN, 1.0],
         ] {
             let e = gpt(4).choose_islands(seams, 20, 1, 0).unwrap_err();
-            assert!(e.contains("nodes − 1 positive rates"), "{seams:?}: {e}");
+            assert!(matches!(e, IslandsError::Seams { nodes: 4, .. }), "{e:?}");
+            assert!(
+                e.to_string().contains("nodes − 1 positive rates"),
+                "{seams:?}: {e}"
+            );
         }
         let e = gpt(2).choose_islands(&[1.0], 0, 1, 0).unwrap_err();
-        assert!(e.contains("at least 1"), "{e}");
+        assert_eq!(e, IslandsError::Schedule { h: 0, fragments: 1 });
+        assert!(e.to_string().contains("at least 1"), "{e}");
         // One node, or steps that are no finite time: one job, no panic.
         assert_eq!(gpt(1).choose_islands(&[], 20, 1, 0).unwrap().islands, 1);
         let endless = PlanInput {

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use zeropp_comm::exchange::Peer;
 use zeropp_comm::{Communicator, Transport};
-use zeropp_topology::plan::ClusterView;
+use zeropp_topology::plan::{ClusterView, RoutingError};
 
 use crate::groups::ZeroGroups;
 use crate::layout::Layout;
@@ -34,7 +34,7 @@ pub fn facts_to_publish() -> serde_json::Value {
 /// The cluster view and routing plan (for the weakest node, as `zeropp topo
 /// plan` for a whole job) from the topology each node's first rank
 /// published (`peers` in rank order), or why there is none.
-pub fn routing(peers: &[Peer], layout: Layout) -> Result<ClusterView, String> {
+pub fn routing(peers: &[Peer], layout: Layout) -> Result<ClusterView, RoutingError> {
     let g = layout.ranks_per_node;
     let tops: Option<Vec<zeropp_topology::Topology>> = (0..layout.nodes)
         .map(|n| {
@@ -42,8 +42,7 @@ pub fn routing(peers: &[Peer], layout: Layout) -> Result<ClusterView, String> {
             serde_json::from_value(p.facts.get("topology")?.clone()).ok()
         })
         .collect();
-    let tops = tops.ok_or("not every node published its topology")?;
-    zeropp_topology::plan::cluster(&tops, g)
+    zeropp_topology::plan::cluster(&tops.ok_or(RoutingError::Unpublished)?, g)
 }
 
 /// Whether the job's links are measured at join: more than one rank, the
@@ -66,7 +65,7 @@ pub struct Joined {
     /// The transport, counted (the probe's traffic included, as `other`).
     pub counter: Arc<CountingTransport>,
     pub groups: ZeroGroups,
-    pub routing: Result<ClusterView, String>,
+    pub routing: Result<ClusterView, RoutingError>,
     /// [`measurable`] for this job.
     pub measurable: bool,
     /// The deadline of every wait.
@@ -190,6 +189,7 @@ mod tests {
             .map(|r| peer(r, "a", (r == 0).then(|| t.clone())))
             .collect();
         let e = routing(&missing, layout(2, 2)).unwrap_err();
-        assert!(e.contains("not every node published"), "{e}");
+        assert_eq!(e, RoutingError::Unpublished);
+        assert!(e.to_string().contains("not every node published"), "{e}");
     }
 }

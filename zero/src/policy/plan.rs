@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
-use zeropp_topology::plan::ClusterView;
+use zeropp_topology::plan::{ClusterView, RoutingError};
 
 use crate::error::ZeroError;
 use crate::layout::{Layout, LayoutError};
@@ -230,7 +230,7 @@ pub fn resolve(
     mut s: Switches,
     asked: &[&str],
     layout: Layout,
-    routing: &Result<ClusterView, String>,
+    routing: &Result<ClusterView, RoutingError>,
     measured: Option<&Measured>,
 ) -> Result<Resolved, PlanError> {
     let mut why = BTreeMap::new();
@@ -284,7 +284,7 @@ pub fn resolve_mode(
     mode: &str,
     overrides: &serde_json::Map<String, serde_json::Value>,
     layout: Layout,
-    routing: &Result<ClusterView, String>,
+    routing: &Result<ClusterView, RoutingError>,
     measured: Option<&Measured>,
 ) -> Result<Resolved, PlanError> {
     let block = 256;
@@ -756,7 +756,7 @@ mod tests {
     }
 
     /// The routing plan of two GPU-less hosts of 4 ranks.
-    fn routing() -> Result<ClusterView, String> {
+    fn routing() -> Result<ClusterView, RoutingError> {
         let host = |h: &str| Topology {
             hostname: h.into(),
             numa_nodes: vec![],
@@ -1081,7 +1081,7 @@ mod tests {
             (Some(2), 4)
         );
         assert_eq!(r.why["hpz_group"], "asked");
-        let none = Err("no facts".to_string());
+        let none = Err(RoutingError::Unpublished);
         let r = resolve(Switches::zeropp(256), &[], layout(), &none, None).unwrap();
         assert_eq!(
             (r.switches.hpz_group, r.switches.qgz_intra_bits),

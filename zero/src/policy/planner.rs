@@ -17,34 +17,49 @@ pub struct FromRun {
     pub measured_step_s: Option<f64>,
 }
 
+/// Why a run's summary gives no plan: what is missing or malformed, and
+/// what to give instead.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("the summary has no {0:?}: give the JSON `zeropp train --summary-json` writes")]
+    Missing(String),
+    #[error(
+        "the summary has no \"measured\" links: the run measured nothing at join (logical \
+         nodes, one rank, or ZEROPP_PROBE=0); run on the real hosts, or give --nic-gbit and \
+         --intra-gbps"
+    )]
+    NotMeasured,
+    #[error("the summary's {field:?} is not what zeropp writes: {source}")]
+    Malformed {
+        field: &'static str,
+        source: serde_json::Error,
+    },
+    #[error("the summary's {0:?} is not a positive number")]
+    NotPositive(String),
+}
+
 /// Reads a run summary into the plan of that run (`base` gives what the
 /// summary does not: compute, units, overlap). Errors say what is missing.
-pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun, String> {
+pub fn from_run(summary: &serde_json::Value, base: &PlanInput) -> Result<FromRun, RunError> {
     use crate::measured::Measured;
     use crate::plan::Switches;
     let field = |k: &str| {
-        summary.get(k).filter(|v| !v.is_null()).ok_or_else(|| {
-            format!("the summary has no {k:?}: give the JSON `zeropp train --summary-json` writes")
-        })
+        summary
+            .get(k)
+            .filter(|v| !v.is_null())
+            .ok_or_else(|| RunError::Missing(k.to_string()))
     };
-    let measured: Measured = serde_json::from_value(
-        field("measured")
-            .map_err(|_| {
-                "the summary has no \"measured\" links: the run measured nothing at join (logical \
-         nodes, one rank, or ZEROPP_PROBE=0); run on the real hosts, or give --nic-gbit and \
-         --intra-gbps"
-                    .to_string()
-            })?
-            .clone(),
-    )
-    .map_err(|e| format!("the summary's \"measured\" is not what zeropp writes: {e}"))?;
-    let switches: Switches = serde_json::from_value(field("switches")?.clone())
-        .map_err(|e| format!("the summary's \"switches\" are not zeropp's: {e}"))?;
+    let malformed = |field| move |source| RunError::Malformed { field, source };
+    let measured = field("measured").map_err(|_| RunError::NotMeasured)?;
+    let measured: Measured =
+        serde_json::from_value(measured.clone()).map_err(malformed("measured"))?;
+    let switches: Switches =
+        serde_json::from_value(field("switches")?.clone()).map_err(malformed("switches"))?;
     let count = |k: &str| {
         field(k)?
             .as_f64()
             .filter(|v| *v >= 1.0)
-            .ok_or_else(|| format!("the summary's {k:?} is not a positive number"))
+            .ok_or_else(|| RunError::NotPositive(k.to_string()))
     };
     let (world, nodes, params) = (count("world_size")?, count("nodes")?, count("params")?);
     let g = (world / nodes).round().max(1.0) as usize;
@@ -196,10 +211,11 @@ mod tests {
         let mut no_links = run_summary();
         no_links["measured"] = serde_json::Value::Null;
         let e = from_run(&no_links, &base).unwrap_err();
-        assert!(e.contains("measured nothing at join"), "{e}");
+        assert!(matches!(e, RunError::NotMeasured), "{e:?}");
+        assert!(e.to_string().contains("measured nothing at join"), "{e}");
         let mut no_world = run_summary();
         no_world.as_object_mut().unwrap().remove("world_size");
         let e = from_run(&no_world, &base).unwrap_err();
-        assert!(e.contains("\"world_size\""), "{e}");
+        assert!(e.to_string().contains("\"world_size\""), "{e}");
     }
 }
