@@ -386,6 +386,9 @@ pub fn time_routes(
     })
 }
 
+/// One timing of each route on `values` bf16 values (a unit's gather and
+/// its gradient's reduce-scatter): the plain gather, qwZ's, the plain
+/// reduce-scatter and qgZ's, in seconds.
 fn route_times(
     c: &Communicator,
     counter: &CountingTransport,
@@ -394,9 +397,10 @@ fn route_times(
     s: &crate::plan::Switches,
     values: usize,
 ) -> Result<[f64; 4], ZeroError> {
+    use crate::Hop;
+    use crate::fsdp::{self, Gather, Scatter};
     use crate::host::{Host, HostMover};
-    use crate::qgz::{self, Feedback, Qgz, Reduction};
-    use crate::qwz;
+    use crate::qgz::{Feedback, Qgz, Reduction};
     use crate::traffic::Phase;
     use half::bf16;
 
@@ -404,73 +408,66 @@ fn route_times(
     let shard: Vec<bf16> = (0..values / w)
         .map(|i| bf16::from_f32(((i as f32) * 0.618).sin() * 0.02))
         .collect();
-    let mut out = vec![bf16::ZERO; values];
+    let grad: Vec<bf16> = (0..values)
+        .map(|i| bf16::from_f32(((i as f32) * 0.377).cos() * 1e-3))
+        .collect();
+    let (mut gathered, mut reduced) = (vec![bf16::ZERO; values], vec![bf16::ZERO; values / w]);
     let mover = HostMover {
         comm: c,
         counter,
         groups: groups.clone(),
     };
-    let bytes = |x: &[bf16]| Bytes::copy_from_slice(bytemuck::cast_slice(x));
     // Each route starts with every rank ready (no rank's late start is
-    // counted against it).
+    // counted against it), and is FSDP2's call as zeropp runs it
+    // (`zero::fsdp`, bf16 tensors): what the plan chooses between.
     let ready = || c.barrier(&groups.world);
-    // Plain gather: one ring over the world, into the output.
-    ready()?;
-    let t = Instant::now();
-    let parts = c.all_gather_v(&groups.world, bytes(&shard))?;
-    let o: &mut [u8] = bytemuck::cast_slice_mut(&mut out);
-    for (i, p) in parts.iter().enumerate() {
-        o[i * p.len()..(i + 1) * p.len()].copy_from_slice(p);
-    }
-    let gather_plain = t.elapsed().as_secs_f64();
-    // qwZ.
+    let mut gather = |how: Gather| -> Result<f64, ZeroError> {
+        ready()?;
+        let t = Instant::now();
+        let (x, mut o) = (&shard[..], &mut gathered[..]);
+        fsdp::all_gather(
+            &Host,
+            &mover,
+            layout,
+            Hop::World,
+            how,
+            Phase::Other,
+            None,
+            &x,
+            &mut o,
+        )?;
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let gather_plain = gather(Gather::Plain)?;
     let format = crate::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block)?;
-    ready()?;
-    let t = Instant::now();
-    let all = qwz::gather_quantized(
-        &Host,
-        &mover,
-        layout,
-        &shard.as_slice(),
-        format,
-        Phase::Other,
-    )?;
-    qwz::dequantize_all(
-        &Host,
-        &all,
-        |r| qwz::gathered_position(layout, r),
-        &mut out.as_mut_slice(),
-    )?;
-    let gather_qwz = t.elapsed().as_secs_f64();
-    // Plain reduce-scatter: the bf16 ring.
-    let grad: Vec<bf16> = (0..values)
-        .map(|i| bf16::from_f32(((i as f32) * 0.377).cos() * 1e-3))
-        .collect();
-    ready()?;
-    let t = Instant::now();
-    let mine = crate::host::ring_bf16(c, &groups.world, bytes(&grad))?;
-    let mut sum = vec![0f32; mine.len() / 2];
-    crate::payload::decode_bf16(&mine, &mut sum)?;
-    let reduce_plain = t.elapsed().as_secs_f64();
-    // qgZ, from f32 as the bindings give it.
+    let gather_qwz = gather(Gather::Quantized(format))?;
     let (intra, inter) =
         crate::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
-    ready()?;
-    let t = Instant::now();
-    let g32: Vec<f32> = grad.iter().map(|v| v.to_f32()).collect();
-    let settings = Qgz {
+    let qgz = Qgz {
         intra,
         inter,
         rounding: Rounding::NearestEven,
         hadamard: s.qgz_hadamard,
     };
-    let none = Feedback {
-        first: None,
-        second: None,
+    let mut reduce = |quantized: bool| -> Result<f64, ZeroError> {
+        let how = match quantized {
+            false => Scatter::Plain,
+            true => Scatter::Qgz(
+                qgz,
+                Feedback {
+                    first: None,
+                    second: None,
+                },
+            ),
+        };
+        ready()?;
+        let t = Instant::now();
+        let (x, mut o) = (&grad[..], &mut reduced[..]);
+        fsdp::reduce_scatter(&Host, &mover, layout, how, Reduction::Mean, &x, &mut o)?;
+        Ok(t.elapsed().as_secs_f64())
     };
-    let mean = (settings, Reduction::Mean);
-    qgz::reduce_scatter(&Host, &mover, layout, mean, &g32, none)?;
-    let reduce_qgz = t.elapsed().as_secs_f64();
+    let reduce_plain = reduce(false)?;
+    let reduce_qgz = reduce(true)?;
     Ok([gather_plain, gather_qwz, reduce_plain, reduce_qgz])
 }
 
