@@ -11,9 +11,10 @@ pub enum EngineError {
     /// The model's own check failed.
     #[error("invalid model: {0}")]
     Model(String),
-    /// The switches cannot run on this layout.
+    /// The islands' settings cannot run (or a rejoin asked of a job that
+    /// cannot take it).
     #[error("invalid switches: {0}")]
-    Switches(String),
+    Islands(#[from] IslandsError),
     /// The switches or the job's shape make no plan (the switch at fault
     /// is in the error).
     #[error("invalid switches: {0}")]
@@ -72,6 +73,27 @@ impl EngineError {
             _ => false,
         }
     }
+}
+
+/// Why the islands' settings cannot run.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum IslandsError {
+    #[error("islands that sync every 0 steps: sync_every must be at least 1")]
+    SyncEveryZero,
+    #[error("0 fragments: the model is at least one fragment (1: no streaming)")]
+    NoFragments,
+    #[error(
+        "an outer delay of {delay} steps with a sync every {sync_every}: an exchange must land \
+         before its fragment's next one starts (delay below sync_every)"
+    )]
+    DelayTooLong { delay: usize, sync_every: usize },
+    #[error("only a job of islands can be rejoined (ZEROPP_REJOIN is set)")]
+    NotIslands,
+    #[error(
+        "a restarted island rejoins only islands with --outer-delay 0; resume the whole job from \
+         its last checkpoint instead"
+    )]
+    RejoinWithDelay,
 }
 
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

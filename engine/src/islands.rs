@@ -22,7 +22,7 @@ use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
 use zeropp_zero::{Hop, ZeroError, ZeroGroups};
 
-use crate::{Engine, EngineError, Result, UnitLayout, UnitShard};
+use crate::{Engine, EngineError, IslandsError, Result, UnitLayout, UnitShard};
 
 /// How a job runs as islands.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -51,19 +51,18 @@ pub struct IslandConfig {
 
 impl IslandConfig {
     /// Settings that cannot run, said with what to set.
-    pub fn check(&self) -> std::result::Result<(), String> {
+    pub fn check(&self) -> std::result::Result<(), IslandsError> {
         if self.sync_every == 0 {
-            return Err("islands that sync every 0 steps: sync_every must be at least 1".into());
+            return Err(IslandsError::SyncEveryZero);
         }
         if self.fragments == 0 {
-            return Err("0 fragments: the model is at least one fragment (1: no streaming)".into());
+            return Err(IslandsError::NoFragments);
         }
         if self.delay >= self.sync_every {
-            return Err(format!(
-                "an outer delay of {} steps with a sync every {}: an exchange must land before \
-                 its fragment's next one starts (delay below sync_every)",
-                self.delay, self.sync_every
-            ));
+            return Err(IslandsError::DelayTooLong {
+                delay: self.delay,
+                sync_every: self.sync_every,
+            });
         }
         Ok(())
     }
@@ -471,7 +470,8 @@ impl Engine {
             origin,
             ..run.cfg
         };
-        cfg.check().map_err(EngineError::Checkpoint)?;
+        cfg.check()
+            .map_err(|e| EngineError::Checkpoint(e.to_string()))?;
         run.cfg = cfg;
         run.chosen = Some((
             sync_every,
@@ -596,16 +596,10 @@ impl Engine {
     /// every H steps), and loads it. Returns the step it resumes after.
     pub fn rejoin(&mut self) -> Result<usize> {
         let Some(run) = self.islands.as_ref() else {
-            return Err(EngineError::Switches(
-                "only a job of islands can be rejoined (ZEROPP_REJOIN is set)".into(),
-            ));
+            return Err(IslandsError::NotIslands.into());
         };
         if run.cfg.delay > 0 {
-            return Err(EngineError::Switches(
-                "a restarted island rejoins only islands with --outer-delay 0; resume the whole \
-                 job from its last checkpoint instead"
-                    .into(),
-            ));
+            return Err(IslandsError::RejoinWithDelay.into());
         }
         let (count, island) = (run.cfg.count, run.island);
         let size = self.plan.layout.world();

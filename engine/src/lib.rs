@@ -20,7 +20,7 @@ use bytes::Bytes;
 use candle_core::{Device, Tensor};
 use zeropp_quant::QuantizedChunks;
 
-pub use error::{EngineError, Result};
+pub use error::{EngineError, IslandsError, Result};
 use islands::IslandRun;
 pub use islands::{IslandConfig, LostIsland};
 use model::tensors_from_owned;
@@ -350,7 +350,7 @@ impl Engine {
             .collect::<Vec<_>>();
         let islands = match cfg.islands {
             Some(c) if c.count > 1 => {
-                c.check().map_err(EngineError::Switches)?;
+                c.check()?;
                 // Another island's death takes it out of the outer sync;
                 // only this island's breaks this rank's collectives.
                 let first = island * layout.world();

@@ -731,13 +731,18 @@ fn island_settings_that_cannot_run_are_refused_with_what_to_set() {
         fragments: 1,
         delay: 4,
     };
-    assert!(c.check().unwrap_err().contains("delay below sync_every"));
+    assert!(
+        c.check()
+            .unwrap_err()
+            .to_string()
+            .contains("delay below sync_every")
+    );
     let c = IslandConfig {
         delay: 0,
         sync_every: 0,
         ..c
     };
-    assert!(c.check().unwrap_err().contains("at least 1"));
+    assert!(c.check().unwrap_err().to_string().contains("at least 1"));
 }
 
 /// Buffers of 1 KiB or more the communication thread of rank 0 allocated
