@@ -573,28 +573,25 @@ impl<D: Device> DeviceJob<D> {
         c: DeviceGather<'_, KeptOf<D>>,
     ) -> Result<(), ZeroError> {
         let (rank, counter) = (self.layout.rank, &*self.counter);
-        self.on_side(|side| {
+        let call = |device: &D, dims: &[Comms<D::Comm>]| {
+            let (comms, hop, group) = find(dims, c.ranks)?;
+            let layout = comms.layout;
+            let hpz = match hop {
+                Hop::World => (&comms.node, &comms.ranks[1][..]),
+                // A sub-group's gather runs over it as hpZ's group.
+                _ => (group, c.ranks),
+            };
+            let m = device.mover(comms, rank, counter, hpz);
+            let size = m.size(hop);
+            let (q, how, phase, slot) = (device.kernels(), c.how, c.phase, c.slot);
+            let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                fsdp::all_gather(q, &m, layout, hop, how, phase, slot, x, o)
+            };
             // SAFETY: the caller's promise.
-            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
-            let result = (|| {
-                let (comms, hop, group) = find(dims, c.ranks)?;
-                let layout = comms.layout;
-                let hpz = match hop {
-                    Hop::World => (&comms.node, &comms.ranks[1][..]),
-                    // A sub-group's gather runs over it as hpZ's group.
-                    _ => (group, c.ranks),
-                };
-                let m = device.mover(comms, rank, counter, hpz);
-                let size = m.size(hop);
-                let (q, how, phase, slot) = (device.kernels(), c.how, c.phase, c.slot);
-                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
-                    fsdp::all_gather(q, &m, layout, hop, how, phase, slot, x, o)
-                };
-                // SAFETY: the caller's promise.
-                unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel * size), run) }
-            })();
-            result.map_err(|e| self.failed(Some(dims), e))
-        })
+            unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel * size), run) }
+        };
+        // SAFETY: the caller's promise.
+        unsafe { self.on_device(c.stream, call) }
     }
 
     /// FSDP2's reduce-scatter over the world on the device:
@@ -616,27 +613,24 @@ impl<D: Device> DeviceJob<D> {
                 c.numel
             )));
         }
-        self.on_side(|side| {
+        let call = |device: &D, dims: &[Comms<D::Comm>]| {
+            let comms = whole_dim(dims, c.ranks, "a reduce-scatter")?;
+            let layout = comms.layout;
+            let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
+            let q = device.kernels();
+            let how = match c.qgz {
+                Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(q, keeps)?),
+                None => Scatter::Plain,
+            };
+            let reduction = c.reduction;
+            let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                fsdp::reduce_scatter(q, &m, layout, how, reduction, x, o)
+            };
             // SAFETY: the caller's promise.
-            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
-            let result = (|| {
-                let comms = whole_dim(dims, c.ranks, "a reduce-scatter")?;
-                let layout = comms.layout;
-                let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
-                let q = device.kernels();
-                let how = match c.qgz {
-                    Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(q, keeps)?),
-                    None => Scatter::Plain,
-                };
-                let reduction = c.reduction;
-                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
-                    fsdp::reduce_scatter(q, &m, layout, how, reduction, x, o)
-                };
-                // SAFETY: the caller's promise.
-                unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel / w), run) }
-            })();
-            result.map_err(|e| self.failed(Some(dims), e))
-        })
+            unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel / w), run) }
+        };
+        // SAFETY: the caller's promise.
+        unsafe { self.on_device(c.stream, call) }
     }
 
     /// HSDP's all-reduce across a mesh dimension (its replicate one) on
@@ -653,28 +647,25 @@ impl<D: Device> DeviceJob<D> {
         c: DeviceAllReduce<'_, ChunksOf<D>>,
     ) -> Result<(), ZeroError> {
         let (rank, counter) = (self.layout.rank, &*self.counter);
-        self.on_side(|side| {
+        let call = |device: &D, dims: &[Comms<D::Comm>]| {
+            let comms = whole_dim(dims, c.ranks, "an all-reduce")?;
+            let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
+            let q = device.kernels();
+            let (s, keeps, fb) = c.quantized;
+            let f = fb.feedback(q, (keeps, keeps))?;
+            let feedback = allreduce::ReplicaFeedback {
+                sent: f.first,
+                owned: f.second,
+            };
+            let hop = (Hop::World, Phase::Replicate);
+            let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
+                allreduce::all_reduce(q, &m, hop, s, c.reduction, feedback, x, o)
+            };
             // SAFETY: the caller's promise.
-            let (device, dims) = unsafe { side.on_stream(c.stream) }?;
-            let result = (|| {
-                let comms = whole_dim(dims, c.ranks, "an all-reduce")?;
-                let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
-                let q = device.kernels();
-                let (s, keeps, fb) = c.quantized;
-                let f = fb.feedback(q, (keeps, keeps))?;
-                let feedback = allreduce::ReplicaFeedback {
-                    sent: f.first,
-                    owned: f.second,
-                };
-                let hop = (Hop::World, Phase::Replicate);
-                let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
-                    allreduce::all_reduce(q, &m, hop, s, c.reduction, feedback, x, o)
-                };
-                // SAFETY: the caller's promise.
-                unsafe { device.with_tensors((c.buf, c.numel), (c.buf, c.numel), run) }
-            })();
-            result.map_err(|e| self.failed(Some(dims), e))
-        })
+            unsafe { device.with_tensors((c.buf, c.numel), (c.buf, c.numel), run) }
+        };
+        // SAFETY: the caller's promise.
+        unsafe { self.on_device(c.stream, call) }
     }
 
     /// Launches `call` (one of this job's collectives on the caller's
@@ -717,6 +708,25 @@ impl<D: Device> DeviceJob<D> {
             .lock()
             .map_err(|_| ZeroError::Poisoned("state of this device job"))?;
         f(&mut side)
+    }
+
+    /// `call` on the device and every dimension's communicators, all on
+    /// the caller's `stream`; its failure ends the job as
+    /// [`DeviceJob::failed`] says (communicators aborted where a peer is
+    /// at fault).
+    ///
+    /// # Safety
+    /// As [`Device::use_stream`].
+    unsafe fn on_device<R>(
+        &self,
+        stream: usize,
+        call: impl FnOnce(&D, &[Comms<D::Comm>]) -> Result<R, ZeroError>,
+    ) -> Result<R, ZeroError> {
+        self.on_side(|side| {
+            // SAFETY: the caller's promise.
+            let (device, dims) = unsafe { side.on_stream(stream) }?;
+            call(device, dims).map_err(|e| self.failed(Some(dims), e))
+        })
     }
 
     /// The failure that ended this job, if one did.
