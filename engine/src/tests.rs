@@ -817,6 +817,13 @@ fn after_the_first_steps_gathers_and_reduce_scatters_allocate_no_buffer() {
         ("zero3", Switches::zero3(256)),
         ("published", Switches::zeropp_published(256)),
         ("default", Switches::zeropp(256)),
+        (
+            "bf16 references",
+            Switches {
+                qwz_bf16_references: true,
+                ..Switches::zeropp(256)
+            },
+        ),
     ] {
         let (per_step, outputs) = comm_thread_buffers(switches, 14);
         assert!(

@@ -143,6 +143,17 @@ pub trait Quantizer {
         j: usize,
     ) -> Result<(), ZeroError>;
 
+    /// `x` rounded to bf16 (nearest even), kept in f32, as storing it in
+    /// bf16 [`Quantizer::Kept`] values and loading them back gives. By
+    /// default through such kept values; the host rounds in place through
+    /// a reused buffer.
+    fn round_bf16(&self, x: &mut Self::Values) -> Result<(), ZeroError> {
+        let len = self.len(x);
+        let mut kept = self.kept(len, true)?;
+        self.store_kept(x, 0, &mut kept, 0, len)?;
+        self.load_kept(&kept, 0, x, 0, len)
+    }
+
     /// Values in a buffer.
     fn len(&self, x: &Self::Values) -> usize;
 
@@ -684,6 +695,46 @@ mod tests {
             .into_iter()
             .map(|e| e.unwrap_err().to_string())
             .collect()
+    }
+
+    /// `round_bf16` as the default does it: through bf16 kept values.
+    fn through_kept<Q: Quantizer<Values = Vec<f32>>>(q: &Q, x: &[f32]) -> Vec<u32> {
+        let mut kept = q.kept(x.len(), true).unwrap();
+        let mut out = x.to_vec();
+        q.store_kept(&out, 0, &mut kept, 0, x.len()).unwrap();
+        q.load_kept(&kept, 0, &mut out, 0, x.len()).unwrap();
+        out.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn rounding_to_bf16_in_place_is_what_bf16_kept_values_give() {
+        // Ties, subnormals, infinities, the largest finite values and a
+        // long run (the pooled buffer), on both host backends.
+        let mut x: Vec<f32> = vec![
+            1.0 + f32::EPSILON * 64.0,
+            -3.00390625,
+            1e-40,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::MAX,
+            -0.0,
+        ];
+        x.extend((0..5000).map(|i| ((i as f32) * 0.731).sin() * 1e3));
+        for rounded in [
+            {
+                let mut y = x.clone();
+                Host.round_bf16(&mut y).unwrap();
+                y
+            },
+            {
+                let mut y = x.clone();
+                Emulated.round_bf16(&mut y).unwrap();
+                y
+            },
+        ] {
+            let bits: Vec<u32> = rounded.iter().map(|v| v.to_bits()).collect();
+            assert_eq!(bits, through_kept(&Host, &x));
+        }
     }
 
     #[test]

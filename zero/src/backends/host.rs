@@ -349,6 +349,14 @@ impl<K: HostKernels> Quantizer for K {
         x.len()
     }
 
+    fn round_bf16(&self, x: &mut Vec<f32>) -> Result<(), ZeroError> {
+        let mut halves: Vec<u16> = scratch::take_for_overwrite(x.len());
+        let h: &mut [half::bf16] = bytemuck::cast_slice_mut(&mut halves);
+        let rounded = HostKernels::narrow(self, x, h).and_then(|()| HostKernels::widen(self, h, x));
+        scratch::give(halves);
+        rounded
+    }
+
     fn tensor_len<T: GpuElement>(&self, x: &&[T]) -> usize {
         x.len()
     }

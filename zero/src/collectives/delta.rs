@@ -220,7 +220,10 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q.load_tensor(shard, &mut loaded, 0)?;
     let check = kept.is_some() && !frozen.is_empty();
     let rounded = if !wire.fp32 && (bf16 || check) {
-        Some(rounded_to_bf16(q, &loaded)?)
+        let mut rounded = q.values_for_overwrite(chunk)?;
+        q.copy(&loaded, 0, &mut rounded, 0, chunk)?;
+        q.round_bf16(&mut rounded)?;
+        Some(rounded)
     } else {
         None
     };
@@ -412,15 +415,6 @@ fn store_ranges<Q: Quantizer>(
         at += t.len();
     }
     Ok(())
-}
-
-/// `x` rounded to bf16 (nearest even), in f32.
-fn rounded_to_bf16<Q: Quantizer>(q: &Q, x: &Q::Values) -> Result<Q::Values, ZeroError> {
-    let len = q.len(x);
-    let (mut bf16, mut out) = (q.kept(len, true)?, q.values(len)?);
-    q.store_kept(x, 0, &mut bf16, 0, len)?;
-    q.load_kept(&bf16, 0, &mut out, 0, len)?;
-    Ok(out)
 }
 
 /// Inside the node: every local rank's references (N shards), local rank
