@@ -712,7 +712,8 @@ mod tests {
         // long run (the pooled buffer), on both host backends.
         let mut x: Vec<f32> = vec![
             1.0 + f32::EPSILON * 64.0,
-            -3.00390625,
+            f32::from_bits(0x4040_8000),
+            f32::from_bits(0xC041_8000),
             1e-40,
             f32::INFINITY,
             f32::NEG_INFINITY,
