@@ -175,8 +175,23 @@ pub trait Quantizer {
     /// `(format, chunk_len, count)` of a chunked buffer.
     fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
 
-    /// `y[at_y..at_y + len]` into `x[at_x..]`.
+    /// `y[at_y..at_y + len]` into `x[at_x..]`. Checked here; the backend
+    /// copies ([`Quantizer::copy_unchecked`]).
     fn copy(
+        &self,
+        y: &Self::Values,
+        at_y: usize,
+        x: &mut Self::Values,
+        at_x: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(y), at_y, len, "copy")?;
+        check_span(self.len(x), at_x, len, "copy")?;
+        self.copy_unchecked(y, at_y, x, at_x, len)
+    }
+
+    /// [`Quantizer::copy`] once both ranges are checked.
+    fn copy_unchecked(
         &self,
         y: &Self::Values,
         at_y: usize,
@@ -336,6 +351,20 @@ pub trait Quantizer {
         y: &Self::Values,
         at_y: usize,
         len: usize,
+    ) -> Result<bool, ZeroError> {
+        check_span(self.len(x), at_x, len, "comparing")?;
+        check_span(self.len(y), at_y, len, "comparing")?;
+        self.same_unchecked(x, at_x, y, at_y, len)
+    }
+
+    /// [`Quantizer::same`] once both ranges are checked.
+    fn same_unchecked(
+        &self,
+        x: &Self::Values,
+        at_x: usize,
+        y: &Self::Values,
+        at_y: usize,
+        len: usize,
     ) -> Result<bool, ZeroError>;
 
     /// `x[at_x..at_x + len] = y[at_y..at_y + len] − x[at_x..]`: what a
@@ -348,12 +377,38 @@ pub trait Quantizer {
         y: &Self::Values,
         at_y: usize,
         len: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(y), at_y, len, "error feedback")?;
+        check_span(self.len(x), at_x, len, "error feedback")?;
+        self.dropped_unchecked(x, at_x, y, at_y, len)
+    }
+
+    /// [`Quantizer::dropped`] once both ranges are checked.
+    fn dropped_unchecked(
+        &self,
+        x: &mut Self::Values,
+        at_x: usize,
+        y: &Self::Values,
+        at_y: usize,
+        len: usize,
     ) -> Result<(), ZeroError>;
 
     /// Every whole block of `block` values of `x[at..at + len]` rotated by
     /// the orthonormal Walsh–Hadamard matrix (`zeropp_quant::hadamard`;
     /// its own inverse), a shorter tail left as it is.
     fn rotate(
+        &self,
+        x: &mut Self::Values,
+        at: usize,
+        len: usize,
+        block: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(x), at, len, "a Hadamard rotation")?;
+        self.rotate_unchecked(x, at, len, block)
+    }
+
+    /// [`Quantizer::rotate`] once the range is checked.
+    fn rotate_unchecked(
         &self,
         x: &mut Self::Values,
         at: usize,
@@ -686,6 +741,10 @@ mod tests {
             q.sum_requantize(&other, &[0, 5], r, &mut out, 0),
             q.sum_requantize(&other, &[0, 1], r, &mut out, 2),
             q.copy_chunk(&other, 0, &mut out, 1),
+            q.copy(&x, 30, &mut sum, 0, 16),
+            q.same(&x, 0, &sum, 39, 2).map(|_| ()),
+            q.dropped(&mut sum, 35, &x, 0, 8),
+            q.rotate(&mut sum, 8, 64, 32),
         ];
         // In range, the same calls work.
         q.quantize_chunk(&x, 8, r, &mut out, 1).unwrap();
@@ -739,7 +798,7 @@ mod tests {
     }
 
     #[test]
-    fn chunk_calls_are_checked_once_at_the_front_door_for_every_backend() {
+    fn calls_are_checked_once_at_the_front_door_for_every_backend() {
         let host = refusals(&Host);
         assert_eq!(host, refusals(&Emulated));
         assert_eq!(
@@ -752,6 +811,10 @@ mod tests {
                 "invalid call: requantizing a sum: chunk 2 of 2 chunks",
                 "invalid call: copying a chunk: chunks of 32 values in int4-sym-b64 into chunks of 32 \
                  in int4-sym-b32",
+                "invalid call: copy: values 30..46 of a buffer of 40",
+                "invalid call: comparing: values 39..41 of a buffer of 40",
+                "invalid call: error feedback: values 35..43 of a buffer of 40",
+                "invalid call: a Hadamard rotation: values 8..72 of a buffer of 40",
             ]
         );
     }

@@ -153,7 +153,7 @@ impl Quantizer for Gpu {
     type TensorMut<'a, T: GpuElement + 'a> = CudaViewMut<'a, T>;
     type Kept = DeviceKept;
 
-    fn same(
+    fn same_unchecked(
         &self,
         x: &DeviceValues,
         at_x: usize,
@@ -161,8 +161,6 @@ impl Quantizer for Gpu {
         at_y: usize,
         len: usize,
     ) -> Result<bool, ZeroError> {
-        in_range(x, at_x, len, "comparing")?;
-        in_range(y, at_y, len, "comparing")?;
         let (xv, yv) = (x.view(), y.view());
         let a = self.download(&xv.slice(at_x..at_x + len))?;
         let b = self.download(&yv.slice(at_y..at_y + len))?;
@@ -334,7 +332,7 @@ impl Quantizer for Gpu {
         (q.format, q.chunk_len, q.count)
     }
 
-    fn copy(
+    fn copy_unchecked(
         &self,
         y: &DeviceValues,
         at_y: usize,
@@ -342,8 +340,6 @@ impl Quantizer for Gpu {
         at_x: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        in_range(y, at_y, len, "copy")?;
-        in_range(x, at_x, len, "copy")?;
         let src = y.view();
         let mut dst = x.view_mut();
         Ok(Gpu::copy(
@@ -427,7 +423,7 @@ impl Quantizer for Gpu {
         Ok(self.sum_requantize_views(&views, rounding, &mut chunk_view_mut(out, o))?)
     }
 
-    fn dropped(
+    fn dropped_unchecked(
         &self,
         x: &mut DeviceValues,
         at_x: usize,
@@ -435,8 +431,6 @@ impl Quantizer for Gpu {
         at_y: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        in_range(y, at_y, len, "error feedback")?;
-        in_range(x, at_x, len, "error feedback")?;
         let src = y.view();
         let mut dst = x.view_mut();
         // −1·x + 1·y: each product exact, one rounding, as the CPU's y − x.
@@ -448,14 +442,13 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn rotate(
+    fn rotate_unchecked(
         &self,
         x: &mut DeviceValues,
         at: usize,
         len: usize,
         block: usize,
     ) -> Result<(), ZeroError> {
-        in_range(x, at, len, "a Hadamard rotation")?;
         let mut v = x.view_mut();
         Ok(self.hadamard(&mut v.slice_mut(at..at + len), block)?)
     }

@@ -286,7 +286,7 @@ impl<K: HostKernels> Quantizer for K {
         give_chunks(q);
     }
 
-    fn same(
+    fn same_unchecked(
         &self,
         x: &Vec<f32>,
         at_x: usize,
@@ -294,10 +294,7 @@ impl<K: HostKernels> Quantizer for K {
         at_y: usize,
         len: usize,
     ) -> Result<bool, ZeroError> {
-        let (x, y) = (
-            span(x, at_x, len, "comparing")?,
-            span(y, at_y, len, "comparing")?,
-        );
+        let (x, y) = (&x[at_x..at_x + len], &y[at_y..at_y + len]);
         Ok(x.iter().zip(y).all(|(a, b)| a.to_bits() == b.to_bits()))
     }
 
@@ -374,7 +371,7 @@ impl<K: HostKernels> Quantizer for K {
         (q.format, q.chunk_len, q.count)
     }
 
-    fn copy(
+    fn copy_unchecked(
         &self,
         y: &Vec<f32>,
         at_y: usize,
@@ -382,7 +379,7 @@ impl<K: HostKernels> Quantizer for K {
         at_x: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        span_mut(x, at_x, len, "copy")?.copy_from_slice(span(y, at_y, len, "copy")?);
+        x[at_x..at_x + len].copy_from_slice(&y[at_y..at_y + len]);
         Ok(())
     }
 
@@ -566,7 +563,7 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::sum_requantize(self, &views, rounding, out.chunk_mut(o))
     }
 
-    fn dropped(
+    fn dropped_unchecked(
         &self,
         x: &mut Vec<f32>,
         at_x: usize,
@@ -574,23 +571,21 @@ impl<K: HostKernels> Quantizer for K {
         at_y: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        let y = span(y, at_y, len, "error feedback")?;
-        HostKernels::dropped(self, span_mut(x, at_x, len, "error feedback")?, y)
+        HostKernels::dropped(self, &mut x[at_x..at_x + len], &y[at_y..at_y + len])
     }
 
     fn divide(&self, x: &mut Vec<f32>, d: f32) -> Result<(), ZeroError> {
         HostKernels::divide(self, x, d)
     }
 
-    fn rotate(
+    fn rotate_unchecked(
         &self,
         x: &mut Vec<f32>,
         at: usize,
         len: usize,
         block: usize,
     ) -> Result<(), ZeroError> {
-        let x = span_mut(x, at, len, "a Hadamard rotation")?;
-        HostKernels::rotate(self, x, block)
+        HostKernels::rotate(self, &mut x[at..at + len], block)
     }
 }
 
