@@ -116,7 +116,8 @@ fn topology_json(sysfs_root: Option<String>) -> PyResult<String> {
 }
 
 /// The routing plan for `nodes` nodes like this machine (or the captured
-/// tree under `sysfs_root`), `ranks_per_node` ranks each, as JSON.
+/// tree under `sysfs_root`), `ranks_per_node` ranks each, and the switches
+/// a run resolves from it (`run_switches`), as JSON.
 #[pyfunction]
 #[pyo3(signature = (nodes, ranks_per_node, sysfs_root=None))]
 fn routing_plan_json(
@@ -129,7 +130,12 @@ fn routing_plan_json(
         .map_err(|e| invalid(format!("topology of {root}: {e}")))?;
     let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
         .map_err(|e| invalid(e.to_string()))?;
-    serde_json::to_string(&plan).map_err(|e| invalid(e.to_string()))
+    // As `zeropp topo plan --json`: the switches a run resolves from it.
+    let run = zeropp_zero::plan::before_measuring(&topo, nodes, ranks_per_node)
+        .map_err(|e| invalid(e.to_string()))?;
+    let mut v = serde_json::to_value(&plan).map_err(|e| invalid(e.to_string()))?;
+    v["run_switches"] = serde_json::to_value(&run).map_err(|e| invalid(e.to_string()))?;
+    serde_json::to_string(&v).map_err(|e| invalid(e.to_string()))
 }
 
 /// The switches' names (`fully_shard`'s keywords, `zeropp train`'s

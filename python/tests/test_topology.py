@@ -26,6 +26,7 @@ def test_routing_plan_is_what_the_command_reports(zeropp_bin, nodes, g):
     assert plan == cli
     assert plan["nodes"] == nodes and plan["ranks_per_node"] == g
     assert g % plan["hpz_group"] == 0
+    assert plan["run_switches"]["switches"]["qgz"] is True, plan["run_switches"]
 
 
 def test_a_bad_root_is_an_exception():

@@ -41,7 +41,9 @@ def topology(sysfs_root=None):
 def routing_plan(nodes, ranks_per_node, sysfs_root=None):
     """The routing plan for ``nodes`` nodes like this machine with
     ``ranks_per_node`` ranks each (``zeropp topo plan --json``): the hops, the
-    hpZ group, the bits per hop, the NIC of each rank, and why."""
+    hpZ group, the bits per hop, the NIC of each rank, and why; and under
+    ``run_switches`` the switches a run resolves from it (before the links
+    it measures at join)."""
     return json.loads(_routing_plan_json(nodes, ranks_per_node, sysfs_root))
 
 

@@ -95,7 +95,8 @@ pub fn run(args: TopoArgs) -> Result<()> {
                 }) => {
                     let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
                         .map_err(anyhow::Error::msg)?;
-                    let run = run_switches(&topo, nodes, ranks_per_node)?;
+                    let run = crate::zero::plan::before_measuring(&topo, nodes, ranks_per_node)
+                        .map_err(|e| anyhow::anyhow!("resolving a run's switches: {e}"))?;
                     if json {
                         let mut v = serde_json::to_value(&plan)?;
                         v["run_switches"] = serde_json::to_value(&run)?;
@@ -111,26 +112,6 @@ pub fn run(args: TopoArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The switches `zeropp train` (mode zeropp) resolves on `nodes` nodes like
-/// `topo`, `g` ranks each, from this routing plan: the run's own
-/// resolution (`zero::plan::resolve_mode`), before the links it measures
-/// at join, which may change them.
-fn run_switches(
-    topo: &zeropp_topology::Topology,
-    nodes: usize,
-    g: usize,
-) -> Result<crate::zero::plan::Resolved> {
-    let tops = vec![topo.clone(); nodes];
-    let routing = zeropp_topology::plan::cluster(&tops, g);
-    let layout = crate::zero::layout::Layout {
-        nodes,
-        ranks_per_node: g,
-        rank: 0,
-    };
-    crate::zero::plan::resolve_mode("zeropp", &Default::default(), layout, &routing, None)
-        .map_err(|e| anyhow::anyhow!("resolving the switches of a run here: {e}"))
 }
 
 /// The switches a run would use, with why where the plan chose them.

@@ -325,6 +325,25 @@ pub fn resolve_mode(
     resolve(s, &asked, layout, routing, measured).map_err(|e| e.after("invalid switches: "))
 }
 
+/// The switches `zeropp train` (mode zeropp) resolves on `nodes` nodes
+/// like `topo`, `g` ranks each, from their routing plan: the run's own
+/// resolution, before the links it measures at join (which may change
+/// them). What `zeropp topo plan` and `zeropp.routing_plan` report beside
+/// the plan.
+pub fn before_measuring(
+    topo: &zeropp_topology::Topology,
+    nodes: usize,
+    g: usize,
+) -> Result<Resolved, PlanError> {
+    let routing = zeropp_topology::plan::cluster(&vec![topo.clone(); nodes], g);
+    let layout = Layout {
+        nodes,
+        ranks_per_node: g,
+        rank: 0,
+    };
+    resolve_mode("zeropp", &Default::default(), layout, &routing, None)
+}
+
 /// `s` as it would run on `layout` before anything is measured, the
 /// refinements followed ([`resolve`]): the formats the probe times.
 pub fn as_they_would_run(mut s: Switches, asked: &[&str], layout: Layout) -> Switches {
