@@ -426,7 +426,7 @@ impl TrainConfig {
             fragments: c.outer_fragments,
             delay: c.outer_delay,
         };
-        islands.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+        islands.check()?;
         Ok(Some(islands))
     }
 }

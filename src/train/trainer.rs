@@ -493,9 +493,9 @@ struct Connected {
 /// Joins the job through zeropp's rendezvous, then builds it as
 /// zeropp.torch's bindings do (`zero::job`: each rank publishing what its
 /// machine is made of, the routing plan from the nodes' facts, the links
-/// measured where the nodes are hosts and the mode is zeropp), chooses the islands where the run asks for
-/// `auto`, and resolves the switches; rank 0 prints the plan and the
-/// choices.
+/// measured where the nodes are hosts and the mode is zeropp), chooses the
+/// islands where the run asks for `auto`, and resolves the switches; rank 0
+/// prints the plan and the choices.
 /// With islands the switches are resolved for an island's layout (each
 /// shards over its own ranks); the links are measured over the job.
 fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Connected> {

@@ -259,9 +259,9 @@ pub trait Quantizer {
         out: &mut Self::Chunks,
         i: usize,
     ) -> Result<(), ZeroError> {
-        let (_, chunk_len, _) = self.shape(out);
-        check_chunk(self.shape(out), i, "quantizing a chunk")?;
-        check_span(self.len(x), at, chunk_len, "quantizing a chunk")?;
+        let shape = self.shape(out);
+        check_chunk(shape, i, "quantizing a chunk")?;
+        check_span(self.len(x), at, shape.1, "quantizing a chunk")?;
         self.quantize_chunk_unchecked(x, at, rounding, out, i)
     }
 
@@ -295,9 +295,9 @@ pub trait Quantizer {
         out: &mut Self::Values,
         at: usize,
     ) -> Result<(), ZeroError> {
-        let (_, chunk_len, _) = self.shape(q);
-        check_chunk(self.shape(q), i, "summing a chunk")?;
-        check_span(self.len(out), at, chunk_len, "summing a chunk")?;
+        let shape = self.shape(q);
+        check_chunk(shape, i, "summing a chunk")?;
+        check_span(self.len(out), at, shape.1, "summing a chunk")?;
         self.dequantize_accumulate_unchecked(q, i, out, at)
     }
 
@@ -323,8 +323,9 @@ pub trait Quantizer {
         out: &mut Self::Chunks,
         o: usize,
     ) -> Result<(), ZeroError> {
+        let shape = self.shape(q);
         for &i in inputs {
-            check_chunk(self.shape(q), i, "summing chunks")?;
+            check_chunk(shape, i, "summing chunks")?;
         }
         check_chunk(self.shape(out), o, "requantizing a sum")?;
         self.sum_requantize_unchecked(q, inputs, rounding, out, o)

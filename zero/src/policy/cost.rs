@@ -1,4 +1,5 @@
-//! The cost model of `zeropp plan`, beside the topology it prices: one
+//! The cost model of `zeropp plan`, beside the plan whose switches it
+//! prices (it moved here from zeropp-topology, which keeps the facts): one
 //! training step (ring and hop formulas, each node's ranks sharing its
 //! NICs, prefetch hiding the communication behind compute but one unit's
 //! share) for ZeRO-3 and the ZeRO++ switch sets. A model size, N nodes × G
