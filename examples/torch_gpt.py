@@ -468,17 +468,21 @@ def main(argv=None):
             )
     # The training steps' wall time (an outer step on the way included).
     loop_s = time.perf_counter() - loop_start
+    # What follows runs over the islands left (all, unless one was lost).
+    everyone, alive = None, world
     if outer is not None:
         # The last outer step where needed, so every island holds one model.
         outer.finish()
+        everyone = outer.survivor_group()
+        alive = len(outer.survivors())
     val = []
     with torch.no_grad():
         for i in range(4):
             x, y = data.batch(i, args.batch, args.context, val=True, device=device)
             logits = model(x)
             v = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-            dist.all_reduce(v)
-            val.append(v.item() / world)
+            dist.all_reduce(v, group=everyone)
+            val.append(v.item() / alive)
     run = None
     if zjob:
         # The whole run's bytes (training and validation) and messages, as
@@ -489,7 +493,7 @@ def main(argv=None):
             + [t["messages"]["intra_node"], t["messages"]["inter_node"]],
             dtype=torch.float64,
         )
-        dist.all_reduce(mine)
+        dist.all_reduce(mine, group=everyone)
         run = mine.tolist()
     tail = losses[-10:]
     summary = {
@@ -529,8 +533,9 @@ def main(argv=None):
     if outer is not None:
         t = zeropp.torch.traffic()["outer"]["total"]["inter_node"]
         mine = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(mine)
+        dist.all_reduce(mine, group=everyone)
         summary["islands"] = {
+            "lost": [{"island": i, "step": at, "why": why} for i, at, why in outer.lost],
             "count": args.islands,
             "ranks_per_island": island_size,
             "sync_every": args.sync_every,
@@ -555,7 +560,7 @@ def main(argv=None):
                 json.dump(summary, f, indent=1)
     if metrics:
         metrics.close()
-    dist.barrier()
+    dist.barrier(group=everyone)
     dist.destroy_process_group()
     return 0
 

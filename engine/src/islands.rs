@@ -14,13 +14,15 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::group::rejoin_tag;
-use zeropp_comm::{CommError, Communicator, Group, GroupKind, Transport};
+use zeropp_comm::{CommError, Communicator, Group, Transport};
+use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
-use zeropp_zero::host::HostMover;
+pub use zeropp_zero::islands::LostIsland;
+pub(crate) use zeropp_zero::islands::lock;
+use zeropp_zero::islands::{Across, Membership};
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
 use zeropp_zero::residual::Residual;
-use zeropp_zero::traffic::{CountingTransport, Phase};
-use zeropp_zero::{Hop, ZeroError, ZeroGroups};
+use zeropp_zero::traffic::Phase;
 
 use crate::{Engine, EngineError, IslandsError, Result, UnitLayout, UnitShard};
 
@@ -116,150 +118,6 @@ impl IslandConfig {
 /// What the syncs may cost an automatic H, waited for: this share of the
 /// inner steps.
 pub const AUTO_SYNC_SHARE: f64 = 0.15;
-
-/// Which islands take part in the outer sync, as this rank knows it: an
-/// island one of whose ranks died or did not answer an exchange is lost,
-/// and every later exchange averages over the islands left (alone: the
-/// island's own delta). Shared by the compute thread and the islands'.
-#[derive(Debug)]
-pub(crate) struct Membership {
-    /// Islands of the job, and ranks in each.
-    alive: Vec<bool>,
-    size: usize,
-    /// This rank's island and place in it.
-    island: usize,
-    place: usize,
-    /// Islands lost: each with the step of the exchange (or job-wide call)
-    /// that found it gone, and why.
-    pub(crate) lost: Vec<LostIsland>,
-    /// Islands that came back: each with the step after which it
-    /// trained with the others again.
-    pub(crate) rejoined: Vec<(usize, u64)>,
-    /// The ranks at this place of the islands taking part (rebuilt, its
-    /// calls numbered from 0 again, at each change).
-    across: Arc<Group>,
-    /// Every rank of the islands taking part, once membership changed
-    /// (`None`: the job's world).
-    job: Option<Arc<Group>>,
-    /// Why an exchange failed in a way no regroup mends (this rank's own
-    /// island broke): the exchanges queued after it fail at once, sending
-    /// nothing, rather than number their calls differently from the
-    /// islands they talk to (whose ranks would read a later exchange's
-    /// message as this one's).
-    broken: Option<String>,
-}
-
-/// An island that left the outer sync.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LostIsland {
-    pub island: usize,
-    /// The optimizer step after which it was found gone.
-    pub step: u64,
-    pub why: String,
-}
-
-impl Membership {
-    fn new(count: usize, size: usize, island: usize, place: usize, across: Arc<Group>) -> Self {
-        Membership {
-            alive: vec![true; count],
-            size,
-            island,
-            place,
-            lost: Vec::new(),
-            rejoined: Vec::new(),
-            across,
-            job: None,
-            broken: None,
-        }
-    }
-
-    /// New groups for the islands taking part now (both numbered from 0
-    /// on every member alike).
-    fn regroup(&mut self) -> Result<()> {
-        let digest = self.digest();
-        let ranks: Vec<usize> = self.members().map(|m| m * self.size + self.place).collect();
-        self.across = Arc::new(Group::new(
-            GroupKind::Across {
-                place: Some(self.place),
-                members: digest,
-            },
-            ranks,
-        )?);
-        let everyone: Vec<usize> = self
-            .members()
-            .flat_map(|m| m * self.size..(m + 1) * self.size)
-            .collect();
-        self.job = Some(Arc::new(Group::new(
-            GroupKind::Across {
-                place: None,
-                members: digest,
-            },
-            everyone,
-        )?));
-        Ok(())
-    }
-
-    /// Island `i` takes part again from the exchanges after `step`.
-    pub(crate) fn rejoin(&mut self, i: usize, step: u64) -> Result<()> {
-        if i < self.alive.len() && !self.alive[i] {
-            self.alive[i] = true;
-            self.rejoined.push((i, step));
-            self.regroup()?;
-        }
-        Ok(())
-    }
-
-    /// The island that answers island `j`'s request to rejoin: the first
-    /// taking part.
-    fn host_for(&self, j: usize) -> Option<usize> {
-        self.members().find(|&i| i != j)
-    }
-
-    /// Whether an island is out of the outer sync now.
-    fn missing_any(&self) -> bool {
-        self.alive.iter().any(|&a| !a)
-    }
-
-    fn digest(&self) -> u8 {
-        GroupKind::members_digest(&self.alive)
-    }
-
-    /// Island `i` is lost after `step` (the rank that showed it: `why`),
-    /// if it was not already. True when it is out of the outer sync now
-    /// (a call over a group with it may run again without it); false for
-    /// this rank's own island, which nothing here takes out.
-    pub(crate) fn lose(&mut self, i: usize, step: u64, why: String) -> Result<bool> {
-        if i == self.island || i >= self.alive.len() {
-            return Ok(false);
-        }
-        if !self.alive[i] {
-            return Ok(true);
-        }
-        self.alive[i] = false;
-        self.lost.push(LostIsland {
-            island: i,
-            step,
-            why,
-        });
-        self.regroup()?;
-        Ok(true)
-    }
-
-    /// The island of global rank `rank`.
-    pub(crate) fn island_of(&self, rank: usize) -> usize {
-        rank / self.size
-    }
-
-    fn members(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.alive.len()).filter(|&i| self.alive[i])
-    }
-
-    /// Every rank of the islands taking part, once membership changed
-    /// (`None`: the job's world serves).
-    pub(crate) fn survivors(&self) -> Option<Arc<Group>> {
-        self.job.clone()
-    }
-}
 
 /// An exchange on the islands' thread: the averaged delta and the
 /// residuals it used come back.
@@ -844,42 +702,6 @@ impl Engine {
     }
 }
 
-/// Before an exchange runs again over the islands left after a loss: the
-/// ranks of `across` check they are all at the exchange of unit `u` of the
-/// sync after `step` (one may have completed an exchange the lost island
-/// still answered while another did not; without this each would read the
-/// other's next exchange as its own).
-fn same_exchange(
-    c: &Communicator,
-    across: &Group,
-    (step, u): (u64, usize),
-) -> Result<(), ZeroError> {
-    let mine = [step.to_le_bytes(), (u as u64).to_le_bytes()].concat();
-    let all = c.all_gather_v(across, Bytes::copy_from_slice(&mine))?;
-    let at = |b: &Bytes| -> Option<(u64, u64)> {
-        let b: &[u8; 16] = b[..].try_into().ok()?;
-        let (s, v) = b.split_at(8);
-        Some((
-            u64::from_le_bytes(s.try_into().ok()?),
-            u64::from_le_bytes(v.try_into().ok()?),
-        ))
-    };
-    for (j, b) in all.iter().enumerate() {
-        if at(b) != Some((step, u as u64)) {
-            let theirs = at(b).map_or("a malformed answer".into(), |(s, v)| {
-                format!("unit {v} after step {s}")
-            });
-            return Err(ZeroError::Invalid(format!(
-                "after an island was lost the islands left are at different exchanges: this rank \
-                 at unit {u} after step {step}, rank {} at {theirs} (one completed an exchange the \
-                 lost island still answered); resume the job from its last checkpoint",
-                across.ranks()[j]
-            )));
-        }
-    }
-    Ok(())
-}
-
 /// Rejoin messages: a restarted rank's request, and the state it is sent.
 const REQUEST: u16 = 1;
 const STATE: u16 = 2;
@@ -997,114 +819,6 @@ fn decode_rejoin(
         return Err(format!("{} bytes past the end", bytes.len() - at));
     }
     Ok((step, alive, shards))
-}
-
-/// What one unit's outer exchange runs with, on the islands' thread.
-struct Across<'a> {
-    members: &'a Mutex<Membership>,
-    counter: &'a Arc<CountingTransport>,
-    quantized: Option<QuantizedAllReduce>,
-}
-
-/// An exchange's result: the averaged delta, both residuals after it and
-/// the seconds it took.
-type Exchanged = (Vec<f32>, Residual, Residual, f64);
-
-impl Across<'_> {
-    /// Unit `u`'s outer exchange after `step` of this island's delta
-    /// `mine` with the islands alive, run again without an island that is
-    /// lost during it (its residuals start over then).
-    fn exchange(
-        &self,
-        c: &Communicator,
-        mine: Vec<f32>,
-        (mut sent, mut owned): (Residual, Residual),
-        (step, u): (u64, usize),
-    ) -> std::result::Result<Exchanged, ZeroError> {
-        let t = Instant::now();
-        let mut again = false;
-        loop {
-            let across = {
-                let m = lock(self.members);
-                if let Some(why) = &m.broken {
-                    return Err(ZeroError::Invalid(format!(
-                        "not started: an earlier outer exchange failed ({why})"
-                    )));
-                }
-                m.across.clone()
-            };
-            if across.size() == 1 {
-                return Ok((mine, Residual::none(), Residual::none(), 0.0));
-            }
-            // Run again after a loss: first check every rank is at it.
-            let checked = if again {
-                same_exchange(c, &across, (step, u))
-            } else {
-                Ok(())
-            };
-            again = true;
-            let mover = HostMover {
-                comm: c,
-                counter: self.counter,
-                groups: ZeroGroups {
-                    world: across.clone(),
-                    node: across.clone(),
-                    cross: across.clone(),
-                    hpz: across,
-                },
-            };
-            let mut delta = mine.clone();
-            let tried = checked.and_then(|()| {
-                let residuals = (&mut sent, &mut owned);
-                outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)
-            });
-            match tried {
-                Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
-                Err(e) => {
-                    self.lose_the_failed_island(e, step)?;
-                    (sent, owned) = (Residual::none(), Residual::none());
-                }
-            }
-        }
-    }
-
-    /// After exchange error `e`: the island of the rank that failed leaves
-    /// the outer sync (Ok: run the exchange again without it), or, when no
-    /// island can be taken out for it, the islands' sync is broken (`e`).
-    fn lose_the_failed_island(
-        &self,
-        e: ZeroError,
-        step: u64,
-    ) -> std::result::Result<(), ZeroError> {
-        let mut m = lock(self.members);
-        let before = m.lost.len();
-        let lost = match e.failed_peer() {
-            Some(peer) => {
-                let island = m.island_of(peer);
-                m.lose(island, step, e.what_happened())
-                    .map_err(|e| ZeroError::Invalid(e.to_string()))?
-            }
-            None => false,
-        };
-        if !lost {
-            m.broken = Some(e.to_string());
-            return Err(e);
-        }
-        if m.lost.len() > before {
-            tracing::warn!(
-                "islands: island {} left the outer sync after step {step} ({}); the others go on",
-                m.lost.last().map_or(0, |l| l.island),
-                e.what_happened()
-            );
-        }
-        Ok(())
-    }
-}
-
-/// The membership, even if a thread panicked holding it (it is only ever
-/// changed whole).
-pub(crate) fn lock(m: &Mutex<Membership>) -> std::sync::MutexGuard<'_, Membership> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 #[cfg(test)]

@@ -576,17 +576,26 @@ impl Job {
         self.submit_on(&self.thread, groups, f)
     }
 
-    /// As [`Job::submit`], on the thread of the islands' streamed outer
-    /// exchanges.
+    /// Runs `f` on the communication thread with a byte mover whose calls
+    /// name their groups themselves (the islands' outer exchanges: the
+    /// groups of the islands taking part).
+    pub(crate) fn submit_alone(
+        &self,
+        f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> Op {
+        self.submit_on(&self.thread, self.job.groups.clone(), f)
+    }
+
+    /// As [`Job::submit_alone`], on the thread of the islands' streamed
+    /// outer exchanges.
     pub(crate) fn submit_outer(
         &self,
-        groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
         let thread = self
             .outer
             .get_or_init(|| CommThread::new(self.comm.clone()));
-        self.submit_on(thread, groups, f)
+        self.submit_on(thread, self.job.groups.clone(), f)
     }
 
     fn submit_on(

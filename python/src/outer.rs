@@ -7,9 +7,12 @@ use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
 use zeropp_quant::{QuantFormat, Rounding};
+use zeropp_comm::Transport;
+use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
+use zeropp_zero::host::HostMover;
+use zeropp_zero::islands::{self, Across, Membership};
 use zeropp_zero::outer::{self, OuterSettings};
-use zeropp_zero::{Hop, ZeroError};
 
 use crate::buffers::HostBuf;
 use crate::collectives::{Job, Op};
@@ -137,23 +140,38 @@ impl OuterState {
     }
 
     /// The outer step of `weights` (this rank's shard, float32, in place)
-    /// across the islands: the mesh dimension `ranks` of `job` (the ranks
-    /// of every island holding this shard, registered with
-    /// `add_mesh_dim`). The weights become the new anchor, the same on
-    /// every island. An [`Op`] to wait on.
-    fn step(&self, job: &Job, weights: &Bound<'_, PyAny>, ranks: Vec<usize>) -> PyResult<Op> {
-        let (_, groups) = job.dim_groups(&ranks)?;
+    /// across the islands `islands` says take part: the mesh dimension
+    /// `ranks` of `job` (the ranks of every island holding this shard,
+    /// registered with `add_mesh_dim`) less the islands lost. The weights
+    /// become the new anchor, the same on every island taking part; an
+    /// island lost during the exchange leaves it and the exchange runs
+    /// again without it. `at` (the optimizer step, the shard's index)
+    /// names the exchange, which the islands left check they agree on
+    /// before they run it again. An [`Op`] to wait on.
+    fn step(
+        &self,
+        job: &Job,
+        weights: &Bound<'_, PyAny>,
+        ranks: Vec<usize>,
+        islands: &Islands,
+        at: (u64, usize),
+    ) -> PyResult<Op> {
+        job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
         buf.typed::<f32>("weights (float32)").map_err(invalid)?;
-        let (settings, quantized, state) = (self.settings, self.quantized, self.state.clone());
-        Ok(job.submit(groups, move |mover| {
+        let (settings, state) = (self.settings, self.state.clone());
+        let with = (islands.members.clone(), self.quantized);
+        Ok(job.submit_alone(move |mover| {
             let w = buf
                 .typed_mut::<f32>("weights")
                 .map_err(ZeroError::Invalid)?;
             let mut state = state
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
-            outer::outer_step(mover, Hop::World, settings, quantized, &mut state, w)
+            let mine = outer::local_delta(&state, w)?;
+            let averaged = exchange(mover, &with, &mut state, mine, at)?;
+            let then = w.to_vec();
+            outer::apply(settings, &mut state, &then, &averaged, w)
         }))
     }
 
@@ -166,8 +184,15 @@ impl OuterState {
     ///
     /// [`step`]: OuterState::step
     /// [`land`]: OuterState::land
-    fn start(&self, job: &Job, weights: &Bound<'_, PyAny>, ranks: Vec<usize>) -> PyResult<Op> {
-        let (_, groups) = job.dim_groups(&ranks)?;
+    fn start(
+        &self,
+        job: &Job,
+        weights: &Bound<'_, PyAny>,
+        ranks: Vec<usize>,
+        islands: &Islands,
+        at: (u64, usize),
+    ) -> PyResult<Op> {
+        job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
         let (delta, eager) = {
             let state = self.lock()?;
@@ -185,15 +210,13 @@ impl OuterState {
         buf.typed_mut::<f32>("weights")
             .map_err(invalid)?
             .copy_from_slice(&eager);
-        let (quantized, state) = (self.quantized, self.state.clone());
-        Ok(job.submit_outer(groups, move |mover| {
+        let state = self.state.clone();
+        let with = (islands.members.clone(), self.quantized);
+        Ok(job.submit_outer(move |mover| {
             let mut state = state
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
-            let mut averaged = delta;
-            let st = &mut *state;
-            let residuals = (&mut st.sent, &mut st.owned);
-            outer::exchange(mover, Hop::World, quantized, residuals, &mut averaged)?;
+            let averaged = exchange(mover, &with, &mut state, delta, at)?;
             state.flight = Some(outer::Flight {
                 due: 0,
                 then: eager,
@@ -225,6 +248,107 @@ impl OuterState {
         self.state
             .lock()
             .map_err(|_| invalid("the outer state is poisoned (an outer step panicked)"))
+    }
+}
+
+/// Averages `mine` over the islands `members` says take part (an island
+/// lost meanwhile leaves and the exchange runs again without it), with
+/// the error feedback `state` keeps.
+fn exchange(
+    mover: &HostMover<'_>,
+    (members, quantized): &(Arc<Mutex<Membership>>, Option<QuantizedAllReduce>),
+    state: &mut outer::OuterState,
+    mine: Vec<f32>,
+    at: (u64, usize),
+) -> Result<Vec<f32>, ZeroError> {
+    let across = Across {
+        members,
+        counter: mover.counter,
+        quantized: *quantized,
+    };
+    let residuals = (
+        std::mem::take(&mut state.sent),
+        std::mem::take(&mut state.owned),
+    );
+    let (averaged, sent, owned, _) = across.exchange(mover.comm, mine, residuals, at)?;
+    (state.sent, state.owned) = (sent, owned);
+    Ok(averaged)
+}
+
+/// Which islands of an (islands, ranks) mesh take part in the outer sync,
+/// as this rank knows it, shared by the outer states of its shards. Made,
+/// the job's transport contains the death of a rank of another island to
+/// the waits on that rank (this island's own ranks still fail every
+/// wait): an island that loses a rank leaves the outer sync, and the
+/// others go on without it.
+#[pyclass(frozen)]
+pub struct Islands {
+    members: Arc<Mutex<Membership>>,
+}
+
+#[pymethods]
+impl Islands {
+    /// The islands of `job` whose ranks at this rank's place are `ranks`
+    /// (the mesh dimension across islands, registered with
+    /// `add_mesh_dim`), `size` ranks each: island i holds the job's ranks
+    /// i·size to (i+1)·size − 1.
+    #[new]
+    fn new(job: &Job, ranks: Vec<usize>, size: usize) -> PyResult<Islands> {
+        let (_, groups) = job.dim_groups(&ranks)?;
+        let rank = job.layout().rank;
+        let place = rank % size.max(1);
+        let count = ranks.len();
+        let laid_out = size > 0
+            && job.layout().world() == count * size
+            && ranks.iter().enumerate().all(|(i, &r)| r == i * size + place);
+        if !laid_out {
+            return Err(invalid(format!(
+                "islands over ranks {ranks:?} of {size} ranks each on rank {rank} of a job of {}: \
+                 an island is a run of consecutive ranks (the mesh of \
+                 init_device_mesh(device, (islands, ranks_per_island)))",
+                job.layout().world()
+            )));
+        }
+        let island = rank / size;
+        job.counter()
+            .contain_deaths(island * size..(island + 1) * size);
+        Ok(Islands {
+            members: Arc::new(Mutex::new(Membership::new(
+                count,
+                size,
+                island,
+                place,
+                groups.world.clone(),
+            ))),
+        })
+    }
+
+    /// The islands that left the outer sync: (island, the optimizer step
+    /// after which the others went on without it, why).
+    fn lost(&self) -> Vec<(usize, u64, String)> {
+        islands::lock(&self.members)
+            .lost
+            .iter()
+            .map(|l| (l.island, l.step, l.why.clone()))
+            .collect()
+    }
+
+    /// Island `i` leaves the outer sync after optimizer step `step` (another
+    /// rank of this island found it gone: `why`); not this rank's own.
+    fn lose(&self, i: usize, step: u64, why: String) -> PyResult<()> {
+        islands::lock(&self.members)
+            .lose(i, step, why)
+            .map_err(to_py)?;
+        Ok(())
+    }
+
+    /// Whether island `i` takes part.
+    fn alive(&self, i: usize) -> bool {
+        islands::lock(&self.members)
+            .alive
+            .get(i)
+            .copied()
+            .unwrap_or(false)
     }
 }
 
@@ -260,5 +384,6 @@ fn read_in(buf: &Bound<'_, PyAny>, what: &str, len: usize) -> PyResult<Vec<f32>>
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<OuterState>()
+    m.add_class::<OuterState>()?;
+    m.add_class::<Islands>()
 }

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, WORKERS, free_port, torchrun, train
+from conftest import EXAMPLE, ROOT, WORKERS, free_port, torchrun, train
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -215,6 +215,57 @@ def test_the_example_trains_islands_with_outer_sync(tmp_path):
     assert s["mean_step_time_s"] > 0 and s["final_loss"] < s["initial_loss"], s
     outer = s["traffic"]["outer"]["total"]
     assert outer["inter_node"] > 0 and outer["intra_node"] == 0, outer
+
+
+def test_a_killed_island_leaves_the_outer_sync_and_the_other_trains_to_the_end(
+    tmp_path, zeropp_bin
+):
+    # Launched as users run islands that must survive a loss: `zeropp launch
+    # --islands 2`, which stops only the failed rank's island. Rank 3 (island
+    # 1) is SIGKILLed mid-run; island 0 finds the island gone at an outer
+    # exchange, goes on alone, and ends the run with its validation loss.
+    metrics, out = tmp_path / "m.jsonl", tmp_path / "s.json"
+    cmd = [zeropp_bin, "launch", "--nodes", "2", "--ranks-per-node", "2", "--islands", "2"]
+    cmd += ["--timeout", "20", "--", sys.executable, str(EXAMPLE), "--mode", "zeropp"]
+    cmd += ["--islands", "2", "--sync-every", "5", "--steps", "60", "--ranks-per-node", "2"]
+    cmd += ["--log-every", "1000", "--metrics", str(metrics), "--summary-json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    out_err = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    job = subprocess.Popen(cmd, text=True, env=env, **out_err)
+    try:
+        start = time.monotonic()
+        while not metrics.exists() or metrics.read_text().count('"step"') < 12:
+            assert job.poll() is None and time.monotonic() - start < 180, "no step 12"
+            time.sleep(0.05)
+        victim = next(p for p in _children(job.pid) if _environ(p).get("RANK") == "3")
+        os.kill(victim, 9)
+        text, _ = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, text[-6000:]
+    assert "island 1 was lost" in text, text[-6000:]
+    s = json.loads(out.read_text())
+    lost = s["islands"]["lost"]
+    assert [x["island"] for x in lost] == [1] and 12 <= lost[0]["step"] <= 60, lost
+    assert "rank 2" in lost[0]["why"] or "rank 3" in lost[0]["why"], lost
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 61))
+    # No step waited long for the lost island (the bound: 60 s).
+    assert max(m["step_time_s"] for m in steps) < 30, steps
+    assert s["final_loss"] < 0.8 * s["initial_loss"] and math.isfinite(s["val_loss"]), s
+    # After the loss nothing crosses between the islands.
+    assert steps[-1]["bytes_inter_node"] == 0, steps[-1]
+
+
+def _children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
 
 
 @pytest.mark.parametrize("recipe", ["accelerate_llama.py", "hf_trainer_llama.py"])

@@ -84,6 +84,16 @@ __all__ = [
 # settings and flags carry the same names).
 SWITCHES = tuple(_zeropp.switch_names())
 
+if os.environ.get("ZEROPP_REJOIN") == "1":
+    # A torch rank restarted to rejoin would wait in init_process_group for
+    # ranks that never come back.
+    raise ZeroppError(
+        "this rank was started again by `zeropp launch --restarts` to rejoin its island, which "
+        "zeropp.torch does not do yet: launch torch scripts with --restarts 0 (the other islands "
+        "train on without a lost one; resume the whole job from its last checkpoint to bring it "
+        "back)"
+    )
+
 _job = None
 _job_options = None
 _cuda_job = None
@@ -1244,7 +1254,14 @@ class OuterSync:
     ``delay=D`` (below ``sync_every``) lets each run on a thread of its own
     for D steps while the island trains on from the outer step on its own
     delta (the eager update), landing with what the other islands change.
-    Call :meth:`finish` on every rank at the end."""
+    Call :meth:`finish` on every rank at the end.
+
+    A lost island: a rank of another island that dies (or does not answer
+    within ``ZEROPP_TIMEOUT_S``) takes its island out of the outer sync, and
+    the others go on without it — launch with ``zeropp launch --islands N``,
+    which stops only the failed rank's island. :attr:`lost` names the lost
+    islands; after :meth:`finish`, run what follows training over
+    :meth:`survivor_group`. A lost island does not rejoin yet."""
 
     def __init__(
         self,
@@ -1289,6 +1306,11 @@ class OuterSync:
         # model between syncs, the inner optimizer's state) in a checkpoint.
         self.island = mesh.get_local_rank(0)
         _add_mesh_dim(self.job, self.ranks)
+        # Which islands take part: one that loses a rank leaves the outer
+        # sync, and the others go on without it.
+        self._islands = _zeropp.Islands(self.job, self.ranks, mesh.size(1))
+        self._island_group, self._flags_device = mesh.get_group(1), mesh.device_type
+        self._survivors = None
         self.model = model
         named = list(model.named_parameters())
         self.names = [n for n, _ in named]
@@ -1357,6 +1379,8 @@ class OuterSync:
                 self._land(f)
         h, n = self.sync_every, len(self.fragments)
         turns = [f for f in range(n) if self.steps % h == (f * h // n) % h]
+        if turns:
+            self._agree()
         for f in turns:
             self._start(f, self.delay)
         return bool(turns)
@@ -1394,14 +1418,15 @@ class OuterSync:
         bufs = [host_bytes(self._host(i), "parameter") for i in idx]
         if delay == 0:
             ops = [
-                self.states[i].step(self.job, b, self.ranks) for i, b in zip(idx, bufs, strict=True)
+                self.states[i].step(self.job, b, self.ranks, self._islands, (self.steps, i))
+                for i, b in zip(idx, bufs, strict=True)
             ]
             for op in ops:
                 op.wait()
         else:
             # The eager update is in the weights when start returns.
             ops = [
-                self.states[i].start(self.job, b, self.ranks)
+                self.states[i].start(self.job, b, self.ranks, self._islands, (self.steps, i))
                 for i, b in zip(idx, bufs, strict=True)
             ]
             self._pending[f] = (self.steps + delay, ops)
@@ -1435,9 +1460,59 @@ class OuterSync:
         one model. Whether it ran."""
         whole = len(self.fragments) == 1 and not self._pending
         if self.steps == 0 or (whole and self.steps % self.sync_every == 0):
+            self._agree()
             return False
+        self._agree()
         self.sync()
         return True
+
+    def _agree(self):
+        """The ranks of this island agree on which islands take part: an
+        island one of them found lost (an exchange with its rank failed) is
+        lost for all of them, so they run the same exchanges and, at the
+        end, name the same survivors."""
+        count = len(self.ranks)
+        flags = torch.tensor(
+            [float(self._islands.alive(i)) for i in range(count)], device=self._flags_device
+        )
+        dist.all_reduce(flags, group=self._island_group)
+        size = dist.get_world_size(self._island_group)
+        for i, n in enumerate(flags.tolist()):
+            if n < size and self._islands.alive(i):
+                self._islands.lose(i, self.steps, "another rank of this island lost it")
+
+    @property
+    def lost(self):
+        """The islands that left the outer sync, as this rank's island
+        agreed at its last sync: ``[(island, step, why)]`` — the optimizer
+        step after which the others went on without it, and what showed it
+        gone (a rank died, or did not answer within ``ZEROPP_TIMEOUT_S``)."""
+        return self._islands.lost()
+
+    def survivors(self):
+        """The job's ranks of the islands that take part (all of them
+        unless one was lost), as agreed at the last sync or :meth:`finish`."""
+        size = dist.get_world_size(self._island_group)
+        return [
+            i * size + r
+            for i in range(len(self.ranks))
+            if self._islands.alive(i)
+            for r in range(size)
+        ]
+
+    def survivor_group(self):
+        """A process group over :meth:`survivors` for what follows training
+        (a validation loss, a summary, a barrier), or None while every
+        island takes part (the default group serves). Made by the survivors
+        alone (``use_local_synchronization``): the lost island's ranks are
+        gone. Call it on every surviving rank after :meth:`finish`."""
+        ranks = self.survivors()
+        if len(ranks) == dist.get_world_size():
+            return None
+        if self._survivors is None or self._survivors[0] != ranks:
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            self._survivors = (ranks, group)
+        return self._survivors[1]
 
     def state_bytes(self):
         """Bytes of outer state this rank holds (anchors, momenta, error

@@ -24,7 +24,7 @@ pub mod testing;
 // module keeps its path at the crate's root.
 pub use backends::{backend, device, device_job, emulated, host, work};
 pub use base::{groups, layout, measured, traffic};
-pub use collectives::{allreduce, delta, fsdp, hpz, outer, payload, qgz, qwz, residual};
+pub use collectives::{allreduce, delta, fsdp, hpz, islands, outer, payload, qgz, qwz, residual};
 pub use policy::{cost, job, plan, planner, probe};
 
 pub use backend::{ByteMover, Hop, Quantizer};

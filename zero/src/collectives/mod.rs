@@ -3,13 +3,15 @@
 //! differences ([`delta`]), hpZ's gather inside the node ([`hpz`]), qgZ's
 //! two-hop reduce-scatter ([`qgz`]) with its error feedback
 //! ([`residual`]), the quantized all-reduce ([`allreduce`]) and the
-//! islands' outer sync ([`outer`]), FSDP2's two calls over them ([`fsdp`]),
+//! islands' outer sync ([`outer`]) over the islands taking part
+//! ([`islands`]), FSDP2's two calls over them ([`fsdp`]),
 //! and the wire's byte formats ([`payload`]).
 
 pub mod allreduce;
 pub mod delta;
 pub mod fsdp;
 pub mod hpz;
+pub mod islands;
 pub mod outer;
 pub mod payload;
 pub mod qgz;
