@@ -25,6 +25,10 @@
 #                  kill.txt) island 0's longest step, the seconds from the
 #                  kill to the restart and from the restart to training
 #                  again, and the summary's lost/rejoined islands
+#   torch-kill     torch_gpt.py --islands N at the first H of --syncs under
+#                  `zeropp launch --islands N` (zeropp.torch's OuterSync):
+#                  island 1's first rank SIGKILLed a third of the way in;
+#                  island 0's longest step and the islands lost (no rejoin)
 # and appends to islands.csv the mean wall time per step (total / steps,
 # syncs included), the losses (final: last 10 steps; validation: held-out
 # text after the last outer sync), the engine's bytes across nodes (all, and
@@ -36,7 +40,7 @@
 #       -- --width 384 --layers 2 --heads 6 --context 32 --batch 2
 #
 # Rows (--rows): any of sync alone apart islands streamed torch-sync
-# torch-islands torch-streamed torchft kill.
+# torch-islands torch-streamed torchft kill torch-kill.
 # Arguments after `--` go to every run (zeropp train, torch_gpt.py and
 # torchft_diloco.py take the same model flags); --outer "--outer-lr 0.3
 # --outer-momentum 0.7" to every islands run (every one takes these).
@@ -57,6 +61,8 @@ STREAM="4 2"
 EXTRA=()
 LAUNCH_FLAGS=()
 KILL_RANK=""
+# What the kill looks for among the processes: a rank of this command.
+KILL_COMMAND=""
 
 die() { echo "bench-cluster/islands: $*" >&2; exit 1; }
 
@@ -130,6 +136,13 @@ run() {
           --nodes "$nodes" --ranks-per-node "$RPN" --node-rank "$k" --master-addr "$(netns_ip 0):29500" \
           --timeout 300 "${LAUNCH_FLAGS[@]}" -- "$ZEROPP" train "${out[@]}" "$@" "${EXTRA[@]}" \
           > "$OUT/$name-node$k.log" 2>&1 & ;;
+      torch-launch)
+        # Under zeropp launch: a failed rank stops its island only.
+        ip netns exec "$ns" env ZEROPP_TOKEN="$token" GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 \
+          ZEROPP_TIMEOUT_S=300 "$ZEROPP" launch --nodes "$nodes" --ranks-per-node "$RPN" \
+          --node-rank "$k" --master-addr "$(netns_ip 0):29500" --timeout 300 "${LAUNCH_FLAGS[@]}" \
+          -- "$PYTHON" "$EXAMPLE" --bf16 "${out[@]}" "$@" "${EXTRA[@]}" \
+          > "$OUT/$name-node$k.log" 2>&1 & ;;
       torch)
         ip netns exec "$ns" env GLOO_SOCKET_IFNAME=eth0 OMP_NUM_THREADS=1 ZEROPP_TIMEOUT_S=300 \
           "$PYTHON" -m torch.distributed.run --nnodes "$nodes" --node-rank "$k" \
@@ -153,7 +166,7 @@ run() {
         [ "${n:-0}" -lt $((STEPS / 3)) ] || break
         sleep 0.1
       done
-      for p in $(pgrep -f "$ZEROPP train"); do
+      for p in $(pgrep -f "$KILL_COMMAND"); do
         env_of="$(tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null || true)"
         if grep -qx "RANK=$KILL_RANK" <<< "$env_of" && grep -qx "ZEROPP_TOKEN=$token" <<< "$env_of"; then
           date +%s.%N > "$OUT/$name-killed-at"; kill -9 "$p"
@@ -161,7 +174,12 @@ run() {
       done
     ) &
   fi
-  for p in "${pids[@]}"; do wait "$p" || failed=1; done
+  local node=0
+  for p in "${pids[@]}"; do
+    # torch-kill: the killed island's node ends failed (it does not rejoin).
+    wait "$p" || { [ "$kind" = torch-launch ] && [ "$node" -gt 0 ]; } || failed=1
+    node=$((node + 1))
+  done
   [ -z "$lighthouse" ] || kill "$lighthouse" 2>/dev/null || true
   [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
   local bytes packets
@@ -228,7 +246,7 @@ for rate in $RATES; do
       kill)
         h="${SYNCS%% *}"
         build_cluster "$rate"
-        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK="$RPN"
+        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK="$RPN" KILL_COMMAND="$ZEROPP train"
         # shellcheck disable=SC2086
         run native "kill-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" --transport tcp $OUTER
         LAUNCH_FLAGS=() KILL_RANK=""
@@ -251,7 +269,25 @@ print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2
       f"{s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
 PY
         tail -n 1 "$OUT/kill.txt" ;;
-      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torch-streamed, torchft, kill" ;;
+      torch-kill)
+        h="${SYNCS%% *}"
+        build_cluster "$rate"
+        LAUNCH_FLAGS=(--islands "$NODES") KILL_RANK="$RPN" KILL_COMMAND="$EXAMPLE"
+        # shellcheck disable=SC2086
+        run torch-launch "torch-kill-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
+        LAUNCH_FLAGS=() KILL_RANK=""
+        python3 - "$OUT" "torch-kill-H$h-$rate" >> "$OUT/kill.txt" <<'PY'
+import json, sys
+out, name = sys.argv[1:3]
+steps = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if '"step"' in l]
+s = json.load(open(f"{out}/{name}.json"))
+lost = [(l["island"], l["step"]) for l in s["islands"]["lost"]]
+print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2f} s "
+      f"(median {sorted(x['step_time_s'] for x in steps)[len(steps) // 2]:.3f} s); lost {lost}; "
+      f"{len(steps)} steps, final loss {s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
+PY
+        tail -n 1 "$OUT/kill.txt" ;;
+      *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torch-streamed, torchft, kill, torch-kill" ;;
     esac
   done
 done

@@ -459,6 +459,7 @@ def main(argv=None):
                 )
                 + "\n"
             )
+            metrics.flush()  # a line a step, for whoever follows the run
         if lead and ((step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps):
             print(
                 f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
