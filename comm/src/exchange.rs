@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::rendezvous::PlacementError;
 use super::tcp::{TcpOptions, TcpTransport};
 use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Transport};
@@ -306,7 +307,7 @@ fn layout_of(all: &[Published], opts: &JoinOptions) -> Result<HostLayout, CommEr
         .iter()
         .map(|p| (p.hostname.clone(), p.host_id.clone()))
         .collect();
-    let hosts = host_layout(&ids).map_err(CommError::Join)?;
+    let hosts = host_layout(&ids)?;
     let Some(g) = opts.ranks_per_node else {
         return Ok(hosts);
     };
@@ -355,9 +356,9 @@ fn decode_all(all: &[Vec<u8>], opts: &JoinOptions) -> Result<Vec<Published>, Com
 /// Nodes from host identities (hostname; boot id and network namespace) in
 /// rank order: the ranks
 /// of one host must be consecutive, and every host must hold as many.
-pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, String> {
+pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, PlacementError> {
     if hosts.is_empty() {
-        return Err("no ranks".into());
+        return Err(PlacementError::NoRanks);
     }
     let mut runs: Vec<(usize, usize)> = Vec::new(); // (first rank, count)
     for (r, h) in hosts.iter().enumerate() {
@@ -365,12 +366,11 @@ pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, String> {
             Some((first, count)) if hosts[*first] == *h => *count += 1,
             _ => {
                 if let Some((first, _)) = runs.iter().find(|(f, _)| hosts[*f] == *h) {
-                    return Err(format!(
-                        "rank {r} runs on host {} like rank {first}, but ranks in between run \
-                         elsewhere: zeropp needs the ranks of a host to be consecutive (place \
-                         ranks by node, e.g. mpirun --map-by slot, torchrun's default)",
-                        h.0
-                    ));
+                    return Err(PlacementError::HostNotConsecutive {
+                        rank: r,
+                        host: h.0.clone(),
+                        first: *first,
+                    });
                 }
                 runs.push((r, 1));
             }
@@ -378,11 +378,12 @@ pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, String> {
     }
     let g = runs[0].1;
     if let Some((first, count)) = runs.iter().find(|(_, c)| *c != g) {
-        return Err(format!(
-            "host {} runs {count} ranks and host {} runs {g}: zeropp needs the same number \
-             of ranks on every node",
-            hosts[*first].0, hosts[0].0
-        ));
+        return Err(PlacementError::Uneven {
+            host: hosts[*first].0.clone(),
+            count: *count,
+            first_host: hosts[0].0.clone(),
+            g,
+        });
     }
     Ok(HostLayout {
         nodes: runs.len(),
@@ -511,9 +512,13 @@ mod tests {
 
     #[test]
     fn round_robin_and_uneven_placements_are_refused_with_the_hosts_named() {
-        let e = host_layout(&hosts(&["a", "b", "a", "b"])).unwrap_err();
+        let e = host_layout(&hosts(&["a", "b", "a", "b"]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("rank 2") && e.contains("consecutive"), "{e}");
-        let e = host_layout(&hosts(&["a", "a", "a", "b"])).unwrap_err();
+        let e = host_layout(&hosts(&["a", "a", "a", "b"]))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("host b runs 1") && e.contains("host a runs 3"),
             "{e}"

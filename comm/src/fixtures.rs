@@ -81,9 +81,9 @@ fn mpirun_by_node_is_refused_naming_both_views() {
     // Round robin: ranks 0 and 2 on one host, 1 and 3 on the other.
     assert_eq!(t[0].host_id, t[2].host_id);
     assert_ne!(t[0].host_id, t[1].host_id);
-    let e = check_layout(&t).unwrap_err();
+    let e = check_layout(&t).unwrap_err().to_string();
     assert!(e.contains("--map-by slot"), "{e}");
-    let e = host_layout(&hosts(&t)).unwrap_err();
+    let e = host_layout(&hosts(&t)).unwrap_err().to_string();
     assert!(e.contains("rank 2") && e.contains("consecutive"), "{e}");
 }
 

@@ -75,6 +75,10 @@ pub enum CommError {
     /// The message says what to check.
     #[error("joining the job: {0}")]
     Join(String),
+    /// The ranks' places make no job zeropp runs (not node by node, a
+    /// node over several hosts, uneven hosts).
+    #[error("joining the job: {0}")]
+    Placement(#[from] rendezvous::PlacementError),
     /// A UCX call failed (`what` failed; its status as UCX describes it).
     #[error("UCX {what}: {status}")]
     Ucx { what: String, status: String },

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::CommError;
 use super::env::RankFacts;
 use super::torch_store::TorchStore;
-use super::wire::{self, Header, Kind, ReadFrame};
+use super::wire::{self, Header, HelloError, Kind, ReadFrame};
 
 /// What one rank tells the others.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -123,17 +123,15 @@ fn reply(stream: &mut TcpStream, kind: u64, payload: &[u8]) {
     }
 }
 
-fn read_hello(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, String> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
+fn read_hello(stream: &mut TcpStream, timeout: Duration) -> Result<Hello, HelloError> {
+    stream.set_read_timeout(Some(timeout))?;
     let mut limited = std::io::Read::take(&mut *stream, wire::HEADER_LEN as u64 + MAX_HELLO);
-    match wire::read_frame(&mut limited).map_err(|e| e.to_string())? {
+    match wire::read_frame(&mut limited)? {
         ReadFrame::Frame(h, payload) if h.kind == Kind::Hello && h.len <= MAX_HELLO => {
-            serde_json::from_slice(&payload).map_err(|e| format!("unreadable hello: {e}"))
+            Ok(serde_json::from_slice(&payload)?)
         }
-        ReadFrame::Frame(..) => Err("not a rendezvous hello".into()),
-        ReadFrame::End => Err("closed without saying hello".into()),
+        ReadFrame::Frame(..) => Err(HelloError::NotHello),
+        ReadFrame::End => Err(HelloError::Closed),
     }
 }
 
@@ -253,8 +251,8 @@ pub fn serve(
         .flatten()
         .map(|(p, _, _)| p.clone())
         .collect();
-    if let Err(msg) = check_layout(&table) {
-        return Err(fail_all(&mut arrived, msg));
+    if let Err(e) = check_layout(&table) {
+        return Err(fail_all(&mut arrived, e.to_string()));
     }
     let payload = serde_json::to_vec(&table).map_err(|e| failure(e.to_string()))?;
     for (_, stream, _) in arrived.iter_mut().flatten() {
@@ -319,39 +317,119 @@ fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>, islands: u
     }
 }
 
+/// Why the ranks' places do not make a job zeropp can run: the launcher's
+/// nodes, or the hosts the ranks run on, are not laid out node by node.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("rank {rank} says {says} ranks per node, rank 0 says {first}")]
+    RanksPerNode {
+        rank: usize,
+        says: usize,
+        first: usize,
+    },
+    #[error("rank {rank} is local rank {local} of node {node}, outside {nodes} nodes x {g} ranks")]
+    Outside {
+        rank: usize,
+        local: usize,
+        node: usize,
+        nodes: usize,
+        g: usize,
+    },
+    #[error(
+        "rank {rank} is local rank {local} of node {node} by the launcher's variables; zeropp \
+         numbers ranks node by node (rank = node x {g} + local rank): place ranks by node \
+         (srun --distribution=block, mpirun --map-by slot, torchrun's default)"
+    )]
+    NotNodeByNode {
+        rank: usize,
+        local: usize,
+        node: usize,
+        g: usize,
+    },
+    #[error("ranks {other} and {rank} both claim local rank {local} of node {node}")]
+    Claimed {
+        other: usize,
+        rank: usize,
+        local: usize,
+        node: usize,
+    },
+    #[error(
+        "the launcher puts ranks {first} and {rank} on node {node}, but rank {first} runs on \
+         host {first_host} and rank {rank} on host {host}: the ranks of a node must share a \
+         host (round-robin placement such as mpirun --map-by node is not supported; use \
+         --map-by slot)"
+    )]
+    NodeOnHosts {
+        first: usize,
+        rank: usize,
+        node: usize,
+        first_host: String,
+        host: String,
+    },
+    #[error("no ranks")]
+    NoRanks,
+    #[error(
+        "rank {rank} runs on host {host} like rank {first}, but ranks in between run \
+         elsewhere: zeropp needs the ranks of a host to be consecutive (place ranks by node, \
+         e.g. mpirun --map-by slot, torchrun's default)"
+    )]
+    HostNotConsecutive {
+        rank: usize,
+        host: String,
+        first: usize,
+    },
+    #[error(
+        "host {host} runs {count} ranks and host {first_host} runs {g}: zeropp needs the same \
+         number of ranks on every node"
+    )]
+    Uneven {
+        host: String,
+        count: usize,
+        first_host: String,
+        g: usize,
+    },
+}
+
 /// Every node must hold the same number of ranks, each (node, local rank)
 /// exactly once.
-pub(crate) fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
+pub(crate) fn check_layout(table: &[PeerInfo]) -> Result<(), PlacementError> {
     let g = table[0].local_world_size;
     let nodes = table.len() / g.max(1);
     let mut seen = vec![None; table.len()];
     for p in table {
+        let (rank, local, node) = (p.rank, p.local_rank, p.node_rank);
         if p.local_world_size != g {
-            return Err(format!(
-                "rank {} says {} ranks per node, rank 0 says {g}",
-                p.rank, p.local_world_size
-            ));
+            return Err(PlacementError::RanksPerNode {
+                rank,
+                says: p.local_world_size,
+                first: g,
+            });
         }
-        if p.node_rank >= nodes || p.local_rank >= g {
-            return Err(format!(
-                "rank {} is local rank {} of node {}, outside {nodes} nodes x {g} ranks",
-                p.rank, p.local_rank, p.node_rank
-            ));
+        if node >= nodes || local >= g {
+            return Err(PlacementError::Outside {
+                rank,
+                local,
+                node,
+                nodes,
+                g,
+            });
         }
-        let slot = p.node_rank * g + p.local_rank;
-        if p.rank != slot {
-            return Err(format!(
-                "rank {} is local rank {} of node {} by the launcher's variables; zeropp numbers \
-                 ranks node by node (rank = node x {g} + local rank): place ranks by node \
-                 (srun --distribution=block, mpirun --map-by slot, torchrun's default)",
-                p.rank, p.local_rank, p.node_rank
-            ));
+        let slot = node * g + local;
+        if rank != slot {
+            return Err(PlacementError::NotNodeByNode {
+                rank,
+                local,
+                node,
+                g,
+            });
         }
-        if let Some(other) = seen[slot].replace(p.rank) {
-            return Err(format!(
-                "ranks {other} and {} both claim local rank {} of node {}",
-                p.rank, p.local_rank, p.node_rank
-            ));
+        if let Some(other) = seen[slot].replace(rank) {
+            return Err(PlacementError::Claimed {
+                other,
+                rank,
+                local,
+                node,
+            });
         }
     }
     check_hosts(table)
@@ -360,18 +438,19 @@ pub(crate) fn check_layout(table: &[PeerInfo]) -> Result<(), String> {
 /// The launcher's nodes against the hosts the ranks found themselves on:
 /// the ranks of one node run on one host (a host may hold several logical
 /// nodes of `zeropp launch`).
-fn check_hosts(table: &[PeerInfo]) -> Result<(), String> {
+fn check_hosts(table: &[PeerInfo]) -> Result<(), PlacementError> {
     let g = table[0].local_world_size;
     for p in table {
         let first = &table[p.node_rank * g];
         let unknown = p.host_id.is_empty() || first.host_id.is_empty();
         if !unknown && (p.host != first.host || p.host_id != first.host_id) {
-            return Err(format!(
-                "the launcher puts ranks {} and {} on node {}, but rank {} runs on host {} and \
-                 rank {} on host {}: the ranks of a node must share a host (round-robin \
-                 placement such as mpirun --map-by node is not supported; use --map-by slot)",
-                first.rank, p.rank, p.node_rank, first.rank, first.host, p.rank, p.host
-            ));
+            return Err(PlacementError::NodeOnHosts {
+                first: first.rank,
+                rank: p.rank,
+                node: p.node_rank,
+                first_host: first.host.clone(),
+                host: p.host.clone(),
+            });
         }
     }
     Ok(())
@@ -577,7 +656,7 @@ fn through_torch_store(
             Ok(p)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    check_layout(&table).map_err(failure)?;
+    check_layout(&table).map_err(|e| failure(e.to_string()))?;
     Ok(table)
 }
 
@@ -648,14 +727,14 @@ mod tests {
         // mpirun --map-by node on 2 hosts: OMPI local ranks 0,0,1,1; zeropp
         // derives node = rank / 2.
         let t = table(&[("a", 0, 0), ("b", 0, 0), ("a", 1, 1), ("b", 1, 1)], 2);
-        let e = check_layout(&t).unwrap_err();
+        let e = check_layout(&t).unwrap_err().to_string();
         assert!(
             e.contains("rank 1 is local rank 0 of node 0") && e.contains("--map-by slot"),
             "{e}"
         );
         // Slurm --distribution=cyclic: the node ids are right, the numbering is not.
         let t = table(&[("a", 0, 0), ("b", 1, 0), ("a", 0, 1), ("b", 1, 1)], 2);
-        let e = check_layout(&t).unwrap_err();
+        let e = check_layout(&t).unwrap_err().to_string();
         assert!(e.contains("node by node"), "{e}");
     }
 
@@ -664,7 +743,7 @@ mod tests {
         // A launcher that claims 2 ranks per node where the hosts run 1 each
         // (LOCAL_WORLD_SIZE set by hand on two machines).
         let t = table(&[("a", 0, 0), ("b", 0, 1)], 2);
-        let e = check_layout(&t).unwrap_err();
+        let e = check_layout(&t).unwrap_err().to_string();
         assert!(
             e.contains("rank 0 runs on host a") && e.contains("rank 1 on host b"),
             "{e}"

@@ -23,7 +23,7 @@ use bytes::Bytes;
 use super::io_err;
 use super::mailbox::Mailbox;
 use super::pool::BufferPool;
-use super::wire::{self, Header, Kind, ReadFrame};
+use super::wire::{self, Header, HelloError, Kind, ReadFrame};
 use super::{CommError, SendHandle, Tag, Transport};
 
 /// Settings of a TCP mesh.
@@ -106,28 +106,26 @@ fn read_hello(
     token: &str,
     world_size: usize,
     timeout: Duration,
-) -> Result<usize, String> {
-    stream
-        .set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    let frame = wire::read_frame(stream).map_err(|e| e.to_string())?;
-    let ReadFrame::Frame(header, payload) = frame else {
-        return Err("closed before saying hello".into());
+) -> Result<usize, HelloError> {
+    stream.set_read_timeout(Some(timeout))?;
+    let ReadFrame::Frame(header, payload) = wire::read_frame(stream)? else {
+        return Err(HelloError::Closed);
     };
     if header.kind != Kind::Hello || payload.len() < 8 {
-        return Err("first frame is not a hello".into());
+        return Err(HelloError::NotHello);
     }
     let their_world = u64::from_le_bytes(payload[..8].try_into().unwrap_or([0; 8])) as usize;
     if &payload[8..] != token.as_bytes() {
-        return Err("wrong job token".into());
+        return Err(HelloError::WrongToken);
     }
     if their_world != world_size {
-        return Err(format!(
-            "rank {} believes the world has {their_world} ranks, this rank {world_size}",
-            header.source
-        ));
+        return Err(HelloError::WorldSize {
+            rank: header.source as usize,
+            theirs: their_world,
+            ours: world_size,
+        });
     }
-    stream.set_read_timeout(None).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(None)?;
     Ok(header.source as usize)
 }
 

@@ -9,6 +9,32 @@ use std::sync::Arc;
 use super::pool::{BufferPool, PooledBuf};
 use super::{CommError, Tag};
 
+/// Why a connection's hello was refused: the first frame a rank (or a
+/// rank meeting the rendezvous) sends says who it is and which job.
+#[derive(Debug, thiserror::Error)]
+pub enum HelloError {
+    /// Reading or setting up the socket failed.
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    /// The frame could not be read.
+    #[error("{0}")]
+    Frame(#[from] CommError),
+    #[error("closed before saying hello")]
+    Closed,
+    #[error("the first frame is not a hello")]
+    NotHello,
+    #[error("unreadable hello: {0}")]
+    Unreadable(#[from] serde_json::Error),
+    #[error("wrong job token")]
+    WrongToken,
+    #[error("rank {rank} believes the world has {theirs} ranks, this rank {ours}")]
+    WorldSize {
+        rank: usize,
+        theirs: usize,
+        ours: usize,
+    },
+}
+
 pub const MAGIC: u32 = 0x5A50_5031; // "ZPP1"
 pub const VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 40;

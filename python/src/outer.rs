@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
-use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_comm::Transport;
+use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
@@ -300,7 +300,10 @@ impl Islands {
         let count = ranks.len();
         let laid_out = size > 0
             && job.layout().world() == count * size
-            && ranks.iter().enumerate().all(|(i, &r)| r == i * size + place);
+            && ranks
+                .iter()
+                .enumerate()
+                .all(|(i, &r)| r == i * size + place);
         if !laid_out {
             return Err(invalid(format!(
                 "islands over ranks {ranks:?} of {size} ranks each on rank {rank} of a job of {}: \
