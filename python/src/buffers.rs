@@ -7,6 +7,8 @@ use pyo3::prelude::*;
 
 use zeropp_comm::scratch;
 
+use zeropp_zero::ZeroError;
+
 use crate::invalid;
 
 /// The element types of tensors zeropp quantizes and moves.
@@ -120,24 +122,24 @@ impl HostBuf {
     }
 
     /// The buffer as values of `T` (it must be aligned and whole values).
-    pub fn typed<T: bytemuck::Pod>(&self, what: &str) -> Result<&[T], String> {
+    pub fn typed<T: bytemuck::Pod>(&self, what: &str) -> Result<&[T], ZeroError> {
         let b = self.bytes();
         bytemuck::try_cast_slice(b).map_err(|_| misaligned::<T>(what, b.len()))
     }
 
     #[allow(clippy::mut_from_ref)]
-    pub fn typed_mut<T: bytemuck::Pod>(&self, what: &str) -> Result<&mut [T], String> {
+    pub fn typed_mut<T: bytemuck::Pod>(&self, what: &str) -> Result<&mut [T], ZeroError> {
         let b = self.bytes_mut();
         let len = b.len();
         bytemuck::try_cast_slice_mut(b).map_err(|_| misaligned::<T>(what, len))
     }
 }
 
-fn misaligned<T>(what: &str, len: usize) -> String {
-    format!(
+fn misaligned<T>(what: &str, len: usize) -> ZeroError {
+    ZeroError::Invalid(format!(
         "{what}: {len} bytes at an address that is not whole, aligned {}-byte values",
         std::mem::size_of::<T>()
-    )
+    ))
 }
 
 // SAFETY: a `PyBuffer` may be sent between threads (pyo3 releases it under

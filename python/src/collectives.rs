@@ -403,12 +403,12 @@ impl Job {
             };
             let frozen = frozen.unwrap_or_default();
             with_dtype!(dtype, T => {
-                let shard: &[T] = inp.typed("input").map_err(bad)?;
+                let shard: &[T] = inp.typed("input")?;
                 // FSDP2 gathers in place: read the input from a copy then,
                 // so it and the output never alias.
                 let copy = out.overlaps(&inp).then(|| ScratchCopy::of(shard));
                 let shard = copy.as_ref().map_or(shard, ScratchCopy::values);
-                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                let mut o: &mut [T] = out.typed_mut("output")?;
                 // Host memory is where the host path keeps them anyway.
                 let r = reference.as_deref_mut().map(|reference| delta::Slot {
                     reference,
@@ -465,8 +465,8 @@ impl Job {
                 .transpose()
                 .map_err(|_| poisoned())?;
             with_dtype!(dtype, T => {
-                let x: &[T] = inp.typed("input").map_err(bad)?;
-                let mut o: &mut [T] = out.typed_mut("output").map_err(bad)?;
+                let x: &[T] = inp.typed("input")?;
+                let mut o: &mut [T] = out.typed_mut("output")?;
                 let how = match (state, &mut first, &mut second) {
                     (Some(s), Some(first), Some(second)) => Scatter::Qgz(
                         s.settings(layout.rank),
@@ -503,7 +503,7 @@ impl Job {
         let hop = (Hop::World, Phase::Replicate);
         Ok(self.submit(dim.groups.clone(), move |mover| {
             with_dtype!(dtype, T => {
-                let x: &mut [T] = buf.typed_mut("buffer").map_err(bad)?;
+                let x: &mut [T] = buf.typed_mut("buffer")?;
                 match &state {
                     None => mover.all_reduce_tensor(&Host, hop, x, mean)?,
                     Some(state) => {

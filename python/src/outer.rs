@@ -65,7 +65,7 @@ impl OuterState {
             }
         };
         let buf = HostBuf::new(weights, false, "weights")?;
-        let w = buf.typed::<f32>("weights (float32)").map_err(invalid)?;
+        let w = buf.typed::<f32>("weights (float32)").map_err(to_py)?;
         Ok(OuterState {
             settings: OuterSettings {
                 lr,
@@ -158,13 +158,11 @@ impl OuterState {
     ) -> PyResult<Op> {
         job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
-        buf.typed::<f32>("weights (float32)").map_err(invalid)?;
+        buf.typed::<f32>("weights (float32)").map_err(to_py)?;
         let (settings, state) = (self.settings, self.state.clone());
         let with = (islands.members.clone(), self.quantized);
         Ok(job.submit_alone(move |mover| {
-            let w = buf
-                .typed_mut::<f32>("weights")
-                .map_err(ZeroError::Invalid)?;
+            let w = buf.typed_mut::<f32>("weights")?;
             let mut state = state
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
@@ -202,13 +200,13 @@ impl OuterState {
                      one starts",
                 ));
             }
-            let w = buf.typed::<f32>("weights (float32)").map_err(invalid)?;
+            let w = buf.typed::<f32>("weights (float32)").map_err(to_py)?;
             let delta = outer::local_delta(&state, w).map_err(to_py)?;
             let eager = outer::eager(self.settings, &state, &delta);
             (delta, eager)
         };
         buf.typed_mut::<f32>("weights")
-            .map_err(invalid)?
+            .map_err(to_py)?
             .copy_from_slice(&eager);
         let state = self.state.clone();
         let with = (islands.members.clone(), self.quantized);
@@ -236,7 +234,7 @@ impl OuterState {
             return Ok(false);
         };
         let buf = HostBuf::new(weights, true, "weights")?;
-        let w = buf.typed_mut::<f32>("weights (float32)").map_err(invalid)?;
+        let w = buf.typed_mut::<f32>("weights (float32)").map_err(to_py)?;
         outer::apply(self.settings, &mut state, &flight.then, &flight.averaged, w)
             .map_err(to_py)?;
         Ok(true)
@@ -359,7 +357,7 @@ impl Islands {
 /// the same length.
 fn copy_out(buf: &Bound<'_, PyAny>, what: &str, from: &[f32]) -> PyResult<()> {
     let buf = HostBuf::new(buf, true, what)?;
-    let to = buf.typed_mut::<f32>(what).map_err(invalid)?;
+    let to = buf.typed_mut::<f32>(what).map_err(to_py)?;
     if to.len() != from.len() {
         return Err(invalid(format!(
             "a {what} buffer of {} values for a shard of {}",
@@ -375,7 +373,7 @@ fn copy_out(buf: &Bound<'_, PyAny>, what: &str, from: &[f32]) -> PyResult<()> {
 /// must hold `len` values.
 fn read_in(buf: &Bound<'_, PyAny>, what: &str, len: usize) -> PyResult<Vec<f32>> {
     let buf = HostBuf::new(buf, false, what)?;
-    let v = buf.typed::<f32>(what).map_err(invalid)?;
+    let v = buf.typed::<f32>(what).map_err(to_py)?;
     if v.len() != len {
         return Err(invalid(format!(
             "a saved {what} of {} values for a shard of {len}: the checkpoint was cut for \

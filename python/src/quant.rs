@@ -9,7 +9,7 @@ use zeropp_quant::{
 };
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
-use crate::invalid;
+use crate::{invalid, to_py};
 
 fn format(bits: u32, block: usize, asymmetric: bool) -> PyResult<QuantFormat> {
     let b = Bits::from_u32(bits).map_err(|e| invalid(e.to_string()))?;
@@ -35,7 +35,7 @@ fn quantize_buf(
     r: Rounding,
 ) -> PyResult<QuantizedTensor> {
     with_dtype!(dtype, T => {
-        let x: &[T] = data.typed("data").map_err(invalid)?;
+        let x: &[T] = data.typed("data").map_err(to_py)?;
         QuantizedTensor::quantize(x, f, r).map_err(|e| invalid(e.to_string()))
     })
 }
@@ -104,7 +104,7 @@ fn dequantize(
         let q = QuantizedRef::new(f, length, codes.bytes(), &bmax, &bmin)
             .map_err(|e| invalid(e.to_string()))?;
         with_dtype!(dtype, T => {
-            let o: &mut [T] = out.typed_mut("out").map_err(invalid)?;
+            let o: &mut [T] = out.typed_mut("out").map_err(to_py)?;
             if o.len() != length {
                 return Err(invalid(format!(
                     "out holds {} values, the quantized tensor {length}",
@@ -136,7 +136,7 @@ fn quant_error_json(
         let q = quantize_buf(&data, dtype, f, rounding(seed))?;
         let back: Vec<f32> = q.dequantize().map_err(|e| invalid(e.to_string()))?;
         let original: Vec<f32> = with_dtype!(dtype, T => {
-            let x: &[T] = data.typed("data").map_err(invalid)?;
+            let x: &[T] = data.typed("data").map_err(to_py)?;
             x.iter().map(|v| zeropp_quant::Element::to_f32(*v)).collect()
         });
         let stats = ErrorStats::measure(&original, &back);
