@@ -176,8 +176,8 @@ run() {
   fi
   local node=0
   for p in "${pids[@]}"; do
-    # torch-kill: the killed island's node ends failed (it does not rejoin).
-    wait "$p" || { [ "$kind" = torch-launch ] && [ "$node" -gt 0 ]; } || failed=1
+    # torch-kill: the killed rank's node ends failed (it does not rejoin).
+    wait "$p" || { [ "$kind" = torch-launch ] && [ "$node" -eq "$((${KILL_RANK:--RPN} / RPN))" ]; } || failed=1
     node=$((node + 1))
   done
   [ -z "$lighthouse" ] || kill "$lighthouse" 2>/dev/null || true

@@ -436,8 +436,10 @@ def main(argv=None):
                 dtype=torch.float64,
             )
             dist.all_reduce(mine, group=island)
-            # The islands' bytes are alike (the same collectives).
-            job_bytes = [b * args.islands for b in mine.tolist()]
+            # The islands' bytes are alike (the same collectives), over the
+            # islands taking part.
+            taking_part = len(outer.survivors()) // island_size if outer else args.islands
+            job_bytes = [b * taking_part for b in mine.tolist()]
             before = now
             inside.append(job_bytes[0])
             across.append(job_bytes[1])

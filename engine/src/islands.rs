@@ -19,7 +19,7 @@ use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
 pub use zeropp_zero::islands::LostIsland;
 pub(crate) use zeropp_zero::islands::lock;
-use zeropp_zero::islands::{Across, Membership};
+use zeropp_zero::islands::{Across, ExchangeName, Membership};
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::Phase;
@@ -643,7 +643,16 @@ impl Engine {
                 counter: &counter,
                 quantized,
             };
-            with.exchange(c, mine, residuals, (step, u))
+            with.exchange(
+                c,
+                mine,
+                residuals,
+                ExchangeName {
+                    step,
+                    unit: u,
+                    seq: 0,
+                },
+            )
         });
         run.live[u] = Some((due as u64, master.to_vec(), exchange));
         Ok(())

@@ -11,8 +11,9 @@ use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
 use zeropp_zero::host::HostMover;
-use zeropp_zero::islands::{self, Across, Membership};
+use zeropp_zero::islands::{self, Across, ExchangeName, Membership};
 use zeropp_zero::outer::{self, OuterSettings};
+use zeropp_zero::residual::Residual;
 
 use crate::buffers::HostBuf;
 use crate::collectives::{Job, Op};
@@ -145,16 +146,17 @@ impl OuterState {
     /// registered with `add_mesh_dim`) less the islands lost. The weights
     /// become the new anchor, the same on every island taking part; an
     /// island lost during the exchange leaves it and the exchange runs
-    /// again without it. `at` (the optimizer step, the shard's index)
-    /// names the exchange, which the islands left check they agree on
-    /// before they run it again. An [`Op`] to wait on.
+    /// again without it. `at` (the optimizer step, the exchanges this rank
+    /// started before, the shard's index) names the exchange, which the
+    /// islands left check they agree on before they run it again. An
+    /// [`Op`] to wait on.
     fn step(
         &self,
         job: &Job,
         weights: &Bound<'_, PyAny>,
         ranks: Vec<usize>,
         islands: &Islands,
-        at: (u64, usize),
+        at: (u64, u64, usize),
     ) -> PyResult<Op> {
         job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
@@ -188,7 +190,7 @@ impl OuterState {
         weights: &Bound<'_, PyAny>,
         ranks: Vec<usize>,
         islands: &Islands,
-        at: (u64, usize),
+        at: (u64, u64, usize),
     ) -> PyResult<Op> {
         job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
@@ -257,7 +259,7 @@ fn exchange(
     (members, quantized): &(Arc<Mutex<Membership>>, Option<QuantizedAllReduce>),
     state: &mut outer::OuterState,
     mine: Vec<f32>,
-    at: (u64, usize),
+    at: (u64, u64, usize),
 ) -> Result<Vec<f32>, ZeroError> {
     let across = Across {
         members,
@@ -268,9 +270,15 @@ fn exchange(
         std::mem::take(&mut state.sent),
         std::mem::take(&mut state.owned),
     );
-    let (averaged, sent, owned, _) = across.exchange(mover.comm, mine, residuals, at)?;
+    let (averaged, sent, owned, _) = across.exchange(mover.comm, mine, residuals, name(at))?;
     (state.sent, state.owned) = (sent, owned);
     Ok(averaged)
+}
+
+/// An exchange's name from Python's (optimizer step, exchanges this rank
+/// started before it, parameter index).
+fn name((step, seq, unit): (u64, u64, usize)) -> ExchangeName {
+    ExchangeName { step, unit, seq }
 }
 
 /// Which islands of an (islands, ranks) mesh take part in the outer sync,
@@ -332,6 +340,24 @@ impl Islands {
             .iter()
             .map(|l| (l.island, l.step, l.why.clone()))
             .collect()
+    }
+
+    /// Finds islands lost since the last exchange: a one-value exchange
+    /// over the islands taking part (every rank of them calls it at the
+    /// same point, `at` naming it), which a lost island leaves as any
+    /// exchange does. An [`Op`] to wait on.
+    fn probe(&self, job: &Job, at: (u64, u64, usize)) -> Op {
+        let members = self.members.clone();
+        job.submit_alone(move |mover| {
+            let across = Across {
+                members: &members,
+                counter: mover.counter,
+                quantized: None,
+            };
+            let none = (Residual::none(), Residual::none());
+            across.exchange(mover.comm, vec![0.0], none, name(at))?;
+            Ok(())
+        })
     }
 
     /// Island `i` leaves the outer sync after optimizer step `step` (another

@@ -217,44 +217,51 @@ def test_the_example_trains_islands_with_outer_sync(tmp_path):
     assert outer["inter_node"] > 0 and outer["intra_node"] == 0, outer
 
 
-def test_a_killed_island_leaves_the_outer_sync_and_the_other_trains_to_the_end(
-    tmp_path, zeropp_bin
+@pytest.mark.parametrize("islands", [2, 3])
+def test_a_killed_island_leaves_the_outer_sync_and_the_others_train_to_the_end(
+    tmp_path, zeropp_bin, islands
 ):
     # Launched as users run islands that must survive a loss: `zeropp launch
-    # --islands 2`, which stops only the failed rank's island. Rank 3 (island
-    # 1) is SIGKILLed mid-run; island 0 finds the island gone at an outer
-    # exchange, goes on alone, and ends the run with its validation loss.
+    # --islands N`, which stops only the failed rank's island. The last
+    # island's last rank is SIGKILLed mid-run; the others find the island
+    # gone at an outer exchange, go on without it (with three islands, the
+    # two left keep syncing over their regrouped ranks), and end the run
+    # with their validation loss.
     metrics, out = tmp_path / "m.jsonl", tmp_path / "s.json"
-    cmd = [zeropp_bin, "launch", "--nodes", "2", "--ranks-per-node", "2", "--islands", "2"]
-    cmd += ["--timeout", "20", "--", sys.executable, str(EXAMPLE), "--mode", "zeropp"]
-    cmd += ["--islands", "2", "--sync-every", "5", "--steps", "60", "--ranks-per-node", "2"]
-    cmd += ["--log-every", "1000", "--metrics", str(metrics), "--summary-json", str(out)]
+    cmd = [zeropp_bin, "launch", "--nodes", str(islands), "--ranks-per-node", "2"]
+    cmd += ["--islands", str(islands), "--timeout", "20", "--", sys.executable, str(EXAMPLE)]
+    cmd += ["--mode", "zeropp", "--islands", str(islands), "--sync-every", "5", "--steps", "40"]
+    cmd += ["--ranks-per-node", "2", "--log-every", "1000"]
+    cmd += ["--metrics", str(metrics), "--summary-json", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out_err = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     job = subprocess.Popen(cmd, text=True, env=env, **out_err)
+    victim = 2 * islands - 1
     try:
         start = time.monotonic()
         while not metrics.exists() or metrics.read_text().count('"step"') < 12:
             assert job.poll() is None and time.monotonic() - start < 180, "no step 12"
             time.sleep(0.05)
-        victim = next(p for p in _children(job.pid) if _environ(p).get("RANK") == "3")
-        os.kill(victim, 9)
+        pid = next(p for p in _children(job.pid) if _environ(p).get("RANK") == str(victim))
+        os.kill(pid, 9)
         text, _ = job.communicate(timeout=300)
     finally:
         job.kill()
     assert job.returncode == 0, text[-6000:]
-    assert "island 1 was lost" in text, text[-6000:]
+    assert f"island {islands - 1} was lost" in text, text[-6000:]
     s = json.loads(out.read_text())
     lost = s["islands"]["lost"]
-    assert [x["island"] for x in lost] == [1] and 12 <= lost[0]["step"] <= 60, lost
-    assert "rank 2" in lost[0]["why"] or "rank 3" in lost[0]["why"], lost
+    assert [x["island"] for x in lost] == [islands - 1] and 12 <= lost[0]["step"] <= 40, lost
+    assert f"rank {victim - 1}" in lost[0]["why"] or f"rank {victim}" in lost[0]["why"], lost
     steps = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [m["step"] for m in steps] == list(range(1, 61))
+    assert [m["step"] for m in steps] == list(range(1, 41))
     # No step waited long for the lost island (the bound: 60 s).
     assert max(m["step_time_s"] for m in steps) < 30, steps
     assert s["final_loss"] < 0.8 * s["initial_loss"] and math.isfinite(s["val_loss"]), s
-    # After the loss nothing crosses between the islands.
-    assert steps[-1]["bytes_inter_node"] == 0, steps[-1]
+    # After the loss the islands left sync among themselves (alone: nothing
+    # crosses).
+    after = steps[-1]["bytes_inter_node"]
+    assert (after > 0) == (islands > 2), steps[-1]
 
 
 def _children(pid):

@@ -1261,7 +1261,8 @@ class OuterSync:
     the others go on without it — launch with ``zeropp launch --islands N``,
     which stops only the failed rank's island. :attr:`lost` names the lost
     islands; after :meth:`finish`, run what follows training over
-    :meth:`survivor_group`. A lost island does not rejoin yet."""
+    :meth:`survivor_group`. A lost island does not rejoin yet, and island 0
+    must live (its first rank holds torch.distributed's store)."""
 
     def __init__(
         self,
@@ -1306,9 +1307,6 @@ class OuterSync:
         # model between syncs, the inner optimizer's state) in a checkpoint.
         self.island = mesh.get_local_rank(0)
         _add_mesh_dim(self.job, self.ranks)
-        # Which islands take part: one that loses a rank leaves the outer
-        # sync, and the others go on without it.
-        self._islands = _zeropp.Islands(self.job, self.ranks, mesh.size(1))
         self._island_group, self._flags_device = mesh.get_group(1), mesh.device_type
         self._survivors = None
         self.model = model
@@ -1342,8 +1340,11 @@ class OuterSync:
                 "into 1 to that many fragments"
             )
         self.fragments = _runs([p.numel() for p in self.params], fragments)
-        # Last, once nothing can refuse: HSDP's replicas become islands.
+        # Last, once nothing can refuse: HSDP's replicas become islands, and
+        # which islands take part is known (one that loses a rank leaves the
+        # outer sync; the others go on without it).
         self.replicas_apart = _islands_on_hsdp(model)
+        self._islands = _islands_of(self.job, self.ranks, mesh.size(1))
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1413,12 +1414,17 @@ class OuterSync:
                 if any(id(fp.sharded_param) in ids for fp in group.fsdp_params):
                     ag.qwz_reference.reset()
 
+    def _name(self, i):
+        """Parameter ``i``'s exchange now, as every rank names it: the
+        optimizer step, how many exchanges started before, the parameter."""
+        return (self.steps, self.syncs, i)
+
     def _start(self, f, delay):
         idx = self.fragments[f]
         bufs = [host_bytes(self._host(i), "parameter") for i in idx]
         if delay == 0:
             ops = [
-                self.states[i].step(self.job, b, self.ranks, self._islands, (self.steps, i))
+                self.states[i].step(self.job, b, self.ranks, self._islands, self._name(i))
                 for i, b in zip(idx, bufs, strict=True)
             ]
             for op in ops:
@@ -1426,7 +1432,7 @@ class OuterSync:
         else:
             # The eager update is in the weights when start returns.
             ops = [
-                self.states[i].start(self.job, b, self.ranks, self._islands, (self.steps, i))
+                self.states[i].start(self.job, b, self.ranks, self._islands, self._name(i))
                 for i, b in zip(idx, bufs, strict=True)
             ]
             self._pending[f] = (self.steps + delay, ops)
@@ -1459,12 +1465,16 @@ class OuterSync:
         on every rank at the end of training): every island then holds the
         one model. Whether it ran."""
         whole = len(self.fragments) == 1 and not self._pending
-        if self.steps == 0 or (whole and self.steps % self.sync_every == 0):
-            self._agree()
-            return False
+        ran = not (self.steps == 0 or (whole and self.steps % self.sync_every == 0))
         self._agree()
-        self.sync()
-        return True
+        if ran:
+            self.sync()
+        # An island lost after the last exchange: found by a one-value
+        # exchange, then agreed on, so that every rank left names the same
+        # survivors.
+        self._islands.probe(self.job, self._name(len(self.params))).wait()
+        self._agree()
+        return ran
 
     def _agree(self):
         """The ranks of this island agree on which islands take part: an
@@ -1639,6 +1649,19 @@ def _host_like(p):
 def _plain(t):
     """A checkpoint's tensor (or DTensor) as this rank's float32 CPU shard."""
     return _local(t).detach().to("cpu", torch.float32).contiguous()
+
+
+# The islands each set of ranks across them takes part with, one per job:
+# every OuterSync over the same islands shares it (their regrouped groups
+# are the same groups, with one sequence of calls).
+_islands_by_ranks = {}
+
+
+def _islands_of(zjob, ranks, size):
+    key = (tuple(ranks), size)
+    if key not in _islands_by_ranks:
+        _islands_by_ranks[key] = _zeropp.Islands(zjob, ranks, size)
+    return _islands_by_ranks[key]
 
 
 def _runs(sizes, n):

@@ -45,6 +45,12 @@ pub struct Membership {
     /// Every rank of the islands taking part, once membership changed
     /// (`None`: the job's world).
     pub job: Option<Arc<Group>>,
+    /// Whether the ranks of `across` have checked they are at one exchange
+    /// since it was made: a regrouped `across` starts unchecked, and its
+    /// first exchange begins with the check on every member (each came to
+    /// it its own way: an exchange that failed, the island's agreement, a
+    /// rejoin).
+    pub checked: bool,
     /// Why an exchange failed in a way no regroup mends (this rank's own
     /// island broke): the exchanges queued after it fail at once, sending
     /// nothing, rather than number their calls differently from the
@@ -73,6 +79,7 @@ impl Membership {
             rejoined: Vec::new(),
             across,
             job: None,
+            checked: true,
             broken: None,
         }
     }
@@ -81,6 +88,7 @@ impl Membership {
     /// on every member alike).
     pub fn regroup(&mut self) -> Result<(), ZeroError> {
         let digest = self.digest();
+        self.checked = false;
         let ranks: Vec<usize> = self.members().map(|m| m * self.size + self.place).collect();
         self.across = Arc::new(Group::new(
             GroupKind::Across {
@@ -165,35 +173,66 @@ impl Membership {
     }
 }
 
+/// Which outer exchange a rank is at: of unit `unit` after optimizer step
+/// `step` (where a loss found in it is recorded), the `seq`-th that rank
+/// started (telling apart two exchanges of one unit after one step: a
+/// sync at the end of a run right after the unit's own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExchangeName {
+    pub step: u64,
+    pub unit: usize,
+    pub seq: u64,
+}
+
+impl ExchangeName {
+    fn bytes(&self) -> [u8; 24] {
+        let mut b = [0u8; 24];
+        b[..8].copy_from_slice(&self.step.to_le_bytes());
+        b[8..16].copy_from_slice(&(self.unit as u64).to_le_bytes());
+        b[16..].copy_from_slice(&self.seq.to_le_bytes());
+        b
+    }
+
+    fn of(b: &[u8]) -> Option<ExchangeName> {
+        let b: &[u8; 24] = b.try_into().ok()?;
+        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        Some(ExchangeName {
+            step: word(0),
+            unit: word(8) as usize,
+            seq: word(16),
+        })
+    }
+}
+
+impl std::fmt::Display for ExchangeName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "unit {} after step {}", self.unit, self.step)?;
+        if self.seq > 0 {
+            write!(f, " (exchange {})", self.seq)?;
+        }
+        Ok(())
+    }
+}
+
 /// Before an exchange runs again over the islands left after a loss: the
-/// ranks of `across` check they are all at the exchange of unit `u` of the
-/// sync after `step` (one may have completed an exchange the lost island
-/// still answered while another did not; without this each would read the
-/// other's next exchange as its own).
+/// ranks of `across` check they are all at exchange `name` (one may have
+/// completed an exchange the lost island still answered while another did
+/// not; without this each would read the other's next exchange as its
+/// own).
 pub fn same_exchange(
     c: &Communicator,
     across: &Group,
-    (step, u): (u64, usize),
+    name: ExchangeName,
 ) -> Result<(), ZeroError> {
-    let mine = [step.to_le_bytes(), (u as u64).to_le_bytes()].concat();
-    let all = c.all_gather_v(across, Bytes::copy_from_slice(&mine))?;
-    let at = |b: &Bytes| -> Option<(u64, u64)> {
-        let b: &[u8; 16] = b[..].try_into().ok()?;
-        let (s, v) = b.split_at(8);
-        Some((
-            u64::from_le_bytes(s.try_into().ok()?),
-            u64::from_le_bytes(v.try_into().ok()?),
-        ))
-    };
+    let all = c.all_gather_v(across, Bytes::copy_from_slice(&name.bytes()))?;
     for (j, b) in all.iter().enumerate() {
-        if at(b) != Some((step, u as u64)) {
-            let theirs = at(b).map_or("a malformed answer".into(), |(s, v)| {
-                format!("unit {v} after step {s}")
-            });
+        let theirs = ExchangeName::of(b);
+        if theirs != Some(name) {
+            let theirs = theirs.map_or("a malformed answer".into(), |t| t.to_string());
             return Err(ZeroError::Invalid(format!(
                 "after an island was lost the islands left are at different exchanges: this rank \
-                 at unit {u} after step {step}, rank {} at {theirs} (one completed an exchange the \
-                 lost island still answered); resume the job from its last checkpoint",
+                 at {name}, rank {} at {theirs} (one completed an exchange the lost island still \
+                 answered); resume the job from its last checkpoint",
                 across.ranks()[j]
             )));
         }
@@ -213,34 +252,40 @@ pub struct Across<'a> {
 pub type Exchanged = (Vec<f32>, Residual, Residual, f64);
 
 impl Across<'_> {
-    /// Unit `u`'s outer exchange after `step` of this island's delta
-    /// `mine` with the islands alive, run again without an island that is
-    /// lost during it (its residuals start over then).
+    /// Exchange `name` of this island's delta `mine` with the islands
+    /// alive, run again without an island that is lost during it (its
+    /// residuals start over then).
     pub fn exchange(
         &self,
         c: &Communicator,
         mine: Vec<f32>,
         (mut sent, mut owned): (Residual, Residual),
-        (step, u): (u64, usize),
+        name: ExchangeName,
     ) -> std::result::Result<Exchanged, ZeroError> {
         let t = Instant::now();
         let mut again = false;
         loop {
-            let across = {
+            let (across, unchecked) = {
                 let m = lock(self.members);
                 if let Some(why) = &m.broken {
                     return Err(ZeroError::Invalid(format!(
                         "not started: an earlier outer exchange failed ({why})"
                     )));
                 }
-                m.across.clone()
+                (m.across.clone(), !m.checked)
             };
             if across.size() == 1 {
                 return Ok((mine, Residual::none(), Residual::none(), 0.0));
             }
-            // Run again after a loss: first check every rank is at it.
-            let checked = if again {
-                same_exchange(c, &across, (step, u))
+            // Run again after a loss, or the first exchange over islands
+            // regrouped since: first check every rank is at it.
+            let checked = if again || unchecked {
+                same_exchange(c, &across, name).inspect(|()| {
+                    let mut m = lock(self.members);
+                    if Arc::ptr_eq(&m.across, &across) {
+                        m.checked = true;
+                    }
+                })
             } else {
                 Ok(())
             };
@@ -263,7 +308,7 @@ impl Across<'_> {
             match tried {
                 Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
                 Err(e) => {
-                    self.lose_the_failed_island(e, step)?;
+                    self.lose_the_failed_island(e, name.step)?;
                     (sent, owned) = (Residual::none(), Residual::none());
                 }
             }
