@@ -756,7 +756,7 @@ fn resolve(
     mode: &str,
     overrides: &str,
     layout: Layout,
-    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
+    routing: &Result<zeropp_zero::routing::ClusterView, zeropp_zero::routing::RoutingError>,
     measured: Option<&Measured>,
 ) -> PyResult<String> {
     let asked: serde_json::Map<String, serde_json::Value> = serde_json::from_str(overrides)

@@ -128,7 +128,7 @@ fn routing_plan_json(
     let root = sysfs_root.unwrap_or_else(|| "/".into());
     let topo = zeropp_topology::detect::detect(std::path::Path::new(&root))
         .map_err(|e| invalid(format!("topology of {root}: {e}")))?;
-    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
+    let plan = zeropp_zero::routing::plan(&topo, nodes, ranks_per_node)
         .map_err(|e| invalid(e.to_string()))?;
     // As `zeropp topo plan --json`: the switches a run resolves from it.
     let run = zeropp_zero::plan::before_measuring(&topo, nodes, ranks_per_node)

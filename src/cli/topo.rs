@@ -93,7 +93,7 @@ pub fn run(args: TopoArgs) -> Result<()> {
                     nodes,
                     ranks_per_node,
                 }) => {
-                    let plan = zeropp_topology::plan::plan(&topo, nodes, ranks_per_node)
+                    let plan = zeropp_zero::routing::plan(&topo, nodes, ranks_per_node)
                         .map_err(anyhow::Error::msg)?;
                     let run = crate::zero::plan::before_measuring(&topo, nodes, ranks_per_node)
                         .map_err(|e| anyhow::anyhow!("resolving a run's switches: {e}"))?;

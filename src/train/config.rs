@@ -446,7 +446,7 @@ mod tests {
             ranks_per_node: 2,
             rank: 0,
         };
-        let routing = Err(zeropp_topology::plan::RoutingError::Unpublished);
+        let routing = Err(zeropp_zero::routing::RoutingError::Unpublished);
         for (mode, overrides) in [
             ("zeropp", "{}"),
             ("zero3", "{}"),

@@ -640,7 +640,7 @@ fn decide_islands(
 /// What rank 0 prints about the plan before training: the routing report
 /// and the switches the plan chose, with the reasons.
 fn print_plan(
-    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
+    routing: &Result<zeropp_zero::routing::ClusterView, zeropp_zero::routing::RoutingError>,
     resolved: &Resolved,
     measured: bool,
 ) {
@@ -973,7 +973,7 @@ impl Validator {
 /// What rank 0 prints about the cluster: the nodes, how they differ, and
 /// the routing plan.
 fn routing_report(
-    routing: &Result<zeropp_topology::plan::ClusterView, zeropp_topology::plan::RoutingError>,
+    routing: &Result<zeropp_zero::routing::ClusterView, zeropp_zero::routing::RoutingError>,
 ) -> String {
     match routing {
         Ok(view) => {

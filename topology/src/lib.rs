@@ -10,9 +10,9 @@
 
 pub mod capture;
 pub mod detect;
+pub mod fixtures;
 pub mod nccl;
 pub mod nvml;
-pub mod plan;
 pub mod smi;
 
 use serde::{Deserialize, Serialize};

@@ -1,7 +1,6 @@
-//! NCCL topology dumps (NCCL_TOPO_DUMP_FILE) read into the same facts and
-//! plans as detection.
+//! NCCL topology dumps (NCCL_TOPO_DUMP_FILE) read into the same facts as
+//! detection (the plans made from them: zeropp-zero's tests/routing.rs).
 
-use zeropp_topology::plan::plan;
 use zeropp_topology::{LinkKind, NicKind, PciePath, Topology, nccl};
 
 fn load(name: &str) -> Topology {
@@ -40,25 +39,6 @@ fn dgx_a100_dump_nvswitch_pairs_and_hdr_infiniband() {
         assert_eq!(n.numa_node, Some(u32::from(i >= 4)));
         assert!(!n.is_virtual);
     }
-    let p = plan(&t, 4, 8).unwrap();
-    assert_eq!(p.hpz_group, 8, "{}", p.render());
-    assert_eq!(p.hops[1].transport, "NCCL over RDMA", "{}", p.render());
-    // 8 x 200 Gb/s per node = 200 GB/s shared by 8 ranks.
-    assert!(
-        (p.hops[1].gbps_per_rank - 25.0).abs() < 1e-9,
-        "{}",
-        p.render()
-    );
-    // Each rank takes a NIC on its own NUMA node.
-    for r in &p.rank_nics {
-        let nic = r.nic.as_deref().unwrap();
-        let n = t.nics.iter().find(|n| n.name == nic).unwrap();
-        assert_eq!(
-            n.numa_node, t.gpus[r.local_rank].numa_node,
-            "rank {}",
-            r.local_rank
-        );
-    }
 }
 
 #[test]
@@ -96,15 +76,6 @@ fn pcie_workstation_dump_paths_from_the_pci_tree() {
             .all(|n| n.kind == NicKind::Ethernet && n.speed_gbps == Some(25.0))
     );
     assert_eq!(t.nics[1].pci_bus_id.as_deref(), Some("0000:a1:00.0"));
-    let p = plan(&t, 2, 4).unwrap();
-    assert_eq!(p.hops[1].transport, "NCCL over TCP", "{}", p.render());
-    let env: std::collections::BTreeMap<_, _> = p.env.iter().cloned().collect();
-    assert_eq!(
-        env.get("NCCL_IB_DISABLE").map(String::as_str),
-        Some("1"),
-        "{:?}",
-        p.env
-    );
 }
 
 #[test]

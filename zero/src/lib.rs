@@ -25,7 +25,7 @@ pub mod testing;
 pub use backends::{backend, device, device_job, emulated, host, work};
 pub use base::{groups, layout, measured, traffic};
 pub use collectives::{allreduce, delta, fsdp, hpz, islands, outer, payload, qgz, qwz, residual};
-pub use policy::{cost, job, plan, planner, probe};
+pub use policy::{cost, job, plan, planner, probe, routing};
 
 pub use backend::{ByteMover, Hop, Quantizer};
 pub use error::ZeroError;

@@ -12,9 +12,9 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::routing::{ClusterView, RoutingError};
 use zeropp_comm::exchange::Peer;
 use zeropp_comm::{Communicator, Transport};
-use zeropp_topology::plan::{ClusterView, RoutingError};
 
 use crate::groups::ZeroGroups;
 use crate::layout::Layout;
@@ -42,7 +42,7 @@ pub fn routing(peers: &[Peer], layout: Layout) -> Result<ClusterView, RoutingErr
             serde_json::from_value(p.facts.get("topology")?.clone()).ok()
         })
         .collect();
-    zeropp_topology::plan::cluster(&tops.ok_or(RoutingError::Unpublished)?, g)
+    crate::routing::cluster(&tops.ok_or(RoutingError::Unpublished)?, g)
 }
 
 /// Whether the job's links are measured at join: more than one rank, the

@@ -1,4 +1,5 @@
-//! The decisions: the switches and the wire formats they become ([`plan`]),
+//! The decisions: the routing plan from every node's detected topology
+//! ([`routing`]), the switches and the wire formats they become ([`plan`]),
 //! the links measured at join ([`probe`]), the cost model ([`cost`]) and
 //! what it is fed from a run ([`planner`]), and a joined job built by one
 //! rule for every caller ([`job`]).
@@ -8,3 +9,4 @@ pub mod job;
 pub mod plan;
 pub mod planner;
 pub mod probe;
+pub mod routing;

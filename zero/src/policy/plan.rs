@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::routing::{ClusterView, RoutingError};
 use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
-use zeropp_topology::plan::{ClusterView, RoutingError};
 
 use crate::error::ZeroError;
 use crate::layout::{Layout, LayoutError};
@@ -335,7 +335,7 @@ pub fn before_measuring(
     nodes: usize,
     g: usize,
 ) -> Result<Resolved, PlanError> {
-    let routing = zeropp_topology::plan::cluster(&vec![topo.clone(); nodes], g);
+    let routing = crate::routing::cluster(&vec![topo.clone(); nodes], g);
     let layout = Layout {
         nodes,
         ranks_per_node: g,
@@ -783,7 +783,7 @@ mod tests {
             gpu_links: vec![],
             nics: vec![],
         };
-        zeropp_topology::plan::cluster(&[host("a"), host("b")], 4)
+        crate::routing::cluster(&[host("a"), host("b")], 4)
     }
 
     /// What a job measured: routes of these times (ms), links unknown.

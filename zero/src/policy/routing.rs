@@ -5,7 +5,7 @@
 
 use serde::Serialize;
 
-use crate::{LinkKind, Nic, NicKind, Topology};
+use zeropp_topology::{LinkKind, Nic, NicKind, Topology};
 
 /// Estimated bandwidths, GB/s per direction. Rough public figures: the
 /// plan needs their ratios, not their decimals.
