@@ -58,8 +58,26 @@ pub trait Quantizer {
         self.kept(len, bf16)
     }
 
-    /// `k[at_k..at_k + len]` in f32 into `out[at..]`.
+    /// Values in kept storage.
+    fn kept_len(&self, k: &Self::Kept) -> usize;
+
+    /// `k[at_k..at_k + len]` in f32 into `out[at..]`. Checked here; the
+    /// backend loads ([`Quantizer::load_kept_unchecked`]).
     fn load_kept(
+        &self,
+        k: &Self::Kept,
+        at_k: usize,
+        out: &mut Self::Values,
+        at: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.kept_len(k), at_k, len, "loading kept values")?;
+        check_span(self.len(out), at, len, "loading kept values")?;
+        self.load_kept_unchecked(k, at_k, out, at, len)
+    }
+
+    /// [`Quantizer::load_kept`] once both ranges were checked.
+    fn load_kept_unchecked(
         &self,
         k: &Self::Kept,
         at_k: usize,
@@ -69,8 +87,23 @@ pub trait Quantizer {
     ) -> Result<(), ZeroError>;
 
     /// `x[at..at + len]` into `k[at_k..]` (rounded to nearest even where
-    /// `k` is bf16).
+    /// `k` is bf16). Checked here; the backend stores
+    /// ([`Quantizer::store_kept_unchecked`]).
     fn store_kept(
+        &self,
+        x: &Self::Values,
+        at: usize,
+        k: &mut Self::Kept,
+        at_k: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(x), at, len, "keeping values")?;
+        check_span(self.kept_len(k), at_k, len, "keeping values")?;
+        self.store_kept_unchecked(x, at, k, at_k, len)
+    }
+
+    /// [`Quantizer::store_kept`] once both ranges were checked.
+    fn store_kept_unchecked(
         &self,
         x: &Self::Values,
         at: usize,
@@ -82,8 +115,33 @@ pub trait Quantizer {
     /// Values in a caller's tensor.
     fn tensor_len<T: GpuElement>(&self, x: &Self::Tensor<'_, T>) -> usize;
 
-    /// `x` (one chunk's values) quantized into chunk `i` of `out`.
+    /// Values in a caller's tensor, to write.
+    fn tensor_mut_len<T: GpuElement>(&self, x: &Self::TensorMut<'_, T>) -> usize;
+
+    /// `x` (one chunk's values) quantized into chunk `i` of `out`. Checked
+    /// here; the backend quantizes ([`Quantizer::quantize_tensor_unchecked`]).
     fn quantize_tensor<T: GpuElement>(
+        &self,
+        x: &Self::Tensor<'_, T>,
+        rounding: Rounding,
+        out: &mut Self::Chunks,
+        i: usize,
+    ) -> Result<(), ZeroError> {
+        let shape = self.shape(out);
+        check_chunk(shape, i, "quantizing a tensor")?;
+        let n = self.tensor_len(x);
+        if n != shape.1 {
+            return Err(ZeroError::Invalid(format!(
+                "quantizing a tensor of {n} values into chunks of {}",
+                shape.1
+            )));
+        }
+        self.quantize_tensor_unchecked(x, rounding, out, i)
+    }
+
+    /// [`Quantizer::quantize_tensor`] once checked: the chunk exists and
+    /// `x` is one chunk long.
+    fn quantize_tensor_unchecked<T: GpuElement>(
         &self,
         x: &Self::Tensor<'_, T>,
         rounding: Rounding,
@@ -91,8 +149,29 @@ pub trait Quantizer {
         i: usize,
     ) -> Result<(), ZeroError>;
 
-    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`.
+    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`. Checked
+    /// here; the backend dequantizes
+    /// ([`Quantizer::dequantize_tensor_unchecked`]).
     fn dequantize_tensor<T: GpuElement>(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::TensorMut<'_, T>,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        let shape = self.shape(q);
+        check_chunk(shape, i, "dequantizing a chunk")?;
+        check_span(
+            self.tensor_mut_len(out),
+            at,
+            shape.1,
+            "dequantizing a chunk",
+        )?;
+        self.dequantize_tensor_unchecked(q, i, out, at)
+    }
+
+    /// [`Quantizer::dequantize_tensor`] once checked.
+    fn dequantize_tensor_unchecked<T: GpuElement>(
         &self,
         q: &Self::Chunks,
         i: usize,
@@ -100,8 +179,20 @@ pub trait Quantizer {
         at: usize,
     ) -> Result<(), ZeroError>;
 
-    /// `x` converted to f32 into `out[at..at + len(x)]`.
+    /// `x` converted to f32 into `out[at..at + len(x)]`. Checked here; the
+    /// backend converts ([`Quantizer::load_tensor_unchecked`]).
     fn load_tensor<T: GpuElement>(
+        &self,
+        x: &Self::Tensor<'_, T>,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(out), at, self.tensor_len(x), "loading a tensor")?;
+        self.load_tensor_unchecked(x, out, at)
+    }
+
+    /// [`Quantizer::load_tensor`] once checked.
+    fn load_tensor_unchecked<T: GpuElement>(
         &self,
         x: &Self::Tensor<'_, T>,
         out: &mut Self::Values,
@@ -109,8 +200,23 @@ pub trait Quantizer {
     ) -> Result<(), ZeroError>;
 
     /// `x[at_x..at_x + len]` converted to `T` (rounded to nearest even)
-    /// into `out[at_out..]`.
+    /// into `out[at_out..]`. Checked here; the backend converts
+    /// ([`Quantizer::store_values_unchecked`]).
     fn store_values<T: GpuElement>(
+        &self,
+        x: &Self::Values,
+        at_x: usize,
+        out: &mut Self::TensorMut<'_, T>,
+        at_out: usize,
+        len: usize,
+    ) -> Result<(), ZeroError> {
+        check_span(self.len(x), at_x, len, "storing values")?;
+        check_span(self.tensor_mut_len(out), at_out, len, "storing values")?;
+        self.store_values_unchecked(x, at_x, out, at_out, len)
+    }
+
+    /// [`Quantizer::store_values`] once both ranges were checked.
+    fn store_values_unchecked<T: GpuElement>(
         &self,
         x: &Self::Values,
         at_x: usize,
@@ -728,12 +834,21 @@ mod tests {
 
     /// The front door's refusals, the same for every backend: they are
     /// the trait's, not each backend's.
-    fn refusals<Q: Quantizer<Values = Vec<f32>>>(q: &Q) -> Vec<String> {
+    fn refusals<Q>(q: &Q) -> Vec<String>
+    where
+        Q: for<'a> Quantizer<
+                Values = Vec<f32>,
+                Tensor<'a, f32> = &'a [f32],
+                TensorMut<'a, f32> = &'a mut [f32],
+            >,
+    {
         let format = QuantFormat::int4(32).unwrap();
         let mut out = q.chunks(format, 32, 2).unwrap();
         let other = q.chunks(QuantFormat::int4(64).unwrap(), 32, 2).unwrap();
         let x = vec![0.5f32; 40];
         let mut sum = vec![0f32; 40];
+        let mut tensor = [0f32; 40];
+        let mut kept = q.kept(40, false).unwrap();
         let r = Rounding::NearestEven;
         let errors = [
             q.quantize_chunk(&x, 0, r, &mut out, 2),
@@ -746,6 +861,12 @@ mod tests {
             q.same(&x, 0, &sum, 39, 2).map(|_| ()),
             q.dropped(&mut sum, 35, &x, 0, 8),
             q.rotate(&mut sum, 8, 64, 32),
+            q.load_kept(&kept, 30, &mut sum, 0, 16),
+            q.store_kept(&x, 0, &mut kept, 35, 8),
+            q.quantize_tensor::<f32>(&&x[..31], r, &mut out, 0),
+            q.dequantize_tensor::<f32>(&out, 0, &mut &mut tensor[..], 20),
+            q.load_tensor::<f32>(&&x[..], &mut sum, 1),
+            q.store_values::<f32>(&x, 0, &mut &mut tensor[..], 38, 4),
         ];
         // In range, the same calls work.
         q.quantize_chunk(&x, 8, r, &mut out, 1).unwrap();
@@ -816,6 +937,12 @@ mod tests {
                 "invalid call: comparing: values 39..41 of a buffer of 40",
                 "invalid call: error feedback: values 35..43 of a buffer of 40",
                 "invalid call: a Hadamard rotation: values 8..72 of a buffer of 40",
+                "invalid call: loading kept values: values 30..46 of a buffer of 40",
+                "invalid call: keeping values: values 35..43 of a buffer of 40",
+                "invalid call: quantizing a tensor of 31 values into chunks of 32",
+                "invalid call: dequantizing a chunk: values 20..52 of a buffer of 40",
+                "invalid call: loading a tensor: values 1..41 of a buffer of 40",
+                "invalid call: storing values: values 38..42 of a buffer of 40",
             ]
         );
     }

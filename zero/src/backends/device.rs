@@ -138,14 +138,6 @@ impl DeviceKept {
     }
 }
 
-fn kept_range(k: &DeviceKept, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
-    if at + len <= k.len() {
-        Ok(())
-    } else {
-        Err(crate::host::out_of_range(what, at, len, k.len()))
-    }
-}
-
 impl Quantizer for Gpu {
     type Values = DeviceValues;
     type Chunks = DeviceQuantizedChunks;
@@ -179,7 +171,11 @@ impl Quantizer for Gpu {
         Ok(DeviceKept::Host(Host.kept(len, bf16)?))
     }
 
-    fn load_kept(
+    fn kept_len(&self, k: &DeviceKept) -> usize {
+        k.len()
+    }
+
+    fn load_kept_unchecked(
         &self,
         k: &DeviceKept,
         at_k: usize,
@@ -187,8 +183,6 @@ impl Quantizer for Gpu {
         at: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        kept_range(k, at_k, len, "loading kept values")?;
-        in_range(out, at, len, "loading kept values")?;
         let mut o = out.view_mut();
         let mut o = o.slice_mut(at..at + len);
         match k {
@@ -202,7 +196,7 @@ impl Quantizer for Gpu {
         Ok(())
     }
 
-    fn store_kept(
+    fn store_kept_unchecked(
         &self,
         x: &DeviceValues,
         at: usize,
@@ -210,8 +204,6 @@ impl Quantizer for Gpu {
         at_k: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        in_range(x, at, len, "keeping values")?;
-        kept_range(k, at_k, len, "keeping values")?;
         let src = x.view();
         let src = src.slice(at..at + len);
         match k {
@@ -229,18 +221,21 @@ impl Quantizer for Gpu {
         x.len()
     }
 
-    fn load_tensor<T: GpuElement>(
+    fn tensor_mut_len<T: GpuElement>(&self, x: &CudaViewMut<'_, T>) -> usize {
+        x.len()
+    }
+
+    fn load_tensor_unchecked<T: GpuElement>(
         &self,
         x: &CudaView<'_, T>,
         out: &mut DeviceValues,
         at: usize,
     ) -> Result<(), ZeroError> {
-        in_range(out, at, x.len(), "loading a tensor")?;
         let mut o = out.view_mut();
         Ok(self.widen(x, &mut o.slice_mut(at..at + x.len()))?)
     }
 
-    fn store_values<T: GpuElement>(
+    fn store_values_unchecked<T: GpuElement>(
         &self,
         x: &DeviceValues,
         at_x: usize,
@@ -248,15 +243,6 @@ impl Quantizer for Gpu {
         at_out: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        in_range(x, at_x, len, "storing values")?;
-        if at_out + len > out.len() {
-            return Err(crate::host::out_of_range(
-                "storing values",
-                at_out,
-                len,
-                out.len(),
-            ));
-        }
         let src = x.view();
         Ok(self.narrow(
             &src.slice(at_x..at_x + len),
@@ -264,34 +250,24 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn quantize_tensor<T: GpuElement>(
+    fn quantize_tensor_unchecked<T: GpuElement>(
         &self,
         x: &CudaView<'_, T>,
         rounding: Rounding,
         out: &mut DeviceQuantizedChunks,
         i: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(out, i, "quantizing a tensor")?;
         Ok(self.quantize_view(x, rounding, &mut chunk_view_mut(out, i))?)
     }
 
-    fn dequantize_tensor<T: GpuElement>(
+    fn dequantize_tensor_unchecked<T: GpuElement>(
         &self,
         q: &DeviceQuantizedChunks,
         i: usize,
         out: &mut CudaViewMut<'_, T>,
         at: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(q, i, "dequantizing a chunk")?;
-        let (len, n) = (q.chunk_len, out.len());
-        if at + len > n {
-            return Err(crate::host::out_of_range(
-                "dequantizing a chunk",
-                at,
-                len,
-                n,
-            ));
-        }
+        let len = q.chunk_len;
         Ok(self.dequantize_view(&chunk_view(q, i), &mut out.slice_mut(at..at + len))?)
     }
 

@@ -15,7 +15,7 @@ use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
-    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
+    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
     check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
@@ -215,10 +215,6 @@ pub(crate) fn out_of_range(what: &str, at: usize, len: usize, have: usize) -> Ze
     ))
 }
 
-fn check_chunk(q: &QuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
-    backend::check_chunk(shape(q), i, what)
-}
-
 /// Values kept on the host between calls ([`Quantizer::Kept`]).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Kept {
@@ -306,7 +302,11 @@ impl<K: HostKernels> Quantizer for K {
         })
     }
 
-    fn load_kept(
+    fn kept_len(&self, k: &Kept) -> usize {
+        k.len()
+    }
+
+    fn load_kept_unchecked(
         &self,
         k: &Kept,
         at_k: usize,
@@ -314,17 +314,15 @@ impl<K: HostKernels> Quantizer for K {
         at: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        let out = span_mut(out, at, len, "loading kept values")?;
+        let out = &mut out[at..at + len];
         match k {
-            Kept::F32(v) => out.copy_from_slice(span(v, at_k, len, "loading kept values")?),
-            Kept::Bf16(v) => {
-                HostKernels::widen(self, span(v, at_k, len, "loading kept values")?, out)?
-            }
+            Kept::F32(v) => out.copy_from_slice(&v[at_k..at_k + len]),
+            Kept::Bf16(v) => HostKernels::widen(self, &v[at_k..at_k + len], out)?,
         }
         Ok(())
     }
 
-    fn store_kept(
+    fn store_kept_unchecked(
         &self,
         x: &Vec<f32>,
         at: usize,
@@ -332,12 +330,10 @@ impl<K: HostKernels> Quantizer for K {
         at_k: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        let x = span(x, at, len, "keeping values")?;
+        let x = &x[at..at + len];
         match k {
-            Kept::F32(v) => span_mut(v, at_k, len, "keeping values")?.copy_from_slice(x),
-            Kept::Bf16(v) => {
-                HostKernels::narrow(self, x, span_mut(v, at_k, len, "keeping values")?)?
-            }
+            Kept::F32(v) => v[at_k..at_k + len].copy_from_slice(x),
+            Kept::Bf16(v) => HostKernels::narrow(self, x, &mut v[at_k..at_k + len])?,
         }
         Ok(())
     }
@@ -355,6 +351,10 @@ impl<K: HostKernels> Quantizer for K {
     }
 
     fn tensor_len<T: GpuElement>(&self, x: &&[T]) -> usize {
+        x.len()
+    }
+
+    fn tensor_mut_len<T: GpuElement>(&self, x: &&mut [T]) -> usize {
         x.len()
     }
 
@@ -397,47 +397,36 @@ impl<K: HostKernels> Quantizer for K {
         Ok(())
     }
 
-    fn quantize_tensor<T: GpuElement>(
+    fn quantize_tensor_unchecked<T: GpuElement>(
         &self,
         x: &&[T],
         rounding: Rounding,
         out: &mut QuantizedChunks,
         i: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(out, i, "quantizing a tensor")?;
-        if x.len() != out.chunk_len {
-            return Err(ZeroError::Invalid(format!(
-                "quantizing a tensor of {} values into chunks of {}",
-                x.len(),
-                out.chunk_len
-            )));
-        }
         HostKernels::quantize(self, x, rounding, out.chunk_mut(i))
     }
 
-    fn dequantize_tensor<T: GpuElement>(
+    fn dequantize_tensor_unchecked<T: GpuElement>(
         &self,
         q: &QuantizedChunks,
         i: usize,
         out: &mut &mut [T],
         at: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(q, i, "dequantizing a chunk")?;
-        let out = span_mut(out, at, q.chunk_len, "dequantizing a chunk")?;
-        HostKernels::dequantize(self, q.chunk(i), out)
+        HostKernels::dequantize(self, q.chunk(i), &mut out[at..at + q.chunk_len])
     }
 
-    fn load_tensor<T: GpuElement>(
+    fn load_tensor_unchecked<T: GpuElement>(
         &self,
         x: &&[T],
         out: &mut Vec<f32>,
         at: usize,
     ) -> Result<(), ZeroError> {
-        let out = span_mut(out, at, x.len(), "loading a tensor")?;
-        HostKernels::widen(self, x, out)
+        HostKernels::widen(self, x, &mut out[at..at + x.len()])
     }
 
-    fn store_values<T: GpuElement>(
+    fn store_values_unchecked<T: GpuElement>(
         &self,
         x: &Vec<f32>,
         at_x: usize,
@@ -445,9 +434,7 @@ impl<K: HostKernels> Quantizer for K {
         at_out: usize,
         len: usize,
     ) -> Result<(), ZeroError> {
-        let x = span(x, at_x, len, "storing values")?;
-        let out = span_mut(out, at_out, len, "storing values")?;
-        HostKernels::narrow(self, x, out)
+        HostKernels::narrow(self, &x[at_x..at_x + len], &mut out[at_out..at_out + len])
     }
 
     fn quantize_swizzled(
