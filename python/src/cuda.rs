@@ -19,9 +19,9 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::layout::Layout;
 
 use crate::buffers::Dtype;
-use crate::collectives::{AllReduceState, Job, Plan, QgzState, QwzReference};
-use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
-use crate::to_py;
+use crate::collectives::Job;
+use crate::device::{Binding, DeviceWork, Memory, device_calls};
+use crate::{invalid, to_py};
 
 /// A fresh NCCL id (128 bytes): made by one member of a communicator and
 /// handed to the others through the store.
@@ -51,8 +51,7 @@ pub struct CudaJob {
     job: Arc<DeviceJob<Gpu>>,
 }
 
-#[pymethods]
-impl CudaJob {
+device_calls!(CudaJob {
     /// Opens CUDA device `device` for `job` (compiling or loading zeropp's
     /// kernels for it). The communicators come next, with [`CudaJob::connect`].
     #[new]
@@ -112,17 +111,6 @@ impl CudaJob {
             .map_err(to_py)
     }
 
-    /// Whether group `ranks` has a communicator (a mesh dimension, its
-    /// node, or an added sub-group).
-    fn has_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
-        py.detach(|| self.job.has_group(&ranks)).map_err(to_py)
-    }
-
-    /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
-    fn has_dim(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
-        py.detach(|| self.job.has_dim(&ranks)).map_err(to_py)
-    }
-
     /// Joins the communicator of sub-group `ranks` (a run of a mesh
     /// dimension's ranks on this node, this rank among them) from `id`,
     /// made by its first rank.
@@ -130,123 +118,36 @@ impl CudaJob {
         let id = NcclId::from_bytes(id).map_err(to_py)?;
         py.detach(|| self.job.add_group(ranks, &id)).map_err(to_py)
     }
+});
 
-    /// FSDP2's all-gather on the device: `numel` values of `dtype` at
-    /// `inp` (this rank's shard) into `out` (every member's, group order),
-    /// on CUDA stream `stream`: `zero::fsdp::all_gather`, as on the host.
-    /// Over the world with `qwz_bits`: qwZ (quantize, NCCL all-gather of
-    /// codes and scales, dequantize into place); otherwise NCCL's
-    /// all-gather of the caller's bytes. `backward` counts the bytes as the
-    /// backward gather's.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, plan, backward=false,
-                        delta=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn all_gather(
+impl Binding for CudaJob {
+    type D = Gpu;
+
+    fn job(&self) -> &DeviceJob<Gpu> {
+        &self.job
+    }
+
+    /// A CUDA tensor's address (its `data_ptr()`): its size is the
+    /// caller's to keep.
+    fn memory(
         &self,
-        py: Python<'_>,
-        out: u64,
-        inp: u64,
-        numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        plan: PyRef<'_, Plan>,
-        backward: bool,
-        delta: Option<Py<QwzReference>>,
-    ) -> PyResult<DeviceWork> {
-        let call = GatherCall::new(
-            &self.job,
-            (out, inp, numel),
-            Dtype::parse(dtype)?,
-            ranks,
-            stream,
-            &plan,
-            backward,
-            delta.as_ref().map(|d| d.get()),
-        )
-        .map_err(to_py)?;
-        // SAFETY: zeropp.torch passes the data pointers of live CUDA
-        // tensors on this job's device holding these sizes (FSDP2's
-        // buffers, kept until the Work is waited for) and
-        // torch.cuda.current_stream().
-        self.launch(py, stream, move |job| unsafe {
-            device::all_gather(job, &call, delta.as_ref().map(|d| d.get()))
+        obj: &Bound<'_, PyAny>,
+        _writable: bool,
+        what: &str,
+        _numel: usize,
+        _dtype: Dtype,
+    ) -> PyResult<Memory> {
+        let address = obj.extract::<u64>().map_err(|_| {
+            invalid(format!(
+                "{what}: a CUDA tensor's address (an int, its data_ptr()), not {obj}"
+            ))
+        })?;
+        Ok(Memory {
+            address,
+            _held: None,
         })
     }
 
-    /// FSDP2's gradient reduce-scatter over the mesh dimension `ranks` on
-    /// the device: `numel` values of `dtype` at `inp` (one equal chunk per
-    /// member) into `out` (this rank's chunk), on CUDA stream `stream`. Without `qgz`: NCCL's sum in
-    /// `dtype`, or (`mean`) its average. With `qgz`: the two-hop quantized
-    /// reduce-scatter of `zero::qgz` (f32 sums, rounded to `dtype` once),
-    /// the sum or (`mean`) the mean over all W ranks, with that state's
-    /// error feedback (kept compressed on the device, as the host keeps
-    /// it). Both are `zero::fsdp::reduce_scatter`, as on the host.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
-        &self,
-        py: Python<'_>,
-        out: u64,
-        inp: u64,
-        numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        mean: bool,
-        qgz: Option<Py<QgzState>>,
-    ) -> PyResult<DeviceWork> {
-        let call = ScatterCall {
-            out,
-            inp,
-            numel,
-            dtype: Dtype::parse(dtype)?,
-            ranks,
-            stream,
-            mean,
-        };
-        // SAFETY: as in `all_gather`.
-        self.launch(py, stream, move |job| unsafe {
-            device::reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get()))
-        })
-    }
-
-    /// HSDP's all-reduce across the mesh dimension `ranks` (its replicate
-    /// one, joined with `connect_dim`) on the device, quantized with
-    /// `state` (int4 blocks, f32 sums, error feedback kept on the device):
-    /// `numel` values of `dtype` at `buf`, in place, on CUDA stream
-    /// `stream`; the sum or (`mean`) the mean, the same on every member.
-    #[allow(clippy::too_many_arguments)]
-    fn all_reduce(
-        &self,
-        py: Python<'_>,
-        buf: u64,
-        numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        mean: bool,
-        state: Py<AllReduceState>,
-    ) -> PyResult<DeviceWork> {
-        let call = AllReduceCall {
-            buf,
-            numel,
-            dtype: Dtype::parse(dtype)?,
-            ranks,
-            stream,
-            mean,
-        };
-        // SAFETY: zeropp.torch passes the data pointer of a live CUDA
-        // tensor on this job's device holding `numel` values (FSDP2's
-        // reduce-scatter output, kept until the Work is waited for) and
-        // torch.cuda.current_stream().
-        self.launch(py, stream, move |job| unsafe {
-            device::all_reduce(job, &call, state.get())
-        })
-    }
-}
-
-impl CudaJob {
     /// Launches `call` in the order of the caller's `stream`
     /// (`DeviceJob::launch`: its host side runs here, the GIL released).
     fn launch(

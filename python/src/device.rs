@@ -25,9 +25,9 @@ use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
 use zeropp_zero::work::{Queue, Work};
 
-use crate::buffers::Dtype;
+use crate::buffers::{Dtype, HostBuf};
 use crate::collectives::{AllReduceState, Plan, QgzState, QwzReference};
-use crate::{Raised, to_py};
+use crate::{Raised, invalid, to_py};
 
 /// Where a device keeps a parameter group's state.
 pub(crate) trait DeviceState: Device + Sized {
@@ -255,6 +255,261 @@ pub(crate) unsafe fn all_reduce<D: DeviceState>(
         }
     }
 }
+
+/// A caller's memory as a device call takes it: its address on the device,
+/// and on the emulated device the host buffer holding it, which the call
+/// keeps until its work is done.
+pub(crate) struct Memory {
+    pub address: u64,
+    pub _held: Option<HostBuf>,
+}
+
+/// What a device's Python class adds to the calls written once below: how
+/// a caller's memory arrives (a CUDA address; a host buffer) and how a call
+/// is launched in the order of the caller's stream.
+pub(crate) trait Binding {
+    type D: DeviceState;
+
+    fn job(&self) -> &DeviceJob<Self::D>;
+
+    /// `obj` (what zeropp.torch passes for a tensor) as memory holding
+    /// `numel` values of `dtype`.
+    fn memory(
+        &self,
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+        what: &str,
+        numel: usize,
+        dtype: Dtype,
+    ) -> PyResult<Memory>;
+
+    /// Launches `call` in the order of `stream` (`DeviceJob::launch`).
+    fn launch(
+        &self,
+        py: Python<'_>,
+        stream: usize,
+        call: impl FnOnce(&DeviceJob<Self::D>) -> Result<(), ZeroError> + Send + 'static,
+    ) -> PyResult<DeviceWork>;
+}
+
+/// FSDP2's all-gather through a device's class (`device_calls!`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn all_gather_call<B: Binding>(
+    b: &B,
+    py: Python<'_>,
+    (out, inp): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+    numel: usize,
+    dtype: &str,
+    ranks: Vec<usize>,
+    stream: usize,
+    plan: &Plan,
+    backward: bool,
+    delta: Option<Py<QwzReference>>,
+) -> PyResult<DeviceWork>
+where
+    DeviceJob<B::D>: Sync,
+{
+    let d = Dtype::parse(dtype)?;
+    let job = b.job();
+    if !py.detach(|| job.has_group(&ranks)).map_err(to_py)? {
+        return Err(invalid(format!(
+            "all-gather over ranks {ranks:?}: no communicator for them; zeropp gathers over \
+             the world or over consecutive ranks of one node, joined with add_group first"
+        )));
+    }
+    let size = ranks.len();
+    let inp = b.memory(inp, false, "all-gather input", numel, d)?;
+    let out = b.memory(out, true, "all-gather output", numel * size, d)?;
+    let state = delta.as_ref().map(|d| d.get());
+    let call = GatherCall::new(
+        b.job(),
+        (out.address, inp.address, numel),
+        d,
+        ranks,
+        stream,
+        plan,
+        backward,
+        state,
+    )
+    .map_err(to_py)?;
+    b.launch(py, stream, move |job| {
+        let _held = (&inp, &out);
+        // SAFETY: `inp` and `out` hold these sizes in the device's memory
+        // (zeropp.torch passes FSDP2's live buffers, kept until the Work
+        // is waited for; host buffers are held by this closure) and
+        // `stream` is the caller's current stream of the device.
+        unsafe { all_gather(job, &call, delta.as_ref().map(|d| d.get())) }
+    })
+}
+
+/// FSDP2's reduce-scatter through a device's class (`device_calls!`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn reduce_scatter_call<B: Binding>(
+    b: &B,
+    py: Python<'_>,
+    (out, inp): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+    numel: usize,
+    dtype: &str,
+    ranks: Vec<usize>,
+    stream: usize,
+    mean: bool,
+    qgz: Option<Py<QgzState>>,
+) -> PyResult<DeviceWork> {
+    let d = Dtype::parse(dtype)?;
+    let w = ranks.len().max(1);
+    let inp = b.memory(inp, false, "reduce-scatter input", numel, d)?;
+    let out = b.memory(out, true, "reduce-scatter output", numel / w, d)?;
+    let call = ScatterCall {
+        out: out.address,
+        inp: inp.address,
+        numel,
+        dtype: d,
+        ranks,
+        stream,
+        mean,
+    };
+    b.launch(py, stream, move |job| {
+        let _held = (&inp, &out);
+        // SAFETY: as in `all_gather_call`.
+        unsafe { reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get())) }
+    })
+}
+
+/// HSDP's all-reduce through a device's class (`device_calls!`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn all_reduce_call<B: Binding>(
+    b: &B,
+    py: Python<'_>,
+    buf: &Bound<'_, PyAny>,
+    numel: usize,
+    dtype: &str,
+    ranks: Vec<usize>,
+    stream: usize,
+    mean: bool,
+    state: Py<AllReduceState>,
+) -> PyResult<DeviceWork> {
+    let d = Dtype::parse(dtype)?;
+    let buf = b.memory(buf, true, "all-reduce buffer", numel, d)?;
+    let call = AllReduceCall {
+        buf: buf.address,
+        numel,
+        dtype: d,
+        ranks,
+        stream,
+        mean,
+    };
+    b.launch(py, stream, move |job| {
+        let _held = &buf;
+        // SAFETY: as in `all_gather_call`, for the one buffer.
+        unsafe { all_reduce(job, &call, state.get()) }
+    })
+}
+
+/// The calls both device classes (`CudaJob`, `EmulatedJob`) declare, one
+/// signature each, around the class's own methods (`$own`): what they do
+/// is written once above, over the class's [`Binding`]. zeropp.torch
+/// passes a tensor as its CUDA address (`data_ptr()`) or, on the emulated
+/// device, as a host buffer.
+macro_rules! device_calls {
+    ($ty:ident { $($own:tt)* }) => {
+        #[pymethods]
+        impl $ty {
+            $($own)*
+
+            /// Whether group `ranks` has a communicator (a mesh dimension,
+            /// its node, or an added sub-group).
+            fn has_group(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
+                use $crate::device::Binding;
+                py.detach(|| self.job().has_group(&ranks)).map_err($crate::to_py)
+            }
+
+            /// Whether the mesh dimension over `ranks` is joined
+            /// (`connect_dim`).
+            fn has_dim(&self, py: Python<'_>, ranks: Vec<usize>) -> PyResult<bool> {
+                use $crate::device::Binding;
+                py.detach(|| self.job().has_dim(&ranks)).map_err($crate::to_py)
+            }
+
+            /// FSDP2's all-gather on the device: `numel` values of `dtype`
+            /// at `inp` (this rank's shard) into `out` (every member's,
+            /// group order) over `ranks`, on stream `stream`, moved as the
+            /// group's `plan` says (`zero::fsdp::all_gather`, as on the
+            /// host); `delta`: the group's qwZ references. `backward`
+            /// counts the bytes as the backward gather's.
+            #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, plan, backward=false,
+                                delta=None))]
+            #[allow(clippy::too_many_arguments)]
+            fn all_gather(
+                &self,
+                py: Python<'_>,
+                out: &Bound<'_, PyAny>,
+                inp: &Bound<'_, PyAny>,
+                numel: usize,
+                dtype: &str,
+                ranks: Vec<usize>,
+                stream: usize,
+                plan: PyRef<'_, $crate::collectives::Plan>,
+                backward: bool,
+                delta: Option<Py<$crate::collectives::QwzReference>>,
+            ) -> PyResult<$crate::device::DeviceWork> {
+                $crate::device::all_gather_call(
+                    self, py, (out, inp), numel, dtype, ranks, stream, &plan, backward, delta,
+                )
+            }
+
+            /// FSDP2's gradient reduce-scatter over the mesh dimension
+            /// `ranks` on the device: `numel` values of `dtype` at `inp`
+            /// (one equal chunk per member) into `out` (this rank's
+            /// chunk), on stream `stream`. Without `qgz` the
+            /// communicator's sum in `dtype`, or (`mean`) its average;
+            /// with `qgz` the two-hop quantized reduce-scatter (f32 sums,
+            /// rounded to `dtype` once) with that state's error feedback.
+            /// Both are `zero::fsdp::reduce_scatter`, as on the host.
+            #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
+            #[allow(clippy::too_many_arguments)]
+            fn reduce_scatter(
+                &self,
+                py: Python<'_>,
+                out: &Bound<'_, PyAny>,
+                inp: &Bound<'_, PyAny>,
+                numel: usize,
+                dtype: &str,
+                ranks: Vec<usize>,
+                stream: usize,
+                mean: bool,
+                qgz: Option<Py<$crate::collectives::QgzState>>,
+            ) -> PyResult<$crate::device::DeviceWork> {
+                $crate::device::reduce_scatter_call(
+                    self, py, (out, inp), numel, dtype, ranks, stream, mean, qgz,
+                )
+            }
+
+            /// HSDP's all-reduce across the mesh dimension `ranks` (its
+            /// replicate one) on the device, quantized with `state` (int4
+            /// blocks, f32 sums, error feedback kept on the device):
+            /// `numel` values of `dtype` at `buf`, in place, on stream
+            /// `stream`; the sum or (`mean`) the mean, the same on every
+            /// member.
+            #[allow(clippy::too_many_arguments)]
+            fn all_reduce(
+                &self,
+                py: Python<'_>,
+                buf: &Bound<'_, PyAny>,
+                numel: usize,
+                dtype: &str,
+                ranks: Vec<usize>,
+                stream: usize,
+                mean: bool,
+                state: Py<$crate::collectives::AllReduceState>,
+            ) -> PyResult<$crate::device::DeviceWork> {
+                $crate::device::all_reduce_call(
+                    self, py, buf, numel, dtype, ranks, stream, mean, state,
+                )
+            }
+        }
+    };
+}
+pub(crate) use device_calls;
 
 /// A collective in flight on a device, whichever device
 /// (`zeropp_zero::work::Work` over its queue).

@@ -18,8 +18,8 @@ use zeropp_zero::device_job::DeviceJob;
 use zeropp_zero::emulated::EmulatedDevice;
 
 use crate::buffers::{Dtype, HostBuf};
-use crate::collectives::{AllReduceState, Job, Plan, QgzState, QwzReference};
-use crate::device::{self, AllReduceCall, DeviceWork, GatherCall, ScatterCall};
+use crate::collectives::Job;
+use crate::device::{Binding, DeviceWork, Memory, device_calls};
 use crate::{invalid, to_py};
 
 /// The emulated device of a joined job: the same calls as `CudaJob`, on
@@ -49,8 +49,7 @@ fn buffer(
     Ok(buf)
 }
 
-#[pymethods]
-impl EmulatedJob {
+device_calls!(EmulatedJob {
     /// The emulated device of `job`, its communicators joined at once
     /// (the host job's world, node and cross-node groups).
     #[new]
@@ -67,17 +66,6 @@ impl EmulatedJob {
             host,
             job: Arc::new(job),
         })
-    }
-
-    /// Whether group `ranks` has a communicator (a mesh dimension, its
-    /// node, or an added sub-group).
-    fn has_group(&self, ranks: Vec<usize>) -> PyResult<bool> {
-        self.job.has_group(&ranks).map_err(to_py)
-    }
-
-    /// Whether the mesh dimension over `ranks` is joined (`connect_dim`).
-    fn has_dim(&self, ranks: Vec<usize>) -> PyResult<bool> {
-        self.job.has_dim(&ranks).map_err(to_py)
     }
 
     /// Joins the communicators of the mesh dimension over `ranks`
@@ -97,127 +85,35 @@ impl EmulatedJob {
         let group = self.host.get().known_group(&ranks)?;
         self.job.add_group(ranks, &group).map_err(to_py)
     }
+});
 
-    /// `CudaJob.all_reduce` on a host buffer, queued on the device's one
-    /// queue: a [`DeviceWork`] to wait on.
-    #[allow(clippy::too_many_arguments)]
-    fn all_reduce(
+impl Binding for EmulatedJob {
+    type D = EmulatedDevice;
+
+    fn job(&self) -> &DeviceJob<EmulatedDevice> {
+        &self.job
+    }
+
+    /// A host buffer holding `numel` values of `dtype`, held by the call.
+    fn memory(
         &self,
-        buf: &Bound<'_, PyAny>,
+        obj: &Bound<'_, PyAny>,
+        writable: bool,
+        what: &str,
         numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        mean: bool,
-        state: Py<AllReduceState>,
-    ) -> PyResult<DeviceWork> {
-        let d = Dtype::parse(dtype)?;
-        let buf = buffer(buf, true, "all-reduce buffer", numel, d)?;
-        let call = AllReduceCall {
-            buf: buf.address(),
-            numel,
-            dtype: d,
-            ranks,
-            stream,
-            mean,
-        };
-        self.launch(stream, move |job| {
-            let _held = &buf;
-            // SAFETY: `buf` is a live host buffer of this size, held by
-            // this closure; Python hands it to this call alone until its
-            // Work is waited for.
-            unsafe { device::all_reduce(job, &call, state.get()) }
+        dtype: Dtype,
+    ) -> PyResult<Memory> {
+        let buf = buffer(obj, writable, what, numel, dtype)?;
+        Ok(Memory {
+            address: buf.address(),
+            _held: Some(buf),
         })
     }
 
-    /// `CudaJob.all_gather` on host buffers, queued on the device's one
-    /// queue (`stream` names no other): a [`DeviceWork`] to wait on.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, plan, backward=false,
-                        delta=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn all_gather(
-        &self,
-        out: &Bound<'_, PyAny>,
-        inp: &Bound<'_, PyAny>,
-        numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        plan: PyRef<'_, Plan>,
-        backward: bool,
-        delta: Option<Py<QwzReference>>,
-    ) -> PyResult<DeviceWork> {
-        let d = Dtype::parse(dtype)?;
-        if !self.job.has_group(&ranks).map_err(to_py)? {
-            return Err(invalid(format!(
-                "all-gather over ranks {ranks:?}: no communicator for them; zeropp gathers over \
-                 the world or over consecutive ranks of one node, joined with add_group first"
-            )));
-        }
-        let size = ranks.len();
-        let inp = buffer(inp, false, "all-gather input", numel, d)?;
-        let out = buffer(out, true, "all-gather output", numel * size, d)?;
-        let call = GatherCall::new(
-            &self.job,
-            (out.address(), inp.address(), numel),
-            d,
-            ranks,
-            stream,
-            &plan,
-            backward,
-            delta.as_ref().map(|d| d.get()),
-        )
-        .map_err(to_py)?;
-        self.launch(stream, move |job| {
-            let _held = (&inp, &out);
-            // SAFETY: `inp` and `out` are live host buffers of these sizes,
-            // held by this closure; Python hands them to this call alone
-            // until its Work is waited for.
-            unsafe { device::all_gather(job, &call, delta.as_ref().map(|d| d.get())) }
-        })
-    }
-
-    /// `CudaJob.reduce_scatter` on host buffers: the sum in `dtype`, or
-    /// with `qgz` the sum or (`mean`) the mean over the world; a
-    /// [`DeviceWork`] to wait on.
-    #[pyo3(signature = (out, inp, numel, dtype, ranks, stream, mean, qgz=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(
-        &self,
-        out: &Bound<'_, PyAny>,
-        inp: &Bound<'_, PyAny>,
-        numel: usize,
-        dtype: &str,
-        ranks: Vec<usize>,
-        stream: usize,
-        mean: bool,
-        qgz: Option<Py<QgzState>>,
-    ) -> PyResult<DeviceWork> {
-        let d = Dtype::parse(dtype)?;
-        let w = ranks.len().max(1);
-        let inp = buffer(inp, false, "reduce-scatter input", numel, d)?;
-        let out = buffer(out, true, "reduce-scatter output", numel / w, d)?;
-        let call = ScatterCall {
-            out: out.address(),
-            inp: inp.address(),
-            numel,
-            dtype: d,
-            ranks,
-            stream,
-            mean,
-        };
-        self.launch(stream, move |job| {
-            let _held = (&inp, &out);
-            // SAFETY: as in `all_gather`.
-            unsafe { device::reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get())) }
-        })
-    }
-}
-
-impl EmulatedJob {
     /// Launches `call` on the device's queue (`DeviceJob::launch`).
     fn launch(
         &self,
+        _py: Python<'_>,
         stream: usize,
         call: impl FnOnce(&DeviceJob<EmulatedDevice>) -> Result<(), zeropp_zero::ZeroError>
         + Send
