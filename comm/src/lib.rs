@@ -78,7 +78,7 @@ pub enum CommError {
     /// The ranks' places make no job zeropp runs (not node by node, a
     /// node over several hosts, uneven hosts).
     #[error("joining the job: {0}")]
-    Placement(#[from] rendezvous::PlacementError),
+    Placement(rendezvous::PlacementError),
     /// A UCX call failed (`what` failed; its status as UCX describes it).
     #[error("UCX {what}: {status}")]
     Ucx { what: String, status: String },
@@ -132,6 +132,14 @@ impl CommError {
             CommError::PeerFailed { peer, .. } | CommError::Timeout { peer, .. } => Some(*peer),
             _ => None,
         }
+    }
+}
+
+// By hand, not `#[from]`: the placement error is the message itself, not a
+// cause to print again under it (`{e:#}` prints an error's sources).
+impl From<rendezvous::PlacementError> for CommError {
+    fn from(e: rendezvous::PlacementError) -> CommError {
+        CommError::Placement(e)
     }
 }
 

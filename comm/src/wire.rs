@@ -21,7 +21,7 @@ pub enum HelloError {
     Frame(#[from] CommError),
     #[error("closed before saying hello")]
     Closed,
-    #[error("the first frame is not a hello")]
+    #[error("first frame is not a hello")]
     NotHello,
     #[error("unreadable hello: {0}")]
     Unreadable(#[from] serde_json::Error),

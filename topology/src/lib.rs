@@ -10,6 +10,7 @@
 
 pub mod capture;
 pub mod detect;
+#[cfg(feature = "fixtures")]
 pub mod fixtures;
 pub mod nccl;
 pub mod nvml;
