@@ -382,8 +382,23 @@ pub trait Quantizer {
         i: usize,
     ) -> Result<(), ZeroError>;
 
-    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`.
+    /// Chunk `i` of `q` dequantized into `out[at..at + chunk_len]`. Checked here; the backend
+    /// dequantizes ([`Quantizer::dequantize_unchecked`]).
     fn dequantize(
+        &self,
+        q: &Self::Chunks,
+        i: usize,
+        out: &mut Self::Values,
+        at: usize,
+    ) -> Result<(), ZeroError> {
+        let shape = self.shape(q);
+        check_chunk(shape, i, "dequantizing a chunk")?;
+        check_span(self.len(out), at, shape.1, "dequantizing a chunk")?;
+        self.dequantize_unchecked(q, i, out, at)
+    }
+
+    /// [`Quantizer::dequantize`] once checked.
+    fn dequantize_unchecked(
         &self,
         q: &Self::Chunks,
         i: usize,
@@ -867,6 +882,7 @@ mod tests {
             q.dequantize_tensor::<f32>(&out, 0, &mut &mut tensor[..], 20),
             q.load_tensor::<f32>(&&x[..], &mut sum, 1),
             q.store_values::<f32>(&x, 0, &mut &mut tensor[..], 38, 4),
+            q.dequantize(&out, 1, &mut sum, 9),
         ];
         // In range, the same calls work.
         q.quantize_chunk(&x, 8, r, &mut out, 1).unwrap();
@@ -943,6 +959,7 @@ mod tests {
                 "invalid call: dequantizing a chunk: values 20..52 of a buffer of 40",
                 "invalid call: loading a tensor: values 1..41 of a buffer of 40",
                 "invalid call: storing values: values 38..42 of a buffer of 40",
+                "invalid call: dequantizing a chunk: values 9..41 of a buffer of 40",
             ]
         );
     }

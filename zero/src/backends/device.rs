@@ -21,7 +21,7 @@ use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
 use crate::backend::{
-    self, ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
+    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
     check_scatter_len, scale_fraction,
 };
 use crate::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
@@ -63,18 +63,6 @@ impl DeviceValues {
             DeviceValues::Borrowed(b) => b.view_mut(),
         }
     }
-}
-
-fn in_range(x: &DeviceValues, at: usize, len: usize, what: &str) -> Result<(), ZeroError> {
-    if at + len <= x.len() {
-        Ok(())
-    } else {
-        Err(crate::host::out_of_range(what, at, len, x.len()))
-    }
-}
-
-fn check_chunk(q: &DeviceQuantizedChunks, i: usize, what: &str) -> Result<(), ZeroError> {
-    backend::check_chunk(shape(q), i, what)
 }
 
 /// Code bytes, block maxima and minima per chunk.
@@ -360,15 +348,13 @@ impl Quantizer for Gpu {
         )?)
     }
 
-    fn dequantize(
+    fn dequantize_unchecked(
         &self,
         q: &DeviceQuantizedChunks,
         i: usize,
         out: &mut DeviceValues,
         at: usize,
     ) -> Result<(), ZeroError> {
-        check_chunk(q, i, "dequantizing a chunk")?;
-        in_range(out, at, q.chunk_len, "dequantizing a chunk")?;
         let mut dst = out.view_mut();
         Ok(self.dequantize_view(&chunk_view(q, i), &mut dst.slice_mut(at..at + q.chunk_len))?)
     }

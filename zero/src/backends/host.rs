@@ -172,8 +172,8 @@ impl HostKernels for Host {
 }
 
 fn span<'a, T>(x: &'a [T], at: usize, len: usize, what: &str) -> Result<&'a [T], ZeroError> {
-    x.get(at..at + len)
-        .ok_or_else(|| out_of_range(what, at, len, x.len()))
+    crate::backend::check_span(x.len(), at, len, what)?;
+    Ok(&x[at..at + len])
 }
 
 fn span_mut<'a, T>(
@@ -182,9 +182,8 @@ fn span_mut<'a, T>(
     len: usize,
     what: &str,
 ) -> Result<&'a mut [T], ZeroError> {
-    let n = x.len();
-    x.get_mut(at..at + len)
-        .ok_or_else(|| out_of_range(what, at, len, n))
+    crate::backend::check_span(x.len(), at, len, what)?;
+    Ok(&mut x[at..at + len])
 }
 
 /// `b` (values in the plain wire: bf16, or f32 with `fp32`) into `out`.
@@ -206,13 +205,6 @@ fn check_run(b: &[u8], due: usize) -> Result<(), ZeroError> {
         b.len()
     ))
     .into())
-}
-
-pub(crate) fn out_of_range(what: &str, at: usize, len: usize, have: usize) -> ZeroError {
-    ZeroError::Invalid(format!(
-        "{what}: values {at}..{} of a buffer of {have}",
-        at + len
-    ))
 }
 
 /// Values kept on the host between calls ([`Quantizer::Kept`]).
@@ -517,14 +509,14 @@ impl<K: HostKernels> Quantizer for K {
         HostKernels::quantize(self, x, rounding, out.chunk_mut(i))
     }
 
-    fn dequantize(
+    fn dequantize_unchecked(
         &self,
         q: &QuantizedChunks,
         i: usize,
         out: &mut Vec<f32>,
         at: usize,
     ) -> Result<(), ZeroError> {
-        self.dequantize_tensor(q, i, &mut out.as_mut_slice(), at)
+        self.dequantize_tensor_unchecked(q, i, &mut out.as_mut_slice(), at)
     }
 
     fn dequantize_accumulate_unchecked(
