@@ -1375,15 +1375,16 @@ class OuterSync:
         island trains on from the outer step on its own delta. Whether an
         exchange started."""
         self.steps += 1
-        for f, (due, _) in list(self._pending.items()):
-            if due == self.steps:
-                self._land(f)
+        due = [f for f, (at, _) in self._pending.items() if at == self.steps]
+        for f in due:
+            self._land(f)
         h, n = self.sync_every, len(self.fragments)
         turns = [f for f in range(n) if self.steps % h == (f * h // n) % h]
-        if turns:
-            self._agree()
         for f in turns:
             self._start(f, self.delay)
+        if due or turns:
+            # A loss found in these exchanges, agreed on before the next.
+            self._agree()
         return bool(turns)
 
     def _host(self, i):
@@ -1466,7 +1467,6 @@ class OuterSync:
         one model. Whether it ran."""
         whole = len(self.fragments) == 1 and not self._pending
         ran = not (self.steps == 0 or (whole and self.steps % self.sync_every == 0))
-        self._agree()
         if ran:
             self.sync()
         # An island lost after the last exchange: found by a one-value
@@ -1479,8 +1479,8 @@ class OuterSync:
     def _agree(self):
         """The ranks of this island agree on which islands take part: an
         island one of them found lost (an exchange with its rank failed) is
-        lost for all of them, so they run the same exchanges and, at the
-        end, name the same survivors."""
+        lost for all of them, so they run the same exchanges and name the
+        same survivors (after every step that exchanged, and at the end)."""
         count = len(self.ranks)
         flags = torch.tensor(
             [float(self._islands.alive(i)) for i in range(count)], device=self._flags_device
@@ -1494,14 +1494,15 @@ class OuterSync:
     @property
     def lost(self):
         """The islands that left the outer sync, as this rank's island
-        agreed at its last sync: ``[(island, step, why)]`` — the optimizer
+        agreed after its last exchange: ``[(island, step, why)]`` — the optimizer
         step after which the others went on without it, and what showed it
         gone (a rank died, or did not answer within ``ZEROPP_TIMEOUT_S``)."""
         return self._islands.lost()
 
     def survivors(self):
         """The job's ranks of the islands that take part (all of them
-        unless one was lost), as agreed at the last sync or :meth:`finish`."""
+        unless one was lost), as this island agreed after its last exchange
+        (the same on each of its ranks between syncs) or at :meth:`finish`."""
         size = dist.get_world_size(self._island_group)
         return [
             i * size + r
