@@ -141,9 +141,8 @@ impl OuterState {
     }
 
     /// The outer step of `weights` (this rank's shard, float32, in place)
-    /// across the islands `islands` says take part: the mesh dimension
-    /// `ranks` of `job` (the ranks of every island holding this shard,
-    /// registered with `add_mesh_dim`) less the islands lost. The weights
+    /// across the islands `islands` says take part (the ranks of every
+    /// island holding this shard, less the islands lost). The weights
     /// become the new anchor, the same on every island taking part; an
     /// island lost during the exchange leaves it and the exchange runs
     /// again without it. `at` (the optimizer step, the exchanges this rank
@@ -154,11 +153,9 @@ impl OuterState {
         &self,
         job: &Job,
         weights: &Bound<'_, PyAny>,
-        ranks: Vec<usize>,
         islands: &Islands,
         at: (u64, u64, usize),
     ) -> PyResult<Op> {
-        job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
         buf.typed::<f32>("weights (float32)").map_err(to_py)?;
         let (settings, state) = (self.settings, self.state.clone());
@@ -168,10 +165,9 @@ impl OuterState {
             let mut state = state
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("outer state"))?;
-            let mine = outer::local_delta(&state, w)?;
-            let averaged = exchange(mover, &with, &mut state, mine, at)?;
-            let then = w.to_vec();
-            outer::apply(settings, &mut state, &then, &averaged, w)
+            outer::outer_step_with(settings, &mut state, w, |state, mine| {
+                exchange(mover, &with, state, mine, at)
+            })
         }))
     }
 
@@ -188,11 +184,9 @@ impl OuterState {
         &self,
         job: &Job,
         weights: &Bound<'_, PyAny>,
-        ranks: Vec<usize>,
         islands: &Islands,
         at: (u64, u64, usize),
     ) -> PyResult<Op> {
-        job.dim_groups(&ranks)?;
         let buf = HostBuf::new(weights, true, "weights")?;
         let (delta, eager) = {
             let state = self.lock()?;

@@ -1425,7 +1425,7 @@ class OuterSync:
         bufs = [host_bytes(self._host(i), "parameter") for i in idx]
         if delay == 0:
             ops = [
-                self.states[i].step(self.job, b, self.ranks, self._islands, self._name(i))
+                self.states[i].step(self.job, b, self._islands, self._name(i))
                 for i, b in zip(idx, bufs, strict=True)
             ]
             for op in ops:
@@ -1433,7 +1433,7 @@ class OuterSync:
         else:
             # The eager update is in the weights when start returns.
             ops = [
-                self.states[i].start(self.job, b, self.ranks, self._islands, self._name(i))
+                self.states[i].start(self.job, b, self._islands, self._name(i))
                 for i, b in zip(idx, bufs, strict=True)
             ]
             self._pending[f] = (self.steps + delay, ops)

@@ -116,14 +116,24 @@ pub fn outer_step(
     state: &mut OuterState,
     weights: &mut [f32],
 ) -> Result<(), ZeroError> {
-    let mut averaged = local_delta(state, weights)?;
-    exchange(
-        m,
-        hop,
-        quantized,
-        (&mut state.sent, &mut state.owned),
-        &mut averaged,
-    )?;
+    outer_step_with(s, state, weights, |state, mut delta| {
+        let residuals = (&mut state.sent, &mut state.owned);
+        exchange(m, hop, quantized, residuals, &mut delta)?;
+        Ok(delta)
+    })
+}
+
+/// [`outer_step`] with the exchange `averaged` makes of this island's
+/// delta (with the error feedback `state` keeps): over one group, or over
+/// the islands taking part (`zero::islands::Across`).
+pub fn outer_step_with(
+    s: OuterSettings,
+    state: &mut OuterState,
+    weights: &mut [f32],
+    averaged: impl FnOnce(&mut OuterState, Vec<f32>) -> Result<Vec<f32>, ZeroError>,
+) -> Result<(), ZeroError> {
+    let mine = local_delta(state, weights)?;
+    let averaged = averaged(state, mine)?;
     let then = weights.to_vec();
     apply(s, state, &then, &averaged, weights)
 }
