@@ -32,7 +32,7 @@ use zeropp_zero::host::{Host, HostMover, Kept};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
-use zeropp_zero::qgz::Reduction;
+use zeropp_zero::qgz::{FirstHop, Reduction};
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
 use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz, scratch};
@@ -263,6 +263,13 @@ pub struct StepStats {
     /// gradients, the norm's all-reduce): the rest of the step is its own
     /// work (compute, and quantization on that thread).
     pub waited_s: f64,
+}
+
+/// A unit's gradient as qgZ's hop inside the node takes it to the
+/// communication thread: quantized already, or as it is (bf16 on the wire).
+enum Hop1 {
+    Quantized(QuantizedChunks),
+    Bf16(Vec<f32>),
 }
 
 /// One rank's engine.
@@ -658,33 +665,70 @@ impl Engine {
             } => {
                 let (call, seed) = (self.step as u64, self.cfg.seed);
                 let rounding = qgz::rounding(stochastic, seed, call, u, layout.rank);
-                let residual = qgz::first_hop_feedback(error_feedback, intra)
-                    .then_some(self.units[u].residual.chunks_mut());
-                let first =
-                    qgz::quantize_first_hop(&Host, &grad, layout, intra, rounding, residual)
+                // Quantized inside the node: here, while the communication
+                // thread sends the last unit's; in bf16: there, from the
+                // gradient as it is.
+                let first = match intra {
+                    FirstHop::Quantized(format) => {
+                        let residual = qgz::first_hop_feedback(error_feedback, intra)
+                            .then_some(self.units[u].residual.chunks_mut());
+                        let first = qgz::quantize_first_hop(
+                            &Host, &grad, layout, format, rounding, residual,
+                        )
                         .map_err(|source| EngineError::Unit {
                             what: "quantizing the gradient",
                             unit: self.units[u].name.clone(),
                             source,
                         })?;
-                scratch::give(grad);
+                        scratch::give(grad);
+                        Hop1::Quantized(first)
+                    }
+                    FirstHop::Bf16 => Hop1::Bf16(grad),
+                };
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
                     let mut residual_inter = residual_inter
                         .lock()
                         .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
-                    let second = qgz::SecondHop {
-                        format: inter,
-                        rounding,
-                        residual: error_feedback.then_some(residual_inter.chunks_mut()),
-                        hadamard,
-                    };
                     let mover = HostMover {
                         comm: c,
                         counter: &counter,
                         groups: groups.clone(),
                     };
-                    qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
+                    let residual = error_feedback.then_some(residual_inter.chunks_mut());
+                    match first {
+                        Hop1::Quantized(first) => {
+                            let second = qgz::SecondHop {
+                                format: inter,
+                                rounding,
+                                residual,
+                                hadamard,
+                            };
+                            qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
+                        }
+                        Hop1::Bf16(grad) => {
+                            let s = qgz::Qgz {
+                                intra,
+                                inter,
+                                rounding,
+                                hadamard,
+                            };
+                            let feedback = qgz::Feedback {
+                                first: None,
+                                second: residual,
+                            };
+                            let sum = qgz::reduce_scatter(
+                                &Host,
+                                &mover,
+                                layout,
+                                (s, Reduction::Mean),
+                                &grad,
+                                feedback,
+                            );
+                            scratch::give(grad);
+                            sum
+                        }
+                    }
                 }))
             }
         }

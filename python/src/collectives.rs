@@ -869,7 +869,7 @@ impl Plan {
 /// what each quantization dropped, added back on the next reduce-scatter.
 #[pyclass(frozen)]
 pub struct QgzState {
-    pub(crate) intra: QuantFormat,
+    pub(crate) intra: qgz::FirstHop,
     pub(crate) inter: QuantFormat,
     pub(crate) error_feedback: bool,
     stochastic: bool,
@@ -925,7 +925,7 @@ impl QgzState {
     /// The state of one parameter group whose plan reduce-scatters its
     /// gradient with qgZ in these formats.
     fn of(
-        intra: QuantFormat,
+        intra: qgz::FirstHop,
         inter: QuantFormat,
         (error_feedback, stochastic, hadamard): (bool, bool, bool),
         seed: u64,

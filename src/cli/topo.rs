@@ -134,6 +134,7 @@ fn render_run_switches(r: &crate::zero::plan::Resolved) -> String {
     };
     out += &format!("  hpZ: {hpz}\n");
     let qgz = match s.qgz {
+        true if s.qgz_intra_bits == 16 => "bf16 inside the node, int4 across".into(),
         true => format!("int{} inside the node, int4 across", s.qgz_intra_bits),
         false => "off (plain ring)".into(),
     };

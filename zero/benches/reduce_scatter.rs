@@ -1,6 +1,7 @@
-//! The host path's gradient reduce-scatter on one machine: qgZ (the
-//! default: int8 blocks of 32 inside the node, int4 blocks of 64 across,
-//! Hadamard-rotated, error feedback) against ZeRO-3's plain bf16 ring —
+//! The host path's gradient reduce-scatter on one machine: qgZ (int8
+//! blocks of 32 inside the node, or the gradient in bf16 there; int4 blocks
+//! of 64 across, Hadamard-rotated, error feedback) against ZeRO-3's plain
+//! bf16 ring —
 //! what FSDP2's own reduce-scatter moves — measured in the same run, on a
 //! bf16 gradient of the 3.76M-parameter GPT of docs/BENCHMARKS.md over 2
 //! logical nodes of 2 ranks (threads over in-process transports). On a
@@ -16,7 +17,7 @@ use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::backend::Quantizer;
 use zeropp_zero::fsdp::{Scatter, reduce_scatter};
 use zeropp_zero::host::Host;
-use zeropp_zero::qgz::{Feedback, Qgz, Reduction};
+use zeropp_zero::qgz::{Feedback, FirstHop, Qgz, Reduction};
 use zeropp_zero::testing::{bf16s, gradient, on_world};
 
 const VALUES: usize = 3_758_592;
@@ -38,8 +39,9 @@ fn thread_cpu() -> f64 {
     }
 }
 
-/// (best wall seconds, CPU seconds per call) of every rank.
-fn run(quantized: bool) -> Vec<(f64, f64)> {
+/// (best wall seconds, CPU seconds per call) of every rank: qgZ with
+/// `intra` inside the node, or the plain ring.
+fn run(intra: Option<FirstHop>) -> Vec<(f64, f64)> {
     on_world(2, 2, Duration::from_secs(60), move |r| {
         let (layout, m) = (r.layout, r.mover());
         let grad = bf16s(&gradient(layout.rank, VALUES));
@@ -47,11 +49,11 @@ fn run(quantized: bool) -> Vec<(f64, f64)> {
         let mut residual = Host.chunks(zeropp_zero::residual::format(), 32, 1).unwrap();
         let (mut best, mut cpu) = (f64::MAX, 0.0);
         for call in 0..CALLS + 2 {
-            let how = match quantized {
-                false => Scatter::Plain,
-                true => Scatter::Qgz(
+            let how = match intra {
+                None => Scatter::Plain,
+                Some(intra) => Scatter::Qgz(
                     Qgz {
-                        intra: QuantFormat::int8(32).unwrap(),
+                        intra,
                         inter: QuantFormat::int4(64).unwrap(),
                         rounding: Rounding::NearestEven,
                         hadamard: true,
@@ -81,8 +83,13 @@ fn main() {
         v[v.len() / 2]
     };
     let mut rows = Vec::new();
-    for (name, quantized) in [("plain bf16 ring (ZeRO-3)", false), ("qgZ (default)", true)] {
-        let r = run(quantized);
+    let int8 = FirstHop::Quantized(QuantFormat::int8(32).unwrap());
+    for (name, intra) in [
+        ("plain bf16 ring (ZeRO-3)", None),
+        ("qgZ, int8 inside", Some(int8)),
+        ("qgZ, bf16 inside", Some(FirstHop::Bf16)),
+    ] {
+        let r = run(intra);
         let wall = r.iter().map(|x| x.0).fold(0.0, f64::max);
         let cpu = median(r.iter().map(|x| x.1).collect());
         rows.push((name, wall, cpu));

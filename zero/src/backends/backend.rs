@@ -278,6 +278,9 @@ pub trait Quantizer {
     /// Gives temporary chunks back for reuse, as [`Quantizer::recycle`].
     fn recycle_chunks(&self, _q: Self::Chunks) {}
 
+    /// `x` as a caller's f32 tensor: the same memory, read.
+    fn values_as_tensor<'a>(&self, x: &'a Self::Values) -> Self::Tensor<'a, f32>;
+
     /// `(format, chunk_len, count)` of a chunked buffer.
     fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
 
@@ -574,6 +577,23 @@ pub trait ByteMover<Q: Quantizer> {
         recv: &mut Q::Chunks,
     ) -> Result<(), ZeroError>;
 
+    /// qgZ's hop inside the node in bf16 ([`crate::qgz::FirstHop::Bf16`]):
+    /// `x` holds `nodes` · the group's size equal chunks in rank order
+    /// (chunk n · size + j is for member j of node n); member j is sent
+    /// chunks n · size + j for every n, in bf16 on the wire (rounded to
+    /// nearest even where `T` is wider), and `sum` (`nodes` chunks) gets at
+    /// chunk n the f32 sum, in member order, of what each member sent this
+    /// rank for n. No partial sum is rounded on the way.
+    fn sum_swizzled<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        x: &Q::Tensor<'_, T>,
+        nodes: usize,
+        sum: &mut Q::Values,
+    ) -> Result<(), ZeroError>;
+
     /// Every member's chunks (`mine`, `k` of them) into `all` (`k` · the
     /// group's size chunks, member j's at `j·k`).
     fn all_gather(
@@ -688,6 +708,23 @@ pub fn check_gather_len(mine: usize, all: usize, members: usize) -> Result<(), Z
     }
     Err(ZeroError::Invalid(format!(
         "an all-gather of {mine} values over {members} ranks does not fill {all} values"
+    )))
+}
+
+/// Checks [`ByteMover::sum_swizzled`]'s lengths: `x` of `nodes` ·
+/// `members` equal chunks, `sum` of `nodes` of them; the chunk's length.
+pub fn check_swizzled(
+    x: usize,
+    sum: usize,
+    nodes: usize,
+    members: usize,
+) -> Result<usize, ZeroError> {
+    if nodes > 0 && sum.is_multiple_of(nodes) && x == sum * members {
+        return Ok(sum / nodes);
+    }
+    Err(ZeroError::Invalid(format!(
+        "a swizzled reduce-scatter of {x} values over {nodes} nodes x {members} ranks does not \
+         fill {sum} values"
     )))
 }
 

@@ -22,7 +22,7 @@ use zeropp_quant::{QuantFormat, Rounding};
 
 use crate::backend::{
     ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
-    check_scatter_len, scale_fraction,
+    check_scatter_len, check_swizzled, scale_fraction,
 };
 use crate::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
 use crate::error::ZeroError;
@@ -279,6 +279,10 @@ impl Quantizer for Gpu {
 
     fn len(&self, x: &DeviceValues) -> usize {
         x.len()
+    }
+
+    fn values_as_tensor<'a>(&self, x: &'a DeviceValues) -> CudaView<'a, f32> {
+        x.view()
     }
 
     fn chunks(
@@ -581,6 +585,47 @@ impl ByteMover<Gpu> for NcclMover<'_> {
             len as u64 * 2
         };
         self.count_plain(hop, phase, each);
+        Ok(())
+    }
+
+    fn sum_swizzled<T: GpuElement>(
+        &self,
+        _q: &Gpu,
+        hop: Hop,
+        phase: Phase,
+        x: &CudaView<'_, T>,
+        nodes: usize,
+        sum: &mut DeviceValues,
+    ) -> Result<(), ZeroError> {
+        let comm = self.comm(hop);
+        let members = comm.size();
+        let chunk = check_swizzled(x.len(), sum.len(), nodes, members)?;
+        if chunk == 0 {
+            return Ok(());
+        }
+        // Member j's run (chunks n · members + j for every n) made
+        // contiguous in bf16: each chunk widened to f32, then narrowed.
+        let gpu = self.gpu;
+        let mut wide = gpu.zeros::<f32>(chunk)?;
+        let mut wire = gpu.zeros::<half::bf16>(x.len())?;
+        for j in 0..members {
+            for n in 0..nodes {
+                let from = (n * members + j) * chunk;
+                let to = (j * nodes + n) * chunk;
+                gpu.widen(&x.slice(from..from + chunk), &mut wide.as_view_mut())?;
+                gpu.narrow(&wide.as_view(), &mut wire.slice_mut(to..to + chunk))?;
+            }
+        }
+        let mut got = gpu.zeros::<half::bf16>(x.len())?;
+        comm.all_to_all_bytes(&bf16_bytes(wire.as_view()), &mut bf16_bytes_mut(&mut got))?;
+        let run = nodes * chunk;
+        let mut each = gpu.zeros::<f32>(run)?;
+        gpu.widen(&got.slice(0..run), &mut sum.view_mut())?;
+        for j in 1..members {
+            gpu.widen(&got.slice(j * run..(j + 1) * run), &mut each.as_view_mut())?;
+            gpu.axpby(&mut sum.view_mut(), &each.as_view(), 1.0, 1.0)?;
+        }
+        self.count_plain(hop, phase, run as u64 * 2);
         Ok(())
     }
 

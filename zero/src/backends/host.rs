@@ -16,7 +16,7 @@ use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
     ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
-    check_pieces, check_scatter_len, scale_fraction, swizzled_kept_composed,
+    check_pieces, check_scatter_len, check_swizzled, scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
 use crate::groups::ZeroGroups;
@@ -332,6 +332,10 @@ impl<K: HostKernels> Quantizer for K {
 
     fn len(&self, x: &Vec<f32>) -> usize {
         x.len()
+    }
+
+    fn values_as_tensor<'a>(&self, x: &'a Vec<f32>) -> &'a [f32] {
+        x
     }
 
     fn round_bf16(&self, x: &mut Vec<f32>) -> Result<(), ZeroError> {
@@ -703,6 +707,33 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         let from_each = self.comm.all_to_all_v(group, to_each)?;
         for (j, b) in from_each.iter().enumerate() {
             payload::decode_chunks_into(b, recv, j * k..(j + 1) * k)?;
+        }
+        Ok(())
+    }
+
+    fn sum_swizzled<T: GpuElement>(
+        &self,
+        _q: &K,
+        hop: Hop,
+        phase: Phase,
+        x: &&[T],
+        nodes: usize,
+        sum: &mut Vec<f32>,
+    ) -> Result<(), ZeroError> {
+        let group = self.group(hop);
+        let members = group.size();
+        let chunk = check_swizzled(x.len(), sum.len(), nodes, members)?;
+        self.counter.set_phase(phase, 0.0);
+        let to_each = (0..members)
+            .map(|j| payload::encode_bf16_chunks(x, chunk, (0..nodes).map(|n| n * members + j)))
+            .collect();
+        let from_each = self.comm.all_to_all_v(group, to_each)?;
+        for (j, b) in from_each.iter().enumerate() {
+            if j == 0 {
+                payload::decode_bf16(b, sum)?;
+            } else {
+                payload::add_bf16(b, sum)?;
+            }
         }
         Ok(())
     }

@@ -31,6 +31,41 @@ pub fn encode_bf16<T: Element>(x: &[T]) -> Bytes {
     Bytes::from_owner(Returned(words))
 }
 
+/// Chunks `chunks` of `x` (each `chunk` values long), one after another,
+/// as [`encode_bf16`] encodes them: one message. A bf16 tensor's own bytes
+/// are copied as they are (the same words).
+pub fn encode_bf16_chunks<T: Element + bytemuck::Pod>(
+    x: &[T],
+    chunk: usize,
+    chunks: impl Iterator<Item = usize> + Clone,
+) -> Bytes {
+    let count = chunks.clone().count();
+    let mut words = scratch::take_for_overwrite::<u16>(count * chunk);
+    let raw = std::mem::size_of::<T>() == 2 && T::NAME == "BF16";
+    for (out, c) in words.chunks_exact_mut(chunk.max(1)).zip(chunks) {
+        let from = &x[c * chunk..(c + 1) * chunk];
+        if raw && cfg!(target_endian = "little") {
+            out.copy_from_slice(bytemuck::cast_slice(from));
+        } else {
+            for (w, v) in out.iter_mut().zip(from) {
+                *w = <bf16 as Element>::from_f32(v.to_f32()).to_bits().to_le();
+            }
+        }
+    }
+    Bytes::from_owner(Returned(words))
+}
+
+/// Little-endian bf16 bytes widened and added to `out` (f32).
+pub fn add_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
+    if b.len() != out.len() * 2 {
+        return Err(malformed("bf16 chunk", out.len() * 2, b.len()));
+    }
+    for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+        *o += f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+    }
+    Ok(())
+}
+
 /// Values (any element type) → little-endian f32 bytes.
 pub fn encode_f32<T: Element>(x: &[T]) -> Bytes {
     let mut words = scratch::take_for_overwrite::<u32>(x.len());

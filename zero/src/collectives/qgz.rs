@@ -1,9 +1,9 @@
 //! qgZ: the gradient reduce-scatter, written once over a [`Quantizer`] and
 //! a [`ByteMover`] (host and device alike). The W chunks of a flat gradient
 //! are swizzled so that the chunks bound for one local rank are contiguous,
-//! quantized, exchanged all-to-all inside the node, summed in f32,
-//! requantized, exchanged all-to-all across nodes among equal local ranks
-//! and summed in f32 again: each rank ends with the sum over the world of
+//! quantized (or sent as they are, in bf16: [`FirstHop::Bf16`]), exchanged
+//! all-to-all inside the node, summed in f32, requantized, exchanged
+//! all-to-all across nodes among equal local ranks and summed in f32 again: each rank ends with the sum over the world of
 //! its own chunk, divided by W for the mean. Error feedback keeps what each
 //! quantization dropped (compressed: [`crate::residual`]) and adds it back
 //! on the next call. ZeRO-3's plain rings live with the host backend
@@ -19,14 +19,34 @@ use crate::layout::Layout;
 use crate::residual;
 use crate::traffic::Phase;
 
+/// qgZ's hop inside the node: the gradient quantized, or sent as it is in
+/// bf16 (no quantization and nothing dropped: where the node's links are
+/// its own memory or NVLink, quantizing costs more than the bytes it
+/// saves; `qgz_intra_bits=16`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FirstHop {
+    Quantized(QuantFormat),
+    Bf16,
+}
+
+impl FirstHop {
+    /// Bits per value on the wire: 8, 4 or 16.
+    pub fn bits(self) -> u32 {
+        match self {
+            FirstHop::Quantized(f) => f.bits.count(),
+            FirstHop::Bf16 => 16,
+        }
+    }
+}
+
 /// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
-/// when the switch is on: only at int4. Its residual is as long as the
+/// when the switch is on: only at int4 (bf16 drops nothing to keep). Its residual is as long as the
 /// whole gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)); an
 /// int8 hop drops 16 times less than int4, too little to pay that for
 /// (measured: docs/TRAINING.md, "Loss parity"). The hop across nodes,
 /// always int4, keeps its O(Ψ/G) residual.
-pub fn first_hop_feedback(error_feedback: bool, intra: QuantFormat) -> bool {
-    error_feedback && intra.bits == zeropp_quant::Bits::Four
+pub fn first_hop_feedback(error_feedback: bool, intra: FirstHop) -> bool {
+    error_feedback && matches!(intra, FirstHop::Quantized(f) if f.bits == zeropp_quant::Bits::Four)
 }
 
 /// The rounding of qgZ call `call` on gradient buffer `buffer` of `rank`
@@ -183,7 +203,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     m: &M,
     layout: Layout,
     first: Q::Chunks,
-    mut second: SecondHop<'_, Q>,
+    second: SecondHop<'_, Q>,
     reduction: Reduction,
 ) -> Result<Q::Values, ZeroError> {
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
@@ -200,42 +220,67 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     let mut got = q.chunks(intra, chunk, count)?;
     m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
     q.recycle_chunks(first);
-    if nodes == 1 {
-        // One node: its sums are the world's, with no hop across to
-        // quantize them for a second time.
-        let mut sum = q.values_for_overwrite(chunk)?;
-        sum_chunks(q, &got, 0..g, &mut sum, 0)?;
+    if nodes > 1 && !second.hadamard && second.residual.is_none() {
+        // Sum and requantize in one pass.
+        let part_rounding = second.rounding.for_part(1);
+        let mut partial = q.chunks(second.format, chunk, nodes)?;
+        for n in 0..nodes {
+            let inputs: Vec<usize> = (0..g).map(|src| src * nodes + n).collect();
+            q.sum_requantize(&got, &inputs, part_rounding.for_part(n), &mut partial, n)?;
+        }
         q.recycle_chunks(got);
+        return hop_two(q, m, layout, partial, &second, reduction);
+    }
+    let mut sum = q.values_for_overwrite(nodes * chunk)?;
+    for n in 0..nodes {
+        sum_chunks(
+            q,
+            &got,
+            (0..g).map(|src| src * nodes + n),
+            &mut sum,
+            n * chunk,
+        )?;
+    }
+    q.recycle_chunks(got);
+    across_nodes(q, m, layout, sum, second, reduction)
+}
+
+/// What follows hop 1: `sum`, the node's f32 partial sums of the N
+/// chunks bound for this rank's equal local ranks, requantized and
+/// exchanged across nodes ([`hop_two`]); on one node they are the world's
+/// sums already, with no hop across to quantize them for a second time.
+fn across_nodes<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    mut sum: Q::Values,
+    mut second: SecondHop<'_, Q>,
+    reduction: Reduction,
+) -> Result<Q::Values, ZeroError> {
+    if layout.nodes == 1 {
         reduction.apply(q, &mut sum, layout)?;
         return Ok(sum);
     }
-    let partial = match (second.hadamard, second.residual.is_some()) {
-        (false, false) => {
-            // Sum and requantize in one pass.
-            let part_rounding = second.rounding.for_part(1);
-            let mut partial = q.chunks(second.format, chunk, nodes)?;
-            for n in 0..nodes {
-                let inputs: Vec<usize> = (0..g).map(|src| src * nodes + n).collect();
-                q.sum_requantize(&got, &inputs, part_rounding.for_part(n), &mut partial, n)?;
-            }
-            partial
-        }
-        _ => {
-            let mut sum = q.values_for_overwrite(nodes * chunk)?;
-            for n in 0..nodes {
-                sum_chunks(
-                    q,
-                    &got,
-                    (0..g).map(|src| src * nodes + n),
-                    &mut sum,
-                    n * chunk,
-                )?;
-            }
-            requantize_partial(q, layout, sum, &mut second)?
-        }
-    };
-    q.recycle_chunks(got);
+    let partial = requantize_partial(q, layout, sum, &mut second)?;
     hop_two(q, m, layout, partial, &second, reduction)
+}
+
+/// Hop 1 in bf16 ([`FirstHop::Bf16`]) from the caller's tensor: each local
+/// rank's chunks sent as they are (rounded to bf16 where `T` is wider),
+/// summed in f32 by the receiver in local-rank order, then across nodes.
+fn bf16_first_hop<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    grad: &Q::Tensor<'_, T>,
+    second: SecondHop<'_, Q>,
+    reduction: Reduction,
+) -> Result<Q::Values, ZeroError> {
+    check_hops(m, layout, "qgZ")?;
+    let chunk = chunk_len(q.tensor_len(grad), layout)?;
+    let mut sum = q.values_for_overwrite(layout.nodes * chunk)?;
+    m.sum_swizzled(q, Hop::Node, Phase::Gradient, grad, layout.nodes, &mut sum)?;
+    across_nodes(q, m, layout, sum, second, reduction)
 }
 
 /// The f32 sum of chunks `sources` of `from`, in that order, into
@@ -318,8 +363,8 @@ fn hop_two<Q: Quantizer, M: ByteMover<Q>>(
 /// The settings of one qgZ reduce-scatter.
 #[derive(Clone, Copy, Debug)]
 pub struct Qgz {
-    /// Formats of the hop inside the node and of the hop across nodes.
-    pub intra: QuantFormat,
+    /// The hop inside the node and the format of the hop across nodes.
+    pub intra: FirstHop,
     pub inter: QuantFormat,
     pub rounding: Rounding,
     /// The hop across nodes rotated block by block (Walsh–Hadamard).
@@ -367,14 +412,35 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         let partial = requantize_partial(q, layout, sum, &mut second)?;
         return hop_two(q, m, layout, partial, &second, reduction);
     }
-    let first = quantize_first_hop(q, grad, layout, s.intra, s.rounding, feedback.first)?;
-    exchange(q, m, layout, first, second, reduction)
+    match s.intra {
+        FirstHop::Quantized(intra) => {
+            let first = quantize_first_hop(q, grad, layout, intra, s.rounding, feedback.first)?;
+            exchange(q, m, layout, first, second, reduction)
+        }
+        FirstHop::Bf16 => {
+            no_first_feedback(&feedback.first)?;
+            let tensor = q.values_as_tensor(grad);
+            bf16_first_hop(q, m, layout, &tensor, second, reduction)
+        }
+    }
+}
+
+/// Refuses a residual for a bf16 first hop, which drops nothing.
+fn no_first_feedback<C>(first: &Option<&mut C>) -> Result<(), ZeroError> {
+    match first {
+        None => Ok(()),
+        Some(_) => Err(ZeroError::Invalid(
+            "qgZ's bf16 hop inside the node keeps no error feedback (it drops nothing); \
+             pass no first-hop residual (qgz::first_hop_feedback says which hops keep one)"
+                .into(),
+        )),
+    }
 }
 
 /// [`reduce_scatter`] of a caller's tensor (any [`GpuElement`]), the same
 /// bit for bit: where nothing is added to the gradient before the first
-/// hop (no error feedback inside the node) it is quantized straight from
-/// the tensor, without a copy in f32 first.
+/// hop (no error feedback inside the node) it is quantized (or, in bf16,
+/// sent) straight from the tensor, without a copy in f32 first.
 pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
     m: &M,
@@ -384,15 +450,23 @@ pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
     let len = q.tensor_len(grad);
-    if feedback.first.is_some() || layout.ranks_per_node == 1 {
-        let mut values = q.values_for_overwrite(len)?;
-        q.load_tensor(grad, &mut values, 0)?;
-        let sum = reduce_scatter(q, m, layout, (s, reduction), &values, feedback);
-        q.recycle(values);
-        return sum;
-    }
+    let intra = match s.intra {
+        FirstHop::Quantized(f) if feedback.first.is_none() && layout.ranks_per_node > 1 => f,
+        FirstHop::Bf16 if layout.ranks_per_node > 1 => {
+            no_first_feedback(&feedback.first)?;
+            let second = SecondHop::of(s, feedback.second);
+            return bf16_first_hop(q, m, layout, grad, second, reduction);
+        }
+        _ => {
+            let mut values = q.values_for_overwrite(len)?;
+            q.load_tensor(grad, &mut values, 0)?;
+            let sum = reduce_scatter(q, m, layout, (s, reduction), &values, feedback);
+            q.recycle(values);
+            return sum;
+        }
+    };
     let chunk = chunk_len(len, layout)?;
-    let mut first = q.chunks(s.intra, chunk, layout.world())?;
+    let mut first = q.chunks(intra, chunk, layout.world())?;
     let (nodes, g) = (layout.nodes, layout.ranks_per_node);
     q.quantize_tensor_swizzled(grad, nodes, g, s.rounding, &mut first)?;
     exchange(
@@ -426,11 +500,22 @@ mod tests {
             .collect()
     }
 
-    /// Each rank's chunk of the mean over 2 x 2 ranks through qgZ (an int4
-    /// hop across in blocks of `inter_block`), and the exact mean's chunk.
+    /// Each rank's chunk of the mean over 2 x 2 ranks through qgZ (int8
+    /// inside, an int4 hop across in blocks of `inter_block`), and the
+    /// exact mean's chunk.
     fn mean_chunks(hadamard: bool, inter_block: usize, len: usize) -> Vec<(Vec<f32>, Vec<f32>)> {
+        mean_chunks_with(8, hadamard, inter_block, len)
+    }
+
+    /// [`mean_chunks`] with `intra_bits` inside the node (16: bf16).
+    fn mean_chunks_with(
+        intra_bits: u32,
+        hadamard: bool,
+        inter_block: usize,
+        len: usize,
+    ) -> Vec<(Vec<f32>, Vec<f32>)> {
         on_ranks(2, 2, move |layout, mover| {
-            let (intra, inter) = gradient_formats(8, 32, Some(inter_block)).unwrap();
+            let (intra, inter) = gradient_formats(intra_bits, 32, Some(inter_block)).unwrap();
             let s = Qgz {
                 intra,
                 inter,
@@ -583,7 +668,7 @@ mod tests {
         // sums are the world's; nothing crosses nodes, nothing is
         // quantized again.
         let len = 4 * 256;
-        let (intra, _) = gradient_formats(8, 32, Some(64)).unwrap();
+        let intra = QuantFormat::int8(32).unwrap();
         let got = on_ranks(1, 4, move |layout, mover| {
             let (intra, inter) = gradient_formats(8, 32, Some(64)).unwrap();
             let s = Qgz {
@@ -619,6 +704,102 @@ mod tests {
                 "{len}: rotated {rotated:.4} against plain {plain:.4}"
             );
             assert!(rotated < 0.2, "{len}: rotated {rotated:.4}");
+        }
+    }
+
+    #[test]
+    fn on_one_node_a_bf16_hop_gives_the_f32_sum_of_the_bf16_gradients() {
+        // One node of three: the hop inside is the whole reduce-scatter.
+        // Each rank ends with its chunk of the f32 sum, in rank order, of
+        // every rank's gradient rounded to bf16 once: from f32 values and
+        // from a bf16 tensor alike, nothing quantized, nothing across.
+        let len = 3 * 200;
+        let got = on_ranks(1, 3, move |layout, mover| {
+            let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
+            assert_eq!(intra, FirstHop::Bf16);
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: true,
+            };
+            let none = || Feedback {
+                first: None,
+                second: None,
+            };
+            let grad = gradient(layout.rank, len);
+            let halves: Vec<half::bf16> = grad.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let s = (s, Reduction::Sum);
+            let from_values = reduce_scatter(&Host, mover, layout, s, &grad, none()).unwrap();
+            let from_tensor =
+                reduce_scatter_tensor(&Host, mover, layout, s, &&halves[..], none()).unwrap();
+            (from_values, from_tensor)
+        });
+        for (rank, ((from_values, from_tensor), across)) in got.iter().enumerate() {
+            let want: Vec<f32> = (rank * 200..(rank + 1) * 200)
+                .map(|i| {
+                    let each = (0..3).map(|r| half::bf16::from_f32(gradient(r, len)[i]).to_f32());
+                    each.reduce(|a, b| a + b).unwrap()
+                })
+                .collect();
+            assert_eq!(from_values, &want, "rank {rank}, from f32 values");
+            assert_eq!(from_tensor, &want, "rank {rank}, from a bf16 tensor");
+            assert_eq!(*across, 0, "rank {rank} sent across nodes");
+        }
+    }
+
+    #[test]
+    fn a_bf16_hop_inside_loses_less_than_an_int8_one_and_sends_two_bytes_a_value() {
+        let len = 4 * 1024;
+        let int8 = relative_rms(&mean_chunks_with(8, true, 64, len));
+        let bf16 = relative_rms(&mean_chunks_with(16, true, 64, len));
+        assert!(bf16 < int8, "bf16 inside {bf16:.5} against int8 {int8:.5}");
+        // What each rank sends inside its node: its 2 chunks for the other
+        // local rank, in bf16; across: the int4 hop, as with int8 inside.
+        let sent = on_ranks(2, 2, move |layout, mover| {
+            let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: false,
+            };
+            let none = Feedback {
+                first: None,
+                second: None,
+            };
+            let grad = gradient(layout.rank, len);
+            reduce_scatter(&Host, mover, layout, (s, Reduction::Mean), &grad, none).unwrap();
+            mover.counter.traffic().total().intra_node
+        });
+        for (rank, (inside, _)) in sent.iter().enumerate() {
+            assert_eq!(*inside, 2 * 2 * (len / 4) as u64, "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn a_bf16_hop_inside_refuses_a_residual_for_itself() {
+        let got = on_ranks(1, 2, |layout, mover| {
+            let (intra, inter) = gradient_formats(16, 32, None).unwrap();
+            assert!(!first_hop_feedback(true, intra));
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: false,
+            };
+            let mut r = Host.chunks(crate::residual::format(), 32, 1).unwrap();
+            let feedback = Feedback {
+                first: Some(&mut r),
+                second: None,
+            };
+            let grad = gradient(layout.rank, 64);
+            reduce_scatter(&Host, mover, layout, (s, Reduction::Mean), &grad, feedback)
+                .unwrap_err()
+                .to_string()
+        });
+        for (msg, _) in got {
+            assert!(msg.contains("keeps no error feedback"), "{msg}");
         }
     }
 }

@@ -10,6 +10,7 @@ use zeropp_quant::{Bits, QuantFormat, Scheme};
 use crate::error::ZeroError;
 use crate::layout::{Layout, LayoutError};
 use crate::measured::Measured;
+use crate::qgz::FirstHop;
 
 /// Every ZeRO++ switch, declared once: its name, doc, the type it has
 /// once resolved, and how a config asks for it (`resolved as asked =
@@ -48,9 +49,10 @@ macro_rules! with_switches {
             /// Values per gradient quantization block (qgZ): smaller than
             /// the weights' because gradients have heavier tails.
             qgz_block: usize as usize = 32,
-            /// Bits of qgZ's first hop, inside the node (8 or 4; across
-            /// nodes: 4). Default: the routing plan's — int8, unless the hop
-            /// inside the node is about as slow per rank as the hop across.
+            /// Bits of qgZ's first hop, inside the node (8 or 4, or 16: the
+            /// gradient in bf16, not quantized; across nodes: 4). Default:
+            /// the routing plan's — int8, unless the hop inside the node is
+            /// about as slow per rank as the hop across.
             qgz_intra_bits: u32 as Option<u32> = None,
             /// Unquantized traffic (weights without qwZ, gradients without
             /// qgZ) in fp32 instead of bf16: exact data parallelism, for
@@ -516,11 +518,11 @@ pub enum GradWire {
     RingBf16,
     /// fp32 ring reduce-scatter over the world.
     RingF32,
-    /// Swizzled int4 all-to-all inside the node, f32 sum, requantize,
-    /// all-to-all across nodes, f32 sum, divide by W.
+    /// Swizzled quantized (or bf16) all-to-all inside the node, f32 sum,
+    /// requantize, all-to-all across nodes, f32 sum, divide by W.
     TwoHop {
-        /// Format of the first hop (inside the node).
-        intra: QuantFormat,
+        /// The first hop (inside the node).
+        intra: FirstHop,
         /// Format of the second hop (across nodes).
         inter: QuantFormat,
         error_feedback: bool,
@@ -608,24 +610,33 @@ pub fn weight_format(bits: u32, block: usize) -> Result<QuantFormat, PlanError> 
         .map_err(|e| PlanError::switch("block", e.to_string()))
 }
 
-/// qgZ's wire formats: the hop inside the node (`intra_bits`, 8 or 4) and
-/// the hop across nodes (always int4), symmetric blocks of `block` values
-/// (`inter_block` across nodes when given). The one place the engine and
-/// the bindings take them from.
+/// qgZ's wire formats: the hop inside the node (`intra_bits`: 8 or 4, or
+/// 16 for the gradient's own values in bf16) and the hop across nodes
+/// (always int4), symmetric blocks of `block` values (`inter_block` across
+/// nodes when given). The one place the engine and the bindings take them
+/// from.
 pub fn gradient_formats(
     intra_bits: u32,
     block: usize,
     inter_block: Option<usize>,
-) -> Result<(QuantFormat, QuantFormat), PlanError> {
+) -> Result<(FirstHop, QuantFormat), PlanError> {
     let intra_bits_error = |why: String| PlanError::switch("qgz_intra_bits", why);
-    if !matches!(intra_bits, 8 | 4) {
-        return Err(intra_bits_error(format!(
-            "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4"
-        )));
-    }
-    let bits = Bits::from_u32(intra_bits).map_err(|e| intra_bits_error(e.to_string()))?;
-    let intra = QuantFormat::new(bits, Scheme::Symmetric, block)
-        .map_err(|e| PlanError::switch("qgz_block", e.to_string()))?;
+    let intra = match intra_bits {
+        16 => FirstHop::Bf16,
+        8 | 4 => {
+            let bits = Bits::from_u32(intra_bits).map_err(|e| intra_bits_error(e.to_string()))?;
+            FirstHop::Quantized(
+                QuantFormat::new(bits, Scheme::Symmetric, block)
+                    .map_err(|e| PlanError::switch("qgz_block", e.to_string()))?,
+            )
+        }
+        _ => {
+            return Err(intra_bits_error(format!(
+                "qgz_intra_bits={intra_bits}: qgZ's hop inside the node is int8 or int4, or 16 \
+                 (the gradient in bf16, not quantized)"
+            )));
+        }
+    };
     let inter = QuantFormat::int4(inter_block.unwrap_or(block))
         .map_err(|e| PlanError::switch("qgz_inter_block", e.to_string()))?;
     Ok((intra, inter))
@@ -1064,10 +1075,11 @@ mod tests {
         assert_eq!(
             (intra, inter),
             (
-                QuantFormat::int8(32).unwrap(),
+                FirstHop::Quantized(QuantFormat::int8(32).unwrap()),
                 QuantFormat::int4(32).unwrap()
             )
         );
+        assert_eq!(gradient_formats(16, 32, None).unwrap().0, FirstHop::Bf16);
         let e = weight_format(2, 256).unwrap_err().to_string();
         assert!(e.contains("8 or 4 bits, not 2"), "{e}");
         let e = gradient_formats(2, 32, None).unwrap_err().to_string();
