@@ -314,8 +314,8 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
 #[test]
 fn the_engine_and_fsdp2s_calls_agree_per_collective() {
     // Every wire the engine runs: bf16 and fp32 rings (ZeRO-3), qwZ int8
-    // with int8 qgZ, and weight differences with int4 qgZ and both
-    // error-feedback hops; each call twice (references and residuals carry
+    // with int8 qgZ, weight differences with int4 qgZ and both
+    // error-feedback hops, and with qgZ's hop inside in bf16; each call twice (references and residuals carry
     // over). Bit for bit, on 2 x 2 ranks.
     let cases = [
         Switches::zero3(32),
@@ -332,6 +332,13 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
         },
         Switches {
             hpz: false,
+            ..Switches::zeropp(32)
+        },
+        // The gradient in bf16 inside the node (qgZ's first hop not
+        // quantized, the hop across with its feedback).
+        Switches {
+            hpz: false,
+            qgz_intra_bits: 16,
             ..Switches::zeropp(32)
         },
     ];

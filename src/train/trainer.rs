@@ -653,9 +653,13 @@ fn print_plan(
         );
     }
     if switches.qgz {
+        let inside = match switches.qgz_intra_bits {
+            16 => "bf16".to_string(),
+            b => format!("int{b}"),
+        };
         println!(
-            "engine: qgZ int{} inside the node, int4 across ({})",
-            switches.qgz_intra_bits, resolved.why["qgz_intra_bits"]
+            "engine: qgZ {inside} inside the node, int4 across ({})",
+            resolved.why["qgz_intra_bits"]
         );
     }
     if measured {

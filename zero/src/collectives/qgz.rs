@@ -3,8 +3,9 @@
 //! are swizzled so that the chunks bound for one local rank are contiguous,
 //! quantized (or sent as they are, in bf16: [`FirstHop::Bf16`]), exchanged
 //! all-to-all inside the node, summed in f32, requantized, exchanged
-//! all-to-all across nodes among equal local ranks and summed in f32 again: each rank ends with the sum over the world of
-//! its own chunk, divided by W for the mean. Error feedback keeps what each
+//! all-to-all across nodes among equal local ranks and summed in f32
+//! again: each rank ends with the sum over the world of its own chunk,
+//! divided by W for the mean. Error feedback keeps what each
 //! quantization dropped (compressed: [`crate::residual`]) and adds it back
 //! on the next call. ZeRO-3's plain rings live with the host backend
 //! (`crate::host::ring_bf16`, `ring_f32`).
@@ -20,28 +21,19 @@ use crate::residual;
 use crate::traffic::Phase;
 
 /// qgZ's hop inside the node: the gradient quantized, or sent as it is in
-/// bf16 (no quantization and nothing dropped: where the node's links are
-/// its own memory or NVLink, quantizing costs more than the bytes it
-/// saves; `qgz_intra_bits=16`).
+/// bf16, rounded to nearest even whatever the rounding of the hop across
+/// (`qgz_intra_bits=16`: nothing dropped, and no quantization, which on
+/// the host path costs more CPU than the node's shared-memory bytes it
+/// saves: docs/BENCHMARKS.md).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum FirstHop {
     Quantized(QuantFormat),
     Bf16,
 }
 
-impl FirstHop {
-    /// Bits per value on the wire: 8, 4 or 16.
-    pub fn bits(self) -> u32 {
-        match self {
-            FirstHop::Quantized(f) => f.bits.count(),
-            FirstHop::Bf16 => 16,
-        }
-    }
-}
-
 /// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
-/// when the switch is on: only at int4 (bf16 drops nothing to keep). Its residual is as long as the
-/// whole gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)); an
+/// when the switch is on: only at int4 (bf16 drops nothing to keep). Its
+/// residual is as long as the whole gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)); an
 /// int8 hop drops 16 times less than int4, too little to pay that for
 /// (measured: docs/TRAINING.md, "Loss parity"). The hop across nodes,
 /// always int4, keeps its O(Ψ/G) residual.
@@ -400,6 +392,9 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
     grad: &Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
+    if s.intra == FirstHop::Bf16 {
+        no_first_feedback(&feedback.first)?;
+    }
     let mut second = SecondHop::of(s, feedback.second);
     if layout.ranks_per_node == 1 {
         // A node of one rank: nothing to exchange inside it, so its
@@ -418,7 +413,6 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
             exchange(q, m, layout, first, second, reduction)
         }
         FirstHop::Bf16 => {
-            no_first_feedback(&feedback.first)?;
             let tensor = q.values_as_tensor(grad);
             bf16_first_hop(q, m, layout, &tensor, second, reduction)
         }
@@ -712,7 +706,7 @@ mod tests {
         // One node of three: the hop inside is the whole reduce-scatter.
         // Each rank ends with its chunk of the f32 sum, in rank order, of
         // every rank's gradient rounded to bf16 once: from f32 values and
-        // from a bf16 tensor alike, nothing quantized, nothing across.
+        // from a bf16 tensor alike, nothing quantized.
         let len = 3 * 200;
         let got = on_ranks(1, 3, move |layout, mover| {
             let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
@@ -735,7 +729,7 @@ mod tests {
                 reduce_scatter_tensor(&Host, mover, layout, s, &&halves[..], none()).unwrap();
             (from_values, from_tensor)
         });
-        for (rank, ((from_values, from_tensor), across)) in got.iter().enumerate() {
+        for (rank, ((from_values, from_tensor), _)) in got.iter().enumerate() {
             let want: Vec<f32> = (rank * 200..(rank + 1) * 200)
                 .map(|i| {
                     let each = (0..3).map(|r| half::bf16::from_f32(gradient(r, len)[i]).to_f32());
@@ -744,7 +738,6 @@ mod tests {
                 .collect();
             assert_eq!(from_values, &want, "rank {rank}, from f32 values");
             assert_eq!(from_tensor, &want, "rank {rank}, from a bf16 tensor");
-            assert_eq!(*across, 0, "rank {rank} sent across nodes");
         }
     }
 

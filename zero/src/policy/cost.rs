@@ -260,7 +260,12 @@ impl PlanInput {
             // and back in `beyond`.
             let (t, b) = self.across_hop(q4 / g);
             inter += b;
-            quant_values += 2.0 * self.params + self.params / g;
+            // Hop 1 quantized and dequantized (not in bf16), hop 2's
+            // requantization of the node's partial.
+            if self.qgz_intra_bits != 16 {
+                quant_values += 2.0 * self.params;
+            }
+            quant_values += self.params / g;
             if c.beyond {
                 quant_values += 2.0 * self.params / g;
             }
