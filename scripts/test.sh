@@ -17,12 +17,20 @@ if [ "$(id -u)" -eq 0 ]; then
 else
   sudo SLURM_FIX_HOSTS=1 bash scripts/slurm.sh >/dev/null
 fi
+phase() { echo "test.sh: $* ($((SECONDS / 60)) min in)" >&2; }
+phase "the Rust tests"
+# They build target/debug/zeropp too (the root crate's integration tests run
+# it), with the features the tests unify: building it again alone would
+# rebuild every dependency for its own feature set.
 cargo test --workspace
-cargo build --bin zeropp
+test -x target/debug/zeropp
+phase "ruff"
 "$ZEROPP_VENV_BIN/ruff" check python examples
 "$ZEROPP_VENV_BIN/ruff" format --check python examples
 # The Python tests run against the installed wheel, not the source tree.
 (cd /tmp && "$ZEROPP_PYTHON" -c 'import sys, zeropp
 assert zeropp.__file__.startswith(sys.prefix), f"zeropp from {zeropp.__file__}, not {sys.prefix}"
 print(f"zeropp.torch tests against the wheel in {sys.prefix}")')
-ZEROPP_BIN="$PWD/target/debug/zeropp" "$ZEROPP_PYTHON" -m pytest -q python/tests
+phase "the Python tests"
+ZEROPP_BIN="$PWD/target/debug/zeropp" "$ZEROPP_PYTHON" -m pytest -q --durations=15 python/tests
+phase "done"

@@ -29,7 +29,7 @@ def zeropp_bin():
     if not path.exists():
         pytest.fail(
             f"{path} does not exist: run `cargo build --bin zeropp` first "
-            "(scripts/test.sh does), or set ZEROPP_BIN"
+            "(scripts/test.sh builds it with the Rust tests), or set ZEROPP_BIN"
         )
     return str(path)
 
