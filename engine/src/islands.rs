@@ -648,6 +648,7 @@ impl Engine {
                 mine,
                 residuals,
                 ExchangeName {
+                    sync: 0,
                     step,
                     unit: u,
                     seq: 0,

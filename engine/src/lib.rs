@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use candle_core::{Device, Tensor};
+use half::bf16;
 use zeropp_quant::QuantizedChunks;
 
 pub use error::{EngineError, IslandsError, Result};
@@ -266,10 +267,13 @@ pub struct StepStats {
 }
 
 /// A unit's gradient as qgZ's hop inside the node takes it to the
-/// communication thread: quantized already, or as it is (bf16 on the wire).
+/// communication thread: quantized already, narrowed to bf16 (the words it
+/// sends inside the node), or as it is (a node of one rank, where it is
+/// not sent inside the node).
 enum Hop1 {
     Quantized(QuantizedChunks),
-    Bf16(Vec<f32>),
+    Bf16(Vec<u16>),
+    Alone(Vec<f32>),
 }
 
 /// One rank's engine.
@@ -665,9 +669,8 @@ impl Engine {
             } => {
                 let (call, seed) = (self.step as u64, self.cfg.seed);
                 let rounding = qgz::rounding(stochastic, seed, call, u, layout.rank);
-                // Quantized inside the node: here, while the communication
-                // thread sends the last unit's; in bf16: there, from the
-                // gradient as it is.
+                // Quantized (or narrowed to bf16) inside the node: here,
+                // while the communication thread sends the last unit's.
                 let first = match intra {
                     FirstHop::Quantized(format) => {
                         let residual = qgz::first_hop_feedback(error_feedback, intra)
@@ -683,7 +686,21 @@ impl Engine {
                         scratch::give(grad);
                         Hop1::Quantized(first)
                     }
-                    FirstHop::Bf16 => Hop1::Bf16(grad),
+                    FirstHop::Bf16 if layout.ranks_per_node > 1 => {
+                        let mut words = scratch::take_for_overwrite::<u16>(grad.len());
+                        for (w, &v) in words.iter_mut().zip(&grad) {
+                            *w = bf16::from_f32(v).to_bits();
+                        }
+                        scratch::give(grad);
+                        Hop1::Bf16(words)
+                    }
+                    FirstHop::Bf16 => Hop1::Alone(grad),
+                };
+                let s = qgz::Qgz {
+                    intra,
+                    inter,
+                    rounding,
+                    hadamard,
                 };
                 let residual_inter = self.units[u].residual_inter.clone();
                 Ok(self.thread.submit(move |c: &Communicator| {
@@ -706,13 +723,24 @@ impl Engine {
                             };
                             qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
                         }
-                        Hop1::Bf16(grad) => {
-                            let s = qgz::Qgz {
-                                intra,
-                                inter,
-                                rounding,
-                                hadamard,
+                        Hop1::Bf16(words) => {
+                            let feedback = qgz::Feedback {
+                                first: None,
+                                second: residual,
                             };
+                            let grad: &[bf16] = bytemuck::cast_slice(&words);
+                            let sum = qgz::reduce_scatter_tensor(
+                                &Host,
+                                &mover,
+                                layout,
+                                (s, Reduction::Mean),
+                                &grad,
+                                feedback,
+                            );
+                            scratch::give(words);
+                            sum
+                        }
+                        Hop1::Alone(grad) => {
                             let feedback = qgz::Feedback {
                                 first: None,
                                 second: residual,

@@ -145,8 +145,9 @@ impl OuterState {
     /// island holding this shard, less the islands lost). The weights
     /// become the new anchor, the same on every island taking part; an
     /// island lost during the exchange leaves it and the exchange runs
-    /// again without it. `at` (the optimizer step, the exchanges this rank
-    /// started before, the shard's index) names the exchange, which the
+    /// again without it. `at` (the outer sync's number from
+    /// [`Islands::register`], the optimizer step, the exchanges this outer
+    /// sync started before, the shard's index) names the exchange, which the
     /// islands left check they agree on before they run it again. An
     /// [`Op`] to wait on.
     fn step(
@@ -154,7 +155,7 @@ impl OuterState {
         job: &Job,
         weights: &Bound<'_, PyAny>,
         islands: &Islands,
-        at: (u64, u64, usize),
+        at: At,
     ) -> PyResult<Op> {
         let buf = HostBuf::new(weights, true, "weights")?;
         buf.typed::<f32>("weights (float32)").map_err(to_py)?;
@@ -185,7 +186,7 @@ impl OuterState {
         job: &Job,
         weights: &Bound<'_, PyAny>,
         islands: &Islands,
-        at: (u64, u64, usize),
+        at: At,
     ) -> PyResult<Op> {
         let buf = HostBuf::new(weights, true, "weights")?;
         let (delta, eager) = {
@@ -253,7 +254,7 @@ fn exchange(
     (members, quantized): &(Arc<Mutex<Membership>>, Option<QuantizedAllReduce>),
     state: &mut outer::OuterState,
     mine: Vec<f32>,
-    at: (u64, u64, usize),
+    at: At,
 ) -> Result<Vec<f32>, ZeroError> {
     let across = Across {
         members,
@@ -269,10 +270,19 @@ fn exchange(
     Ok(averaged)
 }
 
-/// An exchange's name from Python's (optimizer step, exchanges this rank
-/// started before it, parameter index).
-fn name((step, seq, unit): (u64, u64, usize)) -> ExchangeName {
-    ExchangeName { step, unit, seq }
+/// An exchange's name from Python's (the outer sync's number over these
+/// islands, optimizer step, exchanges that outer sync started before it,
+/// parameter index).
+type At = (u64, u64, u64, usize);
+
+/// An exchange's name from Python's [`At`].
+fn name((sync, step, seq, unit): At) -> ExchangeName {
+    ExchangeName {
+        sync,
+        step,
+        unit,
+        seq,
+    }
 }
 
 /// Which islands of an (islands, ranks) mesh take part in the outer sync,
@@ -284,6 +294,8 @@ fn name((step, seq, unit): (u64, u64, usize)) -> ExchangeName {
 #[pyclass(frozen)]
 pub struct Islands {
     members: Arc<Mutex<Membership>>,
+    /// The outer syncs registered over these islands.
+    syncs: std::sync::atomic::AtomicU64,
 }
 
 #[pymethods]
@@ -323,7 +335,17 @@ impl Islands {
                 place,
                 groups.world.clone(),
             ))),
+            syncs: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// A number for an outer sync over these islands (0, 1, ... in the
+    /// order they are made, the same on every rank when each makes its
+    /// outer syncs in the same order): part of each of its exchanges'
+    /// names, so two outer syncs' exchanges are never taken for one.
+    fn register(&self) -> u64 {
+        self.syncs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The islands that left the outer sync: (island, the optimizer step
@@ -340,7 +362,7 @@ impl Islands {
     /// over the islands taking part (every rank of them calls it at the
     /// same point, `at` naming it), which a lost island leaves as any
     /// exchange does. An [`Op`] to wait on.
-    fn probe(&self, job: &Job, at: (u64, u64, usize)) -> Op {
+    fn probe(&self, job: &Job, at: At) -> Op {
         let members = self.members.clone();
         job.submit_alone(move |mover| {
             let across = Across {

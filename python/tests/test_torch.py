@@ -201,7 +201,7 @@ def test_frozen_weights_cross_nodes_once_and_are_never_served_stale():
 def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
     p = torchrun(WORKERS / "islands.py", [tmp_path / "dcp"])
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 13, p.stdout
+    assert len(oks) == 14, p.stdout
 
 
 def test_the_example_trains_islands_with_outer_sync(tmp_path):

@@ -1345,6 +1345,9 @@ class OuterSync:
         # outer sync; the others go on without it).
         self.replicas_apart = _islands_on_hsdp(model)
         self._islands = _islands_of(self.job, self.ranks, mesh.size(1))
+        # This outer sync's number over these islands, in its exchanges'
+        # names (another model's outer sync over them counts its own steps).
+        self._sync_id = self._islands.register()
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1416,9 +1419,10 @@ class OuterSync:
                     ag.qwz_reference.reset()
 
     def _name(self, i):
-        """Parameter ``i``'s exchange now, as every rank names it: the
-        optimizer step, how many exchanges started before, the parameter."""
-        return (self.steps, self.syncs, i)
+        """Parameter ``i``'s exchange now, as every rank names it: this
+        outer sync among those over the islands, the optimizer step, how
+        many exchanges it started before, the parameter."""
+        return (self._sync_id, self.steps, self.syncs, i)
 
     def _start(self, f, delay):
         idx = self.fragments[f]

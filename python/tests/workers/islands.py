@@ -289,6 +289,11 @@ def main():
         shard(n, mesh, zeropp=True)
     a_sync = zt.OuterSync(a_net, torch.optim.AdamW(a_net.parameters(), lr=1e-2), mesh, **kw)
     b_sync = zt.OuterSync(b_net, torch.optim.AdamW(b_net.parameters(), lr=1e-2), mesh, **kw)
+    check(
+        "two outer syncs over the same islands name their exchanges apart",
+        a_sync._islands is b_sync._islands and a_sync._name(0) != b_sync._name(0),
+        f"({a_sync._name(0)} and {b_sync._name(0)})",
+    )
     for x, y in data[:2]:
         step(a_net, a_sync, x, y)
     under_way = bool(a_sync._pending)

@@ -173,33 +173,41 @@ impl Membership {
     }
 }
 
-/// Which outer exchange a rank is at: of unit `unit` after optimizer step
-/// `step` (where a loss found in it is recorded), the `seq`-th that rank
-/// started (telling apart two exchanges of one unit after one step: a
-/// sync at the end of a run right after the unit's own).
+/// Which outer exchange a rank is at: of unit `unit` of outer sync `sync`
+/// after optimizer step `step` (where a loss found in it is recorded), the
+/// `seq`-th that outer sync started (telling apart two exchanges of one
+/// unit after one step: a sync at the end of a run right after the unit's
+/// own). `sync` tells apart the outer syncs over the same islands (two
+/// models, each with its own; the native trainer has one, 0), whose
+/// units, steps and counts are their own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ExchangeName {
+    pub sync: u64,
     pub step: u64,
     pub unit: usize,
     pub seq: u64,
 }
 
 impl ExchangeName {
-    fn bytes(&self) -> [u8; 24] {
-        let mut b = [0u8; 24];
-        b[..8].copy_from_slice(&self.step.to_le_bytes());
-        b[8..16].copy_from_slice(&(self.unit as u64).to_le_bytes());
-        b[16..].copy_from_slice(&self.seq.to_le_bytes());
+    const BYTES: usize = 32;
+
+    fn bytes(&self) -> [u8; Self::BYTES] {
+        let words = [self.sync, self.step, self.unit as u64, self.seq];
+        let mut b = [0u8; Self::BYTES];
+        for (to, w) in b.chunks_exact_mut(8).zip(words) {
+            to.copy_from_slice(&w.to_le_bytes());
+        }
         b
     }
 
     fn of(b: &[u8]) -> Option<ExchangeName> {
-        let b: &[u8; 24] = b.try_into().ok()?;
-        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        let b: &[u8; Self::BYTES] = b.try_into().ok()?;
+        let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().unwrap_or([0; 8]));
         Some(ExchangeName {
-            step: word(0),
-            unit: word(8) as usize,
-            seq: word(16),
+            sync: word(0),
+            step: word(1),
+            unit: word(2) as usize,
+            seq: word(3),
         })
     }
 }
@@ -207,6 +215,9 @@ impl ExchangeName {
 impl std::fmt::Display for ExchangeName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "unit {} after step {}", self.unit, self.step)?;
+        if self.sync > 0 {
+            write!(f, " of outer sync {}", self.sync)?;
+        }
         if self.seq > 0 {
             write!(f, " (exchange {})", self.seq)?;
         }
@@ -351,4 +362,46 @@ impl Across<'_> {
 /// changed whole).
 pub fn lock(m: &Mutex<Membership>) -> std::sync::MutexGuard<'_, Membership> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::testing::on_world;
+
+    /// Each rank of two nodes checks it is at `names[rank]`.
+    fn check(names: [ExchangeName; 2]) -> Vec<Result<(), ZeroError>> {
+        on_world(2, 1, Duration::from_secs(10), move |r| {
+            same_exchange(&r.comm, &r.groups.cross, names[r.layout.rank])
+        })
+    }
+
+    #[test]
+    fn ranks_at_one_exchange_agree_and_at_two_outer_syncs_units_do_not() {
+        let name = ExchangeName {
+            sync: 0,
+            step: 20,
+            unit: 0,
+            seq: 1,
+        };
+        assert!(check([name, name]).iter().all(Result::is_ok));
+        // Two outer syncs over the same islands (two models) count their
+        // own steps, exchanges and units: unit 0 of each after step 20 is
+        // not one exchange.
+        let other = ExchangeName { sync: 1, ..name };
+        for (rank, r) in check([name, other]).into_iter().enumerate() {
+            let e = r
+                .expect_err("two outer syncs' exchanges taken for one")
+                .to_string();
+            assert!(e.contains("different exchanges"), "rank {rank}: {e}");
+            let theirs = if rank == 0 {
+                "at unit 0 after step 20 of outer sync 1"
+            } else {
+                "at unit 0 after step 20 (exchange 1)"
+            };
+            assert!(e.contains(theirs), "rank {rank}: {e}");
+        }
+    }
 }

@@ -57,13 +57,7 @@ pub fn encode_bf16_chunks<T: Element + bytemuck::Pod>(
 
 /// Little-endian bf16 bytes widened and added to `out` (f32).
 pub fn add_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
-    if b.len() != out.len() * 2 {
-        return Err(malformed("bf16 chunk", out.len() * 2, b.len()));
-    }
-    for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
-        *o += f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-    }
-    Ok(())
+    widen_bf16(b, out, |o, v| *o += v)
 }
 
 /// Values (any element type) → little-endian f32 bytes.
@@ -77,11 +71,20 @@ pub fn encode_f32<T: Element>(x: &[T]) -> Bytes {
 
 /// bf16 bytes → f32, written into `out`.
 pub fn decode_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
+    widen_bf16(b, out, |o, v| *o = v)
+}
+
+/// Each little-endian bf16 of `b` widened to f32 and put into its place of
+/// `out` by `put`.
+fn widen_bf16(b: &[u8], out: &mut [f32], put: impl Fn(&mut f32, f32)) -> Result<(), CommError> {
     if b.len() != out.len() * 2 {
         return Err(malformed("bf16 chunk", out.len() * 2, b.len()));
     }
     for (o, c) in out.iter_mut().zip(b.chunks_exact(2)) {
-        *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+        put(
+            o,
+            f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16),
+        );
     }
     Ok(())
 }
