@@ -1,5 +1,6 @@
-"""zeropp.torch inside real FSDP2 training, in real processes under
-torchrun: parity with plain FSDP2, ZeRO++ loss and bytes, the collectives as
+"""zeropp.torch inside real FSDP2 training, in real processes (started as
+torchrun starts them, and under torchrun and `accelerate launch` for the
+recipes): parity with plain FSDP2, ZeRO++ loss and bytes, the collectives as
 FSDP2 calls them, bad input, and a rank that dies mid-step."""
 
 import json
@@ -12,16 +13,16 @@ import time
 
 import pytest
 
-from conftest import EXAMPLE, ROOT, WORKERS, free_port, torchrun, train
+from conftest import EXAMPLE, ROOT, WORKERS, free_port, ranks, torchrun, train
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
 def test_zero3_mode_gives_plain_fsdp2s_losses_step_for_step(tmp_path, model):
     # llama: transformers' LlamaForCausalLM, grouped key/value heads.
     common = ("--ranks-per-node", 2, "--model", model)
-    ours = train(tmp_path, "zero3", *common, steps=20)
-    theirs = train(tmp_path, "fsdp2", *common, steps=20)
-    assert len(ours["losses"]) == len(theirs["losses"]) == 20
+    ours = train(tmp_path, "zero3", *common, steps=10)
+    theirs = train(tmp_path, "fsdp2", *common, steps=10)
+    assert len(ours["losses"]) == len(theirs["losses"]) == 10
     worst = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], theirs["losses"], strict=True))
     assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
     assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
@@ -50,7 +51,8 @@ def test_weight_differences_train_alike_on_fewer_bytes_across_nodes(tmp_path):
     # The default: int4 differences against each receiver's reference (qwz_delta);
     # qgZ's hop across nodes rotated, in blocks of 64 (FSDP2's shards end in
     # part of a block). Against DeepSpeed's ZeRO++ as published.
-    common = ("--ranks-per-node", 2, "--bf16")
+    # (The default's run is the three-seed test's seed 0: run once.)
+    common = ("--ranks-per-node", 2, "--seed", 0, "--bf16")
     delta = train(tmp_path, "zeropp", *common, steps=30)
     zpp = train(tmp_path, "zeropp", *common, *PUBLISHED, steps=30)
     assert delta["switches"]["qwz_delta"] is True and delta["switches"]["qwz_bits"] == 4
@@ -114,19 +116,25 @@ def test_the_emulated_device_path_gives_the_host_paths_losses_bit_for_bit(tmp_pa
     # fp32 and in bf16 mixed precision, 4 ranks as 2 logical nodes. zeropp's
     # default sends int4 weight differences and rotates the gradient hop;
     # "published": ZeRO++'s int8 weights.
+    # (ZeRO++ as published differs from the default in its wire formats
+    # alone: bf16 only.)
+    precisions = ((), ("--bf16",)) if mode != "published" else (("--bf16",),)
     switches = PUBLISHED if mode == "published" else ()
     mode = "zeropp" if mode == "published" else mode
-    for extra in ((), ("--bf16",)):
+    # Enough steps for weight differences' refresh (every 4 forward gathers)
+    # and the error feedback to carry over steps.
+    steps = 8
+    for extra in precisions:
         common = ("--ranks-per-node", 2, *extra, *switches)
-        host = train(tmp_path, mode, *common, steps=20)
+        host = train(tmp_path, mode, *common, steps=steps)
         (tmp_path / "emulated").mkdir(exist_ok=True)
         emulated = train(
-            tmp_path / "emulated", mode, *common, steps=20, env={"ZEROPP_DEVICE": "emulated"}
+            tmp_path / "emulated", mode, *common, steps=steps, env={"ZEROPP_DEVICE": "emulated"}
         )
         what = f"{mode} {' '.join(extra) or 'fp32'}"
         assert host["device_calls"] == {}, what
         calls = emulated["device_calls"]["emulated"]
-        assert calls["reduce_scatter"] >= 20 and calls["all_gather"] >= 40, (what, calls)
+        assert calls["reduce_scatter"] >= steps and calls["all_gather"] >= 2 * steps, (what, calls)
         assert emulated["losses"] == host["losses"], what
         assert emulated["val_loss"] == host["val_loss"], what
         assert emulated["run_bytes"] == host["run_bytes"], what
@@ -162,12 +170,13 @@ def test_the_emulated_device_serves_every_mesh_as_the_host_does(tmp_path, mesh):
     # The device job on a mesh dimension's communicators (and HSDP's
     # quantized all-reduce on the device): the host path's losses and bytes.
     common = ("--ranks-per-node", 2, "--mesh", mesh, "--bf16")
-    host = train(tmp_path, "zeropp", *common, steps=12)
+    steps = 6
+    host = train(tmp_path, "zeropp", *common, steps=steps)
     (tmp_path / "emulated").mkdir(exist_ok=True)
     env = {"ZEROPP_DEVICE": "emulated"}
-    emulated = train(tmp_path / "emulated", "zeropp", *common, steps=12, env=env)
+    emulated = train(tmp_path / "emulated", "zeropp", *common, steps=steps, env=env)
     calls = emulated["device_calls"]["emulated"]
-    assert calls["reduce_scatter"] >= 12 and calls["all_gather"] >= 24, calls
+    assert calls["reduce_scatter"] >= steps and calls["all_gather"] >= 2 * steps, calls
     if mesh == "hsdp":
         assert calls["all_reduce"] == calls["reduce_scatter"], calls
     assert emulated["losses"] == host["losses"], mesh
@@ -175,31 +184,31 @@ def test_the_emulated_device_serves_every_mesh_as_the_host_does(tmp_path, mesh):
 
 
 def test_the_emulated_device_is_asynchronous_and_raises_at_wait():
-    p = torchrun(WORKERS / "emulated.py")
+    p = ranks(WORKERS / "emulated.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) == 8, p.stdout
 
 
 def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
-    p = torchrun(WORKERS / "collectives.py")
+    p = ranks(WORKERS / "collectives.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) >= 25, p.stdout
 
 
 def test_enable_serves_models_that_fsdp2_already_sharded():
-    p = torchrun(WORKERS / "enable.py")
+    p = ranks(WORKERS / "enable.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) == 13, p.stdout
 
 
 def test_frozen_weights_cross_nodes_once_and_are_never_served_stale():
-    p = torchrun(WORKERS / "frozen.py")
+    p = ranks(WORKERS / "frozen.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) == 9, p.stdout
 
 
 def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
-    p = torchrun(WORKERS / "islands.py", [tmp_path / "dcp"])
+    p = ranks(WORKERS / "islands.py", [tmp_path / "dcp"])
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     assert len(oks) == 14, p.stdout
 
@@ -319,7 +328,7 @@ def test_lora_adapters_resume_from_a_dcp_checkpoint_of_their_own(tmp_path, mode)
     references and residuals restart through reset_error_feedback). The
     frozen base is not re-sent after the restarted gather: a byte per group
     and gather."""
-    p = torchrun(WORKERS / "lora_checkpoint.py", [tmp_path / "ckpt", mode])
+    p = ranks(WORKERS / "lora_checkpoint.py", [tmp_path / "ckpt", mode])
     result = json.loads(p.stdout.strip().splitlines()[-1])
     a, b = result["a"], result["b"]
     assert result["saved"] and all("lora_" in k for k in result["saved"]), result["saved"]
@@ -402,7 +411,7 @@ def test_torchtitans_apply_fsdp_then_enable_matches_fsdp2_and_trains(tmp_path):
         torchrun(ROOT / "examples" / "torchtitan_llama.py", args)
         return json.loads(out.read_text())
 
-    base, z3 = run("none", 12), run("zero3", 12)
+    base, z3 = run("none", 6), run("zero3", 6)
     worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
     assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
     zpp = run("zeropp", 30)
@@ -427,7 +436,7 @@ def test_with_tensor_parallelism_zeropp_serves_the_dp_dimension(tmp_path):
         torchrun(ROOT / "examples" / "torchtitan_llama.py", [*args, "--summary-json", out])
         return json.loads(out.read_text())
 
-    base, z3 = run("none", 12), run("zero3", 12)
+    base, z3 = run("none", 6), run("zero3", 6)
     worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
     assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
     assert z3["mesh_dims"]["shard"] == {"ranks": [0, 2], "nodes": 2, "ranks_per_node": 1}
@@ -445,8 +454,8 @@ def test_on_every_fsdp2_mesh_zero3_matches_fsdp2_and_zeropp_trains(tmp_path, mes
     # per logical node), two model copies training apart; hsdp: FSDP2
     # sharded inside each node, its all-reduce across nodes run by zeropp.
     common = ("--ranks-per-node", 2, "--mesh", mesh)
-    z3 = train(tmp_path, "zero3", *common, steps=12)
-    base = train(tmp_path, "fsdp2", *common, steps=12)
+    z3 = train(tmp_path, "zero3", *common, steps=6)
+    base = train(tmp_path, "fsdp2", *common, steps=6)
     worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
     assert worst <= 1e-5, f"{mesh}: largest relative loss difference {worst:.3g}"
     zpp = train(tmp_path, "zeropp", *common, "--bf16", steps=30)
@@ -578,7 +587,7 @@ def test_a_dcp_checkpoint_resumes_training(tmp_path, stateful):
     with a full refresh) through zeropp.torch.reset_error_feedback. Without
     them (error feedback and weight differences off) the resume is exact."""
     flag = "true" if stateful else "false"
-    p = torchrun(WORKERS / "checkpoint.py", [tmp_path / "ckpt", flag])
+    p = ranks(WORKERS / "checkpoint.py", [tmp_path / "ckpt", flag])
     result = json.loads(p.stdout.strip().splitlines()[-1])
     a, b = result["a"], result["b"]
     if stateful:
