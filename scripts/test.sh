@@ -3,7 +3,8 @@
 # workspace (unit, property and whole-program tests in Rust, the launcher
 # tests under real mpirun, torchrun and srun), lints the
 # Python side and runs its tests (pytest: zeropp.quant, topology, and
-# zeropp.torch inside real FSDP2 jobs under torchrun).
+# zeropp.torch inside real FSDP2 jobs: ranks started as torchrun starts them,
+# the recipes under torchrun and accelerate launch).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/deps.sh

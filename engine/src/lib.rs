@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use candle_core::{Device, Tensor};
 use half::bf16;
-use zeropp_quant::QuantizedChunks;
+use zeropp_quant::{Element, QuantizedChunks};
 
 pub use error::{EngineError, IslandsError, Result};
 use islands::IslandRun;
@@ -689,7 +689,8 @@ impl Engine {
                     FirstHop::Bf16 if layout.ranks_per_node > 1 => {
                         let mut words = scratch::take_for_overwrite::<u16>(grad.len());
                         for (w, &v) in words.iter_mut().zip(&grad) {
-                            *w = bf16::from_f32(v).to_bits();
+                            // Round to nearest even, as the hop would.
+                            *w = <bf16 as Element>::from_f32(v).to_bits();
                         }
                         scratch::give(grad);
                         Hop1::Bf16(words)

@@ -68,9 +68,10 @@ def ranks(script, args=(), nproc=4, env=None, timeout=600, check=True, grace=10)
     more per job, a fifth of a short job on 2 cores; the recipes' tests run
     under torchrun and ``accelerate launch`` themselves. As torchrun does, a
     rank that fails stops the others (after ``grace`` seconds, for their own
-    errors). Returns a completed process: the first failing rank's exit
-    code (0 if none), every rank's stdout with rank 0's last (its summary
-    line ends it), every rank's stderr in rank order."""
+    errors). Returns a completed process: the exit code of the first rank
+    that failed (0 if none), every rank's stdout with rank 0's last (its
+    summary line ends it), every rank's stderr with the first failed rank's
+    last."""
     cmd = [sys.executable, str(script), *map(str, args)]
     common = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     common.update(
@@ -82,44 +83,49 @@ def ranks(script, args=(), nproc=4, env=None, timeout=600, check=True, grace=10)
     )
     common.update(env or {})
     outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-    procs = [
-        subprocess.Popen(
-            cmd, env=dict(common, RANK=str(r), LOCAL_RANK=str(r)), stdout=o, stderr=e, text=True
-        )
-        for r, (o, e) in enumerate(outs)
-    ]
-    start, failed = time.monotonic(), None
+    procs, first, timed_out = [], None, False
     try:
+        for r, (o, e) in enumerate(outs):
+            rank_env = dict(common, RANK=str(r), LOCAL_RANK=str(r))
+            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=o, stderr=e, text=True))
+        start = failed = time.monotonic()
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            if failed is None and any(p.poll() for p in procs):
+            if first is None:
+                first = next((r for r, p in enumerate(procs) if p.poll()), None)
                 failed = now
-            if failed is not None and now - failed > grace:
+            if first is not None and now - failed > grace:
                 break
             if now - start > timeout:
-                raise subprocess.TimeoutExpired(cmd, timeout)
+                timed_out = True
+                break
             time.sleep(0.05)
+        if first is None:
+            first = next((r for r, p in enumerate(procs) if p.poll()), None)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
-
-    def read(f):
-        f.seek(0)
-        return f.read()
-
-    codes = [p.returncode for p in procs]
-    code = next((c for c in codes if c), 0)
-    stdout = "".join(read(o) for o, _ in outs[1:]) + read(outs[0][0])
-    stderr = "".join(read(e) for _, e in outs)
+    texts = []
     for o, e in outs:
+        o.seek(0)
+        e.seek(0)
+        texts.append((o.read(), e.read()))
         o.close()
         e.close()
+    stdout = "".join(t[0] for t in texts[1:]) + texts[0][0]
+    last = first if first is not None else nproc - 1
+    order = [r for r in range(nproc) if r != last] + [last]
+    stderr = "".join(texts[r][1] for r in order)
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    codes = [p.returncode for p in procs]
+    code = codes[first] if first is not None else 0
     if check and code != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} on {nproc} ranks exited {codes}\n--- stdout\n{stdout[-4000:]}"
-            f"\n--- stderr\n{stderr[-8000:]}"
+            f"{' '.join(cmd)}: rank {first} of {nproc} exited {code} (every rank: {codes})"
+            f"\n--- stdout\n{stdout[-4000:]}\n--- stderr (rank {first}'s last)\n{stderr[-8000:]}"
         )
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
