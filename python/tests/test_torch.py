@@ -156,8 +156,8 @@ def test_the_host_path_gathers_ahead_and_zeropp_prefetch_0_turns_it_off(tmp_path
     assert ahead["in_flight_peak"]["all_gather"] >= 2, ahead["in_flight_peak"]
     assert off["in_flight_peak"]["all_gather"] == 1, off["in_flight_peak"]
     assert ahead["losses"] == off["losses"]
-    p = torchrun(
-        ROOT / "examples" / "torch_gpt.py",
+    p = ranks(
+        EXAMPLE,
         ("--mode", "zeropp", "--steps", 1, "--ranks-per-node", 2),
         env={"ZEROPP_PREFETCH": "two"},
         check=False,
@@ -354,10 +354,11 @@ def test_lora_under_the_trainer_and_accelerate_the_frozen_base_crosses_nodes_onc
         torchrun(ROOT / "examples" / recipe, [*args, "--summary-json", out])
         return json.loads(out.read_text())
 
-    base, z3 = run("none", 8), run("zero3", 8)
+    # zero3's 20 steps serve both the parity check and the bytes' ratio.
+    base, z3 = run("none", 20), run("zero3", 20)
     worst = max(abs(a - b) / b for a, b in zip(z3["losses"], base["losses"], strict=True))
     assert worst <= 1e-5, f"largest relative loss difference {worst:.3g}"
-    zpp, z3 = run("zeropp", 20), run("zero3", 20)
+    zpp = run("zeropp", 20)
     assert zpp["losses"][-1] < zpp["losses"][0] - 0.2, zpp["losses"]
     assert zpp["trainable"] < 0.2 * zpp["parameters"], zpp
     # The whole model in f32 once (the first gather), then a byte per group
