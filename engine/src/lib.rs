@@ -714,46 +714,29 @@ impl Engine {
                         groups: groups.clone(),
                     };
                     let residual = error_feedback.then_some(residual_inter.chunks_mut());
+                    let how = (s, Reduction::Mean);
+                    let across_only = |second| qgz::Feedback::<Host> {
+                        first: None,
+                        second,
+                    };
                     match first {
                         Hop1::Quantized(first) => {
-                            let second = qgz::SecondHop {
-                                format: inter,
-                                rounding,
-                                residual,
-                                hadamard,
-                            };
+                            let second = qgz::SecondHop::of(s, residual);
                             qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
                         }
                         Hop1::Bf16(words) => {
-                            let feedback = qgz::Feedback {
-                                first: None,
-                                second: residual,
-                            };
                             let grad: &[bf16] = bytemuck::cast_slice(&words);
+                            let feedback = across_only(residual);
                             let sum = qgz::reduce_scatter_tensor(
-                                &Host,
-                                &mover,
-                                layout,
-                                (s, Reduction::Mean),
-                                &grad,
-                                feedback,
+                                &Host, &mover, layout, how, &grad, feedback,
                             );
                             scratch::give(words);
                             sum
                         }
                         Hop1::Alone(grad) => {
-                            let feedback = qgz::Feedback {
-                                first: None,
-                                second: residual,
-                            };
-                            let sum = qgz::reduce_scatter(
-                                &Host,
-                                &mover,
-                                layout,
-                                (s, Reduction::Mean),
-                                &grad,
-                                feedback,
-                            );
+                            let feedback = across_only(residual);
+                            let sum =
+                                qgz::reduce_scatter(&Host, &mover, layout, how, &grad, feedback);
                             scratch::give(grad);
                             sum
                         }

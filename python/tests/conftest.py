@@ -2,6 +2,7 @@
 torchrun (``python -m torch.distributed.run``), or started directly with the
 environment torchrun gives its workers."""
 
+import copy
 import json
 import os
 import socket
@@ -60,48 +61,58 @@ def torchrun(script, args=(), nproc=4, env=None, timeout=600, check=True):
     return p
 
 
+def rank_env(rank, world, port, **extra):
+    """Rank ``rank``'s environment as torchrun gives it to its workers (one
+    node of ``world`` ranks, torch's store on ``port``), plus ``extra``."""
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e.update(extra)
+    e.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return e
+
+
 def ranks(script, args=(), nproc=4, env=None, timeout=600, check=True, grace=10):
     """Runs ``script`` on ``nproc`` local ranks started directly, each with
-    the environment torchrun gives its workers (RANK, LOCAL_RANK,
-    WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT):
-    rank 0 hosts torch's store. torchrun's agent would import torch once
-    more per job, a fifth of a short job on 2 cores; the recipes' tests run
-    under torchrun and ``accelerate launch`` themselves. As torchrun does, a
-    rank that fails stops the others (after ``grace`` seconds, for their own
+    the environment torchrun gives its workers (``rank_env``): rank 0 hosts
+    torch's store. torchrun's agent would import torch once more per job,
+    a fifth of a short job on 2 cores; the recipes' tests run under
+    torchrun and ``accelerate launch`` themselves. As torchrun does, a rank
+    that fails stops the others (after ``grace`` seconds, for their own
     errors). Returns a completed process: the exit code of the first rank
     that failed (0 if none), every rank's stdout with rank 0's last (its
     summary line ends it), every rank's stderr with the first failed rank's
     last."""
     cmd = [sys.executable, str(script), *map(str, args)]
-    common = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    common.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        WORLD_SIZE=str(nproc),
-        LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK="0",
-    )
-    common.update(env or {})
+    port = free_port()
     outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(nproc)]
     procs, first, timed_out = [], None, False
+
+    def failed_rank():
+        return next((r for r, p in enumerate(procs) if p.poll()), None)
+
     try:
         for r, (o, e) in enumerate(outs):
-            rank_env = dict(common, RANK=str(r), LOCAL_RANK=str(r))
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=o, stderr=e, text=True))
+            e_r = rank_env(r, nproc, port, **(env or {}))
+            procs.append(subprocess.Popen(cmd, env=e_r, stdout=o, stderr=e, text=True))
         start = failed = time.monotonic()
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             if first is None:
-                first = next((r for r, p in enumerate(procs) if p.poll()), None)
-                failed = now
+                first, failed = failed_rank(), now
             if first is not None and now - failed > grace:
                 break
             if now - start > timeout:
                 timed_out = True
                 break
             time.sleep(0.05)
-        if first is None:
-            first = next((r for r, p in enumerate(procs) if p.poll()), None)
+        first = failed_rank() if first is None else first
     finally:
         for p in procs:
             if p.poll() is None:
@@ -144,4 +155,4 @@ def train(tmp_path, mode, *extra, steps=20, nproc=4, env=None):
         args = ["--mode", mode, "--steps", steps, "--log-every", 1000, "--summary-json", out]
         ranks(EXAMPLE, [*args, *extra], nproc=nproc, env=env)
         _runs[key] = json.loads(out.read_text())
-    return json.loads(json.dumps(_runs[key]))
+    return copy.deepcopy(_runs[key])

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLE, ROOT, WORKERS, free_port, ranks, torchrun, train
+from conftest import EXAMPLE, ROOT, WORKERS, free_port, rank_env, ranks, torchrun, train
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
@@ -478,21 +478,6 @@ def test_on_every_fsdp2_mesh_zero3_matches_fsdp2_and_zeropp_trains(tmp_path, mes
     plain = train(tmp_path, "zero3", *common, "--bf16", steps=5)
     ratio = zpp["bytes_per_step"]["inter_node"] / plain["bytes_per_step"]["inter_node"]
     assert ratio <= 0.3, f"bytes across nodes {ratio:.3f} of HSDP's"
-
-
-def rank_env(rank, world, port, **extra):
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        **extra,
-    )
 
 
 def run_kill_workers(world, victim, **env):

@@ -178,7 +178,7 @@ pub struct SecondHop<'a, Q: Quantizer> {
 
 impl<'a, Q: Quantizer> SecondHop<'a, Q> {
     /// The hop across nodes of the qgZ call `s`, with `residual`.
-    fn of(s: Qgz, residual: Option<&'a mut Q::Chunks>) -> Self {
+    pub fn of(s: Qgz, residual: Option<&'a mut Q::Chunks>) -> Self {
         SecondHop {
             format: s.inter,
             rounding: s.rounding,
