@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -154,6 +155,12 @@ def parse_args(argv=None):
         "attention and MLP projection, the base frozen (pip install peft)",
     )
     p.add_argument("--steps", type=int, default=100)
+    p.add_argument(
+        "--pace",
+        type=float,
+        default=0.0,
+        help="seconds each step takes at least (a slower device, for fault drills)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -261,10 +268,8 @@ def shard(model, args, world, g, device):
     )
     kw = {"mp_policy": mp} if mp is not None else {}
     if args.islands > 1:
-        args.island_mesh = init_device_mesh(
-            device.type, (args.islands, world // args.islands), mesh_dim_names=("island", "shard")
-        )
-        kw["mesh"] = args.island_mesh["shard"]
+        # The island's own world (zeropp.torch.init_islands).
+        args.island_mesh = kw["mesh"] = job_mesh(device)
     elif args.mesh == "hsdp":
         kw["mesh"] = init_device_mesh(
             device.type,
@@ -308,10 +313,18 @@ def shard(model, args, world, g, device):
     return {}
 
 
-def open_device(kind):
-    """This rank's device; for CUDA, the process group gets NCCL beside gloo."""
+def open_device(kind, islands=1):
+    """This rank's device; for CUDA, the process group gets NCCL beside gloo.
+    With islands, each island gets a torch.distributed world of its own."""
+
+    def init(backend):
+        if islands > 1:
+            zeropp.torch.init_islands(backend, islands)
+        else:
+            dist.init_process_group(backend)
+
     if kind == "cpu":
-        dist.init_process_group("gloo")
+        init("gloo")
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise SystemExit("--device cuda: PyTorch sees no CUDA device here")
@@ -324,7 +337,7 @@ def open_device(kind):
         os.environ["NCCL_HOSTID"] = f"{os.uname().nodename}-rank{os.environ['RANK']}"
     device = torch.device("cuda", local % count)
     torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl")
+    init("cpu:gloo,cuda:nccl")
     return device
 
 
@@ -337,8 +350,10 @@ def main(argv=None):
     if args.lora and args.model != "llama":
         raise SystemExit("--lora fine-tunes the transformers Llama: add --model llama")
     torch.set_num_threads(args.threads)
-    device = open_device(args.device)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device = open_device(args.device, args.islands)
+    # The job's rank and size (under islands, dist's are the island's).
+    isl = zeropp.torch.island()
+    rank, world = (isl.rank, isl.world) if isl else (dist.get_rank(), dist.get_world_size())
     g = (
         args.ranks_per_node
         or int(os.environ.get("ZEROPP_RANKS_PER_NODE", 0))
@@ -353,13 +368,13 @@ def main(argv=None):
     model = model.to(device)
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    switches = shard(model, args, world, g, device)
+    switches = shard(model, args, dist.get_world_size(), g, device)
     if args.local_reduce_scatter:
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_reduce_scatter(LocalReduceScatter())
     zjob = zeropp.torch.job() if args.mode in ("zeropp", "zero3") else None
-    nodes = zjob.nodes if zjob else world // g
+    nodes = (zjob.nodes * (args.islands if isl else 1)) if zjob else world // g
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -370,8 +385,8 @@ def main(argv=None):
         ),
     )
     outer = None
-    # Per-step metrics stay inside the island: no step waits on another.
-    island = None
+    # The step the loop starts after (a restarted island rejoins later).
+    start = 0
     if args.islands > 1:
         outer = zeropp.torch.OuterSync(
             model,
@@ -386,7 +401,17 @@ def main(argv=None):
             transport=args.transport,
             ranks_per_node=args.ranks_per_node,
         )
-        island = args.island_mesh.get_group(1)
+        start = outer.steps
+        if start:
+            print(
+                f"rank {rank}: island {isl.index} rejoined after step {start}, "
+                f"{time.time() - _started():.1f} s after this rank started",
+                flush=True,
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # stepped before the optimizer, on purpose
+                for _ in range(start):
+                    sched.step()
     island_size = world // args.islands
     data = Data(args.seed, rank, world)
     tokens_per_step = args.batch * args.context * world
@@ -402,7 +427,7 @@ def main(argv=None):
     losses, times, backward_times, across, inside = [], [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
     loop_start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         x, y = data.batch(step, args.batch, args.context, device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -421,10 +446,13 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
         sched.step()
         mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss, group=island)
+        # Per-step metrics stay inside the island: no step waits on another.
+        dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / island_size
         if device.type == "cuda":
             torch.cuda.synchronize()
+        if args.pace:
+            time.sleep(max(0.0, args.pace - (time.perf_counter() - t0)))
         dt = time.perf_counter() - t0
         losses.append(mean_loss)
         times.append(dt)
@@ -435,7 +463,7 @@ def main(argv=None):
                 [_phase_sum(now, before, "intra_node"), _phase_sum(now, before, "inter_node")],
                 dtype=torch.float64,
             )
-            dist.all_reduce(mine, group=island)
+            dist.all_reduce(mine)
             # The islands' bytes are alike (the same collectives), over the
             # islands taking part.
             taking_part = len(outer.survivors()) // island_size if outer else args.islands
@@ -471,20 +499,25 @@ def main(argv=None):
             )
     # The training steps' wall time (an outer step on the way included).
     loop_s = time.perf_counter() - loop_start
-    # What follows runs over the islands left (all, unless one was lost).
-    everyone, alive = None, world
+    # What follows runs over this island's world; its sums stand for every
+    # island taking part (alike: one model, the same collectives).
+    alive, taking_part = world, 1
     if outer is not None:
         # The last outer step where needed, so every island holds one model.
         outer.finish()
-        everyone = outer.survivor_group()
-        alive = len(outer.survivors())
+        alive, taking_part = island_size, len(outer.survivors()) // island_size
+        with torch.no_grad():
+            mine = torch.tensor([sum(float(_local(p).double().sum()) for p in model.parameters())])
+            dist.all_reduce(mine)
+        if dist.get_rank() == 0:
+            print(f"island {isl.index} weights {mine.item().hex()}", flush=True)
     val = []
     with torch.no_grad():
         for i in range(4):
             x, y = data.batch(i, args.batch, args.context, val=True, device=device)
             logits = model(x)
             v = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-            dist.all_reduce(v, group=everyone)
+            dist.all_reduce(v)
             val.append(v.item() / alive)
     run = None
     if zjob:
@@ -496,8 +529,8 @@ def main(argv=None):
             + [t["messages"]["intra_node"], t["messages"]["inter_node"]],
             dtype=torch.float64,
         )
-        dist.all_reduce(mine, group=everyone)
-        run = mine.tolist()
+        dist.all_reduce(mine)
+        run = [x * taking_part for x in mine.tolist()]
     tail = losses[-10:]
     summary = {
         "mode": args.mode,
@@ -536,14 +569,15 @@ def main(argv=None):
     if outer is not None:
         t = zeropp.torch.traffic()["outer"]["total"]["inter_node"]
         mine = torch.tensor([t], dtype=torch.float64)
-        dist.all_reduce(mine, group=everyone)
+        dist.all_reduce(mine)
         summary["islands"] = {
             "lost": [{"island": i, "step": at, "why": why} for i, at, why in outer.lost],
+            "rejoined": [{"island": i, "step": at} for i, at in outer.rejoined],
             "count": args.islands,
             "ranks_per_island": island_size,
             "sync_every": args.sync_every,
             "outer_bits": args.outer_bits,
-            "outer_bytes": mine.item(),
+            "outer_bytes": mine.item() * taking_part,
             "outer_state_bytes": outer.state_bytes(),
         }
     if run is not None:
@@ -563,9 +597,26 @@ def main(argv=None):
                 json.dump(summary, f, indent=1)
     if metrics:
         metrics.close()
-    dist.barrier(group=everyone)
+    dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _started():
+    """When this process started (the epoch's seconds; now where unknown)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def _local(p):
+    """This rank's shard of a parameter."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer", "frozen")

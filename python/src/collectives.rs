@@ -132,10 +132,15 @@ impl Job {
     /// the torch store), connects zeropp's transport (`"ucx"`, `"tcp"`, or
     /// None: ZEROPP_TRANSPORT, else UCX when libucp loads, else TCP) and
     /// lays out the nodes from the hosts the ranks run on, or in runs of
-    /// `ranks_per_node` (logical nodes on one machine).
+    /// `ranks_per_node` (logical nodes on one machine). `island`: the
+    /// job's ranks (start, end) of this rank's island, in a job of islands
+    /// whose lost islands' restarted ranks rejoin it (over TCP: the live
+    /// ranks take their connections later); `rejoining`: this rank is such
+    /// a restarted one.
     #[new]
     #[pyo3(signature = (rank, world_size, exchange, token, master_addr=None, master_port=None,
-                        transport=None, timeout_s=300.0, ranks_per_node=None))]
+                        transport=None, timeout_s=300.0, ranks_per_node=None, island=None,
+                        rejoining=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -148,8 +153,24 @@ impl Job {
         transport: Option<String>,
         timeout_s: f64,
         ranks_per_node: Option<usize>,
+        island: Option<(usize, usize)>,
+        rejoining: bool,
     ) -> PyResult<Job> {
         let kind = transport_kind(transport.as_deref(), rank)?;
+        if let Some((start, end)) = island {
+            if !(start <= rank && rank < end && end <= world_size) {
+                return Err(invalid(format!(
+                    "island=({start}, {end}): rank {rank}'s island is a run of the job's \
+                     {world_size} ranks that holds it"
+                )));
+            }
+            if kind != TransportKind::Tcp {
+                return Err(invalid(
+                    "a job whose islands rejoin runs over TCP (transport=\"tcp\"): only its \
+                     ranks take a restarted rank's connection",
+                ));
+            }
+        }
         if !(timeout_s > 0.0 && timeout_s.is_finite()) {
             return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));
         }
@@ -163,7 +184,10 @@ impl Job {
             ip: local_ip(master_addr.as_deref(), master_port)?,
             timeout,
             ranks_per_node,
-            rejoins: None,
+            rejoins: island.map(|(start, end)| zeropp_comm::tcp::Rejoins {
+                island: start..end,
+                rejoining,
+            }),
         };
         let joined = join_through_store(py, &exchange, &opts)?;
         let g = joined.hosts.ranks_per_node;

@@ -4,9 +4,13 @@
 //! communication thread).
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 
 use pyo3::prelude::*;
-use zeropp_comm::Transport;
+use zeropp_comm::group::rejoin_tag;
+use zeropp_comm::{CommError, Transport};
 use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
@@ -17,7 +21,7 @@ use zeropp_zero::residual::Residual;
 
 use crate::buffers::HostBuf;
 use crate::collectives::{Job, Op};
-use crate::{invalid, to_py};
+use crate::{PeerError, invalid, to_py};
 
 /// The outer state of one parameter shard.
 #[pyclass(frozen)]
@@ -385,6 +389,162 @@ impl Islands {
         Ok(())
     }
 
+    /// Whether an island is out of the outer sync now.
+    fn missing_any(&self) -> bool {
+        islands::lock(&self.members).missing_any()
+    }
+
+    /// The islands that rejoined: (island, the optimizer step after which
+    /// it trained with the others again).
+    fn rejoined(&self) -> Vec<(usize, u64)> {
+        islands::lock(&self.members).rejoined.clone()
+    }
+
+    /// For each island, whether it is out and its rank at this rank's
+    /// place has asked this one to take it back ([`Islands::ask_rejoin`]).
+    fn asked(&self, job: &Job) -> Vec<bool> {
+        let m = islands::lock(&self.members);
+        let counter = job.counter();
+        (0..m.alive.len())
+            .map(|j| !m.alive[j] && counter.probe(j * m.size + m.place, rejoin_tag(REQUEST)))
+            .collect()
+    }
+
+    /// Sums `ready` (float32 host buffer, one value per island, in place)
+    /// over this rank's place in every island taking part, on the job's
+    /// thread after the exchanges queued: every rank of those islands calls
+    /// it at the same point. An [`Op`] to wait on.
+    fn agree_ready(&self, job: &Job, ready: &Bound<'_, PyAny>) -> PyResult<Op> {
+        let buf = HostBuf::new(ready, true, "ready")?;
+        let count = islands::lock(&self.members).alive.len();
+        if buf.typed::<f32>("ready (float32)").map_err(to_py)?.len() != count {
+            return Err(invalid(format!("ready: one value per island ({count})")));
+        }
+        let members = self.members.clone();
+        Ok(job.submit_alone(move |mover| {
+            let across = islands::lock(&members).across.clone();
+            let v = buf.typed_mut::<f32>("ready")?;
+            if across.size() > 1 {
+                let sums = mover.comm.all_reduce_f32(&across, v)?;
+                v.copy_from_slice(&sums);
+            }
+            Ok(())
+        }))
+    }
+
+    /// The island that sends island `j` its state when it rejoins (the
+    /// first taking part besides it).
+    fn host_for(&self, j: usize) -> Option<usize> {
+        islands::lock(&self.members).host_for(j)
+    }
+
+    /// Island `j` takes part again after optimizer step `step` (every rank
+    /// of the islands taking part calls it at the same point, for each
+    /// island that rejoins then): its request is answered and the groups
+    /// across the islands are made anew. Its state follows
+    /// ([`Islands::send_state`]).
+    fn welcome(&self, job: &Job, j: usize, step: u64) -> PyResult<()> {
+        let counter = job.counter();
+        let peer = {
+            let m = islands::lock(&self.members);
+            if j >= m.alive.len() || m.alive[j] {
+                return Err(invalid(format!("island {j} is not out of the outer sync")));
+            }
+            j * m.size + m.place
+        };
+        if counter.probe(peer, rejoin_tag(REQUEST)) {
+            let _ = counter.recv(peer, rejoin_tag(REQUEST), job.timeout());
+        }
+        islands::lock(&self.members).rejoin(j, step).map_err(to_py)
+    }
+
+    /// Sends `state` (bytes) to island `j`'s rank at this rank's place (on
+    /// the island that hosts its rejoin); a failure is logged: the rejoining
+    /// rank then finds no state and fails, and its island is lost again at
+    /// the next exchange.
+    fn send_state(&self, py: Python<'_>, job: &Job, j: usize, state: Vec<u8>) {
+        let (counter, timeout) = (job.counter(), job.timeout());
+        let peer = {
+            let m = islands::lock(&self.members);
+            j * m.size + m.place
+        };
+        py.detach(|| {
+            let sent = counter.send(peer, rejoin_tag(STATE), Bytes::from(state));
+            if let Err(e) = sent.and_then(|h| h.wait(peer, timeout)) {
+                tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
+            }
+        });
+    }
+
+    /// A restarted rank of a lost island: asks the islands' ranks at its
+    /// place to take it back and waits (up to ten network timeouts: the
+    /// others answer at their next outer sync) for the state one sends.
+    /// Returns (the rank that sent it, the state).
+    fn rejoin(&self, py: Python<'_>, job: &Job) -> PyResult<(usize, Vec<u8>)> {
+        let (counter, timeout) = (job.counter(), job.timeout());
+        let others: Vec<usize> = {
+            let m = islands::lock(&self.members);
+            (0..m.alive.len())
+                .filter(|&i| i != m.island)
+                .map(|i| i * m.size + m.place)
+                .collect()
+        };
+        py.detach(|| {
+            for &peer in &others {
+                if let Err(e) = counter.send(peer, rejoin_tag(REQUEST), Bytes::new()) {
+                    tracing::debug!("no rejoin request to rank {peer}: {e}");
+                }
+            }
+            let wait = timeout * 10;
+            let deadline = Instant::now() + wait;
+            let mut waiting = others.clone();
+            loop {
+                for &peer in &waiting.clone() {
+                    match counter.recv(peer, rejoin_tag(STATE), Duration::from_millis(10)) {
+                        Ok(state) => return Ok((peer, state.to_vec())),
+                        Err(CommError::Timeout { .. }) => {}
+                        Err(e) => {
+                            tracing::debug!("rank {peer} will not take this island back: {e}");
+                            waiting.retain(|&p| p != peer);
+                        }
+                    }
+                }
+                if waiting.is_empty() {
+                    return Err(PeerError::new_err(
+                        "every other island finished or was lost before this one could rejoin: \
+                         nothing to rejoin",
+                    ));
+                }
+                if Instant::now() >= deadline {
+                    return Err(PeerError::new_err(format!(
+                        "no island took this one back within {wait:?}: the others did not reach \
+                         an outer sync (raise ZEROPP_TIMEOUT_S if sync_every steps take longer) \
+                         or finished"
+                    )));
+                }
+            }
+        })
+    }
+
+    /// This rank's island rejoined after optimizer step `step`, the
+    /// islands taking part being `alive` (as the state sent said): its
+    /// groups across the islands are made as the others made theirs.
+    fn joined(&self, alive: Vec<bool>, step: u64) -> PyResult<()> {
+        let mut m = islands::lock(&self.members);
+        if alive.len() != m.alive.len() || !alive[m.island] {
+            return Err(invalid(format!(
+                "a membership of {} islands without this one (island {} of {})",
+                alive.len(),
+                m.island,
+                m.alive.len()
+            )));
+        }
+        let island = m.island;
+        m.alive = alive;
+        m.rejoined.push((island, step));
+        m.regroup().map_err(to_py)
+    }
+
     /// Whether island `i` takes part.
     fn alive(&self, i: usize) -> bool {
         islands::lock(&self.members)
@@ -394,6 +554,11 @@ impl Islands {
             .unwrap_or(false)
     }
 }
+
+/// Rejoin messages: a restarted rank's request, and the state it is sent
+/// (the native trainer's kinds; zeropp.torch's state is its own bytes).
+const REQUEST: u16 = 1;
+const STATE: u16 = 2;
 
 /// Copies `from` (a shard's `what`) into the float32 host buffer `buf` of
 /// the same length.

@@ -48,6 +48,7 @@ arguments pass through.
 """
 
 import datetime
+import io
 import json
 import os
 import secrets
@@ -68,6 +69,8 @@ __all__ = [
     "enable",
     "fully_shard",
     "in_flight_peak",
+    "init_islands",
+    "island",
     "job",
     "kept_bytes",
     "measured",
@@ -84,15 +87,20 @@ __all__ = [
 # settings and flags carry the same names).
 SWITCHES = tuple(_zeropp.switch_names())
 
+_init_process_group = dist.init_process_group
 if os.environ.get("ZEROPP_REJOIN") == "1":
-    # A torch rank restarted to rejoin would wait in init_process_group for
-    # ranks that never come back.
-    raise ZeroppError(
-        "this rank was started again by `zeropp launch --restarts` to rejoin its island, which "
-        "zeropp.torch does not do yet: launch torch scripts with --restarts 0 (the other islands "
-        "train on without a lost one; resume the whole job from its last checkpoint to bring it "
-        "back)"
-    )
+
+    def _refuse_world(*_args, **_kwargs):
+        # A rank restarted to rejoin would wait in the job-wide
+        # init_process_group for ranks that never start again.
+        raise ZeroppError(
+            "this rank was started again by `zeropp launch --restarts` to rejoin its island: "
+            "initialize with zeropp.torch.init_islands(backend) instead of "
+            "dist.init_process_group (each island its own torch.distributed world, which a "
+            "restarted island makes anew), or launch with --restarts 0"
+        )
+
+    dist.init_process_group = _refuse_world
 
 _job = None
 _job_options = None
@@ -198,6 +206,209 @@ def job(transport=None, ranks_per_node=None):
     )
     _job_options = options
     return _job
+
+
+class IslandWorld:
+    """This rank's place in a job of islands (:func:`init_islands`): island
+    ``index`` of ``count``, ``size`` ranks each; ``rank`` and ``world`` are
+    the job's (``dist.get_rank()`` is the rank inside the island);
+    ``attempt``: how many times this island was started before (a restarted
+    island rejoins the running job); ``store``: the job-wide store (global
+    rank 0's, on MASTER_ADDR:MASTER_PORT)."""
+
+    def __init__(self, index, count, size, rank, world, attempt, store):
+        self.index, self.count, self.size = index, count, size
+        self.rank, self.world, self.attempt, self.store = rank, world, attempt, store
+
+    @property
+    def rejoining(self):
+        return self.attempt > 0
+
+    def __repr__(self):
+        return (
+            f"IslandWorld(island {self.index} of {self.count}, {self.size} ranks each, "
+            f"rank {self.rank} of {self.world}, attempt {self.attempt})"
+        )
+
+
+_island_world = None
+_cross = None
+
+
+def init_islands(backend="gloo", islands=None, **kwargs):
+    """``dist.init_process_group`` for a job of islands: each island gets a
+    torch.distributed world of its own (``dist.get_rank()`` and
+    ``dist.get_world_size()`` are the island's; FSDP2 shards over it), and
+    :class:`OuterSync` syncs the islands over a zeropp job of their own.
+    A lost island leaves the other islands' worlds whole, and, launched with
+    ``zeropp launch --islands N --restarts K``, its restarted ranks make
+    their world anew and rejoin: :class:`OuterSync` fetches the state from
+    a live island, and ``opt.steps`` is the step the loop resumes after::
+
+        island = zeropp.torch.init_islands("gloo")       # under zeropp launch --islands 2
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            zeropp.torch.fully_shard(block, mesh=mesh)
+        zeropp.torch.fully_shard(model, mesh=mesh)
+        opt = zeropp.torch.OuterSync(model, torch.optim.AdamW(model.parameters()), mesh)
+        for step in range(opt.steps, steps):
+            ...; loss.backward(); opt.step(); opt.zero_grad()
+        opt.finish()
+
+    ``islands``: how many (default ZEROPP_ISLANDS, which ``zeropp launch
+    --islands`` sets); island i holds the job's ranks i·W/N to
+    (i+1)·W/N − 1 (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the
+    launcher: zeropp launch, torchrun). Global rank 0 holds the job's store,
+    so island 0 cannot rejoin. ``kwargs`` go to ``dist.init_process_group``
+    (``device_id``, ``timeout``). Returns this rank's :class:`IslandWorld`
+    (also :func:`island`)."""
+    global _island_world
+    if dist.is_initialized():
+        raise ZeroppError(
+            "torch.distributed is initialized already: call zeropp.torch.init_islands instead of "
+            "dist.init_process_group, not after it"
+        )
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in needed if k not in os.environ]
+    if missing:
+        raise ZeroppError(
+            f"init_islands reads the launcher's {', '.join(missing)}: run under "
+            "`zeropp launch --islands N` (or torchrun)"
+        )
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launched = os.environ.get("ZEROPP_ISLANDS")
+    if islands is None:
+        if not launched:
+            raise ZeroppError(
+                "how many islands? pass init_islands(backend, islands=N) or launch with "
+                "`zeropp launch --islands N`"
+            )
+        islands = int(launched)
+    if launched and int(launched) != islands:
+        raise ZeroppError(
+            f"islands={islands}, but the launcher started {launched} islands "
+            "(ZEROPP_ISLANDS): pass the launcher's --islands"
+        )
+    if not (isinstance(islands, int) and islands >= 2 and world % islands == 0):
+        raise ZeroppError(
+            f"islands={islands!r} over {world} ranks: 2 or more islands of equal size"
+        )
+    size = world // islands
+    index = rank // size
+    timeout = datetime.timedelta(seconds=_timeout_s())
+    # torchrun's agent may hold the store on MASTER_PORT; else global rank 0.
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=rank == 0 and not agent,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as e:  # DistNetworkError and kin
+        late = (
+            " (a restarted island: the job may have ended)"
+            if os.environ.get("ZEROPP_REJOIN") == "1"
+            else ""
+        )
+        raise PeerError(
+            f"rank {rank}: the job's store at {where} did not answer within "
+            f"{timeout.total_seconds():.0f} s{late}; global rank 0 holds it ({e})"
+        ) from None
+    # Each rank counts its own starts: the ranks of a restarted island agree.
+    attempt = store.add(f"zeropp/islands/starts/{rank}", 1) - 1
+    if attempt > 0 and index == 0:
+        raise ZeroppError(
+            "island 0 cannot rejoin: its first rank holds the job's store, and the job ended "
+            "with it; restart the whole job from its last checkpoint"
+        )
+    kwargs.setdefault("timeout", timeout)
+    _init_process_group(
+        backend,
+        store=dist.PrefixStore(f"zeropp/island{index}/attempt{attempt}", store),
+        rank=rank % size,
+        world_size=size,
+        **kwargs,
+    )
+    _island_world = IslandWorld(index, islands, size, rank, world, attempt, store)
+    return _island_world
+
+
+def island():
+    """This rank's :class:`IslandWorld` after :func:`init_islands`, else None."""
+    return _island_world
+
+
+def _cross_job(transport, ranks_per_node):
+    """The zeropp job of every island's ranks (global ranks), over which
+    :class:`OuterSync` syncs the islands: joined through the job-wide store,
+    over TCP, taking back a lost island's restarted ranks."""
+    global _cross
+    w = _island_world
+    if _cross is not None:
+        return _cross
+    if transport not in (None, "tcp"):
+        raise ZeroppError(
+            f"transport={transport!r}: the islands' outer sync runs over TCP, which takes a "
+            "restarted island's ranks back (the islands' own collectives keep their transport)"
+        )
+    if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
+        ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
+    store = dist.PrefixStore("zeropp/islands/job", w.store)
+    timeout_s = _timeout_s()
+    if w.rank == 0 and w.attempt == 0:
+        store.set("token", secrets.token_hex(16))
+    _store_get(store, "token", timeout_s, "the islands' job token")
+    token = bytes(store.get("token")).decode()
+    port = os.environ.get("MASTER_PORT")
+    _cross = _zeropp.Job(
+        w.rank,
+        w.world,
+        _islands_exchange(store, w, timeout_s),
+        token,
+        master_addr=os.environ.get("MASTER_ADDR"),
+        master_port=int(port) if port else None,
+        transport="tcp",
+        timeout_s=timeout_s,
+        ranks_per_node=ranks_per_node,
+        island=(w.index * w.size, (w.index + 1) * w.size),
+        rejoining=w.rejoining,
+    )
+    return _cross
+
+
+def _islands_exchange(store, w, timeout_s):
+    """The cross-island job's exchange: this rank's facts under its attempt;
+    its island's ranks' of the same attempt, the others' latest."""
+
+    def exchange(mine):
+        store.set(f"facts/{w.rank}/{w.attempt}", mine)
+        store.set(f"latest/{w.rank}", str(w.attempt))
+        out = []
+        for r in range(w.world):
+            attempt = w.attempt
+            if r // w.size != w.index:
+                _store_get(store, f"latest/{r}", timeout_s, f"rank {r}'s zeropp address")
+                attempt = int(bytes(store.get(f"latest/{r}")).decode())
+            key = f"facts/{r}/{attempt}"
+            _store_get(store, key, timeout_s, f"rank {r}'s zeropp address")
+            out.append(bytes(store.get(key)))
+        return out
+
+    return exchange
+
+
+def _agree_through(store):
+    """:func:`_agree` through ``store`` (the islands' job-wide one)."""
+
+    def agree(ranks):
+        mine = store.add("groups", 1)
+        key = "group/" + ",".join(str(r) for r in ranks)
+        return int(store.compare_set(key, "", str(mine)))
+
+    return agree
 
 
 def _store_get(store, key, timeout_s, what):
@@ -360,8 +571,19 @@ def traffic():
     frozen weights' part of the forward gathers — their crossings and the
     byte that says they did not change —, so that forward_gather holds the
     trainable weights' part) and hop (intra_node, inter_node), with the
-    block scales apart."""
-    return json.loads(job().traffic_json())
+    block scales apart. Under :func:`init_islands`, the islands' outer
+    sync's bytes are counted in with the island's."""
+    t = json.loads(job().traffic_json())
+    if _cross is not None:
+        t = _summed(t, json.loads(_cross.traffic_json()))
+    return t
+
+
+def _summed(a, b):
+    """Two traffic records' numbers added, leaf by leaf."""
+    if isinstance(a, dict):
+        return {k: _summed(v, b.get(k, 0)) if k in b else v for k, v in a.items()}
+    return a + b
 
 
 _PHASES = ("forward_gather", "backward_gather", "gradient", "other", "replicate", "outer", "frozen")
@@ -1282,10 +1504,27 @@ class OuterSync:
     ):
         if mesh is None:
             mesh = _params_mesh(model)
-        if mesh.ndim != 2:
+        worlds = _island_world
+        if worlds is not None and mesh.ndim != 1:
+            raise ZeroppError(
+                f"a {mesh.ndim}-D mesh under init_islands: pass OuterSync the 1-D mesh of the "
+                "island's world that FSDP2 shards over"
+            )
+        if worlds is None and mesh.ndim != 2:
             raise ZeroppError(
                 f"a {mesh.ndim}-D mesh: OuterSync takes the (islands, ranks) mesh whose second "
-                "dimension FSDP2 shards each island over"
+                "dimension FSDP2 shards each island over (or, after zeropp.torch.init_islands, "
+                "the island's 1-D mesh)"
+            )
+        if worlds is not None and mesh.size() != worlds.size:
+            raise ZeroppError(
+                f"a mesh of {mesh.size()} ranks in an island of {worlds.size}: shard over the "
+                "island's whole world"
+            )
+        if worlds is not None and worlds.rejoining and delay:
+            raise ZeroppError(
+                f"delay={delay}: a restarted island rejoins at an outer sync that waits for its "
+                "exchanges (delay=0)"
             )
         if not (isinstance(sync_every, int) and sync_every >= 1):
             raise ZeroppError(f"sync_every={sync_every!r}: outer steps every 1 or more steps")
@@ -1301,13 +1540,27 @@ class OuterSync:
         # Streamed exchanges under way: fragment -> (the step it lands
         # after, its ops; none once restored from a checkpoint).
         self._pending = {}
-        self.job = job(transport=transport, ranks_per_node=ranks_per_node)
-        self.ranks = _group_ranks(mesh.get_group(0))
         # This rank's island: the key of what differs between islands (the
         # model between syncs, the inner optimizer's state) in a checkpoint.
-        self.island = mesh.get_local_rank(0)
-        _add_mesh_dim(self.job, self.ranks)
-        self._island_group, self._flags_device = mesh.get_group(1), mesh.device_type
+        if worlds is None:
+            self.job = job(transport=transport, ranks_per_node=ranks_per_node)
+            self.ranks = _group_ranks(mesh.get_group(0))
+            self.island = mesh.get_local_rank(0)
+            _add_mesh_dim(self.job, self.ranks)
+            self._island_group = mesh.get_group(1)
+        else:
+            # Each island its own torch world; the islands sync over a
+            # zeropp job of every island's ranks.
+            self.job = _cross_job(transport, ranks_per_node)
+            place = mesh.get_local_rank(0)
+            self.ranks = [i * worlds.size + place for i in range(worlds.count)]
+            self.island = worlds.index
+            self.job.add_mesh_dim(
+                self.ranks, _agree_through(dist.PrefixStore("zeropp/islands/job", worlds.store))
+            )
+            self._island_group = mesh.get_group(0)
+        self._flags_device = mesh.device_type
+        self._worlds = worlds
         self._survivors = None
         self.model = model
         named = list(model.named_parameters())
@@ -1344,10 +1597,12 @@ class OuterSync:
         # which islands take part is known (one that loses a rank leaves the
         # outer sync; the others go on without it).
         self.replicas_apart = _islands_on_hsdp(model)
-        self._islands = _islands_of(self.job, self.ranks, mesh.size(1))
+        self._islands = _islands_of(self.job, self.ranks, mesh.size(mesh.ndim - 1))
         # This outer sync's number over these islands, in its exchanges'
         # names (another model's outer sync over them counts its own steps).
         self._sync_id = self._islands.register()
+        if worlds is not None and worlds.rejoining:
+            self._rejoin()
 
     def zero_grad(self, set_to_none=True):
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1386,8 +1641,9 @@ class OuterSync:
         for f in turns:
             self._start(f, self.delay)
         if due or turns:
-            # A loss found in these exchanges, agreed on before the next.
-            self._agree()
+            # A loss found in these exchanges, agreed on before the next;
+            # restarted islands that asked to rejoin are taken back.
+            self._agree(welcome=not self.delay)
         return bool(turns)
 
     def _host(self, i):
@@ -1480,20 +1736,117 @@ class OuterSync:
         self._agree()
         return ran
 
-    def _agree(self):
+    def _agree(self, welcome=False):
         """The ranks of this island agree on which islands take part: an
         island one of them found lost (an exchange with its rank failed) is
         lost for all of them, so they run the same exchanges and name the
-        same survivors (after every step that exchanged, and at the end)."""
+        same survivors (after every step that exchanged, and at the end).
+        With ``welcome`` (islands of their own worlds, after a step's
+        exchanges), a lost island every one of whose ranks asked this
+        island's ranks at its place to take it back rejoins, if the islands
+        taking part agree: the first of them sends each rank its state."""
         count = len(self.ranks)
+        welcome = welcome and self._worlds is not None
+        asked = self._islands.asked(self.job) if welcome else [False] * count
         flags = torch.tensor(
-            [float(self._islands.alive(i)) for i in range(count)], device=self._flags_device
+            [float(self._islands.alive(i)) for i in range(count)] + [float(a) for a in asked],
+            device=self._flags_device,
         )
         dist.all_reduce(flags, group=self._island_group)
+        sums = flags.tolist()
         size = dist.get_world_size(self._island_group)
-        for i, n in enumerate(flags.tolist()):
+        for i, n in enumerate(sums[:count]):
             if n < size and self._islands.alive(i):
                 self._islands.lose(i, self.steps, "another rank of this island lost it")
+        if welcome and self._islands.missing_any():
+            ready = torch.tensor([float(n == size) for n in sums[count:]])
+            self._islands.agree_ready(self.job, host_bytes(ready, "ready")).wait()
+            back = [j for j, n in enumerate(ready.tolist()) if n > 0]
+            for j in back:
+                self._islands.welcome(self.job, j, self.steps)
+            for j in back:
+                if self._islands.host_for(j) == self.island:
+                    self._islands.send_state(self.job, j, self._rejoin_state())
+
+    def _rejoin_state(self):
+        """What a rejoining rank at this rank's place is sent: the step
+        count, which islands take part, this rank's parameter shards, the
+        outer state and the optimizer's (its tensors as this rank's
+        shards)."""
+        outer = []
+        for p, state in zip(self.params, self.states, strict=True):
+            a, m = _host_like(p), _host_like(p)
+            state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+            outer.append((a, m))
+        optim = None
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            optim = {
+                "state": {
+                    k: {n: _plain_any(v) for n, v in st.items()} for k, st in sd["state"].items()
+                },
+                "param_groups": sd["param_groups"],
+            }
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "steps": self.steps,
+                "syncs": self.syncs,
+                "alive": [self._islands.alive(i) for i in range(len(self.ranks))],
+                "params": [_local(p).detach().to("cpu").clone() for p in self.params],
+                "outer": outer,
+                "optim": optim,
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def _rejoin(self):
+        """A restarted island's rank: asks the islands taking part to take
+        it back and loads the state one sends at its next outer sync (the
+        weights, the outer and the optimizer's state, the step count)."""
+        sender, raw = self._islands.rejoin(self.job)
+        try:
+            st = torch.load(io.BytesIO(raw), weights_only=True)
+            params, outer = st["params"], st["outer"]
+            if len(params) != len(self.params) or any(
+                t.shape != _local(p).shape for t, p in zip(params, self.params, strict=True)
+            ):
+                raise ValueError("its parameter shards are not this model's")
+        except Exception as e:  # a corrupt or foreign state
+            raise ZeroppError(
+                f"the state rank {sender} sent this rejoining rank is unreadable ({e}): every "
+                "island must run the same script on the same model"
+            ) from None
+        with torch.no_grad():
+            for p, t in zip(self.params, params, strict=True):
+                _local(p).copy_(t)
+        for state, (a, m) in zip(self.states, outer, strict=True):
+            state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+        if self.optimizer is not None and st["optim"] is not None:
+            order = [p for g in self.optimizer.param_groups for p in g["params"]]
+            state = {
+                k: {
+                    n: _like_param(v, order[k])
+                    if isinstance(v, torch.Tensor) and v.shape == _local(order[k]).shape
+                    else v
+                    for n, v in per.items()
+                }
+                for k, per in st["optim"]["state"].items()
+            }
+            self.optimizer.load_state_dict(
+                {"state": state, "param_groups": st["optim"]["param_groups"]}
+            )
+        self.steps, self.syncs = int(st["steps"]), int(st["syncs"])
+        self._islands.joined(st["alive"], self.steps)
+        self._jumped(range(len(self.params)))
+
+    @property
+    def rejoined(self):
+        """The islands that rejoined after they were lost, as this rank saw
+        it: ``[(island, step)]`` — the optimizer step after which each
+        trained with the others again (a rejoined rank lists its own)."""
+        return self._islands.rejoined()
 
     @property
     def lost(self):
@@ -1522,7 +1875,8 @@ class OuterSync:
         alone (``use_local_synchronization``): the lost island's ranks are
         gone. Call it on every surviving rank after :meth:`finish`."""
         ranks = self.survivors()
-        if len(ranks) == dist.get_world_size():
+        if self._worlds is not None or len(ranks) == dist.get_world_size():
+            # Islands of their own worlds: the island's world is whole.
             return None
         if self._survivors is None or self._survivors[0] != ranks:
             group = dist.new_group(ranks, use_local_synchronization=True)
@@ -1649,6 +2003,13 @@ def _host_like(p):
     """Zeros shaped as parameter ``p``'s shard, float32 on the CPU (where
     the outer state lives)."""
     return torch.zeros(_local(p).shape, dtype=torch.float32)
+
+
+def _plain_any(v):
+    """An optimizer state's value with its tensors as this rank's CPU shards."""
+    if isinstance(v, torch.Tensor):
+        return _local(v).detach().to("cpu").clone()
+    return v
 
 
 def _plain(t):
