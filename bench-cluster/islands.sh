@@ -26,9 +26,12 @@
 #                  kill to the restart and from the restart to training
 #                  again, and the summary's lost/rejoined islands
 #   torch-kill     torch_gpt.py --islands N at the first H of --syncs under
-#                  `zeropp launch --islands N` (zeropp.torch's OuterSync):
-#                  island 1's first rank SIGKILLed a third of the way in;
-#                  island 0's longest step and the islands lost (no rejoin)
+#                  `zeropp launch --islands N --restarts 1` (zeropp.torch's
+#                  init_islands and OuterSync): island 1's first rank
+#                  SIGKILLed a third of the way in; island 0's longest step,
+#                  the seconds from the kill to the restart and from the
+#                  restarted ranks' start to their rejoin, the islands lost
+#                  and rejoined
 # and appends to islands.csv the mean wall time per step (total / steps,
 # syncs included), the losses (final: last 10 steps; validation: held-out
 # text after the last outer sync), the engine's bytes across nodes (all, and
@@ -121,6 +124,8 @@ run() {
   local name="$row-$rate" token k pids=() failed=0 lighthouse=""
   token="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   local bytes0 packets0
+  # A kill waits on this run's metrics, not an earlier run's.
+  rm -f "$OUT/$name.jsonl" "$OUT/$name-killed-at"
   bytes0=$(counter tx_bytes); packets0=$(counter tx_packets)
   local out=(--steps "$STEPS" --log-every 10 --summary-json "$OUT/$name.json" --metrics "$OUT/$name.jsonl")
   if [ "$kind" = torchft ]; then
@@ -174,11 +179,8 @@ run() {
       done
     ) &
   fi
-  local node=0
   for p in "${pids[@]}"; do
-    # torch-kill: the killed rank's node ends failed (it does not rejoin).
-    wait "$p" || { [ "$kind" = torch-launch ] && [ "$node" -eq "$((${KILL_RANK:--RPN} / RPN))" ]; } || failed=1
-    node=$((node + 1))
+    wait "$p" || failed=1
   done
   [ -z "$lighthouse" ] || kill "$lighthouse" 2>/dev/null || true
   [ "$failed" -eq 0 ] || die "run $name failed; see $OUT/$name-node*.log"
@@ -272,19 +274,29 @@ PY
       torch-kill)
         h="${SYNCS%% *}"
         build_cluster "$rate"
-        LAUNCH_FLAGS=(--islands "$NODES") KILL_RANK="$RPN" KILL_COMMAND="$EXAMPLE"
+        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK="$RPN" KILL_COMMAND="$EXAMPLE"
         # shellcheck disable=SC2086
         run torch-launch "torch-kill-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
         LAUNCH_FLAGS=() KILL_RANK=""
         python3 - "$OUT" "torch-kill-H$h-$rate" >> "$OUT/kill.txt" <<'PY'
-import json, sys
+import datetime, json, re, sys
 out, name = sys.argv[1:3]
+killed = float(open(f"{out}/{name}-killed-at").read())
+log = open(f"{out}/{name}-node1.log").read()
+m = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z\S*\s+\S*\s*\S*.*restarting the ranks of island 1", log)
+restart = datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.timezone.utc).timestamp() if m else None
+back = [float(x) for x in re.findall(r"rejoined after step \d+, ([\d.]+) s after this rank started", log)]
 steps = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if '"step"' in l]
 s = json.load(open(f"{out}/{name}.json"))
-lost = [(l["island"], l["step"]) for l in s["islands"]["lost"]]
+isl = s["islands"]
+weights = dict(re.findall(r"island (\d) weights (\S+)", log + open(f"{out}/{name}-node0.log").read()))
 print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2f} s "
-      f"(median {sorted(x['step_time_s'] for x in steps)[len(steps) // 2]:.3f} s); lost {lost}; "
-      f"{len(steps)} steps, final loss {s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
+      f"(median {sorted(x['step_time_s'] for x in steps)[len(steps) // 2]:.3f} s); "
+      f"restart {restart - killed:.1f} s after the kill, rejoined {max(back, default=float('nan')):.1f} s "
+      f"after its ranks started; lost {[(l['island'], l['step']) for l in isl['lost']]}, rejoined "
+      f"{[(r['island'], r['step']) for r in isl['rejoined']]}; islands' weights alike: "
+      f"{len(set(weights.values())) == 1 and len(weights) == 2}; {len(steps)} steps, final loss "
+      f"{s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
 PY
         tail -n 1 "$OUT/kill.txt" ;;
       *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torch-streamed, torchft, kill, torch-kill" ;;

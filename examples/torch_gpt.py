@@ -398,7 +398,9 @@ def main(argv=None):
             bits=None if args.outer_bits == 32 else 4,
             fragments=args.outer_fragments,
             delay=args.outer_delay,
-            transport=args.transport,
+            # The islands' outer sync runs over TCP (the island's own
+            # collectives over --transport).
+            transport=None,
             ranks_per_node=args.ranks_per_node,
         )
         start = outer.steps

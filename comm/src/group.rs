@@ -243,6 +243,14 @@ pub fn rejoin_tag(what: u16) -> Tag {
     ((id as u64) << 40) | what as u64
 }
 
+/// Whether `tag` is a rejoin or liveness message's (outside every
+/// collective: a restarted rank sends them before its island rejoins).
+pub(crate) fn is_rejoin(tag: Tag) -> bool {
+    GroupKind::Rejoin
+        .id()
+        .is_ok_and(|id| tag >> 40 == id as u64)
+}
+
 /// A liveness message's tag ([`super::liveness`]): outside every
 /// collective, beside the rejoin tags (bit 39 set), `kind` and `nonce` below.
 pub(crate) fn liveness_tag(kind: u8, nonce: u32) -> Tag {

@@ -254,6 +254,12 @@ pub trait Transport: Send + Sync {
     fn declare_dead(&self, peer: usize, reason: String) {
         let _ = (peer, reason);
     }
+    /// Islands: the islands took restarted rank `peer` back (its island
+    /// rejoined); until then a wait on it in a collective fails at once.
+    /// Transports without rejoins ignore it.
+    fn readmit(&self, peer: usize) {
+        let _ = peer;
+    }
 }
 
 /// A shared transport is one: what a probe used at join, handed on to the
@@ -291,5 +297,8 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     }
     fn declare_dead(&self, peer: usize, reason: String) {
         (**self).declare_dead(peer, reason)
+    }
+    fn readmit(&self, peer: usize) {
+        (**self).readmit(peer)
     }
 }

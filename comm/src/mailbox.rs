@@ -24,6 +24,11 @@ struct State {
     /// Islands: only the deaths of these ranks (this rank's island) break
     /// every wait; another's fails the waits on it alone, at once.
     fatal_only: Option<Range<usize>>,
+    /// Islands: restarted ranks of a lost island, reconnected but not yet
+    /// taken back by this rank's islands ([`Mailbox::readmit`]): only
+    /// their rejoin messages are theirs; a wait for anything else fails at
+    /// once, as on the dead rank they replace.
+    returned: std::collections::HashSet<usize>,
     closed: bool,
 }
 
@@ -127,6 +132,16 @@ impl Mailbox {
         let mut state = self.lock();
         state.dead.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
+        state.returned.insert(peer);
+        self.arrived.notify_all();
+    }
+
+    /// The islands took `peer` back (its island rejoined): waits on it for
+    /// collectives work again. Until then a restarted rank is not in the
+    /// collectives its dead predecessor was in, and a wait on it there
+    /// fails at once instead of at its timeout.
+    pub fn readmit(&self, peer: usize) {
+        self.lock().returned.remove(&peer);
     }
 
     /// Whether `peer` left or died.
@@ -163,6 +178,14 @@ impl Mailbox {
                 return Err(CommError::PeerFailed {
                     peer: *peer,
                     reason: reason.clone(),
+                });
+            }
+            if state.returned.contains(&source) && !super::group::is_rejoin(tag) {
+                return Err(CommError::PeerFailed {
+                    peer: source,
+                    reason: "it was restarted and its island has not rejoined yet (it died \
+                             earlier)"
+                        .into(),
                 });
             }
             if state.contained(source)
@@ -278,5 +301,35 @@ mod tests {
         m.deliver(1, 7, Bytes::from_static(b"ok"));
         assert!(m.take(1, 7, WAIT).is_ok());
         assert!(m.take(2, 7, WAIT).is_err());
+    }
+
+    #[test]
+    fn a_restarted_rank_is_out_of_the_collectives_until_readmitted() {
+        // Rank 3 of the other island dies and its restarted self
+        // reconnects: a collective's wait on it fails at once (it is not
+        // in the collective its predecessor was in), its rejoin request
+        // is taken, and once readmitted its collective messages are.
+        let m = Mailbox::default();
+        m.contain(0..2);
+        m.peer_died(3, "killed".into());
+        m.revive(3);
+        let t = Instant::now();
+        match m.take(3, 7, WAIT) {
+            Err(CommError::PeerFailed { peer: 3, reason }) => {
+                assert!(reason.contains("restarted"), "{reason}")
+            }
+            other => panic!("expected rank 3 named, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        let request = super::super::group::rejoin_tag(1);
+        m.deliver(3, request, Bytes::from_static(b"back"));
+        assert_eq!(
+            m.take(3, request, WAIT).unwrap(),
+            Bytes::from_static(b"back")
+        );
+        assert!(m.first_death().is_none());
+        m.readmit(3);
+        m.deliver(3, 7, Bytes::from_static(b"ok"));
+        assert_eq!(m.take(3, 7, WAIT).unwrap(), Bytes::from_static(b"ok"));
     }
 }

@@ -640,6 +640,10 @@ impl Transport for TcpTransport {
         self.mailbox.peer_died(peer, reason)
     }
 
+    fn readmit(&self, peer: usize) {
+        self.mailbox.readmit(peer)
+    }
+
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.mailbox.sources_with(tag)
     }

@@ -433,6 +433,9 @@ impl Engine {
         if self.counter.probe(peer, rejoin_tag(REQUEST)) {
             let _ = self.counter.recv(peer, rejoin_tag(REQUEST), self.timeout);
         }
+        for r in j * size..(j + 1) * size {
+            self.counter.readmit(r);
+        }
         lock(&run.members).rejoin(j, step)?;
         if host == Some(island) {
             let alive = lock(&run.members).alive.clone();

@@ -455,7 +455,11 @@ impl Islands {
         if counter.probe(peer, rejoin_tag(REQUEST)) {
             let _ = counter.recv(peer, rejoin_tag(REQUEST), job.timeout());
         }
-        islands::lock(&self.members).rejoin(j, step).map_err(to_py)
+        let mut m = islands::lock(&self.members);
+        for r in j * m.size..(j + 1) * m.size {
+            counter.readmit(r);
+        }
+        m.rejoin(j, step).map_err(to_py)
     }
 
     /// Sends `state` (bytes) to island `j`'s rank at this rank's place (on

@@ -270,6 +270,10 @@ impl Transport for CountingTransport {
         self.inner.declare_dead(peer, reason)
     }
 
+    fn readmit(&self, peer: usize) {
+        self.inner.readmit(peer)
+    }
+
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.inner.waiting_from(tag)
     }
