@@ -293,6 +293,46 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
     assert weights.keys() == {"0", "1"} and weights["0"] == weights["1"], weights
 
 
+def test_init_islands_refuses_what_it_cannot_run_and_says_what_to_do():
+    # A restarted rank (ZEROPP_REJOIN=1) calling the job-wide
+    # init_process_group would wait for ranks that never start again;
+    # init_islands needs the launcher's variables and islands of equal size.
+    script = """
+import os, sys, torch.distributed as dist, zeropp.torch
+from zeropp.torch import ZeroppError
+def refused(f, *words):
+    try:
+        f()
+    except ZeroppError as e:
+        assert all(w in str(e) for w in words), e
+        print("ok", words[0])
+    else:
+        sys.exit(f"not refused: {words}")
+if os.environ.get("ZEROPP_REJOIN") == "1":
+    refused(lambda: dist.init_process_group("gloo"), "init_islands", "--restarts 0")
+else:
+    refused(lambda: zeropp.torch.init_islands("gloo"), "MASTER_ADDR", "zeropp launch")
+    os.environ.update(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    refused(lambda: zeropp.torch.init_islands("gloo"), "islands=N")
+    refused(lambda: zeropp.torch.init_islands("gloo", islands=3), "islands=3", "equal size")
+    os.environ["ZEROPP_ISLANDS"] = "2"
+    refused(lambda: zeropp.torch.init_islands("gloo", islands=4), "--islands")
+"""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "ZEROPP_ISLANDS")
+    }
+    for rejoin in ("1", "0"):
+        p = subprocess.run(
+            [sys.executable, "-c", script],
+            env=dict(env, ZEROPP_REJOIN=rejoin),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert p.stdout.count("ok ") == (1 if rejoin == "1" else 4), p.stdout
+
+
 def _children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]

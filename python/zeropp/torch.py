@@ -1478,13 +1478,21 @@ class OuterSync:
     delta (the eager update), landing with what the other islands change.
     Call :meth:`finish` on every rank at the end.
 
+    Islands of their own worlds: after :func:`init_islands`, pass the
+    island's 1-D mesh (each island a torch.distributed world; the islands
+    sync over a zeropp job of every island's ranks, over TCP).
+
     A lost island: a rank of another island that dies (or does not answer
     within ``ZEROPP_TIMEOUT_S``) takes its island out of the outer sync, and
     the others go on without it — launch with ``zeropp launch --islands N``,
     which stops only the failed rank's island. :attr:`lost` names the lost
-    islands; after :meth:`finish`, run what follows training over
-    :meth:`survivor_group`. A lost island does not rejoin yet, and island 0
-    must live (its first rank holds torch.distributed's store)."""
+    islands. Under :func:`init_islands` with ``--restarts K``, a restarted
+    island's ``OuterSync`` rejoins: it waits for a live island's state at
+    that island's next outer sync, and :attr:`steps` is the step to resume
+    after (:attr:`rejoined` lists the islands that came back). On one world
+    over every island, run what follows training over
+    :meth:`survivor_group` after :meth:`finish`; a lost island cannot rejoin
+    it. Island 0 must live (its first rank holds the job's store)."""
 
     def __init__(
         self,
