@@ -214,6 +214,13 @@ def test_islands_outer_sync_is_diloco_over_shards(tmp_path):
     assert len(oks) == 14, p.stdout
 
 
+def test_islands_of_their_own_worlds_sync_and_checkpoint_apart(tmp_path):
+    p = ranks(WORKERS / "island_worlds.py", [tmp_path / "dcp"])
+    oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    # Each island's first rank prints its checks.
+    assert len(oks) == 2 * 5, p.stdout
+
+
 def test_the_example_trains_islands_with_outer_sync(tmp_path):
     # examples/torch_gpt.py --islands 2: each island of one logical node
     # shards over its own ranks; 7 steps at H = 3 sync at 3 and 6 and once
