@@ -26,6 +26,7 @@ reports it for zeropp and FSDP2).
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -407,7 +408,8 @@ def main(argv=None):
         if start:
             print(
                 f"rank {rank}: island {isl.index} rejoined after step {start}, "
-                f"{time.time() - _started():.1f} s after this rank started",
+                f"{time.time() - _started():.1f} s after this rank started; "
+                f"state {state_digest(model, opt, outer)}",
                 flush=True,
             )
             with warnings.catch_warnings():
@@ -429,6 +431,7 @@ def main(argv=None):
     losses, times, backward_times, across, inside = [], [], [], [], []
     before = zeropp.torch.traffic() if zjob else None
     loop_start = time.perf_counter()
+    rejoins = len(outer.rejoined) if outer is not None else 0
     for step in range(start, args.steps):
         x, y = data.batch(step, args.batch, args.context, device=device)
         if device.type == "cuda":
@@ -445,6 +448,14 @@ def main(argv=None):
         backward_times.append(time.perf_counter() - tb)
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         (outer or opt).step()
+        if outer is not None and len(outer.rejoined) > rejoins:
+            # What the island that rejoined was sent: the same digest there.
+            rejoins = len(outer.rejoined)
+            print(
+                f"rank {rank}: state after step {step + 1} sent to a rejoining island "
+                f"{state_digest(model, opt, outer)}",
+                flush=True,
+            )
         opt.zero_grad(set_to_none=True)
         sched.step()
         mean_loss = loss.detach().clone()
@@ -508,11 +519,11 @@ def main(argv=None):
         # The last outer step where needed, so every island holds one model.
         outer.finish()
         alive, taking_part = island_size, len(outer.survivors()) // island_size
-        with torch.no_grad():
-            mine = torch.tensor([sum(float(_local(p).double().sum()) for p in model.parameters())])
-            dist.all_reduce(mine)
+        # The island's weights, shard by shard (equal on every island now).
+        digests = [None] * dist.get_world_size()
+        dist.all_gather_object(digests, _digest(_local(p) for p in model.parameters()))
         if dist.get_rank() == 0:
-            print(f"island {isl.index} weights {mine.item().hex()}", flush=True)
+            print(f"island {isl.index} weights {'-'.join(digests)}", flush=True)
     val = []
     with torch.no_grad():
         for i in range(4):
@@ -602,6 +613,26 @@ def main(argv=None):
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _digest(tensors):
+    """A short digest of tensors' bits."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def state_digest(model, opt, outer):
+    """A digest of this rank's training state, bit for bit: its parameter
+    shards, the optimizer's per-parameter state (AdamW's moments and step)
+    and the outer anchors and momenta."""
+    tensors = [_local(p) for p in model.parameters()]
+    for _, per in sorted(opt.state_dict()["state"].items()):
+        tensors += [_local(v) for _, v in sorted(per.items()) if isinstance(v, torch.Tensor)]
+    sd = outer.state_dict()
+    tensors += [_local(sd[k][n]) for k in ("anchors", "momenta") for n in sorted(sd[k])]
+    return _digest(tensors)
 
 
 def _started():

@@ -195,7 +195,7 @@ fn spawn(
     (node, local): (usize, usize),
     threads: Option<usize>,
     forwarders: &mut Vec<std::thread::JoinHandle<()>>,
-    rejoin: bool,
+    attempt: usize,
 ) -> Result<Rank> {
     let program = &opts.command[0];
     let rank = node * opts.ranks_per_node + local;
@@ -223,7 +223,12 @@ fn spawn(
     if opts.islands > 1 {
         cmd.env("ZEROPP_ISLANDS", opts.islands.to_string());
     }
-    if rejoin {
+    if opts.islands > 1 {
+        // How many times this rank was started before (its island's
+        // restarts): a restarted island's ranks agree on it.
+        cmd.env("ZEROPP_ATTEMPT", attempt.to_string());
+    }
+    if attempt > 0 {
         cmd.env("ZEROPP_REJOIN", "1");
     }
     if let Some(n) = threads {
@@ -409,21 +414,24 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
                 (node, local),
                 threads,
                 &mut forwarders,
-                false,
+                0,
             )?);
         }
     }
     let per_island = (islands > 1).then_some(opts.nodes / islands * opts.ranks_per_node);
+    let mut starts = std::collections::HashMap::new();
     let mut respawn = |rank: usize| {
         let node = rank / opts.ranks_per_node;
         let local = rank % opts.ranks_per_node;
+        let attempt = starts.entry(rank).or_insert(0usize);
+        *attempt += 1;
         spawn(
             opts,
             &meeting,
             (node, local),
             threads,
             &mut forwarders,
-            true,
+            *attempt,
         )
     };
     let failures = supervise(

@@ -525,6 +525,13 @@ impl Engine {
                 alive.len()
             )));
         }
+        // Another island restarted beside this one, taken back at the same
+        // sync, is in the collectives too.
+        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
+            for r in i * size..(i + 1) * size {
+                self.counter.readmit(r);
+            }
+        }
         m.alive = alive;
         m.rejoined.push((island, step));
         m.regroup()?;

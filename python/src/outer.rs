@@ -447,8 +447,12 @@ impl Islands {
         let counter = job.counter();
         let peer = {
             let m = islands::lock(&self.members);
-            if j >= m.alive.len() || m.alive[j] {
-                return Err(invalid(format!("island {j} is not out of the outer sync")));
+            if j >= m.alive.len() {
+                return Err(invalid(format!("no island {j} of {}", m.alive.len())));
+            }
+            if m.alive[j] {
+                // Taken back already.
+                return Ok(());
             }
             j * m.size + m.place
         };
@@ -531,9 +535,10 @@ impl Islands {
     }
 
     /// This rank's island rejoined after optimizer step `step`, the
-    /// islands taking part being `alive` (as the state sent said): its
-    /// groups across the islands are made as the others made theirs.
-    fn joined(&self, alive: Vec<bool>, step: u64) -> PyResult<()> {
+    /// islands taking part being `alive` (as the state sent said): their
+    /// ranks are readmitted, and its groups across the islands are made as
+    /// the others made theirs.
+    fn joined(&self, job: &Job, alive: Vec<bool>, step: u64) -> PyResult<()> {
         let mut m = islands::lock(&self.members);
         if alive.len() != m.alive.len() || !alive[m.island] {
             return Err(invalid(format!(
@@ -544,6 +549,14 @@ impl Islands {
             )));
         }
         let island = m.island;
+        // Another island restarted beside this one, taken back at the same
+        // sync, is in the collectives too.
+        let counter = job.counter();
+        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
+            for r in i * m.size..(i + 1) * m.size {
+                counter.readmit(r);
+            }
+        }
         m.alive = alive;
         m.rejoined.push((island, step));
         m.regroup().map_err(to_py)

@@ -292,10 +292,18 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
         assert rejoined == [], rejoined
         return
     assert [r["island"] for r in rejoined] == [1], rejoined
-    assert lost[0]["step"] < rejoined[0]["step"] < steps, (lost, rejoined)
-    back = re.findall(r"island 1 rejoined after step (\d+)", text)
-    assert back == [str(rejoined[0]["step"])] * 2, text[-6000:]
-    # Every island ends with the one model (each island's weights summed).
+    at = rejoined[0]["step"]
+    assert lost[0]["step"] <= at < steps, (lost, rejoined)
+    # Each restarted rank holds, bit for bit, the state its place in island
+    # 0 had when it sent it: parameter shards, AdamW's moments and step, the
+    # outer anchors and momenta.
+    got = dict(re.findall(rf"rank (\d): island 1 rejoined after step {at}, .*; state (\w+)", text))
+    sent = dict(
+        re.findall(rf"rank (\d): state after step {at} sent to a rejoining island (\w+)", text)
+    )
+    assert got.keys() == {"2", "3"} and sent.keys() == {"0", "1"}, text[-6000:]
+    assert got["2"] == sent["0"] and got["3"] == sent["1"], (got, sent)
+    # Every island ends with the one model, shard for shard.
     weights = dict(re.findall(r"island (\d) weights (\S+)", text))
     assert weights.keys() == {"0", "1"} and weights["0"] == weights["1"], weights
 

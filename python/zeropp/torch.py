@@ -317,8 +317,14 @@ def init_islands(backend="gloo", islands=None, **kwargs):
             f"rank {rank}: the job's store at {where} did not answer within "
             f"{timeout.total_seconds():.0f} s{late}; global rank 0 holds it ({e})"
         ) from None
-    # Each rank counts its own starts: the ranks of a restarted island agree.
-    attempt = store.add(f"zeropp/islands/starts/{rank}", 1) - 1
+    if os.environ.get("ZEROPP_ATTEMPT"):
+        # zeropp launch counts the island's starts.
+        attempt = int(os.environ["ZEROPP_ATTEMPT"])
+    else:
+        # Another launcher: each rank counts its own starts (the ranks of a
+        # restarted island agree), afresh for each start of the whole job.
+        generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = store.add(f"zeropp/islands/gen{generation}/starts/{rank}", 1) - 1
     if attempt > 0 and index == 0:
         raise ZeroppError(
             "island 0 cannot rejoin: its first rank holds the job's store, and the job ended "
@@ -360,8 +366,7 @@ def _cross_job(transport, ranks_per_node):
     timeout_s = _timeout_s()
     if w.rank == 0 and w.attempt == 0:
         store.set("token", secrets.token_hex(16))
-    _store_get(store, "token", timeout_s, "the islands' job token")
-    token = bytes(store.get("token")).decode()
+    token = _store_get(store, "token", timeout_s, "the islands' job token").decode()
     port = os.environ.get("MASTER_PORT")
     _cross = _zeropp.Job(
         w.rank,
@@ -389,12 +394,10 @@ def _islands_exchange(store, w, timeout_s):
         out = []
         for r in range(w.world):
             attempt = w.attempt
+            what = f"rank {r}'s zeropp address"
             if r // w.size != w.index:
-                _store_get(store, f"latest/{r}", timeout_s, f"rank {r}'s zeropp address")
-                attempt = int(bytes(store.get(f"latest/{r}")).decode())
-            key = f"facts/{r}/{attempt}"
-            _store_get(store, key, timeout_s, f"rank {r}'s zeropp address")
-            out.append(bytes(store.get(key)))
+                attempt = int(_store_get(store, f"latest/{r}", timeout_s, what).decode())
+            out.append(_store_get(store, f"facts/{r}/{attempt}", timeout_s, what))
         return out
 
     return exchange
@@ -582,7 +585,7 @@ def traffic():
 def _summed(a, b):
     """Two traffic records' numbers added, leaf by leaf."""
     if isinstance(a, dict):
-        return {k: _summed(v, b.get(k, 0)) if k in b else v for k, v in a.items()}
+        return {k: _summed(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
     return a + b
 
 
@@ -1085,9 +1088,7 @@ def _agree(ranks):
     id of its zeropp group): the first member to ask draws it from the job's
     counter in the store, the others read it."""
     store = dist.distributed_c10d._get_default_store()
-    mine = store.add("zeropp/job0/groups", 1)
-    key = "zeropp/job0/group/" + ",".join(str(r) for r in ranks)
-    return int(store.compare_set(key, "", str(mine)))
+    return _agree_through(dist.PrefixStore("zeropp/job0", store))(ranks)
 
 
 def _add_mesh_dim(zjob, ranks, hpz_group=None):
@@ -1610,6 +1611,12 @@ class OuterSync:
         # names (another model's outer sync over them counts its own steps).
         self._sync_id = self._islands.register()
         if worlds is not None and worlds.rejoining:
+            if self._sync_id > 0:
+                raise ZeroppError(
+                    "a restarted island rejoins through its first OuterSync only: sync every "
+                    "model through one OuterSync (wrap them in one module), or launch with "
+                    "--restarts 0"
+                )
             self._rejoin()
 
     def zero_grad(self, set_to_none=True):
@@ -1770,11 +1777,12 @@ class OuterSync:
             ready = torch.tensor([float(n == size) for n in sums[count:]])
             self._islands.agree_ready(self.job, host_bytes(ready, "ready")).wait()
             back = [j for j, n in enumerate(ready.tolist()) if n > 0]
+            hosted = [j for j in back if self._islands.host_for(j) == self.island]
             for j in back:
                 self._islands.welcome(self.job, j, self.steps)
-            for j in back:
-                if self._islands.host_for(j) == self.island:
-                    self._islands.send_state(self.job, j, self._rejoin_state())
+            state = self._rejoin_state() if hosted else None
+            for j in hosted:
+                self._islands.send_state(self.job, j, state)
 
     def _rejoin_state(self):
         """What a rejoining rank at this rank's place is sent: the step
@@ -1786,14 +1794,14 @@ class OuterSync:
             a, m = _host_like(p), _host_like(p)
             state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
             outer.append((a, m))
+        # The optimizer's per-parameter state (its hyperparameters, the
+        # learning rate among them, are the rejoining rank's own: stepping
+        # its schedule opt.steps times brings it where the others are).
         optim = None
         if self.optimizer is not None:
-            sd = self.optimizer.state_dict()
             optim = {
-                "state": {
-                    k: {n: _plain_any(v) for n, v in st.items()} for k, st in sd["state"].items()
-                },
-                "param_groups": sd["param_groups"],
+                k: {n: _plain_any(v) for n, v in per.items()}
+                for k, per in self.optimizer.state_dict()["state"].items()
             }
         buf = io.BytesIO()
         torch.save(
@@ -1816,37 +1824,36 @@ class OuterSync:
         sender, raw = self._islands.rejoin(self.job)
         try:
             st = torch.load(io.BytesIO(raw), weights_only=True)
-            params, outer = st["params"], st["outer"]
+            params, outer, optim = st["params"], st["outer"], st["optim"]
             if len(params) != len(self.params) or any(
                 t.shape != _local(p).shape for t, p in zip(params, self.params, strict=True)
             ):
                 raise ValueError("its parameter shards are not this model's")
+            with torch.no_grad():
+                for p, t in zip(self.params, params, strict=True):
+                    _local(p).copy_(t)
+            for state, (a, m) in zip(self.states, outer, strict=True):
+                state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+            if self.optimizer is not None and optim is not None:
+                order = [p for g in self.optimizer.param_groups for p in g["params"]]
+                sd = self.optimizer.state_dict()
+                sd["state"] = {
+                    k: {
+                        n: _like_param(v, order[k])
+                        if isinstance(v, torch.Tensor) and v.shape == _local(order[k]).shape
+                        else v
+                        for n, v in per.items()
+                    }
+                    for k, per in optim.items()
+                }
+                self.optimizer.load_state_dict(sd)
         except Exception as e:  # a corrupt or foreign state
             raise ZeroppError(
-                f"the state rank {sender} sent this rejoining rank is unreadable ({e}): every "
-                "island must run the same script on the same model"
+                f"the state rank {sender} sent this rejoining rank does not fit it ({e}): every "
+                "island must run the same script on the same model and optimizer"
             ) from None
-        with torch.no_grad():
-            for p, t in zip(self.params, params, strict=True):
-                _local(p).copy_(t)
-        for state, (a, m) in zip(self.states, outer, strict=True):
-            state.load(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
-        if self.optimizer is not None and st["optim"] is not None:
-            order = [p for g in self.optimizer.param_groups for p in g["params"]]
-            state = {
-                k: {
-                    n: _like_param(v, order[k])
-                    if isinstance(v, torch.Tensor) and v.shape == _local(order[k]).shape
-                    else v
-                    for n, v in per.items()
-                }
-                for k, per in st["optim"]["state"].items()
-            }
-            self.optimizer.load_state_dict(
-                {"state": state, "param_groups": st["optim"]["param_groups"]}
-            )
         self.steps, self.syncs = int(st["steps"]), int(st["syncs"])
-        self._islands.joined(st["alive"], self.steps)
+        self._islands.joined(self.job, st["alive"], self.steps)
         self._jumped(range(len(self.params)))
 
     @property
