@@ -131,7 +131,8 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         islands: usize,
         /// With --islands: how many times in all a failed island's ranks
-        /// are started again (ZEROPP_REJOIN=1) to rejoin the running job
+        /// are started again (ZEROPP_REJOIN=1, ZEROPP_ATTEMPT=N: its
+        /// island's Nth restart) to rejoin the running job
         /// (not island 0, which holds the job's store).
         #[arg(long, default_value_t = 0)]
         restarts: usize,
