@@ -9,17 +9,16 @@
 //! trained since the eager step).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use zeropp_comm::collectives::{CommThread, Pending};
-use zeropp_comm::group::rejoin_tag;
-use zeropp_comm::{CommError, Communicator, Group, Transport};
+use zeropp_comm::{Communicator, Group};
 use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
 pub use zeropp_zero::islands::LostIsland;
 pub(crate) use zeropp_zero::islands::lock;
-use zeropp_zero::islands::{Across, ExchangeName, Membership};
+use zeropp_zero::islands::{self, Across, ExchangeName, Membership};
 use zeropp_zero::outer::{self, Flight, OuterSettings, OuterState};
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::Phase;
@@ -238,8 +237,8 @@ impl Engine {
                 self.land(u)?;
             }
         }
-        for j in joining {
-            self.welcome(j)?;
+        if !joining.is_empty() {
+            self.welcome(&joining)?;
         }
         self.choose_sync_every()?;
         Ok(())
@@ -350,18 +349,10 @@ impl Engine {
         let run = self.islands.as_ref().expect("islands");
         let (count, delay) = (run.cfg.count, run.cfg.delay);
         let size = self.plan.layout.world();
-        let place = self.plan.layout.rank;
-        let asked: Vec<f32> = {
-            let m = lock(&run.members);
-            (0..count)
-                .map(|j| {
-                    let asked = !m.alive[j]
-                        && delay == 0
-                        && self.counter.probe(j * size + place, rejoin_tag(REQUEST));
-                    asked as u8 as f32
-                })
-                .collect()
-        };
+        let asked: Vec<f32> = islands::asked_to_rejoin(&run.members, &*self.counter)
+            .into_iter()
+            .map(|asked| (asked && delay == 0) as u8 as f32)
+            .collect();
         let asked = self.agree_on_members(&asked)?;
         let mut ready: Vec<f32> = asked
             .iter()
@@ -417,37 +408,39 @@ impl Engine {
         Ok(sums[count..].to_vec())
     }
 
-    /// Island `j` rejoins after this step: the host island (the first
-    /// taking part) sends each of its places' state to the same place of
-    /// `j`, and every island taking part regroups with it.
-    fn welcome(&mut self, j: usize) -> Result<()> {
-        let size = self.plan.layout.world();
-        let peer = j * size + self.plan.layout.rank;
+    /// Islands `joining` rejoin after this step: every island taking part
+    /// takes them back (and regroups with them), then the host island (the
+    /// first taking part) sends each of its places' state, naming every
+    /// island taking part now, to the same place of each.
+    fn welcome(&mut self, joining: &[usize]) -> Result<()> {
         let step = self.step as u64;
         let run = self.islands.as_ref().expect("islands");
-        let (host, island) = {
-            let m = lock(&run.members);
-            (m.host_for(j), m.island)
+        let (members, island) = (run.members.clone(), run.island);
+        let hosted: Vec<usize> = {
+            let m = lock(&members);
+            joining
+                .iter()
+                .copied()
+                .filter(|&j| m.host_for(j) == Some(island))
+                .collect()
         };
-        // The request is answered (or was another island's to answer).
-        if self.counter.probe(peer, rejoin_tag(REQUEST)) {
-            let _ = self.counter.recv(peer, rejoin_tag(REQUEST), self.timeout);
+        for &j in joining {
+            islands::take_back(&members, &*self.counter, j, step, self.timeout)?;
+            tracing::info!("islands: island {j} rejoins after step {step}");
         }
-        for r in j * size..(j + 1) * size {
-            self.counter.readmit(r);
-        }
-        lock(&run.members).rejoin(j, step)?;
-        if host == Some(island) {
-            let alive = lock(&run.members).alive.clone();
-            let state = encode_rejoin(step, &alive, &self.shard_state()?);
-            let sent = self
-                .counter
-                .send(peer, rejoin_tag(STATE), Bytes::from(state));
-            if let Err(e) = sent.and_then(|h| h.wait(peer, self.timeout)) {
-                tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
+        if !hosted.is_empty() {
+            let alive = lock(&members).alive.clone();
+            let state = Bytes::from(encode_rejoin(step, &alive, &self.shard_state()?));
+            for j in hosted {
+                islands::send_rejoin_state(
+                    &members,
+                    &*self.counter,
+                    j,
+                    state.clone(),
+                    self.timeout,
+                );
             }
         }
-        tracing::info!("islands: island {j} rejoins after step {step}");
         Ok(())
     }
 
@@ -462,79 +455,14 @@ impl Engine {
         if run.cfg.delay > 0 {
             return Err(IslandsError::RejoinWithDelay.into());
         }
-        let (count, island) = (run.cfg.count, run.island);
-        let size = self.plan.layout.world();
-        let place = self.plan.layout.rank;
-        let others: Vec<usize> = (0..count)
-            .filter(|&i| i != island)
-            .map(|i| i * size + place)
-            .collect();
-        for &peer in &others {
-            if let Err(e) = self.counter.send(peer, rejoin_tag(REQUEST), Bytes::new()) {
-                tracing::debug!("no rejoin request to rank {peer}: {e}");
-            }
-        }
-        let wait = self.timeout * 10;
-        let deadline = Instant::now() + wait;
-        // Each other island's rank at this place, until it sends the state
-        // or is gone (the job ended, or that island is lost too).
-        let mut waiting = others.clone();
-        let (from, state) = loop {
-            let mut got = None;
-            for &peer in &waiting.clone() {
-                match self
-                    .counter
-                    .recv(peer, rejoin_tag(STATE), Duration::from_millis(10))
-                {
-                    Ok(state) => {
-                        got = Some((peer, state));
-                        break;
-                    }
-                    Err(CommError::Timeout { .. }) => {}
-                    Err(e) => {
-                        tracing::debug!("rank {peer} will not take this island back: {e}");
-                        waiting.retain(|&p| p != peer);
-                    }
-                }
-            }
-            if let Some(got) = got {
-                break got;
-            }
-            if waiting.is_empty() {
-                return Err(EngineError::Comm(CommError::Join(
-                    "every other island finished or was lost before this one could rejoin: \
-                     nothing to rejoin"
-                        .into(),
-                )));
-            }
-            if Instant::now() >= deadline {
-                return Err(EngineError::Comm(CommError::Join(format!(
-                    "no island took this one back within {wait:?}: the others did not reach an \
-                     outer sync (raise ZEROPP_TIMEOUT_S if H steps take longer) or finished"
-                ))));
-            }
-        };
+        let members = run.members.clone();
+        let (from, state) = islands::ask_to_rejoin(&members, &*self.counter, self.timeout * 10)?;
         let (step, alive, shards) = decode_rejoin(&state, &self.unit_layouts())
             .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
         self.load_shard_state(shards, step as usize)?;
-        let run = self.islands.as_ref().expect("islands");
-        let mut m = lock(&run.members);
-        if alive.len() != count || !alive[island] {
-            return Err(EngineError::Checkpoint(format!(
-                "rank {from} sent a membership of {} islands without this one",
-                alive.len()
-            )));
-        }
-        // Another island restarted beside this one, taken back at the same
-        // sync, is in the collectives too.
-        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
-            for r in i * size..(i + 1) * size {
-                self.counter.readmit(r);
-            }
-        }
-        m.alive = alive;
-        m.rejoined.push((island, step));
-        m.regroup()?;
+        lock(&members)
+            .joined(&*self.counter, alive, step)
+            .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
         tracing::info!("islands: rejoined from rank {from} after step {step}");
         Ok(step as usize)
     }
@@ -722,9 +650,7 @@ impl Engine {
     }
 }
 
-/// Rejoin messages: a restarted rank's request, and the state it is sent.
-const REQUEST: u16 = 1;
-const STATE: u16 = 2;
+/// The rejoin state's first bytes.
 const STATE_MAGIC: &[u8; 8] = b"ZPPREJN1";
 
 /// A rejoining rank's state: the step, which islands take part, and each

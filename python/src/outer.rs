@@ -4,13 +4,11 @@
 //! communication thread).
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
 use pyo3::prelude::*;
-use zeropp_comm::group::rejoin_tag;
-use zeropp_comm::{CommError, Transport};
+use zeropp_comm::Transport;
 use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::ZeroError;
 use zeropp_zero::allreduce::QuantizedAllReduce;
@@ -21,7 +19,7 @@ use zeropp_zero::residual::Residual;
 
 use crate::buffers::HostBuf;
 use crate::collectives::{Job, Op};
-use crate::{PeerError, invalid, to_py};
+use crate::{invalid, to_py};
 
 /// The outer state of one parameter shard.
 #[pyclass(frozen)]
@@ -403,11 +401,7 @@ impl Islands {
     /// For each island, whether it is out and its rank at this rank's
     /// place has asked this one to take it back ([`Islands::ask_rejoin`]).
     fn asked(&self, job: &Job) -> Vec<bool> {
-        let m = islands::lock(&self.members);
-        let counter = job.counter();
-        (0..m.alive.len())
-            .map(|j| !m.alive[j] && counter.probe(j * m.size + m.place, rejoin_tag(REQUEST)))
-            .collect()
+        islands::asked_to_rejoin(&self.members, &*job.counter())
     }
 
     /// Sums `ready` (float32 host buffer, one value per island, in place)
@@ -444,26 +438,7 @@ impl Islands {
     /// across the islands are made anew. Its state follows
     /// ([`Islands::send_state`]).
     fn welcome(&self, job: &Job, j: usize, step: u64) -> PyResult<()> {
-        let counter = job.counter();
-        let peer = {
-            let m = islands::lock(&self.members);
-            if j >= m.alive.len() {
-                return Err(invalid(format!("no island {j} of {}", m.alive.len())));
-            }
-            if m.alive[j] {
-                // Taken back already.
-                return Ok(());
-            }
-            j * m.size + m.place
-        };
-        if counter.probe(peer, rejoin_tag(REQUEST)) {
-            let _ = counter.recv(peer, rejoin_tag(REQUEST), job.timeout());
-        }
-        let mut m = islands::lock(&self.members);
-        for r in j * m.size..(j + 1) * m.size {
-            counter.readmit(r);
-        }
-        m.rejoin(j, step).map_err(to_py)
+        islands::take_back(&self.members, &*job.counter(), j, step, job.timeout()).map_err(to_py)
     }
 
     /// Sends `state` (bytes) to island `j`'s rank at this rank's place (on
@@ -472,15 +447,8 @@ impl Islands {
     /// the next exchange.
     fn send_state(&self, py: Python<'_>, job: &Job, j: usize, state: Vec<u8>) {
         let (counter, timeout) = (job.counter(), job.timeout());
-        let peer = {
-            let m = islands::lock(&self.members);
-            j * m.size + m.place
-        };
         py.detach(|| {
-            let sent = counter.send(peer, rejoin_tag(STATE), Bytes::from(state));
-            if let Err(e) = sent.and_then(|h| h.wait(peer, timeout)) {
-                tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
-            }
+            islands::send_rejoin_state(&self.members, &*counter, j, Bytes::from(state), timeout)
         });
     }
 
@@ -489,49 +457,10 @@ impl Islands {
     /// others answer at their next outer sync) for the state one sends.
     /// Returns (the rank that sent it, the state).
     fn rejoin(&self, py: Python<'_>, job: &Job) -> PyResult<(usize, Vec<u8>)> {
-        let (counter, timeout) = (job.counter(), job.timeout());
-        let others: Vec<usize> = {
-            let m = islands::lock(&self.members);
-            (0..m.alive.len())
-                .filter(|&i| i != m.island)
-                .map(|i| i * m.size + m.place)
-                .collect()
-        };
-        py.detach(|| {
-            for &peer in &others {
-                if let Err(e) = counter.send(peer, rejoin_tag(REQUEST), Bytes::new()) {
-                    tracing::debug!("no rejoin request to rank {peer}: {e}");
-                }
-            }
-            let wait = timeout * 10;
-            let deadline = Instant::now() + wait;
-            let mut waiting = others.clone();
-            loop {
-                for &peer in &waiting.clone() {
-                    match counter.recv(peer, rejoin_tag(STATE), Duration::from_millis(10)) {
-                        Ok(state) => return Ok((peer, state.to_vec())),
-                        Err(CommError::Timeout { .. }) => {}
-                        Err(e) => {
-                            tracing::debug!("rank {peer} will not take this island back: {e}");
-                            waiting.retain(|&p| p != peer);
-                        }
-                    }
-                }
-                if waiting.is_empty() {
-                    return Err(PeerError::new_err(
-                        "every other island finished or was lost before this one could rejoin: \
-                         nothing to rejoin",
-                    ));
-                }
-                if Instant::now() >= deadline {
-                    return Err(PeerError::new_err(format!(
-                        "no island took this one back within {wait:?}: the others did not reach \
-                         an outer sync (raise ZEROPP_TIMEOUT_S if sync_every steps take longer) \
-                         or finished"
-                    )));
-                }
-            }
-        })
+        let (counter, wait) = (job.counter(), job.timeout() * 10);
+        py.detach(|| islands::ask_to_rejoin(&self.members, &*counter, wait))
+            .map(|(from, state)| (from, state.to_vec()))
+            .map_err(to_py)
     }
 
     /// This rank's island rejoined after optimizer step `step`, the
@@ -539,27 +468,9 @@ impl Islands {
     /// ranks are readmitted, and its groups across the islands are made as
     /// the others made theirs.
     fn joined(&self, job: &Job, alive: Vec<bool>, step: u64) -> PyResult<()> {
-        let mut m = islands::lock(&self.members);
-        if alive.len() != m.alive.len() || !alive[m.island] {
-            return Err(invalid(format!(
-                "a membership of {} islands without this one (island {} of {})",
-                alive.len(),
-                m.island,
-                m.alive.len()
-            )));
-        }
-        let island = m.island;
-        // Another island restarted beside this one, taken back at the same
-        // sync, is in the collectives too.
-        let counter = job.counter();
-        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
-            for r in i * m.size..(i + 1) * m.size {
-                counter.readmit(r);
-            }
-        }
-        m.alive = alive;
-        m.rejoined.push((island, step));
-        m.regroup().map_err(to_py)
+        islands::lock(&self.members)
+            .joined(&*job.counter(), alive, step)
+            .map_err(to_py)
     }
 
     /// Whether island `i` takes part.
@@ -571,11 +482,6 @@ impl Islands {
             .unwrap_or(false)
     }
 }
-
-/// Rejoin messages: a restarted rank's request, and the state it is sent
-/// (the native trainer's kinds; zeropp.torch's state is its own bytes).
-const REQUEST: u16 = 1;
-const STATE: u16 = 2;
 
 /// Copies `from` (a shard's `what`) into the float32 host buffer `buf` of
 /// the same length.

@@ -7,10 +7,11 @@
 //! again among themselves, and alone an island keeps its own delta.
 
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use zeropp_comm::{Communicator, Group, GroupKind};
+use zeropp_comm::group::rejoin_tag;
+use zeropp_comm::{CommError, Communicator, Group, GroupKind, Transport};
 
 use crate::Hop;
 use crate::allreduce::QuantizedAllReduce;
@@ -119,6 +120,35 @@ impl Membership {
             self.regroup()?;
         }
         Ok(())
+    }
+
+    /// This rank's island rejoined after `step`, the islands taking part
+    /// being `alive` (as the state it was sent said): their ranks are
+    /// readmitted to the collectives (another island restarted beside
+    /// this one, taken back at the same sync, too) and the groups across
+    /// the islands are made as the others made theirs.
+    pub fn joined(
+        &mut self,
+        transport: &dyn Transport,
+        alive: Vec<bool>,
+        step: u64,
+    ) -> Result<(), ZeroError> {
+        if alive.len() != self.alive.len() || !alive[self.island] {
+            return Err(ZeroError::Invalid(format!(
+                "the state sent names {} islands without this one (island {} of {})",
+                alive.len(),
+                self.island,
+                self.alive.len()
+            )));
+        }
+        for (i, _) in alive.iter().enumerate().filter(|(_, a)| **a) {
+            for r in i * self.size..(i + 1) * self.size {
+                transport.readmit(r);
+            }
+        }
+        self.alive = alive;
+        self.rejoined.push((self.island, step));
+        self.regroup()
     }
 
     /// The island that answers island `j`'s request to rejoin: the first
@@ -362,6 +392,126 @@ impl Across<'_> {
 /// changed whole).
 pub fn lock(m: &Mutex<Membership>) -> std::sync::MutexGuard<'_, Membership> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Rejoin messages: a restarted rank's request, and the state it is sent.
+const REJOIN_REQUEST: u16 = 1;
+const REJOIN_STATE: u16 = 2;
+
+/// Island `j` takes part again after `step` (every rank of the islands
+/// taking part calls it at the same point): its rank at this place's
+/// request is answered, its ranks readmitted to the collectives, and the
+/// groups across the islands made anew. Its state follows
+/// ([`send_rejoin_state`], from the host island). An island back already
+/// is left as it is.
+pub fn take_back(
+    members: &Mutex<Membership>,
+    transport: &dyn Transport,
+    j: usize,
+    step: u64,
+    timeout: Duration,
+) -> Result<(), ZeroError> {
+    let mut m = lock(members);
+    if j >= m.alive.len() {
+        return Err(ZeroError::Invalid(format!(
+            "no island {j} of {}",
+            m.alive.len()
+        )));
+    }
+    if m.alive[j] {
+        return Ok(());
+    }
+    let peer = j * m.size + m.place;
+    let request = rejoin_tag(REJOIN_REQUEST);
+    if transport.probe(peer, request) {
+        let _ = transport.recv(peer, request, timeout);
+    }
+    for r in j * m.size..(j + 1) * m.size {
+        transport.readmit(r);
+    }
+    m.rejoin(j, step)
+}
+
+/// Sends `state` to island `j`'s rank at this rank's place (on the island
+/// that hosts its rejoin); a failure is logged: the rejoining rank then
+/// finds no state and fails, and its island is lost again at the next
+/// exchange.
+pub fn send_rejoin_state(
+    members: &Mutex<Membership>,
+    transport: &dyn Transport,
+    j: usize,
+    state: Bytes,
+    timeout: Duration,
+) {
+    let peer = {
+        let m = lock(members);
+        j * m.size + m.place
+    };
+    let sent = transport.send(peer, rejoin_tag(REJOIN_STATE), state);
+    if let Err(e) = sent.and_then(|h| h.wait(peer, timeout)) {
+        tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
+    }
+}
+
+/// Whether island `j` is out and its rank at this rank's place asked to
+/// be taken back, for every island.
+pub fn asked_to_rejoin(members: &Mutex<Membership>, transport: &dyn Transport) -> Vec<bool> {
+    let m = lock(members);
+    (0..m.alive.len())
+        .map(|j| !m.alive[j] && transport.probe(j * m.size + m.place, rejoin_tag(REJOIN_REQUEST)))
+        .collect()
+}
+
+/// A restarted rank of a lost island: asks the islands' ranks at its
+/// place to take it back and waits (up to `wait`: the others answer at
+/// their next outer sync) for the state one sends. Returns the rank that
+/// sent it and the state.
+pub fn ask_to_rejoin(
+    members: &Mutex<Membership>,
+    transport: &dyn Transport,
+    wait: Duration,
+) -> Result<(usize, Bytes), ZeroError> {
+    let others: Vec<usize> = {
+        let m = lock(members);
+        (0..m.alive.len())
+            .filter(|&i| i != m.island)
+            .map(|i| i * m.size + m.place)
+            .collect()
+    };
+    for &peer in &others {
+        if let Err(e) = transport.send(peer, rejoin_tag(REJOIN_REQUEST), Bytes::new()) {
+            tracing::debug!("no rejoin request to rank {peer}: {e}");
+        }
+    }
+    let deadline = Instant::now() + wait;
+    // Each other island's rank at this place, until it sends the state or
+    // is gone (the job ended, or that island is lost too).
+    let mut waiting = others;
+    loop {
+        for peer in waiting.clone() {
+            match transport.recv(peer, rejoin_tag(REJOIN_STATE), Duration::from_millis(10)) {
+                Ok(state) => return Ok((peer, state)),
+                Err(CommError::Timeout { .. }) => {}
+                Err(e) => {
+                    tracing::debug!("rank {peer} will not take this island back: {e}");
+                    waiting.retain(|&p| p != peer);
+                }
+            }
+        }
+        if waiting.is_empty() {
+            return Err(ZeroError::Comm(CommError::Join(
+                "every other island finished or was lost before this one could rejoin (or a \
+                 rank of this island died): nothing to rejoin"
+                    .into(),
+            )));
+        }
+        if Instant::now() >= deadline {
+            return Err(ZeroError::Comm(CommError::Join(format!(
+                "no island took this one back within {wait:?}: the others did not reach an outer \
+                 sync (raise ZEROPP_TIMEOUT_S if H steps take longer) or finished"
+            ))));
+        }
+    }
 }
 
 #[cfg(test)]
