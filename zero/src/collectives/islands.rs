@@ -433,9 +433,10 @@ pub fn take_back(
 }
 
 /// Sends `state` to island `j`'s rank at this rank's place (on the island
-/// that hosts its rejoin); a failure is logged: the rejoining rank then
-/// finds no state and fails, and its island is lost again at the next
-/// exchange.
+/// that hosts its rejoin) and returns while it crosses: the island trains
+/// on meanwhile (the state is the size of a few shards, over the slow
+/// link). A failure is logged: the rejoining rank then finds no state and
+/// fails, and its island is lost again at the next exchange.
 pub fn send_rejoin_state(
     members: &Mutex<Membership>,
     transport: &dyn Transport,
@@ -447,9 +448,19 @@ pub fn send_rejoin_state(
         let m = lock(members);
         j * m.size + m.place
     };
-    let sent = transport.send(peer, rejoin_tag(REJOIN_STATE), state);
-    if let Err(e) = sent.and_then(|h| h.wait(peer, timeout)) {
+    let warn = move |e: CommError| {
         tracing::warn!("sending the state to rejoining rank {peer} failed: {e}");
+    };
+    match transport.send(peer, rejoin_tag(REJOIN_STATE), state) {
+        Ok(sent) => {
+            let watched = std::thread::Builder::new()
+                .name("zeropp-rejoin-state".into())
+                .spawn(move || sent.wait(peer, timeout).unwrap_or_else(warn));
+            if let Err(e) = watched {
+                tracing::warn!("no thread to watch the state sent to rank {peer}: {e}");
+            }
+        }
+        Err(e) => warn(e),
     }
 }
 
