@@ -399,7 +399,7 @@ impl Islands {
     }
 
     /// For each island, whether it is out and its rank at this rank's
-    /// place has asked this one to take it back ([`Islands::ask_rejoin`]).
+    /// place has asked this one to take it back ([`Islands::rejoin`]).
     fn asked(&self, job: &Job) -> Vec<bool> {
         islands::asked_to_rejoin(&self.members, &*job.counter())
     }
@@ -442,14 +442,11 @@ impl Islands {
     }
 
     /// Sends `state` (bytes) to island `j`'s rank at this rank's place (on
-    /// the island that hosts its rejoin); a failure is logged: the rejoining
-    /// rank then finds no state and fails, and its island is lost again at
-    /// the next exchange.
-    fn send_state(&self, py: Python<'_>, job: &Job, j: usize, state: Vec<u8>) {
+    /// the island that hosts its rejoin) and returns while it crosses
+    /// ([`islands::send_rejoin_state`]).
+    fn send_state(&self, job: &Job, j: usize, state: Vec<u8>) {
         let (counter, timeout) = (job.counter(), job.timeout());
-        py.detach(|| {
-            islands::send_rejoin_state(&self.members, &*counter, j, Bytes::from(state), timeout)
-        });
+        islands::send_rejoin_state(&self.members, &*counter, j, Bytes::from(state), timeout);
     }
 
     /// A restarted rank of a lost island: asks the islands' ranks at its

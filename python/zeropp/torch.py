@@ -186,26 +186,43 @@ def job(transport=None, ranks_per_node=None):
         return _job
     rank, world = dist.get_rank(), dist.get_world_size()
     store = dist.distributed_c10d._get_default_store()
-    timeout_s = _timeout_s()
     prefix = "zeropp/job0"
-    if rank == 0:
-        store.set(f"{prefix}/token", secrets.token_hex(16))
-    store.wait([f"{prefix}/token"], datetime.timedelta(seconds=timeout_s))
-    token = bytes(store.get(f"{prefix}/token")).decode()
-    port = os.environ.get("MASTER_PORT")
-    _job = _zeropp.Job(
-        rank,
-        world,
-        _exchange_through(store, prefix, rank, world, timeout_s),
-        token,
-        master_addr=os.environ.get("MASTER_ADDR"),
-        master_port=int(port) if port else None,
+    exchange = _exchange_through(store, prefix, rank, world, _timeout_s())
+    _job = _join(
+        dist.PrefixStore(prefix, store),
+        rank == 0,
+        (rank, world, exchange),
         transport=transport,
-        timeout_s=timeout_s,
         ranks_per_node=ranks_per_node,
     )
     _job_options = options
     return _job
+
+
+def _join(store, draws_token, rank_world_exchange, ranks_per_node=None, **options):
+    """A zeropp ``Job`` of ``rank`` of ``world`` joined through ``store``:
+    the rank that ``draws_token`` puts the job's token there, every rank
+    reads it, and ``exchange`` publishes each rank's address; logical nodes
+    of ``ranks_per_node`` (else ZEROPP_RANKS_PER_NODE, else the hosts)."""
+    rank, world, exchange = rank_world_exchange
+    if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
+        ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
+    timeout_s = _timeout_s()
+    if draws_token:
+        store.set("token", secrets.token_hex(16))
+    token = _store_get(store, "token", timeout_s, "the zeropp job's token").decode()
+    port = os.environ.get("MASTER_PORT")
+    return _zeropp.Job(
+        rank,
+        world,
+        exchange,
+        token,
+        master_addr=os.environ.get("MASTER_ADDR"),
+        master_port=int(port) if port else None,
+        timeout_s=timeout_s,
+        ranks_per_node=ranks_per_node,
+        **options,
+    )
 
 
 class IslandWorld:
@@ -223,6 +240,11 @@ class IslandWorld:
     @property
     def rejoining(self):
         return self.attempt > 0
+
+    @property
+    def job_store(self):
+        """The keys of the islands' zeropp job (addresses, token, group ids)."""
+        return dist.PrefixStore("zeropp/islands/job", self.store)
 
     def __repr__(self):
         return (
@@ -360,23 +382,12 @@ def _cross_job(transport, ranks_per_node):
             f"transport={transport!r}: the islands' outer sync runs over TCP, which takes a "
             "restarted island's ranks back (the islands' own collectives keep their transport)"
         )
-    if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
-        ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
-    store = dist.PrefixStore("zeropp/islands/job", w.store)
-    timeout_s = _timeout_s()
-    if w.rank == 0 and w.attempt == 0:
-        store.set("token", secrets.token_hex(16))
-    token = _store_get(store, "token", timeout_s, "the islands' job token").decode()
-    port = os.environ.get("MASTER_PORT")
-    _cross = _zeropp.Job(
-        w.rank,
-        w.world,
-        _islands_exchange(store, w, timeout_s),
-        token,
-        master_addr=os.environ.get("MASTER_ADDR"),
-        master_port=int(port) if port else None,
+    store = w.job_store
+    _cross = _join(
+        store,
+        w.rank == 0 and w.attempt == 0,
+        (w.rank, w.world, _islands_exchange(store, w, _timeout_s())),
         transport="tcp",
-        timeout_s=timeout_s,
         ranks_per_node=ranks_per_node,
         island=(w.index * w.size, (w.index + 1) * w.size),
         rejoining=w.rejoining,
@@ -1564,9 +1575,7 @@ class OuterSync:
             place = mesh.get_local_rank(0)
             self.ranks = [i * worlds.size + place for i in range(worlds.count)]
             self.island = worlds.index
-            self.job.add_mesh_dim(
-                self.ranks, _agree_through(dist.PrefixStore("zeropp/islands/job", worlds.store))
-            )
+            self.job.add_mesh_dim(self.ranks, _agree_through(worlds.job_store))
             self._island_group = mesh.get_group(0)
         self._flags_device = mesh.device_type
         self._worlds = worlds
@@ -1784,16 +1793,22 @@ class OuterSync:
             for j in hosted:
                 self._islands.send_state(self.job, j, state)
 
+    def _outer_shards(self):
+        """Each parameter's anchor and outer momentum, as this rank's f32
+        host shards."""
+        out = []
+        for p, state in zip(self.params, self.states, strict=True):
+            a, m = _host_like(p), _host_like(p)
+            state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+            out.append((a, m))
+        return out
+
     def _rejoin_state(self):
         """What a rejoining rank at this rank's place is sent: the step
         count, which islands take part, this rank's parameter shards, the
         outer state and the optimizer's (its tensors as this rank's
         shards)."""
-        outer = []
-        for p, state in zip(self.params, self.states, strict=True):
-            a, m = _host_like(p), _host_like(p)
-            state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
-            outer.append((a, m))
+        outer = self._outer_shards()
         # The optimizer's per-parameter state (its hyperparameters, the
         # learning rate among them, are the rejoining rank's own: stepping
         # its schedule opt.steps times brings it where the others are).
@@ -1809,7 +1824,7 @@ class OuterSync:
                 "steps": self.steps,
                 "syncs": self.syncs,
                 "alive": [self._islands.alive(i) for i in range(len(self.ranks))],
-                "params": [_local(p).detach().to("cpu").clone() for p in self.params],
+                "params": [_plain_any(p) for p in self.params],
                 "outer": outer,
                 "optim": optim,
             },
@@ -1935,9 +1950,7 @@ class OuterSync:
             for op in ops:
                 op.wait()
         anchors, momenta = {}, {}
-        for name, p, state in zip(self.names, self.params, self.states, strict=True):
-            a, m = _host_like(p), _host_like(p)
-            state.save_into(host_bytes(a, "anchor"), host_bytes(m, "momentum"))
+        for name, p, (a, m) in zip(self.names, self.params, self._outer_shards(), strict=True):
             anchors[name], momenta[name] = _like_param(a, p), _like_param(m, p)
         out = {"steps": self.steps, "anchors": anchors, "momenta": momenta}
         if self.delay:
@@ -2021,9 +2034,10 @@ def _host_like(p):
 
 
 def _plain_any(v):
-    """An optimizer state's value with its tensors as this rank's CPU shards."""
+    """A value with its tensors as this rank's CPU shards, in their dtype
+    (saved at once: no copy on the CPU)."""
     if isinstance(v, torch.Tensor):
-        return _local(v).detach().to("cpu").clone()
+        return _local(v).detach().to("cpu")
     return v
 
 
