@@ -419,7 +419,8 @@ def main(argv=None):
     island_size = world // args.islands
     data = Data(args.seed, rank, world)
     tokens_per_step = args.batch * args.context * world
-    metrics = open(args.metrics, "w") if (lead and args.metrics) else None
+    # A restarted rank 0 (island 0 rejoined) goes on with the run's file.
+    metrics = open(args.metrics, "a" if start else "w") if (lead and args.metrics) else None
     if lead:
         print(
             f"{args.mode}: {params} parameters ({trainable} trained), {world} ranks on "
@@ -524,6 +525,7 @@ def main(argv=None):
         dist.all_gather_object(digests, _digest(_local(p) for p in model.parameters()))
         if dist.get_rank() == 0:
             print(f"island {isl.index} weights {'-'.join(digests)}", flush=True)
+            print(f"island {isl.index} longest step {max(times, default=0):.2f} s", flush=True)
     val = []
     with torch.no_grad():
         for i in range(4):

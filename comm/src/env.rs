@@ -37,6 +37,13 @@ pub struct RankFacts {
     /// This is a restarted rank of a lost island joining the running job
     /// (`ZEROPP_REJOIN=1`, set by `zeropp launch --restarts`).
     pub rejoin: bool,
+    /// The job's store that `zeropp launch --islands` holds (`host:port`,
+    /// `ZEROPP_STORE`; torch's `TCPStore` wire): the rendezvous goes
+    /// through it, so no rank holds it and island 0 rejoins too.
+    pub store: Option<String>,
+    /// How many times this rank's island was started before
+    /// (`ZEROPP_ATTEMPT`; a rejoining rank without it: 1).
+    pub attempt: usize,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -291,6 +298,18 @@ impl RankFacts {
         } else {
             p.launcher
         };
+        // zeropp launch --islands holds the job's store (one per launch).
+        let store = get("ZEROPP_STORE").filter(|s| !s.is_empty());
+        if let Some(s) = &store
+            && !matches!(split_host_port(s), Ok((_, Some(_))))
+        {
+            return Err(EnvError::Invalid {
+                name: "ZEROPP_STORE".into(),
+                value: s.clone(),
+                what: "host:port of the job's store",
+            });
+        }
+        let torch_store = torch_store.or_else(|| store.as_ref().map(|_| "job".to_string()));
         let token = match get("ZEROPP_TOKEN") {
             Some(t) if !t.is_empty() => t,
             // Drawn by rank 0 and shared through torchrun's store.
@@ -306,6 +325,8 @@ impl RankFacts {
         };
         let islands = parse::<usize>(get, "ZEROPP_ISLANDS", "number of islands")?.unwrap_or(1);
         let rejoin = get("ZEROPP_REJOIN").is_some_and(|v| v == "1");
+        let attempt =
+            parse::<usize>(get, "ZEROPP_ATTEMPT", "start count")?.unwrap_or(usize::from(rejoin));
         Ok(RankFacts {
             rank: p.rank,
             world_size: p.world,
@@ -320,6 +341,8 @@ impl RankFacts {
             torch_store,
             islands: islands.max(1),
             rejoin,
+            store,
+            attempt,
         })
     }
 

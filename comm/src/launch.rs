@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use rand::RngExt;
 
 use crate::env::{DEFAULT_PORT, split_host_port};
+use crate::torch_store::StoreServer;
 
 /// Why a launch did not run its ranks to success.
 #[derive(Debug, thiserror::Error)]
@@ -67,8 +68,8 @@ pub struct LaunchOptions {
     /// island has. 1: one failure stops the job.
     pub islands: usize,
     /// With islands: how many times in all a failed island's ranks are
-    /// started again (`ZEROPP_REJOIN=1`) to rejoin the running job (never
-    /// island 0, which holds the job's store).
+    /// started again (`ZEROPP_REJOIN=1`) to rejoin the running job (the
+    /// job's store is the launcher's: island 0 too).
     pub restarts: usize,
     pub command: Vec<String>,
 }
@@ -129,12 +130,46 @@ struct Rank {
 }
 
 /// Where this launch's ranks meet: the nodes it starts here, rank 0's
-/// rendezvous address and port, and the job's token.
+/// rendezvous address and port, the job's token, and with islands the
+/// job's store (`host:port`), which node 0's launcher holds.
 struct Meeting {
     local_nodes: std::ops::Range<usize>,
     master_addr: String,
     master_port: u16,
     token: String,
+    store: Option<String>,
+}
+
+/// With islands, the job's store ([`StoreServer`]: torch's `TCPStore`
+/// wire) lives in the launcher of node 0, so that it outlives every rank
+/// and a lost island 0 can rejoin: on all nodes' launcher at a free local
+/// port, on a multi-host job's node 0 at `--master-addr`'s port + 1 (the
+/// other nodes' launchers name it there). Exported as ZEROPP_STORE.
+fn job_store(opts: &LaunchOptions, meeting: &Meeting) -> Result<Option<String>> {
+    if opts.islands <= 1 {
+        return Ok(None);
+    }
+    let port = match opts.node_rank {
+        None => 0,
+        Some(_) => meeting.master_port.checked_add(1).ok_or_else(|| {
+            options(
+                "with --islands the job's store takes --master-addr's port + 1: pick a lower port",
+            )
+        })?,
+    };
+    if opts.node_rank.is_some_and(|k| k > 0) {
+        return Ok(Some(format!("{}:{port}", meeting.master_addr)));
+    }
+    let bind: std::net::SocketAddr = match opts.node_rank {
+        None => ([127, 0, 0, 1], 0).into(),
+        Some(_) => ([0, 0, 0, 0], port).into(),
+    };
+    let server = StoreServer::bind(bind).map_err(|e| options(e.to_string()))?;
+    Ok(Some(format!(
+        "{}:{}",
+        meeting.master_addr,
+        server.addr().port()
+    )))
 }
 
 /// The nodes to start and where their ranks meet: all of them around a
@@ -156,6 +191,7 @@ fn meeting(opts: &LaunchOptions) -> Result<Meeting> {
                 master_addr: "127.0.0.1".to_string(),
                 master_port: port,
                 token,
+                store: None,
             })
         }
         Some(k) => {
@@ -181,6 +217,7 @@ fn meeting(opts: &LaunchOptions) -> Result<Meeting> {
                 master_addr: host,
                 master_port: port.unwrap_or(DEFAULT_PORT),
                 token,
+                store: None,
             })
         }
     }
@@ -222,11 +259,12 @@ fn spawn(
     }
     if opts.islands > 1 {
         cmd.env("ZEROPP_ISLANDS", opts.islands.to_string());
-    }
-    if opts.islands > 1 {
         // How many times this rank was started before (its island's
         // restarts): a restarted island's ranks agree on it.
         cmd.env("ZEROPP_ATTEMPT", attempt.to_string());
+    }
+    if let Some(store) = &meeting.store {
+        cmd.env("ZEROPP_STORE", store);
     }
     if attempt > 0 {
         cmd.env("ZEROPP_REJOIN", "1");
@@ -338,13 +376,12 @@ fn supervise(
             for r in ranks.iter_mut().filter(|r| mine(r)) {
                 stop(r);
             }
-            // Island 0 holds the job's store: it cannot rejoin; nor can any
-            // island once another finished (the job is ending).
+            // No island rejoins once another finished (the job is ending).
+            // The job's store is the launcher's: island 0 rejoins too.
             let ending = ranks
                 .iter()
                 .any(|r| !mine(r) && r.status.is_some_and(|s| s.success()));
-            let rejoinable =
-                per_island.is_some() && !ending && !ranks.iter().any(|r| mine(r) && r.rank == 0);
+            let rejoinable = per_island.is_some() && !ending;
             if restarts > 0 && rejoinable {
                 restarts -= 1;
                 tracing::warn!(
@@ -399,7 +436,8 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             opts.nodes
         )));
     }
-    let meeting = meeting(opts)?;
+    let mut meeting = meeting(opts)?;
+    meeting.store = job_store(opts, &meeting)?;
     // The cores are shared among the ranks this launch starts here: each
     // rank's compute threads (candle's, via RAYON_NUM_THREADS) get their
     // share unless the user set a count.

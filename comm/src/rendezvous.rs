@@ -537,12 +537,16 @@ pub struct TorchrunStore {
     prefix: String,
 }
 
-/// torchrun's store when this rank was started by torchrun, else `None`.
+/// torchrun's store when this rank was started by torchrun, the job's
+/// store of `zeropp launch --islands` (ZEROPP_STORE), else `None`.
 pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchrunStore>, CommError> {
     let Some(prefix) = &facts.torch_store else {
         return Ok(None);
     };
-    let master = resolve(&facts.master_addr, facts.master_port)?;
+    let master = match facts.store.as_deref().map(super::env::split_host_port) {
+        Some(Ok((host, Some(port)))) => resolve(&host, port)?,
+        _ => resolve(&facts.master_addr, facts.master_port)?,
+    };
     Ok(Some(TorchrunStore {
         store: TorchStore::connect(master, facts.timeout)?,
         prefix: prefix.clone(),
@@ -623,18 +627,39 @@ fn store_key(prefix: &str, what: &str) -> String {
     format!("/zeropp/{prefix}/{what}")
 }
 
-/// The rendezvous under torchrun: every rank sets its facts in the agent's
-/// store and reads everyone's; every rank checks the table the same way.
+/// The rendezvous through a store (torchrun's agent's, or the one
+/// `zeropp launch --islands` holds): every rank sets its facts under its
+/// attempt and reads everyone's — its island's of the same attempt, the
+/// other islands' latest (a restarted island finds the running ones);
+/// every rank checks the table the same way.
 fn through_torch_store(
     facts: &RankFacts,
     TorchrunStore { store, prefix }: &mut TorchrunStore,
     me: &PeerInfo,
 ) -> Result<Vec<PeerInfo>, CommError> {
     let mine = serde_json::to_vec(me).map_err(|e| failure(e.to_string()))?;
-    store.set(&store_key(prefix, &format!("rank/{}", me.rank)), &mine)?;
-    let keys: Vec<String> = (0..facts.world_size)
-        .map(|r| store_key(prefix, &format!("rank/{r}")))
-        .collect();
+    let entry = |r: usize, attempt: usize| store_key(prefix, &format!("rank/{r}/{attempt}"));
+    store.set(&entry(me.rank, facts.attempt), &mine)?;
+    store.set(
+        &store_key(prefix, &format!("latest/{}", me.rank)),
+        facts.attempt.to_string().as_bytes(),
+    )?;
+    let island = facts.island_ranks();
+    let mut keys = Vec::with_capacity(facts.world_size);
+    for r in 0..facts.world_size {
+        let attempt = if island.contains(&r) {
+            facts.attempt
+        } else {
+            let latest = store.get(&store_key(prefix, &format!("latest/{r}")), facts.timeout)?;
+            std::str::from_utf8(&latest)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| {
+                    failure(format!("rank {r}'s start count in the store is unreadable"))
+                })?
+        };
+        keys.push(entry(r, attempt));
+    }
     store.wait(&keys, facts.timeout)?;
     let table = keys
         .iter()

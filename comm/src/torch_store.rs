@@ -1,33 +1,54 @@
 //! A client of PyTorch's c10d `TCPStore` — the store torchrun's agent
 //! serves at `MASTER_ADDR:MASTER_PORT` for its workers — so that ranks
 //! started by torchrun rendezvous through it instead of opening a port of
-//! their own (that port is the agent's: zeropp's own store cannot take it).
+//! their own (that port is the agent's: zeropp's own store cannot take it);
+//! and a server of the same wire ([`StoreServer`]), which `zeropp launch
+//! --islands` holds for a job of islands, so that the job's store outlives
+//! any rank (a restarted island 0 rejoins) and torch's own `TCPStore`
+//! client reaches it (`ZEROPP_STORE`).
 //!
 //! The wire (torch 2.x): a connection starts with `VALIDATE` and the magic
 //! number, then a `PING` whose nonce the server echoes. Commands are one
 //! byte, strings and byte arrays a little-endian u64 length and the bytes:
 //! `SET key value`; `WAIT n key...` → one byte (0: ready) — on timeout the
 //! client sends `CANCEL_WAIT` and reads the server's answer(s); `GET key`
-//! → length and value; `ADD key i64` → i64. Python's `TCPStore` prefixes
-//! keys with `/`; zeropp's keys live under `/zeropp/`.
+//! → length and value; `ADD key i64` → i64; `COMPARE_SET key expected
+//! desired` → the value now; `CHECK n key...` → one byte (0: all set);
+//! `GETNUMKEYS` → i64; `DELETE_KEY key` → i64 (deleted); `APPEND key
+//! bytes`; `MULTI_GET n key...` → each value; `MULTI_SET n (key value)...`.
+//! Python's `TCPStore` prefixes keys with `/`; zeropp's keys live under
+//! `/zeropp/`.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::CommError;
 
 const VALIDATE: u8 = 0;
 const SET: u8 = 1;
+const COMPARE_SET: u8 = 2;
 const GET: u8 = 3;
+const ADD: u8 = 4;
+const CHECK: u8 = 5;
 const WAIT: u8 = 6;
+const GETNUMKEYS: u8 = 7;
+const DELETE_KEY: u8 = 8;
+const APPEND: u8 = 9;
+const MULTI_GET: u8 = 10;
+const MULTI_SET: u8 = 11;
 const CANCEL_WAIT: u8 = 12;
 const PING: u8 = 13;
 const MAGIC: u32 = 0x3C85_F7CE;
 const STOP_WAITING: u8 = 0;
 const WAIT_CANCELED: u8 = 1;
+const READY: u8 = 0;
+const NOT_READY: u8 = 1;
 /// A value larger than this is refused (facts are small).
 const MAX_VALUE: u64 = 64 << 20;
+/// A command naming more keys than this is refused (the server's).
+const MAX_KEYS: u64 = 1 << 20;
 
 /// One connection to a `TCPStore`.
 pub struct TorchStore {
@@ -169,5 +190,337 @@ impl TorchStore {
         let mut v = vec![0u8; len as usize];
         self.stream.read_exact(&mut v).map_err(io(self.addr))?;
         Ok(v)
+    }
+}
+
+/// The keys, and the waits not answered yet.
+#[derive(Default)]
+struct Keys {
+    values: std::collections::HashMap<Vec<u8>, Vec<u8>>,
+    waits: Vec<Waiting>,
+}
+
+/// A connection's `WAIT` for keys not all set yet.
+struct Waiting {
+    connection: u64,
+    keys: Vec<Vec<u8>>,
+    answer: Arc<Mutex<TcpStream>>,
+}
+
+impl Keys {
+    fn has_all(&self, keys: &[Vec<u8>]) -> bool {
+        keys.iter().all(|k| self.values.contains_key(k))
+    }
+
+    /// Sets `key` and answers every wait it completes.
+    fn set(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.values.insert(key, value);
+        let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waits)
+            .into_iter()
+            .partition(|w| w.keys.iter().all(|k| self.values.contains_key(k)));
+        self.waits = waiting;
+        for w in ready {
+            // A client gone since it asked: its reader ends the connection.
+            let _ = lock(&w.answer).write_all(&[STOP_WAITING]);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A server of torch's `TCPStore` wire (the commands in the module's
+/// doc), in memory, for as long as the process lives: `zeropp launch
+/// --islands` holds the job's store, which torch's `TCPStore(...,
+/// is_master=False)` and [`TorchStore`] reach alike.
+pub struct StoreServer {
+    addr: SocketAddr,
+}
+
+impl StoreServer {
+    /// Listens on `addr` (port 0: any free one) and serves every
+    /// connection on a thread of its own.
+    pub fn bind(addr: SocketAddr) -> Result<StoreServer, CommError> {
+        let listener = TcpListener::bind(addr).map_err(|e| {
+            CommError::Join(format!(
+                "the job's store cannot listen on {addr}: {e}; pick a free port"
+            ))
+        })?;
+        let addr = listener.local_addr().map_err(io(addr))?;
+        let keys = Arc::new(Mutex::new(Keys::default()));
+        std::thread::spawn(move || {
+            for (id, conn) in (0u64..).zip(listener.incoming()) {
+                let Ok(stream) = conn else { continue };
+                let keys = keys.clone();
+                std::thread::spawn(move || {
+                    let from = stream
+                        .peer_addr()
+                        .map_or_else(|_| "?".into(), |a| a.to_string());
+                    if let Err(e) = serve_connection(stream, &keys, id) {
+                        tracing::warn!("the job's store dropped the client at {from}: {e}");
+                    }
+                    lock(&keys).waits.retain(|w| w.connection != id);
+                });
+            }
+        });
+        Ok(StoreServer { addr })
+    }
+
+    /// Where it listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+fn bad(what: String) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what)
+}
+
+fn read_u8(r: &mut impl Read) -> std::io::Result<u8> {
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b)?;
+    Ok(b[0])
+}
+
+fn read_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn read_bytes(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let len = read_u64(r)?;
+    if len > MAX_VALUE {
+        return Err(bad(format!(
+            "a value of {len} bytes (the most is {MAX_VALUE})"
+        )));
+    }
+    let mut v = vec![0u8; len as usize];
+    r.read_exact(&mut v)?;
+    Ok(v)
+}
+
+fn read_keys(r: &mut impl Read) -> std::io::Result<Vec<Vec<u8>>> {
+    let n = read_u64(r)?;
+    if n > MAX_KEYS {
+        return Err(bad(format!("{n} keys in one command")));
+    }
+    (0..n).map(|_| read_bytes(r)).collect()
+}
+
+/// One client: validated by the magic number, then its commands until it
+/// closes the connection. Answers go through `answer`, which a `SET` from
+/// another connection also writes when it completes this one's wait.
+fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let answer = Arc::new(Mutex::new(stream.try_clone()?));
+    let mut r = std::io::BufReader::new(stream);
+    let reply = |b: &[u8]| lock(&answer).write_all(b);
+    let mut magic = [0u8; 4];
+    if read_u8(&mut r)? != VALIDATE || {
+        r.read_exact(&mut magic)?;
+        u32::from_le_bytes(magic) != MAGIC
+    } {
+        return Err(bad("not a TCPStore client (no validation)".into()));
+    }
+    loop {
+        let command = match read_u8(&mut r) {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        match command {
+            PING => {
+                let mut nonce = [0u8; 4];
+                r.read_exact(&mut nonce)?;
+                reply(&nonce)?;
+            }
+            SET => {
+                let (k, v) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
+                lock(keys).set(k, v);
+            }
+            COMPARE_SET => {
+                let (k, expected) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
+                let desired = read_bytes(&mut r)?;
+                let now = {
+                    let mut keys = lock(keys);
+                    match keys.values.get(&k) {
+                        // torch's own servers: a missing key is set only
+                        // when nothing was expected.
+                        None if expected.is_empty() => {
+                            keys.set(k, desired.clone());
+                            desired
+                        }
+                        None => expected,
+                        Some(v) if *v == expected => {
+                            keys.set(k, desired.clone());
+                            desired
+                        }
+                        Some(v) => v.clone(),
+                    }
+                };
+                let mut b = Vec::with_capacity(now.len() + 8);
+                put_bytes(&mut b, &now);
+                reply(&b)?;
+            }
+            GET => {
+                let k = read_bytes(&mut r)?;
+                let v = lock(keys).values.get(&k).cloned().unwrap_or_default();
+                let mut b = Vec::with_capacity(v.len() + 8);
+                put_bytes(&mut b, &v);
+                reply(&b)?;
+            }
+            ADD => {
+                let k = read_bytes(&mut r)?;
+                let mut by = [0u8; 8];
+                r.read_exact(&mut by)?;
+                let sum = {
+                    let mut keys = lock(keys);
+                    let was = match keys.values.get(&k) {
+                        None => 0,
+                        Some(v) => std::str::from_utf8(v)
+                            .ok()
+                            .and_then(|s| s.parse::<i64>().ok())
+                            .ok_or_else(|| bad("ADD to a key that holds no number".into()))?,
+                    };
+                    let sum = was.wrapping_add(i64::from_le_bytes(by));
+                    keys.set(k, sum.to_string().into_bytes());
+                    sum
+                };
+                reply(&sum.to_le_bytes())?;
+            }
+            CHECK => {
+                let ks = read_keys(&mut r)?;
+                let ready = lock(keys).has_all(&ks);
+                reply(&[if ready { READY } else { NOT_READY }])?;
+            }
+            WAIT => {
+                let ks = read_keys(&mut r)?;
+                let mut keys = lock(keys);
+                if keys.has_all(&ks) {
+                    drop(keys);
+                    reply(&[STOP_WAITING])?;
+                } else {
+                    keys.waits.push(Waiting {
+                        connection: id,
+                        keys: ks,
+                        answer: answer.clone(),
+                    });
+                }
+            }
+            CANCEL_WAIT => {
+                lock(keys).waits.retain(|w| w.connection != id);
+                reply(&[WAIT_CANCELED])?;
+            }
+            GETNUMKEYS => {
+                let n = lock(keys).values.len() as i64;
+                reply(&n.to_le_bytes())?;
+            }
+            DELETE_KEY => {
+                let k = read_bytes(&mut r)?;
+                let n = i64::from(lock(keys).values.remove(&k).is_some());
+                reply(&n.to_le_bytes())?;
+            }
+            APPEND => {
+                let (k, more) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
+                let mut keys = lock(keys);
+                let mut v = keys.values.get(&k).cloned().unwrap_or_default();
+                v.extend_from_slice(&more);
+                keys.set(k, v);
+            }
+            MULTI_GET => {
+                let ks = read_keys(&mut r)?;
+                let mut b = Vec::new();
+                {
+                    let keys = lock(keys);
+                    for k in &ks {
+                        put_bytes(&mut b, keys.values.get(k).map_or(&[][..], Vec::as_slice));
+                    }
+                }
+                reply(&b)?;
+            }
+            MULTI_SET => {
+                let n = read_u64(&mut r)?;
+                if n > MAX_KEYS {
+                    return Err(bad(format!("{n} keys in one command")));
+                }
+                let pairs = (0..n)
+                    .map(|_| Ok((read_bytes(&mut r)?, read_bytes(&mut r)?)))
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                let mut keys = lock(keys);
+                for (k, v) in pairs {
+                    keys.set(k, v);
+                }
+            }
+            other => {
+                return Err(bad(format!(
+                    "command {other}, which this store does not serve (torch's queues are not \
+                     served)"
+                )));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server() -> SocketAddr {
+        StoreServer::bind("127.0.0.1:0".parse().unwrap())
+            .unwrap()
+            .addr()
+    }
+
+    #[test]
+    fn a_wait_ends_when_another_client_sets_the_keys_and_a_timed_out_one_is_cancelled() {
+        let addr = server();
+        let t = Duration::from_secs(10);
+        let mut a = TorchStore::connect(addr, t).unwrap();
+        let mut b = TorchStore::connect(addr, t).unwrap();
+        // Nothing set: the wait times out, is cancelled, and the
+        // connection serves on.
+        let err = a
+            .wait(&["k".into()], Duration::from_millis(200))
+            .unwrap_err();
+        assert!(err.to_string().contains("timed out"), "{err}");
+        let setter = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            b.set("k", b"v1").unwrap();
+            b.set("j", b"").unwrap();
+            b
+        });
+        a.wait(&["k".into(), "j".into()], t).unwrap();
+        assert_eq!(a.get("k", t).unwrap(), b"v1");
+        let mut b = setter.join().unwrap();
+        b.set("k", b"v2").unwrap();
+        assert_eq!(a.get("k", t).unwrap(), b"v2");
+        assert_eq!(a.get("j", t).unwrap(), b"");
+    }
+
+    #[test]
+    fn a_caller_that_is_not_a_store_client_is_dropped_and_the_store_serves_on() {
+        let addr = server();
+        let mut junk = TcpStream::connect(addr).unwrap();
+        junk.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut rest = Vec::new();
+        // The server closes the connection without answering.
+        junk.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(junk.read_to_end(&mut rest).unwrap(), 0);
+        // A command naming absurd sizes is refused the same way.
+        let mut huge = TcpStream::connect(addr).unwrap();
+        let mut b = vec![VALIDATE];
+        b.extend_from_slice(&MAGIC.to_le_bytes());
+        b.push(SET);
+        b.extend_from_slice(&u64::MAX.to_le_bytes());
+        huge.write_all(&b).unwrap();
+        huge.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(huge.read_to_end(&mut rest).unwrap(), 0);
+        let mut ok = TorchStore::connect(addr, Duration::from_secs(10)).unwrap();
+        ok.set("a", b"1").unwrap();
+        assert_eq!(ok.get("a", Duration::from_secs(10)).unwrap(), b"1");
     }
 }

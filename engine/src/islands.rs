@@ -429,8 +429,11 @@ impl Engine {
             tracing::info!("islands: island {j} rejoins after step {step}");
         }
         if !hosted.is_empty() {
-            let alive = lock(&members).alive.clone();
-            let state = Bytes::from(encode_rejoin(step, &alive, &self.shard_state()?));
+            let (alive, history) = {
+                let m = lock(&members);
+                (m.alive.clone(), m.history())
+            };
+            let state = Bytes::from(encode_rejoin(step, &alive, &history, &self.shard_state()?));
             for j in hosted {
                 islands::send_rejoin_state(
                     &members,
@@ -457,11 +460,11 @@ impl Engine {
         }
         let members = run.members.clone();
         let (from, state) = islands::ask_to_rejoin(&members, &*self.counter, self.timeout * 10)?;
-        let (step, alive, shards) = decode_rejoin(&state, &self.unit_layouts())
+        let (step, alive, history, shards) = decode_rejoin(&state, &self.unit_layouts())
             .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
         self.load_shard_state(shards, step as usize)?;
         lock(&members)
-            .joined(&*self.counter, alive, step)
+            .joined(&*self.counter, alive, step, history)
             .map_err(|e| EngineError::Checkpoint(format!("the state rank {from} sent: {e}")))?;
         tracing::info!("islands: rejoined from rank {from} after step {step}");
         Ok(step as usize)
@@ -657,11 +660,19 @@ const STATE_MAGIC: &[u8; 8] = b"ZPPREJN1";
 /// unit's AdamW moments, anchor, outer momentum and master weights (left
 /// out when they are the anchor, as right after the unit's sync: the
 /// state crosses the slow link once, 16 or 20 bytes per value).
-fn encode_rejoin(step: u64, alive: &[bool], shards: &[UnitShard]) -> Vec<u8> {
+fn encode_rejoin(
+    step: u64,
+    alive: &[bool],
+    history: &islands::History,
+    shards: &[UnitShard],
+) -> Vec<u8> {
     let mut out = STATE_MAGIC.to_vec();
     out.extend_from_slice(&step.to_le_bytes());
     out.extend_from_slice(&(alive.len() as u64).to_le_bytes());
     out.extend(alive.iter().map(|&a| a as u8));
+    let history = history.to_bytes();
+    out.extend_from_slice(&(history.len() as u64).to_le_bytes());
+    out.extend_from_slice(&history);
     // Per unit: whether its master weights are its anchor (left out).
     let anchors: Vec<(&[f32], &[f32])> = shards
         .iter()
@@ -706,7 +717,7 @@ fn encode_rejoin(step: u64, alive: &[bool], shards: &[UnitShard]) -> Vec<u8> {
 fn decode_rejoin(
     bytes: &[u8],
     layouts: &[UnitLayout],
-) -> std::result::Result<(u64, Vec<bool>, Vec<UnitShard>), String> {
+) -> std::result::Result<(u64, Vec<bool>, islands::History, Vec<UnitShard>), String> {
     let mut at = 0usize;
     let mut take = |n: usize| -> std::result::Result<&[u8], String> {
         let piece = bytes
@@ -725,6 +736,8 @@ fn decode_rejoin(
         return Err(format!("{islands} islands"));
     }
     let alive = take(islands)?.iter().map(|&b| b != 0).collect();
+    let told = word(take(8)?) as usize;
+    let history = islands::History::from_bytes(take(told.min(bytes.len()))?)?;
     let flags = take(layouts.len())?.to_vec();
     let mut shards = Vec::with_capacity(layouts.len());
     for (layout, &flag) in layouts.iter().zip(&flags) {
@@ -764,7 +777,7 @@ fn decode_rejoin(
     if at != bytes.len() {
         return Err(format!("{} bytes past the end", bytes.len() - at));
     }
-    Ok((step, alive, shards))
+    Ok((step, alive, history, shards))
 }
 
 #[cfg(test)]
@@ -808,14 +821,26 @@ mod tests {
         let mut shards: Vec<UnitShard> = layouts.iter().map(|l| shard(l, 1.0)).collect();
         // Right after its sync a unit's weights are its anchor: not sent.
         shards[1].master = shards[1].outer.as_ref().unwrap().anchor.clone();
-        let whole = encode_rejoin(40, &[true], &shards[..1]).len() - 8 - 8 - 8 - 1;
+        let none = islands::History::default();
+        let head = 8 + 8 + 8 + 1 + 8 + none.to_bytes().len();
+        let whole = encode_rejoin(40, &[true], &none, &shards[..1]).len() - head;
         assert_eq!(whole, 1 + 5 * (8 + 4 * 3));
-        let skipped = encode_rejoin(40, &[true], &shards[1..]).len() - 8 - 8 - 8 - 1;
+        let skipped = encode_rejoin(40, &[true], &none, &shards[1..]).len() - head;
         assert_eq!(skipped, 1 + 4 * (8 + 4 * 5));
         let alive = [true, false, true];
-        let bytes = encode_rejoin(40, &alive, &shards);
-        let (step, back_alive, back) = decode_rejoin(&bytes, &layouts).unwrap();
+        // The rejoined rank learns the run's losses and rejoins.
+        let history = islands::History {
+            lost: vec![LostIsland {
+                island: 1,
+                step: 12,
+                why: "rank 3 died".into(),
+            }],
+            rejoined: vec![(1, 40)],
+        };
+        let bytes = encode_rejoin(40, &alive, &history, &shards);
+        let (step, back_alive, back_history, back) = decode_rejoin(&bytes, &layouts).unwrap();
         assert_eq!((step, &back_alive[..]), (40, &alive[..]));
+        assert_eq!(back_history, history);
         for (a, b) in back.iter().zip(&shards) {
             assert_eq!((&a.master, &a.m, &a.v), (&b.master, &b.m, &b.v));
             let (oa, ob) = (a.outer.as_ref().unwrap(), b.outer.as_ref().unwrap());

@@ -461,13 +461,22 @@ impl Islands {
     }
 
     /// This rank's island rejoined after optimizer step `step`, the
-    /// islands taking part being `alive` (as the state sent said): their
-    /// ranks are readmitted, and its groups across the islands are made as
-    /// the others made theirs.
-    fn joined(&self, job: &Job, alive: Vec<bool>, step: u64) -> PyResult<()> {
+    /// islands taking part being `alive` and their past `history` (as the
+    /// state sent said): their ranks are readmitted, and its groups across
+    /// the islands are made as the others made theirs.
+    fn joined(&self, job: &Job, alive: Vec<bool>, step: u64, history: Vec<u8>) -> PyResult<()> {
+        let history =
+            islands::History::from_bytes(&history).map_err(|e| to_py(ZeroError::Invalid(e)))?;
         islands::lock(&self.members)
-            .joined(&*job.counter(), alive, step)
+            .joined(&*job.counter(), alive, step, history)
             .map_err(to_py)
+    }
+
+    /// The islands lost and rejoined so far (bytes, sent with a rejoin
+    /// state: [`Islands::joined`] takes them).
+    fn history<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
+        let history = islands::lock(&self.members).history().to_bytes();
+        pyo3::types::PyBytes::new(py, &history)
     }
 
     /// Whether island `i` takes part.

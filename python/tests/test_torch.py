@@ -234,19 +234,20 @@ def test_the_example_trains_islands_with_outer_sync(tmp_path):
     assert outer["inter_node"] > 0 and outer["intra_node"] == 0, outer
 
 
-@pytest.mark.parametrize("islands,restarts", [(2, 1), (3, 0)])
+@pytest.mark.parametrize("islands,restarts,victim", [(2, 1, 0), (3, 0, 5)])
 def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restarted_one_rejoins(
-    tmp_path, zeropp_bin, islands, restarts
+    tmp_path, zeropp_bin, islands, restarts, victim
 ):
     # Launched as users run islands that must survive a loss: `zeropp launch
     # --islands N`, which stops only the failed rank's island (each island
-    # its own torch world: zeropp.torch.init_islands). The last island's
-    # last rank is SIGKILLed mid-run; the others find the island gone at an
-    # outer exchange and go on without it (with three islands, the two left
-    # keep syncing over their regrouped ranks). With --restarts 1 the
-    # launcher starts the island again: its ranks fetch the state from a
-    # live island at its next outer sync, train to the end, and the islands
-    # end with one model.
+    # its own torch world: zeropp.torch.init_islands) and holds the job's
+    # store itself. A rank is SIGKILLed mid-run; the others find its island
+    # gone at an outer exchange and go on without it (with three islands,
+    # the two left keep syncing over their regrouped ranks). With
+    # --restarts 1 the launcher starts the island again — global rank 0's
+    # island 0 here, whose rank 0 writes the metrics and the summary: its
+    # ranks fetch the state from a live island at its next outer sync,
+    # train to the end, and the islands end with one model.
     metrics, out = tmp_path / "m.jsonl", tmp_path / "s.json"
     # A restarted island needs the others still training when it is back.
     steps, pace = (250, 0.1) if restarts else (40, 0.0)
@@ -259,7 +260,7 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     out_err = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     job = subprocess.Popen(cmd, text=True, env=env, **out_err)
-    victim = 2 * islands - 1
+    lost_island, host = victim // 2, 1 if victim < 2 else 0
     try:
         start = time.monotonic()
         while not metrics.exists() or metrics.read_text().count('"step"') < 12:
@@ -273,36 +274,52 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
     assert job.returncode == 0, text[-6000:]
     assert f"rank {victim} failed with signal 9" in text, text[-6000:]
     said = "restarting the ranks of island" if restarts else "was lost"
-    assert f"island {islands - 1}" in text and said in text, text[-6000:]
+    assert f"island {lost_island}" in text and said in text, text[-6000:]
     s = json.loads(out.read_text())
     lost = s["islands"]["lost"]
-    assert [x["island"] for x in lost] == [islands - 1] and 12 <= lost[0]["step"] <= 40, lost
-    assert f"rank {victim - 1}" in lost[0]["why"] or f"rank {victim}" in lost[0]["why"], lost
+    assert [x["island"] for x in lost] == [lost_island] and 12 <= lost[0]["step"] <= 40, lost
+    # Named by the rank that saw it (one of the island's, or one across
+    # from them), or relayed inside the island that found it.
+    seen = [f"rank {r}" for r in range(2 * lost_island, 2 * lost_island + 2)]
+    why = lost[0]["why"]
+    assert any(r in why for r in seen) or why.startswith("another rank"), lost
+    # The islands that trained on never waited long for the lost one (the
+    # issue's bound: 60 s): each prints its longest step.
+    longest = {int(i): float(t) for i, t in re.findall(r"island (\d) longest step (\S+) s", text)}
+    trained_on = set(range(islands)) - (set() if restarts else {lost_island})
+    assert set(longest) == trained_on, text[-6000:]
+    assert max(longest.values()) < 30, longest
     steps_seen = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [m["step"] for m in steps_seen] == list(range(1, steps + 1))
-    # No step waited long for the lost island (the issue's bound: 60 s).
-    assert max(m["step_time_s"] for m in steps_seen) < 30, steps_seen
-    assert s["final_loss"] < 0.8 * s["initial_loss"] and math.isfinite(s["val_loss"]), s
-    # After the loss the islands left sync among themselves (alone: nothing
-    # crosses), and with the restarted island once it is back.
-    after = steps_seen[-1]["bytes_inter_node"]
-    assert (after > 0) == (islands > 2 or restarts > 0), steps_seen[-1]
+    assert math.isfinite(s["val_loss"]) and s["final_loss"] < 0.8 * steps_seen[0]["loss"], s
     rejoined = s["islands"]["rejoined"]
     if not restarts:
+        assert [m["step"] for m in steps_seen] == list(range(1, steps + 1))
         assert rejoined == [], rejoined
+        # The islands left sync among themselves after the loss.
+        assert steps_seen[-1]["bytes_inter_node"] > 0, steps_seen[-1]
         return
-    assert [r["island"] for r in rejoined] == [1], rejoined
+    # The restarted rank 0 wrote on where the run was: the steps up to the
+    # kill, then from the step it rejoined after.
+    assert [r["island"] for r in rejoined] == [lost_island], rejoined
     at = rejoined[0]["step"]
     assert lost[0]["step"] <= at < steps, (lost, rejoined)
-    # Each restarted rank holds, bit for bit, the state its place in island
-    # 0 had when it sent it: parameter shards, AdamW's moments and step, the
-    # outer anchors and momenta.
-    got = dict(re.findall(rf"rank (\d): island 1 rejoined after step {at}, .*; state (\w+)", text))
+    logged = [m["step"] for m in steps_seen]
+    cut = logged.index(at + 1)
+    assert logged[:cut] == list(range(1, cut + 1)) and cut >= 12, logged
+    assert logged[cut:] == list(range(at + 1, steps + 1)), logged
+    # The syncs cross between the islands again.
+    assert steps_seen[-1]["bytes_inter_node"] > 0, steps_seen[-1]
+    # Each restarted rank holds, bit for bit, the state its place in the
+    # host island had when it sent it: parameter shards, AdamW's moments
+    # and step, the outer anchors and momenta.
+    back = rf"rank (\d): island {lost_island} rejoined after step {at}, .*; state (\w+)"
+    got = dict(re.findall(back, text))
     sent = dict(
         re.findall(rf"rank (\d): state after step {at} sent to a rejoining island (\w+)", text)
     )
-    assert got.keys() == {"2", "3"} and sent.keys() == {"0", "1"}, text[-6000:]
-    assert got["2"] == sent["0"] and got["3"] == sent["1"], (got, sent)
+    mine, theirs = [str(2 * lost_island + p) for p in (0, 1)], [str(2 * host + p) for p in (0, 1)]
+    assert sorted(got) == mine and sorted(sent) == theirs, text[-6000:]
+    assert [got[r] for r in mine] == [sent[r] for r in theirs], (got, sent)
     # Every island ends with the one model, shard for shard.
     weights = dict(re.findall(r"island (\d) weights (\S+)", text))
     assert weights.keys() == {"0", "1"} and weights["0"] == weights["1"], weights

@@ -230,8 +230,9 @@ class IslandWorld:
     ``index`` of ``count``, ``size`` ranks each; ``rank`` and ``world`` are
     the job's (``dist.get_rank()`` is the rank inside the island);
     ``attempt``: how many times this island was started before (a restarted
-    island rejoins the running job); ``store``: the job-wide store (global
-    rank 0's, on MASTER_ADDR:MASTER_PORT)."""
+    island rejoins the running job); ``store``: the job-wide store (the
+    launcher's under ``zeropp launch --islands``, else on
+    MASTER_ADDR:MASTER_PORT)."""
 
     def __init__(self, index, count, size, rank, world, attempt, store):
         self.index, self.count, self.size = index, count, size
@@ -280,8 +281,11 @@ def init_islands(backend="gloo", islands=None, **kwargs):
     ``islands``: how many (default ZEROPP_ISLANDS, which ``zeropp launch
     --islands`` sets); island i holds the job's ranks i·W/N to
     (i+1)·W/N − 1 (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from the
-    launcher: zeropp launch, torchrun). Global rank 0 holds the job's store,
-    so island 0 cannot rejoin. ``kwargs`` go to ``dist.init_process_group``
+    launcher: zeropp launch, torchrun). The job's store is the launcher's
+    under ``zeropp launch --islands`` (ZEROPP_STORE), so any island rejoins,
+    island 0 too; torchrun's agent's under torchrun (which restarts the whole
+    job); else global rank 0's, and island 0 cannot rejoin. ``kwargs`` go to
+    ``dist.init_process_group``
     (``device_id``, ``timeout``). Returns this rank's :class:`IslandWorld`
     (also :func:`island`)."""
     global _island_world
@@ -318,14 +322,23 @@ def init_islands(backend="gloo", islands=None, **kwargs):
     size = world // islands
     index = rank // size
     timeout = datetime.timedelta(seconds=_timeout_s())
-    # torchrun's agent may hold the store on MASTER_PORT; else global rank 0.
+    # zeropp launch --islands holds the job's store (ZEROPP_STORE); torchrun's
+    # agent may hold it on MASTER_PORT; else global rank 0.
+    held = os.environ.get("ZEROPP_STORE")
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if held:
+        host, _, port = held.rpartition(":")
+        holder = "the launcher (zeropp launch) holds it"
+    else:
+        host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        holder = "torchrun's agent holds it" if agent else "global rank 0 holds it"
+    if not (host and port.isdigit()):
+        raise ZeroppError(f"ZEROPP_STORE={held!r}: the job's store is host:port")
     try:
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=rank == 0 and not agent,
+            host,
+            int(port),
+            is_master=rank == 0 and not agent and not held,
             timeout=timeout,
             wait_for_workers=False,
         )
@@ -336,8 +349,8 @@ def init_islands(backend="gloo", islands=None, **kwargs):
             else ""
         )
         raise PeerError(
-            f"rank {rank}: the job's store at {where} did not answer within "
-            f"{timeout.total_seconds():.0f} s{late}; global rank 0 holds it ({e})"
+            f"rank {rank}: the job's store at {host}:{port} did not answer within "
+            f"{timeout.total_seconds():.0f} s{late}; {holder} ({e})"
         ) from None
     if os.environ.get("ZEROPP_ATTEMPT"):
         # zeropp launch counts the island's starts.
@@ -347,10 +360,11 @@ def init_islands(backend="gloo", islands=None, **kwargs):
         # restarted island agree), afresh for each start of the whole job.
         generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         attempt = store.add(f"zeropp/islands/gen{generation}/starts/{rank}", 1) - 1
-    if attempt > 0 and index == 0:
+    if attempt > 0 and index == 0 and not held and not agent:
         raise ZeroppError(
-            "island 0 cannot rejoin: its first rank holds the job's store, and the job ended "
-            "with it; restart the whole job from its last checkpoint"
+            "island 0 cannot rejoin: its first rank held the job's store, and the job ended "
+            "with it; launch with `zeropp launch --islands N --restarts K`, whose launcher "
+            "holds the store, or restart the whole job from its last checkpoint"
         )
     kwargs.setdefault("timeout", timeout)
     _init_process_group(
@@ -1805,7 +1819,7 @@ class OuterSync:
 
     def _rejoin_state(self):
         """What a rejoining rank at this rank's place is sent: the step
-        count, which islands take part, this rank's parameter shards, the
+        count, which islands take part and were lost or rejoined, this rank's parameter shards, the
         outer state and the optimizer's (its tensors as this rank's
         shards)."""
         outer = self._outer_shards()
@@ -1824,6 +1838,9 @@ class OuterSync:
                 "steps": self.steps,
                 "syncs": self.syncs,
                 "alive": [self._islands.alive(i) for i in range(len(self.ranks))],
+                # The islands lost and rejoined so far: the rejoined rank's
+                # lost and rejoined name the whole run.
+                "history": bytes(self._islands.history()),
                 "params": [_plain_any(p) for p in self.params],
                 "outer": outer,
                 "optim": optim,
@@ -1868,7 +1885,7 @@ class OuterSync:
                 "island must run the same script on the same model and optimizer"
             ) from None
         self.steps, self.syncs = int(st["steps"]), int(st["syncs"])
-        self._islands.joined(self.job, st["alive"], self.steps)
+        self._islands.joined(self.job, st["alive"], self.steps, st["history"])
         self._jumped(range(len(self.params)))
 
     @property

@@ -61,12 +61,33 @@ pub struct Membership {
 }
 
 /// An island that left the outer sync.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LostIsland {
     pub island: usize,
     /// The optimizer step after which it was found gone.
     pub step: u64,
     pub why: String,
+}
+
+/// What a rank knows of the islands' past — which were lost and which
+/// came back, with their steps — sent with a rejoin state so that the
+/// rejoined rank reports the whole run, its own loss included.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct History {
+    pub lost: Vec<LostIsland>,
+    pub rejoined: Vec<(usize, u64)>,
+}
+
+impl History {
+    /// As sent with a rejoin state.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).expect("a history serializes")
+    }
+
+    /// [`History::to_bytes`] read back; what is wrong with it said.
+    pub fn from_bytes(b: &[u8]) -> Result<History, String> {
+        serde_json::from_slice(b).map_err(|e| format!("an unreadable history of the islands: {e}"))
+    }
 }
 
 impl Membership {
@@ -122,16 +143,26 @@ impl Membership {
         Ok(())
     }
 
+    /// The islands lost and rejoined so far, as this rank knows it.
+    pub fn history(&self) -> History {
+        History {
+            lost: self.lost.clone(),
+            rejoined: self.rejoined.clone(),
+        }
+    }
+
     /// This rank's island rejoined after `step`, the islands taking part
-    /// being `alive` (as the state it was sent said): their ranks are
-    /// readmitted to the collectives (another island restarted beside
-    /// this one, taken back at the same sync, too) and the groups across
-    /// the islands are made as the others made theirs.
+    /// being `alive` and their past `history` (as the state it was sent
+    /// said): their ranks are readmitted to the collectives (another
+    /// island restarted beside this one, taken back at the same sync, too)
+    /// and the groups across the islands are made as the others made
+    /// theirs.
     pub fn joined(
         &mut self,
         transport: &dyn Transport,
         alive: Vec<bool>,
         step: u64,
+        history: History,
     ) -> Result<(), ZeroError> {
         if alive.len() != self.alive.len() || !alive[self.island] {
             return Err(ZeroError::Invalid(format!(
@@ -147,7 +178,10 @@ impl Membership {
             }
         }
         self.alive = alive;
-        self.rejoined.push((self.island, step));
+        (self.lost, self.rejoined) = (history.lost, history.rejoined);
+        if !self.rejoined.contains(&(self.island, step)) {
+            self.rejoined.push((self.island, step));
+        }
         self.regroup()
     }
 
