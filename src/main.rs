@@ -132,8 +132,8 @@ enum Command {
         islands: usize,
         /// With --islands: how many times in all a failed island's ranks
         /// are started again (ZEROPP_REJOIN=1, ZEROPP_ATTEMPT=N: its
-        /// island's Nth restart) to rejoin the running job
-        /// (not island 0, which holds the job's store).
+        /// island's Nth restart) to rejoin the running job (any island:
+        /// the launcher holds the job's store, ZEROPP_STORE).
         #[arg(long, default_value_t = 0)]
         restarts: usize,
         /// The command every rank runs.

@@ -596,7 +596,7 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let text = kill_island_1_when(job, || ck.join("latest").exists());
+    let text = kill_rank_when(job, 2, || ck.join("latest").exists());
     assert!(
         text.contains("island 1 was lost (rank 2 failed with signal 9)"),
         "{text}"
@@ -663,9 +663,11 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
 
 #[test]
 fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
-    // As above, with the launcher restarting island 1's ranks: they fetch
-    // the state of island 0's ranks at their next outer sync and train on
-    // with them to the end.
+    // As above, with the launcher restarting the lost island's ranks —
+    // island 0, rank 0's own, whose store is the launcher's: they fetch
+    // the state of island 1's ranks at their next outer sync and train on
+    // with them to the end; the restarted rank 0 writes on where the run
+    // was (metrics and summary).
     let d = tmp("island-rejoin");
     let (metrics, summary) = (d.join("m.jsonl"), d.join("s.json"));
     let job = zeropp()
@@ -678,9 +680,9 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let text = kill_island_1_when(job, || steps_logged(&metrics) >= 50);
-    assert!(text.contains("restarting the ranks of island 1"), "{text}");
-    for r in [2, 3] {
+    let text = kill_rank_when(job, 0, || steps_logged(&metrics) >= 50);
+    assert!(text.contains("restarting the ranks of island 0"), "{text}");
+    for r in [0, 1] {
         assert!(
             text.contains(&format!("rank {r}: rejoined after step")),
             "{text}"
@@ -688,9 +690,10 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
     }
     let sm = json(&summary);
     assert_eq!(sm["steps"], 2000, "{sm}");
+    // The rejoined rank 0 learnt the run's past from the state it was sent.
     let (lost, back) = (&sm["islands"]["lost"], &sm["islands"]["rejoined"]);
-    assert_eq!(lost[0]["island"], 1, "{sm}");
-    assert_eq!(back[0]["island"], 1, "{sm}");
+    assert_eq!(lost[0]["island"], 0, "{sm}");
+    assert_eq!(back[0]["island"], 0, "{sm}");
     let (left, came) = (
         lost[0]["after_step"].as_u64().unwrap(),
         back[0]["after_step"].as_u64().unwrap(),
@@ -699,19 +702,32 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
     // It rejoined at an outer sync.
     assert_eq!(came % 4, 0, "{sm}");
     assert!(sm["val_loss"].as_f64().unwrap().is_finite(), "{sm}");
+    // The metrics: rank 0's steps up to the kill, then the restarted rank
+    // 0's from the step it rejoined after, under a second header.
+    let steps: Vec<u64> = steps_of(&metrics)
+        .iter()
+        .map(|st| st["step"].as_u64().unwrap())
+        .collect();
+    let cut = steps.iter().position(|&n| n == came + 1).unwrap();
+    assert!(cut >= 50 && steps[..cut] == (1..=cut as u64).collect::<Vec<_>>());
+    assert_eq!(steps[cut..], (came + 1..=2000).collect::<Vec<_>>());
+    let headers = std::fs::read_to_string(&metrics).unwrap();
+    let starts: Vec<u64> = headers
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v["header"]["start_step"].as_u64())
+        .collect();
+    assert_eq!(starts, [0, came]);
     // After the rejoin the syncs cross between the islands again.
-    let steps = steps_of(&metrics);
-    let synced_after = steps[came as usize + 3]["bytes_inter_node"]
-        .as_f64()
-        .unwrap();
-    assert!(synced_after > 0.0, "{:?}", steps[came as usize + 3]);
+    let after = &steps_of(&metrics)[cut + 3];
+    assert!(after["bytes_inter_node"].as_f64().unwrap() > 0.0, "{after}");
     std::fs::remove_dir_all(d).ok();
 }
 
-/// Once `ready`, SIGKILLs rank 2 of `job` (2 islands of one node x 2
-/// ranks: island 1's first rank) and waits for the job, which must
-/// succeed (the other island goes on); its output.
-fn kill_island_1_when(job: std::process::Child, ready: impl Fn() -> bool) -> String {
+/// Once `ready`, SIGKILLs rank `rank` of `job` (2 islands of one node x
+/// 2 ranks) and waits for the job, which must succeed (the other island
+/// goes on); its output.
+fn kill_rank_when(job: std::process::Child, rank: usize, ready: impl Fn() -> bool) -> String {
     let t = Instant::now();
     while !ready() {
         assert!(
@@ -722,9 +738,9 @@ fn kill_island_1_when(job: std::process::Child, ready: impl Fn() -> bool) -> Str
     }
     let ranks = children(job.id());
     assert_eq!(ranks.len(), 4, "{ranks:?}");
-    // The launcher starts ranks in order: this is rank 2.
+    // The launcher starts ranks in order.
     unsafe {
-        libc::kill(ranks[2] as i32, libc::SIGKILL);
+        libc::kill(ranks[rank] as i32, libc::SIGKILL);
     }
     let o = job.wait_with_output().unwrap();
     let text = show(&o);

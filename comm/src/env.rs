@@ -31,8 +31,9 @@ pub struct RankFacts {
     /// rendezvous uses instead of a port of its own.
     pub torch_store: Option<String>,
     /// Islands of consecutive whole nodes (`ZEROPP_ISLANDS`, or the
-    /// trainer's `--islands`): rank 0's store stays up and every rank's
-    /// listener takes restarted ranks of a lost island. 1: none.
+    /// trainer's `--islands`): every rank's listener takes restarted
+    /// ranks of a lost island, which rejoin through the launcher's
+    /// store ([`RankFacts::store`]). 1: none.
     pub islands: usize,
     /// This is a restarted rank of a lost island joining the running job
     /// (`ZEROPP_REJOIN=1`, set by `zeropp launch --restarts`).

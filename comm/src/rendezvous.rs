@@ -261,62 +261,6 @@ pub fn serve(
     Ok(table)
 }
 
-/// Islands: after the job met, rank 0's store answers the restarted ranks
-/// of a lost island, once all of them have arrived, with the table in
-/// which their entries are what they present now (so that they find each
-/// other at their new addresses).
-fn desk(listener: TcpListener, token: &str, mut table: Vec<PeerInfo>, islands: usize) {
-    if let Err(e) = listener.set_nonblocking(false) {
-        tracing::warn!("the rejoin desk cannot wait for callers: {e}");
-        return;
-    }
-    let size = table.len() / islands.max(1);
-    let mut waiting: std::collections::BTreeMap<usize, Vec<(PeerInfo, TcpStream)>> =
-        Default::default();
-    for conn in listener.incoming() {
-        let Ok(mut stream) = conn else { continue };
-        let from = stream
-            .peer_addr()
-            .map_or_else(|_| "?".into(), |a| a.to_string());
-        let wait = Duration::from_secs(10);
-        let Some(hello) = hello_of_the_job(&mut stream, token, wait, "a rejoin") else {
-            continue;
-        };
-        let p = hello.peer;
-        if p.world_size != table.len() || p.rank >= table.len() || p.rank < size {
-            let msg = format!(
-                "rank {} of {} cannot rejoin this job of {} ranks (island 0, which holds the \
-                 store, cannot)",
-                p.rank,
-                p.world_size,
-                table.len()
-            );
-            reply(&mut stream, REPLY_ERROR, msg.as_bytes());
-            continue;
-        }
-        tracing::info!("rendezvous: rank {} is rejoining from {from}", p.rank);
-        let island = p.rank / size;
-        let arrived = waiting.entry(island).or_default();
-        // A rank that tried before and gave up is replaced by its new try.
-        arrived.retain(|(q, _)| q.rank != p.rank);
-        arrived.push((p, stream));
-        if arrived.len() < size {
-            continue;
-        }
-        let arrived = waiting.remove(&island).unwrap_or_default();
-        for (p, _) in &arrived {
-            table[p.rank] = p.clone();
-        }
-        let payload = serde_json::to_vec(&table);
-        for (_, mut stream) in arrived {
-            match &payload {
-                Ok(bytes) => reply(&mut stream, REPLY_TABLE, bytes),
-                Err(e) => reply(&mut stream, REPLY_ERROR, e.to_string().as_bytes()),
-            }
-        }
-    }
-}
-
 /// Why the ranks' places do not make a job zeropp can run: the launcher's
 /// nodes, or the hosts the ranks run on, are not laid out node by node.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -577,10 +521,11 @@ pub fn rendezvous(
         return through_torch_store(facts, store, &me);
     }
     let master = resolve(&facts.master_addr, facts.master_port)?;
-    if facts.rejoin && facts.rank == 0 {
+    if facts.rejoin {
         return Err(failure(
-            "rank 0 cannot rejoin: its island holds the job's store, and the job ended with it; \
-             restart the whole job from its last checkpoint (--resume)"
+            "a restarted rank rejoins through the job's store that `zeropp launch --islands N \
+             --restarts K` holds (ZEROPP_STORE): launch the job with it, or restart the whole \
+             job from its last checkpoint (--resume)"
                 .into(),
         ));
     }
@@ -597,16 +542,9 @@ pub fn rendezvous(
             ))
         })?;
         let token = facts.token.clone();
-        let (world, timeout, islands) = (facts.world_size, facts.timeout, facts.islands);
+        let (world, timeout) = (facts.world_size, facts.timeout);
         Some(std::thread::spawn(move || {
-            let table = serve(&listener, &token, world, timeout)?;
-            if islands > 1 {
-                // The store stays up for the restarted ranks of lost
-                // islands, for as long as this process lives.
-                let (token, table) = (token.clone(), table.clone());
-                std::thread::spawn(move || desk(listener, &token, table, islands));
-            }
-            Ok::<_, CommError>(table)
+            serve(&listener, &token, world, timeout)
         }))
     } else {
         None

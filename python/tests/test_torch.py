@@ -360,6 +360,51 @@ refused(lambda: zeropp.torch.init_islands("gloo", islands=4), "--islands")
     assert p.returncode == 0 and p.stdout.count("ok ") == 5, p.stdout + p.stderr
 
 
+def test_the_launchers_store_serves_torchs_own_client(zeropp_bin):
+    # `zeropp launch --islands` holds the job's store (ZEROPP_STORE); torch's
+    # TCPStore client reaches it for every command a job sends (gloo's
+    # rendezvous, init_islands, the outer sync's agreements), waits on
+    # keys another rank sets, and times out a wait on a key nobody sets.
+    script = """
+import datetime, os, sys, torch.distributed as dist
+host, port = os.environ["ZEROPP_STORE"].rsplit(":", 1)
+rank = int(os.environ["RANK"])
+s = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=20))
+s.set(f"hello/{rank}", str(rank))
+s.wait(["hello/0", "hello/1"])
+assert s.get(f"hello/{1 - rank}") == str(1 - rank).encode()
+assert s.add("count", 2) in (2, 4) and s.check(["hello/0", "hello/1"])
+if rank == 0:
+    assert s.compare_set("cas", "", "first") == b"first"
+    assert s.compare_set("cas", "wrong", "x") == b"first"
+    assert s.compare_set("cas", "first", "second") == b"second"
+    s.append("log", "a"); s.append("log", "b")
+    s.multi_set(["m1", "m2"], ["v1", "v2"])
+    assert s.multi_get(["m1", "m2", "log"]) == [b"v1", b"v2", b"ab"]
+    assert s.num_keys() >= 7 and s.delete_key("m1") and not s.check(["m1"])
+    try:
+        s.wait(["never"], datetime.timedelta(milliseconds=300))
+    except Exception as e:
+        assert "timeout" in str(e).lower() or "wait" in str(e).lower(), e
+    else:
+        sys.exit("a wait on a key nobody sets did not time out")
+    s.set("done", "1")
+s.wait(["done"])
+# The connection still serves after the timed-out wait.
+assert s.get("cas") == b"second"
+print("ok", rank, flush=True)
+"""
+    cmd = [zeropp_bin, "launch", "--nodes", "2", "--ranks-per-node", "1", "--islands", "2"]
+    p = subprocess.run(
+        [*cmd, "--", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[rank 0] ok 0" in p.stdout and "[rank 1] ok 1" in p.stdout, p.stdout + p.stderr
+
+
 def _children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(p) for p in f.read().split()]

@@ -1518,7 +1518,9 @@ class OuterSync:
     after (:attr:`rejoined` lists the islands that came back). On one world
     over every island, run what follows training over
     :meth:`survivor_group` after :meth:`finish`; a lost island cannot rejoin
-    it. Island 0 must live (its first rank holds the job's store)."""
+    it, and island 0 must live (global rank 0 holds torch's store there).
+    Under :func:`init_islands` and ``zeropp launch --islands`` any island
+    rejoins, island 0 too (the launcher holds the job's store)."""
 
     def __init__(
         self,

@@ -137,7 +137,16 @@ impl Trainer {
             "steps": cfg.run.steps,
             "start_step": start,
         }});
-        let records = Records::open(&cfg, lead, &header, start, end, tokens_per_step)?;
+        // A restarted rank 0 (its island rejoined) goes on with the run's
+        // file: a second header, then the steps after the one it rejoined
+        // after.
+        let records = Records::open(
+            &cfg,
+            lead,
+            &header,
+            (start, end, facts.rejoin),
+            tokens_per_step,
+        )?;
         let checkpointer = cfg
             .checkpoint
             .checkpoint_dir
@@ -723,15 +732,26 @@ impl Records {
         cfg: &TrainConfig,
         lead: bool,
         header: &serde_json::Value,
-        start: usize,
-        end: usize,
+        (start, end, append): (usize, usize, bool),
         tokens_per_step: f64,
     ) -> Result<Records> {
         let mut file = match (&cfg.output.metrics, lead) {
-            (Some(p), true) => Some(std::io::BufWriter::new(
-                std::fs::File::create(p)
-                    .with_context(|| format!("cannot create {}", p.display()))?,
-            )),
+            (Some(p), true) => {
+                let f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(append)
+                    .truncate(!append)
+                    .open(p)
+                    .with_context(|| format!("cannot create {}", p.display()))?;
+                if append {
+                    // The killed rank's half-written last line goes.
+                    let text = std::fs::read(p)?;
+                    let whole = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+                    f.set_len(whole as u64)?;
+                }
+                Some(std::io::BufWriter::new(f))
+            }
             _ => None,
         };
         if let Some(m) = file.as_mut() {
