@@ -347,38 +347,30 @@ impl Engine {
     /// a rejoin needs the blocking sync).
     fn membership_round(&mut self) -> Result<Vec<usize>> {
         let run = self.islands.as_ref().expect("islands");
-        let (count, delay) = (run.cfg.count, run.cfg.delay);
+        let delay = run.cfg.delay;
         let size = self.plan.layout.world();
         let asked: Vec<f32> = islands::asked_to_rejoin(&run.members, &*self.counter)
             .into_iter()
             .map(|asked| (asked && delay == 0) as u8 as f32)
             .collect();
         let asked = self.agree_on_members(&asked)?;
-        let mut ready: Vec<f32> = asked
+        let ready: Vec<f32> = asked
             .iter()
             .map(|&n| (n == size as f32) as u8 as f32)
             .collect();
-        let (missing, across) = {
-            let m = lock(&run.members);
-            (m.missing_any(), m.across.clone())
-        };
         // Streamed islands rejoin no one, and their exchanges may be under
         // way on the islands' thread over the same group: no call here.
-        if !missing || delay > 0 {
+        if !lock(&run.members).missing_any() || delay > 0 {
             return Ok(Vec::new());
         }
-        if across.size() > 1 {
-            let counter = self.counter.clone();
-            let mine = ready.clone();
-            ready = self
-                .thread
-                .submit(move |c| {
-                    counter.set_phase(Phase::Other, 0.0);
-                    c.all_reduce_f32(&across, &mine)
-                })
-                .wait()?;
-        }
-        Ok((0..count).filter(|&j| ready[j] > 0.0).collect())
+        let (counter, members, step) = (self.counter.clone(), run.members.clone(), self.step);
+        Ok(self
+            .thread
+            .submit(move |c| {
+                counter.set_phase(Phase::Other, 0.0);
+                islands::agree_ready(&members, c, &ready, step as u64)
+            })
+            .wait()?)
     }
 
     /// The ranks of this island agree on which islands take part (an

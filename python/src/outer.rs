@@ -404,11 +404,13 @@ impl Islands {
         islands::asked_to_rejoin(&self.members, &*job.counter())
     }
 
-    /// Sums `ready` (float32 host buffer, one value per island, in place)
-    /// over this rank's place in every island taking part, on the job's
+    /// The islands taking part agree which lost islands come back after
+    /// optimizer step `step` ([`islands::agree_ready`]), on the job's
     /// thread after the exchanges queued: every rank of those islands calls
-    /// it at the same point. An [`Op`] to wait on.
-    fn agree_ready(&self, job: &Job, ready: &Bound<'_, PyAny>) -> PyResult<Op> {
+    /// it at the same point. `ready` (float32 host buffer, one value per
+    /// island: 1 where this island found it ready) becomes 1 for each
+    /// island that comes back, else 0. An [`Op`] to wait on.
+    fn agree_ready(&self, job: &Job, ready: &Bound<'_, PyAny>, step: u64) -> PyResult<Op> {
         let buf = HostBuf::new(ready, true, "ready")?;
         let count = islands::lock(&self.members).alive.len();
         if buf.typed::<f32>("ready (float32)").map_err(to_py)?.len() != count {
@@ -416,11 +418,10 @@ impl Islands {
         }
         let members = self.members.clone();
         Ok(job.submit_alone(move |mover| {
-            let across = islands::lock(&members).across.clone();
             let v = buf.typed_mut::<f32>("ready")?;
-            if across.size() > 1 {
-                let sums = mover.comm.all_reduce_f32(&across, v)?;
-                v.copy_from_slice(&sums);
+            let back = islands::agree_ready(&members, mover.comm, v, step)?;
+            for (j, x) in v.iter_mut().enumerate() {
+                *x = f32::from(u8::from(back.contains(&j)));
             }
             Ok(())
         }))

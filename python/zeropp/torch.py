@@ -1800,7 +1800,7 @@ class OuterSync:
                 self._islands.lose(i, self.steps, "another rank of this island lost it")
         if welcome and self._islands.missing_any():
             ready = torch.tensor([float(n == size) for n in sums[count:]])
-            self._islands.agree_ready(self.job, host_bytes(ready, "ready")).wait()
+            self._islands.agree_ready(self.job, host_bytes(ready, "ready"), self.steps).wait()
             back = [j for j, n in enumerate(ready.tolist()) if n > 0]
             hosted = [j for j in back if self._islands.host_for(j) == self.island]
             for j in back:

@@ -390,36 +390,79 @@ impl Across<'_> {
         }
     }
 
-    /// After exchange error `e`: the island of the rank that failed leaves
-    /// the outer sync (Ok: run the exchange again without it), or, when no
-    /// island can be taken out for it, the islands' sync is broken (`e`).
+    /// After exchange error `e`: [`lose_the_failed_island`].
     fn lose_the_failed_island(
         &self,
         e: ZeroError,
         step: u64,
     ) -> std::result::Result<(), ZeroError> {
-        let mut m = lock(self.members);
-        let before = m.lost.len();
-        let lost = match e.failed_peer() {
-            Some(peer) => {
-                let island = m.island_of(peer);
-                m.lose(island, step, e.what_happened())?
-            }
-            None => false,
-        };
-        if !lost {
-            m.broken = Some(e.to_string());
-            return Err(e);
-        }
-        if m.lost.len() > before {
-            tracing::warn!(
-                "islands: island {} left the outer sync after step {step} ({}); the others go on",
-                m.lost.last().map_or(0, |l| l.island),
-                e.what_happened()
-            );
-        }
-        Ok(())
+        lose_the_failed_island(self.members, e, step)
     }
+}
+
+/// After error `e` of a call across the islands: the island of the rank
+/// that failed leaves the outer sync (Ok: run the call again without it),
+/// or, when no island can be taken out for it, the islands' sync is
+/// broken (`e`).
+fn lose_the_failed_island(
+    members: &Mutex<Membership>,
+    e: ZeroError,
+    step: u64,
+) -> std::result::Result<(), ZeroError> {
+    let mut m = lock(members);
+    let before = m.lost.len();
+    let lost = match e.failed_peer() {
+        Some(peer) => {
+            let island = m.island_of(peer);
+            m.lose(island, step, e.what_happened())?
+        }
+        None => false,
+    };
+    if !lost {
+        m.broken = Some(e.to_string());
+        return Err(e);
+    }
+    if m.lost.len() > before {
+        tracing::warn!(
+            "islands: island {} left the outer sync after step {step} ({}); the others go on",
+            m.lost.last().map_or(0, |l| l.island),
+            e.what_happened()
+        );
+    }
+    Ok(())
+}
+
+/// The islands taking part agree which lost islands come back: `ready`
+/// (one value per island: 1 where every rank of this island found all of
+/// that island's places asking) is summed over this rank's place in each
+/// island taking part — an island lost during the call is taken out and
+/// the call runs again without it, as an exchange does. Every rank of those
+/// islands calls it at the same point (after `step`'s exchanges). Returns
+/// the islands found ready, the same on each of them.
+pub fn agree_ready(
+    members: &Mutex<Membership>,
+    c: &Communicator,
+    ready: &[f32],
+    step: u64,
+) -> Result<Vec<usize>, ZeroError> {
+    let count = lock(members).alive.len();
+    if ready.len() != count {
+        return Err(ZeroError::Invalid(format!(
+            "ready: {} values for {count} islands",
+            ready.len()
+        )));
+    }
+    let sums = loop {
+        let across = lock(members).across.clone();
+        if across.size() == 1 {
+            break ready.to_vec();
+        }
+        match c.all_reduce_f32(&across, ready) {
+            Ok(sums) => break sums,
+            Err(e) => lose_the_failed_island(members, e.into(), step)?,
+        }
+    };
+    Ok((0..count).filter(|&j| sums[j] > 0.0).collect())
 }
 
 /// The membership, even if a thread panicked holding it (it is only ever
@@ -571,6 +614,38 @@ mod tests {
         on_world(2, 1, Duration::from_secs(10), move |r| {
             same_exchange(&r.comm, &r.groups.cross, names[r.layout.rank])
         })
+    }
+
+    #[test]
+    fn an_island_lost_while_the_others_agree_who_comes_back_is_taken_out_and_they_agree() {
+        // Four islands of one rank; island 3 was lost and asks to come
+        // back (island 0 found it ready). Island 2 died as the others
+        // agree: they take it out and agree without it — rank 1, waiting
+        // on rank 0 (live, which gave the call up on finding rank 2
+        // gone), gives it up too, rather than wait out its timeout and
+        // take island 0 for lost.
+        let got = on_world(4, 1, Duration::from_secs(10), |r| {
+            let rank = r.layout.rank;
+            if rank >= 2 {
+                // Gone without a goodbye: the others saw it die first.
+                std::thread::sleep(Duration::from_secs(1));
+                return None;
+            }
+            r.counter.contain_deaths(rank..rank + 1);
+            r.counter.declare_dead(2, "killed".into());
+            let world = Arc::new(Group::new(GroupKind::World, (0..4).collect()).unwrap());
+            let m = Mutex::new(Membership::new(4, 1, rank, 0, world));
+            lock(&m).lose(3, 10, "gone".into()).unwrap();
+            let ready = [0.0, 0.0, 0.0, if rank == 0 { 1.0 } else { 0.0 }];
+            let back = agree_ready(&m, &r.comm, &ready, 12);
+            let lost: Vec<usize> = lock(&m).lost.iter().map(|l| l.island).collect();
+            Some((back.map_err(|e| e.to_string()), lost))
+        });
+        for (rank, g) in got.into_iter().take(2).enumerate() {
+            let (back, lost) = g.unwrap();
+            assert_eq!(back, Ok(vec![3]), "rank {rank}");
+            assert_eq!(lost, [3, 2], "rank {rank}");
+        }
     }
 
     #[test]
