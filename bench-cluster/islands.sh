@@ -27,11 +27,13 @@
 #                  again, and the summary's lost/rejoined islands
 #   torch-kill     torch_gpt.py --islands N at the first H of --syncs under
 #                  `zeropp launch --islands N --restarts 1` (zeropp.torch's
-#                  init_islands and OuterSync): island 1's first rank
-#                  SIGKILLed a third of the way in; island 0's longest step,
-#                  the seconds from the kill to the restart and from the
-#                  restarted ranks' start to their rejoin, the islands lost
-#                  and rejoined
+#                  init_islands and OuterSync): the first rank of island
+#                  --kill-island (default 1; 0: global rank 0, whose
+#                  launcher holds the job's store) SIGKILLed a third of the
+#                  way in; the other islands' longest step, the seconds
+#                  from the kill to the restart and from the restarted
+#                  ranks' start to their rejoin, the islands lost and
+#                  rejoined
 # and appends to islands.csv the mean wall time per step (total / steps,
 # syncs included), the losses (final: last 10 steps; validation: held-out
 # text after the last outer sync), the engine's bytes across nodes (all, and
@@ -64,6 +66,7 @@ STREAM="4 2"
 EXTRA=()
 LAUNCH_FLAGS=()
 KILL_RANK=""
+KILL_ISLAND=1
 # What the kill looks for among the processes: a rank of this command.
 KILL_COMMAND=""
 
@@ -83,6 +86,7 @@ while [ $# -gt 0 ]; do
     --torchft-python) TFT_PYTHON="$2"; shift 2 ;;
     --outer) OUTER="$2"; shift 2 ;;
     --stream) STREAM="$2"; shift 2 ;;
+    --kill-island) KILL_ISLAND="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,40p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) die "unknown option $1 (see --help)" ;;
@@ -274,29 +278,32 @@ PY
       torch-kill)
         h="${SYNCS%% *}"
         build_cluster "$rate"
-        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK="$RPN" KILL_COMMAND="$EXAMPLE"
+        LAUNCH_FLAGS=(--islands "$NODES" --restarts 1) KILL_RANK=$((KILL_ISLAND * RPN)) KILL_COMMAND="$EXAMPLE"
         # shellcheck disable=SC2086
         run torch-launch "torch-kill-H$h" "$rate" "$NODES" --islands "$NODES" --sync-every "$h" $OUTER
         LAUNCH_FLAGS=() KILL_RANK=""
-        python3 - "$OUT" "torch-kill-H$h-$rate" >> "$OUT/kill.txt" <<'PY'
+        python3 - "$OUT" "torch-kill-H$h-$rate" "$KILL_ISLAND" "$NODES" >> "$OUT/kill.txt" <<'PY'
 import datetime, json, re, sys
-out, name = sys.argv[1:3]
+out, name, lost_island, nodes = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 killed = float(open(f"{out}/{name}-killed-at").read())
-log = open(f"{out}/{name}-node1.log").read()
-m = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z\S*\s+\S*\s*\S*.*restarting the ranks of island 1", log)
+log = "".join(open(f"{out}/{name}-node{k}.log").read() for k in range(nodes))
+m = re.search(r"(\d{4}-\d\d-\d\dT[\d:.]+)Z\S*\s+\S*\s*\S*.*restarting the ranks of island " + str(lost_island), log)
 restart = datetime.datetime.fromisoformat(m.group(1)).replace(tzinfo=datetime.timezone.utc).timestamp() if m else None
 back = [float(x) for x in re.findall(r"rejoined after step \d+, ([\d.]+) s after this rank started", log)]
+# Global rank 0's metrics (a restarted rank 0 appends after the step it rejoined after).
 steps = [json.loads(l) for l in open(f"{out}/{name}.jsonl") if '"step"' in l]
 s = json.load(open(f"{out}/{name}.json"))
 isl = s["islands"]
-weights = dict(re.findall(r"island (\d) weights (\S+)", log + open(f"{out}/{name}-node0.log").read()))
-print(f"{name}: island 0's longest step {max(x['step_time_s'] for x in steps):.2f} s "
-      f"(median {sorted(x['step_time_s'] for x in steps)[len(steps) // 2]:.3f} s); "
+weights = dict(re.findall(r"island (\d) weights (\S+)", log))
+longest = {int(i): float(t) for i, t in re.findall(r"island (\d) longest step (\S+) s", log)}
+others = max((t for i, t in longest.items() if i != lost_island), default=float("nan"))
+print(f"{name}: island {lost_island} killed; the others' longest step {others:.2f} s "
+      f"(rank 0's median {sorted(x['step_time_s'] for x in steps)[len(steps) // 2]:.3f} s); "
       f"restart {restart - killed:.1f} s after the kill, rejoined {max(back, default=float('nan')):.1f} s "
       f"after its ranks started; lost {[(l['island'], l['step']) for l in isl['lost']]}, rejoined "
       f"{[(r['island'], r['step']) for r in isl['rejoined']]}; islands' weights alike: "
-      f"{len(set(weights.values())) == 1 and len(weights) == 2}; {len(steps)} steps, final loss "
-      f"{s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
+      f"{len(set(weights.values())) == 1 and len(weights) == nodes}; rank 0 logged {len(steps)} "
+      f"steps, final loss {s['final_loss']:.4f}, validation {s['val_loss']:.4f}")
 PY
         tail -n 1 "$OUT/kill.txt" ;;
       *) die "unknown row $row: use sync, alone, apart, islands, streamed, torch-sync, torch-islands, torch-streamed, torchft, kill, torch-kill" ;;

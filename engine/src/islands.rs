@@ -729,7 +729,8 @@ fn decode_rejoin(
     }
     let alive = take(islands)?.iter().map(|&b| b != 0).collect();
     let told = word(take(8)?) as usize;
-    let history = islands::History::from_bytes(take(told.min(bytes.len()))?)?;
+    let history =
+        islands::History::from_bytes(take(told.min(bytes.len()))?).map_err(|e| e.to_string())?;
     let flags = take(layouts.len())?.to_vec();
     let mut shards = Vec::with_capacity(layouts.len());
     for (layout, &flag) in layouts.iter().zip(&flags) {

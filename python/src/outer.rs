@@ -466,8 +466,7 @@ impl Islands {
     /// state sent said): their ranks are readmitted, and its groups across
     /// the islands are made as the others made theirs.
     fn joined(&self, job: &Job, alive: Vec<bool>, step: u64, history: Vec<u8>) -> PyResult<()> {
-        let history =
-            islands::History::from_bytes(&history).map_err(|e| to_py(ZeroError::Invalid(e)))?;
+        let history = islands::History::from_bytes(&history).map_err(to_py)?;
         islands::lock(&self.members)
             .joined(&*job.counter(), alive, step, history)
             .map_err(to_py)

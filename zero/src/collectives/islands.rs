@@ -85,8 +85,9 @@ impl History {
     }
 
     /// [`History::to_bytes`] read back; what is wrong with it said.
-    pub fn from_bytes(b: &[u8]) -> Result<History, String> {
-        serde_json::from_slice(b).map_err(|e| format!("an unreadable history of the islands: {e}"))
+    pub fn from_bytes(b: &[u8]) -> Result<History, ZeroError> {
+        serde_json::from_slice(b)
+            .map_err(|e| ZeroError::Invalid(format!("an unreadable history of the islands: {e}")))
     }
 }
 
