@@ -18,11 +18,6 @@ use super::group::tag;
 use super::liveness::Liveness;
 use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport, scratch};
 
-/// How often a wait in a collective looks whether another member of its
-/// group is gone ([`Transport::gone`]): a message that arrives ends the
-/// wait at once, whatever this is.
-const GONE_CHECK: Duration = Duration::from_millis(200);
-
 /// Splits `len` items into `parts` contiguous ranges whose sizes differ by
 /// at most one (the first `len % parts` get one more).
 pub fn balanced_bounds(len: usize, parts: usize) -> Vec<std::ops::Range<usize>> {
@@ -193,41 +188,15 @@ impl Communicator {
         self.transport.send(peer, tag, data)
     }
 
-    /// The next message from `peer` under `tag`, in a collective over
-    /// `group`; a wait that times out names the rank the job is stuck on
-    /// ([`Liveness::culprit`]), and one on a live peer fails as soon as
-    /// another member of `group` is gone ([`Transport::gone`]): the call
-    /// cannot finish, and that peer may have given it up already.
-    fn recv(&self, peer: usize, tag: Tag, group: &Group) -> Result<Bytes, CommError> {
+    /// The next message from `peer` under `tag`; a wait that times out
+    /// names the rank the job is stuck on ([`Liveness::culprit`]).
+    fn recv(&self, peer: usize, tag: Tag) -> Result<Bytes, CommError> {
         let t = &*self.transport;
-        let deadline = std::time::Instant::now() + self.timeout;
         // Still waiting on `peer` while finding the culprit: an inquiry
         // from another rank meanwhile is told so.
         self.liveness.waiting_on(peer, || {
-            loop {
-                let left = deadline.saturating_duration_since(std::time::Instant::now());
-                match t.recv(peer, tag, left.min(GONE_CHECK)) {
-                    Err(CommError::Timeout { .. }) if !left.is_zero() => {
-                        let me = t.rank();
-                        let gone = group.ranks().iter().filter(|&&r| r != me && r != peer);
-                        if let Some((r, why)) = gone.filter_map(|&r| Some((r, t.gone(r)?))).next() {
-                            return Err(CommError::PeerFailed {
-                                peer: r,
-                                reason: why,
-                            });
-                        }
-                    }
-                    Err(CommError::Timeout { peer, tag, .. }) => {
-                        let e = CommError::Timeout {
-                            peer,
-                            tag,
-                            waited: self.timeout,
-                        };
-                        return Err(self.liveness.culprit(t, peer, e));
-                    }
-                    got => return got.map_err(|e| self.liveness.culprit(t, peer, e)),
-                }
-            }
+            t.recv(peer, tag, self.timeout)
+                .map_err(|e| self.liveness.culprit(t, peer, e))
         })
     }
 
@@ -278,7 +247,7 @@ impl Communicator {
                 .clone()
                 .expect("received in the previous step");
             sends.push((next, self.send(next, tag(group, call, step), block)?));
-            let got = self.recv(prev, tag(group, call, step), group)?;
+            let got = self.recv(prev, tag(group, call, step))?;
             blocks[recv_idx] = Some(if step + 2 < p {
                 self.transport.stage(next, got)
             } else {
@@ -416,7 +385,7 @@ impl Communicator {
             let chunk = (me + 2 * p - step - 2) % p;
             for (j, r) in pieces(chunk).enumerate() {
                 let mine = &data[r];
-                let incoming = self.recv(prev, step_tag(step, j), group)?;
+                let incoming = self.recv(prev, step_tag(step, j))?;
                 if incoming.len() != mine.len() {
                     return Err(CommError::Malformed(format!(
                         "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte \
@@ -562,7 +531,7 @@ impl Communicator {
         }
         for step in 1..p {
             let src = (me + p - step) % p;
-            received[src] = Some(self.recv(group.ranks()[src], tag(group, call, 0), group)?);
+            received[src] = Some(self.recv(group.ranks()[src], tag(group, call, 0))?);
         }
         self.wait_all(sends)?;
         Ok(received
@@ -592,7 +561,7 @@ impl Communicator {
             self.wait_all(sends)?;
             Ok(data)
         } else {
-            self.recv(group.ranks()[root], tag(group, call, 0), group)
+            self.recv(group.ranks()[root], tag(group, call, 0))
         }
     }
 
@@ -608,7 +577,7 @@ impl Communicator {
             let to = group.ranks()[(me + k) % p];
             let from = group.ranks()[(me + p - k) % p];
             sends.push((to, self.send(to, tag(group, call, step), Bytes::new())?));
-            self.recv(from, tag(group, call, step), group)?;
+            self.recv(from, tag(group, call, step))?;
             k *= 2;
             step += 1;
         }

@@ -85,10 +85,6 @@ impl Transport for InProcess {
         self.mailboxes[self.rank].peer_died(peer, reason)
     }
 
-    fn gone(&self, peer: usize) -> Option<String> {
-        self.mailboxes[self.rank].gone(peer)
-    }
-
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.mailboxes[self.rank].sources_with(tag)
     }

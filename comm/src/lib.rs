@@ -260,18 +260,6 @@ pub trait Transport: Send + Sync {
     fn readmit(&self, peer: usize) {
         let _ = peer;
     }
-    /// Why `peer` is out of the collectives it was in (it died, or was
-    /// restarted and not taken back yet; not a peer that said goodbye), if
-    /// it is. A collective over
-    /// a group with such a member cannot finish: its waits fail naming it
-    /// (under islands a death elsewhere fails only the waits on that rank,
-    /// and a member still waiting on a live peer that gave up the call
-    /// would otherwise wait out its timeout). Transports without a mailbox
-    /// say `None`.
-    fn gone(&self, peer: usize) -> Option<String> {
-        let _ = peer;
-        None
-    }
 }
 
 /// A shared transport is one: what a probe used at join, handed on to the
@@ -310,9 +298,7 @@ impl<T: Transport + ?Sized> Transport for Arc<T> {
     fn declare_dead(&self, peer: usize, reason: String) {
         (**self).declare_dead(peer, reason)
     }
-    fn gone(&self, peer: usize) -> Option<String> {
-        (**self).gone(peer)
-    }
+
     fn readmit(&self, peer: usize) {
         (**self).readmit(peer)
     }

@@ -29,8 +29,6 @@ struct State {
     /// their rejoin messages are theirs; a wait for anything else fails at
     /// once, as on the dead rank they replace.
     returned: std::collections::HashSet<usize>,
-    /// Peers that died (no goodbye), until revived.
-    died: std::collections::HashSet<usize>,
     closed: bool,
 }
 
@@ -106,7 +104,6 @@ impl Mailbox {
             return;
         }
         state.dead.entry(peer).or_insert_with(|| reason.clone());
-        state.died.insert(peer);
         if !state.contained(peer) {
             state.fatal.get_or_insert((peer, reason));
         }
@@ -134,7 +131,6 @@ impl Mailbox {
     pub fn revive(&self, peer: usize) {
         let mut state = self.lock();
         state.dead.remove(&peer);
-        state.died.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
         state.returned.insert(peer);
         self.arrived.notify_all();
@@ -151,20 +147,6 @@ impl Mailbox {
     /// Whether `peer` left or died.
     pub fn is_gone(&self, peer: usize) -> bool {
         self.lock().dead.contains_key(&peer)
-    }
-
-    /// Why `peer` is out of the collectives ([`crate::Transport::gone`]):
-    /// it died, or it was restarted and not readmitted yet. A peer that
-    /// left on purpose (its goodbye) is not: it finished its part of every
-    /// call, and the others may still be finishing theirs.
-    pub fn gone(&self, peer: usize) -> Option<String> {
-        let state = self.lock();
-        if state.died.contains(&peer) {
-            return state.dead.get(&peer).cloned();
-        }
-        state.returned.contains(&peer).then(|| {
-            "it was restarted and its island has not rejoined yet (it died earlier)".into()
-        })
     }
 
     /// The first peer that died abnormally, if any, and why.

@@ -644,10 +644,6 @@ impl Transport for TcpTransport {
         self.mailbox.readmit(peer)
     }
 
-    fn gone(&self, peer: usize) -> Option<String> {
-        self.mailbox.gone(peer)
-    }
-
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.mailbox.sources_with(tag)
     }

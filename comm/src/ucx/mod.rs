@@ -1334,10 +1334,6 @@ impl Transport for UcxTransport {
         self.mailbox.peer_died(peer, reason)
     }
 
-    fn gone(&self, peer: usize) -> Option<String> {
-        self.mailbox.gone(peer)
-    }
-
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.mailbox.sources_with(tag)
     }

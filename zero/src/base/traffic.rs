@@ -274,10 +274,6 @@ impl Transport for CountingTransport {
         self.inner.readmit(peer)
     }
 
-    fn gone(&self, peer: usize) -> Option<String> {
-        self.inner.gone(peer)
-    }
-
     fn waiting_from(&self, tag: Tag) -> Vec<usize> {
         self.inner.waiting_from(tag)
     }

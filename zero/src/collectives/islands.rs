@@ -619,34 +619,34 @@ mod tests {
 
     #[test]
     fn an_island_lost_while_the_others_agree_who_comes_back_is_taken_out_and_they_agree() {
-        // Four islands of one rank; island 3 was lost and asks to come
-        // back (island 0 found it ready). Island 2 died as the others
-        // agree: they take it out and agree without it — rank 1, waiting
-        // on rank 0 (live, which gave the call up on finding rank 2
-        // gone), gives it up too, rather than wait out its timeout and
-        // take island 0 for lost.
-        let got = on_world(4, 1, Duration::from_secs(10), |r| {
+        // Three islands of one rank; island 2 was lost and asks to come
+        // back (island 0 found it ready). Island 1 dies as the others
+        // agree: island 0 takes it out and agrees without it, rather than
+        // break the islands' sync.
+        let got = on_world(3, 1, Duration::from_secs(10), |r| {
             let rank = r.layout.rank;
-            if rank >= 2 {
-                // Gone without a goodbye: the others saw it die first.
+            if rank > 0 {
+                // Gone without a goodbye: island 0 saw it die first.
                 std::thread::sleep(Duration::from_secs(1));
                 return None;
             }
-            r.counter.contain_deaths(rank..rank + 1);
-            r.counter.declare_dead(2, "killed".into());
-            let world = Arc::new(Group::new(GroupKind::World, (0..4).collect()).unwrap());
-            let m = Mutex::new(Membership::new(4, 1, rank, 0, world));
-            lock(&m).lose(3, 10, "gone".into()).unwrap();
-            let ready = [0.0, 0.0, 0.0, if rank == 0 { 1.0 } else { 0.0 }];
-            let back = agree_ready(&m, &r.comm, &ready, 12);
+            r.counter.contain_deaths(0..1);
+            r.counter.declare_dead(1, "killed".into());
+            let world = Arc::new(Group::new(GroupKind::World, (0..3).collect()).unwrap());
+            let m = Mutex::new(Membership::new(3, 1, rank, 0, world));
+            lock(&m).lose(2, 10, "gone".into()).unwrap();
+            let back = agree_ready(&m, &r.comm, &[0.0, 0.0, 1.0], 12);
             let lost: Vec<usize> = lock(&m).lost.iter().map(|l| l.island).collect();
-            Some((back.map_err(|e| e.to_string()), lost))
+            Some((
+                back.map_err(|e| e.to_string()),
+                lost,
+                lock(&m).broken.clone(),
+            ))
         });
-        for (rank, g) in got.into_iter().take(2).enumerate() {
-            let (back, lost) = g.unwrap();
-            assert_eq!(back, Ok(vec![3]), "rank {rank}");
-            assert_eq!(lost, [3, 2], "rank {rank}");
-        }
+        let (back, lost, broken) = got[0].clone().unwrap();
+        assert_eq!(back, Ok(vec![2]));
+        assert_eq!(lost, [2, 1]);
+        assert_eq!(broken, None);
     }
 
     #[test]
