@@ -310,7 +310,15 @@ impl RankFacts {
                 what: "host:port of the job's store",
             });
         }
-        let torch_store = torch_store.or_else(|| store.as_ref().map(|_| "job".to_string()));
+        // The launcher's store is reachable by whoever reaches its port:
+        // this job's keys live under a name only the token's holders derive
+        // (the store lists no keys), as the token guards rank 0's own store.
+        let torch_store = torch_store.or_else(|| {
+            let token = get("ZEROPP_TOKEN").unwrap_or_default();
+            store
+                .as_ref()
+                .map(|_| format!("job/{:016x}", fnv1a(token.as_bytes())))
+        });
         let token = match get("ZEROPP_TOKEN") {
             Some(t) if !t.is_empty() => t,
             // Drawn by rank 0 and shared through torchrun's store.
@@ -358,6 +366,15 @@ impl RankFacts {
         let first = self.rank / size.max(1) * size;
         first..first + size
     }
+}
+
+/// FNV-1a, 64 bits: a name derived from a secret (not a MAC: it keeps
+/// keys unguessable to those without the secret, in a store that lists
+/// none).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// `host`, `host:port`, `[v6]:port` → host and optional port.

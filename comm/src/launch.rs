@@ -157,19 +157,22 @@ fn job_store(opts: &LaunchOptions, meeting: &Meeting) -> Result<Option<String>> 
             )
         })?,
     };
+    let v6 = meeting.master_addr.contains(':');
+    let host = if v6 {
+        format!("[{}]", meeting.master_addr)
+    } else {
+        meeting.master_addr.clone()
+    };
     if opts.node_rank.is_some_and(|k| k > 0) {
-        return Ok(Some(format!("{}:{port}", meeting.master_addr)));
+        return Ok(Some(format!("{host}:{port}")));
     }
     let bind: std::net::SocketAddr = match opts.node_rank {
         None => ([127, 0, 0, 1], 0).into(),
+        Some(_) if v6 => (std::net::Ipv6Addr::UNSPECIFIED, port).into(),
         Some(_) => ([0, 0, 0, 0], port).into(),
     };
     let server = StoreServer::bind(bind).map_err(|e| options(e.to_string()))?;
-    Ok(Some(format!(
-        "{}:{}",
-        meeting.master_addr,
-        server.addr().port()
-    )))
+    Ok(Some(format!("{host}:{}", server.addr().port())))
 }
 
 /// The nodes to start and where their ranks meet: all of them around a

@@ -634,7 +634,8 @@ pub fn job_token(
         return Ok(facts.token.clone());
     };
     let key = store_key(prefix, "token");
-    if facts.rank == 0 {
+    // A restarted rank 0 reads the running job's.
+    if facts.rank == 0 && facts.attempt == 0 {
         let mut raw = [0u8; 16];
         std::fs::File::open("/dev/urandom")
             .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut raw))

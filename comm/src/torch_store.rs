@@ -251,7 +251,11 @@ impl StoreServer {
         let keys = Arc::new(Mutex::new(Keys::default()));
         std::thread::spawn(move || {
             for (id, conn) in (0u64..).zip(listener.incoming()) {
-                let Ok(stream) = conn else { continue };
+                let Ok(stream) = conn else {
+                    // Out of descriptors, say: not a busy loop.
+                    std::thread::sleep(Duration::from_millis(50));
+                    continue;
+                };
                 let keys = keys.clone();
                 std::thread::spawn(move || {
                     let from = stream
@@ -314,6 +318,9 @@ fn read_keys(r: &mut impl Read) -> std::io::Result<Vec<Vec<u8>>> {
 /// another connection also writes when it completes this one's wait.
 fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
+    // A client that stops reading is dropped, not waited on (answers to
+    // its waits are written under the keys' lock).
+    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
     let answer = Arc::new(Mutex::new(stream.try_clone()?));
     let mut r = std::io::BufReader::new(stream);
     let reply = |b: &[u8]| lock(&answer).write_all(b);

@@ -48,6 +48,7 @@ arguments pass through.
 """
 
 import datetime
+import hashlib
 import io
 import json
 import os
@@ -328,12 +329,15 @@ def init_islands(backend="gloo", islands=None, **kwargs):
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if held:
         host, _, port = held.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # [v6]:port
         holder = "the launcher (zeropp launch) holds it"
+        if not (host and port.isdigit()):
+            raise ZeroppError(f"ZEROPP_STORE={held!r}: the job's store is host:port")
     else:
         host, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
         holder = "torchrun's agent holds it" if agent else "global rank 0 holds it"
-    if not (host and port.isdigit()):
-        raise ZeroppError(f"ZEROPP_STORE={held!r}: the job's store is host:port")
+        if not port.isdigit():
+            raise ZeroppError(f"MASTER_PORT={port!r}: a port number")
     try:
         store = dist.TCPStore(
             host,
@@ -352,6 +356,12 @@ def init_islands(backend="gloo", islands=None, **kwargs):
             f"rank {rank}: the job's store at {host}:{port} did not answer within "
             f"{timeout.total_seconds():.0f} s{late}; {holder} ({e})"
         ) from None
+    if held and os.environ.get("ZEROPP_TOKEN"):
+        # Whoever reaches the launcher's port reaches its store: the job's
+        # keys live under a name only the token's holders derive (the store
+        # lists no keys).
+        secret = hashlib.sha256(os.environ["ZEROPP_TOKEN"].encode()).hexdigest()[:16]
+        store = dist.PrefixStore(f"zeropp/{secret}", store)
     if os.environ.get("ZEROPP_ATTEMPT"):
         # zeropp launch counts the island's starts.
         attempt = int(os.environ["ZEROPP_ATTEMPT"])

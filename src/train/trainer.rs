@@ -746,7 +746,8 @@ impl Records {
                     .with_context(|| format!("cannot create {}", p.display()))?;
                 if append {
                     // The killed rank's half-written last line goes.
-                    let text = std::fs::read(p)?;
+                    let text =
+                        std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?;
                     let whole = text.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
                     f.set_len(whole as u64)?;
                 }
