@@ -312,6 +312,53 @@ fn the_launcher_prefixes_output_and_names_a_failing_rank() {
 }
 
 #[test]
+fn a_multi_host_islands_launch_keeps_the_job_s_store_up_while_another_node_runs() {
+    // Two hosts' launchers (one machine), an island each: node 0's ranks
+    // finish at once, node 1's rank reaches the job's store (which node
+    // 0's launcher holds) 3 s later: node 0's launcher waits for node 1's
+    // before it stops the store.
+    let port = zeropp::launch::free_port().unwrap();
+    let node = |k: usize, script: &str| {
+        Command::new(ZEROPP)
+            .args([
+                "launch",
+                "--nodes",
+                "2",
+                "--ranks-per-node",
+                "1",
+                "--islands",
+                "2",
+            ])
+            .args(["--node-rank", &k.to_string()])
+            .args([
+                "--master-addr",
+                &format!("127.0.0.1:{port}"),
+                "--timeout",
+                "20",
+            ])
+            .args(["--", "bash", "-c", script])
+            .env("ZEROPP_TOKEN", "a-test-token")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = node(0, "echo node 0 done");
+    let second = node(
+        1,
+        "sleep 3; exec 3<>/dev/tcp/${ZEROPP_STORE%:*}/${ZEROPP_STORE##*:} && echo store reached",
+    );
+    let (ok1, out1, err1) = finish(second, Duration::from_secs(30), "node 1's launcher");
+    assert!(ok1 && out1.contains("store reached"), "{out1}{err1}");
+    let (ok0, out0, err0) = finish(first, Duration::from_secs(10), "node 0's launcher");
+    assert!(ok0 && out0.contains("node 0 done"), "{out0}{err0}");
+    assert!(
+        err0.contains("keeping the job's store up while node(s) [1] run"),
+        "{err0}"
+    );
+}
+
+#[test]
 fn with_islands_the_launcher_stops_only_the_failed_island() {
     // 2 islands of 2 nodes x 1 rank: rank 3 (island 1) fails; island 1's
     // other rank is stopped after the grace, island 0's ranks finish.

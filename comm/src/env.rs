@@ -371,7 +371,7 @@ impl RankFacts {
 /// FNV-1a, 64 bits: a name derived from a secret (not a MAC: it keeps
 /// keys unguessable to those without the secret, in a store that lists
 /// none).
-fn fnv1a(bytes: &[u8]) -> u64 {
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
         (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
     })

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rand::RngExt;
 
 use crate::env::{DEFAULT_PORT, split_host_port};
-use crate::torch_store::StoreServer;
+use crate::torch_store::{HELD, StoreServer, TorchStore};
 
 /// Why a launch did not run its ranks to success.
 #[derive(Debug, thiserror::Error)]
@@ -144,10 +144,14 @@ struct Meeting {
 /// wire) lives in the launcher of node 0, so that it outlives every rank
 /// and a lost island 0 can rejoin: on all nodes' launcher at a free local
 /// port, on a multi-host job's node 0 at `--master-addr`'s port + 1 (the
-/// other nodes' launchers name it there). Exported as ZEROPP_STORE.
-fn job_store(opts: &LaunchOptions, meeting: &Meeting) -> Result<Option<String>> {
+/// other nodes' launchers name it there). Exported as ZEROPP_STORE; node
+/// 0's launcher also gets the server, to keep it up while other nodes run.
+fn job_store(
+    opts: &LaunchOptions,
+    meeting: &Meeting,
+) -> Result<(Option<String>, Option<StoreServer>)> {
     if opts.islands <= 1 {
-        return Ok(None);
+        return Ok((None, None));
     }
     let port = match opts.node_rank {
         None => 0,
@@ -164,7 +168,7 @@ fn job_store(opts: &LaunchOptions, meeting: &Meeting) -> Result<Option<String>> 
         meeting.master_addr.clone()
     };
     if opts.node_rank.is_some_and(|k| k > 0) {
-        return Ok(Some(format!("{host}:{port}")));
+        return Ok((Some(format!("{host}:{port}")), None));
     }
     let bind: std::net::SocketAddr = match opts.node_rank {
         None => ([127, 0, 0, 1], 0).into(),
@@ -172,7 +176,83 @@ fn job_store(opts: &LaunchOptions, meeting: &Meeting) -> Result<Option<String>> 
         Some(_) => ([0, 0, 0, 0], port).into(),
     };
     let server = StoreServer::bind(bind).map_err(|e| options(e.to_string()))?;
-    Ok(Some(format!("{host}:{}", server.addr().port())))
+    Ok((
+        Some(format!("{host}:{}", server.addr().port())),
+        Some(server),
+    ))
+}
+
+/// This launch's keys in the job's store (under a name derived from the
+/// token): node `k`'s launcher joined, and holds ([`HELD`]) a key while it
+/// runs.
+fn launcher_key(token: &str, k: usize, what: &str) -> String {
+    format!(
+        "/zeropp-launch/{:016x}/node{k}/{what}",
+        crate::env::fnv1a(token.as_bytes())
+    )
+}
+
+/// A multi-host islands launch, node `k` > 0: tells node 0's launcher it
+/// runs, by holding a key in the job's store for as long as this process
+/// lives (a thread keeps the connection).
+fn hold_store(store: &str, k: usize, token: &str, timeout: Duration) {
+    let (store, token) = (store.to_string(), token.to_string());
+    std::thread::spawn(move || {
+        let held = split_host_port(&store)
+            .map_err(|e| e.to_string())
+            .and_then(|(host, port)| {
+                let addr = crate::rendezvous::resolve(&host, port.unwrap_or(DEFAULT_PORT))
+                    .map_err(|e| e.to_string())?;
+                let mut s = TorchStore::connect(addr, timeout).map_err(|e| e.to_string())?;
+                s.set(&launcher_key(&token, k, "joined"), b"1")
+                    .and_then(|()| s.set(&launcher_key(&token, k, &HELD[1..]), b"1"))
+                    .map_err(|e| e.to_string())?;
+                Ok(s)
+            });
+        match held {
+            // Parked for good: the connection ends with this process.
+            Ok(_kept) => loop {
+                std::thread::park();
+            },
+            Err(e) => tracing::warn!(
+                "node {k} cannot tell node 0's launcher it runs ({e}): if node 0's ranks finish \
+                 first, its launcher may stop the job's store while this node's ranks run"
+            ),
+        }
+    });
+}
+
+/// A multi-host islands launch, node 0, its own ranks done: keeps the job's
+/// store up while another node's launcher runs (islands there may still
+/// train and rejoin): waits up to `timeout` for each to have joined, then
+/// for as long as any holds its key.
+fn keep_store_up(server: &StoreServer, nodes: usize, token: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    let others = 1..nodes;
+    while others
+        .clone()
+        .any(|k| !server.has(&launcher_key(token, k, "joined")))
+        && Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let mut said = false;
+    loop {
+        let running: Vec<usize> = others
+            .clone()
+            .filter(|&k| server.has(&launcher_key(token, k, &HELD[1..])))
+            .collect();
+        if running.is_empty() {
+            return;
+        }
+        if !said {
+            tracing::info!(
+                "node 0's ranks are done; keeping the job's store up while node(s) {running:?} run"
+            );
+            said = true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// The nodes to start and where their ranks meet: all of them around a
@@ -440,7 +520,12 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         )));
     }
     let mut meeting = meeting(opts)?;
-    meeting.store = job_store(opts, &meeting)?;
+    let (store, server) = job_store(opts, &meeting)?;
+    meeting.store = store;
+    let timeout = Duration::from_secs_f64(opts.timeout_s.unwrap_or(60.0));
+    if let (Some(k), Some(store)) = (opts.node_rank.filter(|&k| k > 0), &meeting.store) {
+        hold_store(store, k, &meeting.token, timeout);
+    }
     // The cores are shared among the ranks this launch starts here: each
     // rank's compute threads (candle's, via RAYON_NUM_THREADS) get their
     // share unless the user set a count.
@@ -481,6 +566,9 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         per_island,
         (opts.restarts, &mut respawn),
     )?;
+    if let (Some(0), Some(server)) = (opts.node_rank, &server) {
+        keep_store_up(server, opts.nodes, &meeting.token, timeout);
+    }
     for f in forwarders {
         let _ = f.join();
     }

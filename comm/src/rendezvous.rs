@@ -606,7 +606,7 @@ fn through_torch_store(
             let b = store.get(k, facts.timeout)?;
             let p: PeerInfo = serde_json::from_slice(&b).map_err(|e| {
                 failure(format!(
-                    "rank {r}'s facts in torchrun's store are unreadable: {e}"
+                    "rank {r}'s facts in the job's store are unreadable: {e}"
                 ))
             })?;
             if p.rank != r || p.world_size != facts.world_size {

@@ -58,7 +58,7 @@ pub struct TorchStore {
 
 fn io(addr: SocketAddr) -> impl Fn(std::io::Error) -> CommError {
     move |e| CommError::Io {
-        what: format!("torch's TCPStore at {addr} (torchrun's agent)"),
+        what: format!("the store at {addr} (torchrun's agent's, or zeropp launch's)"),
         source: e,
     }
 }
@@ -82,7 +82,8 @@ impl TorchStore {
                 }
                 Err(e) => {
                     return Err(CommError::Join(format!(
-                        "cannot reach torchrun's store at {addr} within {timeout:?}: {e}; \
+                        "cannot reach the job's store at {addr} within {timeout:?}: {e}; torchrun's \
+                         agent or node 0's `zeropp launch --islands` holds it (ZEROPP_STORE); \
                          check MASTER_ADDR/MASTER_PORT"
                     )));
                 }
@@ -101,7 +102,7 @@ impl TorchStore {
         if echoed != nonce {
             return Err(CommError::Malformed(format!(
                 "{addr} answered the store's ping with {echoed:#x}, not {nonce:#x}: is it \
-                 torchrun's TCPStore?"
+                 a TCPStore (torchrun's agent's, or zeropp launch's)?"
             )));
         }
         Ok(s)
@@ -168,7 +169,7 @@ impl TorchStore {
             )));
         }
         Err(CommError::Join(format!(
-            "timed out after {timeout:?} waiting in torchrun's store for {} key(s) such as {:?}: \
+            "timed out after {timeout:?} waiting in the job's store for {} key(s) such as {:?}: \
              a rank did not arrive (raise ZEROPP_TIMEOUT_S if it is just slow)",
             keys.len(),
             keys.first().map(String::as_str).unwrap_or("")
@@ -236,7 +237,12 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 /// is_master=False)` and [`TorchStore`] reach alike.
 pub struct StoreServer {
     addr: SocketAddr,
+    keys: Arc<Mutex<Keys>>,
 }
+
+/// A key whose name ends so lives only as long as the connection that set
+/// it: a launcher of another node says it still runs by holding one.
+pub const HELD: &str = "/held";
 
 impl StoreServer {
     /// Listens on `addr` (port 0: any free one) and serves every
@@ -249,7 +255,9 @@ impl StoreServer {
         })?;
         let addr = listener.local_addr().map_err(io(addr))?;
         let keys = Arc::new(Mutex::new(Keys::default()));
+        let served = keys.clone();
         std::thread::spawn(move || {
+            let keys = served;
             for (id, conn) in (0u64..).zip(listener.incoming()) {
                 let Ok(stream) = conn else {
                     // Out of descriptors, say: not a busy loop.
@@ -261,19 +269,29 @@ impl StoreServer {
                     let from = stream
                         .peer_addr()
                         .map_or_else(|_| "?".into(), |a| a.to_string());
-                    if let Err(e) = serve_connection(stream, &keys, id) {
+                    let mut held = Vec::new();
+                    if let Err(e) = serve_connection(stream, &keys, id, &mut held) {
                         tracing::warn!("the job's store dropped the client at {from}: {e}");
                     }
-                    lock(&keys).waits.retain(|w| w.connection != id);
+                    let mut keys = lock(&keys);
+                    keys.waits.retain(|w| w.connection != id);
+                    for k in held {
+                        keys.values.remove(&k);
+                    }
                 });
             }
         });
-        Ok(StoreServer { addr })
+        Ok(StoreServer { addr, keys })
     }
 
     /// Where it listens.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Whether `key` is set (read in this process, not over the wire).
+    pub fn has(&self, key: &str) -> bool {
+        lock(&self.keys).values.contains_key(key.as_bytes())
     }
 }
 
@@ -316,7 +334,12 @@ fn read_keys(r: &mut impl Read) -> std::io::Result<Vec<Vec<u8>>> {
 /// One client: validated by the magic number, then its commands until it
 /// closes the connection. Answers go through `answer`, which a `SET` from
 /// another connection also writes when it completes this one's wait.
-fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::Result<()> {
+fn serve_connection(
+    stream: TcpStream,
+    keys: &Mutex<Keys>,
+    id: u64,
+    held: &mut Vec<Vec<u8>>,
+) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     // A client that stops reading is dropped, not waited on (answers to
     // its waits are written under the keys' lock).
@@ -345,6 +368,9 @@ fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::
             }
             SET => {
                 let (k, v) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
+                if k.ends_with(HELD.as_bytes()) {
+                    held.push(k.clone());
+                }
                 lock(keys).set(k, v);
             }
             COMPARE_SET => {
