@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use rand::RngExt;
 
 use crate::env::{DEFAULT_PORT, split_host_port};
-use crate::torch_store::{HELD, StoreServer, TorchStore};
+use crate::torch_store::{HELD, HELD_SILENCE, StoreServer, TorchStore};
 
 /// Why a launch did not run its ranks to success.
 #[derive(Debug, thiserror::Error)]
@@ -194,30 +194,45 @@ fn launcher_key(token: &str, k: usize, what: &str) -> String {
 
 /// A multi-host islands launch, node `k` > 0: tells node 0's launcher it
 /// runs, by holding a key in the job's store for as long as this process
-/// lives (a thread keeps the connection).
+/// lives: a thread connects (again after a drop, however long node 0's
+/// launcher takes to start) and pings well within
+/// [`torch_store::HELD_SILENCE`](crate::torch_store::HELD_SILENCE).
 fn hold_store(store: &str, k: usize, token: &str, timeout: Duration) {
     let (store, token) = (store.to_string(), token.to_string());
     std::thread::spawn(move || {
-        let held = split_host_port(&store)
-            .map_err(|e| e.to_string())
-            .and_then(|(host, port)| {
-                let addr = crate::rendezvous::resolve(&host, port.unwrap_or(DEFAULT_PORT))
-                    .map_err(|e| e.to_string())?;
-                let mut s = TorchStore::connect(addr, timeout).map_err(|e| e.to_string())?;
-                s.set(&launcher_key(&token, k, "joined"), b"1")
-                    .and_then(|()| s.set(&launcher_key(&token, k, &HELD[1..]), b"1"))
-                    .map_err(|e| e.to_string())?;
-                Ok(s)
-            });
-        match held {
-            // Parked for good: the connection ends with this process.
-            Ok(_kept) => loop {
-                std::thread::park();
-            },
-            Err(e) => tracing::warn!(
-                "node {k} cannot tell node 0's launcher it runs ({e}): if node 0's ranks finish \
-                 first, its launcher may stop the job's store while this node's ranks run"
-            ),
+        let mut warned = false;
+        loop {
+            let held =
+                split_host_port(&store)
+                    .map_err(|e| e.to_string())
+                    .and_then(|(host, port)| {
+                        let addr = crate::rendezvous::resolve(&host, port.unwrap_or(DEFAULT_PORT))
+                            .map_err(|e| e.to_string())?;
+                        let mut s =
+                            TorchStore::connect(addr, timeout).map_err(|e| e.to_string())?;
+                        s.set(&launcher_key(&token, k, "joined"), b"1")
+                            .and_then(|()| s.set(&launcher_key(&token, k, &HELD[1..]), b"1"))
+                            .map_err(|e| e.to_string())?;
+                        Ok(s)
+                    });
+            match held {
+                Ok(mut s) => {
+                    warned = false;
+                    while s.ping().is_ok() {
+                        std::thread::sleep(HELD_SILENCE / 6);
+                    }
+                }
+                Err(e) if !warned => {
+                    warned = true;
+                    tracing::warn!(
+                        "node {k} cannot tell node 0's launcher it runs ({e}); trying on: until \
+                         it can, node 0's launcher may stop the job's store once its own ranks \
+                         finish"
+                    );
+                }
+                Err(_) => {}
+            }
+            std::thread::sleep(Duration::from_secs(1));
         }
     });
 }
@@ -522,7 +537,13 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let mut meeting = meeting(opts)?;
     let (store, server) = job_store(opts, &meeting)?;
     meeting.store = store;
-    let timeout = Duration::from_secs_f64(opts.timeout_s.unwrap_or(60.0));
+    // The ranks' timeout: --timeout, else ZEROPP_TIMEOUT_S, else 60 s.
+    let timeout = Duration::from_secs_f64(
+        opts.timeout_s
+            .or_else(|| std::env::var("ZEROPP_TIMEOUT_S").ok()?.parse().ok())
+            .filter(|t: &f64| t.is_finite() && *t > 0.0)
+            .unwrap_or(60.0),
+    );
     if let (Some(k), Some(store)) = (opts.node_rank.filter(|&k| k > 0), &meeting.store) {
         hold_store(store, k, &meeting.token, timeout);
     }

@@ -118,6 +118,20 @@ impl TorchStore {
         Ok(b)
     }
 
+    /// Says the connection is alive (the server echoes a nonce).
+    pub fn ping(&mut self) -> Result<(), CommError> {
+        let mut b = vec![PING];
+        b.extend_from_slice(&7u32.to_le_bytes());
+        self.send(&b)?;
+        match u32::from_le_bytes(self.read_array()?) {
+            7 => Ok(()),
+            other => Err(CommError::Malformed(format!(
+                "{} answered a ping with {other:#x}",
+                self.addr
+            ))),
+        }
+    }
+
     /// Sets `key` to `value`.
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<(), CommError> {
         let mut b = vec![SET];
@@ -199,6 +213,9 @@ impl TorchStore {
 struct Keys {
     values: std::collections::HashMap<Vec<u8>, Vec<u8>>,
     waits: Vec<Waiting>,
+    /// The connection that last set each [`HELD`] key: its end removes
+    /// the key unless another set it since.
+    held_by: std::collections::HashMap<Vec<u8>, u64>,
 }
 
 /// A connection's `WAIT` for keys not all set yet.
@@ -221,8 +238,11 @@ impl Keys {
             .partition(|w| w.keys.iter().all(|k| self.values.contains_key(k)));
         self.waits = waiting;
         for w in ready {
-            // A client gone since it asked: its reader ends the connection.
-            let _ = lock(&w.answer).write_all(&[STOP_WAITING]);
+            let mut answer = lock(&w.answer);
+            if answer.write_all(&[STOP_WAITING]).is_err() {
+                // Gone, or not reading: its reader ends the connection.
+                let _ = answer.shutdown(std::net::Shutdown::Both);
+            }
         }
     }
 }
@@ -241,8 +261,12 @@ pub struct StoreServer {
 }
 
 /// A key whose name ends so lives only as long as the connection that set
-/// it: a launcher of another node says it still runs by holding one.
+/// it: a launcher of another node says it still runs by holding one. Such
+/// a connection must say something (a `PING`) at least every
+/// [`HELD_SILENCE`], or it is taken for gone (a host that died sends no
+/// end).
 pub const HELD: &str = "/held";
+pub const HELD_SILENCE: Duration = Duration::from_secs(30);
 
 impl StoreServer {
     /// Listens on `addr` (port 0: any free one) and serves every
@@ -269,13 +293,19 @@ impl StoreServer {
                     let from = stream
                         .peer_addr()
                         .map_or_else(|_| "?".into(), |a| a.to_string());
-                    let mut held = Vec::new();
-                    if let Err(e) = serve_connection(stream, &keys, id, &mut held) {
+                    if let Err(e) = serve_connection(stream, &keys, id) {
                         tracing::warn!("the job's store dropped the client at {from}: {e}");
                     }
                     let mut keys = lock(&keys);
                     keys.waits.retain(|w| w.connection != id);
-                    for k in held {
+                    let mine: Vec<Vec<u8>> = keys
+                        .held_by
+                        .iter()
+                        .filter(|&(_, &c)| c == id)
+                        .map(|(k, _)| k.clone())
+                        .collect();
+                    for k in mine {
+                        keys.held_by.remove(&k);
                         keys.values.remove(&k);
                     }
                 });
@@ -334,17 +364,13 @@ fn read_keys(r: &mut impl Read) -> std::io::Result<Vec<Vec<u8>>> {
 /// One client: validated by the magic number, then its commands until it
 /// closes the connection. Answers go through `answer`, which a `SET` from
 /// another connection also writes when it completes this one's wait.
-fn serve_connection(
-    stream: TcpStream,
-    keys: &Mutex<Keys>,
-    id: u64,
-    held: &mut Vec<Vec<u8>>,
-) -> std::io::Result<()> {
+fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
     // A client that stops reading is dropped, not waited on (answers to
     // its waits are written under the keys' lock).
     stream.set_write_timeout(Some(Duration::from_secs(10)))?;
     let answer = Arc::new(Mutex::new(stream.try_clone()?));
+    let reader = stream.try_clone()?;
     let mut r = std::io::BufReader::new(stream);
     let reply = |b: &[u8]| lock(&answer).write_all(b);
     let mut magic = [0u8; 4];
@@ -368,10 +394,13 @@ fn serve_connection(
             }
             SET => {
                 let (k, v) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
+                let mut keys = lock(keys);
                 if k.ends_with(HELD.as_bytes()) {
-                    held.push(k.clone());
+                    keys.held_by.insert(k.clone(), id);
+                    // From now on this connection must keep talking.
+                    reader.set_read_timeout(Some(HELD_SILENCE))?;
                 }
-                lock(keys).set(k, v);
+                keys.set(k, v);
             }
             COMPARE_SET => {
                 let (k, expected) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
@@ -530,6 +559,39 @@ mod tests {
         b.set("k", b"v2").unwrap();
         assert_eq!(a.get("k", t).unwrap(), b"v2");
         assert_eq!(a.get("j", t).unwrap(), b"");
+    }
+
+    #[test]
+    fn a_held_key_lives_as_long_as_the_connection_that_set_it_last() {
+        let server = StoreServer::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let t = Duration::from_secs(10);
+        let gone = |key: &str| {
+            let until = Instant::now() + t;
+            while server.has(key) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            !server.has(key)
+        };
+        let mut first = TorchStore::connect(server.addr(), t).unwrap();
+        first.set("node1/held", b"1").unwrap();
+        first.set("node1/joined", b"1").unwrap();
+        first.ping().unwrap();
+        assert!(server.has("node1/held"));
+        drop(first);
+        assert!(gone("node1/held"), "its connection ended: the key goes");
+        assert!(server.has("node1/joined"), "an ordinary key stays");
+        // A launcher that connects again before its old connection ends:
+        // the old one's end leaves the new one's key.
+        let mut old = TorchStore::connect(server.addr(), t).unwrap();
+        old.set("node2/held", b"1").unwrap();
+        let mut new = TorchStore::connect(server.addr(), t).unwrap();
+        new.set("node2/held", b"1").unwrap();
+        new.ping().unwrap();
+        drop(old);
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(server.has("node2/held"));
+        drop(new);
+        assert!(gone("node2/held"));
     }
 
     #[test]
