@@ -202,19 +202,12 @@ fn hold_store(store: &str, k: usize, token: &str, timeout: Duration) {
     std::thread::spawn(move || {
         let mut warned = false;
         loop {
-            let held =
-                split_host_port(&store)
-                    .map_err(|e| e.to_string())
-                    .and_then(|(host, port)| {
-                        let addr = crate::rendezvous::resolve(&host, port.unwrap_or(DEFAULT_PORT))
-                            .map_err(|e| e.to_string())?;
-                        let mut s =
-                            TorchStore::connect(addr, timeout).map_err(|e| e.to_string())?;
-                        s.set(&launcher_key(&token, k, "joined"), b"1")
-                            .and_then(|()| s.set(&launcher_key(&token, k, &HELD[1..]), b"1"))
-                            .map_err(|e| e.to_string())?;
-                        Ok(s)
-                    });
+            let held = crate::rendezvous::store_addr(&store).and_then(|addr| {
+                let mut s = TorchStore::connect(addr, timeout)?;
+                s.set(&launcher_key(&token, k, "joined"), b"1")?;
+                s.set(&launcher_key(&token, k, &HELD[1..]), b"1")?;
+                Ok(s)
+            });
             match held {
                 Ok(mut s) => {
                     warned = false;

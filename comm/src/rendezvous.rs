@@ -481,15 +481,26 @@ pub struct TorchrunStore {
     prefix: String,
 }
 
+/// Where the job's store of `zeropp launch --islands` is (ZEROPP_STORE's
+/// `host:port`).
+pub fn store_addr(store: &str) -> Result<SocketAddr, CommError> {
+    match super::env::split_host_port(store) {
+        Ok((host, Some(port))) => resolve(&host, port),
+        _ => Err(failure(format!(
+            "ZEROPP_STORE={store:?}: the job's store is host:port"
+        ))),
+    }
+}
+
 /// torchrun's store when this rank was started by torchrun, the job's
 /// store of `zeropp launch --islands` (ZEROPP_STORE), else `None`.
 pub fn torch_store(facts: &RankFacts) -> Result<Option<TorchrunStore>, CommError> {
     let Some(prefix) = &facts.torch_store else {
         return Ok(None);
     };
-    let master = match facts.store.as_deref().map(super::env::split_host_port) {
-        Some(Ok((host, Some(port)))) => resolve(&host, port)?,
-        _ => resolve(&facts.master_addr, facts.master_port)?,
+    let master = match &facts.store {
+        Some(s) => store_addr(s)?,
+        None => resolve(&facts.master_addr, facts.master_port)?,
     };
     Ok(Some(TorchrunStore {
         store: TorchStore::connect(master, facts.timeout)?,
