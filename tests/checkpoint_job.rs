@@ -596,7 +596,7 @@ fn a_killed_island_leaves_the_outer_sync_and_the_others_finish_and_resume_it() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let text = kill_rank_when(job, 2, || ck.join("latest").exists());
+    let text = kill_rank_when(job, (2, 4), || ck.join("latest").exists());
     assert!(
         text.contains("island 1 was lost (rank 2 failed with signal 9)"),
         "{text}"
@@ -680,7 +680,7 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let text = kill_rank_when(job, 0, || steps_logged(&metrics) >= 50);
+    let text = kill_rank_when(job, (0, 4), || steps_logged(&metrics) >= 50);
     assert!(text.contains("restarting the ranks of island 0"), "{text}");
     for r in [0, 1] {
         assert!(
@@ -724,10 +724,52 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
     std::fs::remove_dir_all(d).ok();
 }
 
-/// Once `ready`, SIGKILLs rank `rank` of `job` (2 islands of one node x
-/// 2 ranks) and waits for the job, which must succeed (the other island
-/// goes on); its output.
-fn kill_rank_when(job: std::process::Child, rank: usize, ready: impl Fn() -> bool) -> String {
+#[test]
+fn of_three_islands_a_killed_one_is_lost_and_the_two_others_keep_each_other() {
+    // 3 islands of one rank, syncing every 2 steps, so the kill likely
+    // lands in an exchange: the island whose ring predecessor gives the
+    // exchange up (its own predecessor, island 2, dead) hears why and takes
+    // island 2 out too, rather than wait --timeout and take island 0 out.
+    let d = tmp("island3-kill");
+    let (metrics, summary) = (d.join("m.jsonl"), d.join("s.json"));
+    let job = zeropp()
+        .arg("train")
+        .args(MODEL)
+        .args(["--nodes", "3", "--ranks-per-node", "1"])
+        .args(["--islands", "3", "--sync-every", "2", "--transport", "tcp"])
+        .args(["--restarts", "0", "--steps", "600", "--timeout", "20"])
+        .args(["--metrics", s(&metrics), "--summary-json", s(&summary)])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let text = kill_rank_when(job, (2, 3), || steps_logged(&metrics) >= 30);
+    let sm = json(&summary);
+    assert_eq!(sm["steps"], 600, "{sm}");
+    let lost: Vec<u64> = sm["islands"]["lost"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["island"].as_u64().unwrap())
+        .collect();
+    assert_eq!(lost, [2], "{sm}\n{text}");
+    // Islands 0 and 1 still averaged their syncs: bytes crossed after the
+    // loss.
+    let steps = steps_of(&metrics);
+    let last = &steps[steps.len() - 4..];
+    let crossed = |st: &serde_json::Value| st["bytes_inter_node"].as_f64().unwrap() > 0.0;
+    assert!(last.iter().any(crossed), "{last:?}");
+    std::fs::remove_dir_all(d).ok();
+}
+
+/// Once `ready`, SIGKILLs rank `rank` of `job` (its `ranks` in all,
+/// started by the launcher in order) and waits for the job, which must
+/// succeed (the other islands go on); its output.
+fn kill_rank_when(
+    job: std::process::Child,
+    (rank, ranks): (usize, usize),
+    ready: impl Fn() -> bool,
+) -> String {
     let t = Instant::now();
     while !ready() {
         assert!(
@@ -736,8 +778,9 @@ fn kill_rank_when(job: std::process::Child, rank: usize, ready: impl Fn() -> boo
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    let count = ranks;
     let ranks = children(job.id());
-    assert_eq!(ranks.len(), 4, "{ranks:?}");
+    assert_eq!(ranks.len(), count, "{ranks:?}");
     // The launcher starts ranks in order.
     unsafe {
         libc::kill(ranks[rank] as i32, libc::SIGKILL);

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use super::group::tag;
-use super::liveness::Liveness;
+use super::group::{call_of, gave_up_tag, tag};
+use super::liveness::{self, Liveness};
 use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport, scratch};
 
 /// Splits `len` items into `parts` contiguous ranges whose sizes differ by
@@ -200,6 +200,28 @@ impl Communicator {
         })
     }
 
+    /// Runs `group`'s next call: `f` with its sequence number. If it
+    /// fails, the other members hear that this rank gave it up and why
+    /// ([`liveness::gave_up`]): a member waiting on this rank in it fails
+    /// at once, blaming the rank this one blamed. Without it a member whose
+    /// ring predecessor gave up a call because a third rank died would wait
+    /// its timeout and then blame the predecessor, alive (islands: it would
+    /// take a live island out).
+    fn call<T>(
+        &self,
+        group: &Group,
+        f: impl FnOnce(u32) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let call = group.next_call();
+        f(call).inspect_err(|e| {
+            let notice = liveness::gave_up(self.rank(), call_of(tag(group, call, 0)), e);
+            for &r in group.ranks().iter().filter(|&&r| r != self.rank()) {
+                // A rank gone takes no notice.
+                let _ = self.transport.send(r, gave_up_tag(), notice.clone());
+            }
+        })
+    }
+
     fn wait_all(&self, sends: Vec<(usize, SendHandle)>) -> Result<(), CommError> {
         for (peer, h) in sends {
             let t = &*self.transport;
@@ -230,35 +252,36 @@ impl Communicator {
     /// returns every member's block, in group order.
     pub fn all_gather_v(&self, group: &Group, mine: Bytes) -> Result<Vec<Bytes>, CommError> {
         let me = self.index_in(group)?;
-        let call = group.next_call();
-        let p = group.size();
-        let next = group.ranks()[(me + 1) % p];
-        let prev = group.ranks()[(me + p - 1) % p];
-        let mut blocks: Vec<Option<Bytes>> = vec![None; p];
-        // Every block but the last received is both kept and sent on:
-        // staged, a send to a node-local successor shares it instead of
-        // copying it (`Transport::stage`).
-        blocks[me] = Some(self.transport.stage(next, mine));
-        let mut sends = Vec::with_capacity(p);
-        for step in 0..p.saturating_sub(1) {
-            let send_idx = (me + p - step) % p;
-            let recv_idx = (me + p - step - 1) % p;
-            let block = blocks[send_idx]
-                .clone()
-                .expect("received in the previous step");
-            sends.push((next, self.send(next, tag(group, call, step), block)?));
-            let got = self.recv(prev, tag(group, call, step))?;
-            blocks[recv_idx] = Some(if step + 2 < p {
-                self.transport.stage(next, got)
-            } else {
-                got
-            });
-        }
-        self.wait_all(sends)?;
-        Ok(blocks
-            .into_iter()
-            .map(|b| b.expect("all blocks arrived"))
-            .collect())
+        self.call(group, |call| {
+            let p = group.size();
+            let next = group.ranks()[(me + 1) % p];
+            let prev = group.ranks()[(me + p - 1) % p];
+            let mut blocks: Vec<Option<Bytes>> = vec![None; p];
+            // Every block but the last received is both kept and sent on:
+            // staged, a send to a node-local successor shares it instead of
+            // copying it (`Transport::stage`).
+            blocks[me] = Some(self.transport.stage(next, mine));
+            let mut sends = Vec::with_capacity(p);
+            for step in 0..p.saturating_sub(1) {
+                let send_idx = (me + p - step) % p;
+                let recv_idx = (me + p - step - 1) % p;
+                let block = blocks[send_idx]
+                    .clone()
+                    .expect("received in the previous step");
+                sends.push((next, self.send(next, tag(group, call, step), block)?));
+                let got = self.recv(prev, tag(group, call, step))?;
+                blocks[recv_idx] = Some(if step + 2 < p {
+                    self.transport.stage(next, got)
+                } else {
+                    got
+                });
+            }
+            self.wait_all(sends)?;
+            Ok(blocks
+                .into_iter()
+                .map(|b| b.expect("all blocks arrived"))
+                .collect())
+        })
     }
 
     /// Ring all-gather of equal blocks, concatenated in group order.
@@ -337,79 +360,81 @@ impl Communicator {
         out: &mut [u8],
     ) -> Result<(), CommError> {
         let me = self.index_in(group)?;
-        let call = group.next_call();
-        let p = group.size();
-        if bounds.len() != p
-            || bounds.iter().any(|r| r.end > data.len() || r.start > r.end)
-            || out.len() != bounds[me].len()
-        {
-            return Err(CommError::Invalid(format!(
-                "reduce-scatter needs {p} ranges inside {} bytes, got {bounds:?}",
-                data.len()
-            )));
-        }
-        if p == 1 {
-            out.copy_from_slice(&data[bounds[0].clone()]);
-            return Ok(());
-        }
-        let next = group.ranks()[(me + 1) % p];
-        let prev = group.ranks()[(me + p - 1) % p];
-        let granule = reduce.granule().max(1);
-        let longest = bounds.iter().map(|r| r.len()).max().unwrap_or(0);
-        // Every member derives the same count from the same bounds; the
-        // tag's 16-bit step field holds (step, segment).
-        let segments = longest
-            .div_ceil(SEGMENT)
-            .clamp(1, (0xffff / (p - 1)).max(1));
-        let pieces = |chunk: usize| {
-            let r = &bounds[chunk];
-            segment_bounds(r.len(), granule, segments)
-                .into_iter()
-                .map(move |s| r.start + s.start..r.start + s.end)
-        };
-        let step_tag = |step: usize, segment: usize| tag(group, call, step * segments + segment);
-        // At step s this member sends its partial of chunk (me - s - 1) and
-        // receives the partial of chunk (me - s - 2), adding its own share
-        // (which it then sends at step s + 1); after p - 1 steps it holds
-        // chunk `me` reduced over everyone.
-        let mut sends = Vec::with_capacity(p * segments);
-        for (j, r) in pieces((me + p - 1) % p).enumerate() {
-            let first = match owned {
-                Some(b) => b.slice(r),
-                None => Bytes::copy_from_slice(&data[r]),
+        self.call(group, |call| {
+            let p = group.size();
+            if bounds.len() != p
+                || bounds.iter().any(|r| r.end > data.len() || r.start > r.end)
+                || out.len() != bounds[me].len()
+            {
+                return Err(CommError::Invalid(format!(
+                    "reduce-scatter needs {p} ranges inside {} bytes, got {bounds:?}",
+                    data.len()
+                )));
+            }
+            if p == 1 {
+                out.copy_from_slice(&data[bounds[0].clone()]);
+                return Ok(());
+            }
+            let next = group.ranks()[(me + 1) % p];
+            let prev = group.ranks()[(me + p - 1) % p];
+            let granule = reduce.granule().max(1);
+            let longest = bounds.iter().map(|r| r.len()).max().unwrap_or(0);
+            // Every member derives the same count from the same bounds; the
+            // tag's 16-bit step field holds (step, segment).
+            let segments = longest
+                .div_ceil(SEGMENT)
+                .clamp(1, (0xffff / (p - 1)).max(1));
+            let pieces = |chunk: usize| {
+                let r = &bounds[chunk];
+                segment_bounds(r.len(), granule, segments)
+                    .into_iter()
+                    .map(move |s| r.start + s.start..r.start + s.end)
             };
-            sends.push((next, self.send(next, step_tag(0, j), first)?));
-        }
-        let mut filled = 0;
-        for step in 0..p - 1 {
-            let chunk = (me + 2 * p - step - 2) % p;
-            for (j, r) in pieces(chunk).enumerate() {
-                let mine = &data[r];
-                let incoming = self.recv(prev, step_tag(step, j))?;
-                if incoming.len() != mine.len() {
-                    return Err(CommError::Malformed(format!(
-                        "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte \
-                         piece; every member must pass the same sizes",
-                        incoming.len(),
-                        mine.len()
-                    )));
-                }
-                let mut acc = Partial::of(incoming);
-                reduce.reduce(acc.as_mut(), mine)?;
-                if step + 2 < p {
-                    sends.push((
-                        next,
-                        self.send(next, step_tag(step + 1, j), acc.into_bytes())?,
-                    ));
-                } else {
-                    let acc = acc.as_mut();
-                    out[filled..filled + acc.len()].copy_from_slice(acc);
-                    filled += acc.len();
+            let step_tag =
+                |step: usize, segment: usize| tag(group, call, step * segments + segment);
+            // At step s this member sends its partial of chunk (me - s - 1) and
+            // receives the partial of chunk (me - s - 2), adding its own share
+            // (which it then sends at step s + 1); after p - 1 steps it holds
+            // chunk `me` reduced over everyone.
+            let mut sends = Vec::with_capacity(p * segments);
+            for (j, r) in pieces((me + p - 1) % p).enumerate() {
+                let first = match owned {
+                    Some(b) => b.slice(r),
+                    None => Bytes::copy_from_slice(&data[r]),
+                };
+                sends.push((next, self.send(next, step_tag(0, j), first)?));
+            }
+            let mut filled = 0;
+            for step in 0..p - 1 {
+                let chunk = (me + 2 * p - step - 2) % p;
+                for (j, r) in pieces(chunk).enumerate() {
+                    let mine = &data[r];
+                    let incoming = self.recv(prev, step_tag(step, j))?;
+                    if incoming.len() != mine.len() {
+                        return Err(CommError::Malformed(format!(
+                            "reduce-scatter step {step}: rank {prev} sent {} bytes for a {}-byte \
+                             piece; every member must pass the same sizes",
+                            incoming.len(),
+                            mine.len()
+                        )));
+                    }
+                    let mut acc = Partial::of(incoming);
+                    reduce.reduce(acc.as_mut(), mine)?;
+                    if step + 2 < p {
+                        sends.push((
+                            next,
+                            self.send(next, step_tag(step + 1, j), acc.into_bytes())?,
+                        ));
+                    } else {
+                        let acc = acc.as_mut();
+                        out[filled..filled + acc.len()].copy_from_slice(acc);
+                        filled += acc.len();
+                    }
                 }
             }
-        }
-        self.wait_all(sends)?;
-        Ok(())
+            self.wait_all(sends)?;
+            Ok(())
+        })
     }
 
     /// Reduce-scatter of an f32 buffer cut into balanced chunks.
@@ -509,79 +534,82 @@ impl Communicator {
         to_each: Vec<Bytes>,
     ) -> Result<Vec<Bytes>, CommError> {
         let me = self.index_in(group)?;
-        let call = group.next_call();
-        let p = group.size();
-        if to_each.len() != p {
-            return Err(CommError::Invalid(format!(
-                "all-to-all needs one buffer per member ({p}), got {}",
-                to_each.len()
-            )));
-        }
-        let mut received: Vec<Option<Bytes>> = vec![None; p];
-        let mut outgoing: Vec<Option<Bytes>> = to_each.into_iter().map(Some).collect();
-        received[me] = outgoing[me].take();
-        let mut sends = Vec::with_capacity(p);
-        for step in 1..p {
-            let dst = (me + step) % p;
-            let data = outgoing[dst].take().expect("each destination once");
-            sends.push((
-                group.ranks()[dst],
-                self.send(group.ranks()[dst], tag(group, call, 0), data)?,
-            ));
-        }
-        for step in 1..p {
-            let src = (me + p - step) % p;
-            received[src] = Some(self.recv(group.ranks()[src], tag(group, call, 0))?);
-        }
-        self.wait_all(sends)?;
-        Ok(received
-            .into_iter()
-            .map(|b| b.expect("all arrived"))
-            .collect())
+        self.call(group, |call| {
+            let p = group.size();
+            if to_each.len() != p {
+                return Err(CommError::Invalid(format!(
+                    "all-to-all needs one buffer per member ({p}), got {}",
+                    to_each.len()
+                )));
+            }
+            let mut received: Vec<Option<Bytes>> = vec![None; p];
+            let mut outgoing: Vec<Option<Bytes>> = to_each.into_iter().map(Some).collect();
+            received[me] = outgoing[me].take();
+            let mut sends = Vec::with_capacity(p);
+            for step in 1..p {
+                let dst = (me + step) % p;
+                let data = outgoing[dst].take().expect("each destination once");
+                sends.push((
+                    group.ranks()[dst],
+                    self.send(group.ranks()[dst], tag(group, call, 0), data)?,
+                ));
+            }
+            for step in 1..p {
+                let src = (me + p - step) % p;
+                received[src] = Some(self.recv(group.ranks()[src], tag(group, call, 0))?);
+            }
+            self.wait_all(sends)?;
+            Ok(received
+                .into_iter()
+                .map(|b| b.expect("all arrived"))
+                .collect())
+        })
     }
 
     /// Broadcast from member `root`: returns the root's buffer everywhere
     /// (`data` is ignored on the others).
     pub fn broadcast(&self, group: &Group, root: usize, data: Bytes) -> Result<Bytes, CommError> {
         let me = self.index_in(group)?;
-        let call = group.next_call();
-        if root >= group.size() {
-            return Err(CommError::Invalid(format!(
-                "broadcast root {root} outside a group of {}",
-                group.size()
-            )));
-        }
-        if me == root {
-            let mut sends = Vec::new();
-            for (i, &r) in group.ranks().iter().enumerate() {
-                if i != root {
-                    sends.push((r, self.send(r, tag(group, call, 0), data.clone())?));
-                }
+        self.call(group, |call| {
+            if root >= group.size() {
+                return Err(CommError::Invalid(format!(
+                    "broadcast root {root} outside a group of {}",
+                    group.size()
+                )));
             }
-            self.wait_all(sends)?;
-            Ok(data)
-        } else {
-            self.recv(group.ranks()[root], tag(group, call, 0))
-        }
+            if me == root {
+                let mut sends = Vec::new();
+                for (i, &r) in group.ranks().iter().enumerate() {
+                    if i != root {
+                        sends.push((r, self.send(r, tag(group, call, 0), data.clone())?));
+                    }
+                }
+                self.wait_all(sends)?;
+                Ok(data)
+            } else {
+                self.recv(group.ranks()[root], tag(group, call, 0))
+            }
+        })
     }
 
     /// Returns once every member has entered (dissemination barrier).
     pub fn barrier(&self, group: &Group) -> Result<(), CommError> {
         let me = self.index_in(group)?;
-        let call = group.next_call();
-        let p = group.size();
-        let mut k = 1;
-        let mut step = 0;
-        let mut sends = Vec::new();
-        while k < p {
-            let to = group.ranks()[(me + k) % p];
-            let from = group.ranks()[(me + p - k) % p];
-            sends.push((to, self.send(to, tag(group, call, step), Bytes::new())?));
-            self.recv(from, tag(group, call, step))?;
-            k *= 2;
-            step += 1;
-        }
-        self.wait_all(sends)
+        self.call(group, |call| {
+            let p = group.size();
+            let mut k = 1;
+            let mut step = 0;
+            let mut sends = Vec::new();
+            while k < p {
+                let to = group.ranks()[(me + k) % p];
+                let from = group.ranks()[(me + p - k) % p];
+                sends.push((to, self.send(to, tag(group, call, step), Bytes::new())?));
+                self.recv(from, tag(group, call, step))?;
+                k *= 2;
+                step += 1;
+            }
+            self.wait_all(sends)
+        })
     }
 }
 

@@ -40,8 +40,9 @@ pub enum GroupKind {
     /// per island, in island order): the islands' outer sync of the shard
     /// they hold; `place: None`, every rank of those islands (the job's
     /// bookkeeping once an island is lost). `members` is 0 while every
-    /// island takes part, else [`GroupKind::members_digest`] of those that
-    /// do: each change of membership is a group of its own.
+    /// island takes part and none ever left, else
+    /// [`GroupKind::members_digest`] of those that do and of how many came
+    /// back: each change of membership is a group of its own.
     Across { place: Option<usize>, members: u8 },
     /// A restarted island's requests to rejoin and the state it is sent
     /// (point-to-point messages between the islands, outside any
@@ -159,9 +160,15 @@ impl GroupKind {
     }
 
     /// The `members` of an outer sync group of the islands `alive` says
-    /// take part: 0 when all do, else a digest in 1..=255 of which.
-    pub fn members_digest(alive: &[bool]) -> u8 {
-        if alive.iter().all(|&a| a) {
+    /// take part after `rejoins` islands came back: 0 when all do and none
+    /// ever left, else a digest in 1..=255 of which and when. The rejoins
+    /// set the same islands after a loss and a rejoin apart from the same
+    /// islands before: a regrouped group counts its calls from 0 again, and
+    /// what a call given up before may have left at a rank (its messages,
+    /// a member's notice that it gave the call up) must not be taken for a
+    /// later call's.
+    pub fn members_digest(alive: &[bool], rejoins: usize) -> u8 {
+        if rejoins == 0 && alive.iter().all(|&a| a) {
             return 0;
         }
         let mut h: u32 = 0x811c_9dc5;
@@ -169,6 +176,9 @@ impl GroupKind {
             if a {
                 h = (h ^ i as u32).wrapping_mul(0x0100_0193);
             }
+        }
+        for b in (rejoins as u32).to_le_bytes() {
+            h = (h ^ b as u32).wrapping_mul(0x0100_0193);
         }
         (h % 255) as u8 + 1
     }
@@ -234,9 +244,6 @@ impl Group {
     }
 }
 
-/// The tag of step `step` of call `call` on `group`: the group's id in the
-/// top 24 bits, the call's sequence number (modulo 2^24: a member is never
-/// that many calls ahead of another) in the next 24, the step in the low 16.
 /// The tag of a rejoin message of kind `what` ([`GroupKind::Rejoin`]).
 pub fn rejoin_tag(what: u16) -> Tag {
     let id = GroupKind::Rejoin.id().expect("the rejoin id fits");
@@ -258,6 +265,21 @@ pub(crate) fn liveness_tag(kind: u8, nonce: u32) -> Tag {
     ((id as u64) << 40) | (1 << 39) | ((kind as u64) << 32) | nonce as u64
 }
 
+/// A notice that a rank gave up a call ([`super::liveness::gave_up`]):
+/// outside every collective, beside the liveness tags.
+pub(crate) fn gave_up_tag() -> Tag {
+    liveness_tag(4, 0)
+}
+
+/// The call a collective message's tag belongs to: its group's id and the
+/// call's sequence number, without the step.
+pub(crate) fn call_of(tag: Tag) -> u64 {
+    tag >> 16
+}
+
+/// The tag of step `step` of call `call` on `group`: the group's id in the
+/// top 24 bits, the call's sequence number (modulo 2^24: a member is never
+/// that many calls ahead of another) in the next 24, the step in the low 16.
 pub(crate) fn tag(group: &Group, call: u32, step: usize) -> Tag {
     ((group.id as u64) << 40) | (((call & 0xff_ffff) as u64) << 16) | (step as u64 & 0xffff)
 }

@@ -53,6 +53,14 @@ pub enum CommError {
     },
     #[error("the transport was shut down")]
     Closed,
+    /// Rank `by` gave up the call this rank waited on it in, for a reason
+    /// that names no rank of the job (its own error, or its island broke):
+    /// the call cannot finish.
+    #[error(
+        "rank {by} gave up this collective: {reason}; the job cannot continue — check that \
+         rank's own log for the cause"
+    )]
+    GaveUp { by: usize, reason: String },
     /// A call named a rank outside the job.
     #[error("rank {peer} does not exist in a world of {world}")]
     NoSuchRank { peer: usize, world: usize },
@@ -107,7 +115,10 @@ impl CommError {
     pub fn is_peer_failure(&self) -> bool {
         matches!(
             self,
-            CommError::PeerFailed { .. } | CommError::Timeout { .. } | CommError::Closed
+            CommError::PeerFailed { .. }
+                | CommError::Timeout { .. }
+                | CommError::Closed
+                | CommError::GaveUp { .. }
         )
     }
 

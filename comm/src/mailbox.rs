@@ -29,6 +29,10 @@ struct State {
     /// their rejoin messages are theirs; a wait for anything else fails at
     /// once, as on the dead rank they replace.
     returned: std::collections::HashSet<usize>,
+    /// Calls a peer gave up ([`super::liveness::gave_up`]), by (peer,
+    /// [`super::group::call_of`]): the rank it blamed, if any, and why. A
+    /// wait on that peer in that call fails at once.
+    gave_up: HashMap<(usize, u64), (Option<usize>, String)>,
     closed: bool,
 }
 
@@ -54,11 +58,19 @@ impl Mailbox {
     }
 
     /// Queues a message from `source`; a verdict (another rank found a
-    /// rank stuck: [`super::liveness`]) is taken as that rank's death.
+    /// rank stuck: [`super::liveness`]) is taken as that rank's death, and
+    /// a notice that `source` gave up a call fails the waits on it there.
     pub fn deliver(&self, source: usize, tag: Tag, data: Bytes) {
         if tag == super::liveness::verdict_tag() {
             if let Some((peer, reason)) = super::liveness::parse_verdict(&data) {
                 self.peer_died(peer, format!("{reason} (found by rank {source})"));
+            }
+            return;
+        }
+        if tag == super::group::gave_up_tag() {
+            if let Some((call, peer, reason)) = super::liveness::parse_gave_up(&data) {
+                self.lock().gave_up.insert((source, call), (peer, reason));
+                self.arrived.notify_all();
             }
             return;
         }
@@ -132,6 +144,7 @@ impl Mailbox {
         let mut state = self.lock();
         state.dead.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
+        state.gave_up.retain(|(source, _), _| *source != peer);
         state.returned.insert(peer);
         self.arrived.notify_all();
     }
@@ -186,6 +199,23 @@ impl Mailbox {
                     reason: "it was restarted and its island has not rejoined yet (it died \
                              earlier)"
                         .into(),
+                });
+            }
+            if !super::group::is_rejoin(tag)
+                && let Some((blamed, reason)) =
+                    state.gave_up.get(&(source, super::group::call_of(tag)))
+            {
+                // Its messages sent before it gave up were taken above; no
+                // more will come.
+                return Err(match blamed {
+                    Some(peer) => CommError::PeerFailed {
+                        peer: *peer,
+                        reason: format!("{reason} (rank {source} gave up the call for it)"),
+                    },
+                    None => CommError::GaveUp {
+                        by: source,
+                        reason: reason.clone(),
+                    },
                 });
             }
             if state.contained(source)
@@ -301,6 +331,56 @@ mod tests {
         m.deliver(1, 7, Bytes::from_static(b"ok"));
         assert!(m.take(1, 7, WAIT).is_ok());
         assert!(m.take(2, 7, WAIT).is_err());
+    }
+
+    #[test]
+    fn a_peer_that_gave_up_a_call_fails_the_waits_on_it_there_alone() {
+        // Rank 1 sent step 0 of a call, then gave it up because rank 3
+        // died: step 0 is still taken, a wait for step 1 fails at once
+        // naming rank 3 (not rank 1), the next call and rank 2 are not
+        // touched; a reason naming no rank fails as rank 1's giving up.
+        let m = Mailbox::default();
+        let call = |c: u64, step: u64| (7 << 40) | (c << 16) | step;
+        m.deliver(1, call(5, 0), Bytes::from_static(b"part"));
+        let killed = CommError::PeerFailed {
+            peer: 3,
+            reason: "killed".into(),
+        };
+        let notice = super::super::liveness::gave_up(1, call(5, 0) >> 16, &killed);
+        m.deliver(1, super::super::group::gave_up_tag(), notice);
+        assert_eq!(m.take(1, call(5, 0), WAIT).unwrap(), "part");
+        let t = Instant::now();
+        match m.take(1, call(5, 1), WAIT) {
+            Err(CommError::PeerFailed { peer: 3, reason }) => {
+                assert!(
+                    reason.contains("killed") && reason.contains("rank 1 gave up"),
+                    "{reason}"
+                )
+            }
+            other => panic!("expected rank 3 named, got {other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+        m.deliver(1, call(6, 0), Bytes::from_static(b"next"));
+        m.deliver(2, call(5, 1), Bytes::from_static(b"other"));
+        assert_eq!(m.take(1, call(6, 0), WAIT).unwrap(), "next");
+        assert_eq!(m.take(2, call(5, 1), WAIT).unwrap(), "other");
+        assert!(m.first_death().is_none());
+
+        let bad = CommError::Malformed("a 3-byte f32".into());
+        let notice = super::super::liveness::gave_up(2, call(9, 0) >> 16, &bad);
+        m.deliver(2, super::super::group::gave_up_tag(), notice);
+        match m.take(2, call(9, 4), WAIT) {
+            Err(e @ CommError::GaveUp { by: 2, .. }) => {
+                assert!(e.to_string().contains("a 3-byte f32"), "{e}");
+                assert_eq!(e.failed_peer(), None);
+            }
+            other => panic!("expected rank 2's giving up, got {other:?}"),
+        }
+        // A restarted rank 2 is a new process: its predecessor's notices go.
+        m.revive(2);
+        m.readmit(2);
+        m.deliver(2, call(9, 4), Bytes::from_static(b"new"));
+        assert_eq!(m.take(2, call(9, 4), WAIT).unwrap(), "new");
     }
 
     #[test]

@@ -198,7 +198,7 @@ impl Membership {
     }
 
     fn digest(&self) -> u8 {
-        GroupKind::members_digest(&self.alive)
+        GroupKind::members_digest(&self.alive, self.rejoined.len())
     }
 
     /// Island `i` is lost after `step` (the rank that showed it: `why`),
@@ -647,6 +647,78 @@ mod tests {
         assert_eq!(back, Ok(vec![2]));
         assert_eq!(lost, [2, 1]);
         assert_eq!(broken, None);
+    }
+
+    #[test]
+    fn a_member_whose_predecessor_gave_up_for_a_third_islands_death_takes_that_island_out() {
+        // Three islands of one rank; island 2 dies as an exchange begins
+        // (the others see its connection close). Island 0, whose ring
+        // predecessor it is, gives up the exchange's call at once; island
+        // 1 waits on island 0 for a part it will now never send. Island 0
+        // tells it why it gave up, so island 1 too takes out island 2 —
+        // not island 0, which it would blame after its timeout — and both
+        // run the exchange again without it.
+        let got = on_world(3, 1, Duration::from_secs(20), |r| {
+            let rank = r.layout.rank;
+            if rank == 2 {
+                return None;
+            }
+            r.counter.contain_deaths(rank..rank + 1);
+            r.counter.declare_dead(2, "killed".into());
+            let kind = GroupKind::Across {
+                place: Some(0),
+                members: 0,
+            };
+            let across = Arc::new(Group::new(kind, (0..3).collect()).unwrap());
+            let m = Mutex::new(Membership::new(3, 1, rank, 0, across));
+            let with = Across {
+                members: &m,
+                counter: &r.counter,
+                quantized: None,
+            };
+            let name = ExchangeName {
+                sync: 0,
+                step: 20,
+                unit: 0,
+                seq: 0,
+            };
+            let mine = vec![rank as f32 + 1.0; 1000];
+            let none = (Residual::none(), Residual::none());
+            let averaged = with.exchange(&r.comm, mine, none, name);
+            let lost: Vec<usize> = lock(&m).lost.iter().map(|l| l.island).collect();
+            Some((averaged.map(|a| a.0).map_err(|e| e.to_string()), lost))
+        });
+        for (rank, got) in got.into_iter().take(2).enumerate() {
+            let (averaged, lost) = got.unwrap();
+            assert_eq!(lost, [2], "rank {rank}");
+            assert_eq!(averaged, Ok(vec![1.5; 1000]), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn an_island_lost_and_back_again_talks_under_ids_of_its_own() {
+        // Messages of a call given up on the first members' groups may
+        // still wait at a rank: once an island is lost and rejoins, the
+        // groups of the same islands must not reuse those ids (their calls
+        // count from 0 again).
+        let all = |m: &Membership| (m.across.id(), m.job.as_ref().map(|j| j.id()));
+        let kind = GroupKind::Across {
+            place: Some(0),
+            members: 0,
+        };
+        let across = Arc::new(Group::new(kind, vec![0, 2, 4]).unwrap());
+        let mut m = Membership::new(3, 2, 0, 0, across);
+        let mut seen = vec![all(&m)];
+        for (step, lost) in [(10, 1), (20, 2), (30, 1)] {
+            m.lose(lost, step, "gone".into()).unwrap();
+            seen.push(all(&m));
+            m.rejoin(lost, step + 5).unwrap();
+            seen.push(all(&m));
+        }
+        let mut ids: Vec<u32> = seen.iter().map(|s| s.0).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), seen.len(), "{seen:?}");
     }
 
     #[test]
