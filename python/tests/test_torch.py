@@ -329,8 +329,11 @@ def test_init_islands_refuses_what_it_cannot_run_and_says_what_to_do():
     # A restarted rank (ZEROPP_REJOIN=1) calling the job-wide
     # init_process_group would wait for ranks that never start again;
     # init_islands needs the launcher's variables and islands of equal size.
+    # A name imported before zeropp.torch is refused too.
     script = """
-import os, sys, torch.distributed as dist, zeropp.torch
+import os, sys, torch.distributed as dist
+from torch.distributed import init_process_group as imported_first
+import zeropp.torch
 from zeropp.torch import ZeroppError
 def refused(f, *words):
     try:
@@ -341,6 +344,7 @@ def refused(f, *words):
     else:
         sys.exit(f"not refused: {words}")
 refused(lambda: dist.init_process_group("gloo"), "init_islands", "--restarts 0")
+refused(lambda: imported_first("gloo"), "init_islands", "--restarts 0")
 refused(lambda: zeropp.torch.init_islands("gloo"), "MASTER_ADDR", "zeropp launch")
 os.environ.update(RANK="0", WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
 refused(lambda: zeropp.torch.init_islands("gloo"), "islands=N")
@@ -357,7 +361,7 @@ refused(lambda: zeropp.torch.init_islands("gloo", islands=4), "--islands")
         text=True,
         timeout=120,
     )
-    assert p.returncode == 0 and p.stdout.count("ok ") == 5, p.stdout + p.stderr
+    assert p.returncode == 0 and p.stdout.count("ok ") == 6, p.stdout + p.stderr
 
 
 def test_the_launchers_store_serves_torchs_own_client(zeropp_bin):

@@ -49,6 +49,7 @@ arguments pass through.
 
 import datetime
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -102,6 +103,14 @@ if os.environ.get("ZEROPP_REJOIN") == "1":
         )
 
     dist.init_process_group = _refuse_world
+    # A script that imported init_process_group before zeropp.torch calls
+    # torch's own: its rendezvous (env://, the default) refuses as well.
+    # (init_islands passes a store, so it meets no rendezvous handler.)
+    _handlers = getattr(
+        importlib.import_module("torch.distributed.rendezvous"), "_rendezvous_handlers", None
+    )
+    if isinstance(_handlers, dict) and "env" in _handlers:
+        _handlers["env"] = _refuse_world
 
 _job = None
 _job_options = None
