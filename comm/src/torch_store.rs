@@ -369,159 +369,198 @@ fn serve_connection(stream: TcpStream, keys: &Mutex<Keys>, id: u64) -> std::io::
     // A client that stops reading is dropped, not waited on (answers to
     // its waits are written under the keys' lock).
     stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-    let answer = Arc::new(Mutex::new(stream.try_clone()?));
-    let reader = stream.try_clone()?;
-    let mut r = std::io::BufReader::new(stream);
-    let reply = |b: &[u8]| lock(&answer).write_all(b);
+    let mut c = Connection {
+        answer: Arc::new(Mutex::new(stream.try_clone()?)),
+        reader: stream.try_clone()?,
+        r: std::io::BufReader::new(stream),
+        keys,
+        id,
+    };
     let mut magic = [0u8; 4];
-    if read_u8(&mut r)? != VALIDATE || {
-        r.read_exact(&mut magic)?;
+    if read_u8(&mut c.r)? != VALIDATE || {
+        c.r.read_exact(&mut magic)?;
         u32::from_le_bytes(magic) != MAGIC
     } {
         return Err(bad("not a TCPStore client (no validation)".into()));
     }
     loop {
-        let command = match read_u8(&mut r) {
-            Ok(c) => c,
+        match read_u8(&mut c.r) {
+            Ok(command) => c.serve(command)?,
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
-        };
+        }
+    }
+}
+
+/// One client's connection, as the store serves it.
+struct Connection<'a> {
+    r: std::io::BufReader<TcpStream>,
+    /// The same socket: its read timeout is set once it holds a key.
+    reader: TcpStream,
+    /// Where answers go (a wait's answer from another connection's thread).
+    answer: Arc<Mutex<TcpStream>>,
+    keys: &'a Mutex<Keys>,
+    id: u64,
+}
+
+impl Connection<'_> {
+    fn reply(&self, b: &[u8]) -> std::io::Result<()> {
+        lock(&self.answer).write_all(b)
+    }
+
+    /// A value's answer: its length, then its bytes.
+    fn reply_value(&self, v: &[u8]) -> std::io::Result<()> {
+        let mut b = Vec::with_capacity(v.len() + 8);
+        put_bytes(&mut b, v);
+        self.reply(&b)
+    }
+
+    /// Reads and serves one command's arguments and answer.
+    fn serve(&mut self, command: u8) -> std::io::Result<()> {
         match command {
             PING => {
                 let mut nonce = [0u8; 4];
-                r.read_exact(&mut nonce)?;
-                reply(&nonce)?;
+                self.r.read_exact(&mut nonce)?;
+                self.reply(&nonce)
             }
-            SET => {
-                let (k, v) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
-                let mut keys = lock(keys);
-                if k.ends_with(HELD.as_bytes()) {
-                    keys.held_by.insert(k.clone(), id);
-                    // From now on this connection must keep talking.
-                    reader.set_read_timeout(Some(HELD_SILENCE))?;
-                }
-                keys.set(k, v);
-            }
-            COMPARE_SET => {
-                let (k, expected) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
-                let desired = read_bytes(&mut r)?;
-                let now = {
-                    let mut keys = lock(keys);
-                    match keys.values.get(&k) {
-                        // torch's own servers: a missing key is set only
-                        // when nothing was expected.
-                        None if expected.is_empty() => {
-                            keys.set(k, desired.clone());
-                            desired
-                        }
-                        None => expected,
-                        Some(v) if *v == expected => {
-                            keys.set(k, desired.clone());
-                            desired
-                        }
-                        Some(v) => v.clone(),
-                    }
-                };
-                let mut b = Vec::with_capacity(now.len() + 8);
-                put_bytes(&mut b, &now);
-                reply(&b)?;
-            }
+            SET => self.set(),
+            COMPARE_SET => self.compare_set(),
             GET => {
-                let k = read_bytes(&mut r)?;
-                let v = lock(keys).values.get(&k).cloned().unwrap_or_default();
-                let mut b = Vec::with_capacity(v.len() + 8);
-                put_bytes(&mut b, &v);
-                reply(&b)?;
+                let k = read_bytes(&mut self.r)?;
+                let v = lock(self.keys).values.get(&k).cloned().unwrap_or_default();
+                self.reply_value(&v)
             }
-            ADD => {
-                let k = read_bytes(&mut r)?;
-                let mut by = [0u8; 8];
-                r.read_exact(&mut by)?;
-                let sum = {
-                    let mut keys = lock(keys);
-                    let was = match keys.values.get(&k) {
-                        None => 0,
-                        Some(v) => std::str::from_utf8(v)
-                            .ok()
-                            .and_then(|s| s.parse::<i64>().ok())
-                            .ok_or_else(|| bad("ADD to a key that holds no number".into()))?,
-                    };
-                    let sum = was.wrapping_add(i64::from_le_bytes(by));
-                    keys.set(k, sum.to_string().into_bytes());
-                    sum
-                };
-                reply(&sum.to_le_bytes())?;
-            }
+            ADD => self.add(),
             CHECK => {
-                let ks = read_keys(&mut r)?;
-                let ready = lock(keys).has_all(&ks);
-                reply(&[if ready { READY } else { NOT_READY }])?;
+                let ks = read_keys(&mut self.r)?;
+                let ready = lock(self.keys).has_all(&ks);
+                self.reply(&[if ready { READY } else { NOT_READY }])
             }
-            WAIT => {
-                let ks = read_keys(&mut r)?;
-                let mut keys = lock(keys);
-                if keys.has_all(&ks) {
-                    drop(keys);
-                    reply(&[STOP_WAITING])?;
-                } else {
-                    keys.waits.push(Waiting {
-                        connection: id,
-                        keys: ks,
-                        answer: answer.clone(),
-                    });
-                }
-            }
+            WAIT => self.wait(),
             CANCEL_WAIT => {
-                lock(keys).waits.retain(|w| w.connection != id);
-                reply(&[WAIT_CANCELED])?;
+                lock(self.keys).waits.retain(|w| w.connection != self.id);
+                self.reply(&[WAIT_CANCELED])
             }
             GETNUMKEYS => {
-                let n = lock(keys).values.len() as i64;
-                reply(&n.to_le_bytes())?;
+                let n = lock(self.keys).values.len() as i64;
+                self.reply(&n.to_le_bytes())
             }
             DELETE_KEY => {
-                let k = read_bytes(&mut r)?;
-                let n = i64::from(lock(keys).values.remove(&k).is_some());
-                reply(&n.to_le_bytes())?;
+                let k = read_bytes(&mut self.r)?;
+                let n = i64::from(lock(self.keys).values.remove(&k).is_some());
+                self.reply(&n.to_le_bytes())
             }
             APPEND => {
-                let (k, more) = (read_bytes(&mut r)?, read_bytes(&mut r)?);
-                let mut keys = lock(keys);
+                let (k, more) = (read_bytes(&mut self.r)?, read_bytes(&mut self.r)?);
+                let mut keys = lock(self.keys);
                 let mut v = keys.values.get(&k).cloned().unwrap_or_default();
                 v.extend_from_slice(&more);
                 keys.set(k, v);
+                Ok(())
             }
-            MULTI_GET => {
-                let ks = read_keys(&mut r)?;
-                let mut b = Vec::new();
-                {
-                    let keys = lock(keys);
-                    for k in &ks {
-                        put_bytes(&mut b, keys.values.get(k).map_or(&[][..], Vec::as_slice));
-                    }
+            MULTI_GET => self.multi_get(),
+            MULTI_SET => self.multi_set(),
+            other => Err(bad(format!(
+                "command {other}, which this store does not serve (torch's queues are not served)"
+            ))),
+        }
+    }
+
+    fn set(&mut self) -> std::io::Result<()> {
+        let (k, v) = (read_bytes(&mut self.r)?, read_bytes(&mut self.r)?);
+        let mut keys = lock(self.keys);
+        if k.ends_with(HELD.as_bytes()) {
+            keys.held_by.insert(k.clone(), self.id);
+            // From now on this connection must keep talking.
+            self.reader.set_read_timeout(Some(HELD_SILENCE))?;
+        }
+        keys.set(k, v);
+        Ok(())
+    }
+
+    fn compare_set(&mut self) -> std::io::Result<()> {
+        let (k, expected) = (read_bytes(&mut self.r)?, read_bytes(&mut self.r)?);
+        let desired = read_bytes(&mut self.r)?;
+        let now = {
+            let mut keys = lock(self.keys);
+            match keys.values.get(&k) {
+                // torch's own servers: a missing key is set only when
+                // nothing was expected.
+                None if expected.is_empty() => {
+                    keys.set(k, desired.clone());
+                    desired
                 }
-                reply(&b)?;
+                None => expected,
+                Some(v) if *v == expected => {
+                    keys.set(k, desired.clone());
+                    desired
+                }
+                Some(v) => v.clone(),
             }
-            MULTI_SET => {
-                let n = read_u64(&mut r)?;
-                if n > MAX_KEYS {
-                    return Err(bad(format!("{n} keys in one command")));
-                }
-                let pairs = (0..n)
-                    .map(|_| Ok((read_bytes(&mut r)?, read_bytes(&mut r)?)))
-                    .collect::<std::io::Result<Vec<_>>>()?;
-                let mut keys = lock(keys);
-                for (k, v) in pairs {
-                    keys.set(k, v);
-                }
-            }
-            other => {
-                return Err(bad(format!(
-                    "command {other}, which this store does not serve (torch's queues are not \
-                     served)"
-                )));
+        };
+        self.reply_value(&now)
+    }
+
+    fn add(&mut self) -> std::io::Result<()> {
+        let k = read_bytes(&mut self.r)?;
+        let mut by = [0u8; 8];
+        self.r.read_exact(&mut by)?;
+        let sum = {
+            let mut keys = lock(self.keys);
+            let was = match keys.values.get(&k) {
+                None => 0,
+                Some(v) => std::str::from_utf8(v)
+                    .ok()
+                    .and_then(|s| s.parse::<i64>().ok())
+                    .ok_or_else(|| bad("ADD to a key that holds no number".into()))?,
+            };
+            let sum = was.wrapping_add(i64::from_le_bytes(by));
+            keys.set(k, sum.to_string().into_bytes());
+            sum
+        };
+        self.reply(&sum.to_le_bytes())
+    }
+
+    fn wait(&mut self) -> std::io::Result<()> {
+        let ks = read_keys(&mut self.r)?;
+        let mut keys = lock(self.keys);
+        if keys.has_all(&ks) {
+            drop(keys);
+            return self.reply(&[STOP_WAITING]);
+        }
+        keys.waits.push(Waiting {
+            connection: self.id,
+            keys: ks,
+            answer: self.answer.clone(),
+        });
+        Ok(())
+    }
+
+    fn multi_get(&mut self) -> std::io::Result<()> {
+        let ks = read_keys(&mut self.r)?;
+        let mut b = Vec::new();
+        {
+            let keys = lock(self.keys);
+            for k in &ks {
+                put_bytes(&mut b, keys.values.get(k).map_or(&[][..], Vec::as_slice));
             }
         }
+        self.reply(&b)
+    }
+
+    fn multi_set(&mut self) -> std::io::Result<()> {
+        let n = read_u64(&mut self.r)?;
+        if n > MAX_KEYS {
+            return Err(bad(format!("{n} keys in one command")));
+        }
+        let pairs = (0..n)
+            .map(|_| Ok((read_bytes(&mut self.r)?, read_bytes(&mut self.r)?)))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        let mut keys = lock(self.keys);
+        for (k, v) in pairs {
+            keys.set(k, v);
+        }
+        Ok(())
     }
 }
 
