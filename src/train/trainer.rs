@@ -70,16 +70,7 @@ impl Trainer {
         asked.validate()?;
         let mut facts = RankFacts::from_env()?;
         let layout = rank_layout(&facts)?;
-        match asked.islands.islands.number() {
-            Some(n) => facts.islands = n.max(1),
-            None if facts.islands > 1 => bail!(
-                "the launcher cuts the job into {} islands (ZEROPP_ISLANDS / zeropp launch \
-                 --islands) and the run asks for --islands auto: give the run the launcher's \
-                 count, or launch without --islands",
-                facts.islands
-            ),
-            None => {}
-        }
+        facts.islands = islands_of(asked, &facts)?;
         let data = Dataset::load(asked.run.data.as_deref(), asked.run.seed)?;
         data.check(layout.world(), asked.model.context)?;
         let Connected {
@@ -117,26 +108,12 @@ impl Trainer {
         if lead {
             print_start(&engine, &cfg, &resolved, transport_name, tokens_per_step)?;
         }
-        // The metrics file opens with what ran: the same resolved switches
-        // as the summary and the manifest, and where each chosen value came
-        // from.
-        let header = serde_json::json!({ "header": {
-            "mode": format!("{:?}", cfg.switches.mode).to_lowercase(),
-            "switches": &resolved.switches,
-            "why": &resolved.why,
-            "measured": &measured,
-            "world_size": layout.world(),
-            "nodes": layout.nodes,
-            "ranks_per_node": layout.ranks_per_node,
-            "islands": cfg.islands.islands,
-            "islands_chosen": &chosen,
-            "sync_every": cfg.islands.sync_every,
-            "params": engine.parameter_count(),
-            "transport": transport_name,
-            "seed": cfg.run.seed,
-            "steps": cfg.run.steps,
-            "start_step": start,
-        }});
+        let header = metrics_header(
+            &cfg,
+            (&resolved, &measured, &chosen),
+            layout,
+            (engine.parameter_count(), transport_name, start),
+        );
         // A restarted rank 0 (its island rejoined) goes on with the run's
         // file: a second header, then the steps after the one it rejoined
         // after.
@@ -469,6 +446,49 @@ fn write_outputs(
     Ok(())
 }
 
+/// The islands the run trains in: the run's `--islands N`, else the
+/// launcher's (`--islands auto` under a launcher that cut the job is
+/// refused: the two would disagree).
+fn islands_of(asked: &TrainConfig, facts: &RankFacts) -> Result<usize> {
+    match asked.islands.islands.number() {
+        Some(n) => Ok(n.max(1)),
+        None if facts.islands > 1 => bail!(
+            "the launcher cuts the job into {} islands (ZEROPP_ISLANDS / zeropp launch \
+             --islands) and the run asks for --islands auto: give the run the launcher's \
+             count, or launch without --islands",
+            facts.islands
+        ),
+        None => Ok(facts.islands),
+    }
+}
+
+/// The metrics file's first line, what ran: the same resolved switches as
+/// the summary and the manifest, and where each chosen value came from.
+fn metrics_header(
+    cfg: &TrainConfig,
+    (resolved, measured, chosen): (&Resolved, &Option<Measured>, &Option<IslandsChosen>),
+    layout: Layout,
+    (params, transport, start): (usize, &str, usize),
+) -> serde_json::Value {
+    serde_json::json!({ "header": {
+        "mode": format!("{:?}", cfg.switches.mode).to_lowercase(),
+        "switches": &resolved.switches,
+        "why": &resolved.why,
+        "measured": measured,
+        "world_size": layout.world(),
+        "nodes": layout.nodes,
+        "ranks_per_node": layout.ranks_per_node,
+        "islands": cfg.islands.islands,
+        "islands_chosen": chosen,
+        "sync_every": cfg.islands.sync_every,
+        "params": params,
+        "transport": transport,
+        "seed": cfg.run.seed,
+        "steps": cfg.run.steps,
+        "start_step": start,
+    }})
+}
+
 /// This rank's place in the job: nodes of the launcher's
 /// `LOCAL_WORLD_SIZE` ranks, numbered node by node.
 fn rank_layout(facts: &RankFacts) -> Result<Layout> {
@@ -522,15 +542,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         Some(kind) => Job::connect_over(kind, facts, published)?,
         None => Job::connect(facts, published)?,
     };
-    let peers: Vec<crate::comm::exchange::Peer> = table
-        .into_iter()
-        .map(|p| crate::comm::exchange::Peer {
-            rank: p.rank,
-            hostname: p.host,
-            host_id: p.host_id,
-            facts: p.facts,
-        })
-        .collect();
+    let peers: Vec<crate::comm::exchange::Peer> = table.into_iter().map(peer_of).collect();
     // Every rank derives the same plan from the same published facts; the
     // engine takes its hpZ group from it unless --hpz-group says otherwise.
     let job = crate::zero::job::Joined::new(transport, &peers, layout, facts.timeout)?;
@@ -559,16 +571,10 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         let comm = job.communicator();
         let world =
             crate::comm::Group::new(crate::comm::GroupKind::World, (0..layout.world()).collect())?;
+        let (measured, timed) = (measured.as_ref(), &timed);
         counter.pinned(crate::zero::traffic::Phase::Other, || {
-            crate::train::auto_islands::choose(
-                cfg,
-                &comm,
-                &world,
-                layout,
-                measured.as_ref(),
-                &timed,
-                probe_seams,
-            )
+            let choose = crate::train::auto_islands::choose;
+            choose(cfg, &comm, &world, layout, measured, timed, probe_seams)
         })
     };
     let proposes = measured.is_some() && layout.nodes > 1;
@@ -590,14 +596,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
     resolved.why.extend(inside);
     if let Some(p) = proposed {
-        resolved.why.insert(
-            "islands".into(),
-            format!(
-                "1 (asked); the plan proposes {}: {} — --islands auto (or --islands {}) trains so, \
-                 with H steps of staleness between the islands (docs/TRAINING.md, \"Islands\")",
-                p.islands, p.why, p.islands
-            ),
-        );
+        resolved.why.insert("islands".into(), proposal(&p));
     }
     if facts.rank == 0 {
         print_plan(routing, &resolved, measured.is_some());
@@ -615,6 +614,25 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         islands,
         chosen,
     })
+}
+
+/// A rank of the rendezvous' table as the job's peers name it.
+fn peer_of(p: crate::comm::rendezvous::PeerInfo) -> crate::comm::exchange::Peer {
+    crate::comm::exchange::Peer {
+        rank: p.rank,
+        hostname: p.host,
+        host_id: p.host_id,
+        facts: p.facts,
+    }
+}
+
+/// Why the run has one island, the plan proposing more.
+fn proposal(p: &IslandsChosen) -> String {
+    format!(
+        "1 (asked); the plan proposes {}: {} — --islands auto (or --islands {}) trains so, with \
+         H steps of staleness between the islands (docs/TRAINING.md, \"Islands\")",
+        p.islands, p.why, p.islands
+    )
 }
 
 /// How many islands the run trains as: `asked` (None: `auto`, the plan's

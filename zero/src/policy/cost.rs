@@ -246,35 +246,7 @@ impl PlanInput {
             quant_values += self.params;
             t + self.inside_hop(weights)
         };
-        // Gradient.
-        let gradient = if c.qgz {
-            let q1 = self.bytes(self.qgz_intra_bits, self.qgz_block);
-            let inter_block = if c.beyond {
-                self.qgz_inter_block
-            } else {
-                self.qgz_block
-            };
-            let q4 = self.bytes(4, inter_block);
-            // Hop 1 inside: all-to-all of the whole quantized gradient; hop
-            // 2 across: each rank's int4 node-level partial (Ψ/G), rotated
-            // and back in `beyond`.
-            let (t, b) = self.across_hop(q4 / g);
-            inter += b;
-            // Hop 1 quantized and dequantized (not in bf16), hop 2's
-            // requantization of the node's partial.
-            if self.qgz_intra_bits != 16 {
-                quant_values += 2.0 * self.params;
-            }
-            quant_values += self.params / g;
-            if c.beyond {
-                quant_values += 2.0 * self.params / g;
-            }
-            self.inside_hop(q1) + t
-        } else {
-            let (t, b) = self.flat_ring(2.0 * self.params);
-            inter += b;
-            t
-        };
+        let gradient = self.gradient_hop(c, &mut inter, &mut quant_values);
         let quantization = quant_values * 4.0 / (self.quant_gbps * 1e9);
         let comm = forward + backward + gradient;
         // Prefetch hides each unit's gather behind the previous unit's
@@ -294,6 +266,40 @@ impl PlanInput {
             exposed_comm_s: exposed,
             step_s: self.compute_s + quantization + exposed,
             inter_node_bytes: inter,
+        }
+    }
+
+    /// The gradient's reduce-scatter: its seconds; its bytes across nodes
+    /// and values quantized added to `inter` and `quant_values`.
+    fn gradient_hop(&self, c: Config, inter: &mut f64, quant_values: &mut f64) -> f64 {
+        let g = self.ranks_per_node as f64;
+        if c.qgz {
+            let q1 = self.bytes(self.qgz_intra_bits, self.qgz_block);
+            let inter_block = if c.beyond {
+                self.qgz_inter_block
+            } else {
+                self.qgz_block
+            };
+            let q4 = self.bytes(4, inter_block);
+            // Hop 1 inside: all-to-all of the whole quantized gradient; hop
+            // 2 across: each rank's int4 node-level partial (Ψ/G), rotated
+            // and back in `beyond`.
+            let (t, b) = self.across_hop(q4 / g);
+            *inter += b;
+            // Hop 1 quantized and dequantized (not in bf16), hop 2's
+            // requantization of the node's partial.
+            if self.qgz_intra_bits != 16 {
+                *quant_values += 2.0 * self.params;
+            }
+            *quant_values += self.params / g;
+            if c.beyond {
+                *quant_values += 2.0 * self.params / g;
+            }
+            self.inside_hop(q1) + t
+        } else {
+            let (t, b) = self.flat_ring(2.0 * self.params);
+            *inter += b;
+            t
         }
     }
 
