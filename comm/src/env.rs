@@ -238,7 +238,7 @@ fn master(
     let slurm_first_host = match get("SLURM_STEP_NODELIST").or_else(|| get("SLURM_JOB_NODELIST")) {
         Some(list) if launcher == "Slurm" => Some(
             super::hostlist::expand(&list)
-                .map_err(EnvError::Inconsistent)?
+                .map_err(|e| EnvError::Inconsistent(e.to_string()))?
                 .swap_remove(0),
         ),
         _ => None,

@@ -26,15 +26,20 @@ pub enum TransportKind {
     Ucx,
 }
 
+/// A transport's name that names none.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a transport: use ucx or tcp")]
+pub struct UnknownTransport(pub String);
+
 impl std::str::FromStr for TransportKind {
-    type Err = String;
+    type Err = UnknownTransport;
 
     /// `tcp` or `ucx`, as `ZEROPP_TRANSPORT` and `--transport` spell them.
-    fn from_str(s: &str) -> Result<Self, String> {
+    fn from_str(s: &str) -> Result<Self, UnknownTransport> {
         match s {
             "tcp" => Ok(TransportKind::Tcp),
             "ucx" => Ok(TransportKind::Ucx),
-            other => Err(format!("{other:?} is not a transport: use ucx or tcp")),
+            other => Err(UnknownTransport(other.into())),
         }
     }
 }
@@ -45,7 +50,7 @@ impl TransportKind {
     pub fn default_here() -> (TransportKind, Option<String>) {
         match super::ucx::available() {
             Ok(()) => (TransportKind::Ucx, None),
-            Err(why) => (TransportKind::Tcp, Some(why)),
+            Err(why) => (TransportKind::Tcp, Some(why.to_string())),
         }
     }
 

@@ -2,8 +2,23 @@
 //! `a1,b[2-3]`, `rack[1-2]-n[01-02]`, expanded to host names in Slurm's
 //! order, zero padding kept.
 
+/// A hostlist that does not parse: the list, and what is wrong with it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("the hostlist {list:?} {problem}")]
+pub struct BadHostlist {
+    pub list: String,
+    pub problem: String,
+}
+
+fn bad(list: &str, problem: impl Into<String>) -> BadHostlist {
+    BadHostlist {
+        list: list.into(),
+        problem: problem.into(),
+    }
+}
+
 /// Every host of `list`, in order.
-pub fn expand(list: &str) -> Result<Vec<String>, String> {
+pub fn expand(list: &str) -> Result<Vec<String>, BadHostlist> {
     let mut hosts = Vec::new();
     for entry in split_top_level(list)? {
         if entry.is_empty() {
@@ -12,13 +27,13 @@ pub fn expand(list: &str) -> Result<Vec<String>, String> {
         hosts.extend(expand_entry(&entry, list)?);
     }
     if hosts.is_empty() {
-        return Err(format!("the hostlist {list:?} names no host"));
+        return Err(bad(list, "names no host"));
     }
     Ok(hosts)
 }
 
 /// Splits at the commas outside brackets.
-fn split_top_level(list: &str) -> Result<Vec<String>, String> {
+fn split_top_level(list: &str) -> Result<Vec<String>, BadHostlist> {
     let (mut parts, mut cur, mut depth) = (Vec::new(), String::new(), 0usize);
     for c in list.chars() {
         match c {
@@ -26,7 +41,7 @@ fn split_top_level(list: &str) -> Result<Vec<String>, String> {
             ']' => {
                 depth = depth
                     .checked_sub(1)
-                    .ok_or_else(|| format!("unbalanced ']' in the hostlist {list:?}"))?
+                    .ok_or_else(|| bad(list, "has an unbalanced ']'"))?
             }
             ',' if depth == 0 => {
                 parts.push(std::mem::take(&mut cur).trim().to_string());
@@ -37,28 +52,28 @@ fn split_top_level(list: &str) -> Result<Vec<String>, String> {
         cur.push(c);
     }
     if depth != 0 {
-        return Err(format!("unbalanced '[' in the hostlist {list:?}"));
+        return Err(bad(list, "has an unbalanced '['"));
     }
     parts.push(cur.trim().to_string());
     Ok(parts)
 }
 
 /// One entry: literal text and bracketed ranges, as a cartesian product.
-fn expand_entry(entry: &str, list: &str) -> Result<Vec<String>, String> {
+fn expand_entry(entry: &str, list: &str) -> Result<Vec<String>, BadHostlist> {
     let Some(open) = entry.find('[') else {
         return Ok(vec![entry.to_string()]);
     };
     let close = open
         + entry[open..]
             .find(']')
-            .ok_or_else(|| format!("unbalanced '[' in the hostlist {list:?}"))?;
+            .ok_or_else(|| bad(list, "has an unbalanced '['"))?;
     let (prefix, body, rest) = (&entry[..open], &entry[open + 1..close], &entry[close + 1..]);
     let tails = expand_entry(rest, list)?;
     let mut out = Vec::new();
     for item in body.split(',') {
         let item = item.trim();
         let (lo, hi) = item.split_once('-').unwrap_or((item, item));
-        let bad = || format!("{item:?} in the hostlist {list:?} is not a number or a range a-b");
+        let bad = || bad(list, format!("has {item:?}, which is not a number or a range a-b"));
         if lo.is_empty() || !lo.bytes().all(|b| b.is_ascii_digit()) {
             return Err(bad());
         }

@@ -152,7 +152,7 @@ mod tests {
     fn transports_are_spelled_as_the_environment_and_flags_spell_them() {
         assert_eq!("tcp".parse(), Ok(TransportKind::Tcp));
         assert_eq!("ucx".parse(), Ok(TransportKind::Ucx));
-        let e = "rdma".parse::<TransportKind>().unwrap_err();
+        let e = "rdma".parse::<TransportKind>().unwrap_err().to_string();
         assert!(e.contains("use ucx or tcp"), "{e}");
         // Missing rank facts are a typed error that says how to start.
         let e = CommError::from(super::super::env::EnvError::Missing);

@@ -160,8 +160,14 @@ pub(crate) fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> 
     move |source| CommError::Io { what, source }
 }
 
+/// Why a posted send failed, as its transport says it (a socket's error, a
+/// UCX status, the peer's process gone).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct SendFailed(pub String);
+
 /// How a send ended: `Err` holds the reason it failed.
-type SendOutcome = Option<Result<(), String>>;
+type SendOutcome = Option<Result<(), SendFailed>>;
 
 /// Completion of a posted send.
 #[derive(Clone, Default)]
@@ -178,7 +184,7 @@ impl SendHandle {
     }
 
     /// Marks the send finished (by the transport).
-    pub fn complete(&self, result: Result<(), String>) {
+    pub fn complete(&self, result: Result<(), SendFailed>) {
         let (m, c) = &*self.cell;
         *m.lock().unwrap_or_else(|e| e.into_inner()) = Some(result);
         c.notify_all();
@@ -204,7 +210,7 @@ impl SendHandle {
             Some(Ok(())) => Ok(()),
             Some(Err(reason)) => Err(CommError::PeerFailed {
                 peer,
-                reason: reason.clone(),
+                reason: reason.to_string(),
             }),
             None => Err(CommError::Timeout {
                 peer,

@@ -37,8 +37,13 @@ pub fn class_of(len: usize) -> usize {
     len.div_ceil(step) * step
 }
 
+/// A size that does not parse.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0:?} is not a size like 4K, 16M or 1G")]
+pub struct NotASize(pub String);
+
 /// Parses sizes like `4K`, `16M`, `1G`, `1000`.
-pub fn parse_size(s: &str) -> Result<usize, String> {
+pub fn parse_size(s: &str) -> Result<usize, NotASize> {
     let s = s.trim();
     let (num, mult) = match s.chars().last() {
         Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
@@ -48,7 +53,7 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
     };
     num.parse::<usize>()
         .map(|n| n * mult)
-        .map_err(|_| format!("{s:?} is not a size like 4K, 16M or 1G"))
+        .map_err(|_| NotASize(s.into()))
 }
 
 /// The pool budget a `ZEROPP_RECV_POOL` value names (`None`: unset).

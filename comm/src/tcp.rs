@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::io_err;
+use super::{SendFailed, io_err};
 use super::mailbox::Mailbox;
 use super::pool::BufferPool;
 use super::wire::{self, Header, HelloError, Kind, ReadFrame};
@@ -516,7 +516,7 @@ fn write_to(
     let mut broken: Option<String> = None;
     for msg in outgoing {
         if let Some(reason) = &broken {
-            msg.done.complete(Err(reason.clone()));
+            msg.done.complete(Err(SendFailed(reason.clone())));
             continue;
         }
         let header = Header {
@@ -535,7 +535,7 @@ fn write_to(
             Err(e) => {
                 let reason = format!("sending to it failed: {e}");
                 failures.peer_died_unless_leaving(peer, reason.clone(), Duration::from_millis(500));
-                done.complete(Err(reason.clone()));
+                done.complete(Err(SendFailed(reason.clone())));
                 broken = Some(reason);
             }
         }

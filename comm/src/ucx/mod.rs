@@ -35,7 +35,7 @@ use bytes::Bytes;
 
 use super::mailbox::Mailbox;
 use super::pool::{BufferPool, PooledBuf};
-use super::{CommError, SendHandle, Tag, Transport};
+use super::{CommError, SendFailed, SendHandle, Tag, Transport};
 use shm::{Holder, PeerSegment, Segment, SegmentBuf, ShmView};
 use sys::*;
 
@@ -316,9 +316,9 @@ impl AsRef<[u8]> for RecvBuf {
 
 impl Worker {
     fn create() -> Result<Worker, CommError> {
-        let ucp = Box::new(Ucp::load().map_err(|status| CommError::Ucx {
+        let ucp = Box::new(Ucp::load().map_err(|e| CommError::Ucx {
             what: "library".into(),
-            status,
+            status: e.to_string(),
         })?);
         let mut config = ptr::null_mut();
         // SAFETY: prototypes from ucp.h; out-pointers are valid locals.
@@ -529,7 +529,7 @@ impl Worker {
         tag: Tag,
         data: Bytes,
         done: SendHandle,
-    ) -> Result<Option<(*mut c_void, Op)>, String> {
+    ) -> Result<Option<(*mut c_void, Op)>, SendFailed> {
         let mut header = Box::new([0u8; HEADER]);
         header[0..4].copy_from_slice(&kind.to_le_bytes());
         header[4..8].copy_from_slice(&(source as u32).to_le_bytes());
@@ -561,7 +561,7 @@ impl Worker {
             return Ok(None);
         }
         if ptr_is_err(r) {
-            return Err(self.ucp.describe(ptr_status(r)));
+            return Err(SendFailed(self.ucp.describe(ptr_status(r))));
         }
         Ok(Some((
             r,
@@ -649,7 +649,8 @@ pub fn address_from_hex(hex: &str) -> Option<Vec<u8>> {
         .collect()
 }
 
-pub fn available() -> Result<(), String> {
+/// Whether libucp loads here; why not, with what to do.
+pub fn available() -> Result<(), NotLoaded> {
     Ucp::load().map(|_| ())
 }
 
@@ -989,7 +990,7 @@ impl<'e, 'a> Progress<'e, 'a> {
             drop(_data);
             match s == UCS_OK {
                 true => done.complete(Ok(())),
-                false => done.complete(Err(w.ucp.describe(s))),
+                false => done.complete(Err(SendFailed(w.ucp.describe(s)))),
             }
         }
         busy
@@ -1071,7 +1072,7 @@ impl<'e, 'a> Progress<'e, 'a> {
                 if let Op::Send { peer, done, .. } = op
                     && *peer == dead
                 {
-                    done.complete(Err(format!("rank {dead}'s process is gone")));
+                    done.complete(Err(SendFailed(format!("rank {dead}'s process is gone"))));
                 }
             }
         }

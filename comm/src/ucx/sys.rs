@@ -167,25 +167,31 @@ pub struct Ucp {
     pub status_string: unsafe extern "C" fn(ucs_status_t) -> *const c_char,
 }
 
+/// Why libucp cannot be used here, and what to do.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NotLoaded {
+    #[error(
+        "UCX is not installed ({0}): install it with `apt-get install libucx0` (Debian/Ubuntu), \
+         or use the TCP transport (ZEROPP_TRANSPORT=tcp)"
+    )]
+    Missing(String),
+    #[error("libucp lacks {symbol}: {why}; zeropp needs UCX 1.9 or newer")]
+    Old { symbol: String, why: String },
+}
+
 impl Ucp {
     /// Loads libucp, or says which package to install.
-    pub fn load() -> Result<Ucp, String> {
+    pub fn load() -> Result<Ucp, NotLoaded> {
         // SAFETY: loading a shared library runs its initialisers; libucp's
         // are the library's own business, as with any linked C library.
-        let lib = unsafe { Library::new("libucp.so.0") }.map_err(|e| {
-            format!(
-                "UCX is not installed ({e}): install it with `apt-get install libucx0` \
-                 (Debian/Ubuntu), or use the TCP transport (ZEROPP_TRANSPORT=tcp)"
-            )
-        })?;
+        let lib = unsafe { Library::new("libucp.so.0") }
+            .map_err(|e| NotLoaded::Missing(e.to_string()))?;
         macro_rules! sym {
             ($name:literal) => {
                 // SAFETY: the symbol's type is the prototype in UCX 1.x's ucp.h.
-                *unsafe { lib.get($name) }.map_err(|e| {
-                    format!(
-                        "libucp lacks {}: {e}; zeropp needs UCX 1.9 or newer",
-                        String::from_utf8_lossy($name)
-                    )
+                *unsafe { lib.get($name) }.map_err(|e| NotLoaded::Old {
+                    symbol: String::from_utf8_lossy($name).into_owned(),
+                    why: e.to_string(),
                 })?
             };
         }
