@@ -73,7 +73,12 @@ fn expand_entry(entry: &str, list: &str) -> Result<Vec<String>, BadHostlist> {
     for item in body.split(',') {
         let item = item.trim();
         let (lo, hi) = item.split_once('-').unwrap_or((item, item));
-        let bad = || bad(list, format!("has {item:?}, which is not a number or a range a-b"));
+        let bad = || {
+            bad(
+                list,
+                format!("has {item:?}, which is not a number or a range a-b"),
+            )
+        };
         if lo.is_empty() || !lo.bytes().all(|b| b.is_ascii_digit()) {
             return Err(bad());
         }

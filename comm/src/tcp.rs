@@ -20,11 +20,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
-use super::{SendFailed, io_err};
 use super::mailbox::Mailbox;
 use super::pool::BufferPool;
 use super::wire::{self, Header, HelloError, Kind, ReadFrame};
 use super::{CommError, SendHandle, Tag, Transport};
+use super::{SendFailed, io_err};
 
 /// Settings of a TCP mesh.
 #[derive(Clone, Debug)]

@@ -75,15 +75,16 @@ pub enum CudaError {
     #[error(transparent)]
     Quant(#[from] zeropp_quant::QuantError),
     /// The CUDA toolkit's libraries or headers could not be found or
-    /// loaded (the search's own message: what was looked for, where).
-    #[error("{0}")]
-    Toolkit(String),
+    /// loaded: the search's error (what was looked for, where), made once
+    /// per process and shared by every caller.
+    #[error(transparent)]
+    Toolkit(std::sync::Arc<CudaError>),
     /// An NVRTC call failed.
     #[error("NVRTC {what} failed: {status}")]
     Nvrtc { what: String, status: String },
     /// NCCL (libnccl.so.2) could not be loaded or lacks what zeropp calls.
-    #[error("{0}")]
-    NcclLibrary(String),
+    #[error(transparent)]
+    NcclLibrary(#[from] nccl::NcclNotLoaded),
     /// An NCCL call, or the CUDA work around it, failed on this rank.
     #[error("{what}: {detail}")]
     Nccl { what: String, detail: String },

@@ -154,11 +154,22 @@ fn candidates() -> Vec<PathBuf> {
     c
 }
 
+/// Why NCCL cannot be used here, and what to do.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NcclNotLoaded {
+    #[error(
+        "NCCL (libnccl.so.2) was not found; looked for {tried}. Install it with `python3 -m pip \
+         install nvidia-nccl-cu13` or `apt-get install libnccl2`, or set ZEROPP_NCCL to the \
+         library file"
+    )]
+    Missing { tried: String },
+    #[error("libnccl lacks {symbol}: {why}; zeropp needs NCCL 2.17 or newer")]
+    Old { symbol: String, why: String },
+}
+
 fn api() -> Result<&'static Api, CudaError> {
-    static API: OnceLock<Result<Api, String>> = OnceLock::new();
-    API.get_or_init(load)
-        .as_ref()
-        .map_err(|e| CudaError::NcclLibrary(e.clone()))
+    static API: OnceLock<Result<Api, NcclNotLoaded>> = OnceLock::new();
+    Ok(API.get_or_init(load).as_ref().map_err(Clone::clone)?)
 }
 
 /// The NCCL this process already loaded (PyTorch's), if any: one NCCL per
@@ -173,7 +184,7 @@ fn already_loaded() -> Option<Library> {
         .map(Library::from)
 }
 
-fn load() -> Result<Api, String> {
+fn load() -> Result<Api, NcclNotLoaded> {
     let mut tried = Vec::new();
     let mut lib = already_loaded();
     if lib.is_none() {
@@ -181,26 +192,19 @@ fn load() -> Result<Api, String> {
         // SAFETY: loading NCCL runs its initialisers, as linking it would.
         lib = tried.iter().find_map(|p| unsafe { Library::new(p) }.ok());
     }
-    let lib = lib.ok_or_else(|| {
-        format!(
-            "NCCL (libnccl.so.2) was not found; looked for {}. Install it with \
-                 `python3 -m pip install nvidia-nccl-cu13` or `apt-get install libnccl2`, or set \
-                 ZEROPP_NCCL to the library file",
-            tried
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )
+    let lib = lib.ok_or_else(|| NcclNotLoaded::Missing {
+        tried: tried
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
     })?;
     macro_rules! sym {
         ($name:literal) => {
             // SAFETY: the symbol's type is its prototype in nccl.h (2.x).
-            *unsafe { lib.get($name) }.map_err(|e| {
-                format!(
-                    "libnccl lacks {}: {e}; zeropp needs NCCL 2.17 or newer",
-                    String::from_utf8_lossy($name)
-                )
+            *unsafe { lib.get($name) }.map_err(|e| NcclNotLoaded::Old {
+                symbol: String::from_utf8_lossy($name).into_owned(),
+                why: e.to_string(),
             })?
         };
     }

@@ -32,19 +32,19 @@ pub struct Toolkit {
 impl Toolkit {
     /// Finds NVRTC and the headers and makes NVRTC loadable by cudarc.
     pub fn find() -> Result<Toolkit, CudaError> {
-        static FOUND: OnceLock<Result<Toolkit, String>> = OnceLock::new();
+        static FOUND: OnceLock<Result<Toolkit, std::sync::Arc<CudaError>>> = OnceLock::new();
         let found = FOUND.get_or_init(|| {
             let roots = search_roots();
-            let tk = locate(&roots, system_has_nvrtc).map_err(|e| e.to_string())?;
+            let tk = locate(&roots, system_has_nvrtc)?;
             if let Some(path) = &tk.nvrtc {
-                preload(path).map_err(|e| e.to_string())?;
+                preload(path)?;
             }
             Ok(tk)
         });
         match found {
             Ok(tk) => Ok(tk.clone()),
-            // Rebuild the error for this caller; the search is done once.
-            Err(msg) => Err(CudaError::Toolkit(msg.clone())),
+            // The search is done once; every caller gets its error.
+            Err(e) => Err(CudaError::Toolkit(e.clone())),
         }
     }
 

@@ -10,7 +10,10 @@ use zeropp_zero::ZeroError;
 pub enum EngineError {
     /// The model's own check failed.
     #[error("invalid model: {0}")]
-    Model(String),
+    Model(#[from] crate::model::InvalidModel),
+    /// The model's forward does not connect a unit's input to its output.
+    #[error("invalid model: no gradient reached the input of {unit}")]
+    NoGradient { unit: String },
     /// The islands' settings cannot run (or a rejoin asked of a job that
     /// cannot take it).
     #[error("invalid switches: {0}")]

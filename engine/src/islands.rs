@@ -704,46 +704,73 @@ fn encode_rejoin(
     out
 }
 
+/// What is wrong with a rejoin state ([`decode_rejoin`]).
+#[derive(Debug, thiserror::Error)]
+enum BadRejoinState {
+    #[error("truncated at byte {at} of {len}")]
+    Truncated { at: usize, len: usize },
+    #[error("not a rejoin state")]
+    NotAState,
+    #[error("{0} islands")]
+    Islands(usize),
+    #[error(transparent)]
+    History(#[from] ZeroError),
+    #[error("unit {unit:?}: a flag of {flag}")]
+    Flag { unit: String, flag: u8 },
+    #[error("unit {unit:?}: {len} values where this rank holds {chunk}")]
+    Length {
+        unit: String,
+        len: usize,
+        chunk: usize,
+    },
+    #[error("{0} bytes past the end")]
+    Trailing(usize),
+}
+
 /// [`encode_rejoin`] read back for units of `layouts`; what is wrong
 /// with it said.
 fn decode_rejoin(
     bytes: &[u8],
     layouts: &[UnitLayout],
-) -> std::result::Result<(u64, Vec<bool>, islands::History, Vec<UnitShard>), String> {
+) -> std::result::Result<(u64, Vec<bool>, islands::History, Vec<UnitShard>), BadRejoinState> {
     let mut at = 0usize;
-    let mut take = |n: usize| -> std::result::Result<&[u8], String> {
-        let piece = bytes
-            .get(at..at + n)
-            .ok_or_else(|| format!("truncated at byte {at} of {}", bytes.len()))?;
+    let mut take = |n: usize| -> std::result::Result<&[u8], BadRejoinState> {
+        let piece = bytes.get(at..at + n).ok_or(BadRejoinState::Truncated {
+            at,
+            len: bytes.len(),
+        })?;
         at += n;
         Ok(piece)
     };
     if take(8)? != STATE_MAGIC {
-        return Err("not a rejoin state".into());
+        return Err(BadRejoinState::NotAState);
     }
     let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
     let step = word(take(8)?);
     let islands = word(take(8)?) as usize;
     if islands > 1 << 16 {
-        return Err(format!("{islands} islands"));
+        return Err(BadRejoinState::Islands(islands));
     }
     let alive = take(islands)?.iter().map(|&b| b != 0).collect();
     let told = word(take(8)?) as usize;
-    let history =
-        islands::History::from_bytes(take(told.min(bytes.len()))?).map_err(|e| e.to_string())?;
+    let history = islands::History::from_bytes(take(told.min(bytes.len()))?)?;
     let flags = take(layouts.len())?.to_vec();
     let mut shards = Vec::with_capacity(layouts.len());
     for (layout, &flag) in layouts.iter().zip(&flags) {
         if flag > 1 {
-            return Err(format!("unit {:?}: a flag of {flag}", layout.name));
+            return Err(BadRejoinState::Flag {
+                unit: layout.name.clone(),
+                flag,
+            });
         }
-        let mut part = || -> std::result::Result<Vec<f32>, String> {
+        let mut part = || -> std::result::Result<Vec<f32>, BadRejoinState> {
             let len = word(take(8)?) as usize;
             if len != layout.chunk {
-                return Err(format!(
-                    "unit {:?}: {len} values where this rank holds {}",
-                    layout.name, layout.chunk
-                ));
+                return Err(BadRejoinState::Length {
+                    unit: layout.name.clone(),
+                    len,
+                    chunk: layout.chunk,
+                });
             }
             Ok(take(4 * len)?
                 .chunks_exact(4)
@@ -768,7 +795,7 @@ fn decode_rejoin(
         });
     }
     if at != bytes.len() {
-        return Err(format!("{} bytes past the end", bytes.len() - at));
+        return Err(BadRejoinState::Trailing(bytes.len() - at));
     }
     Ok((step, alive, history, shards))
 }
@@ -839,17 +866,20 @@ mod tests {
             let (oa, ob) = (a.outer.as_ref().unwrap(), b.outer.as_ref().unwrap());
             assert_eq!((&oa.anchor, &oa.momentum), (&ob.anchor, &ob.momentum));
         }
-        let truncated = decode_rejoin(&bytes[..bytes.len() - 3], &layouts).unwrap_err();
+        let truncated = decode_rejoin(&bytes[..bytes.len() - 3], &layouts)
+            .unwrap_err()
+            .to_string();
         assert!(truncated.contains("truncated"), "{truncated}");
         let mut longer = bytes.clone();
         longer.push(0);
         assert!(
             decode_rejoin(&longer, &layouts)
                 .unwrap_err()
+                .to_string()
                 .contains("past the end")
         );
         let other = [layout("embed", 4), layout("head", 5)];
-        let wrong = decode_rejoin(&bytes, &other).unwrap_err();
+        let wrong = decode_rejoin(&bytes, &other).unwrap_err().to_string();
         assert!(
             wrong.contains("\"embed\": 3 values where this rank holds 4"),
             "{wrong}"
@@ -857,6 +887,7 @@ mod tests {
         assert!(
             decode_rejoin(b"garbage!garbage!", &layouts)
                 .unwrap_err()
+                .to_string()
                 .contains("not a rejoin")
         );
     }

@@ -25,7 +25,7 @@ pub use error::{EngineError, IslandsError, Result};
 use islands::IslandRun;
 pub use islands::{IslandConfig, LostIsland};
 use model::tensors_from_owned;
-pub use model::{Model, Tie};
+pub use model::{InvalidModel, Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
@@ -321,7 +321,7 @@ impl Engine {
         timeout: Duration,
     ) -> Result<Engine> {
         let transport = &counter;
-        cfg.model.validate().map_err(EngineError::Model)?;
+        cfg.model.validate()?;
         scratch::budget_from_env()?;
         if transport.world_size() != layout.world() || transport.rank() != layout.rank {
             return Err(EngineError::Layout {

@@ -16,12 +16,20 @@ pub struct Tie {
     pub to: usize,
 }
 
+/// A model's setting that does not fit: which, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{setting} {why}")]
+pub struct InvalidModel {
+    pub setting: &'static str,
+    pub why: String,
+}
+
 /// A model the engine can shard: units in forward order, the shapes of
 /// each unit's parameters (in the order of its flat buffer), their initial
 /// values, each unit's forward and the loss on the last unit's output.
 pub trait Model: Send + Sync + std::fmt::Debug {
     /// The model's own settings, checked: what is wrong, else `Ok`.
-    fn validate(&self) -> std::result::Result<(), String>;
+    fn validate(&self) -> std::result::Result<(), InvalidModel>;
     /// Units, in forward order.
     fn unit_count(&self) -> usize;
     /// A unit's name (in errors, checkpoints and summaries).

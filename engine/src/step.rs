@@ -204,10 +204,9 @@ impl Engine {
             let mut flat = self.flat_gradient(u, &grads, &vars, (tied_var, &mut tied_grad))?;
             upstream = match &input_var {
                 Some(iv) => Some(grads.get(iv.as_tensor()).cloned().ok_or_else(|| {
-                    EngineError::Model(format!(
-                        "no gradient reached the input of {}",
-                        self.units[u].name
-                    ))
+                    EngineError::NoGradient {
+                        unit: self.units[u].name.clone(),
+                    }
                 })?),
                 None => None,
             };

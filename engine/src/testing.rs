@@ -132,7 +132,7 @@ pub struct TiedMlp {
 }
 
 impl Model for TiedMlp {
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), crate::model::InvalidModel> {
         Ok(())
     }
     fn unit_count(&self) -> usize {

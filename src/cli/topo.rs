@@ -54,7 +54,7 @@ pub fn run(args: TopoArgs) -> Result<()> {
             let root = sysfs_root.unwrap_or_else(|| PathBuf::from("/"));
             zeropp_topology::detect::detect(&root)?;
             let entries = zeropp_topology::capture::capture(&root);
-            let tar = zeropp_topology::capture::to_tar(&entries).map_err(anyhow::Error::msg)?;
+            let tar = zeropp_topology::capture::to_tar(&entries)?;
             let packed = zstd::encode_all(&tar[..], 19).context("compressing the capture")?;
             std::fs::write(&out, &packed)
                 .with_context(|| format!("cannot write {}", out.display()))?;

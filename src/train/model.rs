@@ -3,6 +3,7 @@
 //! parameters and its input. The model knows nothing of sharding: the engine
 //! hands a unit its full parameters (as tensors) and calls `forward`.
 
+use crate::engine::InvalidModel;
 use candle_core::{DType, Result, Tensor};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
@@ -29,21 +30,24 @@ zeropp_settings::section! {
 }
 
 impl ModelConfig {
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), InvalidModel> {
+        let bad = |setting, why: String| Err(InvalidModel { setting, why });
         if self.width == 0 || self.heads == 0 || !self.width.is_multiple_of(self.heads) {
-            return Err(format!(
-                "width {} must be a positive multiple of heads {}",
+            let why = format!(
+                "{} must be a positive multiple of heads {}",
                 self.width, self.heads
-            ));
+            );
+            return bad("width", why);
         }
         if self.context == 0 {
-            return Err("context must be positive".into());
+            return bad("context", "must be positive".into());
         }
         if self.vocab < 256 {
-            return Err(format!(
-                "vocab {} is too small: tokens are bytes, so it must be at least 256",
+            let why = format!(
+                "{} is too small: tokens are bytes, so it must be at least 256",
                 self.vocab
-            ));
+            );
+            return bad("vocab", why);
         }
         Ok(())
     }
@@ -237,7 +241,7 @@ fn block_forward(c: &ModelConfig, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
 /// The built-in GPT as the engine shards it: `units()` in order, the
 /// embedding's token matrix tied to the head when `tied_head` is set.
 impl crate::engine::Model for ModelConfig {
-    fn validate(&self) -> std::result::Result<(), String> {
+    fn validate(&self) -> std::result::Result<(), InvalidModel> {
         ModelConfig::validate(self)
     }
 

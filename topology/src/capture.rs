@@ -177,9 +177,12 @@ pub fn capture(root: &Path) -> Vec<Entry> {
 }
 
 /// The entries as a tar archive (GNU headers: long sysfs paths included).
-pub fn to_tar(entries: &[Entry]) -> Result<Vec<u8>, String> {
+pub fn to_tar(entries: &[Entry]) -> Result<Vec<u8>, crate::TopoError> {
     let mut b = tar::Builder::new(Vec::new());
-    let fail = |p: &Path, e: std::io::Error| format!("{}: cannot archive: {e}", p.display());
+    let fail = |p: &Path, e: std::io::Error| crate::TopoError::Read {
+        path: p.display().to_string(),
+        what: format!("cannot archive: {e}"),
+    };
     for e in entries {
         let mut h = tar::Header::new_gnu();
         h.set_mtime(0);
@@ -208,6 +211,8 @@ pub fn to_tar(entries: &[Entry]) -> Result<Vec<u8>, String> {
             }
         }
     }
-    b.into_inner()
-        .map_err(|e| format!("cannot finish the archive: {e}"))
+    b.into_inner().map_err(|e| crate::TopoError::Read {
+        path: "the archive".into(),
+        what: format!("cannot be finished: {e}"),
+    })
 }

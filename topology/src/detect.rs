@@ -17,24 +17,27 @@ fn numa(path: &Path) -> Option<u32> {
         .and_then(|n| u32::try_from(n).ok())
 }
 
+/// A part of a kernel CPU list that is neither a CPU nor a range of them.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad CPU or CPU range {0:?}")]
+pub struct BadCpus(pub String);
+
 /// Number of CPUs in a kernel CPU list (`0-3,8,10-11`).
-pub fn count_cpus(list: &str) -> Result<usize, String> {
+pub fn count_cpus(list: &str) -> Result<usize, BadCpus> {
     let mut n = 0;
     for part in list.split(',').filter(|p| !p.is_empty()) {
+        let bad = || BadCpus(part.into());
         match part.split_once('-') {
             Some((a, b)) => {
-                let (a, b): (usize, usize) = (
-                    a.parse().map_err(|_| format!("bad CPU range {part:?}"))?,
-                    b.parse().map_err(|_| format!("bad CPU range {part:?}"))?,
-                );
+                let (a, b): (usize, usize) =
+                    (a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?);
                 if b < a {
-                    return Err(format!("bad CPU range {part:?}"));
+                    return Err(bad());
                 }
                 n += b - a + 1;
             }
             None => {
-                part.parse::<usize>()
-                    .map_err(|_| format!("bad CPU {part:?}"))?;
+                part.parse::<usize>().map_err(|_| bad())?;
                 n += 1;
             }
         }
@@ -138,9 +141,9 @@ fn numa_nodes(sys: &Path) -> Result<Vec<NumaNode>, TopoError> {
         };
         let path = dir.join(&name).join("cpulist");
         let cpus = read(&path).unwrap_or_default();
-        let cpu_count = count_cpus(&cpus).map_err(|what| TopoError::Read {
+        let cpu_count = count_cpus(&cpus).map_err(|e| TopoError::Read {
             path: path.display().to_string(),
-            what,
+            what: e.to_string(),
         })?;
         nodes.push(NumaNode {
             id,
@@ -346,10 +349,7 @@ pub fn detect(root: &Path) -> Result<Topology, TopoError> {
             what: format!("not NVML facts as `zeropp topo capture` writes them: {e}"),
         })?)
     } else if root == Path::new("/") && !topo.gpus.is_empty() {
-        crate::nvml::query().map_err(|what| TopoError::Read {
-            path: "NVML (libnvidia-ml.so.1)".into(),
-            what,
-        })?
+        crate::nvml::query()?
     } else {
         None
     };

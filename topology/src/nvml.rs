@@ -48,9 +48,13 @@ pub fn norm_bus_id(b: &str) -> String {
 
 /// Asks the live driver; `Ok(None)` when there is no NVML (no driver, no
 /// GPU), an error only when NVML is there and fails.
-pub fn query() -> Result<Option<NvmlFacts>, String> {
+pub fn query() -> Result<Option<NvmlFacts>, crate::TopoError> {
     use nvml_wrapper::Nvml;
     use nvml_wrapper::error::NvmlError;
+    let failed = |what: String| crate::TopoError::Read {
+        path: "NVML (libnvidia-ml.so.1)".into(),
+        what,
+    };
     let nvml = match Nvml::init() {
         Ok(n) => n,
         Err(
@@ -58,19 +62,19 @@ pub fn query() -> Result<Option<NvmlFacts>, String> {
         ) => {
             return Ok(None);
         }
-        Err(e) => return Err(format!("NVML: {e}")),
+        Err(e) => return Err(failed(format!("NVML: {e}"))),
     };
     let count = nvml
         .device_count()
-        .map_err(|e| format!("NVML device count: {e}"))?;
+        .map_err(|e| failed(format!("NVML device count: {e}")))?;
     let mut gpus = Vec::new();
     for i in 0..count {
         let d = nvml
             .device_by_index(i)
-            .map_err(|e| format!("NVML device {i}: {e}"))?;
+            .map_err(|e| failed(format!("NVML device {i}: {e}")))?;
         let pci = d
             .pci_info()
-            .map_err(|e| format!("NVML device {i} PCI info: {e}"))?;
+            .map_err(|e| failed(format!("NVML device {i} PCI info: {e}")))?;
         let mut nvlinks = Vec::new();
         // NVML_NVLINK_MAX_LINKS is 18; links past a GPU's own count fail.
         for link in 0..18 {
