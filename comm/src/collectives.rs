@@ -195,8 +195,18 @@ impl Communicator {
         // Still waiting on `peer` while finding the culprit: an inquiry
         // from another rank meanwhile is told so.
         self.liveness.waiting_on(peer, || {
-            t.recv(peer, tag, self.timeout)
-                .map_err(|e| self.liveness.culprit(t, peer, e))
+            t.recv(peer, tag, self.timeout).map_err(|e| match e {
+                // `peer` gave the call up blaming this rank (it took
+                // this rank, slow to come, for stuck).
+                CommError::PeerFailed {
+                    peer: blamed,
+                    reason,
+                } if blamed == self.rank() => CommError::GaveUp {
+                    by: peer,
+                    reason: format!("it blamed this rank: {reason}"),
+                },
+                e => self.liveness.culprit(t, peer, e),
+            })
         })
     }
 
@@ -968,6 +978,73 @@ mod tests {
             out[0].0
         );
         drop(stopped);
+    }
+
+    /// Ring 0 → 1 → 2 → 0 with rank 2 dying inside an all-gather, after
+    /// its first part reached rank 0: rank 0 forwards everything rank 1
+    /// needs, then gives the call up at its last receive; rank 1 completes
+    /// the call and waits on rank 0 in the next one. Rank 0 left the group
+    /// (it gave a call up because rank 2 failed), so rank 1 fails at once
+    /// naming rank 2, instead of waiting its timeout and blaming rank 0.
+    #[test]
+    fn a_member_that_completed_the_call_a_peer_gave_up_does_not_wait_for_it_in_the_next() {
+        let mut world = InProcess::world(3);
+        let dead = world.pop().unwrap();
+        let group = || Group::new(GroupKind::Numbered(0), vec![0, 1, 2]).unwrap();
+        // Rank 2's part of step 0 of call 0, then nothing.
+        dead.send(0, tag(&group(), 0, 0), Bytes::from_static(b"2"))
+            .unwrap();
+        let timeout = Duration::from_secs(20);
+        let out: Vec<_> = world
+            .into_iter()
+            .map(|t| {
+                std::thread::spawn(move || {
+                    t.contain_deaths(t.rank()..t.rank() + 1);
+                    t.declare_dead(2, "killed".into());
+                    let c = Communicator::new(Arc::new(t), timeout);
+                    let g = group();
+                    let started = std::time::Instant::now();
+                    let first = c.all_gather_v(&g, Bytes::from_static(b"x"));
+                    let next = first.is_ok().then(|| c.barrier(&g));
+                    (first.map(|b| b.len()), next, started.elapsed())
+                })
+            })
+            .map(|h| h.join().unwrap())
+            .collect();
+        let named = |e: &CommError| matches!(e, CommError::PeerFailed { peer: 2, .. });
+        let (first, next, _) = &out[0];
+        assert!(first.as_ref().is_err_and(named), "rank 0: {first:?}");
+        assert!(next.is_none());
+        let (first, next, took) = &out[1];
+        assert_eq!(first.as_ref().ok(), Some(&3), "rank 1 completes the call");
+        let next = next.as_ref().unwrap();
+        assert!(next.as_ref().is_err_and(named), "rank 1: {next:?}");
+        assert!(*took < timeout / 2, "rank 1 waited {took:?}");
+        drop(dead);
+    }
+
+    /// Rank 0 gave a call up blaming rank 1 (it took rank 1, slow to come,
+    /// for stuck): rank 1's wait on it there says rank 0 gave up, not that
+    /// rank 1 itself failed.
+    #[test]
+    fn a_rank_blamed_by_the_peer_that_gave_up_is_told_who_gave_up() {
+        let mut world = InProcess::world(2);
+        let c1 = Communicator::new(Arc::new(world.pop().unwrap()), Duration::from_secs(20));
+        let t0 = world.pop().unwrap();
+        let g = Group::new(GroupKind::Numbered(0), vec![0, 1]).unwrap();
+        let slow = CommError::Timeout {
+            peer: 1,
+            tag: 0,
+            waited: Duration::from_secs(20),
+        };
+        let notice = liveness::gave_up(0, call_of(tag(&g, 0, 0)), &slow);
+        t0.send(1, gave_up_tag(), notice).unwrap();
+        match c1.all_gather_v(&g, Bytes::from_static(b"late")) {
+            Err(e @ CommError::GaveUp { by: 0, .. }) => {
+                assert!(e.to_string().contains("blamed this rank"), "{e}")
+            }
+            other => panic!("expected rank 0's giving up, got {other:?}"),
+        }
     }
 
     /// A live rank that is not in the collective (slow, or calling another

@@ -33,10 +33,34 @@ struct State {
     /// [`super::group::call_of`]): the rank it blamed, if any, and why. A
     /// wait on that peer in that call fails at once.
     gave_up: HashMap<(usize, u64), (Option<usize>, String)>,
+    /// Groups a peer left, by (peer, group id): the first call it gave up
+    /// because a rank failed, that rank and why. A peer that gave a call
+    /// up for a failed rank makes no later call of that group (its job
+    /// ends, or its islands regroup without that rank's island), so a
+    /// wait on it in a later call of the group fails at once too — a
+    /// member that completed the call the peer gave up waits on it in the
+    /// next one.
+    left: HashMap<(usize, u64), (u32, usize, String)>,
     closed: bool,
 }
 
 impl State {
+    /// The error of a wait on `source` for `tag` in a call after one of the
+    /// same group that `source` gave up for a failed rank.
+    fn left_group(&self, source: usize, tag: Tag) -> Option<CommError> {
+        if super::group::is_rejoin(tag) {
+            return None;
+        }
+        let call = super::group::call_of(tag);
+        let (first, blamed, reason) = self.left.get(&(source, call >> 24))?;
+        // Later modulo 2^24 (a member is never 2^23 calls ahead).
+        let after = ((call & 0xff_ffff) as u32).wrapping_sub(*first) & 0xff_ffff;
+        (after < 1 << 23).then(|| CommError::PeerFailed {
+            peer: *blamed,
+            reason: format!("{reason} (rank {source} gave up a call of this group for it)"),
+        })
+    }
+
     /// Whether `peer` is gone from another island (its death contained).
     fn contained(&self, peer: usize) -> bool {
         self.dead.contains_key(&peer)
@@ -69,7 +93,13 @@ impl Mailbox {
         }
         if tag == super::group::gave_up_tag() {
             if let Some((call, peer, reason)) = super::liveness::parse_gave_up(&data) {
-                self.lock().gave_up.insert((source, call), (peer, reason));
+                let mut state = self.lock();
+                if let Some(blamed) = peer {
+                    let (group, number) = (call >> 24, (call & 0xff_ffff) as u32);
+                    let left = (number, blamed, reason.clone());
+                    state.left.entry((source, group)).or_insert(left);
+                }
+                state.gave_up.insert((source, call), (peer, reason));
                 self.arrived.notify_all();
             }
             return;
@@ -145,6 +175,7 @@ impl Mailbox {
         state.dead.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
         state.gave_up.retain(|(source, _), _| *source != peer);
+        state.left.retain(|(source, _), _| *source != peer);
         state.returned.insert(peer);
         self.arrived.notify_all();
     }
@@ -217,6 +248,9 @@ impl Mailbox {
                         reason: reason.clone(),
                     },
                 });
+            }
+            if let Some(e) = state.left_group(source, tag) {
+                return Err(e);
             }
             if state.contained(source)
                 && let Some(reason) = state.dead.get(&source)
@@ -365,6 +399,21 @@ mod tests {
         assert_eq!(m.take(1, call(6, 0), WAIT).unwrap(), "next");
         assert_eq!(m.take(2, call(5, 1), WAIT).unwrap(), "other");
         assert!(m.first_death().is_none());
+        // Having given a call up for a failed rank, rank 1 makes no later
+        // call of the group: a member that completed call 5 and waits on
+        // it in call 7 fails at once too; another group's calls wait.
+        match m.take(1, call(7, 2), WAIT) {
+            Err(CommError::PeerFailed { peer: 3, reason }) => {
+                assert!(reason.contains("gave up a call of this group"), "{reason}")
+            }
+            other => panic!("expected rank 3 named, got {other:?}"),
+        }
+        let short = Duration::from_millis(50);
+        let other_group = (8 << 40) | (7 << 16);
+        assert!(matches!(
+            m.take(1, other_group, short),
+            Err(CommError::Timeout { .. })
+        ));
 
         let bad = CommError::Malformed("a 3-byte f32".into());
         let notice = super::super::liveness::gave_up(2, call(9, 0) >> 16, &bad);
@@ -376,6 +425,12 @@ mod tests {
             }
             other => panic!("expected rank 2's giving up, got {other:?}"),
         }
+        // Its own error blamed no rank: its later calls of the group may
+        // still come (a caller that goes on after a bad call).
+        assert!(matches!(
+            m.take(2, call(10, 0), short),
+            Err(CommError::Timeout { .. })
+        ));
         // A restarted rank 2 is a new process: its predecessor's notices go.
         m.revive(2);
         m.readmit(2);
