@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 
-use super::group::{call_of, gave_up_tag, tag};
+use super::group::{gave_up_tag, tag};
 use super::liveness::{self, Liveness};
 use super::{CommError, Group, GroupKind, SendHandle, Tag, Transport, scratch};
 
@@ -224,7 +224,7 @@ impl Communicator {
     ) -> Result<T, CommError> {
         let call = group.next_call();
         f(call).inspect_err(|e| {
-            let notice = liveness::gave_up(self.rank(), call_of(tag(group, call, 0)), e);
+            let notice = liveness::gave_up(self.rank(), tag(group, call, 0), e);
             for &r in group.ranks().iter().filter(|&&r| r != self.rank()) {
                 // A rank gone takes no notice.
                 let _ = self.transport.send(r, gave_up_tag(), notice.clone());
@@ -1037,7 +1037,7 @@ mod tests {
             tag: 0,
             waited: Duration::from_secs(20),
         };
-        let notice = liveness::gave_up(0, call_of(tag(&g, 0, 0)), &slow);
+        let notice = liveness::gave_up(0, tag(&g, 0, 0), &slow);
         t0.send(1, gave_up_tag(), notice).unwrap();
         match c1.all_gather_v(&g, Bytes::from_static(b"late")) {
             Err(e @ CommError::GaveUp { by: 0, .. }) => {

@@ -272,9 +272,16 @@ pub(crate) fn gave_up_tag() -> Tag {
 }
 
 /// The call a collective message's tag belongs to: its group's id and the
-/// call's sequence number, without the step.
-pub(crate) fn call_of(tag: Tag) -> u64 {
-    tag >> 16
+/// call's sequence number (modulo 2^24), without the step.
+pub(crate) fn call_of(tag: Tag) -> (u32, u32) {
+    ((tag >> 40) as u32, ((tag >> 16) & 0xff_ffff) as u32)
+}
+
+/// Whether call `call` of a group comes after call `first` of it (modulo
+/// 2^24: a member is never 2^23 calls ahead of another).
+pub(crate) fn is_after(call: u32, first: u32) -> bool {
+    let ahead = call.wrapping_sub(first) & 0xff_ffff;
+    ahead != 0 && ahead < 1 << 23
 }
 
 /// The tag of step `step` of call `call` on `group`: the group's id in the

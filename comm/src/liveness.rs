@@ -54,12 +54,12 @@ pub(crate) fn parse_verdict(data: &[u8]) -> Option<(usize, String)> {
     Some((peer, String::from_utf8_lossy(&data[4..]).into_owned()))
 }
 
-/// A notice that `me` gave up call `call` ([`super::group::call_of`]) after
-/// error `e`: the rank that caused it, if one did (died, or did not
+/// A notice that `me` gave up the call of `tag` (a tag of that call, any
+/// step: [`super::group::call_of`]) after error `e`: the rank that caused it, if one did (died, or did not
 /// answer), and what happened. The members waiting on `me` in that call
 /// fail at once with it ([`super::mailbox::Mailbox::take`]) instead of at
 /// their timeout, and blame the rank `e` blamed, not `me`.
-pub(crate) fn gave_up(me: usize, call: u64, e: &CommError) -> Bytes {
+pub(crate) fn gave_up(me: usize, tag: Tag, e: &CommError) -> Bytes {
     let (peer, reason) = match e {
         CommError::PeerFailed { peer, reason } => (Some(*peer), reason.clone()),
         CommError::Timeout { peer, waited, .. } => (
@@ -72,14 +72,14 @@ pub(crate) fn gave_up(me: usize, call: u64, e: &CommError) -> Bytes {
         CommError::GaveUp { reason, .. } => (None, reason.clone()),
         other => (None, other.to_string()),
     };
-    let mut b = call.to_le_bytes().to_vec();
+    let mut b = tag.to_le_bytes().to_vec();
     b.extend_from_slice(&peer.map_or(u32::MAX, |p| p as u32).to_le_bytes());
     b.extend_from_slice(reason.as_bytes());
     Bytes::from(b)
 }
 
-/// A [`gave_up`] notice read back: the call, the rank blamed, and why.
-pub(crate) fn parse_gave_up(data: &[u8]) -> Option<(u64, Option<usize>, String)> {
+/// A [`gave_up`] notice read back: the call's tag, the rank blamed, and why.
+pub(crate) fn parse_gave_up(data: &[u8]) -> Option<(Tag, Option<usize>, String)> {
     let call = u64::from_le_bytes(data.get(..8)?.try_into().ok()?);
     let peer = u32::from_le_bytes(data.get(8..12)?.try_into().ok()?);
     let peer = (peer != u32::MAX).then_some(peer as usize);

@@ -30,34 +30,51 @@ struct State {
     /// once, as on the dead rank they replace.
     returned: std::collections::HashSet<usize>,
     /// Calls a peer gave up ([`super::liveness::gave_up`]), by (peer,
-    /// [`super::group::call_of`]): the rank it blamed, if any, and why. A
-    /// wait on that peer in that call fails at once.
-    gave_up: HashMap<(usize, u64), (Option<usize>, String)>,
-    /// Groups a peer left, by (peer, group id): the first call it gave up
-    /// because a rank failed, that rank and why. A peer that gave a call
-    /// up for a failed rank makes no later call of that group (its job
-    /// ends, or its islands regroup without that rank's island), so a
-    /// wait on it in a later call of the group fails at once too — a
-    /// member that completed the call the peer gave up waits on it in the
-    /// next one.
-    left: HashMap<(usize, u64), (u32, usize, String)>,
+    /// group id): each call's number, the rank it blamed, if any, and why.
+    gave_up: HashMap<(usize, u32), Vec<GaveUp>>,
     closed: bool,
 }
 
+/// A call a peer gave up.
+struct GaveUp {
+    call: u32,
+    blamed: Option<usize>,
+    reason: String,
+}
+
 impl State {
-    /// The error of a wait on `source` for `tag` in a call after one of the
-    /// same group that `source` gave up for a failed rank.
-    fn left_group(&self, source: usize, tag: Tag) -> Option<CommError> {
+    /// The error of a wait on `source` for `tag`, if `source` gave that
+    /// call up — or an earlier call of the group because a rank failed: a
+    /// peer that did makes no later call of the group (its job ends, or
+    /// its islands regroup without that rank's island), and a member that
+    /// completed the call it gave up waits on it in the next one.
+    fn gave_up(&self, source: usize, tag: Tag) -> Option<CommError> {
         if super::group::is_rejoin(tag) {
             return None;
         }
-        let call = super::group::call_of(tag);
-        let (first, blamed, reason) = self.left.get(&(source, call >> 24))?;
-        // Later modulo 2^24 (a member is never 2^23 calls ahead).
-        let after = ((call & 0xff_ffff) as u32).wrapping_sub(*first) & 0xff_ffff;
-        (after < 1 << 23).then(|| CommError::PeerFailed {
-            peer: *blamed,
-            reason: format!("{reason} (rank {source} gave up a call of this group for it)"),
+        let (group, call) = super::group::call_of(tag);
+        let notices = self.gave_up.get(&(source, group))?;
+        let this = notices.iter().find(|n| n.call == call);
+        let earlier = || {
+            notices
+                .iter()
+                .find(|n| n.blamed.is_some() && super::group::is_after(call, n.call))
+        };
+        let n = this.or_else(earlier)?;
+        let which = if n.call == call {
+            "the call"
+        } else {
+            "a call of this group"
+        };
+        Some(match n.blamed {
+            Some(peer) => CommError::PeerFailed {
+                peer,
+                reason: format!("{} (rank {source} gave up {which} for it)", n.reason),
+            },
+            None => CommError::GaveUp {
+                by: source,
+                reason: n.reason.clone(),
+            },
         })
     }
 
@@ -92,14 +109,19 @@ impl Mailbox {
             return;
         }
         if tag == super::group::gave_up_tag() {
-            if let Some((call, peer, reason)) = super::liveness::parse_gave_up(&data) {
+            if let Some((tag, blamed, reason)) = super::liveness::parse_gave_up(&data) {
+                let (group, call) = super::group::call_of(tag);
+                let notice = GaveUp {
+                    call,
+                    blamed,
+                    reason,
+                };
                 let mut state = self.lock();
-                if let Some(blamed) = peer {
-                    let (group, number) = (call >> 24, (call & 0xff_ffff) as u32);
-                    let left = (number, blamed, reason.clone());
-                    state.left.entry((source, group)).or_insert(left);
-                }
-                state.gave_up.insert((source, call), (peer, reason));
+                state
+                    .gave_up
+                    .entry((source, group))
+                    .or_default()
+                    .push(notice);
                 self.arrived.notify_all();
             }
             return;
@@ -175,7 +197,6 @@ impl Mailbox {
         state.dead.remove(&peer);
         state.queues.retain(|(source, _), _| *source != peer);
         state.gave_up.retain(|(source, _), _| *source != peer);
-        state.left.retain(|(source, _), _| *source != peer);
         state.returned.insert(peer);
         self.arrived.notify_all();
     }
@@ -232,24 +253,9 @@ impl Mailbox {
                         .into(),
                 });
             }
-            if !super::group::is_rejoin(tag)
-                && let Some((blamed, reason)) =
-                    state.gave_up.get(&(source, super::group::call_of(tag)))
-            {
-                // Its messages sent before it gave up were taken above; no
-                // more will come.
-                return Err(match blamed {
-                    Some(peer) => CommError::PeerFailed {
-                        peer: *peer,
-                        reason: format!("{reason} (rank {source} gave up the call for it)"),
-                    },
-                    None => CommError::GaveUp {
-                        by: source,
-                        reason: reason.clone(),
-                    },
-                });
-            }
-            if let Some(e) = state.left_group(source, tag) {
+            // Its messages sent before it gave up were taken above; no
+            // more will come.
+            if let Some(e) = state.gave_up(source, tag) {
                 return Err(e);
             }
             if state.contained(source)
@@ -380,7 +386,7 @@ mod tests {
             peer: 3,
             reason: "killed".into(),
         };
-        let notice = super::super::liveness::gave_up(1, call(5, 0) >> 16, &killed);
+        let notice = super::super::liveness::gave_up(1, call(5, 0), &killed);
         m.deliver(1, super::super::group::gave_up_tag(), notice);
         assert_eq!(m.take(1, call(5, 0), WAIT).unwrap(), "part");
         let t = Instant::now();
@@ -416,7 +422,7 @@ mod tests {
         ));
 
         let bad = CommError::Malformed("a 3-byte f32".into());
-        let notice = super::super::liveness::gave_up(2, call(9, 0) >> 16, &bad);
+        let notice = super::super::liveness::gave_up(2, call(9, 0), &bad);
         m.deliver(2, super::super::group::gave_up_tag(), notice);
         match m.take(2, call(9, 4), WAIT) {
             Err(e @ CommError::GaveUp { by: 2, .. }) => {
