@@ -29,6 +29,7 @@ pub use model::{InvalidModel, Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
+use zeropp_zero::fsdp::{self, Gather};
 use zeropp_zero::host::{Host, HostMover, Kept};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
@@ -36,7 +37,7 @@ use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
 use zeropp_zero::qgz::{FirstHop, Reduction};
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz, scratch};
+use zeropp_zero::{ByteMover, Hop, ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz, scratch};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -151,28 +152,36 @@ impl ShardedUnit {
     }
 }
 
-/// A unit's weights as a gather delivered them.
-enum Gathered {
-    /// Unquantized wires: every rank's payload, in rank order.
-    Payloads(Vec<Bytes>),
-    /// qwZ's chunks at their gathered positions (`qwz::gathered_position`),
-    /// or hpZ's in rank order.
-    Quantized {
-        chunks: QuantizedChunks,
-        rank_order: bool,
-    },
-    /// The full padded weights, rank order (qwZ on differences).
-    Full(Vec<f32>),
+/// A unit's weights as a gather delivered them: the full padded weights,
+/// and hpZ's secondary shard of them where a forward gather keeps one.
+struct Gathered {
+    full: Vec<f32>,
+    secondary: Option<Secondary>,
 }
 
-/// hpZ's secondary shard of a unit, in the form its chunks travelled.
+/// hpZ's secondary shard of a unit: chunks `i·k .. (i+1)·k` of its forward
+/// gather as they travelled — values in the wire's dtype (bf16, or f32),
+/// or qwZ's quantized chunks — gathered again inside the hpZ group in
+/// backward.
 #[derive(Clone)]
 enum Secondary {
-    Payloads(Vec<Bytes>),
+    Values(Arc<Kept>),
     Quantized(Arc<QuantizedChunks>),
 }
 
 impl Secondary {
+    /// Chunks `first .. first + k` of `full` (`chunk` values each), kept in
+    /// bf16 unless `fp32` (as the plain wire sends them).
+    fn values(
+        full: &Vec<f32>,
+        (first, k, chunk): (usize, usize, usize),
+        fp32: bool,
+    ) -> Result<Secondary, ZeroError> {
+        let mut kept = zeropp_zero::Quantizer::kept(&Host, k * chunk, !fp32)?;
+        zeropp_zero::Quantizer::store_kept(&Host, full, first * chunk, &mut kept, 0, k * chunk)?;
+        Ok(Secondary::Values(Arc::new(kept)))
+    }
+
     /// Lets go of the shard: its buffers are reused once no gather holds
     /// them.
     fn recycle(self) {
@@ -487,64 +496,91 @@ impl Engine {
         self.cfg.model.parameter_count()
     }
 
-    /// Starts gathering unit `u`'s weights from the primary shards: qwZ
-    /// across nodes then within the node, or bf16 over the world.
+    /// The hpZ group whose secondary shard a gather under `phase` keeps:
+    /// the forward gather's with hpZ on, unless qwZ's references of weight
+    /// differences are that shard (`DeltaWire::hpz`: the backward gather is
+    /// served from them).
+    fn keeps_secondary(&self, phase: Phase) -> Option<usize> {
+        let served = matches!(self.plan.weights, WeightWire::Delta(d) if d.hpz);
+        (phase == Phase::ForwardGather && self.plan.hpz && !served).then_some(self.plan.hpz_group)
+    }
+
+    /// Starts gathering unit `u`'s weights from the primary shards (qwZ
+    /// across nodes then within the node, weight differences, or bf16 / f32
+    /// over the world), decoded into its full weights on the communication
+    /// thread, with hpZ's secondary shard where `phase` keeps one.
     fn start_primary_gather(
         &self,
         u: usize,
         phase: Phase,
     ) -> Result<Pending<Gathered, ZeroError>, ZeroError> {
-        let wire = self.plan.weights;
-        let counter = self.counter.clone();
-        let groups = self.groups.clone();
-        let layout = self.plan.layout;
-        if let WeightWire::Delta(delta_wire) = wire {
-            let (mine, padded) = (self.units[u].master.clone(), self.units[u].padded);
-            let reference = self.units[u].reference.clone();
-            return Ok(self.thread.submit(move |c: &Communicator| {
-                let mover = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups: groups.clone(),
-                };
-                let mut full = vec![0f32; padded];
-                let mut reference = reference
-                    .lock()
-                    .map_err(|_| ZeroError::Poisoned("qwZ reference"))?;
-                delta::gather(
-                    &Host,
-                    &mover,
-                    layout,
-                    delta_wire,
-                    delta::Slot::new(&mut reference),
-                    &mine.as_slice(),
-                    &mut full.as_mut_slice(),
-                    phase,
-                )?;
-                Ok(Gathered::Full(full))
-            }));
-        }
-        if let WeightWire::Quantized(format) = wire {
-            let mine = qwz::quantize_shard(&Host, &self.units[u].master.as_slice(), format)?;
-            return Ok(self.thread.submit(move |c: &Communicator| {
-                let mover = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups: groups.clone(),
-                };
-                let chunks = qwz::gather_chunks(&Host, &mover, layout, &mine, phase)?;
-                zeropp_zero::Quantizer::recycle_chunks(&Host, mine);
-                Ok(Gathered::Quantized {
-                    chunks,
-                    rank_order: false,
-                })
-            }));
-        }
-        let fp32 = wire.fp32();
-        let mine = qwz::encode_plain(&self.units[u].master, fp32);
+        let (layout, wire) = (self.plan.layout, self.plan.weights);
+        let (counter, groups) = (self.counter.clone(), self.groups.clone());
+        let su = &self.units[u];
+        let (mine, padded, chunk) = (su.master.clone(), su.padded, su.chunk);
+        let reference = su.reference.clone();
+        let keep = self
+            .keeps_secondary(phase)
+            .map(|h| (hpz::secondary_chunks(layout.world(), h), h));
+        // qwZ quantizes the shard here, while the communication thread
+        // gathers the last unit.
+        let quantized = match wire {
+            WeightWire::Quantized(format) => {
+                Some(qwz::quantize_shard(&Host, &mine.as_slice(), format)?)
+            }
+            _ => None,
+        };
         Ok(self.thread.submit(move |c: &Communicator| {
-            counter.set_phase(phase, 0.0);
-            Ok(Gathered::Payloads(c.all_gather_v(&groups.world, mine)?))
+            let m = HostMover {
+                comm: c,
+                counter: &counter,
+                groups,
+            };
+            let mut full = vec![0f32; padded];
+            // Member i of an hpZ group of h keeps chunks i·k .. (i+1)·k.
+            let run = keep.map(|(k, h)| ((layout.local() % h) * k, k, chunk));
+            let kept = match (wire, quantized) {
+                (_, Some(mine)) => {
+                    let all = qwz::gather_chunks(&Host, &m, layout, &mine, phase)?;
+                    zeropp_zero::Quantizer::recycle_chunks(&Host, mine);
+                    let secondary = keep
+                        .map(|(_, h)| hpz::keep_quantized(&Host, layout, &all, h))
+                        .transpose()?;
+                    let position = |r| qwz::gathered_position(layout, r);
+                    qwz::dequantize_all(&Host, &all, position, &mut full.as_mut_slice())?;
+                    zeropp_zero::Quantizer::recycle_chunks(&Host, all);
+                    return Ok(Gathered {
+                        full,
+                        secondary: secondary.map(|s| Secondary::Quantized(Arc::new(s))),
+                    });
+                }
+                (WeightWire::Delta(d), None) => {
+                    let mut reference = reference
+                        .lock()
+                        .map_err(|_| ZeroError::Poisoned("qwZ reference"))?;
+                    let slot = Some(delta::Slot::new(&mut reference));
+                    let (x, out) = (&mine.as_slice(), &mut full.as_mut_slice());
+                    let how = Gather::Delta(d);
+                    fsdp::all_gather(&Host, &m, layout, Hop::World, how, phase, slot, x, out)?;
+                    run
+                }
+                (plain, None) => {
+                    let (x, fp32) = (&*mine, plain.fp32());
+                    ByteMover::<Host>::all_gather_values(
+                        &m,
+                        Hop::World,
+                        phase,
+                        x,
+                        &mut full,
+                        fp32,
+                    )?;
+                    run
+                }
+            };
+            let secondary = kept
+                .map(|run| Secondary::values(&full, run, wire.fp32()))
+                .transpose()?;
+            Ok(Gathered { full, secondary })
         }))
     }
 
@@ -554,85 +590,34 @@ impl Engine {
         let Some(secondary) = self.units[u].secondary.clone() else {
             return self.start_primary_gather(u, Phase::BackwardGather);
         };
-        let counter = self.counter.clone();
-        let groups = self.groups.clone();
-        Ok(self.thread.submit(move |c: &Communicator| match secondary {
-            Secondary::Payloads(secondary) => {
-                counter.set_phase(Phase::BackwardGather, 0.0);
-                Ok(Gathered::Payloads(hpz::gather(c, &groups.hpz, &secondary)?))
+        let (counter, groups) = (self.counter.clone(), self.groups.clone());
+        let (padded, fp32) = (self.units[u].padded, self.plan.weights.fp32());
+        Ok(self.thread.submit(move |c: &Communicator| {
+            let m = HostMover {
+                comm: c,
+                counter: &counter,
+                groups,
+            };
+            let (mut full, phase) = (vec![0f32; padded], Phase::BackwardGather);
+            match secondary {
+                Secondary::Values(kept) => {
+                    // Member j's run is chunks j·k .. (j+1)·k of the unit.
+                    let len = kept.len();
+                    let place = |j: usize, _| j * len;
+                    let (kept, out) = ((&*kept, len, fp32), &mut full.as_mut_slice());
+                    m.all_gather_kept_placed(&Host, Hop::Hpz, phase, kept, (1, &place), out)?;
+                }
+                Secondary::Quantized(secondary) => {
+                    let all = hpz::gather_quantized(&Host, &m, &secondary)?;
+                    qwz::dequantize_all(&Host, &all, |r| r, &mut full.as_mut_slice())?;
+                    zeropp_zero::Quantizer::recycle_chunks(&Host, all);
+                }
             }
-            Secondary::Quantized(secondary) => {
-                let mover = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups: groups.clone(),
-                };
-                Ok(Gathered::Quantized {
-                    chunks: hpz::gather_quantized(&Host, &mover, &secondary)?,
-                    rank_order: true,
-                })
-            }
+            Ok(Gathered {
+                full,
+                secondary: None,
+            })
         }))
-    }
-
-    /// This rank's hpZ secondary shard of unit `u`'s forward gather; none
-    /// where qwZ's references of weight differences are that shard
-    /// (`DeltaWire::hpz`: the backward gather is served from them).
-    fn keep_secondary(
-        &self,
-        u: usize,
-        gathered: &Gathered,
-    ) -> Result<Option<Secondary>, ZeroError> {
-        let (layout, h) = (self.plan.layout, self.plan.hpz_group);
-        if let WeightWire::Delta(wire) = self.plan.weights
-            && wire.hpz
-        {
-            return Ok(None);
-        }
-        Ok(Some(match gathered {
-            Gathered::Payloads(p) => Secondary::Payloads(hpz::keep_secondary(p, h, layout.local())),
-            Gathered::Full(full) => {
-                let (chunk, fp32) = (self.units[u].chunk, self.plan.weights.fp32());
-                let k = hpz::secondary_chunks(layout.world(), h);
-                let first = (layout.local() % h) * k;
-                Secondary::Payloads(
-                    (first..first + k)
-                        .map(|r| qwz::encode_plain(&full[r * chunk..(r + 1) * chunk], fp32))
-                        .collect(),
-                )
-            }
-            Gathered::Quantized { chunks, .. } => {
-                Secondary::Quantized(Arc::new(hpz::keep_quantized(&Host, layout, chunks, h)?))
-            }
-        }))
-    }
-
-    /// Decodes gathered weights into unit `u`'s full weights (the full
-    /// weights a delta gather delivered are taken as they are).
-    fn decode_full(&self, u: usize, gathered: Gathered) -> Result<Vec<f32>, ZeroError> {
-        let su = &self.units[u];
-        let layout = self.plan.layout;
-        Ok(match gathered {
-            Gathered::Full(f) => f,
-            Gathered::Payloads(p) => {
-                let mut full = vec![0f32; su.padded];
-                qwz::decode_plain(&p, self.plan.weights.fp32(), su.chunk, &mut full)?;
-                full
-            }
-            Gathered::Quantized { chunks, rank_order } => {
-                let position = |r| {
-                    if rank_order {
-                        r
-                    } else {
-                        qwz::gathered_position(layout, r)
-                    }
-                };
-                let mut full = vec![0f32; su.padded];
-                qwz::dequantize_all(&Host, &chunks, position, &mut full.as_mut_slice())?;
-                zeropp_zero::Quantizer::recycle_chunks(&Host, chunks);
-                full
-            }
-        })
     }
 
     /// Starts reduce-scattering unit `u`'s flat gradient; the result is the

@@ -68,8 +68,7 @@ impl Engine {
         let mut x = inputs.clone();
         let mut tied = Tied::default();
         for u in 0..self.units.len() {
-            let payloads = self.start_primary_gather(u, Phase::Other)?.wait()?;
-            let full = self.decode_full(u, payloads)?;
+            let full = self.start_primary_gather(u, Phase::Other)?.wait()?.full;
             let mut params = self.full_params(u, full)?;
             tied.apply(tie, u, &mut params);
             x = model.forward(u, &params, &x)?;
@@ -126,14 +125,14 @@ impl Engine {
         let mut x = inputs.clone();
         let mut pending = Some(self.start_primary_gather(0, Phase::ForwardGather)?);
         for u in 0..n {
-            let payloads = waited.time(|| pending.take().expect("started").wait())?;
+            let gathered = waited.time(|| pending.take().expect("started").wait())?;
             if u + 1 < n {
                 pending = Some(self.start_primary_gather(u + 1, Phase::ForwardGather)?);
             }
-            if self.plan.hpz {
-                self.units[u].secondary = self.keep_secondary(u, &payloads)?;
+            let full = gathered.full;
+            if let Some(old) = std::mem::replace(&mut self.units[u].secondary, gathered.secondary) {
+                old.recycle();
             }
-            let full = self.decode_full(u, payloads)?;
             let mut params = self.full_params(u, full)?;
             tied.apply(tie, u, &mut params);
             saved.push(x.clone());
@@ -163,11 +162,12 @@ impl Engine {
         let mut nonfinite = vec![false; n];
         let mut chunk_grads: Vec<Vec<f32>> = vec![Vec::new(); n];
         for u in (0..n).rev() {
-            let payloads = waited.time(|| pending.take().expect("started").wait())?;
+            let full = waited
+                .time(|| pending.take().expect("started").wait())?
+                .full;
             if u > 0 {
                 pending = Some(self.start_backward_gather(u - 1)?);
             }
-            let full = self.decode_full(u, payloads)?;
             let vars = vars_from_flat(&*model, u, &full, &self.device)?;
             // The variables hold their own copy.
             drop(full);

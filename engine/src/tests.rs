@@ -189,7 +189,7 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
     let mut engine = Vec::new();
     for _ in 0..2 {
         let p = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
-        engine.push(bits(&e.decode_full(u, p.wait().unwrap()).unwrap()));
+        engine.push(bits(&p.wait().unwrap().full));
     }
     for _ in 0..2 {
         let p = e.start_gradient(u, grad.clone()).unwrap();

@@ -1,47 +1,19 @@
-//! hpZ: after the forward gather each rank keeps the payloads of a
-//! contiguous run of chunks (its secondary shard); the backward gather
-//! collects the runs of its hpZ group only, so it never leaves the node.
-//! Quantized shards are kept and gathered over a [`Quantizer`] and a
-//! [`ByteMover`] (host and device alike); unquantized ones as the bytes
-//! they travelled as.
-
-use bytes::Bytes;
-
-use zeropp_comm::{CommError, Communicator, Group};
+//! hpZ: after the forward gather each rank keeps a contiguous run of
+//! chunks (its secondary shard); the backward gather collects the runs of
+//! its hpZ group only, so it never leaves the node. Quantized shards are
+//! kept and gathered here over a [`Quantizer`] and a [`ByteMover`] (host
+//! and device alike); unquantized ones are kept values in the dtype they
+//! travelled in, gathered by the mover (`ByteMover::all_gather_kept_placed`).
 
 use crate::backend::{ByteMover, Hop, Quantizer};
 use crate::error::ZeroError;
 use crate::layout::Layout;
-use crate::qwz::{concat, gathered_position, split_bundle};
+use crate::qwz::gathered_position;
 use crate::traffic::Phase;
 
 /// Chunks one secondary shard holds: W / the hpZ group size.
 pub fn secondary_chunks(world: usize, hpz_group: usize) -> usize {
     world / hpz_group
-}
-
-/// This rank's secondary shard out of a forward gather (`payloads` in rank
-/// order): member `i` of a group of `hpz_group` keeps chunks `i·k .. (i+1)·k`,
-/// copied so that the gathered buffers can be freed.
-pub fn keep_secondary(payloads: &[Bytes], hpz_group: usize, local_rank: usize) -> Vec<Bytes> {
-    let k = secondary_chunks(payloads.len(), hpz_group);
-    let member = local_rank % hpz_group;
-    payloads[member * k..(member + 1) * k]
-        .iter()
-        .map(|p| Bytes::copy_from_slice(p))
-        .collect()
-}
-
-/// Gathers the secondary shards of `hpz` (each `secondary.len()` chunks)
-/// back into every rank's chunk, in rank order.
-pub fn gather(c: &Communicator, hpz: &Group, secondary: &[Bytes]) -> Result<Vec<Bytes>, CommError> {
-    let n = secondary.len();
-    let bundles = c.all_gather_v(hpz, concat(secondary))?;
-    let mut by_rank = Vec::with_capacity(bundles.len() * n);
-    for bundle in &bundles {
-        by_rank.extend(split_bundle(bundle, n)?);
-    }
-    Ok(by_rank)
 }
 
 /// This rank's secondary shard out of a qwZ gather ([`crate::qwz::gather_quantized`]):

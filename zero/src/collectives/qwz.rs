@@ -5,16 +5,12 @@
 //! host and device alike. Unquantized chunks go round the world in one
 //! ring (moved as the caller's bytes).
 
-use bytes::{Bytes, BytesMut};
 use zeropp_cuda::GpuElement;
-use zeropp_quant::{Element, QuantFormat, Rounding};
-
-use zeropp_comm::CommError;
+use zeropp_quant::{QuantFormat, Rounding};
 
 use crate::backend::{ByteMover, Hop, Quantizer, check_hops};
 use crate::error::ZeroError;
 use crate::layout::Layout;
-use crate::payload;
 use crate::traffic::Phase;
 
 /// Where rank `r`'s chunk sits in what [`gather_quantized`] returns: the
@@ -91,67 +87,4 @@ pub fn dequantize_all<Q: Quantizer, T: GpuElement>(
         q.dequantize_tensor(all, position(rank), out, rank * chunk)?;
     }
     Ok(())
-}
-
-/// This rank's chunk as unquantized weights travel: bf16, or f32 with
-/// `fp32` (gathered over the world in one ring).
-pub fn encode_plain<T: Element>(chunk: &[T], fp32: bool) -> Bytes {
-    if fp32 {
-        payload::encode_f32(chunk)
-    } else {
-        payload::encode_bf16(chunk)
-    }
-}
-
-/// Decodes gathered unquantized payloads (rank order, `chunk` values each)
-/// into `out` (`payloads.len() · chunk` values).
-pub fn decode_plain<T: Element>(
-    payloads: &[Bytes],
-    fp32: bool,
-    chunk: usize,
-    out: &mut [T],
-) -> Result<(), CommError> {
-    if out.len() != payloads.len() * chunk {
-        return Err(CommError::Invalid(format!(
-            "a gather of {} chunks of {chunk} values does not fill {} values",
-            payloads.len(),
-            out.len()
-        )));
-    }
-    let mut scratch = vec![0f32; chunk];
-    for (r, p) in payloads.iter().enumerate() {
-        if fp32 {
-            payload::decode_f32(p, &mut scratch)?;
-        } else {
-            payload::decode_bf16(p, &mut scratch)?;
-        }
-        out[r * chunk..(r + 1) * chunk]
-            .iter_mut()
-            .zip(&scratch)
-            .for_each(|(o, v)| *o = T::from_f32(*v));
-    }
-    Ok(())
-}
-
-/// Splits the concatenated payloads of a bundle into equal parts.
-pub fn split_bundle(bundle: &Bytes, parts: usize) -> Result<Vec<Bytes>, CommError> {
-    if parts == 0 || !bundle.len().is_multiple_of(parts) {
-        return Err(CommError::Malformed(format!(
-            "a bundle of {} bytes does not split into {parts} chunks",
-            bundle.len()
-        )));
-    }
-    let len = bundle.len() / parts;
-    Ok((0..parts)
-        .map(|i| bundle.slice(i * len..(i + 1) * len))
-        .collect())
-}
-
-/// The parts back to back, as one message.
-pub fn concat(parts: &[Bytes]) -> Bytes {
-    let mut b = BytesMut::with_capacity(parts.iter().map(Bytes::len).sum());
-    for p in parts {
-        b.extend_from_slice(p);
-    }
-    b.freeze()
 }
