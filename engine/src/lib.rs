@@ -37,7 +37,7 @@ use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
 use zeropp_zero::qgz::{FirstHop, Reduction};
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{ByteMover, Hop, ZeroError, ZeroGroups, delta, hpz, payload, qgz, qwz, scratch};
+use zeropp_zero::{ByteMover, Hop, ZeroError, ZeroGroups, delta, hpz, qgz, qwz, scratch};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -283,6 +283,33 @@ enum Hop1 {
     Quantized(QuantizedChunks),
     Bf16(Vec<u16>),
     Alone(Vec<f32>),
+}
+
+/// A gradient for ZeRO-3's ring: narrowed to bf16 words, or f32.
+enum Ring {
+    Bf16(Vec<u16>),
+    F32(Vec<f32>),
+}
+
+impl Ring {
+    /// Gives the buffer back to the pools.
+    fn recycle(self) {
+        match self {
+            Ring::Bf16(words) => scratch::give(words),
+            Ring::F32(values) => scratch::give(values),
+        }
+    }
+}
+
+/// `grad` rounded to bf16 (nearest even, as a bf16 wire rounds) in a
+/// reused buffer; `grad`'s goes back to the pools.
+fn narrow_bf16(grad: Vec<f32>) -> Vec<u16> {
+    let mut words = scratch::take_for_overwrite::<u16>(grad.len());
+    for (w, &v) in words.iter_mut().zip(&grad) {
+        *w = <bf16 as Element>::from_f32(v).to_bits();
+    }
+    scratch::give(grad);
+    words
 }
 
 /// One rank's engine.
@@ -626,25 +653,31 @@ impl Engine {
         let layout = self.plan.layout;
         let counter = self.counter.clone();
         let groups = self.groups.clone();
-        let mean = move |mut v: Vec<f32>| -> Result<Vec<f32>, ZeroError> {
-            Reduction::Mean.apply(&Host, &mut v, layout)?;
-            Ok(v)
+        let ring = |grad: Ring| {
+            let (counter, groups) = (self.counter.clone(), self.groups.clone());
+            self.thread.submit(move |c: &Communicator| {
+                let m = HostMover {
+                    comm: c,
+                    counter: &counter,
+                    groups,
+                };
+                let (hop, phase) = (Hop::World, Phase::Gradient);
+                let sum = match &grad {
+                    Ring::Bf16(words) => {
+                        let words: &[bf16] = bytemuck::cast_slice(words);
+                        m.reduce_scatter_f32(&Host, hop, phase, words, true)
+                    }
+                    Ring::F32(values) => m.reduce_scatter_f32(&Host, hop, phase, values, true),
+                };
+                grad.recycle();
+                sum
+            })
         };
         match self.plan.grads {
-            GradWire::RingBf16 => Ok(self.thread.submit(move |c: &Communicator| {
-                counter.set_phase(Phase::Gradient, 0.0);
-                let mine =
-                    zeropp_zero::host::ring_bf16(c, &groups.world, payload::encode_bf16(&grad))?;
-                scratch::give(grad);
-                let mut out = scratch::take_for_overwrite(mine.len() / 2);
-                payload::decode_bf16(&mine, &mut out)?;
-                scratch::give(mine);
-                mean(out)
-            })),
-            GradWire::RingF32 => Ok(self.thread.submit(move |c: &Communicator| {
-                counter.set_phase(Phase::Gradient, 0.0);
-                mean(zeropp_zero::host::ring_f32(c, &groups.world, grad)?)
-            })),
+            // ZeRO-3's rings: narrowed to bf16 here (off the communication
+            // thread), averaged in f32.
+            GradWire::RingBf16 => Ok(ring(Ring::Bf16(narrow_bf16(grad)))),
+            GradWire::RingF32 => Ok(ring(Ring::F32(grad))),
             GradWire::TwoHop {
                 intra,
                 inter,
@@ -671,15 +704,7 @@ impl Engine {
                         scratch::give(grad);
                         Hop1::Quantized(first)
                     }
-                    FirstHop::Bf16 if layout.ranks_per_node > 1 => {
-                        let mut words = scratch::take_for_overwrite::<u16>(grad.len());
-                        for (w, &v) in words.iter_mut().zip(&grad) {
-                            // Round to nearest even, as the hop would.
-                            *w = <bf16 as Element>::from_f32(v).to_bits();
-                        }
-                        scratch::give(grad);
-                        Hop1::Bf16(words)
-                    }
+                    FirstHop::Bf16 if layout.ranks_per_node > 1 => Hop1::Bf16(narrow_bf16(grad)),
                     FirstHop::Bf16 => Hop1::Alone(grad),
                 };
                 let s = qgz::Qgz {

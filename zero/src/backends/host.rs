@@ -885,8 +885,37 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         out: &mut &mut [T],
         mean: bool,
     ) -> Result<(), ZeroError> {
+        check_scatter_len(x.len(), out.len(), self.group(hop).size())?;
+        let sum = self.reduce_scatter_f32(q, hop, phase, x, mean)?;
+        HostKernels::narrow(q, &sum, out)?;
+        scratch::give(sum);
+        Ok(())
+    }
+}
+
+impl HostMover<'_> {
+    /// ZeRO-3's reduce-scatter over `hop`: `x` (the group's size equal
+    /// chunks, member order) summed in a bf16 ring when `T` is bf16, else
+    /// in f32; this member's chunk of the sum in f32 (with `mean`, divided
+    /// by the group's size) before any rounding to `T` — what
+    /// [`ByteMover::reduce_scatter_tensor`] rounds into the caller's
+    /// tensor, and what the native engine keeps.
+    pub fn reduce_scatter_f32<K: HostKernels, T: GpuElement>(
+        &self,
+        q: &K,
+        hop: Hop,
+        phase: Phase,
+        x: &[T],
+        mean: bool,
+    ) -> Result<Vec<f32>, ZeroError> {
         let group = self.group(hop);
-        check_scatter_len(x.len(), out.len(), group.size())?;
+        let members = group.size();
+        if !x.len().is_multiple_of(members) {
+            return Err(ZeroError::Invalid(format!(
+                "a reduce-scatter of {} values does not split into {members} equal chunks",
+                x.len()
+            )));
+        }
         self.counter.set_phase(phase, 0.0);
         let mut sum = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
             let bytes = pooled_copy(bytemuck::cast_slice(x));
@@ -901,11 +930,9 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
             ring_f32(self.comm, group, wide)?
         };
         if mean {
-            HostKernels::divide(q, &mut sum, group.size() as f32)?;
+            HostKernels::divide(q, &mut sum, members as f32)?;
         }
-        HostKernels::narrow(q, &sum, out)?;
-        scratch::give(sum);
-        Ok(())
+        Ok(sum)
     }
 }
 
