@@ -22,6 +22,26 @@ use crate::kernels::{
 use crate::toolkit::Toolkit;
 use crate::{CudaError, DriverContext};
 
+/// Launches kernel `$name` of module `$family` on `$gpu`'s stream over a
+/// grid of `$grid` blocks (checked against CUDA's limits), with `$args` in
+/// the order the kernel declares them; an error names the kernel. The one
+/// launch sequence of every kernel below; written as `launch!(unsafe ...)`
+/// because the arguments' match with the kernel's signature is the caller's
+/// to promise (each call site says why, as SAFETY). A macro rather than a
+/// function: the arguments borrow for as long as the launch builder, which
+/// borrows the kernel's function from here.
+macro_rules! launch {
+    (unsafe $gpu:expr, $family:expr, $name:expr, $grid:expr, [$($arg:expr),+ $(,)?]) => {{
+        let name: &str = $name;
+        let func = $gpu.function($family, name)?;
+        let cfg = grid_config($grid, name)?;
+        let mut l = $gpu.stream.launch_builder(&func);
+        $( l.arg($arg); )+
+        // SAFETY: promised by the caller (its SAFETY comment).
+        unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))
+    }};
+}
+
 /// A value type NCCL reduces: its `ncclDataType_t`.
 pub trait NcclElement: DeviceRepr {
     const TYPE: std::ffi::c_int;
@@ -448,8 +468,6 @@ impl Gpu {
             return Ok(());
         }
         let (name, seed) = quantize_kernel(T::TAG, &f, launch.rounding);
-        let func = self.function("quantize", &name)?;
-        let cfg = grid_config(quantize_grid(&f, blocks), &name)?;
         let mut err = self.err.lock().expect("error slots poisoned");
         self.reset_err(&mut err)?;
         let (chunk_len, count, nodes, rpn, block, part) = (
@@ -460,23 +478,29 @@ impl Gpu {
             f.block as u32,
             u32::from(launch.part_seeds),
         );
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(input)
-            .arg(&chunk_len)
-            .arg(&count)
-            .arg(&nodes)
-            .arg(&rpn)
-            .arg(&block)
-            .arg(&seed)
-            .arg(&part)
-            .arg(codes)
-            .arg(bmax)
-            .arg(bmin)
-            .arg(&mut *err);
         // SAFETY: the arguments match the kernel's signature (quantize.cu) in
         // order and type; every buffer was checked to hold what the kernel
         // writes or reads for these sizes.
-        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        launch!(
+            unsafe self,
+            "quantize",
+            &name,
+            quantize_grid(&f, blocks),
+            [
+                input,
+                &chunk_len,
+                &count,
+                &nodes,
+                &rpn,
+                &block,
+                &seed,
+                &part,
+                codes,
+                bmax,
+                bmin,
+                &mut *err
+            ]
+        )?;
         let [key, _] = self.read_err(&err)?;
         let Some(fault) = decode_fault(key) else {
             return Ok(());
@@ -568,17 +592,12 @@ impl Gpu {
         if x.is_empty() {
             return Ok(());
         }
-        let func = self.function("dequantize", "zq_div_f32")?;
         let n = x.len() as u64;
-        let cfg = grid_config(
-            n.div_ceil(u64::from(THREADS))
-                .min(crate::kernels::MAX_STRIDE_GRID),
-            "zq_div_f32",
-        )?;
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(x).arg(&n).arg(&d);
+        let grid = n
+            .div_ceil(u64::from(THREADS))
+            .min(crate::kernels::MAX_STRIDE_GRID);
         // SAFETY: (float*, u64, float) as dequantize.cu declares it.
-        unsafe { b.launch(cfg) }.during(|| "launching zq_div_f32".into())?;
+        launch!(unsafe self, "dequantize", "zq_div_f32", grid, [x, &n, &d])?;
         Ok(())
     }
 
@@ -612,15 +631,12 @@ impl Gpu {
         if x.is_empty() {
             return Ok(());
         }
-        let func = self.function("dequantize", name)?;
         let n = x.len() as u64;
-        let cfg = grid_config(crate::kernels::stride_grid(n), name)?;
-        let mut l = self.stream.launch_builder(&func);
-        l.arg(x).arg(y).arg(&n);
+        let grid = crate::kernels::stride_grid(n);
         // SAFETY: (const A*, B*, u64) as dequantize.cu declares the kernel
         // `name` (zq_to_f32_E: A = E, B = f32; zq_from_f32_E: the other way);
         // both buffers hold `n` values.
-        unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
+        launch!(unsafe self, "dequantize", name, grid, [x, y, &n])?;
         Ok(())
     }
 
@@ -639,16 +655,13 @@ impl Gpu {
             return Ok(());
         }
         let name = "zq_hadamard_stage_f32";
-        let func = self.function("dequantize", name)?;
-        let cfg = grid_config(crate::kernels::stride_grid(whole / 2), name)?;
+        let grid = crate::kernels::stride_grid(whole / 2);
         let mut x = x.slice_mut(..whole as usize);
         let b = block as u64;
         for (h, scale) in crate::kernels::hadamard_stages(block) {
-            let mut l = self.stream.launch_builder(&func);
-            l.arg(&mut x).arg(&whole).arg(&b).arg(&h).arg(&scale);
             // SAFETY: (float*, u64, u64, u64, float) as dequantize.cu
             // declares it; `x` holds `whole` values, whole blocks of them.
-            unsafe { l.launch(cfg) }.during(|| format!("launching {name}"))?;
+            launch!(unsafe self, "dequantize", name, grid, [&mut x, &whole, &b, &h, &scale])?;
         }
         Ok(())
     }
@@ -666,18 +679,13 @@ impl Gpu {
         if x.is_empty() {
             return Ok(());
         }
-        let func = self.function("dequantize", "zq_axpby_f32")?;
         let n = x.len() as u64;
-        let cfg = grid_config(
-            n.div_ceil(u64::from(THREADS))
-                .min(crate::kernels::MAX_STRIDE_GRID),
-            "zq_axpby_f32",
-        )?;
-        let mut l = self.stream.launch_builder(&func);
-        l.arg(x).arg(y).arg(&n).arg(&a).arg(&b);
+        let grid = n
+            .div_ceil(u64::from(THREADS))
+            .min(crate::kernels::MAX_STRIDE_GRID);
         // SAFETY: (float*, const float*, u64, float, float) as dequantize.cu
         // declares it; both buffers hold `n` values.
-        unsafe { l.launch(cfg) }.during(|| "launching zq_axpby_f32".into())?;
+        launch!(unsafe self, "dequantize", "zq_axpby_f32", grid, [x, y, &n, &a, &b])?;
         Ok(())
     }
 
@@ -692,21 +700,18 @@ impl Gpu {
         if q.len == 0 {
             return Ok(());
         }
-        let func = self.function("dequantize", name)?;
-        let cfg = grid_config(dequantize_grid(&q.format, q.len), name)?;
         let mut err = self.err.lock().expect("error slots poisoned");
         self.reset_err(&mut err)?;
         let (len, block) = (q.len as u64, q.format.block as u32);
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(&q.codes)
-            .arg(&q.block_max)
-            .arg(&q.block_min)
-            .arg(&len)
-            .arg(&block)
-            .arg(out)
-            .arg(&mut *err);
+        let grid = dequantize_grid(&q.format, q.len);
         // SAFETY: as in `quantize_chunks` (dequantize.cu's signature).
-        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        launch!(
+            unsafe self,
+            "dequantize",
+            name,
+            grid,
+            [&q.codes, &q.block_max, &q.block_min, &len, &block, out, &mut *err]
+        )?;
         let [_, bad] = self.read_err(&err)?;
         if bad != u64::MAX {
             return Err(self.corrupt_params(q, bad as usize)?.into());
@@ -757,24 +762,28 @@ impl Gpu {
         let descs: Vec<QInput> = inputs.iter().map(|q| QInput::of(q, &self.stream)).collect();
         let descs_dev = self.upload(&descs)?;
         let (name, seed) = sum_requantize_kernel(&f, rounding);
-        let func = self.function("qgz", &name)?;
-        let cfg = grid_config(quantize_grid(&f, blocks), &name)?;
         let mut err = self.err.lock().expect("error slots poisoned");
         self.reset_err(&mut err)?;
         let (k, len, block) = (inputs.len() as u32, out.len as u64, f.block as u32);
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(&descs_dev)
-            .arg(&k)
-            .arg(&len)
-            .arg(&block)
-            .arg(&seed)
-            .arg(&mut out.codes)
-            .arg(&mut out.block_max)
-            .arg(&mut out.block_min)
-            .arg(&mut *err);
         // SAFETY: as in `quantize_chunks` (qgz.cu's signature); the input
         // descriptors point into buffers borrowed for the whole call.
-        unsafe { b.launch(cfg) }.during(|| format!("launching {name}"))?;
+        launch!(
+            unsafe self,
+            "qgz",
+            &name,
+            quantize_grid(&f, blocks),
+            [
+                &descs_dev,
+                &k,
+                &len,
+                &block,
+                &seed,
+                &mut out.codes,
+                &mut out.block_max,
+                &mut out.block_min,
+                &mut *err
+            ]
+        )?;
         let [key, bad] = self.read_err(&err)?;
         drop(err);
         if let Some((j, block)) = decode_corrupt_input(bad) {
