@@ -96,7 +96,7 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
         "step-00000020"
     );
     // The manifest records the switches the engine ran with, resolved (a
-    // JSON object: hpZ over the node of 2 ranks, int8 inside the node).
+    // JSON object: hpZ over the node of 2 ranks, bf16 inside the node).
     let manifest: serde_json::Value = serde_json::from_slice(
         &std::fs::read(ck.join("step-00000020").join("manifest.json")).unwrap(),
     )
@@ -104,7 +104,7 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
     let sw = &manifest["switches"];
     assert_eq!(
         (sw["hpz_group"].as_u64(), sw["qgz_intra_bits"].as_u64()),
-        (Some(2), Some(8)),
+        (Some(2), Some(16)),
         "{manifest}"
     );
     // Each shard keeps its part of the qwZ references (weight differences

@@ -115,11 +115,12 @@ fn zeropp_training_runs_learns_and_reports() {
         (Some(4), Some(2))
     );
     // The summary says what ran, as rank 0 printed it: hpZ over groups of
-    // 2 and int8 inside the node, from the routing plan (a JSON object).
+    // 2 and bf16 inside the node (no GPUs), from the routing plan (a JSON
+    // object).
     let sw = &s["switches"];
     assert_eq!(
         (sw["hpz_group"].as_u64(), sw["qgz_intra_bits"].as_u64()),
-        (Some(2), Some(8)),
+        (Some(2), Some(16)),
         "{s}"
     );
     // zeropp's default across nodes: int4 weight differences, hpZ, and

@@ -46,7 +46,7 @@ fn plan_for_hgx_nodes_uses_the_numa_closest_ndr_nic_per_gpu() {
 }
 
 #[test]
-fn plan_for_cpu_only_nodes_on_ethernet_keeps_int8_inside_and_int4_across() {
+fn plan_for_cpu_only_nodes_on_ethernet_sends_bf16_inside_and_int4_across() {
     let t = Tree::new("plan-cpu");
     t.host("laptop", &["0-7"])
         .eth("enp3s0", "pci0000:00/0000:00:1c.0/0000:03:00.0", -1, 10000)
@@ -56,8 +56,14 @@ fn plan_for_cpu_only_nodes_on_ethernet_keeps_int8_inside_and_int4_across() {
     assert_eq!(p.hops[0].transport, "UCX shared memory");
     assert_eq!(p.hops[1].transport, "UCX over TCP");
     assert!((p.hops[1].gbps_per_rank - 0.625).abs() < 1e-9);
-    // Shared memory is 16x faster per rank than the NIC.
-    assert_eq!(p.qgz_bits, [8, 4]);
+    // No GPUs: quantizing inside the node would cost the ranks' CPUs more
+    // than the shared-memory bytes it saves.
+    assert_eq!(p.qgz_bits, [16, 4], "{}", p.render());
+    assert!(
+        p.render().contains("qgZ bf16 inside / int4 across"),
+        "{}",
+        p.render()
+    );
     assert!(
         p.rank_nics
             .iter()
@@ -67,9 +73,9 @@ fn plan_for_cpu_only_nodes_on_ethernet_keeps_int8_inside_and_int4_across() {
     assert_eq!(env["NCCL_SOCKET_IFNAME"], "enp3s0");
     assert_eq!(env["NCCL_IB_DISABLE"], "1");
     assert_eq!(env["UCX_TLS"], "tcp,sm,self");
-    // One node: nothing crosses a slow link.
+    // One node: bf16 inside as well (no hop across).
     let one = plan(&t.detect(), 1, 2).unwrap();
-    assert_eq!((one.hops.len(), one.qgz_bits), (1, [8, 8]));
+    assert_eq!((one.hops.len(), one.qgz_bits[0]), (1, 16));
 }
 
 #[test]

@@ -49,7 +49,7 @@ pub struct RoutingPlan {
     /// Ranks sharing an hpZ secondary shard.
     pub hpz_group: usize,
     pub hpz_why: String,
-    /// qgZ's bits inside the node and across (the weights' format is the
+    /// qgZ's bits inside the node and across, 16 for bf16 (the weights' format is the
     /// mode's: `Switches`).
     pub qgz_bits: [u32; 2],
     pub bits_why: String,
@@ -221,7 +221,7 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, Routing
             "the node: the backward gather never leaves it".to_string(),
         )
     };
-    let (qgz_bits, bits_why) = gradient_bits(nodes, intra_gbps, inter_per_rank);
+    let (qgz_bits, bits_why) = gradient_bits(nodes, gpus, intra_gbps, inter_per_rank);
     let rank_nics = (0..g).map(|l| nic_for(t, l)).collect::<Vec<_>>();
     let mut names: Vec<String> = rank_nics.iter().filter_map(|r| r.nic.clone()).collect();
     names.sort();
@@ -255,19 +255,35 @@ fn inside_gbps(t: &Topology, g: usize, island: usize) -> f64 {
     }
 }
 
-/// qgZ's bits inside the node and across, and why. Its first hop stays
-/// inside the node and its second crosses: the first hop's bits cost time
-/// only when inside is not much faster than across, so int8 there (16
-/// times finer steps than int4, measured to keep small models' loss
-/// within 1% of ZeRO-3's) unless it would slow the step; the hop across is
-/// int4 whenever there is one.
-fn gradient_bits(nodes: usize, intra_gbps: f64, inter_per_rank: f64) -> ([u32; 2], String) {
+/// qgZ's bits inside the node and across (16: bf16), and why. Its first
+/// hop stays inside the node and its second crosses. Without GPUs the
+/// gradient is in host memory and the ranks quantize it on the CPUs they
+/// compute on: quantizing the hop inside costs more CPU than the
+/// shared-memory bytes it saves, so it goes in bf16 (measured:
+/// docs/BENCHMARKS.md, and its loss over 8 seeds in docs/TRAINING.md).
+/// On GPUs the first hop's bits cost time only when inside is not much
+/// faster than across, so int8 there (16 times finer steps than int4,
+/// measured to keep small models' loss within 1% of ZeRO-3's) unless it
+/// would slow the step. The hop across is int4 whenever there is one.
+fn gradient_bits(
+    nodes: usize,
+    gpus: bool,
+    intra_gbps: f64,
+    inter_per_rank: f64,
+) -> ([u32; 2], String) {
     let ratio = if inter_per_rank > 0.0 {
         intra_gbps / inter_per_rank
     } else {
         f64::INFINITY
     };
-    if nodes > 1 && inter_per_rank == 0.0 {
+    if !gpus {
+        (
+            [16, 4],
+            "no GPUs: quantizing the gradient inside the node costs the ranks' CPUs more than the \
+             shared-memory bytes it saves; bf16 inside, int4 across"
+                .to_string(),
+        )
+    } else if nodes > 1 && inter_per_rank == 0.0 {
         (
             [8, 4],
             "the speed across nodes is unknown: assume a slow link; int4 gradients across, int8 \
@@ -334,10 +350,16 @@ impl RoutingPlan {
             );
         }
         s += &format!("  hpZ group: {} ranks ({})\n", self.hpz_group, self.hpz_why);
+        let name = |bits: u32| match bits {
+            16 => "bf16".to_string(),
+            b => format!("int{b}"),
+        };
         s += &format!(
-            "  gradient bits: qgZ int{} inside / int{} across ({}); weights as the run's mode \
-             sends them (its `switches:` line)\n",
-            self.qgz_bits[0], self.qgz_bits[1], self.bits_why
+            "  gradient bits: qgZ {} inside / {} across ({}); weights as the run's mode sends \
+             them (its `switches:` line)\n",
+            name(self.qgz_bits[0]),
+            name(self.qgz_bits[1]),
+            self.bits_why
         );
         for r in &self.rank_nics {
             s += &format!(
