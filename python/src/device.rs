@@ -7,7 +7,6 @@
 
 use std::sync::Mutex;
 
-use half::{bf16, f16};
 use pyo3::prelude::*;
 use zeropp_cuda::Gpu;
 use zeropp_quant::QuantizedChunks;
@@ -25,7 +24,7 @@ use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
 use zeropp_zero::work::{Queue, Work};
 
-use crate::buffers::{Dtype, HostBuf};
+use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::collectives::{AllReduceState, Plan, QgzState, QwzReference};
 use crate::{Raised, invalid, to_py};
 
@@ -164,13 +163,7 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
         }),
     };
     // SAFETY: the caller's promise.
-    unsafe {
-        match c.dtype {
-            Dtype::F32 => job.all_gather::<f32>(call),
-            Dtype::Bf16 => job.all_gather::<bf16>(call),
-            Dtype::F16 => job.all_gather::<f16>(call),
-        }
-    }
+    unsafe { with_dtype!(c.dtype, T => job.all_gather::<T>(call)) }
 }
 
 /// FSDP2's reduce-scatter over the world on `job`'s device: the
@@ -201,13 +194,7 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
             .map(|(s, fb)| (s.settings(rank), s.keeps(), fb)),
     };
     // SAFETY: the caller's promise.
-    unsafe {
-        match c.dtype {
-            Dtype::F32 => job.reduce_scatter::<f32>(call),
-            Dtype::Bf16 => job.reduce_scatter::<bf16>(call),
-            Dtype::F16 => job.reduce_scatter::<f16>(call),
-        }
-    }
+    unsafe { with_dtype!(c.dtype, T => job.reduce_scatter::<T>(call)) }
 }
 
 /// One all-reduce's arguments: `numel` values of `dtype` at address `buf`
@@ -247,13 +234,7 @@ pub(crate) unsafe fn all_reduce<D: DeviceState>(
         quantized: (settings, state.error_feedback, &mut feedback),
     };
     // SAFETY: the caller's promise.
-    unsafe {
-        match c.dtype {
-            Dtype::F32 => job.all_reduce::<f32>(call),
-            Dtype::Bf16 => job.all_reduce::<bf16>(call),
-            Dtype::F16 => job.all_reduce::<f16>(call),
-        }
-    }
+    unsafe { with_dtype!(c.dtype, T => job.all_reduce::<T>(call)) }
 }
 
 /// A caller's memory as a device call takes it: its address on the device,
