@@ -809,7 +809,7 @@ impl Plan {
         bf16: bool,
         with_references: bool,
     ) -> Result<Gather, ZeroError> {
-        let how = Gather::of(self.plan.weights, over_world, bf16);
+        let how = self.plan.weights.gather(over_world, bf16);
         if matches!(how, Gather::Delta(_)) && !with_references {
             return Err(ZeroError::Invalid(
                 "this plan gathers weight differences: pass the group's references \

@@ -57,9 +57,8 @@ device_calls!(CudaJob {
     #[new]
     fn new(py: Python<'_>, job: &Job, device: usize) -> PyResult<CudaJob> {
         let (layout, counter, timeout) = (job.layout(), job.counter(), job.timeout());
-        let job = py
-            .detach(|| DeviceJob::open(device, layout, counter, timeout))
-            .map_err(to_py)?;
+        let gpu = py.detach(|| Gpu::open_shared(device)).map_err(to_py)?;
+        let job = DeviceJob::new(gpu, device, layout, counter, timeout);
         Ok(CudaJob { job: Arc::new(job) })
     }
 

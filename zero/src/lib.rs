@@ -16,15 +16,17 @@ mod backends;
 mod base;
 mod collectives;
 pub mod error;
+mod jobs;
 mod policy;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-// The folders show the layers (base, collectives, backends, policy); each
+// The folders show the layers (base, backends, collectives, policy, jobs); each
 // module keeps its path at the crate's root.
-pub use backends::{backend, device, device_job, emulated, host, work};
-pub use base::{groups, layout, measured, traffic};
-pub use collectives::{allreduce, delta, fsdp, hpz, islands, outer, payload, qgz, qwz, residual};
+pub use backends::{backend, device, devices, emulated, host, work};
+pub use base::{groups, layout, measured, payload, traffic};
+pub use collectives::{allreduce, delta, fsdp, hpz, islands, outer, qgz, qwz, residual};
+pub use jobs::device_job;
 pub use policy::{cost, job, plan, planner, probe, routing};
 
 pub use backend::{ByteMover, Hop, Quantizer};

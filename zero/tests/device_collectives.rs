@@ -701,7 +701,7 @@ fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
 fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
     use half::bf16;
     use zeropp_zero::Hop;
-    use zeropp_zero::fsdp::{self, Gather};
+    use zeropp_zero::fsdp;
     let wire = zeropp_zero::plan::WeightWire::Delta(zeropp_zero::delta::DeltaWire {
         delta: plan::weight_format(4, 64).unwrap(),
         refresh_every: 100,
@@ -709,7 +709,7 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
         hpz: true,
         bf16_references: false,
     });
-    let how = Gather::of(wire, true, true);
+    let how = wire.gather(true, true);
     let frozen: Vec<_> = std::iter::once(0..150).collect();
     let shards: Vec<Vec<bf16>> = (0..4)
         .map(|call| {

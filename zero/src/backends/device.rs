@@ -24,7 +24,7 @@ use crate::backend::{
     ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
     check_scatter_len, check_swizzled, scale_fraction,
 };
-use crate::device_job::{Comms, Device, DeviceJob, TensorMutOf, TensorOf};
+use crate::devices::{Comms, Device, TensorMutOf, TensorOf};
 use crate::error::ZeroError;
 use crate::host::{Host, Kept};
 use crate::layout::Layout;
@@ -836,20 +836,5 @@ impl Device for Gpu {
         let x = unsafe { self.borrow::<T>(inp, n_in) }?;
         let mut o = unsafe { self.borrow::<T>(out, n_out) }?;
         f(&x.view(), &mut o.view_mut())
-    }
-}
-
-impl DeviceJob<Gpu> {
-    /// Opens CUDA device `device` (compiling or loading zeropp's kernels
-    /// for it) for a job of `layout` counting in `counter`; the
-    /// communicators come next, with [`DeviceJob::connect`].
-    pub fn open(
-        device: usize,
-        layout: Layout,
-        counter: Arc<CountingTransport>,
-        timeout: Duration,
-    ) -> Result<DeviceJob<Gpu>, ZeroError> {
-        let gpu = Gpu::open_shared(device)?;
-        Ok(DeviceJob::new(gpu, device, layout, counter, timeout))
     }
 }

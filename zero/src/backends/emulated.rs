@@ -22,7 +22,7 @@ use zeropp_comm::collectives::CommThread;
 use zeropp_comm::{Communicator, Group};
 
 use crate::ZeroGroups;
-use crate::device_job::{Comms, Device};
+use crate::devices::{Comms, Device};
 use crate::error::{ZeroError, quant_failure};
 use crate::host::{Host, HostKernels, HostMover};
 use crate::traffic::CountingTransport;
@@ -317,7 +317,7 @@ fn cast<A: GpuElement, B: GpuElement>(name: &str, x: &[A], y: &mut [B]) -> Resul
     Ok(())
 }
 
-/// The emulated device of a device job ([`crate::device_job::Device`]):
+/// The emulated device of a device job ([`crate::devices::Device`]):
 /// "device" memory is host memory, the kernels are [`Emulated`], a
 /// communicator is one of the host job's groups, moved by its transports
 /// (the ids: the groups themselves). Its stream is one ordered queue, a

@@ -11,12 +11,12 @@ use crate::backend::{ByteMover, Hop, Quantizer};
 use crate::delta::{self, DeltaWire, Slot};
 use crate::error::ZeroError;
 use crate::layout::Layout;
-use crate::plan::WeightWire;
 use crate::qgz::{self, Reduction};
 use crate::qwz;
 use crate::traffic::Phase;
 
-/// How an all-gather moves the weights.
+/// How an all-gather moves the weights: per call, from the group's plan
+/// (`plan::WeightWire::gather`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Gather {
     /// The caller's bytes as they are: ZeRO-3, and hpZ's backward gather
@@ -27,28 +27,6 @@ pub enum Gather {
     Quantized(QuantFormat),
     /// qwZ on weight differences against references the caller keeps.
     Delta(DeltaWire),
-}
-
-impl Gather {
-    /// The gather of a parameter group whose plan moves weights as `wire`
-    /// (`plan::Plan::weights`, decided once from the switches), over the
-    /// world (`over_world`) or a sub-group, of bf16 tensors (`bf16`) or
-    /// others. qwZ runs over the world only: a sub-group moves the bytes as
-    /// they are, and so do the plan's plain wires (the tensor's own dtype
-    /// is FSDP2's). Differences cross nodes in the plan's format; the hop
-    /// inside the node moves what plain FSDP2 would move for these tensors
-    /// (bf16 ones in bf16 unless the plan says f32, others in f32).
-    pub fn of(wire: WeightWire, over_world: bool, bf16: bool) -> Gather {
-        match wire {
-            _ if !over_world => Gather::Plain,
-            WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
-            WeightWire::Quantized(format) => Gather::Quantized(format),
-            WeightWire::Delta(d) => Gather::Delta(DeltaWire {
-                fp32: d.fp32 || !bf16,
-                ..d
-            }),
-        }
-    }
 }
 
 /// FSDP2's all-gather over `hop` (the world, or the hpZ group for a
@@ -187,7 +165,7 @@ mod tests {
         let mut outs = Vec::new();
         let mut reference = None;
         for wire in testing::every_weight_wire(4, 256) {
-            let how = Gather::of(wire, true, true);
+            let how = wire.gather(true, true);
             for _ in 0..2 {
                 let mut out = vec![bf16::ZERO; len];
                 let (x, mut o) = (&shard[..], &mut out[..]);
@@ -246,9 +224,9 @@ mod tests {
         // A sub-group's gather and the plan's plain wires move the bytes as
         // they are; differences of f32 tensors keep f32 inside the node.
         let [plain, quantized, delta] = testing::every_weight_wire(8, 256);
-        assert_eq!(Gather::of(quantized, false, true), Gather::Plain);
-        assert_eq!(Gather::of(plain, true, true), Gather::Plain);
-        match Gather::of(delta, true, false) {
+        assert_eq!(quantized.gather(false, true), Gather::Plain);
+        assert_eq!(plain.gather(true, true), Gather::Plain);
+        match delta.gather(true, false) {
             Gather::Delta(d) => assert!(d.fp32),
             other => panic!("{other:?}"),
         }

@@ -4,8 +4,7 @@
 //! two-hop reduce-scatter ([`qgz`]) with its error feedback
 //! ([`residual`]), the quantized all-reduce ([`allreduce`]) and the
 //! islands' outer sync ([`outer`]) over the islands taking part
-//! ([`islands`]), FSDP2's two calls over them ([`fsdp`]),
-//! and the wire's byte formats ([`payload`]).
+//! ([`islands`]) and FSDP2's two calls over them ([`fsdp`]).
 
 pub mod allreduce;
 pub mod delta;
@@ -13,7 +12,6 @@ pub mod fsdp;
 pub mod hpz;
 pub mod islands;
 pub mod outer;
-pub mod payload;
 pub mod qgz;
 pub mod qwz;
 pub mod residual;

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
 
 use crate::error::ZeroError;
+use crate::fsdp::Gather;
 use crate::layout::{Layout, LayoutError};
 use crate::measured::Measured;
 use crate::qgz::FirstHop;
@@ -507,6 +508,26 @@ impl WeightWire {
             WeightWire::F32 => true,
             WeightWire::Delta(d) => d.fp32,
             WeightWire::Bf16 | WeightWire::Quantized(_) => false,
+        }
+    }
+
+    /// FSDP2's gather ([`crate::fsdp::all_gather`]) of a parameter group
+    /// whose plan moves weights on this wire, over the world
+    /// (`over_world`) or a sub-group, of bf16 tensors (`bf16`) or others.
+    /// qwZ runs over the world only: a sub-group moves the bytes as they
+    /// are, and so do the plain wires (the tensor's own dtype is FSDP2's).
+    /// Differences cross nodes in this wire's format; the hop inside the
+    /// node moves what plain FSDP2 would move for these tensors (bf16 ones
+    /// in bf16 unless the wire says f32, others in f32).
+    pub fn gather(self, over_world: bool, bf16: bool) -> Gather {
+        match self {
+            _ if !over_world => Gather::Plain,
+            WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
+            WeightWire::Quantized(format) => Gather::Quantized(format),
+            WeightWire::Delta(d) => Gather::Delta(crate::delta::DeltaWire {
+                fp32: d.fp32 || !bf16,
+                ..d
+            }),
         }
     }
 }

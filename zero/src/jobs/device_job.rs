@@ -28,141 +28,14 @@ use crate::fsdp::{self, Gather, Scatter};
 use crate::layout::Layout;
 use crate::qgz::{self, Reduction};
 use crate::traffic::{CountingTransport, Phase};
-use crate::work::{Fail, Queue, Watchdog, Work};
+use crate::work::{Fail, Watchdog, Work};
+
+pub use crate::devices::{ChunksOf, Comms, Device, KeptOf, TensorMutOf, TensorOf, ValuesOf};
 use crate::{ByteMover, Hop, Quantizer};
 
 /// How long a failed collective waits for the host transport to see which
 /// rank died (its connections close with the process).
 const NAME_THE_DEAD: Duration = Duration::from_secs(3);
-
-/// A caller's tensor of `T` on device `D`, to read.
-pub type TensorOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::Tensor<'a, T>;
-/// A caller's tensor of `T` on device `D`, to write.
-pub type TensorMutOf<'a, D, T> = <<D as Device>::Kernels as Quantizer>::TensorMut<'a, T>;
-/// f32 values on device `D`.
-pub type ValuesOf<D> = <<D as Device>::Kernels as Quantizer>::Values;
-/// A device's kept values (`Quantizer::Kept`).
-pub type KeptOf<D> = <<D as Device>::Kernels as Quantizer>::Kept;
-/// Quantized chunks on device `D`.
-pub type ChunksOf<D> = <<D as Device>::Kernels as Quantizer>::Chunks;
-
-/// What a device job runs on: zeropp's kernels on the device's memory, a
-/// communicator per group, and the caller's pointers and stream.
-pub trait Device {
-    /// The kernels, on this device's memory.
-    type Kernels: Quantizer;
-    /// A communicator: one group's members, joined.
-    type Comm;
-    /// What a communicator's members share to join it (made by its first
-    /// member).
-    type Id: ?Sized;
-    /// The byte mover of one call.
-    type Mover<'a>: ByteMover<Self::Kernels>
-    where
-        Self: 'a;
-    /// The order of the device's work: where a call runs and what marks
-    /// its end ([`Queue`]).
-    type Queue: Queue;
-
-    fn kernels(&self) -> &Self::Kernels;
-
-    /// This device's queue.
-    fn queue(&self) -> Self::Queue;
-
-    /// Joins the communicator `id` as member `rank` of `size`.
-    fn join(
-        &self,
-        id: &Self::Id,
-        rank: usize,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<Self::Comm, ZeroError>;
-
-    /// Ends `comm` after a failure: its work stops holding the stream and
-    /// none waits for the dead at exit.
-    fn abort(comm: &Self::Comm);
-
-    /// The device and `comms` queue their work on `stream` from now on.
-    ///
-    /// # Safety
-    /// `stream` is a live stream of this device (the caller's current
-    /// one), live for the call it is passed to.
-    unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<Self::Comm>);
-
-    /// The byte mover of a call over `comms` (one mesh dimension's, laid
-    /// out as `comms.layout`), with hpZ's group `hpz` (its communicator and
-    /// global ranks); `rank` is this rank in the whole job.
-    fn mover<'a>(
-        &'a self,
-        comms: &'a Comms<Self::Comm>,
-        rank: usize,
-        counter: &'a CountingTransport,
-        hpz: (&'a Self::Comm, &'a [usize]),
-    ) -> Self::Mover<'a>;
-
-    /// `f` on the caller's tensors: `inp.1` values of `T` at address
-    /// `inp.0`, `out.1` at `out.0`.
-    ///
-    /// # Safety
-    /// Both addresses hold that many values of `T` in this device's memory,
-    /// `out` not overlapping `inp`, untouched by anything else until the
-    /// call returns.
-    unsafe fn with_tensors<T: GpuElement>(
-        &self,
-        inp: (u64, usize),
-        out: (u64, usize),
-        f: impl FnOnce(&TensorOf<'_, Self, T>, &mut TensorMutOf<'_, Self, T>) -> Result<(), ZeroError>,
-    ) -> Result<(), ZeroError>;
-}
-
-/// The communicators of one mesh dimension's groups (the whole job's
-/// first): its world, this rank's node and cross groups in it, and hpZ
-/// groups smaller than its node.
-pub struct Comms<C> {
-    pub world: C,
-    pub node: C,
-    pub cross: C,
-    /// The global ranks of `world`, `node` and `cross`, in member order.
-    pub ranks: [Vec<usize>; 3],
-    /// The dimension's layout (this rank's position in it).
-    pub layout: Layout,
-    /// hpZ groups smaller than the node, by their global ranks.
-    pub subgroups: Vec<(Vec<usize>, C)>,
-}
-
-impl<C> Comms<C> {
-    pub fn all(&self) -> impl Iterator<Item = &C> {
-        let subgroups = self.subgroups.iter().map(|(_, c)| c);
-        [&self.world, &self.node, &self.cross]
-            .into_iter()
-            .chain(subgroups)
-    }
-
-    /// The communicator of group `ranks` in this dimension and the hop it
-    /// plays: the dimension itself (the world), or its node or a sub-group
-    /// of it (hpZ's group, which a gather over it runs as).
-    fn of(&self, ranks: &[usize]) -> Option<(Hop, &C)> {
-        if ranks == self.ranks[0] {
-            return Some((Hop::World, &self.world));
-        }
-        if ranks == self.ranks[1] {
-            return Some((Hop::Hpz, &self.node));
-        }
-        self.subgroups
-            .iter()
-            .find(|(r, _)| r == ranks)
-            .map(|(_, c)| (Hop::Hpz, c))
-    }
-
-    /// Whether `ranks` is a run of this dimension's node that includes
-    /// `rank` (an hpZ group smaller than the node).
-    fn has_run(&self, ranks: &[usize], rank: usize) -> bool {
-        let node = &self.ranks[1];
-        let start = ranks.first().and_then(|f| node.iter().position(|r| r == f));
-        matches!(start, Some(p) if node.get(p..p + ranks.len()) == Some(ranks))
-            && ranks.contains(&rank)
-    }
-}
 
 /// The communicator of `ranks` among `dims`: which dimension, the hop it
 /// plays there, the communicator.
@@ -874,7 +747,7 @@ mod tests {
             .into_iter()
             .zip([1, 1, 2])
         {
-            let how = Gather::of(wire, true, true);
+            let how = wire.gather(true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let (x, mut o) = (&shard[..], &mut out[..]);
@@ -996,7 +869,7 @@ mod tests {
             .into_iter()
             .zip([1, 1, 2])
         {
-            let how = Gather::of(wire, true, true);
+            let how = wire.gather(true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let phase = Phase::ForwardGather;
@@ -1152,7 +1025,7 @@ mod tests {
                 rounding: Rounding::NearestEven,
                 hadamard,
             };
-            let qwz = Gather::of(crate::testing::every_weight_wire(8, 64)[1], true, true);
+            let qwz = crate::testing::every_weight_wire(8, 64)[1].gather(true, true);
             let mut outs = Vec::new();
             let m = HostMover {
                 groups: groups.clone(),
