@@ -57,8 +57,9 @@ pub struct PlanArgs {
     pub block: f64,
     #[arg(long, default_value_t = 32.0)]
     pub qgz_block: f64,
-    /// Bits of qgZ's first hop, inside the node (zeropp train's default on
-    /// a node much faster inside than across: 8).
+    /// Bits of qgZ's first hop, inside the node, 16 for bf16 (zeropp
+    /// train's default on GPU nodes much faster inside than across: 8; on
+    /// nodes without GPUs: 16).
     #[arg(long, default_value_t = 8)]
     pub qgz_intra_bits: u32,
     /// Values per block of qgZ's hop across nodes in zeropp's default.
