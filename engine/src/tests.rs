@@ -377,6 +377,72 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
     }
 }
 
+#[test]
+fn an_hpz_secondary_of_values_gives_the_backward_gather_the_forward_weights_inside_the_node() {
+    // hpZ keeps the forward gather's run of chunks as values — bf16 or f32
+    // as the plain wire sent them, or the full weights of a difference
+    // gather when the hpZ group is smaller than the node — and the
+    // backward gather rebuilds the unit from its group's runs: the
+    // forward's weights bit for bit, no byte across nodes.
+    let plain = Switches {
+        qwz_bits: None,
+        qwz_delta: false,
+        hpz_group: Some(2),
+        ..Switches::zeropp(32)
+    };
+    let cases = [
+        plain.clone(),
+        Switches {
+            fp32_comm: true,
+            ..plain
+        },
+        Switches {
+            hpz_group: Some(1),
+            ..Switches::zeropp(32)
+        },
+    ];
+    for switches in cases {
+        let handles: Vec<_> = InProcess::world(4)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, t)| {
+                let switches = switches.clone();
+                std::thread::spawn(move || {
+                    let cfg = EngineConfig {
+                        model: Arc::new(mlp()),
+                        switches,
+                        optim: OptimConfig::default(),
+                        seed: 3,
+                        islands: None,
+                    };
+                    let layout = Layout {
+                        nodes: 2,
+                        ranks_per_node: 2,
+                        rank,
+                    };
+                    let t = Box::new(t);
+                    let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
+                    let u = 1;
+                    let forward = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
+                    let forward = forward.wait().unwrap();
+                    assert!(forward.secondary.is_some(), "hpZ kept no secondary shard");
+                    e.units[u].secondary = forward.secondary;
+                    let before = e.traffic();
+                    let backward = e.start_backward_gather(u).unwrap().wait().unwrap();
+                    let sent = e.traffic().since(&before).backward_gather.total;
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    (bits(&forward.full) == bits(&backward.full), sent)
+                })
+            })
+            .collect();
+        for (rank, h) in handles.into_iter().enumerate() {
+            let (same, sent) = h.join().unwrap();
+            assert!(same, "{switches:?}: rank {rank}'s backward weights differ");
+            assert_eq!(sent.inter_node, 0, "{switches:?}: rank {rank}");
+        }
+    }
+}
+
 /// Every rank's master shard of every unit after `steps` steps of a job of
 /// `nodes` x `g` ranks cut into `islands` islands (count, sync every,
 /// fragments, delay) with f32 outer deltas, and `outer_finish` at the end

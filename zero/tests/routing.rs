@@ -73,9 +73,14 @@ fn plan_for_cpu_only_nodes_on_ethernet_sends_bf16_inside_and_int4_across() {
     assert_eq!(env["NCCL_SOCKET_IFNAME"], "enp3s0");
     assert_eq!(env["NCCL_IB_DISABLE"], "1");
     assert_eq!(env["UCX_TLS"], "tcp,sm,self");
-    // One node: bf16 inside as well (no hop across).
+    // One node: bf16 inside as well, and no hop across to name.
     let one = plan(&t.detect(), 1, 2).unwrap();
     assert_eq!((one.hops.len(), one.qgz_bits[0]), (1, 16));
+    assert!(
+        one.render().contains("qgZ bf16 inside / no hop across"),
+        "{}",
+        one.render()
+    );
 }
 
 #[test]

@@ -277,11 +277,13 @@ fn gradient_bits(
         f64::INFINITY
     };
     if !gpus {
+        let across = if nodes > 1 { ", int4 across" } else { "" };
         (
             [16, 4],
-            "no GPUs: quantizing the gradient inside the node costs the ranks' CPUs more than the \
-             shared-memory bytes it saves; bf16 inside, int4 across"
-                .to_string(),
+            format!(
+                "no GPUs: quantizing the gradient inside the node costs the ranks' CPUs more \
+                 than the shared-memory bytes it saves; bf16 inside{across}"
+            ),
         )
     } else if nodes > 1 && inter_per_rank == 0.0 {
         (
@@ -354,11 +356,14 @@ impl RoutingPlan {
             16 => "bf16".to_string(),
             b => format!("int{b}"),
         };
+        let across = match self.nodes {
+            1 => "no hop across".to_string(),
+            _ => format!("{} across", name(self.qgz_bits[1])),
+        };
         s += &format!(
-            "  gradient bits: qgZ {} inside / {} across ({}); weights as the run's mode sends \
+            "  gradient bits: qgZ {} inside / {across} ({}); weights as the run's mode sends \
              them (its `switches:` line)\n",
             name(self.qgz_bits[0]),
-            name(self.qgz_bits[1]),
             self.bits_why
         );
         for r in &self.rank_nics {
