@@ -55,6 +55,31 @@ pub fn encode_bf16_chunks<T: Element + bytemuck::Pod>(
     Bytes::from_owner(Returned(words))
 }
 
+/// The first value of `x` that is not finite (a NaN or an infinity), with
+/// its index: read on each word's exponent bits, a run at a time (a pass
+/// the compiler vectorises), then the run that has one searched.
+pub fn first_non_finite<T: Element + bytemuck::Pod>(x: &[T]) -> Option<(usize, f32)> {
+    fn find<W: Copy + std::ops::BitAnd<Output = W> + PartialEq>(
+        words: &[W],
+        exponent: W,
+    ) -> Option<usize> {
+        const RUN: usize = 256;
+        let bad = |w: W| w & exponent == exponent;
+        words.chunks(RUN).enumerate().find_map(|(r, run)| {
+            run.iter()
+                .fold(false, |any, &w| any | bad(w))
+                .then(|| r * RUN + run.iter().position(|&w| bad(w)).unwrap_or(0))
+        })
+    }
+    let at = match (std::mem::size_of::<T>(), T::NAME) {
+        (4, "F32") => find::<u32>(bytemuck::cast_slice(x), 0x7f80_0000),
+        (2, "BF16") => find::<u16>(bytemuck::cast_slice(x), 0x7f80),
+        (2, "F16") => find::<u16>(bytemuck::cast_slice(x), 0x7c00),
+        _ => x.iter().position(|v| !v.to_f32().is_finite()),
+    };
+    at.map(|i| (i, x[i].to_f32()))
+}
+
 /// Little-endian bf16 bytes widened and added to `out` (f32).
 pub fn add_bf16(b: &[u8], out: &mut [f32]) -> Result<(), CommError> {
     widen_bf16(b, out, |o, v| *o += v)
@@ -151,6 +176,36 @@ pub fn decode_chunks_into(
 mod tests {
     use super::*;
     use zeropp_quant::{QuantFormat, Rounding};
+
+    #[test]
+    fn the_first_value_that_is_not_finite_is_found_in_every_element_type() {
+        fn check<T: Element + bytemuck::Pod>() {
+            let x: Vec<T> = (0..1000)
+                .map(|i| T::from_f32(i as f32 * 0.5 - 7.0))
+                .collect();
+            assert_eq!(first_non_finite(&x), None, "{}", T::NAME);
+            for (at, bad) in [
+                (0, f32::NAN),
+                (255, f32::INFINITY),
+                (256, f32::NEG_INFINITY),
+                (999, f32::NAN),
+            ] {
+                let mut y = x.clone();
+                y[at] = T::from_f32(bad);
+                y[(at + 300) % 1000] = T::from_f32(f32::NAN);
+                let first = at.min((at + 300) % 1000);
+                let (i, v) = first_non_finite(&y).expect("a value that is not finite");
+                assert_eq!(i, first, "{}", T::NAME);
+                assert!(!v.is_finite(), "{}", T::NAME);
+            }
+            // The largest finite values are finite.
+            let big = vec![T::from_f32(6e4); 300];
+            assert_eq!(first_non_finite(&big), None, "{}", T::NAME);
+        }
+        check::<f32>();
+        check::<half::bf16>();
+        check::<half::f16>();
+    }
 
     #[test]
     fn messages_round_trip_and_wrong_lengths_are_errors() {

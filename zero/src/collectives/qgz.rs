@@ -771,6 +771,39 @@ mod tests {
     }
 
     #[test]
+    fn a_bf16_hop_inside_refuses_a_gradient_that_is_not_finite_on_every_rank_that_has_one() {
+        // Nothing quantizes this hop: every rank checks what it would send
+        // (the int8 hop's quantization finds it on every rank alike). A NaN
+        // in chunk 0 only, bound for one local rank of each node.
+        let got = on_ranks(2, 2, |layout, mover| {
+            let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
+            let s = Qgz {
+                intra,
+                inter,
+                rounding: Rounding::NearestEven,
+                hadamard: true,
+            };
+            let none = Feedback {
+                first: None,
+                second: None,
+            };
+            let mut grad = gradient(layout.rank, 4 * 256);
+            grad[7] = f32::NAN;
+            let g16: Vec<half::bf16> = grad.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let how = (s, Reduction::Mean);
+            reduce_scatter_tensor(&Host, mover, layout, how, &&g16[..], none)
+                .unwrap_err()
+                .to_string()
+        });
+        for (rank, (msg, _)) in got.iter().enumerate() {
+            assert!(
+                msg.contains("at index 7 is not finite"),
+                "rank {rank}: {msg}"
+            );
+        }
+    }
+
+    #[test]
     fn a_bf16_hop_inside_refuses_a_residual_for_itself() {
         let got = on_ranks(1, 2, |layout, mover| {
             let (intra, inter) = gradient_formats(16, 32, None).unwrap();
