@@ -480,6 +480,26 @@ mod tests {
     use crate::plan::gradient_formats;
     use crate::testing::on_ranks;
 
+    /// qgZ with `intra_bits` inside the node (16: bf16), int4 across in
+    /// blocks of `inter_block`, round to nearest.
+    fn nearest(intra_bits: u32, inter_block: Option<usize>, hadamard: bool) -> Qgz {
+        let (intra, inter) = gradient_formats(intra_bits, 32, inter_block).unwrap();
+        Qgz {
+            intra,
+            inter,
+            rounding: Rounding::NearestEven,
+            hadamard,
+        }
+    }
+
+    /// No error feedback on either hop.
+    fn no_feedback<'a>() -> Feedback<'a, Host> {
+        Feedback {
+            first: None,
+            second: None,
+        }
+    }
+
     /// Rank r's gradient: small values with one large outlier every 97.
     fn gradient(rank: usize, len: usize) -> Vec<f32> {
         (0..len)
@@ -635,17 +655,8 @@ mod tests {
         let len = 4 * 256;
         let (_, inter) = gradient_formats(8, 32, Some(64)).unwrap();
         let got = on_ranks(4, 1, move |layout, mover| {
-            let (intra, inter) = gradient_formats(8, 32, Some(64)).unwrap();
-            let s = Qgz {
-                intra,
-                inter,
-                rounding: Rounding::NearestEven,
-                hadamard: false,
-            };
-            let none = Feedback {
-                first: None,
-                second: None,
-            };
+            let s = nearest(8, Some(64), false);
+            let none = no_feedback();
             let grad = gradient(layout.rank, len);
             let got = reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none);
             (got.unwrap(), mover.counter.traffic().total().intra_node)
@@ -664,17 +675,8 @@ mod tests {
         let len = 4 * 256;
         let intra = QuantFormat::int8(32).unwrap();
         let got = on_ranks(1, 4, move |layout, mover| {
-            let (intra, inter) = gradient_formats(8, 32, Some(64)).unwrap();
-            let s = Qgz {
-                intra,
-                inter,
-                rounding: Rounding::NearestEven,
-                hadamard: true,
-            };
-            let none = Feedback {
-                first: None,
-                second: None,
-            };
+            let s = nearest(8, Some(64), true);
+            let none = no_feedback();
             let grad = gradient(layout.rank, len);
             reduce_scatter(&Host, mover, layout, (s, Reduction::Sum), &grad, none).unwrap()
         });
@@ -750,17 +752,8 @@ mod tests {
         // What each rank sends inside its node: its 2 chunks for the other
         // local rank, in bf16; across: the int4 hop, as with int8 inside.
         let sent = on_ranks(2, 2, move |layout, mover| {
-            let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
-            let s = Qgz {
-                intra,
-                inter,
-                rounding: Rounding::NearestEven,
-                hadamard: false,
-            };
-            let none = Feedback {
-                first: None,
-                second: None,
-            };
+            let s = nearest(16, Some(64), false);
+            let none = no_feedback();
             let grad = gradient(layout.rank, len);
             reduce_scatter(&Host, mover, layout, (s, Reduction::Mean), &grad, none).unwrap();
             mover.counter.traffic().total().intra_node
@@ -776,17 +769,8 @@ mod tests {
         // (the int8 hop's quantization finds it on every rank alike). A NaN
         // in chunk 0 only, bound for one local rank of each node.
         let got = on_ranks(2, 2, |layout, mover| {
-            let (intra, inter) = gradient_formats(16, 32, Some(64)).unwrap();
-            let s = Qgz {
-                intra,
-                inter,
-                rounding: Rounding::NearestEven,
-                hadamard: true,
-            };
-            let none = Feedback {
-                first: None,
-                second: None,
-            };
+            let s = nearest(16, Some(64), true);
+            let none = no_feedback();
             let mut grad = gradient(layout.rank, 4 * 256);
             grad[7] = f32::NAN;
             let g16: Vec<half::bf16> = grad.iter().map(|&v| half::bf16::from_f32(v)).collect();
