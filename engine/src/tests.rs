@@ -171,6 +171,40 @@ fn a_nan_gradient_step_can_be_skipped_without_touching_the_weights() {
     }
 }
 
+/// `f` on each rank's engine of a 2 x 2 in-process job of the tied MLP
+/// under `switches` (seed 3), in rank order.
+fn on_four_engines<R: Send + 'static>(
+    switches: &Switches,
+    f: impl Fn(&mut Engine, usize) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let f = Arc::new(f);
+    let handles: Vec<_> = InProcess::world(4)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, t)| {
+            let (switches, f) = (switches.clone(), f.clone());
+            std::thread::spawn(move || {
+                let cfg = EngineConfig {
+                    model: Arc::new(mlp()),
+                    switches,
+                    optim: OptimConfig::default(),
+                    seed: 3,
+                    islands: None,
+                };
+                let layout = Layout {
+                    nodes: 2,
+                    ranks_per_node: 2,
+                    rank,
+                };
+                let t = Box::new(t);
+                let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
+                f(&mut e, rank)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
 /// One rank's outputs of every collective the engine runs on unit `u`
 /// (two forward gathers, two gradient reduce-scatters), first through the
 /// engine, then through `zero::fsdp` — FSDP2's calls, which the host
@@ -343,32 +377,8 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
         },
     ];
     for switches in cases {
-        let handles: Vec<_> = InProcess::world(4)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let switches = switches.clone();
-                std::thread::spawn(move || {
-                    let cfg = EngineConfig {
-                        model: Arc::new(mlp()),
-                        switches,
-                        optim: OptimConfig::default(),
-                        seed: 3,
-                        islands: None,
-                    };
-                    let layout = Layout {
-                        nodes: 2,
-                        ranks_per_node: 2,
-                        rank,
-                    };
-                    let t = Box::new(t);
-                    let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
-                    (both_ways(&mut e, 1, rank), e.plan.clone())
-                })
-            })
-            .collect();
-        for (rank, h) in handles.into_iter().enumerate() {
-            let ([engine, fsdp], plan) = h.join().unwrap();
+        let got = on_four_engines(&switches, |e, rank| (both_ways(e, 1, rank), e.plan.clone()));
+        for (rank, ([engine, fsdp], plan)) in got.into_iter().enumerate() {
             assert_eq!((engine.len(), fsdp.len()), (4, 4));
             for (call, (a, b)) in engine.iter().zip(&fsdp).enumerate() {
                 assert!(a == b, "{plan:?}: rank {rank}, call {call} differs");
@@ -402,41 +412,19 @@ fn an_hpz_secondary_of_values_gives_the_backward_gather_the_forward_weights_insi
         },
     ];
     for switches in cases {
-        let handles: Vec<_> = InProcess::world(4)
-            .into_iter()
-            .enumerate()
-            .map(|(rank, t)| {
-                let switches = switches.clone();
-                std::thread::spawn(move || {
-                    let cfg = EngineConfig {
-                        model: Arc::new(mlp()),
-                        switches,
-                        optim: OptimConfig::default(),
-                        seed: 3,
-                        islands: None,
-                    };
-                    let layout = Layout {
-                        nodes: 2,
-                        ranks_per_node: 2,
-                        rank,
-                    };
-                    let t = Box::new(t);
-                    let mut e = Engine::new(t, layout, cfg, Duration::from_secs(30)).unwrap();
-                    let u = 1;
-                    let forward = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
-                    let forward = forward.wait().unwrap();
-                    assert!(forward.secondary.is_some(), "hpZ kept no secondary shard");
-                    e.units[u].secondary = forward.secondary;
-                    let before = e.traffic();
-                    let backward = e.start_backward_gather(u).unwrap().wait().unwrap();
-                    let sent = e.traffic().since(&before).backward_gather.total;
-                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    (bits(&forward.full) == bits(&backward.full), sent)
-                })
-            })
-            .collect();
-        for (rank, h) in handles.into_iter().enumerate() {
-            let (same, sent) = h.join().unwrap();
+        let got = on_four_engines(&switches, |e, _| {
+            let u = 1;
+            let forward = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
+            let forward = forward.wait().unwrap();
+            assert!(forward.secondary.is_some(), "hpZ kept no secondary shard");
+            e.units[u].secondary = forward.secondary;
+            let before = e.traffic();
+            let backward = e.start_backward_gather(u).unwrap().wait().unwrap();
+            let sent = e.traffic().since(&before).backward_gather.total;
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            (bits(&forward.full) == bits(&backward.full), sent)
+        });
+        for (rank, (same, sent)) in got.into_iter().enumerate() {
             assert!(same, "{switches:?}: rank {rank}'s backward weights differ");
             assert_eq!(sent.inter_node, 0, "{switches:?}: rank {rank}");
         }
