@@ -305,9 +305,7 @@ impl Ring {
 /// reused buffer; `grad`'s goes back to the pools.
 fn narrow_bf16(grad: Vec<f32>) -> Vec<u16> {
     let mut words = scratch::take_for_overwrite::<u16>(grad.len());
-    for (w, &v) in words.iter_mut().zip(&grad) {
-        *w = <bf16 as Element>::from_f32(v).to_bits();
-    }
+    <bf16 as Element>::narrow_slice(&grad, bytemuck::cast_slice_mut(&mut words));
     scratch::give(grad);
     words
 }

@@ -723,20 +723,19 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         let group = self.group(hop);
         let members = group.size();
         let chunk = check_swizzled(x.len(), sum.len(), nodes, members)?;
-        // Nothing quantizes this hop, which would have found it: a NaN or
-        // an infinity is refused here, on every rank that has one, before
-        // anything is sent.
-        if let Some((index, value)) = payload::first_non_finite(x) {
-            return Err(ZeroError::Invalid(format!(
-                "the gradient's value {value} at index {index} is not finite; qgZ sends it \
-                 inside the node in bf16 and sums it in f32 — find where the NaN/Inf came from \
-                 (a diverging loss, an uninitialised buffer) and fix it upstream"
-            )));
-        }
-        self.counter.set_phase(phase, 0.0);
+        // Every message is made before any is sent: a value that is not
+        // finite is refused on every rank that has one, with nothing sent.
         let to_each = (0..members)
             .map(|j| payload::encode_bf16_chunks(x, chunk, (0..nodes).map(|n| n * members + j)))
-            .collect();
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|(index, value)| {
+                ZeroError::Invalid(format!(
+                    "the gradient's value {value} at index {index} is not finite; qgZ sends it \
+                     inside the node in bf16 and sums it in f32 — find where the NaN/Inf came \
+                     from (a diverging loss, an uninitialised buffer) and fix it upstream"
+                ))
+            })?;
+        self.counter.set_phase(phase, 0.0);
         let from_each = self.comm.all_to_all_v(group, to_each)?;
         for (j, b) in from_each.iter().enumerate() {
             if j == 0 {

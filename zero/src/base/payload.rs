@@ -33,17 +33,23 @@ pub fn encode_bf16<T: Element>(x: &[T]) -> Bytes {
 
 /// Chunks `chunks` of `x` (each `chunk` values long), one after another,
 /// as [`encode_bf16`] encodes them: one message. A bf16 tensor's own bytes
-/// are copied as they are (the same words).
+/// are copied as they are (the same words). A value that is not finite is
+/// refused, with its index in `x` and its value: nothing quantizes what
+/// travels so, which would have found it.
 pub fn encode_bf16_chunks<T: Element + bytemuck::Pod>(
     x: &[T],
     chunk: usize,
     chunks: impl Iterator<Item = usize> + Clone,
-) -> Bytes {
+) -> Result<Bytes, (usize, f32)> {
     let count = chunks.clone().count();
     let mut words = scratch::take_for_overwrite::<u16>(count * chunk);
     let raw = std::mem::size_of::<T>() == 2 && T::NAME == "BF16";
     for (out, c) in words.chunks_exact_mut(chunk.max(1)).zip(chunks) {
         let from = &x[c * chunk..(c + 1) * chunk];
+        if let Some((i, value)) = first_non_finite(from) {
+            scratch::give(words);
+            return Err((c * chunk + i, value));
+        }
         if raw && cfg!(target_endian = "little") {
             out.copy_from_slice(bytemuck::cast_slice(from));
         } else {
@@ -52,7 +58,7 @@ pub fn encode_bf16_chunks<T: Element + bytemuck::Pod>(
             }
         }
     }
-    Bytes::from_owner(Returned(words))
+    Ok(Bytes::from_owner(Returned(words)))
 }
 
 /// The first value of `x` that is not finite (a NaN or an infinity), with
