@@ -921,7 +921,7 @@ impl HeldFeedback {
         self.host.iter().map(len).sum()
     }
 
-    /// Bytes held everywhere (compressed: about 1.125 a value).
+    /// Bytes held everywhere (compressed: about 0.625 a value).
     fn bytes(&self) -> usize {
         let host = |r: &Mutex<Residual>| r.lock().map(|r| r.bytes()).unwrap_or(0);
         self.host.iter().map(host).sum::<usize>()
@@ -1009,7 +1009,7 @@ impl QgzState {
     }
 
     /// Bytes of error-feedback state held (both hops, host and device;
-    /// compressed: about 1.125 a value).
+    /// compressed: about 0.625 a value).
     fn residual_bytes(&self) -> usize {
         self.feedback.bytes()
     }
@@ -1076,7 +1076,7 @@ impl AllReduceState {
     }
 
     /// Bytes of error-feedback state held (host and device; compressed:
-    /// about 1.125 a value).
+    /// about 0.625 a value).
     fn residual_bytes(&self) -> usize {
         self.feedback.bytes()
     }

@@ -24,16 +24,27 @@ use crate::train::config::TrainConfig;
 use crate::train::model::Unit;
 use crate::zero::delta::SavedReference;
 use crate::zero::outer::{Flight, OuterState};
-use crate::zero::residual::Residual;
+use crate::zero::residual::{self, Residual};
+use zeropp_quant::QuantFormat;
 
 /// The manifest's `format` and current `version`.
 pub const FORMAT: &str = "zeropp-checkpoint";
-/// Version 4 adds the islands' outer state (`zero::outer`); version 3
-/// each rank's part of its qwZ references (`zero::delta`); version 2
-/// stores error-feedback residuals compressed (`zero::residual`); version
-/// 1 stored them as f32. All four are read.
-pub const VERSION: u32 = 4;
-const READS: [u32; 4] = [1, 2, 3, 4];
+/// Version 5 stores error-feedback residuals in int4 blocks (as they are
+/// kept, `zero::residual`); version 4 adds the islands' outer state
+/// (`zero::outer`); version 3 each rank's part of its qwZ references
+/// (`zero::delta`); version 2 stores residuals compressed in int8 blocks;
+/// version 1 stored them as f32. All five are read.
+pub const VERSION: u32 = 5;
+const READS: [u32; 5] = [1, 2, 3, 4, 5];
+
+/// The format a checkpoint of `version` (2 or later) stored its residuals
+/// in.
+fn residual_format(version: u32) -> QuantFormat {
+    match version {
+        2..=4 => residual::int8_format(),
+        _ => residual::format(),
+    }
+}
 const SHARD_MAGIC: &[u8; 8] = b"ZPPSHRD1";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -79,9 +90,10 @@ impl OuterLens {
         }
     }
 
-    /// Bytes the state takes in a shard.
-    fn stored(&self) -> usize {
-        let res = |(c, n): (usize, usize)| 8 + Residual::stored_bytes(c, n);
+    /// Bytes the state takes in a shard of `version`.
+    fn stored(&self, version: u32) -> usize {
+        let f = residual_format(version);
+        let res = |(c, n): (usize, usize)| 8 + Residual::stored_bytes_as(f, c, n);
         let flight = if self.flight {
             8 + 16 + 8 * self.values
         } else {
@@ -258,23 +270,30 @@ impl ShardReader<'_> {
             return Residual::from_f32(chunk, count, &v)
                 .map_err(|e| anyhow!("{file}: {what}: {e}"));
         }
-        self.stored_residual((chunk, count), what)
+        self.stored_residual(version, (chunk, count), what)
     }
 
-    /// A compressed residual of `count` chunks of `chunk` values.
-    fn stored_residual(&mut self, (chunk, count): (usize, usize), what: &str) -> Result<Residual> {
+    /// A compressed residual of `count` chunks of `chunk` values, stored
+    /// as a checkpoint of `version` stores them.
+    fn stored_residual(
+        &mut self,
+        version: u32,
+        (chunk, count): (usize, usize),
+        what: &str,
+    ) -> Result<Residual> {
         let (file, len) = (self.file, chunk * count);
         let n = self.u64()?;
         if n != len as u64 {
             bail!("{file}: {what} holds {n} values, the manifest says {len}");
         }
-        let bytes = self.take(Residual::stored_bytes(chunk, count))?;
-        Residual::from_bytes(chunk, count, bytes)
+        let f = residual_format(version);
+        let bytes = self.take(Residual::stored_bytes_as(f, chunk, count))?;
+        Residual::from_bytes_as(f, chunk, count, bytes)
             .ok_or_else(|| anyhow!("{file}: {what} has a non-finite or negative scale (corrupt)"))
     }
 
     /// A unit's outer state of the shape the manifest gives.
-    fn outer(&mut self, l: &OuterLens, chunk: usize) -> Result<OuterState> {
+    fn outer(&mut self, version: u32, l: &OuterLens, chunk: usize) -> Result<OuterState> {
         if l.values != chunk {
             bail!(
                 "{}: an outer state of {} values, not the unit's chunk of {chunk}",
@@ -285,8 +304,8 @@ impl ShardReader<'_> {
         Ok(OuterState {
             anchor: self.f32s(l.values, "outer anchor")?,
             momentum: self.f32s(l.values, "outer momentum")?,
-            sent: self.stored_residual(l.sent, "outer error feedback")?,
-            owned: self.stored_residual(l.owned, "outer error feedback")?,
+            sent: self.stored_residual(version, l.sent, "outer error feedback")?,
+            owned: self.stored_residual(version, l.owned, "outer error feedback")?,
             flight: match l.flight {
                 false => None,
                 true => Some(Flight {
@@ -363,7 +382,7 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
                 None
             },
             outer: match outer {
-                Some(l) => Some(r.outer(l, u.chunk)?),
+                Some(l) => Some(r.outer(m.version, l, u.chunk)?),
                 None => None,
             },
         });
@@ -429,7 +448,7 @@ fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
         for len in [a, b] {
             n += match m.version {
                 1 => 4 * len,
-                _ => Residual::stored_bytes(u.chunk, len / u.chunk.max(1)),
+                v => Residual::stored_bytes_as(residual_format(v), u.chunk, len / u.chunk.max(1)),
             };
         }
         if m.version >= 3 {
@@ -437,7 +456,7 @@ fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
         }
     }
     for l in outer_lens(m, info, "").unwrap_or_default().iter().flatten() {
-        n += l.stored();
+        n += l.stored(m.version);
     }
     n
 }
@@ -1179,6 +1198,73 @@ mod tests {
         // A shard whose version is not its manifest's is refused, named.
         let e = decode_shard(&v1, "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
         assert!(format!("{e}").contains("rank-00001.zst"), "{e}");
+    }
+
+    /// A version-4 shard (residuals in int8 blocks of 32, as versions 2 to
+    /// 4 stored them) still loads: its residuals are kept in this build's
+    /// int4 blocks, to within what int4 keeps of the int8 values.
+    #[test]
+    fn a_version_4_shard_with_int8_residuals_still_loads() {
+        let layout = UnitLayout {
+            name: "blocks.0".into(),
+            numel: 250,
+            padded: 256,
+            chunk: 64,
+        };
+        let values: Vec<f32> = (0..64 * 4)
+            .map(|i| (i as f32 * 0.37).sin() * 1e-3)
+            .collect();
+        let int8 = |v: &[f32]| {
+            let count = v.len() / 64;
+            let mut q = zeropp_quant::QuantizedChunks::zeroed(residual::int8_format(), 64, count);
+            for p in 0..count {
+                let chunk = &v[p * 64..(p + 1) * 64];
+                zeropp_quant::quantize(chunk, zeropp_quant::Rounding::NearestEven, q.chunk_mut(p))
+                    .unwrap();
+            }
+            let mut b = (v.len() as u64).to_le_bytes().to_vec();
+            b.extend_from_slice(&q.codes);
+            q.block_max
+                .iter()
+                .for_each(|m| b.extend_from_slice(&m.to_le_bytes()));
+            b
+        };
+        let mut v4 = Vec::new();
+        v4.extend_from_slice(SHARD_MAGIC);
+        for v in [4u32, 1, 4, 1] {
+            v4.extend_from_slice(&v.to_le_bytes());
+        }
+        v4.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
+        v4.extend_from_slice(layout.name.as_bytes());
+        for v in [layout.numel, layout.padded, layout.chunk] {
+            v4.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        for v in [1.0, 2.0, 3.0] {
+            put_f32s(&mut v4, &[v; 64]);
+        }
+        v4.extend_from_slice(&int8(&values));
+        v4.extend_from_slice(&int8(&values[..128]));
+        v4.extend_from_slice(&7u64.to_le_bytes());
+        put_f32s(&mut v4, &values[..64]);
+        let m4 = manifest(4, &layout, (256, 128), 64);
+        assert_eq!(v4.len(), shard_size(&m4, &m4.shards[1]));
+        let old = decode_shard(&v4, "rank-00001.zst", &m4, &m4.shards[1]).unwrap();
+        assert_eq!(old[0].v, vec![3.0; 64]);
+        assert_eq!(old[0].residual.shape(), (64, 4));
+        assert_eq!(old[0].residual_inter.shape(), (64, 2));
+        assert_eq!(old[0].residual.bytes(), Residual::zeros(64, 4).bytes());
+        // int8 then int4: within 1/254 + 1/14 of each block's largest.
+        let back = old[0].residual.to_f32();
+        for (b, v) in back.iter().zip(&values) {
+            assert!(
+                (b - v).abs() <= 1.01e-3 * (1.0 / 254.0 + 1.0 / 14.0),
+                "{b} vs {v}"
+            );
+        }
+        assert_eq!(old[0].reference.as_ref().unwrap().own, &values[..64]);
+        // Read as this version's shard, the int8 lengths are refused.
+        let m5 = manifest(VERSION, &layout, (256, 128), 64);
+        assert!(decode_shard(&v4, "rank-00001.zst", &m5, &m5.shards[1]).is_err());
     }
 
     /// With islands (version 4) each unit's outer state (anchor, momentum,

@@ -123,9 +123,9 @@ def main():
         rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         check(f"qgZ rotated reduce-scatter {dtype} close to the mean", rel < 0.2, f"rel {rel}")
         check("qgZ keeps error feedback", rs.qgz_state.residual_len() > 0)
-        # ... compressed: about 1.125 bytes a value, not f32's 4.
+        # ... compressed: about 0.625 bytes a value (int4 blocks), not f32's 4.
         held = (rs.qgz_state.residual_bytes(), rs.qgz_state.residual_len())
-        check("error feedback is stored compressed", held[0] <= 1.3 * held[1], f"{held}")
+        check("error feedback is stored compressed", held[0] <= 0.7 * held[1], f"{held}")
         out_sum = torch.empty_like(ref)
         zt.ZeroppReduceScatter(job, z3)(out_sum, grad, world_group, dist.ReduceOp.SUM)
         check(
