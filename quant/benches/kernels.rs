@@ -136,12 +136,13 @@ fn main() {
         memcpy,
     });
     // qgZ's hop across nodes: int4 blocks of 64 with error feedback kept in
-    // int8 blocks of 32, one fused pass, against its kernels in turn.
+    // int4 blocks of 32 (`zero::residual`), one fused pass, against its
+    // kernels in turn.
     let int4 = QuantFormat::int4(64).unwrap();
-    let int8 = QuantFormat::int8(32).unwrap();
-    let kept = QuantizedTensor::quantize(&x, int8, Rounding::NearestEven).unwrap();
+    let residual = QuantFormat::int4(32).unwrap();
+    let kept = QuantizedTensor::quantize(&x, residual, Rounding::NearestEven).unwrap();
     let mut sent = QuantizedTensor::zeroed(int4, n);
-    let mut now = QuantizedTensor::zeroed(int8, n);
+    let mut now = QuantizedTensor::zeroed(residual, n);
     let t = best_of(reps, || {
         acc.copy_from_slice(&x);
         quantize_with_feedback(
@@ -154,7 +155,7 @@ fn main() {
         .unwrap()
     });
     rows.push(Row {
-        name: "error feedback int4/64 + int8/32, fused".into(),
+        name: "error feedback int4/64 + int4/32, fused".into(),
         secs: t.as_secs_f64(),
         memcpy,
     });

@@ -1214,21 +1214,7 @@ mod tests {
         let values: Vec<f32> = (0..64 * 4)
             .map(|i| (i as f32 * 0.37).sin() * 1e-3)
             .collect();
-        let int8 = |v: &[f32]| {
-            let count = v.len() / 64;
-            let mut q = zeropp_quant::QuantizedChunks::zeroed(residual::int8_format(), 64, count);
-            for p in 0..count {
-                let chunk = &v[p * 64..(p + 1) * 64];
-                zeropp_quant::quantize(chunk, zeropp_quant::Rounding::NearestEven, q.chunk_mut(p))
-                    .unwrap();
-            }
-            let mut b = (v.len() as u64).to_le_bytes().to_vec();
-            b.extend_from_slice(&q.codes);
-            q.block_max
-                .iter()
-                .for_each(|m| b.extend_from_slice(&m.to_le_bytes()));
-            b
-        };
+        let int8 = |v: &[f32]| int8_residual(64, v);
         let mut v4 = Vec::new();
         v4.extend_from_slice(SHARD_MAGIC);
         for v in [4u32, 1, 4, 1] {
@@ -1262,9 +1248,33 @@ mod tests {
             );
         }
         assert_eq!(old[0].reference.as_ref().unwrap().own, &values[..64]);
-        // Read as this version's shard, the int8 lengths are refused.
+        // The same bytes claiming this version: int8 residuals are not
+        // int4's length, so what follows is misplaced and refused, named.
+        let mut v5 = v4.clone();
+        v5[8..12].copy_from_slice(&VERSION.to_le_bytes());
         let m5 = manifest(VERSION, &layout, (256, 128), 64);
-        assert!(decode_shard(&v4, "rank-00001.zst", &m5, &m5.shards[1]).is_err());
+        let e = decode_shard(&v5, "rank-00001.zst", &m5, &m5.shards[1]).unwrap_err();
+        assert!(format!("{e}").contains("rank-00001.zst"), "{e}");
+        assert!(!format!("{e}").contains("version"), "{e}");
+    }
+
+    /// What versions 2 to 4 stored of a residual of `v.len()` values in
+    /// chunks of `chunk`: its length, then int8 blocks of 32 (codes, then
+    /// one f32 scale a block).
+    fn int8_residual(chunk: usize, v: &[f32]) -> Vec<u8> {
+        let count = v.len() / chunk;
+        let mut q = zeropp_quant::QuantizedChunks::zeroed(residual::int8_format(), chunk, count);
+        for p in 0..count {
+            let values = &v[p * chunk..(p + 1) * chunk];
+            zeropp_quant::quantize(values, zeropp_quant::Rounding::NearestEven, q.chunk_mut(p))
+                .unwrap();
+        }
+        let mut b = (v.len() as u64).to_le_bytes().to_vec();
+        b.extend_from_slice(&q.codes);
+        q.block_max
+            .iter()
+            .for_each(|m| b.extend_from_slice(&m.to_le_bytes()));
+        b
     }
 
     /// With islands (version 4) each unit's outer state (anchor, momentum,
@@ -1307,9 +1317,61 @@ mod tests {
         let raw = encode_shard(1, 4, std::slice::from_ref(&shard));
         assert_eq!(raw.len(), shard_size(&m, &m.shards[1]));
         let back = decode_shard(&raw, "rank-00001.zst", &m, &m.shards[1]).unwrap();
-        assert_eq!(back, vec![shard]);
+        assert_eq!(back, vec![shard.clone()]);
         let e =
             decode_shard(&raw[..raw.len() - 3], "rank-00001.zst", &m, &m.shards[1]).unwrap_err();
         assert!(format!("{e}").contains("truncated"), "{e}");
+
+        // The same state as version 4 wrote it: the exchange's error
+        // feedback in int8 blocks, read into this build's int4.
+        let mut v4 = Vec::new();
+        v4.extend_from_slice(SHARD_MAGIC);
+        for v in [4u32, 1, 4, 1] {
+            v4.extend_from_slice(&v.to_le_bytes());
+        }
+        v4.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
+        v4.extend_from_slice(layout.name.as_bytes());
+        for v in [layout.numel, layout.padded, layout.chunk] {
+            v4.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        for v in [&shard.master, &shard.m, &shard.v] {
+            put_f32s(&mut v4, v);
+        }
+        for _ in 0..3 {
+            // No residuals, no references' forwards.
+            v4.extend_from_slice(&0u64.to_le_bytes());
+        }
+        put_f32s(&mut v4, &[]);
+        put_f32s(&mut v4, &outer.anchor);
+        put_f32s(&mut v4, &outer.momentum);
+        v4.extend_from_slice(&int8_residual(32, &values));
+        v4.extend_from_slice(&int8_residual(32, &values[..32]));
+        let f = outer.flight.as_ref().unwrap();
+        v4.extend_from_slice(&f.due.to_le_bytes());
+        put_f32s(&mut v4, &f.then);
+        put_f32s(&mut v4, &f.averaged);
+        let mut m4 = manifest(4, &layout, (0, 0), 0);
+        for info in &mut m4.shards {
+            info.outer = Some(vec![OuterLens::of(&outer)]);
+        }
+        assert_eq!(v4.len(), shard_size(&m4, &m4.shards[1]));
+        let old = decode_shard(&v4, "rank-00001.zst", &m4, &m4.shards[1]).unwrap();
+        let o = old[0].outer.as_ref().unwrap();
+        assert_eq!((&o.anchor, &o.momentum), (&outer.anchor, &outer.momentum));
+        assert_eq!(o.flight, outer.flight);
+        assert_eq!((o.sent.shape(), o.owned.shape()), ((32, 2), (32, 1)));
+        assert_eq!(o.sent.bytes(), Residual::zeros(32, 2).bytes());
+        // int8 then int4: within 1/254 + 1/14 of each block's largest (|v| ≤ 1).
+        let (sent, owned) = (o.sent.to_f32(), o.owned.to_f32());
+        for (b, v) in sent
+            .iter()
+            .chain(&owned)
+            .zip(values.iter().chain(&values[..32]))
+        {
+            assert!(
+                (b - v).abs() <= 1.01 * (1.0 / 254.0 + 1.0 / 14.0),
+                "{b} vs {v}"
+            );
+        }
     }
 }

@@ -9,8 +9,9 @@
 //! blocks of 32 values with one f32 scale each: 0.625 bytes a value instead
 //! of 4 (int8 blocks, 1.125, until checkpoint version 5), and its own error
 //! — at most 1/14 of the block's largest residual, so under 4% of the
-//! gradient's quantization step — is second order next to the error it
-//! corrects (the loss is measured in docs/TRAINING.md).
+//! gradient's quantization step when it rounds to nearest (under 8% with
+//! stochastic rounding, whose residual can reach a whole step) — is second
+//! order next to the error it corrects (the loss is measured in docs/TRAINING.md).
 
 use zeropp_quant::{QuantError, QuantFormat, QuantizedChunks, Rounding};
 
@@ -18,7 +19,8 @@ use zeropp_quant::{QuantError, QuantFormat, QuantizedChunks, Rounding};
 pub const BLOCK: usize = 32;
 
 /// `count` chunks of `chunk_len` values (chunks in rank order for the
-/// first hop, node order for the second), int8 blocks within each chunk.
+/// first hop, node order for the second), int4 blocks of [`BLOCK`] within
+/// each chunk.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Residual {
     q: QuantizedChunks,
@@ -163,15 +165,17 @@ impl Residual {
     /// A residual stored in `stored` (this build's [`format`], or an older
     /// checkpoint's [`int8_format`]), of this shape, kept in [`format`]:
     /// one stored in another format is decoded and stored again (rounded
-    /// to nearest). `None` when the length is not that shape's or a scale
-    /// is not finite.
+    /// to nearest). `None` when the length is not that shape's, a scale is
+    /// not finite, or `stored` is not symmetric (stored residuals hold one
+    /// scale a block, no minimum).
     pub fn from_bytes_as(
         stored: QuantFormat,
         chunk_len: usize,
         count: usize,
         b: &[u8],
     ) -> Option<Residual> {
-        if b.len() != Residual::stored_bytes_as(stored, chunk_len, count) {
+        let symmetric = stored.scheme == zeropp_quant::Scheme::Symmetric;
+        if !symmetric || b.len() != Residual::stored_bytes_as(stored, chunk_len, count) {
             return None;
         }
         let mut q = QuantizedChunks::zeroed(stored, chunk_len, count);
@@ -264,5 +268,14 @@ mod tests {
             Residual::from_bytes_as(int8_format(), chunk, count, &bytes[..now]),
             None
         );
+        // An asymmetric format (a minimum a block, which is not stored) is
+        // refused, not misread.
+        let asym = QuantFormat::new(
+            zeropp_quant::Bits::Eight,
+            zeropp_quant::Scheme::Asymmetric,
+            32,
+        )
+        .unwrap();
+        assert_eq!(Residual::from_bytes_as(asym, chunk, count, &bytes), None);
     }
 }
