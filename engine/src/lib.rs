@@ -185,10 +185,17 @@ impl Secondary {
     /// Lets go of the shard: its buffers are reused once no gather holds
     /// them.
     fn recycle(self) {
-        if let Secondary::Quantized(q) = self
-            && let Ok(q) = Arc::try_unwrap(q)
-        {
-            zeropp_zero::Quantizer::recycle_chunks(&Host, q);
+        match self {
+            Secondary::Quantized(q) => {
+                if let Ok(q) = Arc::try_unwrap(q) {
+                    zeropp_zero::Quantizer::recycle_chunks(&Host, q);
+                }
+            }
+            Secondary::Values(k) => {
+                if let Ok(k) = Arc::try_unwrap(k) {
+                    zeropp_zero::Quantizer::recycle_kept(&Host, k);
+                }
+            }
         }
     }
 }

@@ -885,6 +885,28 @@ fn after_the_first_steps_gathers_and_reduce_scatters_allocate_no_buffer() {
                 ..Switches::zeropp(256)
             },
         ),
+        (
+            "bf16 inside (the default without GPUs)",
+            Switches {
+                qgz_intra_bits: 16,
+                ..Switches::zeropp(256)
+            },
+        ),
+        (
+            "hpZ on a plain wire",
+            Switches {
+                qwz_bits: None,
+                qwz_delta: false,
+                ..Switches::zeropp(256)
+            },
+        ),
+        (
+            "fp32 ZeRO-3",
+            Switches {
+                fp32_comm: true,
+                ..Switches::zero3(256)
+            },
+        ),
     ] {
         let (per_step, outputs) = comm_thread_buffers(switches, 14);
         assert!(

@@ -278,6 +278,10 @@ pub trait Quantizer {
     /// Gives temporary chunks back for reuse, as [`Quantizer::recycle`].
     fn recycle_chunks(&self, _q: Self::Chunks) {}
 
+    /// Gives kept values back for reuse (hpZ's secondary once the backward
+    /// gather has read it), as [`Quantizer::recycle`].
+    fn recycle_kept(&self, _k: Self::Kept) {}
+
     /// `x` as a caller's f32 tensor: the same memory, read.
     fn values_as_tensor<'a>(&self, x: &'a Self::Values) -> Self::Tensor<'a, f32>;
 

@@ -288,10 +288,18 @@ impl<K: HostKernels> Quantizer for K {
 
     fn kept(&self, len: usize, bf16: bool) -> Result<Kept, ZeroError> {
         Ok(if bf16 {
-            Kept::Bf16(vec![half::bf16::ZERO; len])
+            // bf16 zeros are u16 zeros: the u16 pool's buffers, as bf16.
+            Kept::Bf16(bytemuck::allocation::cast_vec(scratch::take::<u16>(len)))
         } else {
-            Kept::F32(vec![0.0; len])
+            Kept::F32(scratch::take(len))
         })
+    }
+
+    fn recycle_kept(&self, k: Kept) {
+        match k {
+            Kept::F32(v) => scratch::give(v),
+            Kept::Bf16(v) => scratch::give(bytemuck::allocation::cast_vec::<half::bf16, u16>(v)),
+        }
     }
 
     fn kept_len(&self, k: &Kept) -> usize {
