@@ -698,15 +698,15 @@ impl Engine {
                     FirstHop::Quantized(format) => {
                         let residual = qgz::first_hop_feedback(error_feedback, intra)
                             .then_some(self.units[u].residual.chunks_mut());
-                        let first = qgz::quantize_first_hop(
-                            &Host, &grad, layout, format, rounding, residual,
+                        // The gradient is taken: feedback is added in place.
+                        let first = qgz::quantize_first_hop_taking(
+                            &Host, grad, layout, format, rounding, residual,
                         )
                         .map_err(|source| EngineError::Unit {
                             what: "quantizing the gradient",
                             unit: self.units[u].name.clone(),
                             source,
                         })?;
-                        scratch::give(grad);
                         Hop1::Quantized(first)
                     }
                     FirstHop::Bf16 if layout.ranks_per_node > 1 => Hop1::Bf16(narrow_bf16(grad)),
@@ -750,10 +750,7 @@ impl Engine {
                         }
                         Hop1::Alone(grad) => {
                             let feedback = across_only(residual);
-                            let sum =
-                                qgz::reduce_scatter(&Host, &mover, layout, how, &grad, feedback);
-                            scratch::give(grad);
-                            sum
+                            qgz::reduce_scatter_taking(&Host, &mover, layout, how, grad, feedback)
                         }
                     }
                 }))

@@ -147,19 +147,54 @@ pub fn quantize_first_hop<Q: Quantizer>(
     rounding: Rounding,
     residual: Option<&mut Q::Chunks>,
 ) -> Result<Q::Chunks, ZeroError> {
-    let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
-    let len = q.len(grad);
-    let chunk = chunk_len(len, layout)?;
-    let mut out = q.chunks(format, chunk, world)?;
     let Some(residual) = residual else {
+        let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
+        let mut out = q.chunks(format, chunk_len(q.len(grad), layout)?, world)?;
         q.quantize_swizzled(grad, nodes, g, rounding, &mut out)?;
         return Ok(out);
     };
-    ensure_residual(q, residual, chunk, world)?;
+    let len = q.len(grad);
     let mut corrected = q.values_for_overwrite(len)?;
     q.copy(grad, 0, &mut corrected, 0, len)?;
-    q.quantize_swizzled_kept(&mut corrected, nodes, g, rounding, &mut out, residual)?;
+    let out = quantize_corrected(q, &mut corrected, layout, format, rounding, residual);
     q.recycle(corrected);
+    out
+}
+
+/// [`quantize_first_hop`] of a gradient the call takes (and gives back
+/// for reuse): the error feedback is added into it in place, without the
+/// copy a borrowed gradient needs.
+pub fn quantize_first_hop_taking<Q: Quantizer>(
+    q: &Q,
+    mut grad: Q::Values,
+    layout: Layout,
+    format: QuantFormat,
+    rounding: Rounding,
+    residual: Option<&mut Q::Chunks>,
+) -> Result<Q::Chunks, ZeroError> {
+    let out = match residual {
+        None => quantize_first_hop(q, &grad, layout, format, rounding, None),
+        Some(r) => quantize_corrected(q, &mut grad, layout, format, rounding, r),
+    };
+    q.recycle(grad);
+    out
+}
+
+/// The first hop's quantization of `corrected` (a gradient this call may
+/// overwrite) with `residual`'s error feedback added to it.
+fn quantize_corrected<Q: Quantizer>(
+    q: &Q,
+    corrected: &mut Q::Values,
+    layout: Layout,
+    format: QuantFormat,
+    rounding: Rounding,
+    residual: &mut Q::Chunks,
+) -> Result<Q::Chunks, ZeroError> {
+    let (nodes, g, world) = (layout.nodes, layout.ranks_per_node, layout.world());
+    let chunk = chunk_len(q.len(corrected), layout)?;
+    let mut out = q.chunks(format, chunk, world)?;
+    ensure_residual(q, residual, chunk, world)?;
+    q.quantize_swizzled_kept(corrected, nodes, g, rounding, &mut out, residual)?;
     Ok(out)
 }
 
@@ -392,6 +427,42 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
     grad: &Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
+    let quantized_with_feedback =
+        matches!(s.intra, FirstHop::Quantized(_)) && feedback.first.is_some();
+    if layout.ranks_per_node == 1 || quantized_with_feedback {
+        // The gradient itself is written to: a copy of it.
+        let len = q.len(grad);
+        let mut owned = q.values_for_overwrite(len)?;
+        q.copy(grad, 0, &mut owned, 0, len)?;
+        return reduce_scatter_taking(q, m, layout, (s, reduction), owned, feedback);
+    }
+    if s.intra == FirstHop::Bf16 {
+        no_first_feedback(&feedback.first)?;
+    }
+    let second = SecondHop::of(s, feedback.second);
+    match s.intra {
+        FirstHop::Quantized(intra) => {
+            let first = quantize_first_hop(q, grad, layout, intra, s.rounding, None)?;
+            exchange(q, m, layout, first, second, reduction)
+        }
+        FirstHop::Bf16 => {
+            let tensor = q.values_as_tensor(grad);
+            bf16_first_hop(q, m, layout, &tensor, second, reduction)
+        }
+    }
+}
+
+/// [`reduce_scatter`] of a gradient the call takes (and gives back for
+/// reuse): a node of one rank requantizes it, and the first hop adds its
+/// error feedback into it, in place — no copy of the gradient.
+pub fn reduce_scatter_taking<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    (s, reduction): (Qgz, Reduction),
+    grad: Q::Values,
+    feedback: Feedback<'_, Q>,
+) -> Result<Q::Values, ZeroError> {
     if s.intra == FirstHop::Bf16 {
         no_first_feedback(&feedback.first)?;
     }
@@ -400,21 +471,20 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>>(
         // A node of one rank: nothing to exchange inside it, so its
         // partial sum is its own gradient, not quantized a first time.
         check_hops(m, layout, "qgZ")?;
-        let len = q.len(grad);
-        chunk_len(len, layout)?;
-        let mut sum = q.values_for_overwrite(len)?;
-        q.copy(grad, 0, &mut sum, 0, len)?;
-        let partial = requantize_partial(q, layout, sum, &mut second)?;
+        chunk_len(q.len(&grad), layout)?;
+        let partial = requantize_partial(q, layout, grad, &mut second)?;
         return hop_two(q, m, layout, partial, &second, reduction);
     }
     match s.intra {
         FirstHop::Quantized(intra) => {
-            let first = quantize_first_hop(q, grad, layout, intra, s.rounding, feedback.first)?;
+            let first =
+                quantize_first_hop_taking(q, grad, layout, intra, s.rounding, feedback.first)?;
             exchange(q, m, layout, first, second, reduction)
         }
         FirstHop::Bf16 => {
-            let tensor = q.values_as_tensor(grad);
-            bf16_first_hop(q, m, layout, &tensor, second, reduction)
+            let sum = bf16_first_hop(q, m, layout, &q.values_as_tensor(&grad), second, reduction);
+            q.recycle(grad);
+            sum
         }
     }
 }
@@ -454,9 +524,7 @@ pub fn reduce_scatter_tensor<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         _ => {
             let mut values = q.values_for_overwrite(len)?;
             q.load_tensor(grad, &mut values, 0)?;
-            let sum = reduce_scatter(q, m, layout, (s, reduction), &values, feedback);
-            q.recycle(values);
-            return sum;
+            return reduce_scatter_taking(q, m, layout, (s, reduction), values, feedback);
         }
     };
     let chunk = chunk_len(len, layout)?;
@@ -784,6 +852,50 @@ mod tests {
                 msg.contains("at index 7 is not finite"),
                 "rank {rank}: {msg}"
             );
+        }
+    }
+
+    /// A gradient the call takes gives what a borrowed one gives, bit for
+    /// bit, residuals included, call after call: on nodes of one rank (its
+    /// gradient requantized in place) and with an int4 first hop's feedback
+    /// (added in place), with and without rotation.
+    #[test]
+    fn a_taken_gradient_gives_what_a_borrowed_one_gives() {
+        for (nodes, g, intra_bits, hadamard) in
+            [(4, 1, 4, false), (2, 2, 4, false), (2, 2, 4, true)]
+        {
+            let got = on_ranks(nodes, g, move |layout, mover| {
+                let s = nearest(intra_bits, Some(64), hadamard);
+                let format = crate::residual::format();
+                let mut runs = Vec::new();
+                for taking in [false, true] {
+                    let mut first = Host.chunks(format, 0, 0).unwrap();
+                    let mut second = Host.chunks(format, 0, 0).unwrap();
+                    let mut sums = Vec::new();
+                    for call in 0..3 {
+                        let grad = gradient(layout.rank + 7 * call, 4 * 256);
+                        let feedback = Feedback {
+                            first: (g > 1).then_some(&mut first),
+                            second: Some(&mut second),
+                        };
+                        let how = (s, Reduction::Mean);
+                        sums.push(
+                            if taking {
+                                reduce_scatter_taking(&Host, mover, layout, how, grad, feedback)
+                            } else {
+                                reduce_scatter(&Host, mover, layout, how, &grad, feedback)
+                            }
+                            .unwrap(),
+                        );
+                    }
+                    assert!(second.codes.iter().any(|&c| c != 0), "no feedback kept");
+                    runs.push((sums, first, second));
+                }
+                runs
+            });
+            for (rank, (runs, _)) in got.iter().enumerate() {
+                assert_eq!(runs[0], runs[1], "{nodes} x {g}, rank {rank}");
+            }
         }
     }
 
