@@ -1132,15 +1132,7 @@ mod tests {
     /// (f32 residuals, no references) still load, compressed on the way in.
     #[test]
     fn residuals_and_references_round_trip_and_v1_still_loads() {
-        let layout = UnitLayout {
-            name: "blocks.0".into(),
-            numel: 250,
-            padded: 256,
-            chunk: 64,
-        };
-        let values: Vec<f32> = (0..64 * 4)
-            .map(|i| (i as f32 * 0.37).sin() * 1e-3)
-            .collect();
+        let (layout, values) = unit_of_four_chunks();
         let inter: Vec<f32> = values[..128].to_vec();
         let shard = UnitShard {
             layout: layout.clone(),
@@ -1176,16 +1168,7 @@ mod tests {
         assert_eq!(back, vec![plain]);
 
         // The same shard as version 1 wrote it: residuals as f32.
-        let mut v1 = Vec::new();
-        v1.extend_from_slice(SHARD_MAGIC);
-        for v in [1u32, 1, 4, 1] {
-            v1.extend_from_slice(&v.to_le_bytes());
-        }
-        v1.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
-        v1.extend_from_slice(layout.name.as_bytes());
-        for v in [layout.numel, layout.padded, layout.chunk] {
-            v1.extend_from_slice(&(v as u64).to_le_bytes());
-        }
+        let mut v1 = shard_head(1, &layout);
         for v in [&shard.master, &shard.m, &shard.v, &values, &inter] {
             put_f32s(&mut v1, v);
         }
@@ -1205,26 +1188,9 @@ mod tests {
     /// int4 blocks, to within what int4 keeps of the int8 values.
     #[test]
     fn a_version_4_shard_with_int8_residuals_still_loads() {
-        let layout = UnitLayout {
-            name: "blocks.0".into(),
-            numel: 250,
-            padded: 256,
-            chunk: 64,
-        };
-        let values: Vec<f32> = (0..64 * 4)
-            .map(|i| (i as f32 * 0.37).sin() * 1e-3)
-            .collect();
+        let (layout, values) = unit_of_four_chunks();
         let int8 = |v: &[f32]| int8_residual(64, v);
-        let mut v4 = Vec::new();
-        v4.extend_from_slice(SHARD_MAGIC);
-        for v in [4u32, 1, 4, 1] {
-            v4.extend_from_slice(&v.to_le_bytes());
-        }
-        v4.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
-        v4.extend_from_slice(layout.name.as_bytes());
-        for v in [layout.numel, layout.padded, layout.chunk] {
-            v4.extend_from_slice(&(v as u64).to_le_bytes());
-        }
+        let mut v4 = shard_head(4, &layout);
         for v in [1.0, 2.0, 3.0] {
             put_f32s(&mut v4, &[v; 64]);
         }
@@ -1256,6 +1222,36 @@ mod tests {
         let e = decode_shard(&v5, "rank-00001.zst", &m5, &m5.shards[1]).unwrap_err();
         assert!(format!("{e}").contains("rank-00001.zst"), "{e}");
         assert!(!format!("{e}").contains("version"), "{e}");
+    }
+
+    /// A unit of 250 values (4 chunks of 64 with padding) and 4 chunks of
+    /// small residual-like values.
+    fn unit_of_four_chunks() -> (UnitLayout, Vec<f32>) {
+        let layout = UnitLayout {
+            name: "blocks.0".into(),
+            numel: 250,
+            padded: 256,
+            chunk: 64,
+        };
+        let values = (0..64 * 4)
+            .map(|i| (i as f32 * 0.37).sin() * 1e-3)
+            .collect();
+        (layout, values)
+    }
+
+    /// A shard's start as `version` wrote it for rank 1 of 4, holding one
+    /// unit: `layout`.
+    fn shard_head(version: u32, layout: &UnitLayout) -> Vec<u8> {
+        let mut b = SHARD_MAGIC.to_vec();
+        for v in [version, 1, 4, 1] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
+        b.extend_from_slice(layout.name.as_bytes());
+        for v in [layout.numel, layout.padded, layout.chunk] {
+            b.extend_from_slice(&(v as u64).to_le_bytes());
+        }
+        b
     }
 
     /// What versions 2 to 4 stored of a residual of `v.len()` values in
@@ -1324,16 +1320,7 @@ mod tests {
 
         // The same state as version 4 wrote it: the exchange's error
         // feedback in int8 blocks, read into this build's int4.
-        let mut v4 = Vec::new();
-        v4.extend_from_slice(SHARD_MAGIC);
-        for v in [4u32, 1, 4, 1] {
-            v4.extend_from_slice(&v.to_le_bytes());
-        }
-        v4.extend_from_slice(&(layout.name.len() as u32).to_le_bytes());
-        v4.extend_from_slice(layout.name.as_bytes());
-        for v in [layout.numel, layout.padded, layout.chunk] {
-            v4.extend_from_slice(&(v as u64).to_le_bytes());
-        }
+        let mut v4 = shard_head(4, &layout);
         for v in [&shard.master, &shard.m, &shard.v] {
             put_f32s(&mut v4, v);
         }
