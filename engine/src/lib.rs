@@ -30,7 +30,7 @@ use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
 use zeropp_zero::fsdp::{self, Gather};
-use zeropp_zero::host::{Host, HostMover, Kept};
+use zeropp_zero::host::{Host, HostMover, Kept, RingGradient};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
@@ -290,22 +290,6 @@ enum Hop1 {
     Quantized(QuantizedChunks),
     Bf16(Vec<u16>),
     Alone(Vec<f32>),
-}
-
-/// A gradient for ZeRO-3's ring: narrowed to bf16 words, or f32.
-enum Ring {
-    Bf16(Vec<u16>),
-    F32(Vec<f32>),
-}
-
-impl Ring {
-    /// Gives the buffer back to the pools.
-    fn recycle(self) {
-        match self {
-            Ring::Bf16(words) => scratch::give(words),
-            Ring::F32(values) => scratch::give(values),
-        }
-    }
 }
 
 /// `grad` rounded to bf16 (nearest even, as a bf16 wire rounds) in a
@@ -658,7 +642,7 @@ impl Engine {
         let layout = self.plan.layout;
         let counter = self.counter.clone();
         let groups = self.groups.clone();
-        let ring = |grad: Ring| {
+        let ring = |grad: RingGradient| {
             let (counter, groups) = (self.counter.clone(), self.groups.clone());
             self.thread.submit(move |c: &Communicator| {
                 let m = HostMover {
@@ -666,23 +650,15 @@ impl Engine {
                     counter: &counter,
                     groups,
                 };
-                let (hop, phase) = (Hop::World, Phase::Gradient);
-                let sum = match &grad {
-                    Ring::Bf16(words) => {
-                        let words: &[bf16] = bytemuck::cast_slice(words);
-                        m.reduce_scatter_f32(&Host, hop, phase, words, true)
-                    }
-                    Ring::F32(values) => m.reduce_scatter_f32(&Host, hop, phase, values, true),
-                };
-                grad.recycle();
-                sum
+                // The ring sends from the gradient's own buffer.
+                m.reduce_scatter_taking(&Host, Hop::World, Phase::Gradient, grad, true)
             })
         };
         match self.plan.grads {
             // ZeRO-3's rings: narrowed to bf16 here (off the communication
             // thread), averaged in f32.
-            GradWire::RingBf16 => Ok(ring(Ring::Bf16(narrow_bf16(grad)))),
-            GradWire::RingF32 => Ok(ring(Ring::F32(grad))),
+            GradWire::RingBf16 => Ok(ring(RingGradient::Bf16(narrow_bf16(grad)))),
+            GradWire::RingF32 => Ok(ring(RingGradient::F32(grad))),
             GradWire::TwoHop {
                 intra,
                 inter,

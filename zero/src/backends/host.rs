@@ -925,26 +925,51 @@ impl HostMover<'_> {
         x: &[T],
         mean: bool,
     ) -> Result<Vec<f32>, ZeroError> {
-        let group = self.group(hop);
-        let members = group.size();
-        if !x.len().is_multiple_of(members) {
-            return Err(ZeroError::Invalid(format!(
-                "a reduce-scatter of {} values does not split into {members} equal chunks",
-                x.len()
-            )));
-        }
-        self.counter.set_phase(phase, 0.0);
-        let mut sum = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
-            let bytes = pooled_copy(bytemuck::cast_slice(x));
-            let mine = ring_bf16(self.comm, group, bytes)?;
-            let mut v = scratch::take_for_overwrite::<f32>(mine.len() / 2);
-            payload::decode_bf16(&mine, &mut v)?;
-            scratch::give(mine);
-            v
+        let grad = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
+            let mut words = scratch::take_for_overwrite::<u16>(x.len());
+            words.copy_from_slice(bytemuck::cast_slice(x));
+            RingGradient::Bf16(words)
         } else {
             let mut wide = scratch::take_for_overwrite::<f32>(x.len());
             HostKernels::widen(q, x, &mut wide)?;
-            ring_f32(self.comm, group, wide)?
+            RingGradient::F32(wide)
+        };
+        self.reduce_scatter_taking(q, hop, phase, grad, mean)
+    }
+
+    /// [`HostMover::reduce_scatter_f32`] of a gradient the call takes: the
+    /// ring sends from its buffer (given back to the pools once sent), not
+    /// from a copy.
+    pub fn reduce_scatter_taking<K: HostKernels>(
+        &self,
+        q: &K,
+        hop: Hop,
+        phase: Phase,
+        grad: RingGradient,
+        mean: bool,
+    ) -> Result<Vec<f32>, ZeroError> {
+        let group = self.group(hop);
+        let members = group.size();
+        let len = match &grad {
+            RingGradient::Bf16(words) => words.len(),
+            RingGradient::F32(values) => values.len(),
+        };
+        if !len.is_multiple_of(members) {
+            return Err(ZeroError::Invalid(format!(
+                "a reduce-scatter of {len} values does not split into {members} equal chunks"
+            )));
+        }
+        self.counter.set_phase(phase, 0.0);
+        let mut sum = match grad {
+            RingGradient::Bf16(words) => {
+                let bytes = Bytes::from_owner(scratch::Returned(words));
+                let mine = ring_bf16(self.comm, group, bytes)?;
+                let mut v = scratch::take_for_overwrite::<f32>(mine.len() / 2);
+                payload::decode_bf16(&mine, &mut v)?;
+                scratch::give(mine);
+                v
+            }
+            RingGradient::F32(values) => ring_f32(self.comm, group, values)?,
         };
         if mean {
             HostKernels::divide(q, &mut sum, members as f32)?;
@@ -954,6 +979,13 @@ impl HostMover<'_> {
 }
 
 // ZeRO-3's plain rings on the host (the reduce-scatter qgZ replaces).
+
+/// A gradient for a ring reduce-scatter, in a reused buffer: bf16 words (a
+/// bf16 ring) or f32 values (an f32 ring).
+pub enum RingGradient {
+    Bf16(Vec<u16>),
+    F32(Vec<f32>),
+}
 
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
 pub struct SumBf16;
