@@ -675,7 +675,7 @@ impl Engine {
                         let residual = qgz::first_hop_feedback(error_feedback, intra)
                             .then_some(self.units[u].residual.chunks_mut());
                         // The gradient is taken: feedback is added in place.
-                        let first = qgz::quantize_first_hop_taking(
+                        let first = qgz::quantize_first_hop(
                             &Host, grad, layout, format, rounding, residual,
                         )
                         .map_err(|source| EngineError::Unit {
