@@ -18,8 +18,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use candle_core::{Device, Tensor};
-use half::bf16;
-use zeropp_quant::{Element, QuantizedChunks};
+use zeropp_quant::Rounding;
 
 pub use error::{EngineError, IslandsError, Result};
 use islands::IslandRun;
@@ -29,15 +28,15 @@ pub use model::{InvalidModel, Model, Tie};
 use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
-use zeropp_zero::fsdp::{self, Gather};
-use zeropp_zero::host::{Host, HostMover, Kept, RingGradient};
+use zeropp_zero::fsdp::{self, GradWire, WeightWire};
+use zeropp_zero::host::{Host, HostMover, Kept};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
-use zeropp_zero::plan::{GradWire, Plan, PlanError, Switches, WeightWire};
-use zeropp_zero::qgz::{FirstHop, Reduction};
+use zeropp_zero::plan::{Plan, PlanError, Switches};
+use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase, Traffic};
-use zeropp_zero::{ByteMover, Hop, ZeroError, ZeroGroups, delta, hpz, qgz, qwz, scratch};
+use zeropp_zero::{Hop, ZeroError, ZeroGroups, delta, hpz, qgz, scratch};
 
 /// Everything that defines a run's numerics.
 #[derive(Clone, Debug)]
@@ -159,44 +158,15 @@ struct Gathered {
     secondary: Option<Secondary>,
 }
 
-/// hpZ's secondary shard of a unit: chunks `i·k .. (i+1)·k` of its forward
-/// gather as they travelled — values in the wire's dtype (bf16, or f32),
-/// or qwZ's quantized chunks — gathered again inside the hpZ group in
-/// backward.
-#[derive(Clone)]
-enum Secondary {
-    Values(Arc<Kept>),
-    Quantized(Arc<QuantizedChunks>),
-}
+/// hpZ's secondary shard of a unit (`hpz::Secondary`), shared with the
+/// backward gather under way.
+type Secondary = Arc<hpz::Secondary<Host>>;
 
-impl Secondary {
-    /// Chunks `first .. first + k` of `full` (`chunk` values each), kept in
-    /// bf16 unless `fp32` (as the plain wire sends them).
-    fn values(
-        full: &Vec<f32>,
-        (first, k, chunk): (usize, usize, usize),
-        fp32: bool,
-    ) -> Result<Secondary, ZeroError> {
-        let mut kept = zeropp_zero::Quantizer::kept(&Host, k * chunk, !fp32)?;
-        zeropp_zero::Quantizer::store_kept(&Host, full, first * chunk, &mut kept, 0, k * chunk)?;
-        Ok(Secondary::Values(Arc::new(kept)))
-    }
-
-    /// Lets go of the shard: its buffers are reused once no gather holds
-    /// them.
-    fn recycle(self) {
-        match self {
-            Secondary::Quantized(q) => {
-                if let Ok(q) = Arc::try_unwrap(q) {
-                    zeropp_zero::Quantizer::recycle_chunks(&Host, q);
-                }
-            }
-            Secondary::Values(k) => {
-                if let Ok(k) = Arc::try_unwrap(k) {
-                    zeropp_zero::Quantizer::recycle_kept(&Host, k);
-                }
-            }
-        }
+/// Lets go of a secondary shard: its buffers are reused once no gather
+/// holds them.
+fn recycle(secondary: Secondary) {
+    if let Ok(s) = Arc::try_unwrap(secondary) {
+        s.recycle(&Host);
     }
 }
 
@@ -280,25 +250,6 @@ pub struct StepStats {
     /// gradients, the norm's all-reduce): the rest of the step is its own
     /// work (compute, and quantization on that thread).
     pub waited_s: f64,
-}
-
-/// A unit's gradient as qgZ's hop inside the node takes it to the
-/// communication thread: quantized already, narrowed to bf16 (the words it
-/// sends inside the node), or as it is (a node of one rank, where it is
-/// not sent inside the node).
-enum Hop1 {
-    Quantized(QuantizedChunks),
-    Bf16(Vec<u16>),
-    Alone(Vec<f32>),
-}
-
-/// `grad` rounded to bf16 (nearest even, as a bf16 wire rounds) in a
-/// reused buffer; `grad`'s goes back to the pools.
-fn narrow_bf16(grad: Vec<f32>) -> Vec<u16> {
-    let mut words = scratch::take_for_overwrite::<u16>(grad.len());
-    <bf16 as Element>::narrow_slice(&grad, bytemuck::cast_slice_mut(&mut words));
-    scratch::give(grad);
-    words
 }
 
 /// One rank's engine.
@@ -523,8 +474,9 @@ impl Engine {
 
     /// Starts gathering unit `u`'s weights from the primary shards (qwZ
     /// across nodes then within the node, weight differences, or bf16 / f32
-    /// over the world), decoded into its full weights on the communication
-    /// thread, with hpZ's secondary shard where `phase` keeps one.
+    /// over the world: FSDP2's gather, `fsdp::all_gather_prepared`), decoded into its
+    /// full weights on the communication thread, with hpZ's secondary shard
+    /// where `phase` keeps one.
     fn start_primary_gather(
         &self,
         u: usize,
@@ -535,67 +487,46 @@ impl Engine {
         let su = &self.units[u];
         let (mine, padded, chunk) = (su.master.clone(), su.padded, su.chunk);
         let reference = su.reference.clone();
-        let keep = self
-            .keeps_secondary(phase)
-            .map(|h| (hpz::secondary_chunks(layout.world(), h), h));
+        let keep = self.keeps_secondary(phase);
         // qwZ quantizes the shard here, while the communication thread
         // gathers the last unit.
-        let quantized = match wire {
-            WeightWire::Quantized(format) => {
-                Some(qwz::quantize_shard(&Host, &mine.as_slice(), format)?)
-            }
-            _ => None,
-        };
+        let prepared = fsdp::prepare_gather(&Host, wire, &mine.as_slice())?;
         Ok(self.thread.submit(move |c: &Communicator| {
             let m = HostMover {
                 comm: c,
                 counter: &counter,
                 groups,
             };
-            let mut full = vec![0f32; padded];
-            // Member i of an hpZ group of h keeps chunks i·k .. (i+1)·k.
-            let run = keep.map(|(k, h)| ((layout.local() % h) * k, k, chunk));
-            let kept = match (wire, quantized) {
-                (_, Some(mine)) => {
-                    let all = qwz::gather_chunks(&Host, &m, layout, &mine, phase)?;
-                    zeropp_zero::Quantizer::recycle_chunks(&Host, mine);
-                    let secondary = keep
-                        .map(|(_, h)| hpz::keep_quantized(&Host, layout, &all, h))
-                        .transpose()?;
-                    let position = |r| qwz::gathered_position(layout, r);
-                    qwz::dequantize_all(&Host, &all, position, &mut full.as_mut_slice())?;
-                    zeropp_zero::Quantizer::recycle_chunks(&Host, all);
-                    return Ok(Gathered {
-                        full,
-                        secondary: secondary.map(|s| Secondary::Quantized(Arc::new(s))),
-                    });
-                }
-                (WeightWire::Delta(d), None) => {
-                    let mut reference = reference
+            let mut reference = match wire {
+                WeightWire::Delta(_) => Some(
+                    reference
                         .lock()
-                        .map_err(|_| ZeroError::Poisoned("qwZ reference"))?;
-                    let slot = Some(delta::Slot::new(&mut reference));
-                    let (x, out) = (&mine.as_slice(), &mut full.as_mut_slice());
-                    let how = Gather::Delta(d);
-                    fsdp::all_gather(&Host, &m, layout, Hop::World, how, phase, slot, x, out)?;
-                    run
-                }
-                (plain, None) => {
-                    let (x, fp32) = (&*mine, plain.fp32());
-                    ByteMover::<Host>::all_gather_values(
-                        &m,
-                        Hop::World,
-                        phase,
-                        x,
-                        &mut full,
-                        fp32,
-                    )?;
-                    run
-                }
+                        .map_err(|_| ZeroError::Poisoned("qwZ reference"))?,
+                ),
+                _ => None,
             };
-            let secondary = kept
-                .map(|run| Secondary::values(&full, run, wire.fp32()))
-                .transpose()?;
+            let slot = reference.as_deref_mut().map(delta::Slot::new);
+            let mut full = vec![0f32; padded];
+            let (ready, out) = ((prepared, &mine.as_slice()), &mut full.as_mut_slice());
+            let hop = (Hop::World, phase);
+            let secondary =
+                fsdp::all_gather_prepared(&Host, &m, layout, hop, wire, slot, ready, keep, out)?;
+            // hpZ keeps qwZ's chunks as they came, or its run of the values.
+            let secondary = match (secondary, keep) {
+                (Some(quantized), _) => Some(quantized),
+                (None, Some(h)) => {
+                    let fp32 = wire.fp32();
+                    Some(hpz::Secondary::of_values(
+                        &Host,
+                        layout,
+                        h,
+                        (&full, chunk),
+                        fp32,
+                    )?)
+                }
+                (None, None) => None,
+            };
+            let secondary = secondary.map(Arc::new);
             Ok(Gathered { full, secondary })
         }))
     }
@@ -614,21 +545,8 @@ impl Engine {
                 counter: &counter,
                 groups,
             };
-            let (mut full, phase) = (vec![0f32; padded], Phase::BackwardGather);
-            match secondary {
-                Secondary::Values(kept) => {
-                    // Member j's run is chunks j·k .. (j+1)·k of the unit.
-                    let len = kept.len();
-                    let place = |j: usize, _| j * len;
-                    let (kept, out) = ((&*kept, len, fp32), &mut full.as_mut_slice());
-                    m.all_gather_kept_placed(&Host, Hop::Hpz, phase, kept, (1, &place), out)?;
-                }
-                Secondary::Quantized(secondary) => {
-                    let all = hpz::gather_quantized(&Host, &m, &secondary)?;
-                    qwz::dequantize_all(&Host, &all, |r| r, &mut full.as_mut_slice())?;
-                    zeropp_zero::Quantizer::recycle_chunks(&Host, all);
-                }
-            }
+            let mut full = vec![0f32; padded];
+            hpz::all_gather_secondary(&Host, &m, &secondary, fp32, &mut full.as_mut_slice())?;
             Ok(Gathered {
                 full,
                 secondary: None,
@@ -636,102 +554,47 @@ impl Engine {
         }))
     }
 
-    /// Starts reduce-scattering unit `u`'s flat gradient; the result is the
-    /// mean over all W ranks of this rank's chunk.
+    /// Starts reduce-scattering unit `u`'s flat gradient (FSDP2's
+    /// reduce-scatter of a gradient the call takes,
+    /// `fsdp::reduce_scatter_prepared`); the result is the mean over all W
+    /// ranks of this rank's chunk.
     fn start_gradient(&mut self, u: usize, grad: Vec<f32>) -> Result<Pending<Vec<f32>, ZeroError>> {
-        let layout = self.plan.layout;
-        let counter = self.counter.clone();
-        let groups = self.groups.clone();
-        let ring = |grad: RingGradient| {
-            let (counter, groups) = (self.counter.clone(), self.groups.clone());
-            self.thread.submit(move |c: &Communicator| {
-                let m = HostMover {
-                    comm: c,
-                    counter: &counter,
-                    groups,
-                };
-                // The ring sends from the gradient's own buffer.
-                m.reduce_scatter_taking(&Host, Hop::World, Phase::Gradient, grad, true)
-            })
-        };
-        match self.plan.grads {
-            // ZeRO-3's rings: narrowed to bf16 here (off the communication
-            // thread), averaged in f32.
-            GradWire::RingBf16 => Ok(ring(RingGradient::Bf16(narrow_bf16(grad)))),
-            GradWire::RingF32 => Ok(ring(RingGradient::F32(grad))),
-            GradWire::TwoHop {
-                intra,
-                inter,
-                error_feedback,
-                stochastic,
-                hadamard,
-            } => {
+        let (layout, wire) = (self.plan.layout, self.plan.grads);
+        let (counter, groups) = (self.counter.clone(), self.groups.clone());
+        let rounding = match wire {
+            GradWire::TwoHop { stochastic, .. } => {
                 let (call, seed) = (self.step as u64, self.cfg.seed);
-                let rounding = qgz::rounding(stochastic, seed, call, u, layout.rank);
-                // Quantized (or narrowed to bf16) inside the node: here,
-                // while the communication thread sends the last unit's.
-                let first = match intra {
-                    FirstHop::Quantized(format) => {
-                        let residual = qgz::first_hop_feedback(error_feedback, intra)
-                            .then_some(self.units[u].residual.chunks_mut());
-                        // The gradient is taken: feedback is added in place.
-                        let first = qgz::quantize_first_hop(
-                            &Host, grad, layout, format, rounding, residual,
-                        )
-                        .map_err(|source| EngineError::Unit {
-                            what: "quantizing the gradient",
-                            unit: self.units[u].name.clone(),
-                            source,
-                        })?;
-                        Hop1::Quantized(first)
-                    }
-                    FirstHop::Bf16 if layout.ranks_per_node > 1 => Hop1::Bf16(narrow_bf16(grad)),
-                    FirstHop::Bf16 => Hop1::Alone(grad),
-                };
-                let s = qgz::Qgz {
-                    intra,
-                    inter,
-                    rounding,
-                    hadamard,
-                };
-                let residual_inter = self.units[u].residual_inter.clone();
-                Ok(self.thread.submit(move |c: &Communicator| {
-                    let mut residual_inter = residual_inter
-                        .lock()
-                        .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
-                    let mover = HostMover {
-                        comm: c,
-                        counter: &counter,
-                        groups: groups.clone(),
-                    };
-                    let residual = error_feedback.then_some(residual_inter.chunks_mut());
-                    let how = (s, Reduction::Mean);
-                    let across_only = |second| qgz::Feedback::<Host> {
-                        first: None,
-                        second,
-                    };
-                    match first {
-                        Hop1::Quantized(first) => {
-                            let second = qgz::SecondHop::of(s, residual);
-                            qgz::exchange(&Host, &mover, layout, first, second, Reduction::Mean)
-                        }
-                        Hop1::Bf16(words) => {
-                            let grad: &[bf16] = bytemuck::cast_slice(&words);
-                            let feedback = across_only(residual);
-                            let sum = qgz::reduce_scatter_tensor(
-                                &Host, &mover, layout, how, &grad, feedback,
-                            );
-                            scratch::give(words);
-                            sum
-                        }
-                        Hop1::Alone(grad) => {
-                            let feedback = across_only(residual);
-                            qgz::reduce_scatter_taking(&Host, &mover, layout, how, grad, feedback)
-                        }
-                    }
-                }))
+                qgz::rounding(stochastic, seed, call, u, layout.rank)
             }
-        }
+            GradWire::RingBf16 | GradWire::RingF32 => Rounding::NearestEven,
+        };
+        let (first_feedback, error_feedback) = wire.keeps();
+        let su = &mut self.units[u];
+        // qgZ quantizes its hop inside the node here, while the
+        // communication thread sends the last unit's; the gradient is
+        // taken, its error feedback added in place.
+        let first = first_feedback.then_some(su.residual.chunks_mut());
+        let grad = fsdp::prepare_gradient(&Host, layout, wire, (rounding, first), grad).map_err(
+            |source| EngineError::Unit {
+                what: "quantizing the gradient",
+                unit: su.name.clone(),
+                source,
+            },
+        )?;
+        let residual_inter = su.residual_inter.clone();
+        Ok(self.thread.submit(move |c: &Communicator| {
+            let mut residual_inter = residual_inter
+                .lock()
+                .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
+            let m = HostMover {
+                comm: c,
+                counter: &counter,
+                groups,
+            };
+            let second = error_feedback.then_some(residual_inter.chunks_mut());
+            let (how, mean) = ((rounding, second), Reduction::Mean);
+            fsdp::reduce_scatter_prepared(&Host, &m, layout, wire, how, mean, grad)
+        }))
     }
 
     /// Waits for unit `u`'s gradient reduce-scatter: this rank's chunk of

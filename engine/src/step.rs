@@ -131,7 +131,7 @@ impl Engine {
             }
             let full = gathered.full;
             if let Some(old) = std::mem::replace(&mut self.units[u].secondary, gathered.secondary) {
-                old.recycle();
+                crate::recycle(old);
             }
             let mut params = self.full_params(u, full)?;
             tied.apply(tie, u, &mut params);
@@ -384,7 +384,7 @@ impl Engine {
             );
             scratch::give(gr);
             if let Some(s) = su.secondary.take() {
-                s.recycle();
+                crate::recycle(s);
             }
         }
     }

@@ -175,6 +175,7 @@ fn a_nan_gradient_step_can_be_skipped_without_touching_the_weights() {
 /// under `switches` (seed 3), in rank order.
 fn on_four_engines<R: Send + 'static>(
     switches: &Switches,
+    nodes: usize,
     f: impl Fn(&mut Engine, usize) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
     let f = Arc::new(f);
@@ -192,8 +193,8 @@ fn on_four_engines<R: Send + 'static>(
                     islands: None,
                 };
                 let layout = Layout {
-                    nodes: 2,
-                    ranks_per_node: 2,
+                    nodes,
+                    ranks_per_node: 4 / nodes,
                     rank,
                 };
                 let t = Box::new(t);
@@ -211,7 +212,7 @@ fn on_four_engines<R: Send + 'static>(
 /// bindings and the device job run — on the same inputs and groups.
 fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
     use half::bf16;
-    use zeropp_zero::fsdp::{self, Gather, Scatter};
+    use zeropp_zero::fsdp::{self, GradWire};
     use zeropp_zero::host::HostKernels;
     use zeropp_zero::{Hop, qgz::Feedback};
 
@@ -248,12 +249,8 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
                 let mut reference = None;
                 for _ in 0..2 {
                     let mut full = vec![0f32; master.len() * world];
-                    let how = match plan.weights {
-                        WeightWire::Quantized(f) => Gather::Quantized(f),
-                        WeightWire::Delta(d) => Gather::Delta(d),
-                        WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
-                    };
-                    let r = matches!(how, Gather::Delta(_))
+                    let how = plan.weights;
+                    let r = matches!(how, WeightWire::Delta(_))
                         .then(|| zeropp_zero::delta::Slot::new(&mut reference));
                     if plan.weights == WeightWire::Bf16 {
                         // FSDP2 gathers the bf16 parameters.
@@ -273,67 +270,43 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
                 for _ in 0..2 {
                     let mut out = vec![0f32; grad.len() / world];
                     let (x, mut o) = (&grad[..], &mut out[..]);
-                    match plan.grads {
-                        GradWire::RingBf16 => {
-                            // FSDP2's bf16 sum, divided by W in f32 (as the
-                            // engine averages).
-                            let mut g16 = vec![bf16::ZERO; grad.len()];
-                            Host.narrow(&grad, &mut g16)?;
-                            let mut sum = vec![bf16::ZERO; out.len()];
-                            let (x, mut o) = (&g16[..], &mut sum[..]);
-                            fsdp::reduce_scatter(
-                                &Host,
-                                &m,
-                                layout,
-                                Scatter::Plain,
-                                Reduction::Sum,
-                                &x,
-                                &mut o,
-                            )?;
-                            Host.widen(&sum, &mut out)?;
-                            Host.divide(&mut out, world as f32)?;
-                        }
-                        GradWire::RingF32 => {
-                            fsdp::reduce_scatter(
-                                &Host,
-                                &m,
-                                layout,
-                                Scatter::Plain,
-                                Reduction::Mean,
-                                &x,
-                                &mut o,
-                            )?;
-                        }
-                        GradWire::TwoHop {
-                            intra,
-                            inter,
-                            error_feedback,
-                            stochastic,
-                            hadamard,
-                        } => {
-                            assert!(!stochastic, "round to nearest, as both sides do");
-                            let s = qgz::Qgz {
-                                intra,
-                                inter,
-                                rounding: zeropp_quant::Rounding::NearestEven,
-                                hadamard,
-                            };
-                            let keeps = (
-                                qgz::first_hop_feedback(error_feedback, intra),
-                                error_feedback,
-                            );
-                            let fb = Feedback::kept(keeps, r1.chunks_mut(), r2.chunks_mut());
-                            let how = Scatter::Qgz(s, fb);
-                            fsdp::reduce_scatter(
-                                &Host,
-                                &m,
-                                layout,
-                                how,
-                                Reduction::Mean,
-                                &x,
-                                &mut o,
-                            )?;
-                        }
+                    let (wire, nearest) = (plan.grads, zeropp_quant::Rounding::NearestEven);
+                    if let GradWire::TwoHop { stochastic, .. } = wire {
+                        assert!(!stochastic, "round to nearest, as both sides do");
+                    }
+                    let fb = Feedback::kept(wire.keeps(), r1.chunks_mut(), r2.chunks_mut());
+                    if wire == GradWire::RingBf16 {
+                        // FSDP2's bf16 sum, divided by W in f32 (as the
+                        // engine averages).
+                        let mut g16 = vec![bf16::ZERO; grad.len()];
+                        Host.narrow(&grad, &mut g16)?;
+                        let mut sum = vec![bf16::ZERO; out.len()];
+                        let (x, mut o) = (&g16[..], &mut sum[..]);
+                        let sum_ = Reduction::Sum;
+                        fsdp::reduce_scatter(
+                            &Host,
+                            &m,
+                            layout,
+                            wire,
+                            (nearest, fb),
+                            sum_,
+                            &x,
+                            &mut o,
+                        )?;
+                        Host.widen(&sum, &mut out)?;
+                        HostKernels::divide(&Host, &mut out, world as f32)?;
+                    } else {
+                        let mean = Reduction::Mean;
+                        fsdp::reduce_scatter(
+                            &Host,
+                            &m,
+                            layout,
+                            wire,
+                            (nearest, fb),
+                            mean,
+                            &x,
+                            &mut o,
+                        )?;
                     }
                     outs.push(bits(&out));
                 }
@@ -350,34 +323,56 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
     // Every wire the engine runs: bf16 and fp32 rings (ZeRO-3), qwZ int8
     // with int8 qgZ, weight differences with int4 qgZ and both
     // error-feedback hops, and with qgZ's hop inside in bf16; each call twice (references and residuals carry
-    // over). Bit for bit, on 2 x 2 ranks.
+    // over). Bit for bit, on 2 x 2 ranks; and on nodes of one rank (4 x
+    // 1), where qgZ has no hop inside the node to quantize.
     let cases = [
-        Switches::zero3(32),
-        Switches {
-            fp32_comm: true,
-            ..Switches::zero3(32)
-        },
-        Switches {
-            qwz_bits: Some(8),
-            qwz_delta: false,
-            hpz: false,
-            qgz_intra_bits: 8,
-            ..Switches::zeropp(32)
-        },
-        Switches {
-            hpz: false,
-            ..Switches::zeropp(32)
-        },
+        (2, Switches::zero3(32)),
+        (
+            2,
+            Switches {
+                fp32_comm: true,
+                ..Switches::zero3(32)
+            },
+        ),
+        (
+            2,
+            Switches {
+                qwz_bits: Some(8),
+                qwz_delta: false,
+                hpz: false,
+                qgz_intra_bits: 8,
+                ..Switches::zeropp(32)
+            },
+        ),
+        (
+            2,
+            Switches {
+                hpz: false,
+                ..Switches::zeropp(32)
+            },
+        ),
         // The gradient in bf16 inside the node (qgZ's first hop not
         // quantized, the hop across with its feedback).
-        Switches {
-            hpz: false,
-            qgz_intra_bits: 16,
-            ..Switches::zeropp(32)
-        },
+        (
+            2,
+            Switches {
+                hpz: false,
+                qgz_intra_bits: 16,
+                ..Switches::zeropp(32)
+            },
+        ),
+        (
+            4,
+            Switches {
+                hpz: false,
+                qgz_intra_bits: 4,
+                ..Switches::zeropp(32)
+            },
+        ),
     ];
-    for switches in cases {
-        let got = on_four_engines(&switches, |e, rank| (both_ways(e, 1, rank), e.plan.clone()));
+    for (nodes, switches) in cases {
+        let both = |e: &mut Engine, rank| (both_ways(e, 1, rank), e.plan.clone());
+        let got = on_four_engines(&switches, nodes, both);
         for (rank, ([engine, fsdp], plan)) in got.into_iter().enumerate() {
             assert_eq!((engine.len(), fsdp.len()), (4, 4));
             for (call, (a, b)) in engine.iter().zip(&fsdp).enumerate() {
@@ -412,7 +407,7 @@ fn an_hpz_secondary_of_values_gives_the_backward_gather_the_forward_weights_insi
         },
     ];
     for switches in cases {
-        let got = on_four_engines(&switches, |e, _| {
+        let got = on_four_engines(&switches, 2, |e, _| {
             let u = 1;
             let forward = e.start_primary_gather(u, Phase::ForwardGather).unwrap();
             let forward = forward.wait().unwrap();

@@ -16,9 +16,9 @@ use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::exchange::{self, JoinOptions, TransportKind};
 use zeropp_comm::{CommError, Communicator, Group, GroupKind};
 use zeropp_cuda::device::DeviceQuantizedChunks;
-use zeropp_quant::{QuantFormat, QuantizedChunks};
+use zeropp_quant::{QuantFormat, QuantizedChunks, Rounding};
 use zeropp_zero::device_job::DeviceFeedback;
-use zeropp_zero::fsdp::{self, Gather, Scatter};
+use zeropp_zero::fsdp::{self, GradWire, WeightWire};
 use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::measured::Measured;
@@ -420,7 +420,7 @@ impl Job {
         let frozen = delta.as_ref().map(|d| d.get().frozen_ranges());
         Ok(self.submit(groups, move |mover| {
             let mut reference = match (&delta, how) {
-                (Some(state), Gather::Delta(_)) => {
+                (Some(state), WeightWire::Delta(_)) => {
                     Some(state.get().reference.lock().map_err(|_| poisoned())?)
                 }
                 _ => None,
@@ -491,14 +491,17 @@ impl Job {
             with_dtype!(dtype, T => {
                 let x: &[T] = inp.typed("input")?;
                 let mut o: &mut [T] = out.typed_mut("output")?;
-                let how = match (state, &mut first, &mut second) {
-                    (Some(s), Some(first), Some(second)) => Scatter::Qgz(
-                        s.settings(layout.rank),
+                let (wire, call) = match (state, &mut first, &mut second) {
+                    (Some(s), Some(first), Some(second)) => (s.wire(), (
+                        s.rounding(layout.rank),
                         qgz::Feedback::kept(s.keeps(), first.chunks_mut(), second.chunks_mut()),
+                    )),
+                    _ => (
+                        GradWire::RingF32.for_call(dtype == Dtype::Bf16),
+                        (Rounding::NearestEven, qgz::Feedback::none()),
                     ),
-                    _ => Scatter::Plain,
                 };
-                fsdp::reduce_scatter(&Host, mover, layout, how, reduction, &x, &mut o)?;
+                fsdp::reduce_scatter(&Host, mover, layout, wire, call, reduction, &x, &mut o)?;
             });
             Ok(())
         }))
@@ -808,9 +811,9 @@ impl Plan {
         over_world: bool,
         bf16: bool,
         with_references: bool,
-    ) -> Result<Gather, ZeroError> {
-        let how = self.plan.weights.gather(over_world, bf16);
-        if matches!(how, Gather::Delta(_)) && !with_references {
+    ) -> Result<WeightWire, ZeroError> {
+        let how = self.plan.weights.for_call(over_world, bf16);
+        if matches!(how, WeightWire::Delta(_)) && !with_references {
             return Err(ZeroError::Invalid(
                 "this plan gathers weight differences: pass the group's references \
                  (delta=plan.qwz_reference(), made once per parameter group)"
@@ -828,7 +831,7 @@ impl Plan {
     /// inside the node (FSDP2 keeps no second copy after forward).
     #[getter]
     fn references_serve_backward(&self) -> bool {
-        matches!(self.plan.weights, plan::WeightWire::Delta(d) if d.hpz)
+        matches!(self.plan.weights, WeightWire::Delta(d) if d.hpz)
     }
 
     /// qwZ's references of weight differences for one parameter group
@@ -836,7 +839,7 @@ impl Plan {
     /// qwz_bf16_references; in host memory with qwz_host_references), or
     /// None where this plan sends no differences.
     fn qwz_reference(&self) -> Option<QwzReference> {
-        matches!(self.plan.weights, plan::WeightWire::Delta(_)).then(|| QwzReference {
+        matches!(self.plan.weights, WeightWire::Delta(_)).then(|| QwzReference {
             frozen: Mutex::new(Vec::new()),
             host_references: self.switches.qwz_host_references,
             reference: Mutex::new(None),
@@ -849,7 +852,7 @@ impl Plan {
     #[pyo3(signature = (seed=0))]
     fn qgz_state(&self, seed: u64) -> Option<QgzState> {
         match self.plan.grads {
-            plan::GradWire::TwoHop {
+            GradWire::TwoHop {
                 intra,
                 inter,
                 error_feedback,
@@ -861,7 +864,7 @@ impl Plan {
                 (error_feedback, stochastic, hadamard),
                 seed,
             )),
-            plan::GradWire::RingBf16 | plan::GradWire::RingF32 => None,
+            GradWire::RingBf16 | GradWire::RingF32 => None,
         }
     }
 
@@ -873,7 +876,7 @@ impl Plan {
     #[pyo3(signature = (seed=0))]
     fn all_reduce_state(&self, seed: u64) -> Option<AllReduceState> {
         match self.plan.grads {
-            plan::GradWire::TwoHop {
+            GradWire::TwoHop {
                 inter,
                 error_feedback,
                 stochastic,
@@ -884,7 +887,7 @@ impl Plan {
                 (error_feedback, stochastic, hadamard),
                 seed,
             )),
-            plan::GradWire::RingBf16 | plan::GradWire::RingF32 => None,
+            GradWire::RingBf16 | GradWire::RingF32 => None,
         }
     }
 }
@@ -966,25 +969,31 @@ impl QgzState {
         }
     }
 
-    /// This group's next reduce-scatter on `rank`: its formats, and its
-    /// rounding (call numbers counted per group, `qgz::rounding`).
-    pub(crate) fn settings(&self, rank: usize) -> qgz::Qgz {
-        let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        qgz::Qgz {
+    /// This group's wire (the plan's).
+    pub(crate) fn wire(&self) -> GradWire {
+        GradWire::TwoHop {
             intra: self.intra,
             inter: self.inter,
-            rounding: qgz::rounding(self.stochastic, self.seed, call, 0, rank),
+            error_feedback: self.error_feedback,
+            stochastic: self.stochastic,
             hadamard: self.hadamard,
         }
     }
 
+    /// The rounding of this group's next reduce-scatter on `rank` (call
+    /// numbers counted per group, `qgz::rounding`).
+    pub(crate) fn rounding(&self, rank: usize) -> Rounding {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        qgz::rounding(self.stochastic, self.seed, call, 0, rank)
+    }
+
     pub(crate) fn first_hop_feedback(&self) -> bool {
-        qgz::first_hop_feedback(self.error_feedback, self.intra)
+        self.keeps().0
     }
 
     /// Whether each hop keeps error feedback: (inside the node, across).
     pub(crate) fn keeps(&self) -> (bool, bool) {
-        (self.first_hop_feedback(), self.error_feedback)
+        self.wire().keeps()
     }
 }
 

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use zeropp_cuda::Gpu;
-use zeropp_quant::QuantizedChunks;
+use zeropp_quant::{QuantizedChunks, Rounding};
 use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
 use zeropp_zero::delta::{Reference, Slot};
@@ -19,7 +19,7 @@ use zeropp_zero::device_job::{
     KeptOf,
 };
 use zeropp_zero::emulated::EmulatedDevice;
-use zeropp_zero::fsdp::Gather;
+use zeropp_zero::fsdp::{GradWire, WeightWire};
 use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
 use zeropp_zero::work::{Queue, Work};
@@ -81,7 +81,7 @@ pub(crate) struct GatherCall {
     pub dtype: Dtype,
     pub ranks: Vec<usize>,
     pub stream: usize,
-    pub how: Gather,
+    pub how: WeightWire,
     pub backward: bool,
 }
 
@@ -139,7 +139,7 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
     delta: Option<&QwzReference>,
 ) -> Result<(), ZeroError> {
     let mut reference = match (delta, c.how) {
-        (Some(state), Gather::Delta(_)) => Some(
+        (Some(state), WeightWire::Delta(_)) => Some(
             D::reference(state)
                 .lock()
                 .map_err(|_| ZeroError::Poisoned("qwZ reference"))?,
@@ -182,6 +182,7 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
         .map(|s| D::feedback(s).lock())
         .transpose()
         .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
+    let ring = GradWire::RingF32.for_call(c.dtype == Dtype::Bf16);
     let call = DeviceScatter {
         out: c.out,
         inp: c.inp,
@@ -189,9 +190,9 @@ pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
         ranks: &c.ranks,
         stream: c.stream,
         reduction,
-        qgz: qgz
-            .zip(feedback.as_deref_mut())
-            .map(|(s, fb)| (s.settings(rank), s.keeps(), fb)),
+        wire: qgz.map_or(ring, QgzState::wire),
+        rounding: qgz.map_or(Rounding::NearestEven, |s| s.rounding(rank)),
+        feedback: feedback.as_deref_mut(),
     };
     // SAFETY: the caller's promise.
     unsafe { with_dtype!(c.dtype, T => job.reduce_scatter::<T>(call)) }

@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use half::bf16;
 use zeropp_quant::{QuantFormat, Rounding};
 use zeropp_zero::backend::Quantizer;
-use zeropp_zero::fsdp::{Scatter, reduce_scatter};
+use zeropp_zero::fsdp::{GradWire, reduce_scatter};
 use zeropp_zero::host::Host;
-use zeropp_zero::qgz::{Feedback, FirstHop, Qgz, Reduction};
+use zeropp_zero::qgz::{Feedback, FirstHop, Reduction};
 use zeropp_zero::testing::{bf16s, gradient, on_world};
 
 const VALUES: usize = 3_758_592;
@@ -49,13 +49,14 @@ fn run(intra: Option<FirstHop>) -> Vec<(f64, f64)> {
         let mut residual = Host.chunks(zeropp_zero::residual::format(), 32, 1).unwrap();
         let (mut best, mut cpu) = (f64::MAX, 0.0);
         for call in 0..CALLS + 2 {
-            let how = match intra {
-                None => Scatter::Plain,
-                Some(intra) => Scatter::Qgz(
-                    Qgz {
+            let (wire, feedback) = match intra {
+                None => (GradWire::RingBf16, Feedback::none()),
+                Some(intra) => (
+                    GradWire::TwoHop {
                         intra,
                         inter: QuantFormat::int4(64).unwrap(),
-                        rounding: Rounding::NearestEven,
+                        error_feedback: true,
+                        stochastic: false,
                         hadamard: true,
                     },
                     Feedback {
@@ -64,9 +65,10 @@ fn run(intra: Option<FirstHop>) -> Vec<(f64, f64)> {
                     },
                 ),
             };
+            let how = (Rounding::NearestEven, feedback);
             let (t, c) = (Instant::now(), thread_cpu());
             let (x, mut o) = (&grad[..], &mut out[..]);
-            reduce_scatter(&Host, &m, layout, how, Reduction::Mean, &x, &mut o).unwrap();
+            reduce_scatter(&Host, &m, layout, wire, how, Reduction::Mean, &x, &mut o).unwrap();
             if call >= 2 {
                 // The first two fill the buffer pools.
                 best = best.min(t.elapsed().as_secs_f64());

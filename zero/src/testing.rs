@@ -96,8 +96,9 @@ pub fn on_ranks<R: Send + 'static>(
 /// A gather's three kinds of wire, as a plan makes them: plain (bf16), qwZ
 /// in int`bits` blocks of `block`, and weight differences in that format
 /// (refreshed every 4 forward gathers, bf16 inside the node, no hpZ).
-pub fn every_weight_wire(bits: u32, block: usize) -> [crate::plan::WeightWire; 3] {
-    use crate::plan::{WeightWire, weight_format};
+pub fn every_weight_wire(bits: u32, block: usize) -> [crate::fsdp::WeightWire; 3] {
+    use crate::fsdp::WeightWire;
+    use crate::plan::weight_format;
     let format = weight_format(bits, block).expect("a weight format");
     [
         WeightWire::Bf16,

@@ -631,65 +631,64 @@ fn the_gpu_gathers_qwz_as_the_host_library_does() {
 #[ignore = "needs an NVIDIA GPU and NCCL: run cuda/check-on-gpu.sh"]
 fn the_gpu_runs_fsdp2s_calls_as_the_host_does() {
     use half::bf16;
-    use zeropp_cuda::Gpu;
     use zeropp_zero::Hop;
-    use zeropp_zero::fsdp::{self, Gather, Scatter};
+    use zeropp_zero::fsdp::{self, GradWire, WeightWire};
     let x: Vec<bf16> = gradient(1000, 0, 3)
         .into_iter()
         .map(bf16::from_f32)
         .collect();
     let f8 = QuantFormat::int8(256).unwrap();
     let (intra, inter) = plan::gradient_formats(8, 32, Some(128)).unwrap();
-    let qgz = Qgz {
+    let qgz = GradWire::TwoHop {
         intra,
         inter,
-        rounding: Rounding::NearestEven,
+        error_feedback: false,
+        stochastic: false,
         hadamard: true,
     };
-    fn none<Q: Quantizer>() -> Feedback<'static, Q> {
-        Feedback {
-            first: None,
-            second: None,
-        }
+    fn none<Q: Quantizer>() -> (Rounding, Feedback<'static, Q>) {
+        (Rounding::NearestEven, Feedback::none())
     }
     let phase = Phase::ForwardGather;
     let x2 = x.clone();
     let host = on_ranks(1, 1, 1, move |layout, m, _| {
         let (mut gathered, mut summed) = (vec![bf16::ZERO; 1000], vec![bf16::ZERO; 1000]);
-        let how = Gather::Quantized(f8);
+        let how = WeightWire::Quantized(f8);
         let (i, mut o) = (&x2[..], &mut gathered[..]);
         fsdp::all_gather(&Host, m, layout, Hop::World, how, phase, None, &i, &mut o).unwrap();
         let (i, mut o) = (&x2[..], &mut summed[..]);
-        let how = Scatter::Qgz(qgz, none());
-        fsdp::reduce_scatter(&Host, m, layout, how, Reduction::Mean, &i, &mut o).unwrap();
+        let mean = Reduction::Mean;
+        fsdp::reduce_scatter(&Host, m, layout, qgz, none(), mean, &i, &mut o).unwrap();
         (gathered, summed)
     });
     let one = OneGpu::open();
     let (gpu, layout, m) = (&one.gpu, OneGpu::LAYOUT, one.mover());
     let dx = gpu.upload(&x).unwrap();
     let mut out = gpu.zeros::<bf16>(1000).unwrap();
-    let mut call = |gather: Option<Gather>, scatter: Option<Scatter<'_, Gpu>>| {
+    let mut call = |gather: Option<WeightWire>, scatter: Option<GradWire>| {
         let (i, mut o) = (dx.as_view(), out.as_view_mut());
         match (gather, scatter) {
             (Some(how), _) => {
                 fsdp::all_gather(gpu, &m, layout, Hop::World, how, phase, None, &i, &mut o)
             }
-            (_, Some(how)) => {
-                fsdp::reduce_scatter(gpu, &m, layout, how, Reduction::Mean, &i, &mut o)
+            (_, Some(wire)) => {
+                let mean = Reduction::Mean;
+                fsdp::reduce_scatter(gpu, &m, layout, wire, none(), mean, &i, &mut o)
             }
             _ => unreachable!(),
         }
         .unwrap();
         gpu.download(&out.as_view()).unwrap()
     };
-    assert_eq!(call(Some(Gather::Plain), None), x, "plain gather");
-    assert_eq!(call(None, Some(Scatter::Plain)), x, "plain reduce-scatter");
-    assert_eq!(call(Some(Gather::Quantized(f8)), None), host[0].0, "qwZ");
+    assert_eq!(call(Some(WeightWire::Bf16), None), x, "plain gather");
+    let ring = GradWire::RingBf16;
+    assert_eq!(call(None, Some(ring)), x, "plain reduce-scatter");
     assert_eq!(
-        call(None, Some(Scatter::Qgz(qgz, none()))),
-        host[0].1,
-        "qgZ"
+        call(Some(WeightWire::Quantized(f8)), None),
+        host[0].0,
+        "qwZ"
     );
+    assert_eq!(call(None, Some(qgz)), host[0].1, "qgZ");
 }
 
 /// qwZ on weight differences on the device, its references kept on the
@@ -702,14 +701,14 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
     use half::bf16;
     use zeropp_zero::Hop;
     use zeropp_zero::fsdp;
-    let wire = zeropp_zero::plan::WeightWire::Delta(zeropp_zero::delta::DeltaWire {
+    let wire = zeropp_zero::fsdp::WeightWire::Delta(zeropp_zero::delta::DeltaWire {
         delta: plan::weight_format(4, 64).unwrap(),
         refresh_every: 100,
         fp32: false,
         hpz: true,
         bf16_references: false,
     });
-    let how = wire.gather(true, true);
+    let how = wire.for_call(true, true);
     let frozen: Vec<_> = std::iter::once(0..150).collect();
     let shards: Vec<Vec<bf16>> = (0..4)
         .map(|call| {

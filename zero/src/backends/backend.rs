@@ -285,6 +285,9 @@ pub trait Quantizer {
     /// `x` as a caller's f32 tensor: the same memory, read.
     fn values_as_tensor<'a>(&self, x: &'a Self::Values) -> Self::Tensor<'a, f32>;
 
+    /// `x` as a caller's f32 tensor: the same memory, written.
+    fn values_as_tensor_mut<'a>(&self, x: &'a mut Self::Values) -> Self::TensorMut<'a, f32>;
+
     /// `(format, chunk_len, count)` of a chunked buffer.
     fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
 
@@ -688,6 +691,68 @@ pub trait ByteMover<Q: Quantizer> {
         all: &mut Q::TensorMut<'_, T>,
     ) -> Result<(), ZeroError>;
 
+    /// [`ByteMover::all_gather_tensor`] with bf16 on the wire: `mine`'s
+    /// values rounded to nearest even, and widened back to `T` in `all`.
+    /// By default through gathered f32 values and `q`
+    /// ([`all_gather_tensor_bf16_by_values`]); the host encodes and decodes
+    /// in place.
+    fn all_gather_tensor_bf16<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Tensor<'_, T>,
+        all: &mut Q::TensorMut<'_, T>,
+    ) -> Result<(), ZeroError>
+    where
+        Self: Sized,
+    {
+        all_gather_tensor_bf16_by_values(self, q, (hop, phase), mine, all)
+    }
+
+    /// ZeRO-3's reduce-scatter of f32 values the call takes (and gives
+    /// back to the pools once sent): `grad` (the group's size equal
+    /// chunks, member order) summed over the members in f32; this member's
+    /// chunk of the sum (with `mean`, divided by the group's size), as the
+    /// native engine keeps it. By default through
+    /// [`ByteMover::reduce_scatter_tensor`]; the host's ring sends from the
+    /// values' own buffer.
+    fn reduce_scatter_taking(
+        &self,
+        q: &Q,
+        (hop, phase): (Hop, Phase),
+        grad: Q::Values,
+        mean: bool,
+    ) -> Result<Q::Values, ZeroError> {
+        let (len, members) = (q.len(&grad), self.size(hop));
+        check_scatter_len(len, len / members.max(1), members)?;
+        let mut out = q.values_for_overwrite(len / members)?;
+        {
+            let (x, mut o) = (q.values_as_tensor(&grad), q.values_as_tensor_mut(&mut out));
+            self.reduce_scatter_tensor(q, hop, phase, &x, &mut o, mean)?;
+        }
+        q.recycle(grad);
+        Ok(out)
+    }
+
+    /// [`ByteMover::reduce_scatter_taking`] of kept values: on the host
+    /// summed in the dtype they were kept in (bf16 ones in a bf16 ring,
+    /// each partial sum rounded to bf16), sent from their own buffer; by
+    /// default widened to f32 values and summed in f32.
+    fn reduce_scatter_kept(
+        &self,
+        q: &Q,
+        (hop, phase): (Hop, Phase),
+        grad: Q::Kept,
+        mean: bool,
+    ) -> Result<Q::Values, ZeroError> {
+        let len = q.kept_len(&grad);
+        let mut values = q.values_for_overwrite(len)?;
+        q.load_kept(&grad, 0, &mut values, 0, len)?;
+        q.recycle_kept(grad);
+        self.reduce_scatter_taking(q, (hop, phase), values, mean)
+    }
+
     /// ZeRO-3's reduce-scatter: `x` (the group's size equal chunks, member
     /// order) summed over the members, this member's chunk into `out`; with
     /// `mean`, divided by the group's size (by `q`, or inside the reduction
@@ -703,6 +768,28 @@ pub trait ByteMover<Q: Quantizer> {
         out: &mut Q::TensorMut<'_, T>,
         mean: bool,
     ) -> Result<(), ZeroError>;
+}
+
+/// [`ByteMover::all_gather_tensor_bf16`] through `q`'s f32 values: `mine`
+/// loaded, gathered with [`ByteMover::all_gather_values`] (bf16 on the
+/// wire), stored into `all`.
+pub fn all_gather_tensor_bf16_by_values<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    m: &M,
+    q: &Q,
+    (hop, phase): (Hop, Phase),
+    mine: &Q::Tensor<'_, T>,
+    all: &mut Q::TensorMut<'_, T>,
+) -> Result<(), ZeroError> {
+    let (len, members) = (q.tensor_len(mine), m.size(hop));
+    check_gather_len(len, q.tensor_mut_len(all), members)?;
+    let mut values = q.values_for_overwrite(len)?;
+    q.load_tensor(mine, &mut values, 0)?;
+    let mut gathered = q.values_for_overwrite(members * len)?;
+    m.all_gather_values(hop, phase, &values, &mut gathered, false)?;
+    q.store_values(&gathered, 0, all, 0, members * len)?;
+    q.recycle(values);
+    q.recycle(gathered);
+    Ok(())
 }
 
 /// Checks a plain gather of `mine` values into `all` over `members` ranks.

@@ -285,6 +285,10 @@ impl Quantizer for Gpu {
         x.view()
     }
 
+    fn values_as_tensor_mut<'a>(&self, x: &'a mut DeviceValues) -> CudaViewMut<'a, f32> {
+        x.view_mut()
+    }
+
     fn chunks(
         &self,
         format: QuantFormat,

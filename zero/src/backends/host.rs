@@ -346,6 +346,10 @@ impl<K: HostKernels> Quantizer for K {
         x
     }
 
+    fn values_as_tensor_mut<'a>(&self, x: &'a mut Vec<f32>) -> &'a mut [f32] {
+        x
+    }
+
     fn round_bf16(&self, x: &mut Vec<f32>) -> Result<(), ZeroError> {
         let mut halves: Vec<u16> = scratch::take_for_overwrite(x.len());
         let h: &mut [half::bf16] = bytemuck::cast_slice_mut(&mut halves);
@@ -893,6 +897,62 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
+    fn all_gather_tensor_bf16<T: GpuElement>(
+        &self,
+        _q: &K,
+        hop: Hop,
+        phase: Phase,
+        mine: &&[T],
+        all: &mut &mut [T],
+    ) -> Result<(), ZeroError> {
+        let len = mine.len();
+        check_gather_len(len, all.len(), self.group(hop).size())?;
+        for (j, b) in self
+            .gather_plain(hop, phase, mine, false)?
+            .iter()
+            .enumerate()
+        {
+            let out = &mut all[j * len..(j + 1) * len];
+            match bytemuck::try_cast_slice_mut::<T, f32>(out) {
+                // f32: decoded in place, as the engine's masters were.
+                Ok(out) if T::TAG == "f32" => payload::decode_bf16(b, out)?,
+                _ => {
+                    let mut wide = scratch::take_for_overwrite::<f32>(len);
+                    payload::decode_bf16(b, &mut wide)?;
+                    for (o, v) in out.iter_mut().zip(&wide) {
+                        *o = T::from_f32(*v);
+                    }
+                    scratch::give(wide);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_taking(
+        &self,
+        q: &K,
+        (hop, phase): (Hop, Phase),
+        grad: Vec<f32>,
+        mean: bool,
+    ) -> Result<Vec<f32>, ZeroError> {
+        self.ring_taking(q, hop, phase, RingGradient::F32(grad), mean)
+    }
+
+    fn reduce_scatter_kept(
+        &self,
+        q: &K,
+        (hop, phase): (Hop, Phase),
+        grad: Kept,
+        mean: bool,
+    ) -> Result<Vec<f32>, ZeroError> {
+        let grad = match grad {
+            Kept::F32(values) => RingGradient::F32(values),
+            Kept::Bf16(values) => RingGradient::Bf16(bytemuck::allocation::cast_vec(values)),
+        };
+        self.ring_taking(q, hop, phase, grad, mean)
+    }
+
     fn reduce_scatter_tensor<T: GpuElement>(
         &self,
         q: &K,
@@ -934,13 +994,13 @@ impl HostMover<'_> {
             HostKernels::widen(q, x, &mut wide)?;
             RingGradient::F32(wide)
         };
-        self.reduce_scatter_taking(q, hop, phase, grad, mean)
+        self.ring_taking(q, hop, phase, grad, mean)
     }
 
     /// [`HostMover::reduce_scatter_f32`] of a gradient the call takes: the
     /// ring sends from its buffer (given back to the pools once sent), not
     /// from a copy.
-    pub fn reduce_scatter_taking<K: HostKernels>(
+    fn ring_taking<K: HostKernels>(
         &self,
         q: &K,
         hop: Hop,
@@ -982,7 +1042,7 @@ impl HostMover<'_> {
 
 /// A gradient for a ring reduce-scatter, in a reused buffer: bf16 words (a
 /// bf16 ring) or f32 values (an f32 ring).
-pub enum RingGradient {
+enum RingGradient {
     Bf16(Vec<u16>),
     F32(Vec<f32>),
 }

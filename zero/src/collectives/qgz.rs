@@ -374,6 +374,14 @@ pub struct Feedback<'a, Q: Quantizer> {
 }
 
 impl<'a, Q: Quantizer> Feedback<'a, Q> {
+    /// No residual at either hop.
+    pub fn none() -> Self {
+        Feedback {
+            first: None,
+            second: None,
+        }
+    }
+
     /// The residuals of the hops that keep feedback (`keeps`: inside the
     /// node, across nodes).
     pub fn kept(keeps: (bool, bool), first: &'a mut Q::Chunks, second: &'a mut Q::Chunks) -> Self {

@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 use zeropp_comm::Transport;
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::{CudaError, GpuElement};
-use zeropp_quant::QuantizedChunks;
+use zeropp_quant::{QuantizedChunks, Rounding};
 
 use crate::allreduce;
 use crate::delta::Slot;
 use crate::error::ZeroError;
-use crate::fsdp::{self, Gather, Scatter};
+use crate::fsdp::{self, GradWire, WeightWire};
 use crate::layout::Layout;
 use crate::qgz::{self, Reduction};
 use crate::traffic::{CountingTransport, Phase};
@@ -145,10 +145,10 @@ pub struct DeviceGather<'a, V> {
     pub ranks: &'a [usize],
     /// The caller's current stream.
     pub stream: usize,
-    pub how: Gather,
+    pub how: WeightWire,
     pub phase: Phase,
     /// The parameter group's references on this device (`V`: its kept
-    /// values) and its frozen ranges, for [`Gather::Delta`].
+    /// values) and its frozen ranges, for [`WeightWire::Delta`].
     pub slot: Option<Slot<'a, V>>,
 }
 
@@ -164,11 +164,13 @@ pub struct DeviceScatter<'a, C> {
     pub ranks: &'a [usize],
     pub stream: usize,
     pub reduction: Reduction,
-    /// qgZ's settings for this call, which hops keep error feedback
-    /// (inside the node, across), and the group's residuals on this
-    /// device (`C`: its quantized chunks); None: the communicator's own
-    /// reduce-scatter.
-    pub qgz: Option<(qgz::Qgz, (bool, bool), &'a mut DeviceFeedback<C>)>,
+    /// How the call sums (`GradWire::for_call`: a ring is the
+    /// communicator's own reduce-scatter in `T`) and qgZ's rounding.
+    pub wire: GradWire,
+    pub rounding: Rounding,
+    /// The group's residuals on this device (`C`: its quantized chunks),
+    /// for the hops where `wire` keeps error feedback.
+    pub feedback: Option<&'a mut DeviceFeedback<C>>,
 }
 
 /// One quantized all-reduce across a mesh dimension on the caller's device
@@ -491,13 +493,13 @@ impl<D: Device> DeviceJob<D> {
             let layout = comms.layout;
             let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
             let q = device.kernels();
-            let how = match c.qgz {
-                Some((settings, keeps, fb)) => Scatter::Qgz(settings, fb.feedback(q, keeps)?),
-                None => Scatter::Plain,
+            let feedback = match c.feedback {
+                Some(fb) => fb.feedback(q, c.wire.keeps())?,
+                None => qgz::Feedback::none(),
             };
-            let reduction = c.reduction;
+            let (wire, call, reduction) = (c.wire, (c.rounding, feedback), c.reduction);
             let run = |x: &TensorOf<'_, D, T>, o: &mut TensorMutOf<'_, D, T>| {
-                fsdp::reduce_scatter(q, &m, layout, how, reduction, x, o)
+                fsdp::reduce_scatter(q, &m, layout, wire, call, reduction, x, o)
             };
             // SAFETY: the caller's promise.
             unsafe { device.with_tensors((c.inp, c.numel), (c.out, c.numel / w), run) }
@@ -682,7 +684,6 @@ where
 #[cfg(test)]
 mod tests {
     use half::bf16;
-    use zeropp_quant::Rounding;
 
     use super::*;
     use crate::ZeroGroups;
@@ -718,15 +719,22 @@ mod tests {
     }
 
     /// qgZ at int4 inside the node (both hops keep error feedback).
-    fn qgz_settings() -> (qgz::Qgz, (bool, bool)) {
+    fn qgz_wire() -> GradWire {
         let (intra, inter) = plan::gradient_formats(4, 32, Some(128)).unwrap();
-        let q = qgz::Qgz {
+        let wire = GradWire::TwoHop {
             intra,
             inter,
-            rounding: Rounding::NearestEven,
+            error_feedback: true,
+            stochastic: false,
             hadamard: true,
         };
-        (q, (qgz::first_hop_feedback(true, intra), true))
+        assert_eq!(wire.keeps(), (true, true));
+        wire
+    }
+
+    /// A call's rounding, and no residuals.
+    fn plain_call<'a>() -> (Rounding, qgz::Feedback<'a, Host>) {
+        (Rounding::NearestEven, qgz::Feedback::none())
     }
 
     const LEN: usize = 8 * 96;
@@ -747,7 +755,7 @@ mod tests {
             .into_iter()
             .zip([1, 1, 2])
         {
-            let how = wire.gather(true, true);
+            let how = wire.for_call(true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let (x, mut o) = (&shard[..], &mut out[..]);
@@ -775,7 +783,7 @@ mod tests {
             &m2,
             l,
             Hop::Hpz,
-            Gather::Plain,
+            WeightWire::F32,
             phase,
             None,
             &x,
@@ -787,16 +795,20 @@ mod tests {
         for reduction in [Reduction::Sum, Reduction::Mean] {
             let mut out = vec![0f32; LEN / 8];
             let (x, mut o) = (&grad[..], &mut out[..]);
-            fsdp::reduce_scatter(&Host, &m, l, Scatter::Plain, reduction, &x, &mut o).unwrap();
+            let ring = GradWire::RingF32;
+            fsdp::reduce_scatter(&Host, &m, l, ring, plain_call(), reduction, &x, &mut o).unwrap();
             outs.push(f32_bits(&out));
         }
         let mut fb = DeviceFeedback::<QuantizedChunks>::default();
-        let (settings, keeps) = qgz_settings();
+        let wire = qgz_wire();
         for _ in 0..2 {
             let mut out = vec![0f32; LEN / 8];
             let (x, mut o) = (&grad[..], &mut out[..]);
-            let how = Scatter::Qgz(settings, fb.feedback(&Host, keeps).unwrap());
-            fsdp::reduce_scatter(&Host, &m, l, how, Reduction::Mean, &x, &mut o).unwrap();
+            let call = (
+                Rounding::NearestEven,
+                fb.feedback(&Host, wire.keeps()).unwrap(),
+            );
+            fsdp::reduce_scatter(&Host, &m, l, wire, call, Reduction::Mean, &x, &mut o).unwrap();
             outs.push(f32_bits(&out));
         }
         outs
@@ -811,7 +823,7 @@ mod tests {
         shard: &[bf16],
         (out, at): (&mut [bf16], usize),
         ranks: &[usize],
-        how: Gather,
+        how: WeightWire,
         phase: Phase,
         slot: Option<Slot<'_, crate::host::Kept>>,
     ) {
@@ -835,9 +847,13 @@ mod tests {
     fn scatter(
         job: &Job,
         grad: &[f32],
-        qgz: Option<(qgz::Qgz, (bool, bool), &mut DeviceFeedback<QuantizedChunks>)>,
+        qgz: Option<(GradWire, &mut DeviceFeedback<QuantizedChunks>)>,
         reduction: Reduction,
     ) -> Vec<u32> {
+        let (wire, feedback) = match qgz {
+            Some((wire, fb)) => (wire, Some(fb)),
+            None => (GradWire::RingF32, None),
+        };
         let mut out = vec![0f32; grad.len() / job.layout().world()];
         let world: Vec<usize> = (0..job.layout().world()).collect();
         let c = DeviceScatter {
@@ -847,7 +863,9 @@ mod tests {
             ranks: &world,
             stream: 0,
             reduction,
-            qgz,
+            wire,
+            rounding: Rounding::NearestEven,
+            feedback,
         };
         // SAFETY: `grad` holds `numel` values, `out` a W-th of them.
         unsafe { job.reduce_scatter::<f32>(c) }.unwrap();
@@ -869,7 +887,7 @@ mod tests {
             .into_iter()
             .zip([1, 1, 2])
         {
-            let how = wire.gather(true, true);
+            let how = wire.for_call(true, true);
             for _ in 0..calls {
                 let mut out = vec![bf16::ZERO; LEN];
                 let phase = Phase::ForwardGather;
@@ -897,7 +915,7 @@ mod tests {
             &shard,
             (&mut out, l.rank % 2),
             &ranks,
-            Gather::Plain,
+            WeightWire::F32,
             phase,
             None,
         );
@@ -907,12 +925,11 @@ mod tests {
             outs.push(scatter(&job, &grad, None, reduction));
         }
         let mut fb = DeviceFeedback::<QuantizedChunks>::default();
-        let (settings, keeps) = qgz_settings();
         for _ in 0..2 {
             outs.push(scatter(
                 &job,
                 &grad,
-                Some((settings, keeps, &mut fb)),
+                Some((qgz_wire(), &mut fb)),
                 Reduction::Mean,
             ));
         }
@@ -961,7 +978,7 @@ mod tests {
                     numel: 4,
                     ranks,
                     stream: 0,
-                    how: Gather::Plain,
+                    how: WeightWire::F32,
                     phase: Phase::ForwardGather,
                     slot: None,
                 };
@@ -978,7 +995,9 @@ mod tests {
                 ranks: &world,
                 stream: 0,
                 reduction: Reduction::Sum,
-                qgz: None,
+                wire: GradWire::RingF32,
+                rounding: Rounding::NearestEven,
+                feedback: None,
             };
             // SAFETY: refused before anything is read.
             let uneven = unsafe { job.reduce_scatter::<f32>(c) }.unwrap_err();
@@ -1025,13 +1044,13 @@ mod tests {
                 rounding: Rounding::NearestEven,
                 hadamard,
             };
-            let qwz = crate::testing::every_weight_wire(8, 64)[1].gather(true, true);
+            let qwz = crate::testing::every_weight_wire(8, 64)[1].for_call(true, true);
             let mut outs = Vec::new();
             let m = HostMover {
                 groups: groups.clone(),
                 ..r.mover()
             };
-            for how in [Gather::Plain, qwz] {
+            for how in [WeightWire::F32, qwz] {
                 let mut out = vec![bf16::ZERO; 2 * 96];
                 let (x, mut o) = (&shard[..], &mut out[..]);
                 let p = Phase::ForwardGather;
@@ -1040,8 +1059,8 @@ mod tests {
             }
             let mut out = vec![0f32; 96];
             let (x, mut o) = (&grad[..], &mut out[..]);
-            fsdp::reduce_scatter(&Host, &m, l, Scatter::Plain, Reduction::Mean, &x, &mut o)
-                .unwrap();
+            let (ring, call) = (GradWire::RingF32, plain_call());
+            fsdp::reduce_scatter(&Host, &m, l, ring, call, Reduction::Mean, &x, &mut o).unwrap();
             outs.push(f32_bits(&out));
             let mut fb = DeviceFeedback::<QuantizedChunks>::default();
             for _ in 0..2 {
@@ -1065,7 +1084,7 @@ mod tests {
                 .unwrap();
             assert!(job.has_group(&ranks).unwrap());
             let mut outs = Vec::new();
-            for how in [Gather::Plain, qwz] {
+            for how in [WeightWire::F32, qwz] {
                 let mut out = vec![bf16::ZERO; 2 * 96];
                 let p = Phase::ForwardGather;
                 gather(&job, &shard, (&mut out, l.rank), &ranks, how, p, None);
@@ -1079,7 +1098,9 @@ mod tests {
                 ranks: &ranks,
                 stream: 0,
                 reduction: Reduction::Mean,
-                qgz: None,
+                wire: GradWire::RingF32,
+                rounding: Rounding::NearestEven,
+                feedback: None,
             };
             // SAFETY: `grad` holds `numel` values, `out` a half of them.
             unsafe { job.reduce_scatter::<f32>(c) }.unwrap();
@@ -1135,7 +1156,7 @@ mod tests {
                     numel: 4,
                     ranks: &ranks,
                     stream: 0,
-                    how: Gather::Plain,
+                    how: WeightWire::F32,
                     phase: Phase::ForwardGather,
                     slot: None,
                 };
@@ -1174,7 +1195,7 @@ mod tests {
                 numel: x.len(),
                 ranks: &ranks,
                 stream: 0,
-                how: Gather::Plain,
+                how: WeightWire::F32,
                 phase: Phase::ForwardGather,
                 slot: None,
             };
@@ -1235,7 +1256,6 @@ mod tests {
             let mut feedback = DeviceFeedback::default();
             let call = move |job: &DeviceJob<EmulatedDevice>| {
                 let mut out = vec![0f32; grad.len() / world.len()];
-                let (s, keeps) = qgz_settings();
                 let c = DeviceScatter {
                     out: out.as_mut_ptr() as u64,
                     inp: grad.as_ptr() as u64,
@@ -1243,7 +1263,9 @@ mod tests {
                     ranks: &world,
                     stream: 0,
                     reduction: Reduction::Mean,
-                    qgz: Some((s, keeps, &mut feedback)),
+                    wire: qgz_wire(),
+                    rounding: Rounding::NearestEven,
+                    feedback: Some(&mut feedback),
                 };
                 // SAFETY: `grad` holds `numel` values, `out` a W-th.
                 unsafe { job.reduce_scatter::<f32>(c) }

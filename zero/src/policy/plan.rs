@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use zeropp_quant::{Bits, QuantFormat, Scheme};
 
 use crate::error::ZeroError;
-use crate::fsdp::Gather;
+use crate::fsdp::{GradWire, WeightWire};
 use crate::layout::{Layout, LayoutError};
 use crate::measured::Measured;
 use crate::qgz::FirstHop;
@@ -486,71 +486,6 @@ pub fn inside_one_node(s: &mut Switches, asked: &[&str], why: &mut BTreeMap<Stri
             "off: one node, the backward gather never leaves it".into(),
         );
     }
-}
-
-/// How weights travel in a gather.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum WeightWire {
-    /// bf16, gathered over the world in one ring.
-    Bf16,
-    /// fp32, gathered over the world in one ring.
-    F32,
-    /// Symmetric blocks, gathered across nodes, then within the node.
-    Quantized(QuantFormat),
-    /// Quantized differences across nodes, references inside the node.
-    Delta(crate::delta::DeltaWire),
-}
-
-impl WeightWire {
-    /// Whether the unquantized parts of this wire travel in f32.
-    pub fn fp32(&self) -> bool {
-        match self {
-            WeightWire::F32 => true,
-            WeightWire::Delta(d) => d.fp32,
-            WeightWire::Bf16 | WeightWire::Quantized(_) => false,
-        }
-    }
-
-    /// FSDP2's gather ([`crate::fsdp::all_gather`]) of a parameter group
-    /// whose plan moves weights on this wire, over the world
-    /// (`over_world`) or a sub-group, of bf16 tensors (`bf16`) or others.
-    /// qwZ runs over the world only: a sub-group moves the bytes as they
-    /// are, and so do the plain wires (the tensor's own dtype is FSDP2's).
-    /// Differences cross nodes in this wire's format; the hop inside the
-    /// node moves what plain FSDP2 would move for these tensors (bf16 ones
-    /// in bf16 unless the wire says f32, others in f32).
-    pub fn gather(self, over_world: bool, bf16: bool) -> Gather {
-        match self {
-            _ if !over_world => Gather::Plain,
-            WeightWire::Bf16 | WeightWire::F32 => Gather::Plain,
-            WeightWire::Quantized(format) => Gather::Quantized(format),
-            WeightWire::Delta(d) => Gather::Delta(crate::delta::DeltaWire {
-                fp32: d.fp32 || !bf16,
-                ..d
-            }),
-        }
-    }
-}
-
-/// How gradients are reduce-scattered.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum GradWire {
-    /// bf16 ring reduce-scatter over the world (f32 sums at each step).
-    RingBf16,
-    /// fp32 ring reduce-scatter over the world.
-    RingF32,
-    /// Swizzled quantized (or bf16) all-to-all inside the node, f32 sum,
-    /// requantize, all-to-all across nodes, f32 sum, divide by W.
-    TwoHop {
-        /// The first hop (inside the node).
-        intra: FirstHop,
-        /// Format of the second hop (across nodes).
-        inter: QuantFormat,
-        error_feedback: bool,
-        stochastic: bool,
-        /// The hop across nodes rotated block by block (Walsh–Hadamard).
-        hadamard: bool,
-    },
 }
 
 /// Everything the engine needs to know about the switches.

@@ -398,9 +398,9 @@ fn route_times(
     values: usize,
 ) -> Result<[f64; 4], ZeroError> {
     use crate::Hop;
-    use crate::fsdp::{self, Gather, Scatter};
+    use crate::fsdp::{self, GradWire, WeightWire};
     use crate::host::{Host, HostMover};
-    use crate::qgz::{Feedback, Qgz, Reduction};
+    use crate::qgz::{Feedback, Reduction};
     use crate::traffic::Phase;
     use half::bf16;
 
@@ -421,7 +421,7 @@ fn route_times(
     // counted against it), and is FSDP2's call as zeropp runs it
     // (`zero::fsdp`, bf16 tensors): what the plan chooses between.
     let ready = || c.barrier(&groups.world);
-    let mut gather = |how: Gather| -> Result<f64, ZeroError> {
+    let mut gather = |how: WeightWire| -> Result<f64, ZeroError> {
         ready()?;
         let t = Instant::now();
         let (x, mut o) = (&shard[..], &mut gathered[..]);
@@ -438,32 +438,38 @@ fn route_times(
         )?;
         Ok(t.elapsed().as_secs_f64())
     };
-    let gather_plain = gather(Gather::Plain)?;
+    let gather_plain = gather(WeightWire::Bf16)?;
     let format = crate::plan::weight_format(s.qwz_bits.unwrap_or(8), s.block)?;
-    let gather_qwz = gather(Gather::Quantized(format))?;
+    let gather_qwz = gather(WeightWire::Quantized(format))?;
     let (intra, inter) =
         crate::plan::gradient_formats(s.qgz_intra_bits, s.qgz_block, s.qgz_inter_block)?;
-    let qgz = Qgz {
+    let two_hop = GradWire::TwoHop {
         intra,
         inter,
-        rounding: Rounding::NearestEven,
+        error_feedback: false,
+        stochastic: false,
         hadamard: s.qgz_hadamard,
     };
     let mut reduce = |quantized: bool| -> Result<f64, ZeroError> {
-        let how = match quantized {
-            false => Scatter::Plain,
-            true => Scatter::Qgz(
-                qgz,
-                Feedback {
-                    first: None,
-                    second: None,
-                },
-            ),
+        let wire = if quantized {
+            two_hop
+        } else {
+            GradWire::RingBf16
         };
+        let call = (Rounding::NearestEven, Feedback::none());
         ready()?;
         let t = Instant::now();
         let (x, mut o) = (&grad[..], &mut reduced[..]);
-        fsdp::reduce_scatter(&Host, &mover, layout, how, Reduction::Mean, &x, &mut o)?;
+        fsdp::reduce_scatter(
+            &Host,
+            &mover,
+            layout,
+            wire,
+            call,
+            Reduction::Mean,
+            &x,
+            &mut o,
+        )?;
         Ok(t.elapsed().as_secs_f64())
     };
     let reduce_plain = reduce(false)?;
