@@ -324,14 +324,9 @@ impl Engine {
                 (0..job.world()).collect(),
             )?)
         };
-        let first_hop_feedback = match plan.grads {
-            GradWire::TwoHop {
-                intra,
-                error_feedback,
-                ..
-            } => qgz::first_hop_feedback(error_feedback, intra),
-            _ => false,
-        };
+        // A node of one rank sends nothing inside it: no first hop to keep
+        // feedback for (`fsdp::prepare_gradient`).
+        let first_hop_feedback = plan.grads.keeps().0 && layout.ranks_per_node > 1;
         let units = (0..cfg.model.unit_count())
             .map(|i| ShardedUnit::new(&cfg, &plan, layout, i, first_hop_feedback))
             .collect::<Vec<_>>();
