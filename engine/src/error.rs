@@ -45,7 +45,7 @@ pub enum EngineError {
         grad_norm: f32,
         units: Vec<String>,
     },
-    /// A collective of one unit failed (`what`: "quantizing the gradient",
+    /// A collective of one unit failed (`what`: "preparing the gradient",
     /// "reduce-scattering the gradient").
     #[error("{what} of {unit}")]
     Unit {

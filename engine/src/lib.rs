@@ -571,7 +571,7 @@ impl Engine {
         let first = first_feedback.then_some(su.residual.chunks_mut());
         let grad = fsdp::prepare_gradient(&Host, layout, wire, (rounding, first), grad).map_err(
             |source| EngineError::Unit {
-                what: "quantizing the gradient",
+                what: "preparing the gradient",
                 unit: su.name.clone(),
                 source,
             },
@@ -691,13 +691,18 @@ impl Engine {
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
-            let fits = sh.residual.shape() == su.residual.shape()
+            // A unit that keeps no first-hop residual (nodes of one rank)
+            // drops a saved one and keeps the hop across's.
+            let keeps_first = !su.residual.is_empty();
+            let fits = (!keeps_first || sh.residual.shape() == su.residual.shape())
                 && su
                     .residual_inter
                     .lock()
                     .is_ok_and(|ri| ri.shape() == sh.residual_inter.shape());
             if fits {
-                su.residual = sh.residual;
+                if keeps_first {
+                    su.residual = sh.residual;
+                }
                 if let Ok(mut ri) = su.residual_inter.lock() {
                     *ri = sh.residual_inter;
                 }

@@ -383,6 +383,59 @@ fn the_engine_and_fsdp2s_calls_agree_per_collective() {
 }
 
 #[test]
+fn on_nodes_of_one_rank_no_first_hop_residual_is_kept_and_a_saved_one_leaves_the_hop_across_s() {
+    // 4 x 1 with int4 inside and error feedback: qgZ sends nothing inside
+    // a node of one rank, so nothing is kept for that hop; a checkpoint of
+    // a build that kept one (shaped W chunks) still restores the residual
+    // of the hop across, which is not reset with it.
+    let switches = Switches {
+        qgz_intra_bits: 4,
+        ..Switches::zeropp(32)
+    };
+    let got = on_four_engines(&switches, 4, |e, rank| {
+        for s in 0..2 {
+            let (x, y) = batch(s as u64, 8, 16);
+            let (x, y) = (
+                x.narrow(0, rank * 2, 2).unwrap(),
+                y.narrow(0, rank * 2, 2).unwrap(),
+            );
+            e.train_step(&x, &y, 3e-3).unwrap();
+        }
+        let mut shards = e.shard_state().unwrap();
+        let kept_first: Vec<bool> = shards.iter().map(|s| !s.residual.is_empty()).collect();
+        let across: Vec<Residual> = shards.iter().map(|s| s.residual_inter.clone()).collect();
+        for sh in &mut shards {
+            sh.residual = Residual::zeros(sh.layout.chunk, 4);
+        }
+        e.load_shard_state(shards, 2).unwrap();
+        let after = e.shard_state().unwrap();
+        let restored = after
+            .iter()
+            .zip(&across)
+            .all(|(a, b)| a.residual_inter == *b);
+        let nonzero = across.iter().any(|r| r.bytes() > 0 && !r.is_empty());
+        (
+            kept_first,
+            restored,
+            nonzero,
+            after.iter().all(|a| a.residual.is_empty()),
+        )
+    });
+    for (rank, (kept_first, restored, nonzero, none_after)) in got.into_iter().enumerate() {
+        assert!(
+            kept_first.iter().all(|k| !k),
+            "rank {rank} keeps a first-hop residual"
+        );
+        assert!(nonzero, "rank {rank}: the hop across keeps a residual");
+        assert!(restored, "rank {rank}: the hop across's residual was reset");
+        assert!(
+            none_after,
+            "rank {rank}: the saved first-hop residual was taken"
+        );
+    }
+}
+
+#[test]
 fn an_hpz_secondary_of_values_gives_the_backward_gather_the_forward_weights_inside_the_node() {
     // hpZ keeps the forward gather's run of chunks as values — bf16 or f32
     // as the plain wire sent them, or the full weights of a difference

@@ -374,12 +374,11 @@ impl Job {
     }
 
     /// FSDP2's all-gather: `inp` (this rank's shard, `dtype` values) into
-    /// `out` (every member's shard in group order). Over the world with
-    /// `qwz_bits`: qwZ (quantized, across nodes then inside); over the
-    /// world without: one ring; over the sub-group `ranks` (hpZ's, inside
-    /// a node): one ring there.
-    /// With `delta` (and `qwz_bits`): qwZ on weight differences against
-    /// that state's references.
+    /// `out` (every member's shard in group order), as `plan`'s weight
+    /// wire says for this call (`WeightWire::for_call`): over the world
+    /// qwZ (quantized, across nodes then inside), weight differences
+    /// against `delta`'s references, or one ring in `dtype`; over the
+    /// sub-group `ranks` (hpZ's, inside a node), one ring there.
     #[pyo3(signature = (out, inp, dtype, ranks, plan, backward=false, delta=None))]
     #[allow(clippy::too_many_arguments)]
     fn all_gather(

@@ -51,6 +51,12 @@ pub trait Quantizer {
     /// `len` zeros to keep, in bf16 (`bf16`) or f32.
     fn kept(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError>;
 
+    /// [`Quantizer::kept`] whose contents the caller overwrites whole
+    /// before reading: by default zeros too; the host skips the zeroing.
+    fn kept_for_overwrite(&self, len: usize, bf16: bool) -> Result<Self::Kept, ZeroError> {
+        self.kept(len, bf16)
+    }
+
     /// [`Quantizer::kept`] in host memory: the device copies them in and
     /// out as they are used (`frozen_cache="host"`); the host's own are
     /// host memory already.

@@ -295,6 +295,15 @@ impl<K: HostKernels> Quantizer for K {
         })
     }
 
+    fn kept_for_overwrite(&self, len: usize, bf16: bool) -> Result<Kept, ZeroError> {
+        Ok(if bf16 {
+            let words = scratch::take_for_overwrite::<u16>(len);
+            Kept::Bf16(bytemuck::allocation::cast_vec(words))
+        } else {
+            Kept::F32(scratch::take_for_overwrite(len))
+        })
+    }
+
     fn recycle_kept(&self, k: Kept) {
         match k {
             Kept::F32(v) => scratch::give(v),

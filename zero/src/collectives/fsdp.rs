@@ -155,12 +155,14 @@ pub fn all_gather_prepared<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
         WeightWire::Bf16 if T::TAG != "bf16" => m.all_gather_tensor_bf16(q, hop, phase, shard, out),
         WeightWire::Bf16 | WeightWire::F32 => m.all_gather_tensor(hop, phase, shard, out),
         WeightWire::Quantized(format) => {
-            let mine = match prepared.0 {
-                Some(mine) => mine,
-                None => qwz::quantize_shard(q, shard, format)?,
+            let all = match prepared.0 {
+                Some(mine) => {
+                    let all = qwz::gather_chunks(q, m, layout, &mine, phase)?;
+                    q.recycle_chunks(mine);
+                    all
+                }
+                None => qwz::gather_quantized(q, m, layout, shard, format, phase)?,
             };
-            let all = qwz::gather_chunks(q, m, layout, &mine, phase)?;
-            q.recycle_chunks(mine);
             let secondary = keep
                 .map(|h| hpz::Secondary::of_quantized(q, layout, h, &all))
                 .transpose()?;
@@ -326,7 +328,7 @@ pub fn prepare_gradient<Q: Quantizer>(
         )?),
         GradWire::RingBf16 => {
             let len = q.len(&grad);
-            let mut words = q.kept(len, true)?;
+            let mut words = q.kept_for_overwrite(len, true)?;
             q.store_kept(&grad, 0, &mut words, 0, len)?;
             q.recycle(grad);
             Ready::Bf16(words)
@@ -359,19 +361,23 @@ pub fn reduce_scatter_prepared<Q: Quantizer, M: ByteMover<Q>>(
             reduce_scatter_prepared(q, m, layout, wire, (rounding, second), reduction, ready)
         }
         (None, Ready::Values(values)) => m.reduce_scatter_taking(q, ring, values, mean),
-        (None, Ready::Bf16(words)) => m.reduce_scatter_kept(q, ring, words, mean),
+        (None, Ready::Bf16(words)) if wire == GradWire::RingBf16 => {
+            m.reduce_scatter_kept(q, ring, words, mean)
+        }
         (Some(s), Ready::FirstHop(first)) => {
             let second = qgz::SecondHop::of(s, second);
             qgz::exchange(q, m, layout, first, second, reduction)
         }
-        (Some(s), Ready::Values(values)) => {
+        (Some(s), Ready::Values(values))
+            if s.intra == FirstHop::Bf16 || layout.ranks_per_node == 1 =>
+        {
             let feedback = qgz::Feedback {
                 first: None,
                 second,
             };
             qgz::reduce_scatter_taking(q, m, layout, (s, reduction), values, feedback)
         }
-        (None, Ready::FirstHop(_)) | (Some(_), Ready::Bf16(_)) => Err(ZeroError::Invalid(
+        _ => Err(ZeroError::Invalid(
             "a gradient made ready for one wire is sent on another: prepare it for the wire it \
              is sent on"
                 .into(),
