@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::rendezvous::PlacementError;
+use super::PlacementError;
 use super::tcp::{TcpOptions, TcpTransport};
 use super::ucx::{PeerAddress, UcxTransport};
 use super::{CommError, Transport};

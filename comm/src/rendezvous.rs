@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::CommError;
 use super::env::RankFacts;
 use super::torch_store::TorchStore;
 use super::wire::{self, Header, HelloError, Kind, ReadFrame};
+use super::{CommError, PlacementError};
 
 /// What one rank tells the others.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -259,79 +259,6 @@ pub fn serve(
         reply(stream, REPLY_TABLE, &payload);
     }
     Ok(table)
-}
-
-/// Why the ranks' places do not make a job zeropp can run: the launcher's
-/// nodes, or the hosts the ranks run on, are not laid out node by node.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-pub enum PlacementError {
-    #[error("rank {rank} says {says} ranks per node, rank 0 says {first}")]
-    RanksPerNode {
-        rank: usize,
-        says: usize,
-        first: usize,
-    },
-    #[error("rank {rank} is local rank {local} of node {node}, outside {nodes} nodes x {g} ranks")]
-    Outside {
-        rank: usize,
-        local: usize,
-        node: usize,
-        nodes: usize,
-        g: usize,
-    },
-    #[error(
-        "rank {rank} is local rank {local} of node {node} by the launcher's variables; zeropp \
-         numbers ranks node by node (rank = node x {g} + local rank): place ranks by node \
-         (srun --distribution=block, mpirun --map-by slot, torchrun's default)"
-    )]
-    NotNodeByNode {
-        rank: usize,
-        local: usize,
-        node: usize,
-        g: usize,
-    },
-    #[error("ranks {other} and {rank} both claim local rank {local} of node {node}")]
-    Claimed {
-        other: usize,
-        rank: usize,
-        local: usize,
-        node: usize,
-    },
-    #[error(
-        "the launcher puts ranks {first} and {rank} on node {node}, but rank {first} runs on \
-         host {first_host} and rank {rank} on host {host}: the ranks of a node must share a \
-         host (round-robin placement such as mpirun --map-by node is not supported; use \
-         --map-by slot)"
-    )]
-    NodeOnHosts {
-        first: usize,
-        rank: usize,
-        node: usize,
-        first_host: String,
-        host: String,
-    },
-    #[error("no ranks")]
-    NoRanks,
-    #[error(
-        "rank {rank} runs on host {host} like rank {first}, but ranks in between run \
-         elsewhere: zeropp needs the ranks of a host to be consecutive (place ranks by node, \
-         e.g. mpirun --map-by slot, torchrun's default)"
-    )]
-    HostNotConsecutive {
-        rank: usize,
-        host: String,
-        first: usize,
-    },
-    #[error(
-        "host {host} runs {count} ranks and host {first_host} runs {g}: zeropp needs the same \
-         number of ranks on every node"
-    )]
-    Uneven {
-        host: String,
-        count: usize,
-        first_host: String,
-        g: usize,
-    },
 }
 
 /// Every node must hold the same number of ranks, each (node, local rank)

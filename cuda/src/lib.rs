@@ -84,7 +84,7 @@ pub enum CudaError {
     Nvrtc { what: String, status: String },
     /// NCCL (libnccl.so.2) could not be loaded or lacks what zeropp calls.
     #[error(transparent)]
-    NcclLibrary(#[from] nccl::NcclNotLoaded),
+    NcclLibrary(#[from] NcclNotLoaded),
     /// An NCCL call, or the CUDA work around it, failed on this rank.
     #[error("{what}: {detail}")]
     Nccl { what: String, detail: String },
@@ -95,6 +95,19 @@ pub enum CudaError {
     /// remote error); the message says which communicator.
     #[error("{0}")]
     Peer(String),
+}
+
+/// Why NCCL cannot be used here, and what to do.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NcclNotLoaded {
+    #[error(
+        "NCCL (libnccl.so.2) was not found; looked for {tried}. Install it with `python3 -m pip \
+         install nvidia-nccl-cu13` or `apt-get install libnccl2`, or set ZEROPP_NCCL to the \
+         library file"
+    )]
+    Missing { tried: String },
+    #[error("libnccl lacks {symbol}: {why}; zeropp needs NCCL 2.17 or newer")]
+    Old { symbol: String, why: String },
 }
 
 impl CudaError {

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use libloading::Library;
 
-use crate::CudaError;
 use crate::device::{Gpu, NcclElement};
+use crate::{CudaError, NcclNotLoaded};
 
 type NcclResult = c_int;
 type Comm = *mut c_void;
@@ -152,19 +152,6 @@ fn candidates() -> Vec<PathBuf> {
         c.push(d.join("cu13/lib/libnccl.so.2"));
     }
     c
-}
-
-/// Why NCCL cannot be used here, and what to do.
-#[derive(Clone, Debug, thiserror::Error)]
-pub enum NcclNotLoaded {
-    #[error(
-        "NCCL (libnccl.so.2) was not found; looked for {tried}. Install it with `python3 -m pip \
-         install nvidia-nccl-cu13` or `apt-get install libnccl2`, or set ZEROPP_NCCL to the \
-         library file"
-    )]
-    Missing { tried: String },
-    #[error("libnccl lacks {symbol}: {why}; zeropp needs NCCL 2.17 or newer")]
-    Old { symbol: String, why: String },
 }
 
 fn api() -> Result<&'static Api, CudaError> {

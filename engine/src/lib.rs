@@ -7,6 +7,7 @@
 //! back to the chunk owners.
 
 mod error;
+mod island_run;
 mod islands;
 pub mod model;
 pub mod optim;
@@ -21,8 +22,8 @@ use candle_core::{Device, Tensor};
 use zeropp_quant::Rounding;
 
 pub use error::{EngineError, IslandsError, Result};
-use islands::IslandRun;
-pub use islands::{IslandConfig, LostIsland};
+use island_run::IslandRun;
+pub use island_run::{IslandConfig, LostIsland};
 use model::tensors_from_owned;
 pub use model::{InvalidModel, Model, Tie};
 use optim::{AdamState, OptimConfig};
@@ -388,7 +389,7 @@ impl Engine {
     pub fn lost_islands(&self) -> Vec<LostIsland> {
         self.islands
             .as_ref()
-            .map_or_else(Vec::new, |r| islands::lock(&r.members).lost.clone())
+            .map_or_else(Vec::new, |r| island_run::lock(&r.members).lost.clone())
     }
 
     /// Islands that rejoined the outer sync (restarted after a loss), with
@@ -396,7 +397,7 @@ impl Engine {
     pub fn rejoined_islands(&self) -> Vec<(usize, u64)> {
         self.islands
             .as_ref()
-            .map_or_else(Vec::new, |r| islands::lock(&r.members).rejoined.clone())
+            .map_or_else(Vec::new, |r| island_run::lock(&r.members).rejoined.clone())
     }
 
     /// The switches this engine runs with (resolved: hpZ group and qgZ bits
@@ -843,7 +844,7 @@ impl Engine {
             return Ok(self.job_world.clone());
         };
         self.agree_on_members(&[])?;
-        let m = islands::lock(&run.members);
+        let m = island_run::lock(&run.members);
         Ok(m.survivors().unwrap_or_else(|| self.job_world.clone()))
     }
 
@@ -871,7 +872,7 @@ impl Engine {
             if let Err(e) = &result {
                 failed[count] = 1.0;
                 if let Some(peer) = e.failed_peer().filter(|&p| p < self.job.world()) {
-                    let island = islands::lock(&run.members).island_of(peer);
+                    let island = island_run::lock(&run.members).island_of(peer);
                     failed[island] = 1.0;
                     failed[count + 1 + island] = (peer + 1) as f32;
                 }
@@ -881,7 +882,7 @@ impl Engine {
                 return Ok(result?);
             }
             let mut lost = false;
-            let mut m = islands::lock(&run.members);
+            let mut m = island_run::lock(&run.members);
             for (i, &n) in agreed[..count].iter().enumerate() {
                 if n > 0.0 {
                     let why = match &result {
