@@ -483,6 +483,23 @@ enum Written {
     Failed(String),
 }
 
+/// What the lead rank tells the others of a step of the save: done, or
+/// why not (its error, as it printed it).
+#[derive(Serialize, Deserialize)]
+enum Verdict {
+    Done,
+    Failed(String),
+}
+
+impl Verdict {
+    fn of(r: &anyhow::Result<()>) -> Verdict {
+        match r {
+            Ok(()) => Verdict::Done,
+            Err(e) => Verdict::Failed(format!("{e:#}")),
+        }
+    }
+}
+
 /// Saves every rank's shards after `step` steps under `root` (a collective:
 /// every rank calls it). Returns the checkpoint's directory. Any rank's
 /// failure is every rank's error, and leaves the previous checkpoint as it
@@ -504,22 +521,18 @@ pub fn save(
     let dest = root.join(&name);
     // Rank 0 prepares an empty temporary directory; a leftover from a crash
     // is removed. Everyone waits for it.
-    let prepared = if rank == lead {
-        prepare(root, &tmp).map_err(|e| format!("{e:#}"))
-    } else {
-        Ok(())
+    let prepared = match rank == lead {
+        true => Verdict::of(&prepare(root, &tmp)),
+        false => Verdict::Done,
     };
-    let (ranks, verdicts) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(
-        &prepared.as_ref().map_err(Clone::clone),
-    )?))?;
+    let (ranks, verdicts) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&prepared)?))?;
     if ranks[0] != lead {
         bail!(
             "saving the checkpoint of step {step}: rank {lead}'s island was lost while saving \
              (the previous checkpoint is intact)"
         );
     }
-    let led: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
-    if let Err(e) = led {
+    if let Verdict::Failed(e) = serde_json::from_slice(&verdicts[0])? {
         bail!("saving the checkpoint of step {step}: rank {lead}: {e}");
     }
 
@@ -541,26 +554,26 @@ pub fn save(
 
     // Rank 0 completes the checkpoint (or removes the attempt), and tells
     // everyone how it went.
-    let finished: std::result::Result<(), String> = if rank != lead {
-        Ok(())
+    let finished = if rank != lead {
+        Verdict::Done
     } else if !failures.is_empty() {
         let _ = std::fs::remove_dir_all(&tmp);
-        Err(failures.join("; "))
+        Verdict::Failed(failures.join("; "))
     } else {
         let manifest = manifest(engine, cfg, step, shards, &ranks);
-        finish(root, &tmp, &dest, &name, &manifest, keep).map_err(|e| {
+        let done = finish(root, &tmp, &dest, &name, &manifest, keep);
+        if done.is_err() {
             let _ = std::fs::remove_dir_all(&tmp);
-            format!("{e:#}")
-        })
+        }
+        Verdict::of(&done)
     };
     let (ranks, verdicts) = engine.all_gather_bytes(Bytes::from(serde_json::to_vec(&finished)?))?;
     if ranks[0] != lead {
         bail!("saving the checkpoint of step {step}: rank {lead}'s island was lost while saving");
     }
-    let led: std::result::Result<(), String> = serde_json::from_slice(&verdicts[0])?;
-    match led {
-        Ok(()) => Ok(dest),
-        Err(e) => bail!(
+    match serde_json::from_slice(&verdicts[0])? {
+        Verdict::Done => Ok(dest),
+        Verdict::Failed(e) => bail!(
             "saving the checkpoint of step {step} failed ({e}); the previous checkpoint in {} is intact",
             root.display()
         ),
