@@ -581,12 +581,27 @@ pub trait ByteMover<Q: Quantizer> {
 
     /// Member j receives chunks `j·k .. (j+1)·k` of `send` (`k` =
     /// `send`'s count / the group's size); `recv` (the same shape) gets
-    /// member j's run for this rank at `j·k`.
+    /// member j's run for this rank at `j·k`. Checked here
+    /// ([`check_all_to_all`]); the backend moves
+    /// ([`ByteMover::all_to_all_unchecked`]).
     fn all_to_all(
         &self,
+        q: &Q,
         hop: Hop,
         phase: Phase,
         send: &Q::Chunks,
+        recv: &mut Q::Chunks,
+    ) -> Result<(), ZeroError> {
+        let k = check_all_to_all(q.shape(send), q.shape(recv), self.size(hop))?;
+        self.all_to_all_unchecked(hop, phase, (send, k), recv)
+    }
+
+    /// [`ByteMover::all_to_all`] once checked: `k` chunks for each member.
+    fn all_to_all_unchecked(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        send: (&Q::Chunks, usize),
         recv: &mut Q::Chunks,
     ) -> Result<(), ZeroError>;
 
@@ -596,7 +611,9 @@ pub trait ByteMover<Q: Quantizer> {
     /// chunks n · size + j for every n, in bf16 on the wire (rounded to
     /// nearest even where `T` is wider), and `sum` (`nodes` chunks) gets at
     /// chunk n the f32 sum, in member order, of what each member sent this
-    /// rank for n. No partial sum is rounded on the way.
+    /// rank for n. No partial sum is rounded on the way. Checked here
+    /// ([`check_swizzled`]); the backend moves and sums
+    /// ([`ByteMover::sum_swizzled_unchecked`]).
     fn sum_swizzled<T: GpuElement>(
         &self,
         q: &Q,
@@ -605,15 +622,45 @@ pub trait ByteMover<Q: Quantizer> {
         x: &Q::Tensor<'_, T>,
         nodes: usize,
         sum: &mut Q::Values,
+    ) -> Result<(), ZeroError> {
+        let members = self.size(hop);
+        let chunk = check_swizzled(q.tensor_len(x), q.len(sum), nodes, members)?;
+        self.sum_swizzled_unchecked(q, hop, phase, x, (nodes, chunk), sum)
+    }
+
+    /// [`ByteMover::sum_swizzled`] once checked: chunks of `chunk` values.
+    fn sum_swizzled_unchecked<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        x: &Q::Tensor<'_, T>,
+        nodes_chunk: (usize, usize),
+        sum: &mut Q::Values,
     ) -> Result<(), ZeroError>;
 
     /// Every member's chunks (`mine`, `k` of them) into `all` (`k` · the
-    /// group's size chunks, member j's at `j·k`).
+    /// group's size chunks, member j's at `j·k`). Checked here
+    /// ([`check_all_gather`]); the backend moves
+    /// ([`ByteMover::all_gather_unchecked`]).
     fn all_gather(
         &self,
+        q: &Q,
         hop: Hop,
         phase: Phase,
         mine: &Q::Chunks,
+        all: &mut Q::Chunks,
+    ) -> Result<(), ZeroError> {
+        let k = check_all_gather(q.shape(mine), q.shape(all), self.size(hop))?;
+        self.all_gather_unchecked(hop, phase, (mine, k), all)
+    }
+
+    /// [`ByteMover::all_gather`] once checked: `k` chunks a member.
+    fn all_gather_unchecked(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        mine: (&Q::Chunks, usize),
         all: &mut Q::Chunks,
     ) -> Result<(), ZeroError>;
 
@@ -623,8 +670,24 @@ pub trait ByteMover<Q: Quantizer> {
 
     /// Every member's values (`mine`) into `all` (the group's size times
     /// as many, member j's at `j · len(mine)`), on the wire in bf16 (round
-    /// to nearest even), or in f32 with `fp32`.
+    /// to nearest even), or in f32 with `fp32`. Checked here
+    /// ([`check_gather_len`]); the backend moves
+    /// ([`ByteMover::all_gather_values_unchecked`]).
     fn all_gather_values(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Values,
+        all: &mut Q::Values,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        check_gather_len(q.len(mine), q.len(all), self.size(hop))?;
+        self.all_gather_values_unchecked(hop, phase, mine, all, fp32)
+    }
+
+    /// [`ByteMover::all_gather_values`] once checked.
+    fn all_gather_values_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
@@ -654,7 +717,7 @@ pub trait ByteMover<Q: Quantizer> {
         let mut mine = q.values(len)?;
         q.load_kept(kept, 0, &mut mine, 0, len)?;
         let mut all = q.values(members * len)?;
-        self.all_gather_values(hop, phase, &mine, &mut all, fp32)?;
+        self.all_gather_values(q, hop, phase, &mine, &mut all, fp32)?;
         for j in 0..members {
             for p in 0..pieces {
                 q.store_values(&all, (j * pieces + p) * piece, out, place(j, p), piece)?;
@@ -669,7 +732,23 @@ pub trait ByteMover<Q: Quantizer> {
     /// group's size times `mine`'s length, member j's at `j · len(mine)`;
     /// bf16 on the wire unless `fp32`, kept as `kept` keeps values). By
     /// default through gathered f32 values; the host decodes in place.
+    /// Checked here ([`check_gather_len`]), then
+    /// [`ByteMover::all_gather_values_kept_unchecked`].
     fn all_gather_values_kept(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Values,
+        kept: &mut Q::Kept,
+        fp32: bool,
+    ) -> Result<(), ZeroError> {
+        check_gather_len(q.len(mine), q.kept_len(kept), self.size(hop))?;
+        self.all_gather_values_kept_unchecked(q, hop, phase, mine, kept, fp32)
+    }
+
+    /// [`ByteMover::all_gather_values_kept`] once checked.
+    fn all_gather_values_kept_unchecked(
         &self,
         q: &Q,
         hop: Hop,
@@ -680,7 +759,7 @@ pub trait ByteMover<Q: Quantizer> {
     ) -> Result<(), ZeroError> {
         let len = q.len(mine) * self.size(hop);
         let mut all = q.values(len)?;
-        self.all_gather_values(hop, phase, mine, &mut all, fp32)?;
+        self.all_gather_values(q, hop, phase, mine, &mut all, fp32)?;
         q.store_kept(&all, 0, kept, 0, len)?;
         q.recycle(all);
         Ok(())
@@ -688,8 +767,23 @@ pub trait ByteMover<Q: Quantizer> {
 
     /// ZeRO-3's gather: every member's `mine` (a caller's tensor) into
     /// `all` (the group's size times as long, member j's at
-    /// `j · len(mine)`), the bytes as they are.
+    /// `j · len(mine)`), the bytes as they are. Checked here
+    /// ([`check_gather_len`]); the backend moves
+    /// ([`ByteMover::all_gather_tensor_unchecked`]).
     fn all_gather_tensor<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Tensor<'_, T>,
+        all: &mut Q::TensorMut<'_, T>,
+    ) -> Result<(), ZeroError> {
+        check_gather_len(q.tensor_len(mine), q.tensor_mut_len(all), self.size(hop))?;
+        self.all_gather_tensor_unchecked(hop, phase, mine, all)
+    }
+
+    /// [`ByteMover::all_gather_tensor`] once checked.
+    fn all_gather_tensor_unchecked<T: GpuElement>(
         &self,
         hop: Hop,
         phase: Phase,
@@ -701,8 +795,25 @@ pub trait ByteMover<Q: Quantizer> {
     /// values rounded to nearest even, and widened back to `T` in `all`.
     /// By default through gathered f32 values and `q`
     /// ([`all_gather_tensor_bf16_by_values`]); the host encodes and decodes
-    /// in place.
+    /// in place. Checked here ([`check_gather_len`]), then
+    /// [`ByteMover::all_gather_tensor_bf16_unchecked`].
     fn all_gather_tensor_bf16<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        mine: &Q::Tensor<'_, T>,
+        all: &mut Q::TensorMut<'_, T>,
+    ) -> Result<(), ZeroError>
+    where
+        Self: Sized,
+    {
+        check_gather_len(q.tensor_len(mine), q.tensor_mut_len(all), self.size(hop))?;
+        self.all_gather_tensor_bf16_unchecked(q, hop, phase, mine, all)
+    }
+
+    /// [`ByteMover::all_gather_tensor_bf16`] once checked.
+    fn all_gather_tensor_bf16_unchecked<T: GpuElement>(
         &self,
         q: &Q,
         hop: Hop,
@@ -763,9 +874,26 @@ pub trait ByteMover<Q: Quantizer> {
     /// order) summed over the members, this member's chunk into `out`; with
     /// `mean`, divided by the group's size (by `q`, or inside the reduction
     /// where the transport offers an average). The host sums bf16 tensors
-    /// in a bf16 ring and others in f32; NCCL sums in `T`.
+    /// in a bf16 ring and others in f32; NCCL sums in `T`. Checked here
+    /// ([`check_scatter_len`]); the backend sums
+    /// ([`ByteMover::reduce_scatter_tensor_unchecked`]).
     #[allow(clippy::too_many_arguments)]
     fn reduce_scatter_tensor<T: GpuElement>(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        x: &Q::Tensor<'_, T>,
+        out: &mut Q::TensorMut<'_, T>,
+        mean: bool,
+    ) -> Result<(), ZeroError> {
+        check_scatter_len(q.tensor_len(x), q.tensor_mut_len(out), self.size(hop))?;
+        self.reduce_scatter_tensor_unchecked(q, hop, phase, x, out, mean)
+    }
+
+    /// [`ByteMover::reduce_scatter_tensor`] once checked.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_tensor_unchecked<T: GpuElement>(
         &self,
         q: &Q,
         hop: Hop,
@@ -791,7 +919,7 @@ pub fn all_gather_tensor_bf16_by_values<Q: Quantizer, M: ByteMover<Q>, T: GpuEle
     let mut values = q.values_for_overwrite(len)?;
     q.load_tensor(mine, &mut values, 0)?;
     let mut gathered = q.values_for_overwrite(members * len)?;
-    m.all_gather_values(hop, phase, &values, &mut gathered, false)?;
+    m.all_gather_values(q, hop, phase, &values, &mut gathered, false)?;
     q.store_values(&gathered, 0, all, 0, members * len)?;
     q.recycle(values);
     q.recycle(gathered);
@@ -1066,6 +1194,106 @@ mod tests {
         ] {
             let bits: Vec<u32> = rounded.iter().map(|v| v.to_bits()).collect();
             assert_eq!(bits, through_kept(&Host, &x));
+        }
+    }
+
+    /// A mover whose moving parts must never run: every call that reaches
+    /// one was let through the trait's front door.
+    struct Unreachable;
+
+    impl ByteMover<Host> for Unreachable {
+        fn size(&self, _: Hop) -> usize {
+            2
+        }
+        fn all_to_all_unchecked(
+            &self,
+            _: Hop,
+            _: Phase,
+            _: (&zeropp_quant::QuantizedChunks, usize),
+            _: &mut zeropp_quant::QuantizedChunks,
+        ) -> Result<(), ZeroError> {
+            unreachable!("all_to_all let through")
+        }
+        fn sum_swizzled_unchecked<T: GpuElement>(
+            &self,
+            _: &Host,
+            _: Hop,
+            _: Phase,
+            _: &&[T],
+            _: (usize, usize),
+            _: &mut Vec<f32>,
+        ) -> Result<(), ZeroError> {
+            unreachable!("sum_swizzled let through")
+        }
+        fn all_gather_unchecked(
+            &self,
+            _: Hop,
+            _: Phase,
+            _: (&zeropp_quant::QuantizedChunks, usize),
+            _: &mut zeropp_quant::QuantizedChunks,
+        ) -> Result<(), ZeroError> {
+            unreachable!("all_gather let through")
+        }
+        fn all_agree(&self, _: Hop, _: Phase, _: bool) -> Result<bool, ZeroError> {
+            unreachable!("all_agree")
+        }
+        fn all_gather_values_unchecked(
+            &self,
+            _: Hop,
+            _: Phase,
+            _: &Vec<f32>,
+            _: &mut Vec<f32>,
+            _: bool,
+        ) -> Result<(), ZeroError> {
+            unreachable!("all_gather_values let through")
+        }
+        fn all_gather_tensor_unchecked<T: GpuElement>(
+            &self,
+            _: Hop,
+            _: Phase,
+            _: &&[T],
+            _: &mut &mut [T],
+        ) -> Result<(), ZeroError> {
+            unreachable!("all_gather_tensor let through")
+        }
+        fn reduce_scatter_tensor_unchecked<T: GpuElement>(
+            &self,
+            _: &Host,
+            _: Hop,
+            _: Phase,
+            _: &&[T],
+            _: &mut &mut [T],
+            _: bool,
+        ) -> Result<(), ZeroError> {
+            unreachable!("reduce_scatter_tensor let through")
+        }
+    }
+
+    #[test]
+    fn a_movers_calls_are_checked_at_the_front_door() {
+        let (m, q, (h, p)) = (Unreachable, Host, (Hop::World, Phase::Other));
+        let f = QuantFormat::int4(32).unwrap();
+        let three = q.chunks(f, 32, 3).unwrap();
+        let (mut two, mut five) = (q.chunks(f, 32, 2).unwrap(), q.chunks(f, 32, 5).unwrap());
+        let (x, mut y) = (vec![1f32; 10], vec![0f32; 19]);
+        let (mut odd, mut kept) = (vec![0f32; 7], q.kept(19, true).unwrap());
+        let got = [
+            m.all_to_all(&q, h, p, &three, &mut five).unwrap_err(),
+            m.all_gather(&q, h, p, &three, &mut two).unwrap_err(),
+            m.all_gather_values(&q, h, p, &x, &mut y, false)
+                .unwrap_err(),
+            m.all_gather_values_kept(&q, h, p, &x, &mut kept, false)
+                .unwrap_err(),
+            m.all_gather_tensor(&q, h, p, &&x[..], &mut &mut y[..])
+                .unwrap_err(),
+            m.all_gather_tensor_bf16(&q, h, p, &&x[..], &mut &mut y[..])
+                .unwrap_err(),
+            m.reduce_scatter_tensor(&q, h, p, &&x[..], &mut &mut odd[..], true)
+                .unwrap_err(),
+            m.sum_swizzled(&q, h, p, &&x[..], 2, &mut odd).unwrap_err(),
+        ];
+        for e in &got {
+            assert!(e.to_string().starts_with("invalid call: "), "{e}");
         }
     }
 

@@ -20,10 +20,7 @@ use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
-use crate::backend::{
-    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
-    check_scatter_len, check_swizzled, scale_fraction,
-};
+use crate::backend::{ByteMover, Hop, Quantizer, scale_fraction};
 use crate::devices::{Comms, Device, TensorMutOf, TensorOf};
 use crate::error::ZeroError;
 use crate::host::{Host, Kept};
@@ -544,10 +541,6 @@ impl NcclMover<'_> {
     }
 }
 
-fn shape(q: &DeviceQuantizedChunks) -> Shape {
-    (q.format, q.chunk_len, q.count)
-}
-
 impl ByteMover<Gpu> for NcclMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.comm(hop).size()
@@ -563,7 +556,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(gpu.download(&all.as_view())?.iter().all(|&b| b == 1))
     }
 
-    fn all_gather_values(
+    fn all_gather_values_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
@@ -573,7 +566,6 @@ impl ByteMover<Gpu> for NcclMover<'_> {
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
         let len = mine.len();
-        check_gather_len(len, all.len(), comm.size())?;
         let each = if fp32 {
             let mut out = all.view_mut();
             comm.all_gather_bytes(&bytes_of(mine.view()), &mut view_bytes_mut(&mut out))?;
@@ -592,18 +584,17 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(())
     }
 
-    fn sum_swizzled<T: GpuElement>(
+    fn sum_swizzled_unchecked<T: GpuElement>(
         &self,
         _q: &Gpu,
         hop: Hop,
         phase: Phase,
         x: &CudaView<'_, T>,
-        nodes: usize,
+        (nodes, chunk): (usize, usize),
         sum: &mut DeviceValues,
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
         let members = comm.size();
-        let chunk = check_swizzled(x.len(), sum.len(), nodes, members)?;
         if chunk == 0 {
             return Ok(());
         }
@@ -633,7 +624,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(())
     }
 
-    fn all_gather_tensor<T: GpuElement>(
+    fn all_gather_tensor_unchecked<T: GpuElement>(
         &self,
         hop: Hop,
         phase: Phase,
@@ -641,7 +632,6 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         all: &mut CudaViewMut<'_, T>,
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
-        check_gather_len(mine.len(), all.len(), comm.size())?;
         let bytes = mine.len() * std::mem::size_of::<T>();
         if bytes == 0 {
             return Ok(());
@@ -659,7 +649,7 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(())
     }
 
-    fn reduce_scatter_tensor<T: GpuElement>(
+    fn reduce_scatter_tensor_unchecked<T: GpuElement>(
         &self,
         _: &Gpu,
         hop: Hop,
@@ -669,7 +659,6 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         mean: bool,
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
-        check_scatter_len(x.len(), out.len(), comm.size())?;
         if x.is_empty() {
             return Ok(());
         }
@@ -678,15 +667,14 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(())
     }
 
-    fn all_to_all(
+    fn all_to_all_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
-        send: &DeviceQuantizedChunks,
+        (send, k): (&DeviceQuantizedChunks, usize),
         recv: &mut DeviceQuantizedChunks,
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
-        let k = check_all_to_all(shape(send), shape(recv), comm.size())?;
         each_part(send, recv, |s, r| comm.all_to_all_bytes(s, r))?;
         let each = send.format.total_bytes(send.chunk_len) as u64 * k as u64;
         let peers: Vec<_> = self.members(hop).iter().map(|&p| (p, each)).collect();
@@ -694,15 +682,14 @@ impl ByteMover<Gpu> for NcclMover<'_> {
         Ok(())
     }
 
-    fn all_gather(
+    fn all_gather_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
-        mine: &DeviceQuantizedChunks,
+        (mine, _): (&DeviceQuantizedChunks, usize),
         all: &mut DeviceQuantizedChunks,
     ) -> Result<(), ZeroError> {
         let comm = self.comm(hop);
-        check_all_gather(shape(mine), shape(all), comm.size())?;
         each_part(mine, all, |s, r| comm.all_gather_bytes(s, r))?;
         let each = mine.format.total_bytes(mine.chunk_len) as u64 * mine.count as u64;
         let peers: Vec<_> = self.members(hop).iter().map(|&p| (p, each)).collect();

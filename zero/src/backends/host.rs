@@ -15,8 +15,7 @@ use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
-    ByteMover, Hop, Quantizer, Shape, check_all_gather, check_all_to_all, check_gather_len,
-    check_pieces, check_scatter_len, check_swizzled, scale_fraction, swizzled_kept_composed,
+    ByteMover, Hop, Quantizer, check_pieces, scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
 use crate::groups::ZeroGroups;
@@ -658,7 +657,7 @@ impl HostMover<'_> {
             &mut &mut part[..],
             mean,
         )?;
-        ByteMover::<K>::all_gather_tensor(self, hop, phase, &&part[..], &mut &mut all[..])?;
+        ByteMover::<K>::all_gather_tensor(self, q, hop, phase, &&part[..], &mut &mut all[..])?;
         x.copy_from_slice(&all[..len]);
         Ok(())
     }
@@ -702,23 +701,18 @@ fn pooled_copy(bytes: &[u8]) -> Bytes {
     Bytes::from_owner(scratch::copied(bytes))
 }
 
-fn shape(q: &QuantizedChunks) -> Shape {
-    (q.format, q.chunk_len, q.count)
-}
-
 impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
     fn size(&self, hop: Hop) -> usize {
         self.group(hop).size()
     }
 
-    fn all_to_all(
+    fn all_to_all_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
-        send: &QuantizedChunks,
+        (send, k): (&QuantizedChunks, usize),
         recv: &mut QuantizedChunks,
     ) -> Result<(), ZeroError> {
-        let k = check_all_to_all(shape(send), shape(recv), self.group(hop).size())?;
         let group = self.group(hop);
         self.counter
             .set_phase(phase, scale_fraction(send.format, send.chunk_len));
@@ -732,18 +726,17 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn sum_swizzled<T: GpuElement>(
+    fn sum_swizzled_unchecked<T: GpuElement>(
         &self,
         _q: &K,
         hop: Hop,
         phase: Phase,
         x: &&[T],
-        nodes: usize,
+        (nodes, chunk): (usize, usize),
         sum: &mut Vec<f32>,
     ) -> Result<(), ZeroError> {
         let group = self.group(hop);
         let members = group.size();
-        let chunk = check_swizzled(x.len(), sum.len(), nodes, members)?;
         // Every message is made before any is sent: a value that is not
         // finite is refused on every rank that has one, with nothing sent.
         let to_each = (0..members)
@@ -768,15 +761,14 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn all_gather(
+    fn all_gather_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
-        mine: &QuantizedChunks,
+        (mine, k): (&QuantizedChunks, usize),
         all: &mut QuantizedChunks,
     ) -> Result<(), ZeroError> {
         let group = self.group(hop);
-        let k = check_all_gather(shape(mine), shape(all), group.size())?;
         self.counter
             .set_phase(phase, scale_fraction(mine.format, mine.chunk_len));
         let from_each = self
@@ -787,7 +779,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         }
         Ok(())
     }
-    fn all_gather_values(
+    fn all_gather_values_unchecked(
         &self,
         hop: Hop,
         phase: Phase,
@@ -796,7 +788,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         fp32: bool,
     ) -> Result<(), ZeroError> {
         let len = mine.len();
-        check_gather_len(len, all.len(), self.group(hop).size())?;
         for (j, b) in self
             .gather_plain(hop, phase, mine, fp32)?
             .iter()
@@ -856,7 +847,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn all_gather_values_kept(
+    fn all_gather_values_kept_unchecked(
         &self,
         q: &K,
         hop: Hop,
@@ -866,7 +857,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         fp32: bool,
     ) -> Result<(), ZeroError> {
         let len = mine.len();
-        check_gather_len(len, kept.len(), self.group(hop).size())?;
         let mut values = scratch::take_for_overwrite::<f32>(len);
         for (j, b) in self
             .gather_plain(hop, phase, mine, fp32)?
@@ -880,7 +870,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn all_gather_tensor<T: GpuElement>(
+    fn all_gather_tensor_unchecked<T: GpuElement>(
         &self,
         hop: Hop,
         phase: Phase,
@@ -888,7 +878,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         all: &mut &mut [T],
     ) -> Result<(), ZeroError> {
         let group = self.group(hop);
-        check_gather_len(mine.len(), all.len(), group.size())?;
         self.counter.set_phase(phase, 0.0);
         let mine: &[u8] = bytemuck::cast_slice(mine);
         let parts = self.comm.all_gather_v(group, pooled_copy(mine))?;
@@ -906,7 +895,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         Ok(())
     }
 
-    fn all_gather_tensor_bf16<T: GpuElement>(
+    fn all_gather_tensor_bf16_unchecked<T: GpuElement>(
         &self,
         _q: &K,
         hop: Hop,
@@ -915,7 +904,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         all: &mut &mut [T],
     ) -> Result<(), ZeroError> {
         let len = mine.len();
-        check_gather_len(len, all.len(), self.group(hop).size())?;
         for (j, b) in self
             .gather_plain(hop, phase, mine, false)?
             .iter()
@@ -962,7 +950,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         self.ring_taking(q, hop, phase, grad, mean)
     }
 
-    fn reduce_scatter_tensor<T: GpuElement>(
+    fn reduce_scatter_tensor_unchecked<T: GpuElement>(
         &self,
         q: &K,
         hop: Hop,
@@ -971,7 +959,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         out: &mut &mut [T],
         mean: bool,
     ) -> Result<(), ZeroError> {
-        check_scatter_len(x.len(), out.len(), self.group(hop).size())?;
         let sum = self.reduce_scatter_f32(q, hop, phase, x, mean)?;
         HostKernels::narrow(q, &sum, out)?;
         scratch::give(sum);

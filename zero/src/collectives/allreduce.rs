@@ -69,7 +69,7 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     let mut sent = q.chunks(s.format, part, members)?;
     quantize_kept(q, &mut work, members, s.rounding, &mut sent, feedback.sent)?;
     let mut got = q.chunks(s.format, part, members)?;
-    m.all_to_all(hop, phase, &sent, &mut got)?;
+    m.all_to_all(q, hop, phase, &sent, &mut got)?;
     q.recycle_chunks(sent);
     // This member's part of the result, summed in f32 in member order.
     let mut mine = q.values(part)?;
@@ -85,7 +85,7 @@ pub fn all_reduce_quantized<Q: Quantizer, M: ByteMover<Q>>(
     quantize_kept(q, &mut mine, 1, rounding, &mut owned, feedback.owned)?;
     // Every member's part, and this member's own from the same codes.
     let mut all = q.chunks(s.format, part, members)?;
-    m.all_gather(hop, phase, &owned, &mut all)?;
+    m.all_gather(q, hop, phase, &owned, &mut all)?;
     q.recycle(mine);
     q.recycle_chunks(owned);
     for j in 0..members {

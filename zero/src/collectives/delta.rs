@@ -350,7 +350,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     let now = packed.as_ref().unwrap_or(mine);
     if refresh {
         let mut all = q.values(nodes * len)?;
-        m.all_gather_values(Hop::Cross, phase, now, &mut all, wire.fp32)?;
+        m.all_gather_values(q, Hop::Cross, phase, now, &mut all, wire.fp32)?;
         for n in 0..nodes {
             store_ranges(q, &all, n * len, &mut r.kept, n * chunk, ranges)?;
         }
@@ -368,7 +368,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     let mut sent = q.chunks(wire.delta, len, 1)?;
     q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut sent, 0)?;
     let mut across = q.chunks(wire.delta, len, nodes)?;
-    m.all_gather(Hop::Cross, phase, &sent, &mut across)?;
+    m.all_gather(q, Hop::Cross, phase, &sent, &mut across)?;
     let mut shard = delta;
     for n in 0..nodes {
         load_ranges(q, &r.kept, n * chunk, ranges, &mut shard)?;

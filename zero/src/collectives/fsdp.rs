@@ -153,7 +153,7 @@ pub fn all_gather_prepared<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     }
     match wire {
         WeightWire::Bf16 if T::TAG != "bf16" => m.all_gather_tensor_bf16(q, hop, phase, shard, out),
-        WeightWire::Bf16 | WeightWire::F32 => m.all_gather_tensor(hop, phase, shard, out),
+        WeightWire::Bf16 | WeightWire::F32 => m.all_gather_tensor(q, hop, phase, shard, out),
         WeightWire::Quantized(format) => {
             let all = match prepared.0 {
                 Some(mine) => {

@@ -121,6 +121,6 @@ pub fn gather_quantized<Q: Quantizer, M: ByteMover<Q>>(
 ) -> Result<Q::Chunks, ZeroError> {
     let (format, chunk, k) = q.shape(secondary);
     let mut all = q.chunks(format, chunk, k * m.size(Hop::Hpz))?;
-    m.all_gather(Hop::Hpz, Phase::BackwardGather, secondary, &mut all)?;
+    m.all_gather(q, Hop::Hpz, Phase::BackwardGather, secondary, &mut all)?;
     Ok(all)
 }

@@ -213,7 +213,7 @@ pub fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     // so position src·N + n of what arrives is local rank src's chunk for
     // node n.
     let mut got = q.chunks(intra, chunk, count)?;
-    m.all_to_all(Hop::Node, Phase::Gradient, &first, &mut got)?;
+    m.all_to_all(q, Hop::Node, Phase::Gradient, &first, &mut got)?;
     q.recycle_chunks(first);
     if nodes > 1 && !second.hadamard && second.residual.is_none() {
         // Sum and requantize in one pass.
@@ -343,7 +343,7 @@ fn hop_two<Q: Quantizer, M: ByteMover<Q>>(
     let (_, chunk, nodes) = q.shape(&partial);
     let block = second.format.block;
     let mut theirs = q.chunks(second.format, chunk, nodes)?;
-    m.all_to_all(Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
+    m.all_to_all(q, Hop::Cross, Phase::Gradient, &partial, &mut theirs)?;
     q.recycle_chunks(partial);
     let mut sum = q.values_for_overwrite(chunk)?;
     sum_chunks(q, &theirs, 0..nodes, &mut sum, 0)?;

@@ -67,9 +67,9 @@ pub fn gather_chunks<Q: Quantizer, M: ByteMover<Q>>(
         )));
     }
     let mut across = q.chunks(format, len, nodes)?;
-    m.all_gather(Hop::Cross, phase, mine, &mut across)?;
+    m.all_gather(q, Hop::Cross, phase, mine, &mut across)?;
     let mut all = q.chunks(format, len, nodes * g)?;
-    m.all_gather(Hop::Node, phase, &across, &mut all)?;
+    m.all_gather(q, Hop::Node, phase, &across, &mut all)?;
     q.recycle_chunks(across);
     Ok(all)
 }
