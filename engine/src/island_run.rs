@@ -177,7 +177,7 @@ impl IslandRun {
     }
 
     /// Unit `u`'s outer state as a checkpoint keeps it: an error while
-    /// its exchange is under way ([`Engine::settle_outer`] first).
+    /// its exchange is under way (`Engine::settle_outer` first).
     pub(crate) fn saved(&self, u: usize) -> Result<OuterState> {
         if self.live[u].is_some() {
             return Err(EngineError::Checkpoint(

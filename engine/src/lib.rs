@@ -23,7 +23,7 @@ use zeropp_quant::Rounding;
 
 pub use error::{EngineError, IslandsError, Result};
 use island_run::IslandRun;
-pub use island_run::{IslandConfig, LostIsland};
+pub use island_run::{AUTO_SYNC_SHARE, IslandConfig, LostIsland};
 use model::tensors_from_owned;
 pub use model::{InvalidModel, Model, Tie};
 use optim::{AdamState, OptimConfig};
@@ -692,8 +692,9 @@ impl Engine {
             su.adam.m = sh.m;
             su.adam.v = sh.v;
             su.secondary = None;
-            // A unit that keeps no first-hop residual (nodes of one rank)
-            // drops a saved one and keeps the hop across's.
+            // A unit that keeps no first-hop residual (nodes of one rank,
+            // or no int4 first hop) drops a saved one and keeps the hop
+            // across's.
             let keeps_first = !su.residual.is_empty();
             let fits = (!keeps_first || sh.residual.shape() == su.residual.shape())
                 && su

@@ -162,8 +162,8 @@ impl Residual {
         Residual::from_bytes_as(format(), chunk_len, count, b)
     }
 
-    /// A residual stored in `stored` (this build's [`format`], or an older
-    /// checkpoint's [`int8_format`]), of this shape, kept in [`format`]:
+    /// A residual stored in `stored` (this build's [`format()`], or an older
+    /// checkpoint's [`int8_format`]), of this shape, kept in [`format()`]:
     /// one stored in another format is decoded and stored again (rounded
     /// to nearest). `None` when the length is not that shape's, a scale is
     /// not finite, or `stored` is not symmetric (stored residuals hold one
