@@ -1,125 +1,22 @@
-//! Every decoder that reads bytes from outside, fed arbitrary and mutated
-//! input (proptest): the wire frame reader (also the rendezvous' framing),
-//! the checkpoint manifest and shard readers, and the safetensors path of
-//! `quant-error`. None may panic, and none may trust a length it has not
+//! Every decoder of the application that reads bytes from outside, fed
+//! arbitrary and mutated input (proptest): the checkpoint manifest and
+//! shard readers, and the safetensors path of `quant-error` (the wire's
+//! frame reader is fuzzed in `zeropp-comm`'s own tests, `wire.rs`). None may panic, and none may trust a length it has not
 //! checked. `PROPTEST_CASES=N` runs longer (docs/RELIABILITY.md).
 
-use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
 use proptest::prelude::*;
-use zeropp::comm::wire::{self, Header, Kind, ReadFrame};
 use zeropp::train::checkpoint;
+use zeropp_comm::fuzzing::{apply, cases, edit};
 use zeropp_quant::{QuantFormat, Rounding};
-
-fn cases(default: u32) -> ProptestConfig {
-    let n = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default);
-    ProptestConfig {
-        cases: n,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    }
-}
-
-/// A byte edit: flip, overwrite, truncate or extend.
-#[derive(Clone, Debug)]
-enum Edit {
-    Xor(usize, u8),
-    Set(usize, u8),
-    Truncate(usize),
-    Append(Vec<u8>),
-    /// Overwrite 8 bytes with a little-endian u64 (lengths, counts).
-    Word(usize, u64),
-}
-
-fn edit() -> impl Strategy<Value = Edit> {
-    prop_oneof![
-        (any::<usize>(), 1..=255u8).prop_map(|(i, b)| Edit::Xor(i, b)),
-        (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Edit::Set(i, b)),
-        any::<usize>().prop_map(Edit::Truncate),
-        proptest::collection::vec(any::<u8>(), 1..64).prop_map(Edit::Append),
-        (
-            any::<usize>(),
-            prop_oneof![Just(0u64), Just(u64::MAX), Just(1 << 40), any::<u64>()]
-        )
-            .prop_map(|(i, w)| Edit::Word(i, w)),
-    ]
-}
-
-fn apply(bytes: &mut Vec<u8>, edits: &[Edit]) {
-    for e in edits {
-        let n = bytes.len().max(1);
-        match e {
-            Edit::Xor(i, b) => {
-                if let Some(x) = bytes.get_mut(i % n) {
-                    *x ^= b;
-                }
-            }
-            Edit::Set(i, b) => {
-                if let Some(x) = bytes.get_mut(i % n) {
-                    *x = *b;
-                }
-            }
-            Edit::Truncate(i) => bytes.truncate(i % n),
-            Edit::Append(v) => bytes.extend_from_slice(v),
-            Edit::Word(i, w) => {
-                let at = i % n;
-                if at + 8 <= bytes.len() {
-                    bytes[at..at + 8].copy_from_slice(&w.to_le_bytes());
-                }
-            }
-        }
-    }
-}
 
 fn scratch(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("zeropp-fuzz-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&d).unwrap();
     d
-}
-
-// ---------------------------------------------------------------- wire
-
-proptest! {
-    #![proptest_config(cases(2000))]
-
-    #[test]
-    fn wire_frames_from_arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-        let mut r = Cursor::new(&bytes[..]);
-        // Read frames until the end or the first error.
-        for _ in 0..8 {
-            match wire::read_frame(&mut r) {
-                Ok(ReadFrame::Frame(h, p)) => prop_assert_eq!(p.len() as u64, h.len),
-                Ok(ReadFrame::End) | Err(_) => break,
-            }
-        }
-    }
-
-    #[test]
-    fn mutated_valid_frames_are_read_or_refused(
-        tag in any::<u64>(),
-        payload in proptest::collection::vec(any::<u8>(), 0..128),
-        edits in proptest::collection::vec(edit(), 1..4),
-    ) {
-        let h = Header { kind: Kind::Data, source: 3, tag, len: payload.len() as u64 };
-        let mut bytes = Vec::new();
-        wire::write_frame(&mut bytes, &h, &payload).unwrap();
-        apply(&mut bytes, &edits);
-        match wire::read_frame(&mut Cursor::new(&bytes[..])) {
-            Ok(ReadFrame::Frame(h, p)) => {
-                // Anything accepted passed the header checksum and arrived whole.
-                prop_assert_eq!(p.len() as u64, h.len);
-                prop_assert!(h.len <= bytes.len() as u64);
-            }
-            Ok(ReadFrame::End) => prop_assert!(bytes.is_empty()),
-            Err(_) => {}
-        }
-    }
 }
 
 // ---------------------------------------------------------- checkpoints

@@ -6,6 +6,8 @@ pub mod env;
 pub mod exchange;
 #[cfg(test)]
 mod fixtures;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod group;
 pub mod hostlist;
 pub mod inproc;
