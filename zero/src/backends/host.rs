@@ -910,17 +910,14 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
             .enumerate()
         {
             let out = &mut all[j * len..(j + 1) * len];
-            match bytemuck::try_cast_slice_mut::<T, f32>(out) {
+            if T::TAG == "f32" {
                 // f32: decoded in place, as the engine's masters were.
-                Ok(out) if T::TAG == "f32" => payload::decode_bf16(b, out)?,
-                _ => {
-                    let mut wide = scratch::take_for_overwrite::<f32>(len);
-                    payload::decode_bf16(b, &mut wide)?;
-                    for (o, v) in out.iter_mut().zip(&wide) {
-                        *o = T::from_f32(*v);
-                    }
-                    scratch::give(wide);
-                }
+                payload::decode_bf16(b, bytemuck::cast_slice_mut(out))?;
+            } else {
+                let mut wide = scratch::take_for_overwrite::<f32>(len);
+                payload::decode_bf16(b, &mut wide)?;
+                T::narrow_slice(&wide, out);
+                scratch::give(wide);
             }
         }
         Ok(())
@@ -933,7 +930,7 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         grad: Vec<f32>,
         mean: bool,
     ) -> Result<Vec<f32>, ZeroError> {
-        self.ring_taking(q, hop, phase, RingGradient::F32(grad), mean)
+        self.ring_taking(q, hop, phase, Kept::F32(grad), mean)
     }
 
     fn reduce_scatter_kept(
@@ -943,10 +940,6 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         grad: Kept,
         mean: bool,
     ) -> Result<Vec<f32>, ZeroError> {
-        let grad = match grad {
-            Kept::F32(values) => RingGradient::F32(values),
-            Kept::Bf16(values) => RingGradient::Bf16(bytemuck::allocation::cast_vec(values)),
-        };
         self.ring_taking(q, hop, phase, grad, mean)
     }
 
@@ -984,32 +977,30 @@ impl HostMover<'_> {
         let grad = if std::any::TypeId::of::<T>() == std::any::TypeId::of::<half::bf16>() {
             let mut words = scratch::take_for_overwrite::<u16>(x.len());
             words.copy_from_slice(bytemuck::cast_slice(x));
-            RingGradient::Bf16(words)
+            Kept::Bf16(bytemuck::allocation::cast_vec(words))
         } else {
             let mut wide = scratch::take_for_overwrite::<f32>(x.len());
             HostKernels::widen(q, x, &mut wide)?;
-            RingGradient::F32(wide)
+            Kept::F32(wide)
         };
         self.ring_taking(q, hop, phase, grad, mean)
     }
 
-    /// [`HostMover::reduce_scatter_f32`] of a gradient the call takes: the
-    /// ring sends from its buffer (given back to the pools once sent), not
-    /// from a copy.
+    /// [`HostMover::reduce_scatter_f32`] of a gradient the call takes, in
+    /// a bf16 ring for bf16 values and an f32 ring for f32 ones: the ring
+    /// sends from its buffer (given back to the pools once sent), not from
+    /// a copy.
     fn ring_taking<K: HostKernels>(
         &self,
         q: &K,
         hop: Hop,
         phase: Phase,
-        grad: RingGradient,
+        grad: Kept,
         mean: bool,
     ) -> Result<Vec<f32>, ZeroError> {
         let group = self.group(hop);
         let members = group.size();
-        let len = match &grad {
-            RingGradient::Bf16(words) => words.len(),
-            RingGradient::F32(values) => values.len(),
-        };
+        let len = grad.len();
         if !len.is_multiple_of(members) {
             return Err(ZeroError::Invalid(format!(
                 "a reduce-scatter of {len} values does not split into {members} equal chunks"
@@ -1017,7 +1008,8 @@ impl HostMover<'_> {
         }
         self.counter.set_phase(phase, 0.0);
         let mut sum = match grad {
-            RingGradient::Bf16(words) => {
+            Kept::Bf16(values) => {
+                let words: Vec<u16> = bytemuck::allocation::cast_vec(values);
                 let bytes = Bytes::from_owner(scratch::Returned(words));
                 let mine = ring_bf16(self.comm, group, bytes)?;
                 let mut v = scratch::take_for_overwrite::<f32>(mine.len() / 2);
@@ -1025,7 +1017,7 @@ impl HostMover<'_> {
                 scratch::give(mine);
                 v
             }
-            RingGradient::F32(values) => ring_f32(self.comm, group, values)?,
+            Kept::F32(values) => ring_f32(self.comm, group, values)?,
         };
         if mean {
             HostKernels::divide(q, &mut sum, members as f32)?;
@@ -1035,13 +1027,6 @@ impl HostMover<'_> {
 }
 
 // ZeRO-3's plain rings on the host (the reduce-scatter qgZ replaces).
-
-/// A gradient for a ring reduce-scatter, in a reused buffer: bf16 words (a
-/// bf16 ring) or f32 values (an f32 ring).
-enum RingGradient {
-    Bf16(Vec<u16>),
-    F32(Vec<f32>),
-}
 
 /// Element-wise sum of bf16 buffers, accumulated in f32 and rounded once.
 pub struct SumBf16;

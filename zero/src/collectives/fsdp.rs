@@ -356,11 +356,9 @@ pub fn reduce_scatter_prepared<Q: Quantizer, M: ByteMover<Q>>(
 ) -> Result<Q::Values, ZeroError> {
     let (ring, mean) = ((Hop::World, Phase::Gradient), reduction == Reduction::Mean);
     match (wire.qgz(rounding), grad.0) {
-        (None, Ready::Values(values)) if wire == GradWire::RingBf16 => {
-            let ready = prepare_gradient(q, layout, wire, (rounding, None), values)?;
-            reduce_scatter_prepared(q, m, layout, wire, (rounding, second), reduction, ready)
+        (None, Ready::Values(values)) if wire == GradWire::RingF32 => {
+            m.reduce_scatter_taking(q, ring, values, mean)
         }
-        (None, Ready::Values(values)) => m.reduce_scatter_taking(q, ring, values, mean),
         (None, Ready::Bf16(words)) if wire == GradWire::RingBf16 => {
             m.reduce_scatter_kept(q, ring, words, mean)
         }
