@@ -326,8 +326,8 @@ impl Engine {
             )?)
         };
         // A node of one rank sends nothing inside it: no first hop to keep
-        // feedback for (`fsdp::prepare_gradient`).
-        let first_hop_feedback = plan.grads.keeps().0 && layout.ranks_per_node > 1;
+        // feedback for (`GradWire::keeps`).
+        let first_hop_feedback = plan.grads.keeps(layout.ranks_per_node).0;
         let units = (0..cfg.model.unit_count())
             .map(|i| ShardedUnit::new(&cfg, &plan, layout, i, first_hop_feedback))
             .collect::<Vec<_>>();
@@ -564,7 +564,7 @@ impl Engine {
             }
             GradWire::RingBf16 | GradWire::RingF32 => Rounding::NearestEven,
         };
-        let (first_feedback, error_feedback) = wire.keeps();
+        let (first_feedback, error_feedback) = wire.keeps(layout.ranks_per_node);
         let su = &mut self.units[u];
         // qgZ quantizes its hop inside the node here, while the
         // communication thread sends the last unit's; the gradient is

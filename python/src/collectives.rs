@@ -851,18 +851,13 @@ impl Plan {
     #[pyo3(signature = (seed=0))]
     fn qgz_state(&self, seed: u64) -> Option<QgzState> {
         match self.plan.grads {
-            GradWire::TwoHop {
-                intra,
-                inter,
-                error_feedback,
-                stochastic,
-                hadamard,
-            } => Some(QgzState::of(
-                intra,
-                inter,
-                (error_feedback, stochastic, hadamard),
+            wire @ GradWire::TwoHop { .. } => Some(QgzState {
+                wire,
+                keeps: wire.keeps(self.plan.layout.ranks_per_node),
                 seed,
-            )),
+                calls: AtomicU64::new(0),
+                feedback: Default::default(),
+            }),
             GradWire::RingBf16 | GradWire::RingF32 => None,
         }
     }
@@ -895,11 +890,11 @@ impl Plan {
 /// what each quantization dropped, added back on the next reduce-scatter.
 #[pyclass(frozen)]
 pub struct QgzState {
-    pub(crate) intra: qgz::FirstHop,
-    pub(crate) inter: QuantFormat,
-    pub(crate) error_feedback: bool,
-    stochastic: bool,
-    hadamard: bool,
+    /// The plan's wire (`GradWire::TwoHop`).
+    wire: GradWire,
+    /// Whether each hop keeps error feedback on the plan's layout: (inside
+    /// the node, across).
+    keeps: (bool, bool),
     seed: u64,
     calls: AtomicU64,
     /// The residuals of the hop inside the node and of the hop across.
@@ -948,51 +943,22 @@ impl HeldFeedback {
 }
 
 impl QgzState {
-    /// The state of one parameter group whose plan reduce-scatters its
-    /// gradient with qgZ in these formats.
-    fn of(
-        intra: qgz::FirstHop,
-        inter: QuantFormat,
-        (error_feedback, stochastic, hadamard): (bool, bool, bool),
-        seed: u64,
-    ) -> QgzState {
-        QgzState {
-            intra,
-            inter,
-            error_feedback,
-            stochastic,
-            hadamard,
-            seed,
-            calls: AtomicU64::new(0),
-            feedback: Default::default(),
-        }
-    }
-
     /// This group's wire (the plan's).
     pub(crate) fn wire(&self) -> GradWire {
-        GradWire::TwoHop {
-            intra: self.intra,
-            inter: self.inter,
-            error_feedback: self.error_feedback,
-            stochastic: self.stochastic,
-            hadamard: self.hadamard,
-        }
+        self.wire
     }
 
     /// The rounding of this group's next reduce-scatter on `rank` (call
     /// numbers counted per group, `qgz::rounding`).
     pub(crate) fn rounding(&self, rank: usize) -> Rounding {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        qgz::rounding(self.stochastic, self.seed, call, 0, rank)
-    }
-
-    pub(crate) fn first_hop_feedback(&self) -> bool {
-        self.keeps().0
+        let stochastic = matches!(self.wire, GradWire::TwoHop { stochastic: true, .. });
+        qgz::rounding(stochastic, self.seed, call, 0, rank)
     }
 
     /// Whether each hop keeps error feedback: (inside the node, across).
     pub(crate) fn keeps(&self) -> (bool, bool) {
-        self.wire().keeps()
+        self.keeps
     }
 }
 
@@ -1001,14 +967,15 @@ impl QgzState {
     /// Whether the hop across nodes keeps error feedback.
     #[getter]
     fn error_feedback(&self) -> bool {
-        self.error_feedback
+        self.keeps.1
     }
 
     /// Whether the hop inside the node keeps error feedback too (only at
-    /// int4: `zeropp_zero::qgz::first_hop_feedback`).
-    #[getter(first_hop_feedback)]
-    fn first_hop_feedback_py(&self) -> bool {
-        self.first_hop_feedback()
+    /// int4, on nodes of more than one rank:
+    /// `zeropp_zero::qgz::first_hop_feedback`).
+    #[getter]
+    fn first_hop_feedback(&self) -> bool {
+        self.keeps.0
     }
 
     /// Values of error-feedback state held (both hops).

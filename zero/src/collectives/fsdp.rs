@@ -218,16 +218,18 @@ impl GradWire {
         }
     }
 
-    /// Whether each of qgZ's hops keeps error feedback: (inside the node,
-    /// across); a ring keeps none.
-    pub fn keeps(&self) -> (bool, bool) {
+    /// Whether each of qgZ's hops keeps error feedback on nodes of
+    /// `ranks_per_node` ranks: (inside the node, across); a ring keeps
+    /// none, nor a node of one rank inside it
+    /// ([`qgz::first_hop_feedback`]).
+    pub fn keeps(&self, ranks_per_node: usize) -> (bool, bool) {
         match *self {
             GradWire::TwoHop {
                 intra,
                 error_feedback,
                 ..
             } => (
-                qgz::first_hop_feedback(error_feedback, intra),
+                qgz::first_hop_feedback(error_feedback, intra, ranks_per_node),
                 error_feedback,
             ),
             GradWire::RingBf16 | GradWire::RingF32 => (false, false),
@@ -319,6 +321,9 @@ pub fn prepare_gradient<Q: Quantizer>(
     (rounding, first): (Rounding, Option<&mut Q::Chunks>),
     grad: Q::Values,
 ) -> Result<Gradient<Q>, ZeroError> {
+    if !wire.keeps(layout.ranks_per_node).0 {
+        qgz::no_first_feedback(&first)?;
+    }
     let ready = match wire {
         GradWire::TwoHop {
             intra: FirstHop::Quantized(format),
@@ -392,6 +397,35 @@ mod tests {
     use crate::host::{Host, HostKernels, HostMover};
     use crate::plan;
     use crate::testing::{self, bf16s, gradient, on_ranks};
+
+    #[test]
+    fn a_gradient_is_made_ready_with_a_first_hop_residual_only_where_the_wire_keeps_one() {
+        let (intra, inter) = plan::gradient_formats(4, 32, Some(64)).unwrap();
+        let wire = GradWire::TwoHop {
+            intra,
+            inter,
+            error_feedback: true,
+            stochastic: false,
+            hadamard: false,
+        };
+        let layout = |nodes, g| Layout {
+            nodes,
+            ranks_per_node: g,
+            rank: 0,
+        };
+        let ready = |layout: Layout, wire: GradWire| {
+            let mut r = Host.chunks(crate::residual::format(), 0, 0).unwrap();
+            let how = (Rounding::NearestEven, Some(&mut r));
+            prepare_gradient(&Host, layout, wire, how, gradient(0, 128)).map(|_| ())
+        };
+        // Two ranks a node: the int4 hop inside keeps its residual.
+        ready(layout(2, 2), wire).unwrap();
+        // A node of one rank has no hop inside it; a ring keeps nothing.
+        for (l, w) in [(layout(2, 1), wire), (layout(2, 2), GradWire::RingF32)] {
+            let e = ready(l, w).unwrap_err().to_string();
+            assert!(e.contains("keeps no error feedback"), "{e}");
+        }
+    }
 
     #[test]
     fn a_plain_reduce_scatter_is_the_sum_or_mean_of_every_ranks_chunk() {

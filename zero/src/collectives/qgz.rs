@@ -32,13 +32,16 @@ pub enum FirstHop {
 }
 
 /// Whether qgZ's first hop (quantizing to `intra`) keeps error feedback
-/// when the switch is on: only at int4 (bf16 drops nothing to keep). Its
+/// when the switch is on, on nodes of `ranks_per_node` ranks: only at int4
+/// (bf16 drops nothing to keep), and only where there is a hop inside the
+/// node (a node of one rank sends nothing inside it). Its
 /// residual is as long as the whole gradient (O(Ψ) per rank, where the sharded state is O(Ψ/W)); an
 /// int8 hop drops 16 times less than int4, too little to pay that for
 /// (measured: docs/TRAINING.md, "Loss parity"). The hop across nodes,
 /// always int4, keeps its O(Ψ/G) residual.
-pub fn first_hop_feedback(error_feedback: bool, intra: FirstHop) -> bool {
-    error_feedback && matches!(intra, FirstHop::Quantized(f) if f.bits == zeropp_quant::Bits::Four)
+pub fn first_hop_feedback(error_feedback: bool, intra: FirstHop, ranks_per_node: usize) -> bool {
+    let int4 = matches!(intra, FirstHop::Quantized(f) if f.bits == zeropp_quant::Bits::Four);
+    error_feedback && int4 && ranks_per_node > 1
 }
 
 /// The rounding of qgZ call `call` on gradient buffer `buffer` of `rank`
@@ -420,7 +423,7 @@ pub fn reduce_scatter_taking<Q: Quantizer, M: ByteMover<Q>>(
     grad: Q::Values,
     feedback: Feedback<'_, Q>,
 ) -> Result<Q::Values, ZeroError> {
-    if s.intra == FirstHop::Bf16 {
+    if s.intra == FirstHop::Bf16 || layout.ranks_per_node == 1 {
         no_first_feedback(&feedback.first)?;
     }
     let mut second = SecondHop::of(s, feedback.second);
@@ -445,13 +448,16 @@ pub fn reduce_scatter_taking<Q: Quantizer, M: ByteMover<Q>>(
     }
 }
 
-/// Refuses a residual for a bf16 first hop, which drops nothing.
-fn no_first_feedback<C>(first: &Option<&mut C>) -> Result<(), ZeroError> {
+/// Refuses a first-hop residual where there is nothing to keep: a bf16
+/// hop inside the node (it drops nothing), or no hop inside the node at
+/// all (nodes of one rank).
+pub(crate) fn no_first_feedback<C>(first: &Option<&mut C>) -> Result<(), ZeroError> {
     match first {
         None => Ok(()),
         Some(_) => Err(ZeroError::Invalid(
-            "qgZ's bf16 hop inside the node keeps no error feedback (it drops nothing); \
-             pass no first-hop residual (qgz::first_hop_feedback says which hops keep one)"
+            "qgZ keeps no error feedback inside the node on this wire (a bf16 hop drops \
+             nothing; a node of one rank has no hop inside it): pass no first-hop residual \
+             (GradWire::keeps says which hops keep one)"
                 .into(),
         )),
     }
@@ -598,7 +604,7 @@ mod tests {
                     rounding: Rounding::NearestEven,
                     hadamard: true,
                 };
-                let keeps = first_hop_feedback(true, intra);
+                let keeps = first_hop_feedback(true, intra, layout.ranks_per_node);
                 let empty = || k.chunks(crate::residual::format(), 32, 1).unwrap();
                 let mut kept = [(empty(), empty()), (empty(), empty())];
                 for call in 0..3 {
@@ -812,28 +818,34 @@ mod tests {
     }
 
     #[test]
-    fn a_bf16_hop_inside_refuses_a_residual_for_itself() {
-        let got = on_ranks(1, 2, |layout, mover| {
-            let (intra, inter) = gradient_formats(16, 32, None).unwrap();
-            assert!(!first_hop_feedback(true, intra));
-            let s = Qgz {
-                intra,
-                inter,
-                rounding: Rounding::NearestEven,
-                hadamard: false,
-            };
-            let mut r = Host.chunks(crate::residual::format(), 32, 1).unwrap();
-            let feedback = Feedback {
-                first: Some(&mut r),
-                second: None,
-            };
-            let grad = gradient(layout.rank, 64);
-            reduce_scatter(&Host, mover, layout, (s, Reduction::Mean), &grad, feedback)
-                .unwrap_err()
-                .to_string()
-        });
-        for (msg, _) in got {
-            assert!(msg.contains("keeps no error feedback"), "{msg}");
+    fn a_hop_inside_with_nothing_to_keep_refuses_a_residual_for_itself() {
+        // A bf16 hop inside the node drops nothing; a node of one rank
+        // has no hop inside it (an int4 first hop would otherwise keep one).
+        for (nodes, g, intra_bits) in [(1, 2, 16), (2, 1, 4)] {
+            let got = on_ranks(nodes, g, move |layout, mover| {
+                let (intra, inter) = gradient_formats(intra_bits, 32, None).unwrap();
+                assert!(!first_hop_feedback(true, intra, layout.ranks_per_node));
+                let s = Qgz {
+                    intra,
+                    inter,
+                    rounding: Rounding::NearestEven,
+                    hadamard: false,
+                };
+                let mut r = Host.chunks(crate::residual::format(), 32, 1).unwrap();
+                let feedback = Feedback {
+                    first: Some(&mut r),
+                    second: None,
+                };
+                let grad = gradient(layout.rank, 64);
+                reduce_scatter(&Host, mover, layout, (s, Reduction::Mean), &grad, feedback)
+                    .unwrap_err()
+                    .to_string()
+            });
+            for (msg, _) in got {
+                assert!(msg.contains("keeps no error feedback"), "{msg}");
+            }
         }
+        let (int4, _) = gradient_formats(4, 32, None).unwrap();
+        assert!(first_hop_feedback(true, int4, 2));
     }
 }

@@ -494,7 +494,7 @@ impl<D: Device> DeviceJob<D> {
             let m = device.mover(comms, rank, counter, (&comms.node, &comms.ranks[1]));
             let q = device.kernels();
             let feedback = match c.feedback {
-                Some(fb) => fb.feedback(q, c.wire.keeps())?,
+                Some(fb) => fb.feedback(q, c.wire.keeps(layout.ranks_per_node))?,
                 None => qgz::Feedback::none(),
             };
             let (wire, call, reduction) = (c.wire, (c.rounding, feedback), c.reduction);
@@ -728,7 +728,8 @@ mod tests {
             stochastic: false,
             hadamard: true,
         };
-        assert_eq!(wire.keeps(), (true, true));
+        assert_eq!(wire.keeps(2), (true, true));
+        assert_eq!(wire.keeps(1), (false, true), "no hop inside a node of one rank");
         wire
     }
 
@@ -806,7 +807,7 @@ mod tests {
             let (x, mut o) = (&grad[..], &mut out[..]);
             let call = (
                 Rounding::NearestEven,
-                fb.feedback(&Host, wire.keeps()).unwrap(),
+                fb.feedback(&Host, wire.keeps(l.ranks_per_node)).unwrap(),
             );
             fsdp::reduce_scatter(&Host, &m, l, wire, call, Reduction::Mean, &x, &mut o).unwrap();
             outs.push(f32_bits(&out));
