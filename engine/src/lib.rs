@@ -31,6 +31,7 @@ use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
 use zeropp_zero::fsdp::{self, GradWire, WeightWire};
 use zeropp_zero::host::{Host, HostMover, Kept};
+use zeropp_zero::job::Joined;
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
 use zeropp_zero::plan::{Plan, PlanError, Switches};
@@ -260,7 +261,8 @@ pub struct Engine {
     plan: Plan,
     units: Vec<ShardedUnit>,
     counter: Arc<CountingTransport>,
-    thread: CommThread,
+    /// The job's communication thread.
+    thread: Arc<CommThread>,
     /// The groups of this rank's island.
     groups: ZeroGroups,
     /// The whole job: its layout and its world group (metrics, checkpoints).
@@ -278,25 +280,22 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Builds the engine over `transport` (already connected) for `layout`.
+    /// Builds the engine over `transport` (already connected) for `layout`:
+    /// a job whose ranks published nothing ([`Joined::unpublished`]).
     pub fn new(
         transport: Box<dyn Transport>,
         layout: Layout,
         cfg: EngineConfig,
         timeout: Duration,
     ) -> Result<Engine> {
-        let counter = Arc::new(CountingTransport::new(transport, layout.ranks_per_node));
-        Self::counted(counter, layout, cfg, timeout)
+        Self::joined(&Joined::unpublished(transport, layout, timeout)?, cfg)
     }
 
-    /// [`Engine::new`] over a transport already counted by `counter`
-    /// (whose earlier traffic, a probe at join, stays in the run's totals).
-    pub fn counted(
-        counter: Arc<CountingTransport>,
-        layout: Layout,
-        cfg: EngineConfig,
-        timeout: Duration,
-    ) -> Result<Engine> {
+    /// The engine of `job` (joined; the trainer's, whose probe's traffic
+    /// stays in the run's totals): its counted transport, its
+    /// communication thread, its layout and deadline.
+    pub fn joined(joined: &Joined, cfg: EngineConfig) -> Result<Engine> {
+        let (counter, layout, timeout) = (joined.counter.clone(), joined.layout, joined.timeout);
         let transport = &counter;
         cfg.model.validate()?;
         scratch::budget_from_env()?;
@@ -314,8 +313,7 @@ impl Engine {
         let count = cfg.islands.map_or(1, |i| i.count);
         let (island, layout) = job.island(count).map_err(PlanError::from)?;
         let plan = Plan::new(layout, &cfg.switches)?;
-        let comm = Arc::new(Communicator::new(counter.clone(), timeout));
-        let thread = CommThread::new(comm.clone());
+        let (comm, thread) = (Arc::new(joined.communicator()), joined.thread.clone());
         let (_, groups, across) = ZeroGroups::island(&job, count, plan.hpz_group)?;
         let job_world = if count == 1 {
             groups.world.clone()

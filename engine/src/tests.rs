@@ -274,7 +274,11 @@ fn both_ways(e: &mut Engine, u: usize, rank: usize) -> [Vec<Vec<u32>>; 2] {
                     if let GradWire::TwoHop { stochastic, .. } = wire {
                         assert!(!stochastic, "round to nearest, as both sides do");
                     }
-                    let fb = Feedback::kept(wire.keeps(layout.ranks_per_node), r1.chunks_mut(), r2.chunks_mut());
+                    let fb = Feedback::kept(
+                        wire.keeps(layout.ranks_per_node),
+                        r1.chunks_mut(),
+                        r2.chunks_mut(),
+                    );
                     if wire == GradWire::RingBf16 {
                         // FSDP2's bf16 sum, divided by W in f32 (as the
                         // engine averages).

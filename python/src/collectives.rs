@@ -97,16 +97,16 @@ pub struct Job {
     /// The job's communicator, used on `thread` (and by `outer`'s
     /// exchanges, on groups of their own).
     comm: Arc<Communicator>,
-    /// One ordered queue: the host path's collectives, and the emulated
-    /// device's stream.
+    /// The job's one ordered queue (`job.thread`): the host path's
+    /// collectives, the probe, and the emulated device's stream.
     thread: Arc<CommThread>,
     /// The islands' streamed outer exchanges, started when first needed:
     /// they run while the island's own collectives go on `thread`.
     outer: std::sync::OnceLock<CommThread>,
     /// The counted transport, this rank's place and groups, the routing
-    /// plan, whether the links are measurable (`zeropp_zero::job`'s rule,
-    /// as the native trainer's): measured once, when `mode="zeropp"` is
-    /// first resolved (every rank does that in the same order), so a
+    /// plan, the communication thread, and the links (`zeropp_zero::job`'s
+    /// rule, as the native trainer's): measured once, when `mode="zeropp"`
+    /// is first resolved (every rank does that in the same order), so a
     /// ZeRO-3 job spends nothing on it.
     job: Arc<job::Joined>,
     /// Every group this rank has made, by its ranks (one set of ranks is
@@ -116,8 +116,6 @@ pub struct Job {
     /// `add_mesh_dim` registered (FSDP2's shard dimension of a sub-mesh or
     /// an HSDP mesh, HSDP's replicate dimension).
     dims: Mutex<Vec<Arc<MeshDim>>>,
-    /// What was measured, which `mode="zeropp"` resolves its switches by.
-    measured: Mutex<Option<Measured>>,
     transport: &'static str,
 }
 
@@ -197,8 +195,8 @@ impl Job {
             rank,
         };
         let transport = joined.transport.name();
-        let job =
-            job::Joined::new(joined.transport, &joined.peers, layout, timeout).map_err(to_py)?;
+        let job = job::Joined::new(joined.transport, &joined.peers, layout, timeout, rejoining)
+            .map_err(to_py)?;
         let comm = Arc::new(job.communicator());
         let groups = job.groups.clone();
         let known = [&groups.world, &groups.node, &groups.cross]
@@ -211,13 +209,12 @@ impl Job {
             groups: groups.clone(),
         };
         Ok(Job {
-            thread: Arc::new(CommThread::new(comm.clone())),
+            thread: job.thread.clone(),
             outer: std::sync::OnceLock::new(),
             comm,
             job: Arc::new(job),
             known: Mutex::new(known),
             dims: Mutex::new(vec![Arc::new(world)]),
-            measured: Mutex::new(None),
             transport,
         })
     }
@@ -364,7 +361,7 @@ impl Job {
     /// by each route (`null` before `mode="zeropp"` was resolved, and for
     /// logical nodes, one rank, or ZEROPP_PROBE=0).
     fn measured_json(&self) -> String {
-        let m = self.measured.lock().map(|m| m.clone()).unwrap_or(None);
+        let m = self.job.measured_so_far();
         serde_json::to_string(&m).unwrap_or_else(|_| "null".into())
     }
 
@@ -562,28 +559,17 @@ impl Job {
     /// job's links and routes, measured on its communication thread the
     /// first time (after whatever it was doing) and kept.
     fn measured(&self, py: Python<'_>, mode: &str) -> PyResult<Option<Measured>> {
-        if !self.job.measurable || mode != "zeropp" {
-            return Ok(None);
-        }
-        let mut kept = self
-            .measured
-            .lock()
-            .map_err(|_| to_py(ZeroError::Poisoned("record of the measured links")))?;
-        if kept.is_none() {
-            let job = self.job.clone();
-            let pending = self.thread.submit(move |c: &Communicator| {
-                let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], job.layout);
-                job.measure(c, &zpp, None)
-            });
-            let m = py.detach(|| pending.wait()).map_err(|e| {
+        // The model is not known when the first group resolves: zeroPP's
+        // default switches, units of any size.
+        let zpp = plan::as_they_would_run(plan::Switches::zeropp(256), &[], self.job.layout);
+        let job = &self.job;
+        py.detach(|| job.measured((mode == "zeropp", 1), &zpp, None))
+            .map_err(|e| {
                 to_py(crate::Raised {
                     peer: e.is_peer_failure(),
                     message: format!("measuring the links for mode=\"zeropp\": {e}"),
                 })
-            })?;
-            *kept = Some(m);
-        }
-        Ok(kept.clone())
+            })
     }
 }
 
@@ -952,7 +938,13 @@ impl QgzState {
     /// numbers counted per group, `qgz::rounding`).
     pub(crate) fn rounding(&self, rank: usize) -> Rounding {
         let call = self.calls.fetch_add(1, Ordering::Relaxed);
-        let stochastic = matches!(self.wire, GradWire::TwoHop { stochastic: true, .. });
+        let stochastic = matches!(
+            self.wire,
+            GradWire::TwoHop {
+                stochastic: true,
+                ..
+            }
+        );
         qgz::rounding(stochastic, self.seed, call, 0, rank)
     }
 

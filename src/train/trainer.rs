@@ -74,7 +74,7 @@ impl Trainer {
         let data = Dataset::load(asked.run.data.as_deref(), asked.run.seed)?;
         data.check(layout.world(), asked.model.context)?;
         let Connected {
-            counter,
+            job,
             resolved,
             measured,
             islands,
@@ -83,7 +83,7 @@ impl Trainer {
         let cfg = asked.with_islands(islands);
         let islands = cfg.island_config()?;
         let lead = facts.rank == 0;
-        let transport_name = crate::comm::Transport::name(&*counter);
+        let transport_name = crate::comm::Transport::name(&*job.counter);
         let engine_cfg = EngineConfig {
             model: std::sync::Arc::new(cfg.model.clone()),
             switches: resolved.switches.clone(),
@@ -91,7 +91,7 @@ impl Trainer {
             seed: cfg.run.seed,
             islands,
         };
-        let mut engine = Engine::counted(counter, layout, engine_cfg, facts.timeout)?;
+        let mut engine = Engine::joined(&job, engine_cfg)?;
         let start = start_step(&mut engine, &cfg, &facts)?;
         let end = cfg
             .run
@@ -510,8 +510,9 @@ fn rank_layout(facts: &RankFacts) -> Result<Layout> {
 
 /// A joined job with its switches chosen.
 struct Connected {
-    /// The transport, counted (the probe's traffic included).
-    counter: std::sync::Arc<crate::zero::traffic::CountingTransport>,
+    /// The joined job (its counted transport: the probe's traffic
+    /// included).
+    job: crate::zero::job::Joined,
     resolved: Resolved,
     measured: Option<Measured>,
     /// The islands the run trains as: the asked count, or `auto`'s choice.
@@ -545,28 +546,22 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     let peers: Vec<crate::comm::exchange::Peer> = table.into_iter().map(peer_of).collect();
     // Every rank derives the same plan from the same published facts; the
     // engine takes its hpZ group from it unless --hpz-group says otherwise.
-    let job = crate::zero::job::Joined::new(transport, &peers, layout, facts.timeout)?;
+    let job =
+        crate::zero::job::Joined::new(transport, &peers, layout, facts.timeout, facts.rejoin)?;
     let (routing, counter) = (&job.routing, job.counter.clone());
     let (wanted, asked) = cfg.wanted_switches();
     let timed = crate::zero::plan::as_they_would_run(wanted.clone(), &asked, island);
-    // Islands of one node: nothing inside them crosses a node, so there is
-    // no route to time (and the probe's bytes would cross the slow link).
-    // A rejoining rank cannot measure the job's links (the others train).
-    let one_node_islands = |n: usize, island: Layout| n > 1 && island.nodes == 1;
-    let measures = cfg.switches.mode == Mode::Zeropp
-        && job.measurable
-        && !one_node_islands(asked_islands.unwrap_or(1), island)
-        && !facts.rejoin;
-    let measured = match measures {
-        true => {
-            let largest = cfg.model.units().iter().map(|u| u.numel(&cfg.model)).max();
-            let m = job
-                .measure(&job.communicator(), &timed, largest)
-                .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
-            Some(m)
-        }
-        false => None,
-    };
+    // The job's rule: measured for zeroPP's switches where the nodes are
+    // hosts, not by a rejoining rank (the others train), nor for islands
+    // of one node (`Joined::measures`).
+    let zeropp = (
+        cfg.switches.mode == Mode::Zeropp,
+        asked_islands.unwrap_or(1),
+    );
+    let largest = cfg.model.units().iter().map(|u| u.numel(&cfg.model)).max();
+    let measured = job
+        .measured(zeropp, &timed, largest)
+        .map_err(|e| anyhow::anyhow!("measuring the links at join: {e}"))?;
     let plan_islands = |probe_seams: bool| {
         let comm = job.communicator();
         let world =
@@ -582,7 +577,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     let island = island_of(islands)?;
     let mut wanted = wanted;
     let mut inside = std::collections::BTreeMap::new();
-    let one_node = one_node_islands(islands, island);
+    let one_node = islands > 1 && island.nodes == 1;
     if one_node {
         crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
     }
@@ -608,7 +603,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
         }
     }
     Ok(Connected {
-        counter,
+        job,
         resolved,
         measured,
         islands,

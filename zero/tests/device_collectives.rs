@@ -90,7 +90,8 @@ where
         for call in 0..case.calls {
             let grad = gradient(case.chunk * nodes * g, rank, call);
             let feedback = Feedback {
-                first: (case.feedback && qgz::first_hop_feedback(true, intra, g)).then_some(&mut r1),
+                first: (case.feedback && qgz::first_hop_feedback(true, intra, g))
+                    .then_some(&mut r1),
                 second: case.feedback.then_some(&mut r2),
             };
             let s = (settings, case.reduction);

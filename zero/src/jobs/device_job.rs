@@ -729,7 +729,11 @@ mod tests {
             hadamard: true,
         };
         assert_eq!(wire.keeps(2), (true, true));
-        assert_eq!(wire.keeps(1), (false, true), "no hop inside a node of one rank");
+        assert_eq!(
+            wire.keeps(1),
+            (false, true),
+            "no hop inside a node of one rank"
+        );
         wire
     }
 
