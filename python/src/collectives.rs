@@ -23,12 +23,12 @@ use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::layout::Layout;
 use zeropp_zero::measured::Measured;
 use zeropp_zero::plan;
-use zeropp_zero::qgz::Reduction;
 use zeropp_zero::residual::Residual;
 use zeropp_zero::traffic::{CountingTransport, Phase};
 use zeropp_zero::{Hop, ZeroError, ZeroGroups, allreduce, delta, job, qgz};
 
 use crate::buffers::{Dtype, HostBuf, ScratchCopy, with_dtype};
+use crate::calls::{AllReduce, Gather, Scatter};
 use crate::{invalid, to_py};
 
 /// The transport a job asks for: `"ucx"`, `"tcp"`, or None
@@ -403,10 +403,8 @@ impl Job {
                 out.len()
             )));
         }
-        let how = plan
-            .gather(hop == Hop::World, dtype == Dtype::Bf16, delta.is_some())
-            .map_err(to_py)?;
-        let phase = Phase::gather(backward);
+        let with = (backward, delta.is_some());
+        let call = Gather::new(dtype, ranks, hop == Hop::World, &plan, with).map_err(to_py)?;
         // A sub-group's gather runs over it as hpZ's group.
         let groups = ZeroGroups {
             hpz: group,
@@ -415,14 +413,10 @@ impl Job {
         let layout = dim.layout;
         let frozen = delta.as_ref().map(|d| d.get().frozen_ranges());
         Ok(self.submit(groups, move |mover| {
-            let mut reference = match (&delta, how) {
-                (Some(state), WeightWire::Delta(_)) => {
-                    Some(state.get().reference.lock().map_err(|_| poisoned())?)
-                }
-                _ => None,
-            };
+            let mut reference = call.reference(delta.as_ref().map(|d| &d.get().reference))?;
             let frozen = frozen.unwrap_or_default();
-            with_dtype!(dtype, T => {
+            let (how, phase) = (call.how, call.phase);
+            with_dtype!(call.dtype, T => {
                 let shard: &[T] = inp.typed("input")?;
                 // FSDP2 gathers in place: read the input from a copy then,
                 // so it and the output never alias.
@@ -456,8 +450,8 @@ impl Job {
         mean: bool,
         qgz: Option<Py<QgzState>>,
     ) -> PyResult<Op> {
-        let dtype = Dtype::parse(dtype)?;
-        let dim = self.dim(&ranks)?;
+        let call = Scatter::new(Dtype::parse(dtype)?, ranks, mean);
+        let dim = self.dim(&call.ranks)?;
         let w = dim.layout.world();
         let (out, inp) = (
             HostBuf::new(out, true, "output")?,
@@ -472,7 +466,6 @@ impl Job {
                 out.len()
             )));
         }
-        let reduction = Reduction::mean_if(mean);
         let layout = dim.layout;
         Ok(self.submit(dim.groups.clone(), move |mover| {
             let state = qgz.as_ref().map(|q| q.get());
@@ -484,20 +477,18 @@ impl Job {
                 .map(|s| s.feedback.host[1].lock())
                 .transpose()
                 .map_err(|_| poisoned())?;
-            with_dtype!(dtype, T => {
+            let feedback = match (state, &mut first, &mut second) {
+                (Some(s), Some(first), Some(second)) => {
+                    qgz::Feedback::kept(s.keeps(), first.chunks_mut(), second.chunks_mut())
+                }
+                _ => qgz::Feedback::none(),
+            };
+            let (wire, reduction) = (call.wire(state), call.reduction);
+            let how = (Scatter::rounding(state, layout.rank), feedback);
+            with_dtype!(call.dtype, T => {
                 let x: &[T] = inp.typed("input")?;
                 let mut o: &mut [T] = out.typed_mut("output")?;
-                let (wire, call) = match (state, &mut first, &mut second) {
-                    (Some(s), Some(first), Some(second)) => (s.wire(), (
-                        s.rounding(layout.rank),
-                        qgz::Feedback::kept(s.keeps(), first.chunks_mut(), second.chunks_mut()),
-                    )),
-                    _ => (
-                        GradWire::RingF32.for_call(dtype == Dtype::Bf16),
-                        (Rounding::NearestEven, qgz::Feedback::none()),
-                    ),
-                };
-                fsdp::reduce_scatter(&Host, mover, layout, wire, call, reduction, &x, &mut o)?;
+                fsdp::reduce_scatter(&Host, mover, layout, wire, how, reduction, &x, &mut o)?;
             });
             Ok(())
         }))
@@ -518,14 +509,13 @@ impl Job {
         mean: bool,
         state: Option<Py<AllReduceState>>,
     ) -> PyResult<Op> {
-        let dtype = Dtype::parse(dtype)?;
-        let dim = self.dim(&ranks)?;
+        let call = AllReduce::new(Dtype::parse(dtype)?, ranks, mean);
+        let dim = self.dim(&call.ranks)?;
         let buf = HostBuf::new(buf, true, "all-reduce buffer")?;
         let rank = self.job.layout.rank;
-        let reduction = Reduction::mean_if(mean);
-        let hop = (Hop::World, Phase::Replicate);
+        let (reduction, hop) = (call.reduction, (Hop::World, Phase::Replicate));
         Ok(self.submit(dim.groups.clone(), move |mover| {
-            with_dtype!(dtype, T => {
+            with_dtype!(call.dtype, T => {
                 let x: &mut [T] = buf.typed_mut("buffer")?;
                 match &state {
                     None => mover.all_reduce_tensor(&Host, hop, x, mean)?,

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use pyo3::prelude::*;
 use zeropp_cuda::Gpu;
-use zeropp_quant::{QuantizedChunks, Rounding};
+use zeropp_quant::QuantizedChunks;
 use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
 use zeropp_zero::delta::{Reference, Slot};
@@ -19,12 +19,10 @@ use zeropp_zero::device_job::{
     KeptOf,
 };
 use zeropp_zero::emulated::EmulatedDevice;
-use zeropp_zero::fsdp::{GradWire, WeightWire};
-use zeropp_zero::qgz::Reduction;
-use zeropp_zero::traffic::Phase;
 use zeropp_zero::work::{Queue, Work};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
+use crate::calls::{AllReduce, Gather, Scatter};
 use crate::collectives::{AllReduceState, Plan, QgzState, QwzReference};
 use crate::{Raised, invalid, to_py};
 
@@ -72,90 +70,38 @@ impl DeviceState for EmulatedDevice {
     }
 }
 
-/// One all-gather's arguments: `numel` values of `dtype` at address `inp`
-/// into `out`, over group `ranks`, on stream `stream`.
-pub(crate) struct GatherCall {
+/// Where a call's memory is on the device: `numel` values at `inp` into
+/// `out` (the same address for an all-reduce, in place; `numel` is the
+/// input's count), in the order of the caller's stream `stream`.
+pub(crate) struct At {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
-    pub dtype: Dtype,
-    pub ranks: Vec<usize>,
     pub stream: usize,
-    pub how: WeightWire,
-    pub backward: bool,
-}
-
-impl GatherCall {
-    /// The gather FSDP2 asks for (its group's `plan`), checked before
-    /// anything runs.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new<D: Device>(
-        job: &DeviceJob<D>,
-        (out, inp, numel): (u64, u64, usize),
-        dtype: Dtype,
-        ranks: Vec<usize>,
-        stream: usize,
-        plan: &Plan,
-        backward: bool,
-        delta: Option<&QwzReference>,
-    ) -> Result<GatherCall, ZeroError> {
-        let over_world = job.hop_of(&ranks)? == Some(Hop::World);
-        let how = plan.gather(over_world, dtype == Dtype::Bf16, delta.is_some())?;
-        Ok(GatherCall {
-            out,
-            inp,
-            numel,
-            dtype,
-            ranks,
-            stream,
-            how,
-            backward,
-        })
-    }
-}
-
-/// One reduce-scatter's arguments: `numel` values of `dtype` at address
-/// `inp` (one equal chunk per member of the mesh dimension `ranks`) into
-/// `out`, the sum or (`mean`) the mean.
-pub(crate) struct ScatterCall {
-    pub out: u64,
-    pub inp: u64,
-    pub numel: usize,
-    pub dtype: Dtype,
-    pub ranks: Vec<usize>,
-    pub stream: usize,
-    pub mean: bool,
 }
 
 /// FSDP2's all-gather on `job`'s device, with `delta`'s references there.
 ///
 /// # Safety
-/// `c.inp` holds `c.numel` values of `c.dtype` and `c.out` the group's
+/// `at.inp` holds `at.numel` values of `c.dtype` and `at.out` the group's
 /// size times as many, in the device's memory, untouched by anything else
-/// until the call returns; `c.stream` is a live stream of the device.
+/// until the call returns; `at.stream` is a live stream of the device.
 pub(crate) unsafe fn all_gather<D: DeviceState>(
     job: &DeviceJob<D>,
-    c: &GatherCall,
+    (c, at): (&Gather, &At),
     delta: Option<&QwzReference>,
 ) -> Result<(), ZeroError> {
-    let mut reference = match (delta, c.how) {
-        (Some(state), WeightWire::Delta(_)) => Some(
-            D::reference(state)
-                .lock()
-                .map_err(|_| ZeroError::Poisoned("qwZ reference"))?,
-        ),
-        _ => None,
-    };
+    let mut reference = c.reference(delta.map(D::reference))?;
     let frozen = delta.map(|d| d.frozen_ranges()).unwrap_or_default();
     let on_host = delta.is_some_and(|d| d.host_references);
     let call = DeviceGather {
-        out: c.out,
-        inp: c.inp,
-        numel: c.numel,
+        out: at.out,
+        inp: at.inp,
+        numel: at.numel,
         ranks: &c.ranks,
-        stream: c.stream,
+        stream: at.stream,
         how: c.how,
-        phase: Phase::gather(c.backward),
+        phase: c.phase,
         slot: reference.as_deref_mut().map(|reference| Slot {
             reference,
             frozen: &frozen,
@@ -171,55 +117,42 @@ pub(crate) unsafe fn all_gather<D: DeviceState>(
 /// there.
 ///
 /// # Safety
-/// As [`all_gather`]: `c.inp` holds `c.numel` values, `c.out` a W-th.
+/// As [`all_gather`]: `at.inp` holds `at.numel` values, `at.out` a W-th.
 pub(crate) unsafe fn reduce_scatter<D: DeviceState>(
     job: &DeviceJob<D>,
-    c: &ScatterCall,
+    (c, at): (&Scatter, &At),
     qgz: Option<&QgzState>,
 ) -> Result<(), ZeroError> {
-    let (rank, reduction) = (job.layout().rank, Reduction::mean_if(c.mean));
+    let rank = job.layout().rank;
     let mut feedback = qgz
         .map(|s| D::feedback(s).lock())
         .transpose()
         .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
-    let ring = GradWire::RingF32.for_call(c.dtype == Dtype::Bf16);
     let call = DeviceScatter {
-        out: c.out,
-        inp: c.inp,
-        numel: c.numel,
+        out: at.out,
+        inp: at.inp,
+        numel: at.numel,
         ranks: &c.ranks,
-        stream: c.stream,
-        reduction,
-        wire: qgz.map_or(ring, QgzState::wire),
-        rounding: qgz.map_or(Rounding::NearestEven, |s| s.rounding(rank)),
+        stream: at.stream,
+        reduction: c.reduction,
+        wire: c.wire(qgz),
+        rounding: Scatter::rounding(qgz, rank),
         feedback: feedback.as_deref_mut(),
     };
     // SAFETY: the caller's promise.
     unsafe { with_dtype!(c.dtype, T => job.reduce_scatter::<T>(call)) }
 }
 
-/// One all-reduce's arguments: `numel` values of `dtype` at address `buf`
-/// (in place) over the mesh dimension `ranks`, the sum or (`mean`) the
-/// mean.
-pub(crate) struct AllReduceCall {
-    pub buf: u64,
-    pub numel: usize,
-    pub dtype: Dtype,
-    pub ranks: Vec<usize>,
-    pub stream: usize,
-    pub mean: bool,
-}
-
 /// HSDP's quantized all-reduce across the replicate dimension on `job`'s
 /// device, with `state`'s settings and its error feedback there.
 ///
 /// # Safety
-/// `c.buf` holds `c.numel` values of `c.dtype` in the device's memory,
-/// untouched by anything else until the call returns; `c.stream` is a live
-/// stream of the device.
+/// `at.out` (= `at.inp`) holds `at.numel` values of `c.dtype` in the
+/// device's memory, untouched by anything else until the call returns;
+/// `at.stream` is a live stream of the device.
 pub(crate) unsafe fn all_reduce<D: DeviceState>(
     job: &DeviceJob<D>,
-    c: &AllReduceCall,
+    (c, at): (&AllReduce, &At),
     state: &AllReduceState,
 ) -> Result<(), ZeroError> {
     let mut feedback = D::replica_feedback(state)
@@ -227,11 +160,11 @@ pub(crate) unsafe fn all_reduce<D: DeviceState>(
         .map_err(|_| ZeroError::Poisoned("error-feedback buffer"))?;
     let settings = state.settings(job.layout().rank);
     let call = DeviceAllReduce {
-        buf: c.buf,
-        numel: c.numel,
+        buf: at.out,
+        numel: at.numel,
         ranks: &c.ranks,
-        stream: c.stream,
-        reduction: Reduction::mean_if(c.mean),
+        stream: at.stream,
+        reduction: c.reduction,
         quantized: (settings, state.error_feedback, &mut feedback),
     };
     // SAFETY: the caller's promise.
@@ -299,28 +232,25 @@ where
              the world or over consecutive ranks of one node, joined with add_group first"
         )));
     }
+    let over_world = py.detach(|| job.hop_of(&ranks)).map_err(to_py)? == Some(Hop::World);
     let size = ranks.len();
+    let with = (backward, delta.is_some());
+    let call = Gather::new(d, ranks, over_world, plan, with).map_err(to_py)?;
     let inp = b.memory(inp, false, "all-gather input", numel, d)?;
     let out = b.memory(out, true, "all-gather output", numel * size, d)?;
-    let state = delta.as_ref().map(|d| d.get());
-    let call = GatherCall::new(
-        b.job(),
-        (out.address, inp.address, numel),
-        d,
-        ranks,
+    let at = At {
+        out: out.address,
+        inp: inp.address,
+        numel,
         stream,
-        plan,
-        backward,
-        state,
-    )
-    .map_err(to_py)?;
+    };
     b.launch(py, stream, move |job| {
         let _held = (&inp, &out);
         // SAFETY: `inp` and `out` hold these sizes in the device's memory
         // (zeropp.torch passes FSDP2's live buffers, kept until the Work
         // is waited for; host buffers are held by this closure) and
         // `stream` is the caller's current stream of the device.
-        unsafe { all_gather(job, &call, delta.as_ref().map(|d| d.get())) }
+        unsafe { all_gather(job, (&call, &at), delta.as_ref().map(|d| d.get())) }
     })
 }
 
@@ -337,23 +267,20 @@ pub(crate) fn reduce_scatter_call<B: Binding>(
     mean: bool,
     qgz: Option<Py<QgzState>>,
 ) -> PyResult<DeviceWork> {
-    let d = Dtype::parse(dtype)?;
-    let w = ranks.len().max(1);
+    let call = Scatter::new(Dtype::parse(dtype)?, ranks, mean);
+    let (d, w) = (call.dtype, call.ranks.len().max(1));
     let inp = b.memory(inp, false, "reduce-scatter input", numel, d)?;
     let out = b.memory(out, true, "reduce-scatter output", numel / w, d)?;
-    let call = ScatterCall {
+    let at = At {
         out: out.address,
         inp: inp.address,
         numel,
-        dtype: d,
-        ranks,
         stream,
-        mean,
     };
     b.launch(py, stream, move |job| {
         let _held = (&inp, &out);
         // SAFETY: as in `all_gather_call`.
-        unsafe { reduce_scatter(job, &call, qgz.as_ref().map(|q| q.get())) }
+        unsafe { reduce_scatter(job, (&call, &at), qgz.as_ref().map(|q| q.get())) }
     })
 }
 
@@ -370,20 +297,18 @@ pub(crate) fn all_reduce_call<B: Binding>(
     mean: bool,
     state: Py<AllReduceState>,
 ) -> PyResult<DeviceWork> {
-    let d = Dtype::parse(dtype)?;
-    let buf = b.memory(buf, true, "all-reduce buffer", numel, d)?;
-    let call = AllReduceCall {
-        buf: buf.address,
+    let call = AllReduce::new(Dtype::parse(dtype)?, ranks, mean);
+    let buf = b.memory(buf, true, "all-reduce buffer", numel, call.dtype)?;
+    let at = At {
+        out: buf.address,
+        inp: buf.address,
         numel,
-        dtype: d,
-        ranks,
         stream,
-        mean,
     };
     b.launch(py, stream, move |job| {
         let _held = &buf;
         // SAFETY: as in `all_gather_call`, for the one buffer.
-        unsafe { all_reduce(job, &call, state.get()) }
+        unsafe { all_reduce(job, (&call, &at), state.get()) }
     })
 }
 

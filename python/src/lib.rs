@@ -6,6 +6,7 @@
 //! glue only.
 
 mod buffers;
+mod calls;
 mod collectives;
 mod cuda;
 mod device;
