@@ -4,7 +4,7 @@
 //! broadcast and barrier. Every wait has the communicator's timeout.
 //!
 //! Tags: each call on a group takes the group's next sequence number, and a
-//! message's tag is (group id, sequence, step) ([`super::group::tag`]). Every member must call the
+//! message's tag is (group id, sequence, step) (`super::group::tag`). Every member must call the
 //! group's collectives in the same order, from one thread at a time — the
 //! rule of every collective library.
 

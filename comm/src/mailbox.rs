@@ -99,7 +99,7 @@ impl Mailbox {
     }
 
     /// Queues a message from `source`; a verdict (another rank found a
-    /// rank stuck: [`super::liveness`]) is taken as that rank's death, and
+    /// rank stuck: `super::liveness`) is taken as that rank's death, and
     /// a notice that `source` gave up a call fails the waits on it there.
     pub fn deliver(&self, source: usize, tag: Tag, data: Bytes) {
         if tag == super::liveness::verdict_tag() {

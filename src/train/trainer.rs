@@ -1,7 +1,7 @@
 //! `zeropp train` on one rank: a [`Trainer`] joins the job, resolves the
 //! switches, builds the engine (resuming a checkpoint when asked), and runs
-//! a short loop that hands each step to its collaborators — [`Records`]
-//! (metrics file, progress, totals), [`Checkpointer`] and [`Validator`] —
+//! a short loop that hands each step to its collaborators — `Records`
+//! (metrics file, progress, totals), `Checkpointer` and `Validator` —
 //! then writes the summary. Without rank facts in the environment the
 //! command launches itself instead (`train::local`).
 

@@ -379,7 +379,7 @@ impl Segment {
     /// Pages never touched cost a fault and a zeroing each, about ten times
     /// a copy into a warm page (docs/BENCHMARKS.md has the probe), so when
     /// only fresh pages are free while receivers hold earlier messages, it
-    /// first waits a while for a release ([`RELEASE_WAIT_PER_PAGE_NS`] a page,
+    /// first waits a while for a release (`RELEASE_WAIT_PER_PAGE_NS` a page,
     /// well under what the faults would cost), yielding the core meanwhile
     /// (to the receiver, on a busy host).
     pub fn place(&self, data: &[u8], holder: Holder) -> Option<usize> {
