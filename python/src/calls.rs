@@ -16,7 +16,7 @@ use zeropp_zero::qgz::Reduction;
 use zeropp_zero::traffic::Phase;
 
 use crate::buffers::Dtype;
-use crate::collectives::{Plan, QgzState};
+use crate::state::{Plan, QgzState};
 
 /// FSDP2's all-gather: shards of `dtype` over the group `ranks` (a mesh
 /// dimension, or hpZ's sub-group inside a node), moved as the parameter

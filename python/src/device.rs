@@ -23,7 +23,7 @@ use zeropp_zero::work::{Queue, Work};
 
 use crate::buffers::{Dtype, HostBuf, with_dtype};
 use crate::calls::{AllReduce, Gather, Scatter};
-use crate::collectives::{AllReduceState, Plan, QgzState, QwzReference};
+use crate::state::{AllReduceState, Plan, QgzState, QwzReference};
 use crate::{Raised, invalid, to_py};
 
 /// Where a device keeps a parameter group's state.
@@ -355,9 +355,9 @@ macro_rules! device_calls {
                 dtype: &str,
                 ranks: Vec<usize>,
                 stream: usize,
-                plan: PyRef<'_, $crate::collectives::Plan>,
+                plan: PyRef<'_, $crate::state::Plan>,
                 backward: bool,
-                delta: Option<Py<$crate::collectives::QwzReference>>,
+                delta: Option<Py<$crate::state::QwzReference>>,
             ) -> PyResult<$crate::device::DeviceWork> {
                 $crate::device::all_gather_call(
                     self, py, (out, inp), numel, dtype, ranks, stream, &plan, backward, delta,
@@ -384,7 +384,7 @@ macro_rules! device_calls {
                 ranks: Vec<usize>,
                 stream: usize,
                 mean: bool,
-                qgz: Option<Py<$crate::collectives::QgzState>>,
+                qgz: Option<Py<$crate::state::QgzState>>,
             ) -> PyResult<$crate::device::DeviceWork> {
                 $crate::device::reduce_scatter_call(
                     self, py, (out, inp), numel, dtype, ranks, stream, mean, qgz,
@@ -407,7 +407,7 @@ macro_rules! device_calls {
                 ranks: Vec<usize>,
                 stream: usize,
                 mean: bool,
-                state: Py<$crate::collectives::AllReduceState>,
+                state: Py<$crate::state::AllReduceState>,
             ) -> PyResult<$crate::device::DeviceWork> {
                 $crate::device::all_reduce_call(
                     self, py, buf, numel, dtype, ranks, stream, mean, state,

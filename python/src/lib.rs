@@ -13,6 +13,7 @@ mod device;
 mod emulated;
 mod outer;
 mod quant;
+mod state;
 
 use pyo3::create_exception;
 use pyo3::exceptions::PyRuntimeError;
