@@ -207,6 +207,27 @@ pub(crate) trait Binding {
     ) -> PyResult<DeviceWork>;
 }
 
+/// Where a `what` call's `(out, inp)` are, as `b`'s device takes them:
+/// `sizes` (input, output) values of `dtype`, on `stream`; and the memory
+/// the call holds until its work is done.
+fn at<B: Binding>(
+    b: &B,
+    (out, inp): (&Bound<'_, PyAny>, &Bound<'_, PyAny>),
+    (numel, out_numel): (usize, usize),
+    (dtype, stream): (Dtype, usize),
+    what: &str,
+) -> PyResult<(At, [Memory; 2])> {
+    let inp = b.memory(inp, false, &format!("{what} input"), numel, dtype)?;
+    let out = b.memory(out, true, &format!("{what} output"), out_numel, dtype)?;
+    let at = At {
+        out: out.address,
+        inp: inp.address,
+        numel,
+        stream,
+    };
+    Ok((at, [inp, out]))
+}
+
 /// FSDP2's all-gather through a device's class (`device_calls!`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn all_gather_call<B: Binding>(
@@ -236,16 +257,10 @@ where
     let size = ranks.len();
     let with = (backward, delta.is_some());
     let call = Gather::new(d, ranks, over_world, plan, with).map_err(to_py)?;
-    let inp = b.memory(inp, false, "all-gather input", numel, d)?;
-    let out = b.memory(out, true, "all-gather output", numel * size, d)?;
-    let at = At {
-        out: out.address,
-        inp: inp.address,
-        numel,
-        stream,
-    };
+    let sizes = (numel, numel * size);
+    let (at, held) = at(b, (out, inp), sizes, (d, stream), "all-gather")?;
     b.launch(py, stream, move |job| {
-        let _held = (&inp, &out);
+        let _held = &held;
         // SAFETY: `inp` and `out` hold these sizes in the device's memory
         // (zeropp.torch passes FSDP2's live buffers, kept until the Work
         // is waited for; host buffers are held by this closure) and
@@ -268,17 +283,10 @@ pub(crate) fn reduce_scatter_call<B: Binding>(
     qgz: Option<Py<QgzState>>,
 ) -> PyResult<DeviceWork> {
     let call = Scatter::new(Dtype::parse(dtype)?, ranks, mean);
-    let (d, w) = (call.dtype, call.ranks.len().max(1));
-    let inp = b.memory(inp, false, "reduce-scatter input", numel, d)?;
-    let out = b.memory(out, true, "reduce-scatter output", numel / w, d)?;
-    let at = At {
-        out: out.address,
-        inp: inp.address,
-        numel,
-        stream,
-    };
+    let sizes = (numel, numel / call.ranks.len().max(1));
+    let (at, held) = at(b, (out, inp), sizes, (call.dtype, stream), "reduce-scatter")?;
     b.launch(py, stream, move |job| {
-        let _held = (&inp, &out);
+        let _held = &held;
         // SAFETY: as in `all_gather_call`.
         unsafe { reduce_scatter(job, (&call, &at), qgz.as_ref().map(|q| q.get())) }
     })
