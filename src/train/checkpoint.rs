@@ -202,11 +202,13 @@ fn encode_shard(rank: usize, world: usize, units: &[UnitShard]) -> Vec<u8> {
 }
 
 /// Reads a shard's decompressed bytes, checking every length against the
-/// manifest before using it.
+/// manifest before using it; stored as the manifest's format `version`
+/// says.
 struct ShardReader<'a> {
     b: &'a [u8],
     at: usize,
     file: &'a str,
+    version: u32,
 }
 
 impl ShardReader<'_> {
@@ -252,7 +254,7 @@ impl ShardReader<'_> {
 impl ShardReader<'_> {
     /// A residual of `len` values in chunks of `chunk`: f32 in version 1,
     /// compressed since version 2.
-    fn residual(&mut self, version: u32, len: usize, chunk: usize, what: &str) -> Result<Residual> {
+    fn residual(&mut self, len: usize, chunk: usize, what: &str) -> Result<Residual> {
         if len == 0 {
             self.f32s(0, what)?;
             return Ok(Residual::none());
@@ -265,23 +267,18 @@ impl ShardReader<'_> {
         }
         let count = len / chunk;
         let file = self.file;
-        if version == 1 {
+        if self.version == 1 {
             let v = self.f32s(len, what)?;
             return Residual::from_f32(chunk, count, &v)
                 .map_err(|e| anyhow!("{file}: {what}: {e}"));
         }
-        self.stored_residual(version, (chunk, count), what)
+        self.stored_residual((chunk, count), what)
     }
 
     /// A compressed residual of `count` chunks of `chunk` values, stored
-    /// as a checkpoint of `version` stores them.
-    fn stored_residual(
-        &mut self,
-        version: u32,
-        (chunk, count): (usize, usize),
-        what: &str,
-    ) -> Result<Residual> {
-        let (file, len) = (self.file, chunk * count);
+    /// as a checkpoint of the reader's version stores them.
+    fn stored_residual(&mut self, (chunk, count): (usize, usize), what: &str) -> Result<Residual> {
+        let (file, len, version) = (self.file, chunk * count, self.version);
         let n = self.u64()?;
         if n != len as u64 {
             bail!("{file}: {what} holds {n} values, the manifest says {len}");
@@ -293,7 +290,7 @@ impl ShardReader<'_> {
     }
 
     /// A unit's outer state of the shape the manifest gives.
-    fn outer(&mut self, version: u32, l: &OuterLens, chunk: usize) -> Result<OuterState> {
+    fn outer(&mut self, l: &OuterLens, chunk: usize) -> Result<OuterState> {
         if l.values != chunk {
             bail!(
                 "{}: an outer state of {} values, not the unit's chunk of {chunk}",
@@ -304,8 +301,8 @@ impl ShardReader<'_> {
         Ok(OuterState {
             anchor: self.f32s(l.values, "outer anchor")?,
             momentum: self.f32s(l.values, "outer momentum")?,
-            sent: self.stored_residual(version, l.sent, "outer error feedback")?,
-            owned: self.stored_residual(version, l.owned, "outer error feedback")?,
+            sent: self.stored_residual(l.sent, "outer error feedback")?,
+            owned: self.stored_residual(l.owned, "outer error feedback")?,
             flight: match l.flight {
                 false => None,
                 true => Some(Flight {
@@ -319,7 +316,12 @@ impl ShardReader<'_> {
 }
 
 fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<Vec<UnitShard>> {
-    let mut r = ShardReader { b, at: 0, file };
+    let mut r = ShardReader {
+        b,
+        at: 0,
+        file,
+        version: m.version,
+    };
     if r.take(8)? != SHARD_MAGIC {
         bail!("{file}: not a zeropp shard (bad magic)");
     }
@@ -369,8 +371,8 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
             master: r.f32s(u.chunk, "master weights")?,
             m: r.f32s(u.chunk, "Adam m")?,
             v: r.f32s(u.chunk, "Adam v")?,
-            residual: r.residual(m.version, res, u.chunk, "error-feedback residual")?,
-            residual_inter: r.residual(m.version, res_inter, u.chunk, "second-hop residual")?,
+            residual: r.residual(res, u.chunk, "error-feedback residual")?,
+            residual_inter: r.residual(res_inter, u.chunk, "second-hop residual")?,
             reference: if m.version >= 3 {
                 let forwards_since_refresh = r.u64()?;
                 let own = r.f32s(reference, "qwZ reference")?;
@@ -382,7 +384,7 @@ fn decode_shard(b: &[u8], file: &str, m: &Manifest, info: &ShardInfo) -> Result<
                 None
             },
             outer: match outer {
-                Some(l) => Some(r.outer(m.version, l, u.chunk)?),
+                Some(l) => Some(r.outer(l, u.chunk)?),
                 None => None,
             },
         });
