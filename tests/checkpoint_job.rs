@@ -154,6 +154,21 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
     std::fs::remove_dir_all(d).ok();
 }
 
+/// With `--qwz-int8-references` a resume goes on bit for bit: each shard
+/// keeps its own part of the references as the receivers hold it
+/// (dequantized), and the load rounds it back to the same int8 blocks.
+#[test]
+fn int8_references_resume_bit_identically() {
+    let d = tmp("int8-refs");
+    let (_, summary, _, _) = whole_and_resumed_at_6(&d, &["--qwz-int8-references", "true"]);
+    assert_eq!(
+        summary["switches"]["qwz_int8_references"], true,
+        "{summary}"
+    );
+    assert!(summary["kept_bytes"]["qwz_references"].as_u64() > Some(0));
+    std::fs::remove_dir_all(d).ok();
+}
+
 /// The steps' lines of a metrics file (the header dropped).
 fn steps_of(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)

@@ -319,6 +319,35 @@ fn bf16_references_halve_what_qwz_keeps() {
     std::fs::remove_dir_all(dir).ok();
 }
 
+/// `--qwz-int8-references`: the references in int8 blocks of 64 (a
+/// little over a quarter of f32's bytes), still hpZ's secondary shard, and
+/// the run trains; refused where there are none to keep.
+#[test]
+fn int8_references_keep_about_a_quarter_of_what_qwz_keeps() {
+    let dir = std::env::temp_dir().join(format!("zeropp-int8-refs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (f32s, _) = train(&dir, "f32-refs", &[]);
+    let (int8s, _) = train(&dir, "int8-refs", &["--qwz-int8-references", "true"]);
+    assert_eq!(int8s["switches"]["qwz_int8_references"], true, "{int8s}");
+    let kept = |s: &serde_json::Value| s["kept_bytes"]["qwz_references"].as_u64().unwrap();
+    // A byte a value and a 4-byte scale every 64: 17/64 of f32's 4 bytes.
+    assert_eq!(kept(&int8s) * 64, kept(&f32s) * 17, "{int8s}");
+    assert_eq!(int8s["kept_bytes"]["hpz_secondary"], 0, "{int8s}");
+    let (first, last) = (int8s["initial_loss"].as_f64(), int8s["final_loss"].as_f64());
+    assert!(last.unwrap() < 0.8 * first.unwrap(), "{int8s}");
+    let out = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(["train", "--steps", "1", "--qwz-int8-references", "true"])
+        .args(["--qwz-delta", "false"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("turn qwz_delta on"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(dir).ok();
+}
+
 /// Bad input is a clear error naming what is wrong, never a panic or a hang.
 /// `--islands auto` on logical nodes of one host: nothing between them to
 /// measure, so one synchronous job, and the summary says so.

@@ -30,7 +30,7 @@ use optim::{AdamState, OptimConfig};
 use zeropp_comm::collectives::{CommThread, Pending};
 use zeropp_comm::{CommError, Communicator, Group, Transport};
 use zeropp_zero::fsdp::{self, GradWire, WeightWire};
-use zeropp_zero::host::{Host, HostMover, Kept};
+use zeropp_zero::host::{Host, HostMover};
 use zeropp_zero::job::Joined;
 use zeropp_zero::layout::Layout;
 use zeropp_zero::outer::OuterState;
@@ -89,7 +89,7 @@ struct ShardedUnit {
     /// qwZ on weight differences: this rank's references of its cross
     /// group's shards (`zero::delta`); `None` until the first gather and
     /// after a load. Used on the communication thread.
-    reference: Arc<Mutex<Option<delta::Reference<Kept>>>>,
+    reference: Arc<Mutex<Option<delta::ReferenceOf<Host>>>>,
 }
 
 impl ShardedUnit {

@@ -938,6 +938,13 @@ fn after_the_first_steps_gathers_and_reduce_scatters_allocate_no_buffer() {
             },
         ),
         (
+            "int8 references",
+            Switches {
+                qwz_int8_references: true,
+                ..Switches::zeropp(256)
+            },
+        ),
+        (
             "bf16 inside (the default without GPUs)",
             Switches {
                 qgz_intra_bits: 16,

@@ -18,6 +18,10 @@ use zeropp_zero::traffic::Phase;
 use crate::buffers::Dtype;
 use crate::state::{Plan, QgzState};
 
+/// A parameter group's qwZ references where its job keeps them (none
+/// before the first gather).
+type Held<K, C> = Option<Reference<K, C>>;
+
 /// FSDP2's all-gather: shards of `dtype` over the group `ranks` (a mesh
 /// dimension, or hpZ's sub-group inside a node), moved as the parameter
 /// group's plan says for this call, counted as `phase`.
@@ -52,10 +56,10 @@ impl Gather {
     /// The group's references in `held` (where the caller's job keeps
     /// them), locked, where this call gathers weight differences against
     /// them.
-    pub(crate) fn reference<'a, K>(
+    pub(crate) fn reference<'a, K, C>(
         &self,
-        held: Option<&'a Mutex<Option<Reference<K>>>>,
-    ) -> Result<Option<MutexGuard<'a, Option<Reference<K>>>>, ZeroError> {
+        held: Option<&'a Mutex<Held<K, C>>>,
+    ) -> Result<Option<MutexGuard<'a, Held<K, C>>>, ZeroError> {
         match (held, self.how) {
             (Some(r), WeightWire::Delta(_)) => r
                 .lock()

@@ -12,11 +12,9 @@ use zeropp_cuda::Gpu;
 use zeropp_quant::QuantizedChunks;
 use zeropp_zero::Hop;
 use zeropp_zero::ZeroError;
-use zeropp_zero::delta::{Reference, Slot};
-use zeropp_zero::device::DeviceKept;
+use zeropp_zero::delta::{ReferenceOf, Slot};
 use zeropp_zero::device_job::{
     ChunksOf, Device, DeviceAllReduce, DeviceFeedback, DeviceGather, DeviceJob, DeviceScatter,
-    KeptOf,
 };
 use zeropp_zero::emulated::EmulatedDevice;
 use zeropp_zero::work::{Queue, Work};
@@ -31,7 +29,7 @@ pub(crate) trait DeviceState: Device + Sized {
     /// qgZ's error feedback on this device.
     fn feedback(s: &QgzState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
     /// qwZ's references on this device.
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<KeptOf<Self>>>>;
+    fn reference(r: &QwzReference) -> &Mutex<Option<ReferenceOf<Self::Kernels>>>;
     /// The replicate all-reduce's error feedback on this device.
     fn replica_feedback(s: &AllReduceState) -> &Mutex<DeviceFeedback<ChunksOf<Self>>>;
 }
@@ -43,7 +41,7 @@ impl DeviceState for Gpu {
         &s.feedback.device
     }
 
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<DeviceKept>>> {
+    fn reference(r: &QwzReference) -> &Mutex<Option<ReferenceOf<Gpu>>> {
         &r.device
     }
 
@@ -61,7 +59,7 @@ impl DeviceState for EmulatedDevice {
 
     /// The emulated device's memory is the host's: the host path's
     /// references (one process sends CPU tensors down one path).
-    fn reference(r: &QwzReference) -> &Mutex<Option<Reference<zeropp_zero::host::Kept>>> {
+    fn reference(r: &QwzReference) -> &Mutex<Option<ReferenceOf<zeropp_zero::host::Host>>> {
         &r.reference
     }
 

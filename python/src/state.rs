@@ -317,9 +317,9 @@ pub struct QwzReference {
     frozen: Mutex<Vec<(usize, usize)>>,
     /// CUDA tensors' references kept in host memory (`qwz_host_references`).
     pub(crate) host_references: bool,
-    pub(crate) reference: Mutex<Option<delta::Reference<zeropp_zero::host::Kept>>>,
+    pub(crate) reference: Mutex<Option<delta::ReferenceOf<zeropp_zero::host::Host>>>,
     /// The same references for CUDA tensors, on their device.
-    pub(crate) device: Mutex<Option<delta::Reference<zeropp_zero::device::DeviceKept>>>,
+    pub(crate) device: Mutex<Option<delta::ReferenceOf<zeropp_cuda::Gpu>>>,
 }
 
 impl QwzReference {

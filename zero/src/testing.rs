@@ -109,6 +109,7 @@ pub fn every_weight_wire(bits: u32, block: usize) -> [crate::fsdp::WeightWire; 3
             fp32: false,
             hpz: false,
             bf16_references: false,
+            int8_references: None,
         }),
     ]
 }

@@ -395,11 +395,12 @@ where
 /// qwZ on weight differences over 4 gathers (a refresh, then int4 or int8
 /// differences of bf16 shards that move a little each time), each followed
 /// by a backward gather served from the references (hpZ over the node), on
-/// every rank of a `nodes` x `g` job with quantizer `q`: each rank's weights
+/// every rank of a `nodes` x `g` job with quantizer `q`, the references
+/// kept in `references` bits (32, 16 or int8 blocks): each rank's weights
 /// after each gather, forward then backward, and its bytes.
 fn delta_gathers<Q>(
     (nodes, g, bits): (usize, usize, u32),
-    bf16_references: bool,
+    references: u32,
     q: Q,
 ) -> Vec<(Vec<Vec<u16>>, Traffic)>
 where
@@ -412,7 +413,8 @@ where
             refresh_every: 100,
             fp32: false,
             hpz: true,
-            bf16_references,
+            bf16_references: references == 16,
+            int8_references: (references == 8).then(|| plan::weight_format(8, 256).unwrap()),
         };
         let world = nodes * g;
         let mut reference = None;
@@ -447,10 +449,11 @@ where
 #[test]
 fn weight_differences_gather_the_same_weights_on_every_backend() {
     let shapes = [(2, 2, 4), (3, 2, 8), (1, 3, 4)];
-    for ((nodes, g, bits), bf16_refs) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
-        let host = delta_gathers((nodes, g, bits), bf16_refs, Host);
-        let emulated = delta_gathers((nodes, g, bits), bf16_refs, Emulated);
-        let what = format!("{nodes} x {g}, int{bits} differences, bf16 references {bf16_refs}");
+    let each = |s| [32, 16, 8].map(|refs| (s, refs));
+    for ((nodes, g, bits), refs) in shapes.into_iter().flat_map(each) {
+        let host = delta_gathers((nodes, g, bits), refs, Host);
+        let emulated = delta_gathers((nodes, g, bits), refs, Emulated);
+        let what = format!("{nodes} x {g}, int{bits} differences, {refs}-bit references");
         assert_eq!(host, emulated, "{what}");
         for (rank, (seen, traffic)) in host.iter().enumerate() {
             assert_eq!(seen, &host[0].0, "{what}: rank {rank}");
@@ -708,6 +711,7 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
         fp32: false,
         hpz: true,
         bf16_references: false,
+        int8_references: None,
     });
     let how = wire.for_call(true, true);
     let frozen: Vec<_> = std::iter::once(0..150).collect();
@@ -781,7 +785,10 @@ fn the_gpu_keeps_references_on_the_host_as_on_the_device() {
             }
         }
         assert_eq!(seen, host[0], "references on the host: {on_host}");
-        let kept = reference.as_ref().map(|r| r.kept().on_host());
+        let kept = reference
+            .as_ref()
+            .and_then(|r| r.kept())
+            .map(|k| k.on_host());
         assert_eq!(kept, Some(on_host), "where the references are kept");
     }
 }

@@ -22,9 +22,10 @@ use zeropp_quant::{QuantFormat, Rounding};
 
 use crate::backend::{ByteMover, Hop, Quantizer, check_hops};
 use crate::error::ZeroError;
-use crate::host::Kept;
+use crate::host::{Host, Kept};
 use crate::layout::Layout;
 use crate::traffic::Phase;
+use zeropp_quant::QuantizedChunks;
 
 /// How a unit's weights cross nodes as differences.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,18 +44,24 @@ pub struct DeltaWire {
     /// The references kept in bf16 where the hop inside the node is bf16
     /// (half the memory of f32).
     pub bf16_references: bool,
+    /// The references kept in int8 blocks of this format (about a quarter
+    /// of f32's memory): every holder rounds a shard to int8 after each
+    /// update alike, the forward weights are those blocks (as ZeRO++'s
+    /// int8 weights), and the node gathers them as they are kept.
+    pub int8_references: Option<QuantFormat>,
 }
 
 /// What one rank keeps of one unit between gathers: its references of the
 /// N shards of its cross group (node order), this rank's own at its node's
 /// place, identical on every rank that holds it. Kept in bf16 where the hop
 /// inside the node moves bf16 (what every consumer of the references sees
-/// then), in f32 otherwise. With hpZ over the whole node they are also
+/// then), in f32 otherwise, or in int8 blocks when asked
+/// ([`DeltaWire::int8_references`]; `K`: the backend's kept values, `C`:
+/// its quantized chunks). With hpZ over the whole node they are also
 /// hpZ's secondary shard: [`gather`] serves the backward gather from
 /// them.
-pub struct Reference<K> {
-    kept: K,
-    bf16: bool,
+pub struct Reference<K, C> {
+    held: Held<K, C>,
     /// Kept in host memory ([`Slot::on_host`]).
     on_host: bool,
     nodes: usize,
@@ -62,16 +69,53 @@ pub struct Reference<K> {
     forwards_since_refresh: u64,
 }
 
-impl<K> Reference<K> {
+/// A [`Reference`] of a quantizer's own kinds of memory.
+pub type ReferenceOf<Q> = Reference<<Q as Quantizer>::Kept, <Q as Quantizer>::Chunks>;
+
+/// What the references are kept in.
+enum Held<K, C> {
+    /// Values: bf16 or f32 (`bf16`).
+    Values { kept: K, bf16: bool },
+    /// N chunks of int8 blocks.
+    Int8 { chunks: C, format: QuantFormat },
+}
+
+/// What a [`DeltaWire`] keeps its references in: f32, bf16 or int8 blocks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Precision {
+    F32,
+    Bf16,
+    Int8(QuantFormat),
+}
+
+impl<K, C> Reference<K, C> {
     /// Bytes it keeps: N shards of a chunk (1/G of the unit), 2 bytes a
-    /// value in bf16, 4 in f32.
+    /// value in bf16, 4 in f32, 1 in int8 with a 4-byte scale a block.
     pub fn bytes(&self) -> usize {
-        self.nodes * self.chunk * if self.bf16 { 2 } else { 4 }
+        let values = self.nodes * self.chunk;
+        match &self.held {
+            Held::Values { bf16: true, .. } => values * 2,
+            Held::Values { bf16: false, .. } => values * 4,
+            Held::Int8 { format, .. } => {
+                values + self.nodes * self.chunk.div_ceil(format.block) * 4
+            }
+        }
     }
 
-    /// What it keeps them in.
-    pub fn kept(&self) -> &K {
-        &self.kept
+    /// The values it keeps them in (None in int8 blocks).
+    pub fn kept(&self) -> Option<&K> {
+        match &self.held {
+            Held::Values { kept, .. } => Some(kept),
+            Held::Int8 { .. } => None,
+        }
+    }
+
+    fn precision(&self) -> Precision {
+        match &self.held {
+            Held::Values { bf16: true, .. } => Precision::Bf16,
+            Held::Values { bf16: false, .. } => Precision::F32,
+            Held::Int8 { format, .. } => Precision::Int8(*format),
+        }
     }
 }
 
@@ -87,16 +131,16 @@ impl<K> Reference<K> {
 /// [`Phase::Frozen`]. With `on_host` the references are kept in host
 /// memory ([`Quantizer::kept_on_host`]: `frozen_cache="host"`, the
 /// device's memory then stays at ZeRO-3's).
-pub struct Slot<'a, K> {
-    pub reference: &'a mut Option<Reference<K>>,
+pub struct Slot<'a, K, C> {
+    pub reference: &'a mut Option<Reference<K, C>>,
     pub frozen: &'a [Range<usize>],
     pub on_host: bool,
 }
 
-impl<'a, K> Slot<'a, K> {
+impl<'a, K, C> Slot<'a, K, C> {
     /// A group with nothing frozen, its references where the quantizer
     /// keeps values.
-    pub fn new(reference: &'a mut Option<Reference<K>>) -> Self {
+    pub fn new(reference: &'a mut Option<Reference<K, C>>) -> Self {
         Slot {
             reference,
             frozen: &[],
@@ -129,11 +173,19 @@ pub struct SavedReference {
     pub forwards_since_refresh: u64,
 }
 
-impl Reference<Kept> {
+impl Reference<Kept, QuantizedChunks> {
     /// This rank's part, at `layout`'s node.
     pub fn saved(&self, layout: Layout) -> Result<SavedReference, ZeroError> {
+        let own = match &self.held {
+            Held::Values { kept, .. } => kept.to_f32(layout.node() * self.chunk, self.chunk)?,
+            Held::Int8 { chunks, .. } => {
+                let mut own = vec![0f32; self.chunk];
+                Host.dequantize(chunks, layout.node(), &mut own, 0)?;
+                own
+            }
+        };
         Ok(SavedReference {
-            own: self.kept.to_f32(layout.node() * self.chunk, self.chunk)?,
+            own,
             forwards_since_refresh: self.forwards_since_refresh,
         })
     }
@@ -149,9 +201,27 @@ impl Reference<Kept> {
             p.own.len() == chunk && p.forwards_since_refresh == first.forwards_since_refresh
         });
         let values: Vec<f32> = parts.iter().flat_map(|p| p.own.iter().copied()).collect();
-        (same && chunk > 0).then(|| Reference {
-            kept: Kept::from_f32(&values, wire.keeps_bf16()),
-            bf16: wire.keeps_bf16(),
+        if !same || chunk == 0 {
+            return None;
+        }
+        let held = match wire.precision() {
+            Precision::Int8(format) => {
+                // Saved from int8 blocks, they come back to the same ones.
+                let mut chunks = Host.chunks(format, chunk, parts.len()).ok()?;
+                for n in 0..parts.len() {
+                    let near = Rounding::NearestEven;
+                    Host.quantize_chunk(&values, n * chunk, near, &mut chunks, n)
+                        .ok()?;
+                }
+                Held::Int8 { chunks, format }
+            }
+            p => Held::Values {
+                kept: Kept::from_f32(&values, p == Precision::Bf16),
+                bf16: p == Precision::Bf16,
+            },
+        };
+        Some(Reference {
+            held,
             on_host: false,
             nodes: parts.len(),
             chunk,
@@ -165,6 +235,22 @@ impl DeltaWire {
     /// the node moves them in bf16.
     pub fn keeps_bf16(&self) -> bool {
         self.bf16_references && !self.fp32
+    }
+
+    /// What the references are kept in.
+    fn precision(&self) -> Precision {
+        match self.int8_references {
+            Some(format) => Precision::Int8(format),
+            None => self.values_precision(),
+        }
+    }
+
+    /// What the references are kept in where they are values.
+    fn values_precision(&self) -> Precision {
+        match self.keeps_bf16() {
+            true => Precision::Bf16,
+            false => Precision::F32,
+        }
     }
 }
 
@@ -184,7 +270,7 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     m: &M,
     layout: Layout,
     wire: DeltaWire,
-    slot: Slot<'_, Q::Kept>,
+    slot: Slot<'_, Q::Kept, Q::Chunks>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
     phase: Phase,
@@ -192,11 +278,19 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     let nodes = layout.nodes;
     check_hops(m, layout, "qwZ")?;
     let chunk = q.tensor_len(shard);
-    let bf16 = wire.keeps_bf16();
     let (reference, on_host) = (slot.reference, slot.on_host);
-    let kept = reference
-        .take()
-        .filter(|r| (r.chunk, r.bf16, r.on_host, r.nodes) == (chunk, bf16, on_host, nodes));
+    // int8 blocks hold every weight of a block alike: a group with frozen
+    // weights (kept apart, checked range by range) or references in host
+    // memory keeps them in values.
+    let precision = match wire.precision() {
+        Precision::Int8(_) if !slot.frozen.is_empty() || on_host => wire.values_precision(),
+        p => p,
+    };
+    let bf16 = precision == Precision::Bf16;
+    let kept = reference.take().filter(|r| {
+        let held = (r.chunk, r.precision(), r.on_host, r.nodes);
+        held == (chunk, precision, on_host, nodes)
+    });
     if let Some(r) = &kept
         && wire.hpz
         && phase == Phase::BackwardGather
@@ -231,13 +325,22 @@ pub fn gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     // Whether the frozen ranges cross with this gather's refresh.
     let (mut r, refresh, send_frozen) = match kept {
         None => {
-            let kept = match on_host {
-                true => q.kept_on_host(nodes * chunk, bf16)?,
-                false => q.kept(nodes * chunk, bf16)?,
+            let held = match (precision, on_host) {
+                (Precision::Int8(format), _) => Held::Int8 {
+                    chunks: q.chunks(format, chunk, nodes)?,
+                    format,
+                },
+                (_, true) => Held::Values {
+                    kept: q.kept_on_host(nodes * chunk, bf16)?,
+                    bf16,
+                },
+                (_, false) => Held::Values {
+                    kept: q.kept(nodes * chunk, bf16)?,
+                    bf16,
+                },
             };
             let r = Reference {
-                kept,
-                bf16,
+                held,
                 on_host,
                 nodes,
                 chunk,
@@ -281,13 +384,18 @@ fn frozen_unchanged<Q: Quantizer, M: ByteMover<Q>>(
     q: &Q,
     m: &M,
     layout: Layout,
-    r: &Reference<Q::Kept>,
+    r: &ReferenceOf<Q>,
     frozen: &[Range<usize>],
     on_wire: &Q::Values,
 ) -> Result<bool, ZeroError> {
     let chunk = r.chunk;
     let mut held = q.values(chunk)?;
-    q.load_kept(&r.kept, layout.node() * chunk, &mut held, 0, chunk)?;
+    let Held::Values { kept, .. } = &r.held else {
+        return Err(ZeroError::Invalid(
+            "frozen ranges checked against references in int8 blocks".into(),
+        ));
+    };
+    q.load_kept(kept, layout.node() * chunk, &mut held, 0, chunk)?;
     let mut unchanged = true;
     for f in frozen {
         unchanged &= q.same(&held, f.start, on_wire, f.start, f.len())?;
@@ -320,7 +428,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     m: &M,
     layout: Layout,
     wire: DeltaWire,
-    r: &mut Reference<Q::Kept>,
+    r: &mut ReferenceOf<Q>,
     mine: &Q::Values,
     ranges: &[Range<usize>],
     refresh: bool,
@@ -331,9 +439,15 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     if len == 0 {
         return Ok(());
     }
+    let kept = match &mut r.held {
+        Held::Values { kept, .. } => kept,
+        Held::Int8 { chunks, .. } => {
+            return exchange_int8(q, m, layout, wire, chunks, mine, refresh, phase);
+        }
+    };
     if refresh && len == chunk {
         // Every reference starts again from what ZeRO-3 would gather.
-        return m.all_gather_values_kept(q, Hop::Cross, phase, mine, &mut r.kept, wire.fp32);
+        return m.all_gather_values_kept(q, Hop::Cross, phase, mine, kept, wire.fp32);
     }
     let packed = match len == chunk {
         true => None,
@@ -352,7 +466,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         let mut all = q.values(nodes * len)?;
         m.all_gather_values(q, Hop::Cross, phase, now, &mut all, wire.fp32)?;
         for n in 0..nodes {
-            store_ranges(q, &all, n * len, &mut r.kept, n * chunk, ranges)?;
+            store_ranges(q, &all, n * len, kept, n * chunk, ranges)?;
         }
         q.recycle(all);
         if let Some(packed) = packed {
@@ -363,7 +477,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     // One node's shard at a time in f32, updated in place (bf16 rounds as
     // the hop inside the node does: every holder keeps the same values).
     let mut delta = q.values(len)?;
-    load_ranges(q, &r.kept, layout.node() * chunk, ranges, &mut delta)?;
+    load_ranges(q, kept, layout.node() * chunk, ranges, &mut delta)?;
     q.dropped(&mut delta, 0, now, 0, len)?;
     let mut sent = q.chunks(wire.delta, len, 1)?;
     q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut sent, 0)?;
@@ -371,9 +485,9 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     m.all_gather(q, Hop::Cross, phase, &sent, &mut across)?;
     let mut shard = delta;
     for n in 0..nodes {
-        load_ranges(q, &r.kept, n * chunk, ranges, &mut shard)?;
+        load_ranges(q, kept, n * chunk, ranges, &mut shard)?;
         q.dequantize_accumulate(&across, n, &mut shard, 0)?;
-        store_ranges(q, &shard, 0, &mut r.kept, n * chunk, ranges)?;
+        store_ranges(q, &shard, 0, kept, n * chunk, ranges)?;
     }
     q.recycle(shard);
     q.recycle_chunks(sent);
@@ -381,6 +495,53 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     if let Some(packed) = packed {
         q.recycle(packed);
     }
+    Ok(())
+}
+
+/// [`exchange`] of a whole shard into references kept in int8 blocks
+/// (`held`: N chunks): a refresh gathers the shards in the plain wire, a
+/// difference is taken from this rank's own chunk as every holder
+/// dequantizes it; every holder then adds each node's difference to its
+/// chunk and rounds it back to int8 alike (to nearest), so the next
+/// difference is taken against what the receivers hold.
+#[allow(clippy::too_many_arguments)]
+fn exchange_int8<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    wire: DeltaWire,
+    held: &mut Q::Chunks,
+    mine: &Q::Values,
+    refresh: bool,
+    phase: Phase,
+) -> Result<(), ZeroError> {
+    let (_, chunk, nodes) = q.shape(held);
+    let near = Rounding::NearestEven;
+    if refresh {
+        let mut all = q.values_for_overwrite(nodes * chunk)?;
+        m.all_gather_values(q, Hop::Cross, phase, mine, &mut all, wire.fp32)?;
+        for n in 0..nodes {
+            q.quantize_chunk(&all, n * chunk, near, held, n)?;
+        }
+        q.recycle(all);
+        return Ok(());
+    }
+    let mut delta = q.values_for_overwrite(chunk)?;
+    q.dequantize(held, layout.node(), &mut delta, 0)?;
+    q.dropped(&mut delta, 0, mine, 0, chunk)?;
+    let mut sent = q.chunks(wire.delta, chunk, 1)?;
+    q.quantize_chunk(&delta, 0, near, &mut sent, 0)?;
+    let mut across = q.chunks(wire.delta, chunk, nodes)?;
+    m.all_gather(q, Hop::Cross, phase, &sent, &mut across)?;
+    let mut shard = delta;
+    for n in 0..nodes {
+        q.dequantize(held, n, &mut shard, 0)?;
+        q.dequantize_accumulate(&across, n, &mut shard, 0)?;
+        q.quantize_chunk(&shard, 0, near, held, n)?;
+    }
+    q.recycle(shard);
+    q.recycle_chunks(sent);
+    q.recycle_chunks(across);
     Ok(())
 }
 
@@ -424,15 +585,28 @@ fn inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     q: &Q,
     m: &M,
     layout: Layout,
-    r: &Reference<Q::Kept>,
+    r: &ReferenceOf<Q>,
     fp32: bool,
     out: &mut Q::TensorMut<'_, T>,
     phase: Phase,
 ) -> Result<(), ZeroError> {
-    let (g, chunk) = (layout.ranks_per_node, r.chunk);
-    let place = move |l: usize, n: usize| (n * g + l) * chunk;
-    let kept = (&r.kept, r.nodes * chunk, fp32);
-    m.all_gather_kept_placed(q, Hop::Node, phase, kept, (r.nodes, &place), out)
+    let (g, chunk, nodes) = (layout.ranks_per_node, r.chunk, r.nodes);
+    match &r.held {
+        Held::Values { kept, .. } => {
+            let place = move |l: usize, n: usize| (n * g + l) * chunk;
+            let kept = (kept, nodes * chunk, fp32);
+            m.all_gather_kept_placed(q, Hop::Node, phase, kept, (nodes, &place), out)
+        }
+        Held::Int8 { chunks, format } => {
+            // Local rank l's N chunks at l·N, chunk n of them rank n·G + l's.
+            let mut all = q.chunks(*format, chunk, g * nodes)?;
+            m.all_gather(q, Hop::Node, phase, chunks, &mut all)?;
+            let at = |rank: usize| (rank % g) * nodes + rank / g;
+            crate::qwz::dequantize_all(q, &all, at, out)?;
+            q.recycle_chunks(all);
+            Ok(())
+        }
+    }
 }
 
 #[cfg(test)]
@@ -450,6 +624,7 @@ mod tests {
             fp32: true,
             hpz: false,
             bf16_references: false,
+            int8_references: None,
         }
     }
 
@@ -606,9 +781,21 @@ mod tests {
 
     #[test]
     fn frozen_weights_cross_once_and_a_changed_shard_is_sent_again() {
-        let frozen = wire(4, 1000);
+        // With int8 references asked too: a group with frozen weights
+        // keeps its references in values, where the frozen ranges are
+        // kept apart (int8 blocks would mix them with the moving weights).
+        let int8 = DeltaWire {
+            int8_references: Some(crate::plan::weight_format(8, 64).unwrap()),
+            ..wire(4, 1000)
+        };
+        for frozen in [wire(4, 1000), int8] {
+            frozen_weights_cross_once(frozen);
+        }
+    }
+
+    fn frozen_weights_cross_once(frozen: DeltaWire) {
         let got = on_ranks(2, 2, move |layout, mover| {
-            let mut reference: Option<Reference<Kept>> = None;
+            let mut reference: Option<ReferenceOf<Host>> = None;
             let mut outs = Vec::new();
             let mut crossed = Vec::new();
             let (mut frozen_bytes, frozen_ranges) =
@@ -666,12 +853,39 @@ mod tests {
     }
 
     #[test]
+    fn int8_references_give_every_rank_the_same_weights_within_int8s_error() {
+        let int8 = DeltaWire {
+            int8_references: Some(crate::plan::weight_format(8, 64).unwrap()),
+            ..wire(4, 1000)
+        };
+        let (outs, truths, bytes) = run(12, int8, 1e-3);
+        for (rank, o) in outs.iter().enumerate() {
+            assert_eq!(o, &outs[0], "rank {rank}");
+        }
+        // The weights are the references' int8 blocks: within int8's error
+        // of them (and what one int4 difference of a step drops), at every
+        // step: a difference is taken against what the receivers hold, so
+        // the error does not grow.
+        for step in 0..12 {
+            let e = max_err(&outs[0][step], &truths[step]);
+            let int8 = int8_error(&truths[step]);
+            assert!(
+                e > 0.0 && e < 2.0 * int8 + 1e-4,
+                "step {step}: {e} (int8 {int8})"
+            );
+        }
+        // The same bytes across nodes as references in values.
+        let (_, _, f32_bytes) = run(12, wire(4, 1000), 1e-3);
+        assert_eq!(bytes, f32_bytes);
+    }
+
+    #[test]
     fn only_the_trainable_part_of_a_mixed_shard_crosses_nodes() {
         // The first half of every shard frozen, the second half moving.
         let half = CHUNK / 2;
         let int4 = crate::plan::weight_format(4, 64).unwrap();
         let got = on_ranks(2, 2, move |layout, mover| {
-            let mut reference: Option<Reference<Kept>> = None;
+            let mut reference: Option<ReferenceOf<Host>> = None;
             let (mut outs, mut crossed) = (Vec::new(), Vec::new());
             let (mut frozen_bytes, frozen) =
                 (Vec::new(), std::iter::once(0..half).collect::<Vec<_>>());

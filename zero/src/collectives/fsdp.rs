@@ -89,7 +89,7 @@ pub fn all_gather<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     hop: Hop,
     wire: WeightWire,
     phase: Phase,
-    slot: Option<Slot<'_, Q::Kept>>,
+    slot: Option<Slot<'_, Q::Kept, Q::Chunks>>,
     shard: &Q::Tensor<'_, T>,
     out: &mut Q::TensorMut<'_, T>,
 ) -> Result<(), ZeroError> {
@@ -136,7 +136,7 @@ pub fn all_gather_prepared<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     layout: Layout,
     (hop, phase): (Hop, Phase),
     wire: WeightWire,
-    slot: Option<Slot<'_, Q::Kept>>,
+    slot: Option<Slot<'_, Q::Kept, Q::Chunks>>,
     (prepared, shard): (Prepared<Q>, &Q::Tensor<'_, T>),
     keep: Option<usize>,
     out: &mut Q::TensorMut<'_, T>,

@@ -136,7 +136,7 @@ pub struct DeviceJob<D: Device> {
 
 /// One all-gather on the caller's device pointers: `numel` values at `inp`
 /// (this rank's shard) into `out` (every member's, group order).
-pub struct DeviceGather<'a, V> {
+pub struct DeviceGather<'a, V, C> {
     pub out: u64,
     pub inp: u64,
     pub numel: usize,
@@ -148,8 +148,9 @@ pub struct DeviceGather<'a, V> {
     pub how: WeightWire,
     pub phase: Phase,
     /// The parameter group's references on this device (`V`: its kept
-    /// values) and its frozen ranges, for [`WeightWire::Delta`].
-    pub slot: Option<Slot<'a, V>>,
+    /// values, `C`: its quantized chunks) and its frozen ranges, for
+    /// [`WeightWire::Delta`].
+    pub slot: Option<Slot<'a, V, C>>,
 }
 
 /// One reduce-scatter over a mesh dimension on the caller's device
@@ -445,7 +446,7 @@ impl<D: Device> DeviceJob<D> {
     /// until the call returns; `c.stream` is a live stream of this device.
     pub unsafe fn all_gather<T: GpuElement>(
         &self,
-        c: DeviceGather<'_, KeptOf<D>>,
+        c: DeviceGather<'_, KeptOf<D>, ChunksOf<D>>,
     ) -> Result<(), ZeroError> {
         let (rank, counter) = (self.layout.rank, &*self.counter);
         let call = |device: &D, dims: &[Comms<D::Comm>]| {
@@ -830,7 +831,7 @@ mod tests {
         ranks: &[usize],
         how: WeightWire,
         phase: Phase,
-        slot: Option<Slot<'_, crate::host::Kept>>,
+        slot: Option<Slot<'_, crate::host::Kept, zeropp_quant::QuantizedChunks>>,
     ) {
         let n = shard.len();
         out[at * n..(at + 1) * n].copy_from_slice(shard);
