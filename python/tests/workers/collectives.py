@@ -67,8 +67,9 @@ def main():
     # are hpZ's secondary shard, and a gather FSDP2 makes in backward is
     # served from them inside the node — the forward's weights, bit for bit.
     kept = {}
-    for bf16_refs in (False, True):
-        ag = zt.ZeroppAllGather(job, dict(default, qwz_bf16_references=bf16_refs))
+    for refs in ("f32", "bf16", "int8"):
+        kept_in = dict(qwz_bf16_references=refs == "bf16", qwz_int8_references=refs == "int8")
+        ag = zt.ZeroppAllGather(job, dict(default, **kept_in))
         # Its own generator: the checks below keep their random inputs.
         gen = torch.Generator().manual_seed(100 + rank)
         shard = torch.randn(1000, generator=gen).to(torch.bfloat16)
@@ -90,14 +91,19 @@ def main():
         InBackward.apply(torch.zeros(1, requires_grad=True)).sum().backward()
         after = zt.traffic()["backward_gather"]["total"]
         check(
-            f"backward gather from the references (bf16 {bf16_refs}): the forward's weights, "
-            "inside the node",
+            f"backward gather from the references ({refs}): the forward's weights, inside the node",
             torch.equal(gathered, forward)
             and after["inter_node"] == before["inter_node"]
             and after["intra_node"] > before["intra_node"],
         )
-        kept[bf16_refs] = ag.qwz_reference.reference_bytes()
-    check("bf16 references keep half the bytes", kept[True] * 2 == kept[False] > 0, f"{kept}")
+        kept[refs] = ag.qwz_reference.reference_bytes()
+    check("bf16 references keep half the bytes", kept["bf16"] * 2 == kept["f32"] > 0, f"{kept}")
+    # A byte a value and a 4-byte scale a block of 64 (16 blocks of 1000).
+    check(
+        "int8 references keep 1064 bytes where f32 keeps 4000",
+        kept["int8"] * 4000 == kept["f32"] * 1064 > 0,
+        f"{kept}",
+    )
 
     for dtype in (torch.float32, torch.bfloat16):
         grad = torch.randn(world * 777).to(dtype)
