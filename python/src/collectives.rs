@@ -93,14 +93,13 @@ pub struct Job {
     /// The job's communicator, used on `thread` (and by `outer`'s
     /// exchanges, on groups of their own).
     comm: Arc<Communicator>,
-    /// The job's one ordered queue (`job.thread`): the host path's
-    /// collectives, the probe, and the emulated device's stream.
-    thread: Arc<CommThread>,
     /// The islands' streamed outer exchanges, started when first needed:
-    /// they run while the island's own collectives go on `thread`.
+    /// they run while the island's own collectives go on `job.thread`.
     outer: std::sync::OnceLock<CommThread>,
     /// The counted transport, this rank's place and groups, the routing
-    /// plan, the communication thread, and the links (`zeropp_zero::job`'s
+    /// plan, the communication thread (one ordered queue: the host path's
+    /// collectives, the probe, and the emulated device's stream), and the
+    /// links (`zeropp_zero::job`'s
     /// rule, as the native trainer's): measured once, when `mode="zeropp"`
     /// is first resolved (every rank does that in the same order), so a
     /// ZeRO-3 job spends nothing on it.
@@ -205,7 +204,6 @@ impl Job {
             groups: groups.clone(),
         };
         Ok(Job {
-            thread: job.thread.clone(),
             outer: std::sync::OnceLock::new(),
             comm,
             job: Arc::new(job),
@@ -570,7 +568,7 @@ impl Job {
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.thread, groups, f)
+        self.submit_on(&self.job.thread, groups, f)
     }
 
     /// Runs `f` on the communication thread with a byte mover whose calls
@@ -580,7 +578,7 @@ impl Job {
         &self,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.thread, self.job.groups.clone(), f)
+        self.submit_on(&self.job.thread, self.job.groups.clone(), f)
     }
 
     /// As [`Job::submit_alone`], on the thread of the islands' streamed
@@ -617,7 +615,7 @@ impl Job {
     /// The communication thread (one ordered queue: the emulated device's
     /// stream).
     pub(crate) fn comm_thread(&self) -> Arc<CommThread> {
-        self.thread.clone()
+        self.job.thread.clone()
     }
 
     pub(crate) fn communicator(&self) -> Arc<Communicator> {

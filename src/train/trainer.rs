@@ -76,10 +76,10 @@ impl Trainer {
         let Connected {
             job,
             resolved,
-            measured,
             islands,
             chosen,
         } = connect(asked, &facts, layout)?;
+        let measured = job.measured_so_far();
         let cfg = asked.with_islands(islands);
         let islands = cfg.island_config()?;
         let lead = facts.rank == 0;
@@ -514,7 +514,6 @@ struct Connected {
     /// included).
     job: crate::zero::job::Joined,
     resolved: Resolved,
-    measured: Option<Measured>,
     /// The islands the run trains as: the asked count, or `auto`'s choice.
     islands: usize,
     chosen: Option<crate::train::auto_islands::IslandsChosen>,
@@ -577,7 +576,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     let island = island_of(islands)?;
     let mut wanted = wanted;
     let mut inside = std::collections::BTreeMap::new();
-    let one_node = islands > 1 && island.nodes == 1;
+    let one_node = layout.islands_of_one_node(islands);
     if one_node {
         crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
     }
@@ -605,7 +604,6 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     Ok(Connected {
         job,
         resolved,
-        measured,
         islands,
         chosen,
     })

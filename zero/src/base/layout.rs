@@ -61,6 +61,12 @@ impl Layout {
         ))
     }
 
+    /// Whether `islands` islands are each one node (and more than one):
+    /// nothing inside them crosses a node.
+    pub fn islands_of_one_node(&self, islands: usize) -> bool {
+        islands > 1 && self.island(islands).is_ok_and(|(_, l)| l.nodes == 1)
+    }
+
     /// The layout of a mesh dimension over `ranks` (global ranks of a job
     /// laid out as `self`): its nodes are the nodes those ranks are on, and
     /// this rank is its position among them. The ranks must be ascending

@@ -439,16 +439,11 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     if len == 0 {
         return Ok(());
     }
-    let kept = match &mut r.held {
-        Held::Values { kept, .. } => kept,
-        Held::Int8 { chunks, .. } => {
-            return exchange_int8(q, m, layout, wire, chunks, mine, refresh, phase);
-        }
-    };
-    if refresh && len == chunk {
+    if let (true, Held::Values { kept, .. }) = (refresh && len == chunk, &mut r.held) {
         // Every reference starts again from what ZeRO-3 would gather.
         return m.all_gather_values_kept(q, Hop::Cross, phase, mine, kept, wire.fp32);
     }
+    let held = &mut r.held;
     let packed = match len == chunk {
         true => None,
         false => {
@@ -466,7 +461,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
         let mut all = q.values(nodes * len)?;
         m.all_gather_values(q, Hop::Cross, phase, now, &mut all, wire.fp32)?;
         for n in 0..nodes {
-            store_ranges(q, &all, n * len, kept, n * chunk, ranges)?;
+            store_held(q, &all, n * len, held, (n, chunk), ranges)?;
         }
         q.recycle(all);
         if let Some(packed) = packed {
@@ -477,7 +472,7 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     // One node's shard at a time in f32, updated in place (bf16 rounds as
     // the hop inside the node does: every holder keeps the same values).
     let mut delta = q.values(len)?;
-    load_ranges(q, kept, layout.node() * chunk, ranges, &mut delta)?;
+    load_held(q, held, (layout.node(), chunk), ranges, &mut delta)?;
     q.dropped(&mut delta, 0, now, 0, len)?;
     let mut sent = q.chunks(wire.delta, len, 1)?;
     q.quantize_chunk(&delta, 0, Rounding::NearestEven, &mut sent, 0)?;
@@ -485,9 +480,9 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     m.all_gather(q, Hop::Cross, phase, &sent, &mut across)?;
     let mut shard = delta;
     for n in 0..nodes {
-        load_ranges(q, kept, n * chunk, ranges, &mut shard)?;
+        load_held(q, held, (n, chunk), ranges, &mut shard)?;
         q.dequantize_accumulate(&across, n, &mut shard, 0)?;
-        store_ranges(q, &shard, 0, kept, n * chunk, ranges)?;
+        store_held(q, &shard, 0, held, (n, chunk), ranges)?;
     }
     q.recycle(shard);
     q.recycle_chunks(sent);
@@ -498,51 +493,37 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     Ok(())
 }
 
-/// [`exchange`] of a whole shard into references kept in int8 blocks
-/// (`held`: N chunks): a refresh gathers the shards in the plain wire, a
-/// difference is taken from this rank's own chunk as every holder
-/// dequantizes it; every holder then adds each node's difference to its
-/// chunk and rounds it back to int8 alike (to nearest), so the next
-/// difference is taken against what the receivers hold.
-#[allow(clippy::too_many_arguments)]
-fn exchange_int8<Q: Quantizer, M: ByteMover<Q>>(
+/// The `ranges` of node `n`'s shard of `held` (shards of `chunk`), packed
+/// into `into` in f32: values as kept, int8 blocks dequantized (whole
+/// shards only: a group with frozen ranges keeps values).
+fn load_held<Q: Quantizer>(
     q: &Q,
-    m: &M,
-    layout: Layout,
-    wire: DeltaWire,
-    held: &mut Q::Chunks,
-    mine: &Q::Values,
-    refresh: bool,
-    phase: Phase,
+    held: &Held<Q::Kept, Q::Chunks>,
+    (n, chunk): (usize, usize),
+    ranges: &[Range<usize>],
+    into: &mut Q::Values,
 ) -> Result<(), ZeroError> {
-    let (_, chunk, nodes) = q.shape(held);
-    let near = Rounding::NearestEven;
-    if refresh {
-        let mut all = q.values_for_overwrite(nodes * chunk)?;
-        m.all_gather_values(q, Hop::Cross, phase, mine, &mut all, wire.fp32)?;
-        for n in 0..nodes {
-            q.quantize_chunk(&all, n * chunk, near, held, n)?;
-        }
-        q.recycle(all);
-        return Ok(());
+    match held {
+        Held::Values { kept, .. } => load_ranges(q, kept, n * chunk, ranges, into),
+        Held::Int8 { chunks, .. } => q.dequantize(chunks, n, into, 0),
     }
-    let mut delta = q.values_for_overwrite(chunk)?;
-    q.dequantize(held, layout.node(), &mut delta, 0)?;
-    q.dropped(&mut delta, 0, mine, 0, chunk)?;
-    let mut sent = q.chunks(wire.delta, chunk, 1)?;
-    q.quantize_chunk(&delta, 0, near, &mut sent, 0)?;
-    let mut across = q.chunks(wire.delta, chunk, nodes)?;
-    m.all_gather(q, Hop::Cross, phase, &sent, &mut across)?;
-    let mut shard = delta;
-    for n in 0..nodes {
-        q.dequantize(held, n, &mut shard, 0)?;
-        q.dequantize_accumulate(&across, n, &mut shard, 0)?;
-        q.quantize_chunk(&shard, 0, near, held, n)?;
+}
+
+/// Packed values of `x` from `at` on into the `ranges` of node `n`'s shard
+/// of `held`: values stored as kept (bf16 rounds as the hop inside the
+/// node does), int8 blocks rounded to nearest — alike on every holder.
+fn store_held<Q: Quantizer>(
+    q: &Q,
+    x: &Q::Values,
+    at: usize,
+    held: &mut Held<Q::Kept, Q::Chunks>,
+    (n, chunk): (usize, usize),
+    ranges: &[Range<usize>],
+) -> Result<(), ZeroError> {
+    match held {
+        Held::Values { kept, .. } => store_ranges(q, x, at, kept, n * chunk, ranges),
+        Held::Int8 { chunks, .. } => q.quantize_chunk(x, at, Rounding::NearestEven, chunks, n),
     }
-    q.recycle(shard);
-    q.recycle_chunks(sent);
-    q.recycle_chunks(across);
-    Ok(())
 }
 
 /// The `ranges` of `kept` from `base` on, packed into `into`.
@@ -862,6 +843,9 @@ mod tests {
         for (rank, o) in outs.iter().enumerate() {
             assert_eq!(o, &outs[0], "rank {rank}");
         }
+        // The first gather (a refresh, f32 here) is the weights' int8
+        // blocks of 64, exactly (references in values would be exact).
+        assert_eq!(max_err(&outs[0][0], &truths[0]), int8_error(&truths[0]));
         // The weights are the references' int8 blocks: within int8's error
         // of them (and what one int4 difference of a step drops), at every
         // step: a difference is taken against what the receivers hold, so

@@ -142,9 +142,7 @@ impl Joined {
     /// one node each (nothing inside them crosses a node, and the probe's
     /// bytes would cross the slow link).
     pub fn measures(&self, zeropp: bool, islands: usize) -> bool {
-        let one_node_islands =
-            islands > 1 && self.layout.island(islands).is_ok_and(|(_, l)| l.nodes == 1);
-        zeropp && self.measurable && !one_node_islands
+        zeropp && self.measurable && !self.layout.islands_of_one_node(islands)
     }
 
     /// The job's links and routes, measured on the job's thread the first
