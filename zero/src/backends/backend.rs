@@ -294,6 +294,14 @@ pub trait Quantizer {
     /// `x` as a caller's f32 tensor: the same memory, written.
     fn values_as_tensor_mut<'a>(&self, x: &'a mut Self::Values) -> Self::TensorMut<'a, f32>;
 
+    /// Values kept in bf16 as a caller's bf16 tensor: the same memory,
+    /// read. Values kept otherwise (f32, or in host memory beside a device)
+    /// are refused.
+    fn kept_as_bf16_tensor<'a>(
+        &self,
+        k: &'a Self::Kept,
+    ) -> Result<Self::Tensor<'a, half::bf16>, ZeroError>;
+
     /// `(format, chunk_len, count)` of a chunked buffer.
     fn shape(&self, q: &Self::Chunks) -> (QuantFormat, usize, usize);
 
@@ -628,6 +636,26 @@ pub trait ByteMover<Q: Quantizer> {
         self.sum_swizzled_unchecked(q, hop, phase, x, (nodes, chunk), sum)
     }
 
+    /// qgZ's hop inside the node in bf16 from runs the caller's thread made
+    /// ([`crate::qgz::bf16_runs`]: `runs`, kept in bf16, member j's run at
+    /// j · the length of `sum`): `sum` gets the f32 sum, in member order,
+    /// of the run each member sent this rank — [`ByteMover::sum_swizzled`]
+    /// of one node's chunks, and by default through it. The runs are taken
+    /// and given back for reuse; the host sends each member a slice of
+    /// their own buffer, with no copy.
+    fn sum_runs_taking(
+        &self,
+        q: &Q,
+        hop: Hop,
+        phase: Phase,
+        runs: Q::Kept,
+        sum: &mut Q::Values,
+    ) -> Result<(), ZeroError> {
+        self.sum_swizzled(q, hop, phase, &q.kept_as_bf16_tensor(&runs)?, 1, sum)?;
+        q.recycle_kept(runs);
+        Ok(())
+    }
+
     /// [`ByteMover::sum_swizzled`] once checked: chunks of `chunk` values.
     fn sum_swizzled_unchecked<T: GpuElement>(
         &self,
@@ -951,6 +979,26 @@ pub fn check_swizzled(
         "a swizzled reduce-scatter of {x} values over {nodes} nodes x {members} ranks does not \
          fill {sum} values"
     )))
+}
+
+/// A gradient value qgZ's bf16 hop inside the node refuses to send (`at`:
+/// where it is).
+pub fn not_finite_gradient(at: &str, value: f32) -> ZeroError {
+    ZeroError::Invalid(format!(
+        "the gradient's value {value} at {at} is not finite; qgZ sends it inside the node in \
+         bf16 and sums it in f32 — find where the NaN/Inf came from (a diverging loss, an \
+         uninitialised buffer) and fix it upstream"
+    ))
+}
+
+/// Kept values that should have been kept in bf16 (a caller's bf16
+/// tensor of them was asked for).
+pub fn not_bf16() -> ZeroError {
+    ZeroError::Invalid(
+        "values kept in f32 (or in host memory beside a device) were read as a bf16 tensor: \
+         keep them in bf16 (Quantizer::kept with bf16) on the device that reads them"
+            .into(),
+    )
 }
 
 /// Checks that `len` values split into `pieces` equal pieces; their length.

@@ -20,7 +20,7 @@ use zeropp_cuda::nccl::{NcclComm, NcclId};
 use zeropp_cuda::{Borrowed, CudaError, Gpu, GpuElement};
 use zeropp_quant::{QuantFormat, Rounding};
 
-use crate::backend::{ByteMover, Hop, Quantizer, scale_fraction};
+use crate::backend::{ByteMover, Hop, Quantizer, not_bf16, scale_fraction};
 use crate::devices::{Comms, Device, TensorMutOf, TensorOf};
 use crate::error::ZeroError;
 use crate::host::{Host, Kept};
@@ -284,6 +284,16 @@ impl Quantizer for Gpu {
 
     fn values_as_tensor_mut<'a>(&self, x: &'a mut DeviceValues) -> CudaViewMut<'a, f32> {
         x.view_mut()
+    }
+
+    fn kept_as_bf16_tensor<'a>(
+        &self,
+        k: &'a DeviceKept,
+    ) -> Result<CudaView<'a, half::bf16>, ZeroError> {
+        match k {
+            DeviceKept::Bf16(s) => Ok(s.as_view()),
+            DeviceKept::F32(_) | DeviceKept::Host(_) => Err(not_bf16()),
+        }
     }
 
     fn chunks(

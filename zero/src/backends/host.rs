@@ -15,7 +15,8 @@ use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
-    ByteMover, Hop, Quantizer, check_pieces, scale_fraction, swizzled_kept_composed,
+    ByteMover, Hop, Quantizer, check_pieces, check_swizzled, not_bf16, not_finite_gradient,
+    scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
 use crate::groups::ZeroGroups;
@@ -358,6 +359,13 @@ impl<K: HostKernels> Quantizer for K {
         x
     }
 
+    fn kept_as_bf16_tensor<'a>(&self, k: &'a Kept) -> Result<&'a [half::bf16], ZeroError> {
+        match k {
+            Kept::Bf16(v) => Ok(v),
+            Kept::F32(_) => Err(not_bf16()),
+        }
+    }
+
     fn round_bf16(&self, x: &mut Vec<f32>) -> Result<(), ZeroError> {
         let mut halves: Vec<u16> = scratch::take_for_overwrite(x.len());
         let h: &mut [half::bf16] = bytemuck::cast_slice_mut(&mut halves);
@@ -610,6 +618,28 @@ impl HostMover<'_> {
         }
     }
 
+    /// qgZ's bf16 hop inside the node once its messages are made
+    /// (`to_each`: member j's): `sum` gets the f32 sum, in member order, of
+    /// what each sent this rank.
+    fn sum_each(
+        &self,
+        hop: Hop,
+        phase: Phase,
+        to_each: Vec<Bytes>,
+        sum: &mut [f32],
+    ) -> Result<(), ZeroError> {
+        self.counter.set_phase(phase, 0.0);
+        let from_each = self.comm.all_to_all_v(self.group(hop), to_each)?;
+        for (j, b) in from_each.iter().enumerate() {
+            if j == 0 {
+                payload::decode_bf16(b, sum)?;
+            } else {
+                payload::add_bf16(b, sum)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Every member's `values` as the plain wire carries them (bf16,
     /// rounded to nearest even, or f32 with `fp32`), counted under `phase`.
     fn gather_plain<E: Element>(
@@ -742,23 +772,36 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         let to_each = (0..members)
             .map(|j| payload::encode_bf16_chunks(x, chunk, (0..nodes).map(|n| n * members + j)))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|(index, value)| {
-                ZeroError::Invalid(format!(
-                    "the gradient's value {value} at index {index} is not finite; qgZ sends it \
-                     inside the node in bf16 and sums it in f32 — find where the NaN/Inf came \
-                     from (a diverging loss, an uninitialised buffer) and fix it upstream"
-                ))
-            })?;
-        self.counter.set_phase(phase, 0.0);
-        let from_each = self.comm.all_to_all_v(group, to_each)?;
-        for (j, b) in from_each.iter().enumerate() {
-            if j == 0 {
-                payload::decode_bf16(b, sum)?;
-            } else {
-                payload::add_bf16(b, sum)?;
-            }
+            .map_err(|(index, value)| not_finite_gradient(&format!("index {index}"), value))?;
+        self.sum_each(hop, phase, to_each, sum)
+    }
+
+    fn sum_runs_taking(
+        &self,
+        _q: &K,
+        hop: Hop,
+        phase: Phase,
+        runs: Kept,
+        sum: &mut Vec<f32>,
+    ) -> Result<(), ZeroError> {
+        let Kept::Bf16(runs) = runs else {
+            return Err(not_bf16());
+        };
+        let mut words: Vec<u16> = bytemuck::allocation::cast_vec(runs);
+        let members = self.group(hop).size();
+        let run = check_swizzled(words.len(), sum.len(), 1, members)?;
+        // Nothing is sent where a value is not finite (every rank that has
+        // one refuses).
+        let not_finite = payload::first_non_finite(bytemuck::cast_slice::<u16, half::bf16>(&words));
+        if let Some((index, value)) = not_finite {
+            scratch::give(words);
+            let at = format!("index {} of local rank {}'s run", index % run, index / run);
+            return Err(not_finite_gradient(&at, value));
         }
-        Ok(())
+        words.iter_mut().for_each(|w| *w = w.to_le());
+        let all = Bytes::from_owner(scratch::Returned(words));
+        let to_each = (0..members).map(|j| all.slice(j * run * 2..(j + 1) * run * 2));
+        self.sum_each(hop, phase, to_each.collect(), sum)
     }
 
     fn all_gather_unchecked(

@@ -298,14 +298,17 @@ pub fn reduce_scatter<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
 
 /// A gradient as the caller's thread made it ready for its reduce-scatter
 /// ([`prepare_gradient`]), taken by the call: qgZ's first hop quantized
-/// there, with its error feedback added, or a bf16 ring's values rounded
-/// to bf16, while the communication thread moves the last call's; on
-/// every other wire the f32 values as they are.
+/// there, with its error feedback added, or rounded to bf16 in runs for a
+/// bf16 hop inside the node, or a bf16 ring's values rounded to bf16,
+/// while the communication thread moves the last call's; on every other
+/// wire the f32 values as they are.
 pub struct Gradient<Q: Quantizer>(Ready<Q>);
 
 enum Ready<Q: Quantizer> {
     Values(Q::Values),
     Bf16(Q::Kept),
+    /// qgZ's bf16 hop inside the node: [`qgz::bf16_runs`].
+    Bf16Runs(Q::Kept),
     FirstHop(Q::Chunks),
 }
 
@@ -313,7 +316,9 @@ enum Ready<Q: Quantizer> {
 /// its turn to move: a bf16 ring rounds it to bf16 (nearest even); qgZ
 /// quantizes its hop inside the node (a node of more than one rank:
 /// [`qgz::quantize_first_hop`], rounding as `rounding`, adding `first`'s
-/// residual and keeping what it drops there).
+/// residual and keeping what it drops there), or in bf16 rounds it into
+/// each local rank's run ([`qgz::bf16_runs`]). Where it rounds to bf16 the
+/// f32 buffer goes back at once: a call in flight holds half the bytes.
 pub fn prepare_gradient<Q: Quantizer>(
     q: &Q,
     layout: Layout,
@@ -331,6 +336,10 @@ pub fn prepare_gradient<Q: Quantizer>(
         } if layout.ranks_per_node > 1 => Ready::FirstHop(qgz::quantize_first_hop(
             q, grad, layout, format, rounding, first,
         )?),
+        GradWire::TwoHop {
+            intra: FirstHop::Bf16,
+            ..
+        } if layout.ranks_per_node > 1 => Ready::Bf16Runs(qgz::bf16_runs(q, grad, layout)?),
         GradWire::RingBf16 => {
             let len = q.len(&grad);
             let mut words = q.kept_for_overwrite(len, true)?;
@@ -370,6 +379,10 @@ pub fn reduce_scatter_prepared<Q: Quantizer, M: ByteMover<Q>>(
         (Some(s), Ready::FirstHop(first)) => {
             let second = qgz::SecondHop::of(s, second);
             qgz::exchange(q, m, layout, first, second, reduction)
+        }
+        (Some(s), Ready::Bf16Runs(runs)) if s.intra == FirstHop::Bf16 => {
+            let second = qgz::SecondHop::of(s, second);
+            qgz::exchange_bf16(q, m, layout, runs, second, reduction)
         }
         (Some(s), Ready::Values(values))
             if s.intra == FirstHop::Bf16 || layout.ranks_per_node == 1 =>
@@ -424,6 +437,116 @@ mod tests {
         for (l, w) in [(layout(2, 1), wire), (layout(2, 2), GradWire::RingF32)] {
             let e = ready(l, w).unwrap_err().to_string();
             assert!(e.contains("keeps no error feedback"), "{e}");
+        }
+    }
+
+    /// qgZ with its hop inside the node in bf16 and error feedback across.
+    fn bf16_inside() -> GradWire {
+        let (intra, inter) = plan::gradient_formats(16, 32, Some(64)).unwrap();
+        GradWire::TwoHop {
+            intra,
+            inter,
+            error_feedback: true,
+            stochastic: false,
+            hadamard: true,
+        }
+    }
+
+    #[test]
+    fn a_gradient_made_ready_for_a_bf16_hop_inside_gives_its_f32_buffer_back_at_once() {
+        // A length no other test takes: the next buffer of it is the
+        // gradient's own, back in the pool before any byte moves.
+        let len = 4 * 1531;
+        let layout = Layout {
+            nodes: 2,
+            ranks_per_node: 2,
+            rank: 0,
+        };
+        let grad = gradient(0, len);
+        let at = grad.as_ptr();
+        let how = (Rounding::NearestEven, None);
+        let ready = prepare_gradient(&Host, layout, bf16_inside(), how, grad).unwrap();
+        assert!(matches!(ready.0, Ready::Bf16Runs(_)));
+        let again = zeropp_comm::scratch::take_for_overwrite::<f32>(len);
+        assert_eq!(again.as_ptr(), at, "the f32 gradient was not given back");
+    }
+
+    #[test]
+    fn a_gradient_made_ready_in_bf16_runs_sums_as_the_tensor_does_bit_for_bit() {
+        // The runs each local rank is sent, made on the caller's thread,
+        // give the reduce-scatter of the gradient as a tensor (which sends
+        // its chunks from where they lie), error feedback across included:
+        // two calls each, on 2 x 2 and 3 x 2 ranks.
+        for nodes in [2, 3] {
+            let len = nodes * 2 * 96;
+            let got = on_ranks(nodes, 2, move |layout, m| {
+                let wire = bf16_inside();
+                let mut outs = Vec::new();
+                for prepared in [true, false] {
+                    let mut residual = crate::residual::Residual::none();
+                    for call in 0..2 {
+                        let grad = gradient(layout.rank + call, len);
+                        let second = Some(residual.chunks_mut());
+                        let nearest = Rounding::NearestEven;
+                        let out = if prepared {
+                            let how = (nearest, None);
+                            let ready = prepare_gradient(&Host, layout, wire, how, grad).unwrap();
+                            let how = (nearest, second);
+                            let mean = Reduction::Mean;
+                            reduce_scatter_prepared(&Host, m, layout, wire, how, mean, ready)
+                                .unwrap()
+                        } else {
+                            let mut out = vec![0f32; len / layout.world()];
+                            let fb = qgz::Feedback {
+                                first: None,
+                                second,
+                            };
+                            let (x, mut o) = (&grad[..], &mut out[..]);
+                            let how = (nearest, fb);
+                            reduce_scatter(
+                                &Host,
+                                m,
+                                layout,
+                                wire,
+                                how,
+                                Reduction::Mean,
+                                &x,
+                                &mut o,
+                            )
+                            .unwrap();
+                            out
+                        };
+                        outs.push(out.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+                    }
+                }
+                outs
+            });
+            for (rank, (outs, _)) in got.iter().enumerate() {
+                assert_eq!(outs[..2], outs[2..], "{nodes} nodes, rank {rank}");
+            }
+        }
+    }
+
+    #[test]
+    fn runs_that_are_not_finite_are_refused_on_every_rank_that_has_one() {
+        let got = on_ranks(2, 2, |layout, m| {
+            let wire = bf16_inside();
+            let mut grad = gradient(layout.rank, 4 * 64);
+            // Chunk 1 (rank 1's, bound for local rank 1): the second value
+            // of local rank 1's run.
+            grad[64 + 1] = f32::INFINITY;
+            let how = (Rounding::NearestEven, None);
+            let ready = prepare_gradient(&Host, layout, wire, how, grad).unwrap();
+            let how = (Rounding::NearestEven, None);
+            reduce_scatter_prepared(&Host, m, layout, wire, how, Reduction::Mean, ready)
+                .unwrap_err()
+                .to_string()
+        });
+        for (rank, (msg, _)) in got.iter().enumerate() {
+            assert!(
+                msg.contains("value inf at index 1 of local rank 1's run is not finite"),
+                "rank {rank}: {msg}"
+            );
         }
     }
 

@@ -274,10 +274,66 @@ fn bf16_first_hop<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
     second: SecondHop<'_, Q>,
     reduction: Reduction,
 ) -> Result<Q::Values, ZeroError> {
+    let sum = bf16_node_sum(q, m, layout, grad)?;
+    across_nodes(q, m, layout, sum, second, reduction)
+}
+
+/// Hop 1 in bf16 alone, from `x` (the gradient's W chunks in rank order):
+/// the f32 sums, in local-rank order, of what each local rank sent this
+/// one: the node's N partial sums.
+fn bf16_node_sum<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    x: &Q::Tensor<'_, T>,
+) -> Result<Q::Values, ZeroError> {
     check_hops(m, layout, "qgZ")?;
-    let chunk = chunk_len(q.tensor_len(grad), layout)?;
+    let chunk = chunk_len(q.tensor_len(x), layout)?;
     let mut sum = q.values_for_overwrite(layout.nodes * chunk)?;
-    m.sum_swizzled(q, Hop::Node, Phase::Gradient, grad, layout.nodes, &mut sum)?;
+    m.sum_swizzled(q, Hop::Node, Phase::Gradient, x, layout.nodes, &mut sum)?;
+    Ok(sum)
+}
+
+/// A gradient for a bf16 hop inside the node ([`FirstHop::Bf16`], nodes of
+/// more than one rank), made ready on the caller's thread: rounded to bf16
+/// (nearest even, as the hop rounds it), local rank j's chunks (n · G + j
+/// for every node n) one contiguous run at j · N · chunk. The gradient is
+/// taken and its f32 buffer given back at once, so a call in flight holds
+/// half its bytes ([`exchange_bf16`] sends it: the same sums bit for bit).
+pub fn bf16_runs<Q: Quantizer>(
+    q: &Q,
+    grad: Q::Values,
+    layout: Layout,
+) -> Result<Q::Kept, ZeroError> {
+    let len = q.len(&grad);
+    let chunk = chunk_len(len, layout)?;
+    let (nodes, g) = (layout.nodes, layout.ranks_per_node);
+    let mut runs = q.kept_for_overwrite(len, true)?;
+    for j in 0..g {
+        for n in 0..nodes {
+            let (from, to) = ((n * g + j) * chunk, (j * nodes + n) * chunk);
+            q.store_kept(&grad, from, &mut runs, to, chunk)?;
+        }
+    }
+    q.recycle(grad);
+    Ok(runs)
+}
+
+/// Hops 1 and 2 of `runs` (from [`bf16_runs`]): this rank's chunk of the
+/// sum over every rank, in f32, as `reduction` asks; the runs go back for
+/// reuse once the node has summed them.
+pub fn exchange_bf16<Q: Quantizer, M: ByteMover<Q>>(
+    q: &Q,
+    m: &M,
+    layout: Layout,
+    runs: Q::Kept,
+    second: SecondHop<'_, Q>,
+    reduction: Reduction,
+) -> Result<Q::Values, ZeroError> {
+    check_hops(m, layout, "qgZ")?;
+    let chunk = chunk_len(q.kept_len(&runs), layout)?;
+    let mut sum = q.values_for_overwrite(layout.nodes * chunk)?;
+    m.sum_runs_taking(q, Hop::Node, Phase::Gradient, runs, &mut sum)?;
     across_nodes(q, m, layout, sum, second, reduction)
 }
 
@@ -441,9 +497,10 @@ pub fn reduce_scatter_taking<Q: Quantizer, M: ByteMover<Q>>(
             exchange(q, m, layout, first, second, reduction)
         }
         FirstHop::Bf16 => {
-            let sum = bf16_first_hop(q, m, layout, &q.values_as_tensor(&grad), second, reduction);
+            // The gradient goes back before the hop across nodes.
+            let sum = bf16_node_sum(q, m, layout, &q.values_as_tensor(&grad))?;
             q.recycle(grad);
-            sum
+            across_nodes(q, m, layout, sum, second, reduction)
         }
     }
 }
