@@ -262,15 +262,15 @@ fn compare_gives_the_same_loss_for_far_fewer_bytes_across_nodes() {
 }
 
 /// zeropp's default goes beyond ZeRO++: int4 weight differences and a
-/// Hadamard-rotated qgZ hop across nodes in blocks of 64 (0.118 of ZeRO-3's
+/// Hadamard-rotated qgZ hop across nodes in blocks of 64 (0.12 of ZeRO-3's
 /// bytes on this model, against 0.18 for ZeRO++ as published).
 const MAX_BEYOND_RATIO: f64 = 0.13;
 
 #[test]
 fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_loss() {
-    // Each rank keeps references of N = 2 shards of every unit: about half
-    // the model in f32 (padding aside), which are hpZ's secondary shard
-    // too: no second copy.
+    // Each rank keeps references of N = 2 shards of every unit (half the
+    // model) in int8 blocks of 64: 17/64 of their f32 bytes (padding
+    // aside). They are hpZ's secondary shard too: no second copy.
     compare_seeds("defaults", &[], MAX_BEYOND_RATIO, &|zpp| {
         let s = &zpp["switches"];
         assert_eq!(
@@ -278,14 +278,33 @@ fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_l
             (&4.into(), &true.into(), &true.into()),
             "{zpp}"
         );
+        assert_eq!(s["qwz_int8_references"], true, "{zpp}");
         let kept = zpp["kept_bytes"]["qwz_references"].as_f64().unwrap();
-        let half_model = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
+        let half_model_f32 = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
         assert_eq!(zpp["kept_bytes"]["hpz_secondary"], 0, "{zpp}");
+        let of_f32 = kept / half_model_f32;
         assert!(
-            (1.0..1.5).contains(&(kept / half_model)),
-            "references of {kept} bytes for {zpp}"
+            (17.0 / 64.0..0.4).contains(&of_f32),
+            "references of {kept} bytes ({of_f32} of f32's) for {zpp}"
         );
     });
+}
+
+/// References kept in f32 (`--qwz-int8-references false`), as until
+/// 2026-12-07: the run's other defaults, the same loss.
+#[test]
+fn f32_references_still_train_at_the_same_loss() {
+    compare_seeds(
+        "f32-references",
+        &["--qwz-int8-references", "false"],
+        MAX_BEYOND_RATIO,
+        &|zpp| {
+            assert_eq!(zpp["switches"]["qwz_int8_references"], false, "{zpp}");
+            let kept = zpp["kept_bytes"]["qwz_references"].as_f64().unwrap();
+            let half_model_f32 = zpp["params"].as_f64().unwrap() * 4.0 / 2.0;
+            assert!((1.0..1.5).contains(&(kept / half_model_f32)), "{zpp}");
+        },
+    );
 }
 
 /// `--qwz-bf16-references`: the references in half the bytes, still hpZ's
@@ -295,7 +314,7 @@ fn the_defaults_send_weight_differences_and_a_rotated_gradient_hop_at_the_same_l
 fn bf16_references_halve_what_qwz_keeps() {
     let dir = std::env::temp_dir().join(format!("zeropp-bf16-refs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (f32s, _) = train(&dir, "f32-refs", &[]);
+    let (f32s, _) = train(&dir, "f32-refs", &["--qwz-int8-references", "false"]);
     let (bf16s, _) = train(&dir, "bf16-refs", &["--qwz-bf16-references", "true"]);
     assert_eq!(bf16s["switches"]["qwz_bf16_references"], true, "{bf16s}");
     let kept = |s: &serde_json::Value| s["kept_bytes"]["qwz_references"].as_u64().unwrap();
@@ -319,16 +338,17 @@ fn bf16_references_halve_what_qwz_keeps() {
     std::fs::remove_dir_all(dir).ok();
 }
 
-/// `--qwz-int8-references`: the references in int8 blocks of 64 (a
-/// little over a quarter of f32's bytes), still hpZ's secondary shard, and
-/// the run trains; refused where there are none to keep.
+/// The default's references in int8 blocks of 64 (a little over a quarter
+/// of f32's bytes), still hpZ's secondary shard, and the run trains;
+/// `--qwz-int8-references true` is refused where there are none to keep.
 #[test]
 fn int8_references_keep_about_a_quarter_of_what_qwz_keeps() {
     let dir = std::env::temp_dir().join(format!("zeropp-int8-refs-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let (f32s, _) = train(&dir, "f32-refs", &[]);
-    let (int8s, _) = train(&dir, "int8-refs", &["--qwz-int8-references", "true"]);
+    let (f32s, _) = train(&dir, "f32-refs", &["--qwz-int8-references", "false"]);
+    let (int8s, _) = train(&dir, "int8-refs", &[]);
     assert_eq!(int8s["switches"]["qwz_int8_references"], true, "{int8s}");
+    assert_eq!(f32s["switches"]["qwz_int8_references"], false, "{f32s}");
     let kept = |s: &serde_json::Value| s["kept_bytes"]["qwz_references"].as_u64().unwrap();
     // A byte a value and a 4-byte scale every 64: 17/64 of f32's 4 bytes.
     assert_eq!(kept(&int8s) * 64, kept(&f32s) * 17, "{int8s}");

@@ -351,6 +351,7 @@ impl TrainConfig {
         let c = &mut self.switches;
         (c.qwz_bits, c.hpz, c.qgz, c.error_feedback) = (None, None, None, None);
         (c.qwz_delta, c.qgz_hadamard, c.qgz_inter_block) = (None, None, None);
+        c.qwz_int8_references = None;
     }
 
     pub fn validate(&self) -> Result<()> {

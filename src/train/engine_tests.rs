@@ -169,10 +169,13 @@ fn hpz_gives_identical_numbers_and_keeps_the_backward_gather_inside_the_node() {
 /// hpZ over groups smaller than the node (NVLink islands on a PCIe box):
 /// the same numbers, the backward gather confined to the group — none at
 /// all for groups of one, half the node's bytes for groups of two of four.
+/// References in values (smaller groups keep them so: `plan::resolve`;
+/// int8 blocks are other forward weights).
 #[test]
 fn hpz_groups_smaller_than_the_node_give_identical_numbers() {
     let with_group = |h: Option<usize>| Switches {
         hpz_group: h,
+        qwz_int8_references: false,
         ..Switches::zeropp(32)
     };
     let node = run(2, 4, with_group(None), 2, 1);

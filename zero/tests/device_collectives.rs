@@ -383,9 +383,9 @@ where
             .unwrap();
         let secondary = hpz::keep_quantized(&q, layout, &all, hpz_group).unwrap();
         drop(all);
-        let again = hpz::gather_quantized(&q, mover, &secondary).unwrap();
+        let secondary = hpz::Secondary::Quantized(secondary);
         let mut backward = vec![half::bf16::ZERO; chunk * world];
-        qwz::dequantize_all::<_, half::bf16>(&q, &again, |r| r, &mut backward.as_mut_slice())
+        hpz::all_gather_secondary(&q, mover, &secondary, false, &mut backward.as_mut_slice())
             .unwrap();
         let b = |x: &[half::bf16]| x.iter().map(|v| v.to_bits() as u32).collect();
         (b(&forward), b(&backward), counter.traffic())

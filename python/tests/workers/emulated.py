@@ -68,13 +68,17 @@ def main():
         zt.device_calls()["emulated"] == {"all_gather": 2, "reduce_scatter": 1},
     )
     # qwZ's references kept in host memory (qwz_host_references: a GPU's
-    # stay off the device): the same weights.
-    hosted = zt.ZeroppAllGather(job, dict(zpp, qwz_host_references=True))
+    # stay off the device; in values, as resolving it keeps them): the
+    # weights of references in values kept on the device.
+    values = dict(zpp, qwz_int8_references=False)
+    on_device = torch.empty(world * 5000)
+    zt.ZeroppAllGather(job, values)(on_device, shard, group, async_op=True).wait()
+    hosted = zt.ZeroppAllGather(job, dict(values, qwz_host_references=True))
     out3 = torch.empty(world * 5000)
     hosted(out3, shard, group, async_op=True).wait()
     check(
         "references kept in host memory gather the same weights",
-        torch.equal(out3, host_out) and hosted.qwz_reference.reference_bytes() > 0,
+        torch.equal(out3, on_device) and hosted.qwz_reference.reference_bytes() > 0,
     )
 
     # A group never joined (ranks 1 and 2 straddle the two logical nodes):

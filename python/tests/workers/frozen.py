@@ -103,13 +103,15 @@ def main():
     check("a frozen weight that was loaded is gathered anew, never stale", loaded and stays)
 
     # What zeropp keeps beside FSDP2: the references of each group's cross
-    # group (2 nodes x a shard, f32 here) — the frozen base's cache — and
-    # the head's error feedback; nothing in zero3 mode.
+    # group (2 nodes x a shard) — the frozen base's cache, in f32 values,
+    # and the trainable head's, in int8 blocks of 64 (a byte a value, 4
+    # bytes a block) — and the head's error feedback; nothing in zero3 mode.
     kept, kept3 = zt.kept_bytes(zpp), zt.kept_bytes(z3)
-    shards = (64 * 64 + 64) // 4 + (8 * 64 + 8) // 4  # the base's and the head's
+    base, head = (64 * 64 + 64) // 4, (8 * 64 + 8) // 4  # one rank's shards
+    references = 2 * 4 * base + 2 * (head + 4 * -(-head // 64))
     check(
         "kept_bytes reports the references (the frozen cache) and the residuals",
-        kept["qwz_references"] == 2 * 4 * shards
+        kept["qwz_references"] == references
         and kept["qgz_residuals"] > 0
         and kept["total"] == kept["qwz_references"] + kept["qgz_residuals"]
         and kept3["total"] == 0,

@@ -683,6 +683,34 @@ pub trait ByteMover<Q: Quantizer> {
         self.all_gather_unchecked(hop, phase, (mine, k), all)
     }
 
+    /// Every member's chunks (`mine`, `k` of them) gathered and dequantized
+    /// into `out`: chunk i of member j at chunk position `place(j, i)` of
+    /// `out` (the group's size · `k` chunks) — [`ByteMover::all_gather`]
+    /// then [`Quantizer::dequantize_tensor`] of each, and by default
+    /// through them. The host dequantizes each message where it arrived,
+    /// with no buffer of every member's chunks.
+    fn all_gather_dequantized<T: GpuElement>(
+        &self,
+        q: &Q,
+        (hop, phase): (Hop, Phase),
+        mine: &Q::Chunks,
+        place: &dyn Fn(usize, usize) -> usize,
+        out: &mut Q::TensorMut<'_, T>,
+    ) -> Result<(), ZeroError> {
+        let (format, chunk, k) = q.shape(mine);
+        let members = self.size(hop);
+        check_gather_len(k * chunk, q.tensor_mut_len(out), members)?;
+        let mut all = q.chunks(format, chunk, k * members)?;
+        self.all_gather(q, hop, phase, mine, &mut all)?;
+        for j in 0..members {
+            for i in 0..k {
+                q.dequantize_tensor(&all, j * k + i, out, place(j, i) * chunk)?;
+            }
+        }
+        q.recycle_chunks(all);
+        Ok(())
+    }
+
     /// [`ByteMover::all_gather`] once checked: `k` chunks a member.
     fn all_gather_unchecked(
         &self,

@@ -15,8 +15,8 @@ use zeropp_comm::CommError;
 use zeropp_comm::collectives::{Reduce, balanced_bounds};
 
 use crate::backend::{
-    ByteMover, Hop, Quantizer, check_pieces, check_swizzled, not_bf16, not_finite_gradient,
-    scale_fraction, swizzled_kept_composed,
+    ByteMover, Hop, Quantizer, check_gather_len, check_pieces, check_swizzled, not_bf16,
+    not_finite_gradient, scale_fraction, swizzled_kept_composed,
 };
 use crate::error::{ZeroError, quant_failure};
 use crate::groups::ZeroGroups;
@@ -802,6 +802,37 @@ impl<K: HostKernels> ByteMover<K> for HostMover<'_> {
         let all = Bytes::from_owner(scratch::Returned(words));
         let to_each = (0..members).map(|j| all.slice(j * run * 2..(j + 1) * run * 2));
         self.sum_each(hop, phase, to_each.collect(), sum)
+    }
+
+    fn all_gather_dequantized<T: GpuElement>(
+        &self,
+        q: &K,
+        (hop, phase): (Hop, Phase),
+        mine: &QuantizedChunks,
+        place: &dyn Fn(usize, usize) -> usize,
+        out: &mut &mut [T],
+    ) -> Result<(), ZeroError> {
+        let (format, chunk, k) = (mine.format, mine.chunk_len, mine.count);
+        let group = self.group(hop);
+        check_gather_len(k * chunk, out.len(), group.size())?;
+        self.counter.set_phase(phase, scale_fraction(format, chunk));
+        let from_each = self
+            .comm
+            .all_gather_v(group, payload::encode_chunks(mine, 0..k))?;
+        for (j, b) in from_each.iter().enumerate() {
+            let message = payload::ChunksMessage::read(b, format, chunk, k)?;
+            for i in 0..k {
+                let at = place(j, i) * chunk;
+                let to = out.get_mut(at..at + chunk).ok_or_else(|| {
+                    ZeroError::Invalid(format!(
+                        "chunk {i} of member {j} placed at {at}, past the {} values gathered",
+                        k * chunk * from_each.len()
+                    ))
+                })?;
+                HostKernels::dequantize(q, message.chunk(i), to)?;
+            }
+        }
+        Ok(())
     }
 
     fn all_gather_unchecked(

@@ -5,7 +5,9 @@
 
 use bytes::Bytes;
 use half::bf16;
-use zeropp_quant::{Element, QuantizedChunks};
+use std::borrow::Cow;
+
+use zeropp_quant::{Element, QuantFormat, QuantizedChunks, QuantizedRef};
 
 use zeropp_comm::CommError;
 
@@ -150,6 +152,72 @@ pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Byte
     Bytes::from_owner(Returned(b))
 }
 
+/// A message of [`encode_chunks`] read where it lies: its codes, and its
+/// scales as f32 (borrowed from the message where its bytes are aligned
+/// for them on a little-endian host, else decoded).
+pub struct ChunksMessage<'a> {
+    format: QuantFormat,
+    chunk_len: usize,
+    codes: &'a [u8],
+    block_max: Cow<'a, [f32]>,
+    block_min: Cow<'a, [f32]>,
+}
+
+impl<'a> ChunksMessage<'a> {
+    /// Message `b`, which must hold `count` chunks of `chunk_len` values in
+    /// `format`: a message of another length is an error naming both.
+    pub fn read(
+        b: &'a [u8],
+        format: QuantFormat,
+        chunk_len: usize,
+        count: usize,
+    ) -> Result<Self, CommError> {
+        let (c, s, m) = (
+            format.code_bytes(chunk_len),
+            format.num_blocks(chunk_len),
+            format.num_block_mins(chunk_len),
+        );
+        let expected = count * (c + 4 * (s + m));
+        if b.len() != expected {
+            return Err(malformed("quantized chunks", expected, b.len()));
+        }
+        let (codes, scales) = b.split_at(count * c);
+        let (max, min) = scales.split_at(count * s * 4);
+        let f32s = |x: &'a [u8]| match bytemuck::try_cast_slice::<u8, f32>(x) {
+            Ok(v) if cfg!(target_endian = "little") => Cow::Borrowed(v),
+            _ => {
+                let mut v = vec![0f32; x.len() / 4];
+                read_f32s(x, &mut v);
+                Cow::Owned(v)
+            }
+        };
+        Ok(ChunksMessage {
+            format,
+            chunk_len,
+            codes,
+            block_max: f32s(max),
+            block_min: f32s(min),
+        })
+    }
+
+    /// Chunk `i` of the message.
+    pub fn chunk(&self, i: usize) -> QuantizedRef<'_> {
+        let f = self.format;
+        let (c, s, m) = (
+            f.code_bytes(self.chunk_len),
+            f.num_blocks(self.chunk_len),
+            f.num_block_mins(self.chunk_len),
+        );
+        QuantizedRef {
+            format: f,
+            len: self.chunk_len,
+            codes: &self.codes[i * c..][..c],
+            block_max: &self.block_max[i * s..][..s],
+            block_min: &self.block_min[i * m..][..m],
+        }
+    }
+}
+
 fn read_f32s(b: &[u8], out: &mut [f32]) {
     for (o, c) in out.iter_mut().zip(b.chunks_exact(4)) {
         *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
@@ -234,6 +302,24 @@ mod tests {
         );
         assert!(decode_chunks_into(&m[..m.len() - 1], &mut back, 1..3).is_err());
         assert!(decode_chunks_into(&m, &mut back, 2..4).is_err());
+        // Read where it lies, at an aligned and an unaligned address: the
+        // chunks as they were encoded.
+        let mut shifted = vec![0u8; m.len() + 1];
+        shifted[1..].copy_from_slice(&m);
+        for b in [&m[..], &shifted[1..]] {
+            let read = ChunksMessage::read(b, f, 300, 2).unwrap();
+            for i in 0..2 {
+                let (got, sent) = (read.chunk(i), q.chunk(i + 1));
+                assert_eq!(
+                    (got.codes, got.block_max, got.block_min),
+                    (sent.codes, sent.block_max, sent.block_min)
+                );
+            }
+        }
+        let e = ChunksMessage::read(&m[..m.len() - 1], f, 300, 2)
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("quantized chunks: expected"), "{e}");
         let x: Vec<f32> = x[..512].to_vec();
         let b = encode_bf16(&x);
         let mut back = vec![0.0; 512];

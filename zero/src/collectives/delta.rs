@@ -578,14 +578,10 @@ fn inside_node<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             let kept = (kept, nodes * chunk, fp32);
             m.all_gather_kept_placed(q, Hop::Node, phase, kept, (nodes, &place), out)
         }
-        Held::Int8 { chunks, format } => {
-            // Local rank l's N chunks at l·N, chunk n of them rank n·G + l's.
-            let mut all = q.chunks(*format, chunk, g * nodes)?;
-            m.all_gather(q, Hop::Node, phase, chunks, &mut all)?;
-            let at = |rank: usize| (rank % g) * nodes + rank / g;
-            crate::qwz::dequantize_all(q, &all, at, out)?;
-            q.recycle_chunks(all);
-            Ok(())
+        Held::Int8 { chunks, .. } => {
+            // Local rank l's chunk n is rank n·G + l's.
+            let place = move |l: usize, n: usize| n * g + l;
+            m.all_gather_dequantized(q, (Hop::Node, phase), chunks, &place, out)
         }
     }
 }

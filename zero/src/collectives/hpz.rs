@@ -79,10 +79,11 @@ pub fn all_gather_secondary<Q: Quantizer, M: ByteMover<Q>, T: GpuElement>(
             m.all_gather_kept_placed(q, Hop::Hpz, phase, (kept, len, fp32), (1, &place), out)
         }
         Secondary::Quantized(secondary) => {
-            let all = gather_quantized(q, m, secondary)?;
-            crate::qwz::dequantize_all(q, &all, |r| r, out)?;
-            q.recycle_chunks(all);
-            Ok(())
+            // Member j's k chunks are the group's chunks j·k .. (j+1)·k.
+            let k = q.shape(secondary).2;
+            let place = move |j: usize, i: usize| j * k + i;
+            let phase = Phase::BackwardGather;
+            m.all_gather_dequantized(q, (Hop::Hpz, phase), secondary, &place, out)
         }
     }
 }
@@ -110,17 +111,4 @@ pub fn keep_quantized<Q: Quantizer>(
         q.copy_chunk(all, gathered_position(layout, rank), &mut secondary, j)?;
     }
     Ok(secondary)
-}
-
-/// The backward gather: the secondary shards of this rank's hpZ group,
-/// every rank's chunk in rank order.
-pub fn gather_quantized<Q: Quantizer, M: ByteMover<Q>>(
-    q: &Q,
-    m: &M,
-    secondary: &Q::Chunks,
-) -> Result<Q::Chunks, ZeroError> {
-    let (format, chunk, k) = q.shape(secondary);
-    let mut all = q.chunks(format, chunk, k * m.size(Hop::Hpz))?;
-    m.all_gather(q, Hop::Hpz, Phase::BackwardGather, secondary, &mut all)?;
-    Ok(all)
 }

@@ -92,8 +92,9 @@ macro_rules! with_switches {
             /// memory; the forward weights are those blocks, as ZeRO++'s
             /// int8 weights (docs/TRAINING.md measures the loss). A
             /// parameter group with frozen weights keeps its references in
-            /// values, as without it.
-            qwz_int8_references: bool as bool = false,
+            /// values, as without it. zeropp's default: on with qwz_delta,
+            /// unless bf16 or host references or fp32_comm are asked for.
+            qwz_int8_references: bool as Option<bool> = None,
         }
     };
 }
@@ -169,9 +170,10 @@ impl Switches {
 
     /// zeropp's default: ZeRO++ (qwZ + hpZ + qgZ int4, round to nearest,
     /// error feedback) with what goes beyond it: qwZ sends int4 weight
-    /// differences across nodes, and qgZ's hop across nodes is rotated, in
-    /// blocks of [`DEFAULT_QGZ_INTER_BLOCK`] (docs/TRAINING.md, "Beyond
-    /// ZeRO++"). Without the differences, qwZ is ZeRO++'s int8
+    /// differences across nodes against references kept in int8 blocks,
+    /// and qgZ's hop across nodes is rotated, in blocks of
+    /// [`DEFAULT_QGZ_INTER_BLOCK`] (docs/TRAINING.md, "Beyond ZeRO++" and
+    /// "int8 references"). Without the differences, qwZ is ZeRO++'s int8
     /// ([`resolve`]).
     pub fn zeropp(block: usize) -> Self {
         Switches {
@@ -190,7 +192,7 @@ impl Switches {
             qgz_hadamard: true,
             qgz_inter_block: Some(DEFAULT_QGZ_INTER_BLOCK),
             qwz_bf16_references: false,
-            qwz_int8_references: false,
+            qwz_int8_references: true,
             qwz_host_references: false,
         }
     }
@@ -216,6 +218,7 @@ impl Switches {
             qwz_delta: false,
             qgz_hadamard: false,
             qgz_inter_block: None,
+            qwz_int8_references: false,
             ..Switches::zeropp(block)
         }
     }
@@ -372,7 +375,9 @@ pub fn as_they_would_run(mut s: Switches, asked: &[&str], layout: Layout) -> Swi
 /// The switches that refine another follow it where the user did not ask
 /// for them: weight differences need qwZ and a hop across nodes; int4
 /// weights go only as differences (otherwise ZeRO++'s int8); the rotation
-/// needs qgZ.
+/// needs qgZ; int8 references need weight differences and give way to the
+/// other ways of keeping them (bf16, host memory), to fp32_comm and to an
+/// hpZ group smaller than the node.
 fn follow_what_was_kept(
     s: &mut Switches,
     asked: &[&str],
@@ -403,6 +408,27 @@ fn follow_what_was_kept(
     if s.qgz_hadamard && !s.qgz && not_asked("qgz_hadamard") {
         s.qgz_hadamard = false;
         why.insert("qgz_hadamard".into(), "off: qgZ is off".into());
+    }
+    if s.qwz_int8_references && not_asked("qwz_int8_references") {
+        let off = if !s.qwz_delta {
+            Some("off: no weight differences, no references to keep")
+        } else if s.qwz_bf16_references {
+            Some("off: qwz_bf16_references keeps them in bf16")
+        } else if s.qwz_host_references {
+            Some("off: qwz_host_references keeps them in host memory")
+        } else if s.fp32_comm {
+            Some("off: fp32_comm keeps them in f32")
+        } else if s.hpz && s.hpz_group.is_some_and(|h| h < layout.ranks_per_node) {
+            // Its secondary shard holds the forward's weights in bf16, which
+            // int8 blocks' values are not: the backward would differ.
+            Some("off: hpZ's group is smaller than the node, its secondary shard apart")
+        } else {
+            None
+        };
+        if let Some(reason) = off {
+            s.qwz_int8_references = false;
+            why.insert("qwz_int8_references".into(), reason.into());
+        }
     }
 }
 
@@ -923,6 +949,38 @@ mod tests {
                 ..Switches::zeropp_published(256)
             }
         );
+    }
+
+    #[test]
+    fn int8_references_are_the_default_where_there_are_references_to_keep_in_them() {
+        let json = |s: &str| serde_json::from_str(s).unwrap();
+        let get = |o: &str| {
+            resolve_mode("zeropp", &json(o), layout(), &routing(), None)
+                .map(|r| (r.switches.qwz_int8_references, r.why))
+        };
+        assert!(get("{}").unwrap().0);
+        // The other ways of keeping them, f32 on the wire, no differences
+        // or an hpZ group apart from the node turn them off unless asked.
+        for (o, reason) in [
+            (r#"{"qwz_bf16_references": true}"#, "in bf16"),
+            (r#"{"qwz_host_references": true}"#, "in host memory"),
+            (r#"{"fp32_comm": true}"#, "fp32_comm"),
+            (r#"{"qwz_delta": false}"#, "no weight differences"),
+            (r#"{"qwz_bits": null}"#, "no weight differences"),
+            (r#"{"hpz_group": 1}"#, "smaller than the node"),
+        ] {
+            let (on, why) = get(o).unwrap();
+            assert!(!on, "{o}");
+            assert!(why["qwz_int8_references"].contains(reason), "{o}: {why:?}");
+        }
+        assert!(!get(r#"{"qwz_int8_references": false}"#).unwrap().0);
+        // Asked beside another way of keeping them: the switch error.
+        let asked = r#"{"qwz_int8_references": true, "qwz_bf16_references": true}"#;
+        let e = get(asked).unwrap_err().to_string();
+        assert!(e.contains("turn qwz_bf16_references and"), "{e}");
+        // ZeRO-3 keeps no references.
+        let r = resolve_mode("zero3", &json("{}"), layout(), &routing(), None).unwrap();
+        assert!(!r.switches.qwz_int8_references);
     }
 
     #[test]
