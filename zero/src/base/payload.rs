@@ -5,8 +5,6 @@
 
 use bytes::Bytes;
 use half::bf16;
-use std::borrow::Cow;
-
 use zeropp_quant::{Element, QuantFormat, QuantizedChunks, QuantizedRef};
 
 use zeropp_comm::CommError;
@@ -154,13 +152,27 @@ pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Byte
 
 /// A message of [`encode_chunks`] read where it lies: its codes, and its
 /// scales as f32 (borrowed from the message where its bytes are aligned
-/// for them on a little-endian host, else decoded).
+/// for them on a little-endian host, else decoded into a reused buffer).
 pub struct ChunksMessage<'a> {
     format: QuantFormat,
     chunk_len: usize,
     codes: &'a [u8],
-    block_max: Cow<'a, [f32]>,
-    block_min: Cow<'a, [f32]>,
+    block_max: Scales<'a>,
+    block_min: Scales<'a>,
+}
+
+enum Scales<'a> {
+    Borrowed(&'a [f32]),
+    Decoded(Returned<f32>),
+}
+
+impl Scales<'_> {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Scales::Borrowed(s) => s,
+            Scales::Decoded(v) => &v.0,
+        }
+    }
 }
 
 impl<'a> ChunksMessage<'a> {
@@ -184,11 +196,11 @@ impl<'a> ChunksMessage<'a> {
         let (codes, scales) = b.split_at(count * c);
         let (max, min) = scales.split_at(count * s * 4);
         let f32s = |x: &'a [u8]| match bytemuck::try_cast_slice::<u8, f32>(x) {
-            Ok(v) if cfg!(target_endian = "little") => Cow::Borrowed(v),
+            Ok(v) if cfg!(target_endian = "little") => Scales::Borrowed(v),
             _ => {
-                let mut v = vec![0f32; x.len() / 4];
+                let mut v = scratch::take_for_overwrite::<f32>(x.len() / 4);
                 read_f32s(x, &mut v);
-                Cow::Owned(v)
+                Scales::Decoded(Returned(v))
             }
         };
         Ok(ChunksMessage {
@@ -212,8 +224,8 @@ impl<'a> ChunksMessage<'a> {
             format: f,
             len: self.chunk_len,
             codes: &self.codes[i * c..][..c],
-            block_max: &self.block_max[i * s..][..s],
-            block_min: &self.block_min[i * m..][..m],
+            block_max: &self.block_max.as_slice()[i * s..][..s],
+            block_min: &self.block_min.as_slice()[i * m..][..m],
         }
     }
 }

@@ -439,9 +439,21 @@ fn exchange<Q: Quantizer, M: ByteMover<Q>>(
     if len == 0 {
         return Ok(());
     }
-    if let (true, Held::Values { kept, .. }) = (refresh && len == chunk, &mut r.held) {
-        // Every reference starts again from what ZeRO-3 would gather.
-        return m.all_gather_values_kept(q, Hop::Cross, phase, mine, kept, wire.fp32);
+    match (refresh && len == chunk, &mut r.held) {
+        (true, Held::Values { kept, .. }) => {
+            // Every reference starts again from what ZeRO-3 would gather.
+            return m.all_gather_values_kept(q, Hop::Cross, phase, mine, kept, wire.fp32);
+        }
+        (true, Held::Int8 { chunks, format }) => {
+            // The shard's own int8 blocks, which every holder keeps as
+            // they came: a byte a value on the wire, not bf16's two.
+            let mut sent = q.chunks(*format, len, 1)?;
+            q.quantize_chunk(mine, 0, Rounding::NearestEven, &mut sent, 0)?;
+            m.all_gather(q, Hop::Cross, phase, &sent, chunks)?;
+            q.recycle_chunks(sent);
+            return Ok(());
+        }
+        _ => {}
     }
     let held = &mut r.held;
     let packed = match len == chunk {
@@ -854,9 +866,12 @@ mod tests {
                 "step {step}: {e} (int8 {int8})"
             );
         }
-        // The same bytes across nodes as references in values.
+        // The same bytes across nodes as references in values, but for
+        // the refresh: the shard's int8 blocks (a byte a value and 4 bytes
+        // a block) instead of its f32 values.
         let (_, _, f32_bytes) = run(12, wire(4, 1000), 1e-3);
-        assert_eq!(bytes, f32_bytes);
+        let int8_refresh = CHUNK + 4 * CHUNK.div_ceil(64);
+        assert_eq!(f32_bytes - bytes, (4 * CHUNK - int8_refresh) as u64);
     }
 
     #[test]
