@@ -831,9 +831,11 @@ class ZeroppAllGather(AllGather):
         # switches on the mesh dimension ``ranks`` (None: the whole job).
         self.plan = zjob.plan(json.dumps(switches), ranks)
         # qwZ on weight differences: this group's references of the shards
-        # its cross-node peers own (held in Rust, 1/G of the group, f32 or
-        # with qwz_bf16_references bf16); with hpZ over the whole node they
-        # are its secondary shard and serve the backward gather.
+        # its cross-node peers own (held in Rust, 1/G of the group: int8
+        # blocks by default, f32 with qwz_int8_references=False or with
+        # frozen weights, bf16 with qwz_bf16_references); with hpZ over the
+        # whole node they are its secondary shard and serve the backward
+        # gather.
         self.qwz_reference = self.plan.qwz_reference()
 
     def allocate(self, size, *, dtype, device):
@@ -1288,8 +1290,8 @@ class _Served:
 
     def references_serve_backward(self):
         """hpZ over the whole node with qwZ on weight differences: the
-        references (1/G of each group; f32, or bf16 with
-        qwz_bf16_references) are the secondary shard, and the backward
+        references (1/G of each group; int8 blocks by default, f32, or bf16
+        with qwz_bf16_references) are the secondary shard, and the backward
         all-gather is served from them inside the node — FSDP2 keeps no
         second copy after forward."""
         return self.plan.references_serve_backward
