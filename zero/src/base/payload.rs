@@ -156,6 +156,8 @@ pub fn encode_chunks(q: &QuantizedChunks, range: std::ops::Range<usize>) -> Byte
 pub struct ChunksMessage<'a> {
     format: QuantFormat,
     chunk_len: usize,
+    /// Bytes of codes, scales and minima a chunk.
+    strides: (usize, usize, usize),
     codes: &'a [u8],
     block_max: Scales<'a>,
     block_min: Scales<'a>,
@@ -206,6 +208,7 @@ impl<'a> ChunksMessage<'a> {
         Ok(ChunksMessage {
             format,
             chunk_len,
+            strides: (c, s, m),
             codes,
             block_max: f32s(max),
             block_min: f32s(min),
@@ -214,14 +217,9 @@ impl<'a> ChunksMessage<'a> {
 
     /// Chunk `i` of the message.
     pub fn chunk(&self, i: usize) -> QuantizedRef<'_> {
-        let f = self.format;
-        let (c, s, m) = (
-            f.code_bytes(self.chunk_len),
-            f.num_blocks(self.chunk_len),
-            f.num_block_mins(self.chunk_len),
-        );
+        let (c, s, m) = self.strides;
         QuantizedRef {
-            format: f,
+            format: self.format,
             len: self.chunk_len,
             codes: &self.codes[i * c..][..c],
             block_max: &self.block_max.as_slice()[i * s..][..s],
@@ -244,17 +242,17 @@ pub fn decode_chunks_into(
     out: &mut QuantizedChunks,
     range: std::ops::Range<usize>,
 ) -> Result<(), CommError> {
-    let (c, s, m) = out.strides();
-    let n = range.len();
-    let expected = n * (c + 4 * (s + m));
-    if b.len() != expected || range.end > out.count {
+    if range.end > out.count {
+        let expected = range.len() * out.format.total_bytes(out.chunk_len);
         return Err(malformed("quantized chunks", expected, b.len()));
     }
-    let (codes, scales) = b.split_at(n * c);
-    let (max, min) = scales.split_at(n * s * 4);
-    out.codes[range.start * c..range.end * c].copy_from_slice(codes);
-    read_f32s(max, &mut out.block_max[range.start * s..range.end * s]);
-    read_f32s(min, &mut out.block_min[range.start * m..range.end * m]);
+    let message = ChunksMessage::read(b, out.format, out.chunk_len, range.len())?;
+    for (i, to) in range.enumerate() {
+        let (from, into) = (message.chunk(i), out.chunk_mut(to));
+        into.codes.copy_from_slice(from.codes);
+        into.block_max.copy_from_slice(from.block_max);
+        into.block_min.copy_from_slice(from.block_min);
+    }
     Ok(())
 }
 
