@@ -58,6 +58,13 @@ pub struct Membership {
     /// islands they talk to (whose ranks would read a later exchange's
     /// message as this one's).
     pub broken: Option<String>,
+    /// The last exchange this rank completed over three or more islands,
+    /// and its result: a rank that did not complete it (the island lost
+    /// during it reached this rank's call and not that rank's) takes it
+    /// from here, so both go on from the same exchange
+    /// ([`same_exchange`]). One unit's shard in f32, replaced at each
+    /// exchange.
+    pub last: Option<(ExchangeName, Vec<f32>)>,
 }
 
 /// An island that left the outer sync.
@@ -104,6 +111,7 @@ impl Membership {
             job: None,
             checked: true,
             broken: None,
+            last: None,
         }
     }
 
@@ -290,30 +298,123 @@ impl std::fmt::Display for ExchangeName {
     }
 }
 
+/// Where the check before an exchange ([`same_exchange`]) left this rank.
+#[derive(Debug, PartialEq)]
+pub enum Checked {
+    /// Every rank of `across` is at the exchange: run it.
+    Same,
+    /// The others completed this exchange before its lost island failed
+    /// this rank's call: its result, as they have it.
+    Completed(Vec<f32>),
+    /// This rank handed the exchange before to ranks that had not
+    /// completed it: check again (they come to this one next).
+    HandedOver,
+}
+
+/// What a rank says of itself at the check: the exchange it is at, and
+/// the last it completed (when it kept that one's result).
+const CHECK_BYTES: usize = 1 + 2 * ExchangeName::BYTES;
+
 /// Before an exchange runs again over the islands left after a loss: the
-/// ranks of `across` check they are all at exchange `name` (one may have
+/// ranks of `across` check they are all at exchange `name`. One may have
 /// completed an exchange the lost island still answered while another did
-/// not; without this each would read the other's next exchange as its
-/// own).
+/// not: then each of them is at the one it completed, or the next; the
+/// ranks that completed it (`last`, with its result) hand the result to the
+/// others, which take it as theirs ([`Checked::Completed`]), and both go on
+/// from the next ([`Checked::HandedOver`]: check again). Ranks at
+/// exchanges that no such handover mends fail with a named error.
 pub fn same_exchange(
     c: &Communicator,
     across: &Group,
     name: ExchangeName,
-) -> Result<(), ZeroError> {
-    let all = c.all_gather_v(across, Bytes::copy_from_slice(&name.bytes()))?;
-    for (j, b) in all.iter().enumerate() {
-        let theirs = ExchangeName::of(b);
-        if theirs != Some(name) {
-            let theirs = theirs.map_or("a malformed answer".into(), |t| t.to_string());
-            return Err(ZeroError::Invalid(format!(
-                "after an island was lost the islands left are at different exchanges: this rank \
-                 at {name}, rank {} at {theirs} (one completed an exchange the lost island still \
-                 answered); resume the job from its last checkpoint",
-                across.ranks()[j]
-            )));
+    last: Option<(ExchangeName, &[f32])>,
+) -> Result<Checked, ZeroError> {
+    let mut said = [0u8; CHECK_BYTES];
+    said[1..1 + ExchangeName::BYTES].copy_from_slice(&name.bytes());
+    if let Some((done, _)) = last {
+        said[0] = 1;
+        said[1 + ExchangeName::BYTES..].copy_from_slice(&done.bytes());
+    }
+    let all = c.all_gather_v(across, Bytes::copy_from_slice(&said))?;
+    let heard: Vec<_> = all.iter().map(|b| said_at(b)).collect();
+    if heard.iter().all(|(at, _)| *at == Some(name)) {
+        return Ok(Checked::Same);
+    }
+    let Some((behind, giver)) = handover(&heard) else {
+        let (j, (theirs, _)) = heard
+            .iter()
+            .enumerate()
+            .find(|(_, (at, _))| *at != Some(name))
+            .expect("a rank at another exchange");
+        let theirs = theirs.map_or("a malformed answer".into(), |t| t.to_string());
+        return Err(ZeroError::Invalid(format!(
+            "after an island was lost the islands left are at different exchanges: this rank \
+             at {name}, rank {} at {theirs}, and neither completed the other's; resume the job \
+             from its last checkpoint",
+            across.ranks()[j]
+        )));
+    };
+    // Every rank decided the same from the same answers: the giver sends
+    // the result to each rank behind, nothing to the others.
+    let me = across
+        .ranks()
+        .iter()
+        .position(|&r| r == c.rank())
+        .ok_or_else(|| ZeroError::Invalid("this rank is not in the islands' group".into()))?;
+    let to_each = (0..across.size())
+        .map(|j| match (me == giver && behind[j], last) {
+            (true, Some((_, values))) => zeropp_comm::collectives::f32_bytes(values),
+            _ => Bytes::new(),
+        })
+        .collect();
+    let got = c.all_to_all_v(across, to_each)?;
+    if !behind[me] {
+        return Ok(Checked::HandedOver);
+    }
+    Ok(Checked::Completed(zeropp_comm::collectives::bytes_f32(
+        &got[giver],
+    )?))
+}
+
+/// What a rank said at the check: (the exchange it is at, the last it
+/// completed and kept); `None` where it says nothing readable.
+fn said_at(b: &[u8]) -> (Option<ExchangeName>, Option<ExchangeName>) {
+    let n = ExchangeName::BYTES;
+    if b.len() != CHECK_BYTES {
+        return (None, None);
+    }
+    let done = (b[0] == 1).then(|| ExchangeName::of(&b[1 + n..])).flatten();
+    (ExchangeName::of(&b[1..1 + n]), done)
+}
+
+/// From each rank's (exchange it is at, last it completed): when the ranks
+/// are at two exchanges and every rank at one of them completed the other,
+/// which ranks are behind and the first rank ahead, which hands them the
+/// result.
+fn handover(heard: &[(Option<ExchangeName>, Option<ExchangeName>)]) -> Option<(Vec<bool>, usize)> {
+    let mut at: Vec<ExchangeName> = Vec::new();
+    for (a, _) in heard {
+        let a = (*a)?;
+        if !at.contains(&a) {
+            at.push(a);
         }
     }
-    Ok(())
+    let [x, y] = at[..] else {
+        return None;
+    };
+    let completed = |ahead: ExchangeName, behind: ExchangeName| {
+        heard
+            .iter()
+            .filter(|(a, _)| *a == Some(ahead))
+            .all(|(_, done)| *done == Some(behind))
+    };
+    let behind = [(x, y), (y, x)]
+        .into_iter()
+        .find(|&(b, a)| completed(a, b))
+        .map(|(b, _)| b)?;
+    let is_behind: Vec<bool> = heard.iter().map(|(a, _)| *a == Some(behind)).collect();
+    let giver = is_behind.iter().position(|b| !b)?;
+    Some((is_behind, giver))
 }
 
 /// What one unit's outer exchange runs with, on the islands' thread.
@@ -356,14 +457,9 @@ impl Across<'_> {
             // Run again after a loss, or the first exchange over islands
             // regrouped since: first check every rank is at it.
             let checked = if again || unchecked {
-                same_exchange(c, &across, name).inspect(|()| {
-                    let mut m = lock(self.members);
-                    if Arc::ptr_eq(&m.across, &across) {
-                        m.checked = true;
-                    }
-                })
+                self.check(c, &across, name)
             } else {
-                Ok(())
+                Ok(Checked::Same)
             };
             again = true;
             let mover = HostMover {
@@ -373,22 +469,69 @@ impl Across<'_> {
                     world: across.clone(),
                     node: across.clone(),
                     cross: across.clone(),
-                    hpz: across,
+                    hpz: across.clone(),
                 },
             };
             let mut delta = mine.clone();
-            let tried = checked.and_then(|()| {
-                let residuals = (&mut sent, &mut owned);
-                outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)
+            let tried = checked.and_then(|checked| match checked {
+                Checked::Same => {
+                    let residuals = (&mut sent, &mut owned);
+                    outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)
+                        .map(|()| true)
+                }
+                Checked::Completed(result) if result.len() == delta.len() => {
+                    // As the others have it; this rank's residuals went
+                    // with the call that failed.
+                    tracing::warn!(
+                        "islands: exchange {name} was completed by the islands left before the \
+                         lost one failed it here; this rank takes their result"
+                    );
+                    (delta, sent, owned) = (result, Residual::none(), Residual::none());
+                    Ok(true)
+                }
+                Checked::Completed(result) => Err(ZeroError::Invalid(format!(
+                    "exchange {name}: the islands left completed it with {} values where this \
+                     rank has {}; resume the job from its last checkpoint",
+                    result.len(),
+                    delta.len()
+                ))),
+                Checked::HandedOver => Ok(false),
             });
             match tried {
-                Ok(()) => return Ok((delta, sent, owned, t.elapsed().as_secs_f64())),
+                Ok(true) => {
+                    // Kept only where a rank can be left behind: three or
+                    // more islands (of two, one is left after a loss).
+                    let kept = (across.size() >= 3).then(|| (name, delta.clone()));
+                    lock(self.members).last = kept;
+                    return Ok((delta, sent, owned, t.elapsed().as_secs_f64()));
+                }
+                Ok(false) => {}
                 Err(e) => {
                     self.lose_the_failed_island(e, name.step)?;
                     (sent, owned) = (Residual::none(), Residual::none());
                 }
             }
         }
+    }
+
+    /// [`same_exchange`] with the last exchange this rank completed; once
+    /// every rank is at `name`, `across` is checked.
+    fn check(
+        &self,
+        c: &Communicator,
+        across: &Arc<Group>,
+        name: ExchangeName,
+    ) -> Result<Checked, ZeroError> {
+        // Taken out while the check talks (only this thread uses it).
+        let last = lock(self.members).last.take();
+        let done = last.as_ref().map(|(n, values)| (*n, values.as_slice()));
+        let checked = same_exchange(c, across, name, done);
+        let mut m = lock(self.members);
+        m.last = last;
+        if matches!(checked, Ok(Checked::Same)) && Arc::ptr_eq(&m.across, across) {
+            m.checked = true;
+        }
+        checked
     }
 
     /// After exchange error `e`: [`lose_the_failed_island`].
@@ -611,10 +754,91 @@ mod tests {
     use crate::testing::on_world;
 
     /// Each rank of two nodes checks it is at `names[rank]`.
-    fn check(names: [ExchangeName; 2]) -> Vec<Result<(), ZeroError>> {
+    fn check(names: [ExchangeName; 2]) -> Vec<Result<Checked, ZeroError>> {
         on_world(2, 1, Duration::from_secs(10), move |r| {
-            same_exchange(&r.comm, &r.groups.cross, names[r.layout.rank])
+            same_exchange(&r.comm, &r.groups.cross, names[r.layout.rank], None)
         })
+    }
+
+    fn at(step: u64, unit: usize) -> ExchangeName {
+        ExchangeName {
+            sync: 0,
+            step,
+            unit,
+            seq: 0,
+        }
+    }
+
+    #[test]
+    fn a_rank_the_lost_island_left_behind_takes_the_exchange_the_others_completed() {
+        // Four islands of one rank; island 3 died during exchange x: its
+        // last message reached islands 0 and 1, which completed x and
+        // went on to y, and not island 2, whose x failed. All three took
+        // island 3 out. Island 2 takes x's result from island 0 (not a
+        // redone x over three islands: that would differ from the
+        // others'), then all three run y together.
+        let (x, y) = (at(20, 0), at(20, 1));
+        let completed = vec![0.25f32; 1000];
+        let got = on_world(3, 1, Duration::from_secs(20), move |r| {
+            let rank = r.layout.rank;
+            let kind = GroupKind::Across {
+                place: Some(0),
+                members: 0,
+            };
+            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
+            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
+            lock(&m).lose(3, 20, "killed".into()).unwrap();
+            let with = Across {
+                members: &m,
+                counter: &r.counter,
+                quantized: None,
+            };
+            let none = || (Residual::none(), Residual::none());
+            let mut results = Vec::new();
+            if rank < 2 {
+                lock(&m).last = Some((x, vec![0.25; 1000]));
+            } else {
+                let mine = vec![9.0; 1000];
+                results.push(with.exchange(&r.comm, mine, none(), x).map(|e| e.0));
+            }
+            let mine = vec![rank as f32; 1000];
+            results.push(with.exchange(&r.comm, mine, none(), y).map(|e| e.0));
+            let last = lock(&m).last.clone();
+            (results, last)
+        });
+        for (rank, (results, last)) in got.into_iter().enumerate() {
+            let results: Vec<_> = results
+                .into_iter()
+                .map(|r| r.map_err(|e| e.to_string()))
+                .collect();
+            let mut want = vec![Ok(vec![1.0; 1000])];
+            if rank == 2 {
+                want.insert(0, Ok(completed.clone()));
+            }
+            assert_eq!(results, want, "rank {rank}");
+            // y is what a rank left behind now would take.
+            assert_eq!(last, Some((y, vec![1.0; 1000])), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn ranks_at_exchanges_no_handover_mends_are_told_so() {
+        let (x, y, z) = (at(20, 0), at(20, 1), at(20, 2));
+        // Ranks 0 and 1 completed x and are at y; rank 2 is at x.
+        let heard = [(Some(y), Some(x)), (Some(y), Some(x)), (Some(x), Some(z))];
+        assert_eq!(handover(&heard), Some((vec![false, false, true], 0)));
+        // The same, ranks ahead listed after.
+        let heard = [(Some(x), None), (Some(y), Some(x))];
+        assert_eq!(handover(&heard), Some((vec![true, false], 1)));
+        // One rank ahead did not keep x's result (or completed another).
+        for other in [None, Some(z)] {
+            let heard = [(Some(y), Some(x)), (Some(y), other), (Some(x), None)];
+            assert_eq!(handover(&heard), None, "{other:?}");
+        }
+        // Three exchanges, or an answer that says none.
+        let heard = [(Some(y), Some(x)), (Some(z), Some(y)), (Some(x), None)];
+        assert_eq!(handover(&heard), None);
+        assert_eq!(handover(&[(Some(y), Some(x)), (None, None)]), None);
     }
 
     #[test]
@@ -729,7 +953,11 @@ mod tests {
             unit: 0,
             seq: 1,
         };
-        assert!(check([name, name]).iter().all(Result::is_ok));
+        assert!(
+            check([name, name])
+                .iter()
+                .all(|r| r.as_ref().ok() == Some(&Checked::Same))
+        );
         // Two outer syncs over the same islands (two models) count their
         // own steps, exchanges and units: unit 0 of each after step 20 is
         // not one exchange.
