@@ -434,8 +434,22 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         &["rank-00000.zst"],
     );
 
-    // A manifest whose units are not its model's: no export writes
-    // tensors under names (or sizes) the model does not have.
+    // Sizes a crafted manifest claims (with its checksums still right)
+    // never size an allocation: a named error, not an abort.
+    case(
+        "crafted-sizes",
+        &|c| {
+            edit(c, &|m| {
+                let units = m["units"].as_array().unwrap().len();
+                let huge = serde_json::json!([0u64, 1_000_000_000_000u64]);
+                m["shards"][0]["residual_lens"] = vec![huge; units].into();
+            })
+        },
+        &["rank-00000.zst", "the manifest implies"],
+    );
+
+    // A manifest whose units are not its model's: inspect says so, and no
+    // export writes tensors under names (or sizes) the model does not have.
     let c = d.join("renamed-unit");
     copy_dir(&good, &c);
     edit(&c, &|m| m["units"][1]["name"] = "blocks.7".into());
@@ -458,6 +472,9 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
             "{format}: {text}"
         );
     }
+    let o = inspect(&c);
+    assert!(!o.status.success(), "inspect passed\n{}", show(&o));
+    assert!(show(&o).contains("not those of the model"), "{}", show(&o));
 
     // The right checkpoint with the wrong model shape: named, not loaded.
     let o = zeropp()

@@ -93,13 +93,18 @@ impl OuterLens {
     /// Bytes the state takes in a shard of `version`.
     fn stored(&self, version: u32) -> usize {
         let f = residual_format(version);
-        let res = |(c, n): (usize, usize)| 8 + Residual::stored_bytes_as(f, c, n);
+        // Saturating: a crafted manifest's sizes give a size no shard has.
+        let res =
+            |(c, n): (usize, usize)| 8usize.saturating_add(Residual::stored_bytes_as(f, c, n));
+        let values = self.values.saturating_mul(8);
         let flight = if self.flight {
-            8 + 16 + 8 * self.values
+            values.saturating_add(8 + 16)
         } else {
             0
         };
-        16 + 8 * self.values + res(self.sent) + res(self.owned) + flight
+        [values, res(self.sent), res(self.owned), flight]
+            .into_iter()
+            .fold(16, usize::saturating_add)
     }
 }
 
@@ -443,22 +448,27 @@ fn outer_lens(m: &Manifest, info: &ShardInfo, file: &str) -> Result<Vec<Option<O
 
 /// Decompressed size a shard must have: the bound for decompression.
 fn shard_size(m: &Manifest, info: &ShardInfo) -> usize {
-    let mut n = 8 + 16;
+    let mut n: usize = 8 + 16;
     let references = reference_lens(m, info, "").unwrap_or_default();
+    // Saturating: a crafted manifest's sizes give a size no shard has.
     for (i, (u, &(a, b))) in m.units.iter().zip(&info.residual_lens).enumerate() {
-        n += 4 + u.name.len() + 24 + 5 * 8 + 4 * 3 * u.chunk;
+        let states = u.chunk.saturating_mul(4 * 3);
+        n = n
+            .saturating_add(4 + u.name.len() + 24 + 5 * 8)
+            .saturating_add(states);
         for len in [a, b] {
-            n += match m.version {
-                1 => 4 * len,
+            n = n.saturating_add(match m.version {
+                1 => len.saturating_mul(4),
                 v => Residual::stored_bytes_as(residual_format(v), u.chunk, len / u.chunk.max(1)),
-            };
+            });
         }
         if m.version >= 3 {
-            n += 16 + 4 * references.get(i).copied().unwrap_or(0);
+            let kept = references.get(i).copied().unwrap_or(0).saturating_mul(4);
+            n = n.saturating_add(16).saturating_add(kept);
         }
     }
     for l in outer_lens(m, info, "").unwrap_or_default().iter().flatten() {
-        n += l.stored(m.version);
+        n = n.saturating_add(l.stored(m.version));
     }
     n
 }
@@ -832,7 +842,9 @@ pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard
         );
     }
     let expected = shard_size(m, info);
-    let mut raw = Vec::with_capacity(expected);
+    // Grown as the data decompresses: a manifest's sizes alone (a crafted
+    // one's) never size an allocation.
+    let mut raw = Vec::with_capacity(expected.min(packed.len().saturating_mul(8)));
     zstd::stream::read::Decoder::new(&packed[..])
         .with_context(|| format!("{shown}: not zstd data"))?
         .take(expected as u64 + 1)
@@ -847,9 +859,35 @@ pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard
     decode_shard(&raw, &shown, m, info)
 }
 
-/// Verifies every shard of a checkpoint (`zeropp ckpt inspect`).
+/// Verifies a checkpoint (`zeropp ckpt inspect`): its units are the
+/// model's it describes, and every shard reads back.
 pub fn verify(dir: &Path, m: &Manifest) -> Result<()> {
+    check_units(dir, m)?;
     read_all_shards(dir, m).map(drop)
+}
+
+/// The manifest's units are those of the model it describes (names and
+/// sizes), with the file to blame when they are not.
+fn check_units(dir: &Path, m: &Manifest) -> Result<Vec<Unit>> {
+    let c = &m.config.model;
+    let manifest = dir.join("manifest.json");
+    c.validate().map_err(|e| {
+        anyhow!(
+            "{}: the model it describes is invalid: {e}",
+            manifest.display()
+        )
+    })?;
+    let units = c.units();
+    let expect: Vec<(String, usize)> = units.iter().map(|u| (u.name(), u.numel(c))).collect();
+    let have: Vec<(String, usize)> = m.units.iter().map(|u| (u.name.clone(), u.numel)).collect();
+    if expect != have {
+        bail!(
+            "{}: its units {have:?} are not those of the model it describes ({expect:?}): \
+             the manifest was edited or comes from another checkpoint",
+            manifest.display()
+        );
+    }
+    Ok(units)
 }
 
 fn read_all_shards(dir: &Path, m: &Manifest) -> Result<Vec<Vec<UnitShard>>> {
@@ -920,23 +958,7 @@ fn assemble(all: &[Vec<UnitShard>], u: usize, pick: fn(&UnitShard) -> &Vec<f32>)
 /// Every unit's full weights, checked against the model the manifest
 /// describes (names and sizes), with the file to blame when they disagree.
 pub fn unit_weights(dir: &Path, m: &Manifest) -> Result<Vec<(Unit, Vec<f32>)>> {
-    let c = &m.config.model;
-    c.validate().map_err(|e| {
-        anyhow!(
-            "{}: the model it describes is invalid: {e}",
-            dir.join("manifest.json").display()
-        )
-    })?;
-    let units = c.units();
-    let expect: Vec<(String, usize)> = units.iter().map(|u| (u.name(), u.numel(c))).collect();
-    let have: Vec<(String, usize)> = m.units.iter().map(|u| (u.name.clone(), u.numel)).collect();
-    if expect != have {
-        bail!(
-            "{}: its units {have:?} are not those of the model it describes ({expect:?}): \
-             the manifest was edited or comes from another checkpoint",
-            dir.join("manifest.json").display()
-        );
-    }
+    let units = check_units(dir, m)?;
     let weights = full_weights(dir, m)?;
     Ok(units
         .into_iter()

@@ -153,7 +153,8 @@ impl Residual {
     /// Bytes a residual of this shape stored in `f` takes: codes, then one
     /// f32 scale a block.
     pub fn stored_bytes_as(f: QuantFormat, chunk_len: usize, count: usize) -> usize {
-        count * (f.code_bytes(chunk_len) + 4 * f.num_blocks(chunk_len))
+        // Saturating: sizes read from a file may be anything.
+        count.saturating_mul(f.code_bytes(chunk_len) + 4 * f.num_blocks(chunk_len))
     }
 
     /// The residual [`Residual::to_bytes`] wrote, of this shape; `None`
