@@ -519,6 +519,47 @@ fn bad_input_is_a_named_error() {
         run(&[&small[..], &["--lr", "1e12", "--skip-nonfinite", "true"]].concat()),
         &["were all non-finite and skipped", "lower learning rate"],
     );
+    // Under a launcher (here its variables, rank 1 never started):
+    // --timeout bounds the wait for the others, and the layout flags,
+    // which only the self-launched job follows, are said to be ignored.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let t = std::time::Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .arg("train")
+        .args(&small[..small.len() - 2])
+        .args(["--timeout", "2", "--nodes", "2"])
+        .envs([
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("LOCAL_RANK", "0"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", &port),
+            ("ZEROPP_TOKEN", "test"),
+        ])
+        .env_remove("ZEROPP_TIMEOUT_S")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+    has(
+        text,
+        &[
+            "within 2s",
+            "--nodes and --ranks-per-node",
+            "1 node(s) x 2 ranks",
+        ],
+    );
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
     std::fs::remove_dir_all(dir).ok();
 }
 

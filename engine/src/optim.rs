@@ -28,6 +28,48 @@ zeropp_settings::section! {
 }
 
 impl OptimConfig {
+    /// Settings AdamW cannot train with, named with the flag to change.
+    pub fn check(&self) -> Result<(), String> {
+        let c = self;
+        let bad = |key: &str, v: f32, want: &str| {
+            let flag = key.replace('_', "-");
+            format!("{key} = {v}: must be {want} (--{flag}, or `{key}` in a config's [optim])")
+        };
+        if !(c.lr.is_finite() && c.lr > 0.0) {
+            return Err(bad("lr", c.lr, "positive and finite (default 3e-3)"));
+        }
+        if !(0.0..=1.0).contains(&c.min_lr_ratio) {
+            return Err(bad(
+                "min_lr_ratio",
+                c.min_lr_ratio,
+                "in [0, 1] (default 0.1)",
+            ));
+        }
+        for (flag, v, default) in [("beta1", c.beta1, "0.9"), ("beta2", c.beta2, "0.95")] {
+            if !(0.0..1.0).contains(&v) {
+                return Err(bad(flag, v, &format!("in [0, 1) (default {default})")));
+            }
+        }
+        if !(c.eps.is_finite() && c.eps > 0.0) {
+            return Err(bad("eps", c.eps, "positive and finite (default 1e-8)"));
+        }
+        if !(c.weight_decay.is_finite() && c.weight_decay >= 0.0) {
+            return Err(bad(
+                "weight_decay",
+                c.weight_decay,
+                "at least 0 and finite (default 0.1)",
+            ));
+        }
+        if !(c.max_grad_norm.is_finite() && c.max_grad_norm >= 0.0) {
+            return Err(bad(
+                "max_grad_norm",
+                c.max_grad_norm,
+                "at least 0 (0: no clipping) and finite",
+            ));
+        }
+        Ok(())
+    }
+
     /// Learning rate at `step` (0-based) of `total`.
     pub fn lr_at(&self, step: usize, total: usize) -> f32 {
         if step < self.warmup_steps {

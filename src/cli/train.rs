@@ -100,6 +100,26 @@ pub fn run(args: TrainArgs) -> Result<()> {
         }
         Err(e) => return Err(e.into()),
         Ok(facts) => {
+            let nodes = facts.world_size / facts.local_world_size.max(1);
+            let asked = (args.launch.nodes, args.launch.ranks_per_node);
+            if asked.0.is_some_and(|n| n != nodes)
+                || asked.1.is_some_and(|g| g != facts.local_world_size)
+            {
+                eprintln!(
+                    "note: --nodes and --ranks-per-node lay out the ranks zeropp train launches \
+                     itself; under {} the job is the launcher's: {nodes} node(s) x {} ranks",
+                    facts.launcher, facts.local_world_size
+                );
+            }
+            if let Some(t) = args.timeout {
+                if !(t > 0.0 && t.is_finite()) {
+                    bail!("--timeout {t}: a positive number of seconds");
+                }
+                // Read with the rank's other facts as it joins.
+                // SAFETY: no other thread runs yet to read the
+                // environment concurrently.
+                unsafe { std::env::set_var("ZEROPP_TIMEOUT_S", t.to_string()) };
+            }
             // Under another launcher (torchrun, mpirun, srun): this
             // host's cores shared among its ranks, unless the user
             // set RAYON_NUM_THREADS (zeropp launch sets it itself).
@@ -190,6 +210,46 @@ mod tests {
                 assert!(Cli::try_parse_from(argv).is_ok(), "{flag} {value}");
             }
         }
+    }
+
+    #[test]
+    fn optimizer_settings_adamw_cannot_train_with_are_refused_naming_the_flag() {
+        for (flag, value, says) in [
+            ("--lr", "-1", "--lr"),
+            ("--lr", "NaN", "positive and finite"),
+            ("--beta1", "2", "in [0, 1)"),
+            ("--beta2", "1", "--beta2"),
+            ("--eps", "0", "--eps"),
+            ("--weight-decay", "-0.5", "--weight-decay"),
+            ("--max-grad-norm", "inf", "--max-grad-norm"),
+            ("--min-lr-ratio", "1.5", "in [0, 1]"),
+        ] {
+            let e = config(&[&format!("{flag}={value}")]).unwrap_err();
+            assert!(format!("{e:#}").contains(says), "{flag} {value}: {e:#}");
+        }
+        assert!(config(&["--lr", "0.01", "--max-grad-norm", "0"]).is_ok());
+    }
+
+    #[test]
+    fn a_context_whose_attention_cannot_fit_in_memory_is_refused_up_front() {
+        // batch 4 x 2 heads x 10^6² scores: 32 TB a layer.
+        let e = config(&[
+            "--context",
+            "1000000",
+            "--width",
+            "32",
+            "--heads",
+            "2",
+            "--batch",
+            "4",
+        ])
+        .unwrap_err();
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("lower --context or --batch") && e.contains("GB"),
+            "{e}"
+        );
+        assert!(config(&["--context", "1024"]).is_ok());
     }
 
     #[test]

@@ -364,7 +364,40 @@ impl TrainConfig {
         if self.launch.nodes == 0 || self.launch.ranks_per_node == 0 {
             bail!("nodes and ranks_per_node must be at least 1");
         }
+        self.optim.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+        self.check_attention_fits()?;
         self.island_config()?;
+        Ok(())
+    }
+
+    /// The attention scores of one layer (batch × heads × context² in f32,
+    /// and as many again for their softmax and its gradient) fit in this
+    /// machine's memory: a context far too long is refused with what to
+    /// lower, not left to fail an allocation mid-step.
+    fn check_attention_fits(&self) -> Result<()> {
+        let m = &self.model;
+        let scores = (self.run.batch as u128)
+            * (m.heads as u128)
+            * (m.context as u128)
+            * (m.context as u128)
+            * 4;
+        let needed = scores * 3 * self.launch.ranks_per_node as u128;
+        let Some(memory) = memory_available_bytes() else {
+            return Ok(());
+        };
+        if needed > memory as u128 {
+            bail!(
+                "--context {} with --batch {} and {} heads: one layer's attention scores take \
+                 about {:.1} GB a rank ({} ranks on this machine), more than its {:.1} GB of \
+                 available memory; lower --context or --batch",
+                m.context,
+                self.run.batch,
+                m.heads,
+                (scores * 3) as f64 / 1e9,
+                self.launch.ranks_per_node,
+                memory as f64 / 1e9
+            );
+        }
         Ok(())
     }
 
@@ -430,6 +463,15 @@ impl TrainConfig {
         islands.check()?;
         Ok(Some(islands))
     }
+}
+
+/// This machine's available memory (`MemAvailable` of /proc/meminfo), if
+/// it says.
+fn memory_available_bytes() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 #[cfg(test)]
