@@ -101,14 +101,9 @@ pub struct PlanArgs {
 
 /// Runs `zeropp plan` with `a`.
 pub fn run(a: &PlanArgs) -> Result<()> {
+    check(a)?;
     let compute_s = compute_per_step(a)?;
     let quant_gbps = quantize_speed(a)?;
-    if a.nodes == 0 || a.ranks_per_node == 0 || a.nic_gbit <= 0.0 || a.intra_gbps <= 0.0 {
-        bail!("--nodes, --ranks-per-node, --nic-gbit and --intra-gbps must be positive");
-    }
-    if !(0.0..=1.0).contains(&a.overlap) {
-        bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
-    }
     let input = zeropp_zero::cost::PlanInput {
         params: a.params,
         nodes: a.nodes,
@@ -165,6 +160,68 @@ pub fn run(a: &PlanArgs) -> Result<()> {
         }
         Ok(())
     }
+}
+
+/// The plan's inputs are ones a run could have: what is not is refused
+/// naming the flag, never predicted as NaN.
+fn check(a: &PlanArgs) -> Result<()> {
+    let positive = |v: f64| v.is_finite() && v > 0.0;
+    for (flag, v) in [
+        ("--params", a.params),
+        ("--intra-gbps", a.intra_gbps),
+        ("--nic-gbit", a.nic_gbit),
+        ("--tokens-per-rank", a.tokens_per_rank),
+        ("--qwz-refresh", a.qwz_refresh),
+    ] {
+        if !positive(v) {
+            bail!("{flag} {v}: must be a positive number");
+        }
+    }
+    for (flag, v) in [
+        ("--nodes", a.nodes),
+        ("--ranks-per-node", a.ranks_per_node),
+        ("--nics-per-node", a.nics_per_node),
+        ("--units", a.units),
+        ("--outer-fragments", a.outer_fragments),
+    ] {
+        if v == 0 {
+            bail!("{flag} 0: must be at least 1");
+        }
+    }
+    if !(a.alpha_us.is_finite() && a.alpha_us >= 0.0) {
+        bail!(
+            "--alpha-us {}: a latency of at least 0 microseconds",
+            a.alpha_us
+        );
+    }
+    if !(0.0..=1.0).contains(&a.overlap) {
+        bail!("--overlap is a fraction from 0 (no overlap) to 1 (perfect prefetch)");
+    }
+    let whole = |flag: &str, v: f64| -> Result<usize> {
+        if !(v.is_finite() && v >= 1.0 && v.fract() == 0.0) {
+            bail!("{flag} {v}: a block of a whole number of values (a power of two such as 256)");
+        }
+        Ok(v as usize)
+    };
+    zeropp_quant::QuantFormat::int8(whole("--block", a.block)?)
+        .map_err(|e| anyhow::anyhow!("--block: {e}"))?;
+    let (qgz_block, inter) = (
+        whole("--qgz-block", a.qgz_block)?,
+        whole("--qgz-inter-block", a.qgz_inter_block)?,
+    );
+    zeropp_zero::plan::gradient_formats(a.qgz_intra_bits, qgz_block, Some(inter))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if a.sync_every.contains(&0) {
+        bail!("--sync-every 0: an outer sync every H >= 1 steps");
+    }
+    if let Some(h) = a.sync_every.iter().find(|&&h| h <= a.outer_delay) {
+        bail!(
+            "--outer-delay {} with --sync-every {h}: an exchange lands before the next one \
+             starts (a delay below every H)",
+            a.outer_delay
+        );
+    }
+    Ok(())
 }
 
 /// The compute per step the plan is for: given, read from a run's
