@@ -1111,17 +1111,45 @@ class ZeroppReduceScatter(ReduceScatter):
         return op, (output_tensor, input_tensor)
 
 
+def _check_fsdp_keywords(kwargs):
+    """Keywords neither a switch nor FSDP2's are refused naming both sets
+    (a misspelled switch would otherwise reach FSDP2 as a TypeError)."""
+    import difflib
+    import inspect
+
+    fsdp = [k for k in inspect.signature(_fsdp_fully_shard).parameters if k != "module"]
+    for k in kwargs:
+        if k not in fsdp:
+            near = difflib.get_close_matches(k, list(SWITCHES) + fsdp, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ZeroppError(
+                f"fully_shard got an unknown keyword {k!r}{hint}: it takes zeropp's switches "
+                f"({', '.join(SWITCHES)}) and FSDP2's keywords ({', '.join(fsdp)})"
+            )
+
+
 def _check_dtypes(module, mp_policy):
     if mp_policy is not None and mp_policy.param_dtype is not None:
         dtype_name(torch.empty(0, dtype=mp_policy.param_dtype))
+    moved = (torch.float32, torch.bfloat16, torch.float16)
+    cast = mp_policy is not None and mp_policy.param_dtype in moved
+    # FSDP2 reduce-scatters gradients in reduce_dtype, else in the
+    # parameter's own dtype (not param_dtype).
+    reduced = mp_policy is not None and mp_policy.reduce_dtype in moved
     for name, p in module.named_parameters():
-        if mp_policy is None or mp_policy.param_dtype is None:
-            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                raise ZeroppError(
-                    f"parameter {name!r} is {p.dtype}: zeropp moves float32, bfloat16 and "
-                    "float16 parameters; convert the module (module.float()) or pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
-                )
+        if not p.dtype.is_floating_point:
+            raise ZeroppError(
+                f"parameter {name!r} is {p.dtype}: zeropp.torch shards floating-point "
+                "parameters; keep integer state as a buffer (module.register_buffer)"
+            )
+        if p.dtype not in moved and not (cast and reduced):
+            raise ZeroppError(
+                f"parameter {name!r} is {p.dtype}: zeropp moves float32, bfloat16 and "
+                "float16 values; convert the module (module.float()) or pass "
+                "mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                "reduce_dtype=torch.float32) (FSDP2 gathers in param_dtype and "
+                "reduce-scatters in reduce_dtype, else in the parameter's own dtype)"
+            )
         if p.device.type not in ("cpu", "cuda", "meta"):
             raise ZeroppError(
                 f"parameter {name!r} is on {p.device}: zeropp.torch moves CPU tensors (through "
@@ -1373,6 +1401,14 @@ def fully_shard(
     there. Returns the module.
     """
     switches = {k: kwargs.pop(k) for k in list(kwargs) if k in SWITCHES}
+    _check_fsdp_keywords(kwargs)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(module, FSDPModule):
+        raise ZeroppError(
+            f"{type(module).__name__} is sharded by FSDP2 already: call "
+            "zeropp.torch.enable(model) on the sharded model instead of fully_shard again"
+        )
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
     mesh = kwargs.get("mesh")
     shard_pg, replicate_pg = _mesh_groups(mesh)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from checks import check, expect_error
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import zeropp.torch as zt
 
@@ -115,6 +115,32 @@ def main():
     )
 
     expect_error("unknown switches are refused", lambda: zt.enable(m, qwz=8), "qwz_bits")
+    # fully_shard's own keywords: a misspelled switch is named (not FSDP2's
+    # TypeError), a sharded model points to enable, and what FSDP2 would
+    # gather or reduce in a dtype zeropp does not move is refused up front.
+    expect_error(
+        "fully_shard names a misspelled switch",
+        lambda: zt.fully_shard(model(), mesh=mesh, qwz_bit=4),
+        "did you mean 'qwz_bits'",
+    )
+    expect_error(
+        "fully_shard of a model FSDP2 sharded points to enable",
+        lambda: zt.fully_shard(m, mesh=mesh),
+        "zeropp.torch.enable",
+    )
+    half = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    expect_error(
+        "float64 parameters cast to bf16 still need a reduce dtype zeropp moves",
+        lambda: zt.fully_shard(model().double(), mesh=mesh, mp_policy=half),
+        "reduce_dtype=torch.float32",
+    )
+    counted = model()
+    counted.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.int64), False))
+    expect_error(
+        "an integer parameter is refused, pointing to a buffer",
+        lambda: zt.fully_shard(counted, mesh=mesh, mp_policy=half),
+        "register_buffer",
+    )
     # HSDP's mesh: enable serves it, the replicate all-reduce included, and
     # gives the gradients of plain HSDP (zero3: the same sums).
     plain, served = model(), model()
