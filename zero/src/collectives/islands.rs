@@ -58,13 +58,13 @@ pub struct Membership {
     /// islands they talk to (whose ranks would read a later exchange's
     /// message as this one's).
     pub broken: Option<String>,
-    /// The last exchange this rank completed over three or more islands,
-    /// and its result: a rank that did not complete it (the island lost
-    /// during it reached this rank's call and not that rank's) takes it
-    /// from here, so both go on from the same exchange
-    /// ([`same_exchange`]). One unit's shard in f32, replaced at each
-    /// exchange.
-    pub last: Option<(ExchangeName, Vec<f32>)>,
+    /// The last call across the islands this rank completed (an exchange,
+    /// or the agreement on who rejoins), and its result where three or
+    /// more islands ran it: a rank that did not complete it (the island
+    /// lost during it reached this rank's call and not that rank's) takes
+    /// it from here, so both go on from the same call ([`same_exchange`]).
+    /// At most one unit's shard in f32, replaced at each call.
+    pub last: Option<(ExchangeName, Option<Vec<f32>>)>,
 }
 
 /// An island that left the outer sync.
@@ -264,6 +264,25 @@ pub struct ExchangeName {
 impl ExchangeName {
     const BYTES: usize = 32;
 
+    /// The `sync` of the islands' agreement on who rejoins ([`agree_ready`]),
+    /// no outer sync's.
+    const AGREEMENT: u64 = u64::MAX;
+
+    /// Whether this names an agreement on who rejoins, no exchange.
+    pub fn is_agreement(&self) -> bool {
+        self.sync == Self::AGREEMENT
+    }
+
+    /// The islands' agreement on who rejoins after optimizer step `step`.
+    pub fn agreement(step: u64) -> ExchangeName {
+        ExchangeName {
+            sync: Self::AGREEMENT,
+            step,
+            unit: 0,
+            seq: 0,
+        }
+    }
+
     fn bytes(&self) -> [u8; Self::BYTES] {
         let words = [self.sync, self.step, self.unit as u64, self.seq];
         let mut b = [0u8; Self::BYTES];
@@ -287,12 +306,16 @@ impl ExchangeName {
 
 impl std::fmt::Display for ExchangeName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "unit {} after step {}", self.unit, self.step)?;
+        if self.is_agreement() {
+            return write!(f, "the agreement on who rejoins after step {}", self.step);
+        }
+        write!(f, "exchange ")?;
+        if self.seq > 0 {
+            write!(f, "#{} ", self.seq)?;
+        }
+        write!(f, "of unit {} after step {}", self.unit, self.step)?;
         if self.sync > 0 {
             write!(f, " of outer sync {}", self.sync)?;
-        }
-        if self.seq > 0 {
-            write!(f, " (exchange {})", self.seq)?;
         }
         Ok(())
     }
@@ -306,9 +329,14 @@ pub enum Checked {
     /// The others completed this exchange before its lost island failed
     /// this rank's call: its result, as they have it.
     Completed(Vec<f32>),
-    /// This rank handed the exchange before to ranks that had not
-    /// completed it: check again (they come to this one next).
-    HandedOver,
+    /// Check again: this rank handed the call before to ranks that had
+    /// not completed it, or waited for ranks that skip the call they are
+    /// at (they come to this one next).
+    Again,
+    /// This rank is at an agreement on who rejoins that the others never
+    /// make (they did not know of the loss when their islands chose
+    /// whether to agree): nobody rejoins, as they take it.
+    Skipped,
 }
 
 /// What a rank says of itself at the check: the exchange it is at, and
@@ -321,30 +349,45 @@ const CHECK_BYTES: usize = 1 + 2 * ExchangeName::BYTES;
 /// not: then each of them is at the one it completed, or the next; the
 /// ranks that completed it (`last`, with its result) hand the result to the
 /// others, which take it as theirs ([`Checked::Completed`]), and both go on
-/// from the next ([`Checked::HandedOver`]: check again). Ranks at
-/// exchanges that no such handover mends fail with a named error.
+/// from the next ([`Checked::Again`]). Likewise an island that found the
+/// loss before its membership round agrees on who rejoins, where one that
+/// found it after goes straight to its next exchange: from the same last
+/// call, the first skip the agreement ([`Checked::Skipped`]) and the others
+/// check again. Ranks at calls that neither mends fail with a named error.
 pub fn same_exchange(
     c: &Communicator,
     across: &Group,
     name: ExchangeName,
-    last: Option<(ExchangeName, &[f32])>,
+    last: Option<(ExchangeName, Option<&[f32]>)>,
 ) -> Result<Checked, ZeroError> {
     let mut said = [0u8; CHECK_BYTES];
     said[1..1 + ExchangeName::BYTES].copy_from_slice(&name.bytes());
-    if let Some((done, _)) = last {
-        said[0] = 1;
+    if let Some((done, values)) = last {
+        said[0] = 1 + u8::from(values.is_some());
         said[1 + ExchangeName::BYTES..].copy_from_slice(&done.bytes());
     }
     let all = c.all_gather_v(across, Bytes::copy_from_slice(&said))?;
-    let heard: Vec<_> = all.iter().map(|b| said_at(b)).collect();
-    if heard.iter().all(|(at, _)| *at == Some(name)) {
+    let heard: Vec<Said> = all.iter().map(|b| Said::read(b)).collect();
+    if heard.iter().all(|h| h.at == Some(name)) {
         return Ok(Checked::Same);
     }
+    let me = across
+        .ranks()
+        .iter()
+        .position(|&r| r == c.rank())
+        .ok_or_else(|| ZeroError::Invalid("this rank is not in the islands' group".into()))?;
+    if let Some(agreeing) = skipped_agreement(&heard) {
+        return Ok(match agreeing[me] {
+            true => Checked::Skipped,
+            false => Checked::Again,
+        });
+    }
     let Some((behind, giver)) = handover(&heard) else {
-        let (j, (theirs, _)) = heard
+        let (j, theirs) = heard
             .iter()
             .enumerate()
-            .find(|(_, (at, _))| *at != Some(name))
+            .find(|(_, h)| h.at != Some(name))
+            .map(|(j, h)| (j, h.at))
             .expect("a rank at another exchange");
         let theirs = theirs.map_or("a malformed answer".into(), |t| t.to_string());
         return Err(ZeroError::Invalid(format!(
@@ -356,63 +399,88 @@ pub fn same_exchange(
     };
     // Every rank decided the same from the same answers: the giver sends
     // the result to each rank behind, nothing to the others.
-    let me = across
-        .ranks()
-        .iter()
-        .position(|&r| r == c.rank())
-        .ok_or_else(|| ZeroError::Invalid("this rank is not in the islands' group".into()))?;
     let to_each = (0..across.size())
         .map(|j| match (me == giver && behind[j], last) {
-            (true, Some((_, values))) => zeropp_comm::collectives::f32_bytes(values),
+            (true, Some((_, Some(values)))) => zeropp_comm::collectives::f32_bytes(values),
             _ => Bytes::new(),
         })
         .collect();
     let got = c.all_to_all_v(across, to_each)?;
     if !behind[me] {
-        return Ok(Checked::HandedOver);
+        return Ok(Checked::Again);
     }
     Ok(Checked::Completed(zeropp_comm::collectives::bytes_f32(
         &got[giver],
     )?))
 }
 
-/// What a rank said at the check: (the exchange it is at, the last it
-/// completed and kept); `None` where it says nothing readable.
-fn said_at(b: &[u8]) -> (Option<ExchangeName>, Option<ExchangeName>) {
-    let n = ExchangeName::BYTES;
-    if b.len() != CHECK_BYTES {
-        return (None, None);
-    }
-    let done = (b[0] == 1).then(|| ExchangeName::of(&b[1 + n..])).flatten();
-    (ExchangeName::of(&b[1..1 + n]), done)
+/// What a rank said at the check: the call it is at, the last it
+/// completed, and whether it kept that one's result; `None` where it
+/// says nothing readable.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Said {
+    at: Option<ExchangeName>,
+    done: Option<ExchangeName>,
+    kept: bool,
 }
 
-/// From each rank's (exchange it is at, last it completed): when the ranks
-/// are at two exchanges and every rank at one of them completed the other,
-/// which ranks are behind and the first rank ahead, which hands them the
-/// result.
-fn handover(heard: &[(Option<ExchangeName>, Option<ExchangeName>)]) -> Option<(Vec<bool>, usize)> {
+impl Said {
+    fn read(b: &[u8]) -> Said {
+        let n = ExchangeName::BYTES;
+        if b.len() != CHECK_BYTES || b[0] > 2 {
+            return Said::default();
+        }
+        Said {
+            at: ExchangeName::of(&b[1..1 + n]),
+            done: (b[0] > 0).then(|| ExchangeName::of(&b[1 + n..])).flatten(),
+            kept: b[0] == 2,
+        }
+    }
+}
+
+/// The two calls the ranks are at (`None`: any other number, or an
+/// unreadable answer).
+fn two_calls(heard: &[Said]) -> Option<[ExchangeName; 2]> {
     let mut at: Vec<ExchangeName> = Vec::new();
-    for (a, _) in heard {
-        let a = (*a)?;
+    for h in heard {
+        let a = h.at?;
         if !at.contains(&a) {
             at.push(a);
         }
     }
-    let [x, y] = at[..] else {
-        return None;
+    at.try_into().ok()
+}
+
+/// When all completed the same last call and are at two, one an agreement
+/// on who rejoins and the other not: the ranks at the agreement (which
+/// the others skipped).
+fn skipped_agreement(heard: &[Said]) -> Option<Vec<bool>> {
+    let [x, y] = two_calls(heard)?;
+    let same_last = heard.iter().all(|h| h.done == heard[0].done);
+    let agreement = match (x.is_agreement(), y.is_agreement()) {
+        (true, false) => x,
+        (false, true) => y,
+        _ => return None,
     };
+    same_last.then(|| heard.iter().map(|h| h.at == Some(agreement)).collect())
+}
+
+/// When the ranks are at two calls and every rank at one of them completed
+/// the other and kept its result: which ranks are behind, and the first
+/// rank ahead, which hands them the result.
+fn handover(heard: &[Said]) -> Option<(Vec<bool>, usize)> {
+    let [x, y] = two_calls(heard)?;
     let completed = |ahead: ExchangeName, behind: ExchangeName| {
         heard
             .iter()
-            .filter(|(a, _)| *a == Some(ahead))
-            .all(|(_, done)| *done == Some(behind))
+            .filter(|h| h.at == Some(ahead))
+            .all(|h| h.done == Some(behind) && h.kept)
     };
     let behind = [(x, y), (y, x)]
         .into_iter()
         .find(|&(b, a)| completed(a, b))
         .map(|(b, _)| b)?;
-    let is_behind: Vec<bool> = heard.iter().map(|(a, _)| *a == Some(behind)).collect();
+    let is_behind: Vec<bool> = heard.iter().map(|h| h.at == Some(behind)).collect();
     let giver = is_behind.iter().position(|b| !b)?;
     Some((is_behind, giver))
 }
@@ -440,28 +508,10 @@ impl Across<'_> {
         name: ExchangeName,
     ) -> std::result::Result<Exchanged, ZeroError> {
         let t = Instant::now();
-        let mut again = false;
-        loop {
-            let (across, unchecked) = {
-                let m = lock(self.members);
-                if let Some(why) = &m.broken {
-                    return Err(ZeroError::Invalid(format!(
-                        "not started: an earlier outer exchange failed ({why})"
-                    )));
-                }
-                (m.across.clone(), !m.checked)
-            };
-            if across.size() == 1 {
-                return Ok((mine, Residual::none(), Residual::none(), 0.0));
+        let ran = named_call(self.members, c, name, mine.len(), |across, first| {
+            if !first {
+                (sent, owned) = (Residual::none(), Residual::none());
             }
-            // Run again after a loss, or the first exchange over islands
-            // regrouped since: first check every rank is at it.
-            let checked = if again || unchecked {
-                self.check(c, &across, name)
-            } else {
-                Ok(Checked::Same)
-            };
-            again = true;
             let mover = HostMover {
                 comm: c,
                 counter: self.counter,
@@ -473,75 +523,129 @@ impl Across<'_> {
                 },
             };
             let mut delta = mine.clone();
-            let tried = checked.and_then(|checked| match checked {
-                Checked::Same => {
-                    let residuals = (&mut sent, &mut owned);
-                    outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)
-                        .map(|()| true)
-                }
-                Checked::Completed(result) if result.len() == delta.len() => {
-                    // As the others have it; this rank's residuals went
-                    // with the call that failed.
-                    tracing::warn!(
-                        "islands: exchange {name} was completed by the islands left before the \
-                         lost one failed it here; this rank takes their result"
-                    );
-                    (delta, sent, owned) = (result, Residual::none(), Residual::none());
-                    Ok(true)
-                }
-                Checked::Completed(result) => Err(ZeroError::Invalid(format!(
-                    "exchange {name}: the islands left completed it with {} values where this \
-                     rank has {}; resume the job from its last checkpoint",
-                    result.len(),
-                    delta.len()
-                ))),
-                Checked::HandedOver => Ok(false),
-            });
-            match tried {
-                Ok(true) => {
-                    // Kept only where a rank can be left behind: three or
-                    // more islands (of two, one is left after a loss).
-                    let kept = (across.size() >= 3).then(|| (name, delta.clone()));
-                    lock(self.members).last = kept;
-                    return Ok((delta, sent, owned, t.elapsed().as_secs_f64()));
-                }
-                Ok(false) => {}
-                Err(e) => {
-                    self.lose_the_failed_island(e, name.step)?;
-                    (sent, owned) = (Residual::none(), Residual::none());
-                }
+            let residuals = (&mut sent, &mut owned);
+            outer::exchange(&mover, Hop::World, self.quantized, residuals, &mut delta)?;
+            Ok(delta)
+        })?;
+        let took = t.elapsed().as_secs_f64();
+        Ok(match ran {
+            Ran::Alone => (mine, Residual::none(), Residual::none(), 0.0),
+            Ran::Together(delta) => (delta, sent, owned, took),
+            // This rank's residuals went with the call that failed.
+            Ran::Taken(delta) => (delta, Residual::none(), Residual::none(), took),
+            Ran::Skipped => {
+                return Err(ZeroError::Invalid(format!(
+                    "{name} was taken for an agreement on who rejoins"
+                )));
             }
+        })
+    }
+}
+
+/// How a [`named_call`] ended.
+enum Ran {
+    /// This island alone takes part: nothing ran.
+    Alone,
+    /// The call ran with the islands taking part: its result.
+    Together(Vec<f32>),
+    /// The others completed it before its lost island failed this rank's
+    /// call: their result.
+    Taken(Vec<f32>),
+    /// The others skip it (an agreement: [`Checked::Skipped`]).
+    Skipped,
+}
+
+/// Call `name` over the islands taking part (`call(across, first try)`, a
+/// result of `len` values), run again without an island lost during it.
+/// Run again, or first over islands regrouped since the last call, it
+/// begins with the check that every rank is at it ([`same_exchange`]),
+/// which hands the result of a call the lost island completed with some
+/// ranks and not others to those left behind. With three or more islands
+/// the result is kept for that.
+fn named_call(
+    members: &Mutex<Membership>,
+    c: &Communicator,
+    name: ExchangeName,
+    len: usize,
+    mut call: impl FnMut(&Arc<Group>, bool) -> Result<Vec<f32>, ZeroError>,
+) -> Result<Ran, ZeroError> {
+    let mut again = false;
+    loop {
+        let (across, unchecked) = {
+            let m = lock(members);
+            if let Some(why) = &m.broken {
+                return Err(ZeroError::Invalid(format!(
+                    "not started: an earlier outer exchange failed ({why})"
+                )));
+            }
+            (m.across.clone(), !m.checked)
+        };
+        if across.size() == 1 {
+            return Ok(Ran::Alone);
+        }
+        let checked = if again || unchecked {
+            check(members, c, &across, name)
+        } else {
+            Ok(Checked::Same)
+        };
+        let first = !again;
+        again = true;
+        let tried = checked.and_then(|checked| match checked {
+            Checked::Same => call(&across, first).map(Ran::Together).map(Some),
+            Checked::Completed(result) if result.len() == len => {
+                tracing::warn!(
+                    "islands: {name} was completed by the islands left before the lost one \
+                     failed it here; this rank takes their result"
+                );
+                Ok(Some(Ran::Taken(result)))
+            }
+            Checked::Completed(result) => Err(ZeroError::Invalid(format!(
+                "{name}: the islands left completed it with {} values where this rank has \
+                 {len}; resume the job from its last checkpoint",
+                result.len()
+            ))),
+            Checked::Again => Ok(None),
+            Checked::Skipped => Ok(Some(Ran::Skipped)),
+        });
+        match tried {
+            Ok(Some(Ran::Skipped)) => return Ok(Ran::Skipped),
+            Ok(Some(ran)) => {
+                // The name always (a later check compares it); the result
+                // where a rank can be left behind without it: three or
+                // more islands ran it (of two, one is left after a loss;
+                // one that took it has no rank behind).
+                let kept = match &ran {
+                    Ran::Together(r) if across.size() >= 3 => Some(r.clone()),
+                    _ => None,
+                };
+                lock(members).last = Some((name, kept));
+                return Ok(ran);
+            }
+            Ok(None) => {}
+            Err(e) => lose_the_failed_island(members, e, name.step)?,
         }
     }
+}
 
-    /// [`same_exchange`] with the last exchange this rank completed; once
-    /// every rank is at `name`, `across` is checked.
-    fn check(
-        &self,
-        c: &Communicator,
-        across: &Arc<Group>,
-        name: ExchangeName,
-    ) -> Result<Checked, ZeroError> {
-        // Taken out while the check talks (only this thread uses it).
-        let last = lock(self.members).last.take();
-        let done = last.as_ref().map(|(n, values)| (*n, values.as_slice()));
-        let checked = same_exchange(c, across, name, done);
-        let mut m = lock(self.members);
-        m.last = last;
-        if matches!(checked, Ok(Checked::Same)) && Arc::ptr_eq(&m.across, across) {
-            m.checked = true;
-        }
-        checked
+/// [`same_exchange`] with the last call this rank completed; once every
+/// rank is at `name`, `across` is checked.
+fn check(
+    members: &Mutex<Membership>,
+    c: &Communicator,
+    across: &Arc<Group>,
+    name: ExchangeName,
+) -> Result<Checked, ZeroError> {
+    // Taken out while the check talks (only the thread of the islands'
+    // calls uses it).
+    let last = lock(members).last.take();
+    let done = last.as_ref().map(|(n, values)| (*n, values.as_deref()));
+    let checked = same_exchange(c, across, name, done);
+    let mut m = lock(members);
+    m.last = last;
+    if matches!(checked, Ok(Checked::Same)) && Arc::ptr_eq(&m.across, across) {
+        m.checked = true;
     }
-
-    /// After exchange error `e`: [`lose_the_failed_island`].
-    fn lose_the_failed_island(
-        &self,
-        e: ZeroError,
-        step: u64,
-    ) -> std::result::Result<(), ZeroError> {
-        lose_the_failed_island(self.members, e, step)
-    }
+    checked
 }
 
 /// After error `e` of a call across the islands: the island of the rank
@@ -596,14 +700,19 @@ pub fn agree_ready(
             ready.len()
         )));
     }
-    let sums = loop {
-        let across = lock(members).across.clone();
-        if across.size() == 1 {
-            break ready.to_vec();
-        }
-        match c.all_reduce_f32(&across, ready) {
-            Ok(sums) => break sums,
-            Err(e) => lose_the_failed_island(members, e.into(), step)?,
+    let name = ExchangeName::agreement(step);
+    let sums = match named_call(members, c, name, count, |across, _| {
+        Ok(c.all_reduce_f32(across, ready)?)
+    })? {
+        Ran::Alone => ready.to_vec(),
+        Ran::Together(sums) | Ran::Taken(sums) => sums,
+        // The islands that knew of no loss then take nobody back.
+        Ran::Skipped => {
+            tracing::warn!(
+                "islands: the others found the loss only after their membership round and skip \
+                 {name}: nobody rejoins then"
+            );
+            vec![0.0; count]
         }
     };
     Ok((0..count).filter(|&j| sums[j] > 0.0).collect())
@@ -760,6 +869,15 @@ mod tests {
         })
     }
 
+    /// A rank at `at` that completed `done` and kept its result.
+    fn said(at: Option<ExchangeName>, done: Option<ExchangeName>) -> Said {
+        Said {
+            at,
+            done,
+            kept: done.is_some(),
+        }
+    }
+
     fn at(step: u64, unit: usize) -> ExchangeName {
         ExchangeName {
             sync: 0,
@@ -796,7 +914,7 @@ mod tests {
             let none = || (Residual::none(), Residual::none());
             let mut results = Vec::new();
             if rank < 2 {
-                lock(&m).last = Some((x, vec![0.25; 1000]));
+                lock(&m).last = Some((x, Some(vec![0.25; 1000])));
             } else {
                 let mine = vec![9.0; 1000];
                 results.push(with.exchange(&r.comm, mine, none(), x).map(|e| e.0));
@@ -817,7 +935,87 @@ mod tests {
             }
             assert_eq!(results, want, "rank {rank}");
             // y is what a rank left behind now would take.
-            assert_eq!(last, Some((y, vec![1.0; 1000])), "rank {rank}");
+            assert_eq!(last, Some((y, Some(vec![1.0; 1000]))), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn a_rank_left_behind_while_the_others_agree_who_rejoins_takes_the_exchange_first() {
+        // As above, but the islands ahead, knowing of a lost island, next
+        // agree who rejoins (island 3 asked): the rank left behind takes
+        // exchange x from them, then agrees with them.
+        let x = at(20, 0);
+        let got = on_world(3, 1, Duration::from_secs(20), move |r| {
+            let rank = r.layout.rank;
+            let kind = GroupKind::Across {
+                place: Some(0),
+                members: 0,
+            };
+            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
+            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
+            lock(&m).lose(3, 20, "killed".into()).unwrap();
+            let mut took = None;
+            if rank < 2 {
+                lock(&m).last = Some((x, Some(vec![0.5; 100])));
+            } else {
+                let with = Across {
+                    members: &m,
+                    counter: &r.counter,
+                    quantized: None,
+                };
+                let none = (Residual::none(), Residual::none());
+                let got = with.exchange(&r.comm, vec![9.0; 100], none, x);
+                took = Some(got.map(|e| e.0).map_err(|e| e.to_string()));
+            }
+            let ready = [0.0, 0.0, 0.0, (rank == 0) as u8 as f32];
+            let back = agree_ready(&m, &r.comm, &ready, 22).map_err(|e| e.to_string());
+            (took, back)
+        });
+        assert_eq!(got[2].0, Some(Ok(vec![0.5; 100])));
+        for (rank, (_, back)) in got.into_iter().enumerate() {
+            assert_eq!(back, Ok(vec![3]), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn islands_that_found_a_loss_later_skip_the_agreement_the_others_are_at() {
+        // Four islands of one rank, island 3 lost. Islands 0 and 1 knew it
+        // at their membership round and agree who rejoins (island 3
+        // asked); island 2, from the same last exchange, found it only in
+        // its next exchange y and never agrees: the others take nobody
+        // back, as it does, and all three run y.
+        let (x, y) = (at(20, 0), at(22, 0));
+        let got = on_world(3, 1, Duration::from_secs(20), move |r| {
+            let rank = r.layout.rank;
+            let kind = GroupKind::Across {
+                place: Some(0),
+                members: 0,
+            };
+            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
+            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
+            lock(&m).lose(3, 22, "killed".into()).unwrap();
+            // Islands 0 and 1 took x from island 2 (a handover): they
+            // kept its name alone.
+            lock(&m).last = Some((x, (rank == 2).then(|| vec![0.5; 10])));
+            let mut back = None;
+            if rank < 2 {
+                let ready = [0.0, 0.0, 0.0, 1.0];
+                back = Some(agree_ready(&m, &r.comm, &ready, 22).map_err(|e| e.to_string()));
+            }
+            let with = Across {
+                members: &m,
+                counter: &r.counter,
+                quantized: None,
+            };
+            let none = (Residual::none(), Residual::none());
+            let mine = vec![rank as f32; 10];
+            let synced = with.exchange(&r.comm, mine, none, y);
+            (back, synced.map(|e| e.0).map_err(|e| e.to_string()))
+        });
+        for (rank, (back, synced)) in got.into_iter().enumerate() {
+            let want = (rank < 2).then(|| Ok(Vec::new()));
+            assert_eq!(back, want, "rank {rank}");
+            assert_eq!(synced, Ok(vec![1.0; 10]), "rank {rank}");
         }
     }
 
@@ -825,20 +1023,66 @@ mod tests {
     fn ranks_at_exchanges_no_handover_mends_are_told_so() {
         let (x, y, z) = (at(20, 0), at(20, 1), at(20, 2));
         // Ranks 0 and 1 completed x and are at y; rank 2 is at x.
-        let heard = [(Some(y), Some(x)), (Some(y), Some(x)), (Some(x), Some(z))];
+        let heard = [
+            said(Some(y), Some(x)),
+            said(Some(y), Some(x)),
+            said(Some(x), Some(z)),
+        ];
         assert_eq!(handover(&heard), Some((vec![false, false, true], 0)));
         // The same, ranks ahead listed after.
-        let heard = [(Some(x), None), (Some(y), Some(x))];
+        let heard = [said(Some(x), None), said(Some(y), Some(x))];
         assert_eq!(handover(&heard), Some((vec![true, false], 1)));
         // One rank ahead did not keep x's result (or completed another).
         for other in [None, Some(z)] {
-            let heard = [(Some(y), Some(x)), (Some(y), other), (Some(x), None)];
+            let heard = [
+                said(Some(y), Some(x)),
+                said(Some(y), other),
+                said(Some(x), None),
+            ];
             assert_eq!(handover(&heard), None, "{other:?}");
         }
+        // Completed x over two islands: its name kept, not its result.
+        let named = Said {
+            kept: false,
+            ..said(Some(y), Some(x))
+        };
+        assert_eq!(handover(&[named, said(Some(x), None)]), None);
         // Three exchanges, or an answer that says none.
-        let heard = [(Some(y), Some(x)), (Some(z), Some(y)), (Some(x), None)];
+        let heard = [
+            said(Some(y), Some(x)),
+            said(Some(z), Some(y)),
+            said(Some(x), None),
+        ];
         assert_eq!(handover(&heard), None);
-        assert_eq!(handover(&[(Some(y), Some(x)), (None, None)]), None);
+        assert_eq!(handover(&[said(Some(y), Some(x)), said(None, None)]), None);
+        // At an agreement and an exchange from one last call: the
+        // agreement is skipped; from two, or at two exchanges, it is not.
+        let agree = ExchangeName::agreement(20);
+        let heard = [said(Some(agree), Some(x)), said(Some(y), Some(x))];
+        assert_eq!(skipped_agreement(&heard), Some(vec![true, false]));
+        let heard = [said(Some(agree), Some(z)), said(Some(y), Some(x))];
+        assert_eq!(skipped_agreement(&heard), None);
+        // A rank that took x from the others kept its name alone: the
+        // same last call.
+        let heard = [
+            Said {
+                kept: false,
+                ..said(Some(agree), Some(x))
+            },
+            said(Some(y), Some(x)),
+        ];
+        assert_eq!(skipped_agreement(&heard), Some(vec![true, false]));
+        let heard = [said(Some(z), Some(x)), said(Some(y), Some(x))];
+        assert_eq!(skipped_agreement(&heard), None);
+        // What a rank says reads back; a bad flag or length says nothing.
+        let mut b = [0u8; CHECK_BYTES];
+        b[0] = 2;
+        b[1..33].copy_from_slice(&y.bytes());
+        b[33..].copy_from_slice(&x.bytes());
+        assert_eq!(Said::read(&b), said(Some(y), Some(x)));
+        b[0] = 3;
+        assert_eq!(Said::read(&b), Said::default());
+        assert_eq!(Said::read(&b[1..]), Said::default());
     }
 
     #[test]
@@ -968,9 +1212,9 @@ mod tests {
                 .to_string();
             assert!(e.contains("different exchanges"), "rank {rank}: {e}");
             let theirs = if rank == 0 {
-                "at unit 0 after step 20 of outer sync 1"
+                "at exchange #1 of unit 0 after step 20 of outer sync 1"
             } else {
-                "at unit 0 after step 20 (exchange 1)"
+                "at exchange #1 of unit 0 after step 20,"
             };
             assert!(e.contains(theirs), "rank {rank}: {e}");
         }
