@@ -423,8 +423,48 @@ fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_chain(&e));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// An error and its causes, each joined with ": " as anyhow's `{:#}` does,
+/// but a cause the message before it already ends with is said once
+/// (errors that name their source in their own message).
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut said = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if said.ends_with(&text) {
+            continue;
+        }
+        if !said.is_empty() {
+            said.push_str(": ");
+        }
+        said.push_str(&text);
+    }
+    said
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_chain;
+
+    #[test]
+    fn a_cause_its_error_already_names_is_said_once_and_context_is_kept() {
+        let io = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let spawn = zeropp::comm::launch::LaunchError::Spawn {
+            program: "x".into(),
+            rank: 0,
+            source: io(),
+        };
+        let e = anyhow::Error::from(spawn);
+        assert_eq!(
+            error_chain(&e),
+            "cannot start \"x\" for rank 0: no such file"
+        );
+        let e = anyhow::Error::from(io()).context("reading the data");
+        assert_eq!(error_chain(&e), "reading the data: no such file");
     }
 }

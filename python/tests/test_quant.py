@@ -79,6 +79,11 @@ def test_bad_input_is_an_exception_that_says_what_to_do():
         quant.quantize(torch.zeros(64), block=100)
     with pytest.raises(zeropp.ZeroppError, match="NaN|finite|nan"):
         quant.quantize(torch.tensor([1.0, float("nan")] * 32))
+    for empty in (torch.empty(0), np.zeros(0, dtype=np.float32)):
+        with pytest.raises(zeropp.ZeroppError, match="empty"):
+            quant.quantize(empty)
+    with pytest.raises(zeropp.ZeroppError, match="what zeropp.quant.quantize returned"):
+        quant.dequantize(b"garbage")
 
 
 def write_safetensors(path, tensors):

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _zeropp
 from ._buffers import _torch, dtype_name, host_bytes
+from ._zeropp import ZeroppError
 
 __all__ = ["Quantized", "dequantize", "error", "quantize"]
 
@@ -57,6 +58,8 @@ def quantize(x, bits=8, block=256, asymmetric=False, seed=None):
     ``seed``: stochastic rounding with that seed (default: round to nearest
     even, bit-exact with zeropp's CUDA kernels)."""
     name = dtype_name(x)
+    if (x.numel() if callable(getattr(x, "numel", None)) else np.size(x)) == 0:
+        raise ZeroppError("quantize got an empty tensor: there is nothing to quantize")
     codes, bmax, bmin = _zeropp.quantize(host_bytes(x, "x"), name, bits, block, asymmetric, seed)
     torch = _torch()
     return Quantized(
@@ -75,6 +78,11 @@ def quantize(x, bits=8, block=256, asymmetric=False, seed=None):
 def dequantize(q, dtype="float32"):
     """The values of ``q``, as a tensor (when ``q`` came from one) or a numpy
     array of ``dtype`` ('float32', 'bfloat16' or 'float16') and ``q``'s shape."""
+    if not isinstance(q, Quantized):
+        raise ZeroppError(
+            f"dequantize takes what zeropp.quant.quantize returned (a Quantized), not "
+            f"{type(q).__name__}"
+        )
     torch = _torch()
     if q.is_torch:
         out = torch.empty(q.shape, dtype=getattr(torch, dtype))

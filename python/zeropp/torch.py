@@ -182,7 +182,8 @@ def job(transport=None, ranks_per_node=None):
     if not dist.is_available() or not dist.is_initialized():
         raise ZeroppError(
             "torch.distributed is not initialized: call dist.init_process_group(...) "
-            "(under torchrun: dist.init_process_group('gloo')) before zeropp.torch.fully_shard"
+            "(under torchrun: dist.init_process_group('gloo')) before zeropp.torch's "
+            "fully_shard, enable, job, traffic or measured"
         )
     if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
