@@ -292,7 +292,7 @@ fn ranks_that_disagree_on_the_world_size_are_named() {
 fn the_launcher_prefixes_output_and_names_a_failing_rank() {
     let child = Command::new(ZEROPP)
         .args(["launch", "--nodes", "1", "--ranks-per-node", "3", "--grace", "1", "--"])
-        .args(["sh", "-c", "echo hello from $RANK of $WORLD_SIZE on node $NODE_RANK; if [ $RANK = 2 ]; then exit 7; fi; sleep 60"])
+        .args(["sh", "-c", "echo hello from $RANK of $WORLD_SIZE on node $NODE_RANK; if [ $RANK = 2 ]; then echo 'error: no data' >&2; exit 7; fi; sleep 60"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -300,7 +300,11 @@ fn the_launcher_prefixes_output_and_names_a_failing_rank() {
     let start = Instant::now();
     let (ok, out, err) = finish(child, Duration::from_secs(30), "the launcher");
     assert!(!ok);
-    assert!(err.contains("rank 2 failed with exit code 7"), "{err}");
+    // Its last words repeated in the launcher's own error.
+    assert!(
+        err.contains("rank 2 failed with exit code 7 (it said: no data)"),
+        "{err}"
+    );
     for r in 0..3 {
         assert!(
             out.contains(&format!("[rank {r}] hello from {r} of 3 on node 0")),

@@ -35,8 +35,14 @@ pub enum LaunchError {
         source: std::io::Error,
     },
     /// The first rank that failed; the others were stopped.
-    #[error("rank {rank} failed with {status}; the other ranks were stopped")]
-    RankFailed { rank: usize, status: String },
+    #[error("rank {rank} failed with {status}{said}; the other ranks were stopped")]
+    RankFailed {
+        rank: usize,
+        status: String,
+        /// The rank's last line on stderr where it exited with a code of
+        /// its own (its error), as ` (it said: ...)`; else empty.
+        said: String,
+    },
 }
 
 type Result<T> = std::result::Result<T, LaunchError>;
@@ -107,15 +113,19 @@ fn describe(status: ExitStatus) -> String {
 fn forward(
     rank: usize,
     stream: impl Read + Send + 'static,
-    to_stderr: bool,
+    stderr_words: Option<LastWords>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let reader = BufReader::new(stream);
         for line in reader.split(b'\n') {
             let Ok(line) = line else { break };
             let text = String::from_utf8_lossy(&line);
-            if to_stderr {
+            if let Some(words) = &stderr_words {
                 let _ = writeln!(std::io::stderr().lock(), "[rank {rank}] {text}");
+                if !text.trim().is_empty() {
+                    let mut words = words.lock().unwrap_or_else(|p| p.into_inner());
+                    words.insert(rank, text.trim().to_string());
+                }
             } else {
                 let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
             }
@@ -138,7 +148,13 @@ struct Meeting {
     master_port: u16,
     token: String,
     store: Option<String>,
+    /// Each rank's last line on stderr: the launch's own error repeats a
+    /// failed rank's.
+    last_words: LastWords,
 }
+
+/// Each rank's last non-empty line on stderr, as its output goes by.
+type LastWords = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<usize, String>>>;
 
 /// With islands, the job's store ([`StoreServer`]: torch's `TCPStore`
 /// wire) lives in the launcher of node 0, so that it outlives every rank
@@ -283,6 +299,7 @@ fn meeting(opts: &LaunchOptions) -> Result<Meeting> {
                 master_port: port,
                 token,
                 store: None,
+                last_words: LastWords::default(),
             })
         }
         Some(k) => {
@@ -309,6 +326,7 @@ fn meeting(opts: &LaunchOptions) -> Result<Meeting> {
                 master_port: port.unwrap_or(DEFAULT_PORT),
                 token,
                 store: None,
+                last_words: LastWords::default(),
             })
         }
     }
@@ -380,10 +398,10 @@ fn spawn(
         source,
     })?;
     if let Some(out) = child.stdout.take() {
-        forwarders.push(forward(rank, out, false));
+        forwarders.push(forward(rank, out, None));
     }
     if let Some(err) = child.stderr.take() {
-        forwarders.push(forward(rank, err, true));
+        forwarders.push(forward(rank, err, Some(meeting.last_words.clone())));
     }
     Ok(Rank {
         rank,
@@ -528,6 +546,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         )));
     }
     let mut meeting = meeting(opts)?;
+    let last_words = meeting.last_words.clone();
     let (store, server) = job_store(opts, &meeting)?;
     meeting.store = store;
     // The ranks' timeout: --timeout, else ZEROPP_TIMEOUT_S, else 60 s.
@@ -595,9 +614,16 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         return Ok(());
     };
     if failures.len() >= here.len() {
+        let said = match (first.status.code(), last_words.lock()) {
+            (Some(_), Ok(words)) => words.get(&first.rank).map_or(String::new(), |w| {
+                format!(" (it said: {})", w.strip_prefix("error: ").unwrap_or(w))
+            }),
+            _ => String::new(),
+        };
         return Err(LaunchError::RankFailed {
             rank: first.rank,
             status: describe(first.status),
+            said,
         });
     }
     for f in &failures {

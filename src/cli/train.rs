@@ -228,6 +228,8 @@ mod tests {
             assert!(format!("{e:#}").contains(says), "{flag} {value}: {e:#}");
         }
         assert!(config(&["--lr", "0.01", "--max-grad-norm", "0"]).is_ok());
+        let e = config(&["--stop-after", "0"]).unwrap_err();
+        assert!(format!("{e:#}").contains("at least one step"), "{e:#}");
     }
 
     #[test]

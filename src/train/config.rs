@@ -361,6 +361,9 @@ impl TrainConfig {
         if self.run.steps == 0 || self.run.batch == 0 {
             bail!("steps and batch must be at least 1");
         }
+        if self.run.stop_after == Some(0) {
+            bail!("--stop-after 0: a run stops after at least one step of its own");
+        }
         if self.launch.nodes == 0 || self.launch.ranks_per_node == 0 {
             bail!("nodes and ranks_per_node must be at least 1");
         }
