@@ -490,7 +490,11 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         .output()
         .unwrap();
     assert!(!o.status.success());
-    assert!(show(&o).contains("does not match"), "{}", show(&o));
+    assert!(
+        show(&o).contains("was trained with width 32 (asked: 64)") && show(&o).contains("--width"),
+        "{}",
+        show(&o)
+    );
     // Nothing there at all.
     let o = inspect(&d.join("nothing"));
     assert!(!o.status.success());

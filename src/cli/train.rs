@@ -77,8 +77,39 @@ impl TrainArgs {
         self.model.apply(&mut c.model);
         self.optim.apply(&mut c.optim);
         c.validate()?;
+        if let Some(r) = &self.checkpoint.resume {
+            same_model_as(r, &c.model)?;
+        }
         Ok(c)
     }
+}
+
+/// A resume keeps the checkpoint's model: a shape asked otherwise (a flag,
+/// or a config file) is refused naming each setting that differs.
+fn same_model_as(resume: &std::path::Path, model: &crate::train::model::ModelConfig) -> Result<()> {
+    let dir = crate::train::checkpoint::resolve(resume)?;
+    let saved = crate::train::checkpoint::read_manifest(&dir)?.config.model;
+    let (theirs, mine) = (serde_json::to_value(&saved)?, serde_json::to_value(model)?);
+    let differ: Vec<String> = crate::train::model::ModelConfig::KEYS
+        .iter()
+        .filter(|k| theirs[**k] != mine[**k])
+        .map(|k| format!("{k} {} (asked: {})", theirs[*k], mine[*k]))
+        .collect();
+    if !differ.is_empty() {
+        bail!(
+            "{} was trained with {}: a resume keeps the checkpoint's model, so drop --{} (or \
+             those keys of the config file) or start a new run",
+            dir.display(),
+            differ.join(", "),
+            crate::train::model::ModelConfig::KEYS
+                .iter()
+                .filter(|k| theirs[**k] != mine[**k])
+                .map(|k| k.replace('_', "-"))
+                .collect::<Vec<_>>()
+                .join(", --")
+        );
+    }
+    Ok(())
 }
 
 /// Runs `zeropp train`.
