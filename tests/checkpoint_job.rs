@@ -495,6 +495,17 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         "{}",
         show(&o)
     );
+    // A latest that names a step gone: the ones there are named.
+    let root = d.join("root");
+    copy_dir(&good, &root.join("step-00000010"));
+    std::fs::write(root.join("latest"), "step-00000012").unwrap();
+    let o = inspect(&root);
+    assert!(!o.status.success());
+    assert!(
+        show(&o).contains("checkpoints here: step-00000010 (resume one by its path"),
+        "{}",
+        show(&o)
+    );
     // Nothing there at all.
     let o = inspect(&d.join("nothing"));
     assert!(!o.status.success());

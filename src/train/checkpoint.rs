@@ -736,15 +736,17 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         let name = name.trim();
         if name.is_empty() || name.contains('/') || name.contains("..") {
             bail!(
-                "{}: does not name a checkpoint ({name:?})",
-                latest.display()
+                "{}: does not name a checkpoint ({name:?}){}",
+                latest.display(),
+                others_here(path)
             );
         }
         let dir = path.join(name);
         if !dir.join("manifest.json").is_file() {
             bail!(
-                "{} names {name}, which has no manifest.json",
-                latest.display()
+                "{} names {name}, which has no manifest.json{}",
+                latest.display(),
+                others_here(path)
             );
         }
         return Ok(dir);
@@ -753,6 +755,27 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         "no checkpoint at {}: expected a manifest.json (a checkpoint) or a latest file (a checkpoint directory)",
         path.display()
     )
+}
+
+/// The checkpoints beside a `latest` that names none, newest first, as a
+/// hint to resume one of them (empty when there is none).
+fn others_here(root: &Path) -> String {
+    let mut steps: Vec<String> = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("manifest.json").is_file())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    steps.sort_unstable_by(|a, b| b.cmp(a));
+    match steps.first() {
+        None => String::new(),
+        Some(newest) => format!(
+            "; checkpoints here: {} (resume one by its path: --resume {})",
+            steps.join(", "),
+            root.join(newest).display()
+        ),
+    }
 }
 
 /// Reads and checks a checkpoint's manifest.
