@@ -46,7 +46,10 @@ impl Model {
     pub fn logits(&self, batch: &[Vec<u32>]) -> Result<Tensor> {
         let t = batch.first().map_or(0, Vec::len);
         if t == 0 || batch.iter().any(|s| s.len() != t) {
-            bail!("give one or more sequences of the same, non-zero length");
+            let lens: Vec<usize> = batch.iter().map(Vec::len).collect();
+            bail!(
+                "give one or more sequences of the same, non-zero length (their lengths: {lens:?})"
+            );
         }
         if t > self.config.context {
             bail!(
