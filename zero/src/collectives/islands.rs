@@ -709,8 +709,8 @@ pub fn agree_ready(
         // The islands that knew of no loss then take nobody back.
         Ran::Skipped => {
             tracing::warn!(
-                "islands: the others found the loss only after their membership round and skip \
-                 {name}: nobody rejoins then"
+                "islands: some islands left found the loss only after their membership round \
+                 and go on to their exchanges: this rank skips {name}, and nobody rejoins then"
             );
             vec![0.0; count]
         }
