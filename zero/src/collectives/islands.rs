@@ -878,6 +878,19 @@ mod tests {
         }
     }
 
+    /// Rank `rank`'s membership of four islands of one rank, island 3
+    /// lost (the groups made anew without it).
+    fn three_left_of_four(rank: usize) -> Mutex<Membership> {
+        let kind = GroupKind::Across {
+            place: Some(0),
+            members: 0,
+        };
+        let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
+        let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
+        lock(&m).lose(3, 20, "killed".into()).unwrap();
+        m
+    }
+
     fn at(step: u64, unit: usize) -> ExchangeName {
         ExchangeName {
             sync: 0,
@@ -899,13 +912,7 @@ mod tests {
         let completed = vec![0.25f32; 1000];
         let got = on_world(3, 1, Duration::from_secs(20), move |r| {
             let rank = r.layout.rank;
-            let kind = GroupKind::Across {
-                place: Some(0),
-                members: 0,
-            };
-            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
-            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
-            lock(&m).lose(3, 20, "killed".into()).unwrap();
+            let m = three_left_of_four(rank);
             let with = Across {
                 members: &m,
                 counter: &r.counter,
@@ -947,13 +954,7 @@ mod tests {
         let x = at(20, 0);
         let got = on_world(3, 1, Duration::from_secs(20), move |r| {
             let rank = r.layout.rank;
-            let kind = GroupKind::Across {
-                place: Some(0),
-                members: 0,
-            };
-            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
-            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
-            lock(&m).lose(3, 20, "killed".into()).unwrap();
+            let m = three_left_of_four(rank);
             let mut took = None;
             if rank < 2 {
                 lock(&m).last = Some((x, Some(vec![0.5; 100])));
@@ -987,13 +988,7 @@ mod tests {
         let (x, y) = (at(20, 0), at(22, 0));
         let got = on_world(3, 1, Duration::from_secs(20), move |r| {
             let rank = r.layout.rank;
-            let kind = GroupKind::Across {
-                place: Some(0),
-                members: 0,
-            };
-            let across = Arc::new(Group::new(kind, (0..4).collect()).unwrap());
-            let m = Mutex::new(Membership::new(4, 1, rank, 0, across));
-            lock(&m).lose(3, 22, "killed".into()).unwrap();
+            let m = three_left_of_four(rank);
             // Islands 0 and 1 took x from island 2 (a handover): they
             // kept its name alone.
             lock(&m).last = Some((x, (rank == 2).then(|| vec![0.5; 10])));
