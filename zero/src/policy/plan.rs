@@ -548,11 +548,20 @@ pub struct Plan {
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
 pub enum PlanError {
     /// A switch, or switches that do not go together (the one named).
-    #[error("{why}")]
+    #[error("{}", named(switch, why))]
     Switch { switch: String, why: String },
     /// The job's shape: its ranks, nodes, islands or a mesh over them.
     #[error("{0}")]
     Layout(String),
+}
+
+/// `why`, with the switch it is about in front where it does not say so.
+fn named(switch: &str, why: &str) -> String {
+    if why.contains(switch) {
+        why.to_string()
+    } else {
+        format!("{switch}: {why}")
+    }
 }
 
 impl PlanError {
@@ -572,8 +581,8 @@ impl PlanError {
     fn after(self, context: &str) -> PlanError {
         match self {
             PlanError::Switch { switch, why } => PlanError::Switch {
+                why: format!("{context}{}", named(&switch, &why)),
                 switch,
-                why: format!("{context}{why}"),
             },
             PlanError::Layout(why) => PlanError::Layout(format!("{context}{why}")),
         }
@@ -1090,7 +1099,7 @@ mod tests {
         );
         let e = e.to_string();
         assert!(
-            e.contains("invalid switches: qwZ supports 8 or 4 bits"),
+            e.contains("invalid switches: qwz_bits: qwZ supports 8 or 4 bits"),
             "{e}"
         );
         // References kept in bf16 or in host memory need references.
