@@ -56,6 +56,24 @@ fn topo_describes_this_machine_captures_it_and_names_bad_input() {
     let o = zeropp(&["topo", "--sysfs-root", dir.to_str().unwrap()]);
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("no sysfs here"));
+    // A file that never ends is not read whole; a plan of more ranks than
+    // a machine has is refused, not listed rank by rank.
+    let o = zeropp(&["topo", "--nvidia-smi-topo", "/dev/zero"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("over 16 MB"));
+    let o = zeropp(&[
+        "topo",
+        "plan",
+        "--nodes",
+        "100000000",
+        "--ranks-per-node",
+        "2",
+    ]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at most 65536 nodes"));
+    let o = zeropp(&["example-weights", "/dev/null", "--dim", "4294967295"]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("at most 2^30 values"));
     std::fs::remove_dir_all(dir).ok();
 }
 

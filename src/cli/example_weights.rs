@@ -49,6 +49,15 @@ fn normal(rng: &mut SmallRng, n: usize, std: f32) -> Vec<f32> {
 
 /// Writes the example checkpoint: `layers` transformer blocks of width `dim`.
 pub fn write(path: &Path, layers: usize, dim: usize, seed: u64) -> Result<usize> {
+    // About 12·dim² values a layer, in memory at once: an example, not a
+    // model (4 GB at most).
+    let values = (layers as u128 + 1) * 12 * (dim as u128) * (dim as u128) + 256 * dim as u128;
+    if dim == 0 || layers == 0 || values > 1 << 30 {
+        anyhow::bail!(
+            "--layers {layers} --dim {dim}: an example checkpoint of at least one layer of width \
+             at least 1, and at most 2^30 values (about {values} asked)"
+        );
+    }
     let mut rng = SmallRng::seed_from_u64(seed);
     let vocab = 256;
     let mut tensors = vec![ExampleTensor {

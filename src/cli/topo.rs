@@ -4,7 +4,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Subcommand;
 
 /// `zeropp topo`'s arguments.
@@ -72,8 +72,21 @@ pub fn run(args: TopoArgs) -> Result<()> {
             nccl_xml,
             json,
         } => {
-            let read = |f: &PathBuf| {
-                std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))
+            // A topology dump is a few KB: read at most 16 MB of one (a
+            // device or a wrong file named is refused, not read whole).
+            let read = |f: &PathBuf| -> Result<String> {
+                use std::io::Read;
+                const MOST: u64 = 16 << 20;
+                let file = std::fs::File::open(f)
+                    .with_context(|| format!("cannot read {}", f.display()))?;
+                let mut text = String::new();
+                file.take(MOST + 1)
+                    .read_to_string(&mut text)
+                    .with_context(|| format!("cannot read {} (text)", f.display()))?;
+                if text.len() as u64 > MOST {
+                    bail!("{}: over 16 MB, not a topology dump", f.display());
+                }
+                Ok(text)
             };
             let topo = match (nvidia_smi_topo, nccl_xml) {
                 (Some(f), _) => zeropp_topology::smi::parse(&read(&f)?).with_context(|| {
@@ -93,6 +106,15 @@ pub fn run(args: TopoArgs) -> Result<()> {
                     nodes,
                     ranks_per_node,
                 }) => {
+                    // The plan lists every local rank; a node of more ranks
+                    // than any machine has is a mistake, not a plan.
+                    const MOST: usize = 1 << 16;
+                    if nodes > MOST || ranks_per_node > 1024 {
+                        bail!(
+                            "--nodes {nodes} --ranks-per-node {ranks_per_node}: at most {MOST} \
+                             nodes of at most 1024 ranks (`zeropp plan` predicts larger jobs)"
+                        );
+                    }
                     let plan = zeropp_zero::routing::plan(&topo, nodes, ranks_per_node)
                         .map_err(anyhow::Error::msg)?;
                     let run = crate::zero::plan::before_measuring(&topo, nodes, ranks_per_node)
