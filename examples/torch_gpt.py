@@ -221,7 +221,12 @@ def switch_value(raw):
         return low == "true"
     if low in ("none", "null"):
         return None
-    return int(raw)
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(
+            f"--switch NAME=VALUE takes true, false, none or an integer, not {raw!r}"
+        ) from None
 
 
 class Data:
@@ -278,6 +283,8 @@ def shard(model, args, world, g, device):
             mesh_dim_names=("replicate", "shard"),
         )
     elif args.mesh == "sub":
+        if world % 2:
+            raise SystemExit(f"--mesh sub cuts the job into pairs of ranks: {world} is odd")
         kw["mesh"] = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "other"))[
             "dp"
         ]
@@ -546,7 +553,13 @@ def main(argv=None):
         )
         dist.all_reduce(mine)
         run = [x * taking_part for x in mine.tolist()]
+    # A rank restarted and taken back at the last step trained none of its
+    # own: its summary says so (None) rather than fail.
     tail = losses[-10:]
+
+    def median(xs):
+        return statistics.median(xs) if xs else None
+
     summary = {
         "mode": args.mode,
         "mesh": args.mesh,
@@ -559,13 +572,13 @@ def main(argv=None):
         "params": params,
         "trainable_params": trainable,
         "steps": args.steps,
-        "initial_loss": losses[0],
-        "final_loss": sum(tail) / len(tail),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": sum(tail) / len(tail) if tail else None,
         "val_loss": sum(val) / len(val),
-        "tokens_per_s": tokens_per_step / statistics.median(times),
-        "median_step_time_s": statistics.median(times),
+        "tokens_per_s": tokens_per_step / median(times) if times else None,
+        "median_step_time_s": median(times),
         "mean_step_time_s": loop_s / args.steps,
-        "median_backward_s": statistics.median(backward_times),
+        "median_backward_s": median(backward_times),
         "local_reduce_scatter": args.local_reduce_scatter,
         "bytes_per_step": {
             "intra_node": statistics.fmean(inside) if inside else None,
@@ -600,7 +613,13 @@ def main(argv=None):
         summary["run_messages"] = {"intra_node": run[2], "inter_node": run[3]}
         summary["device_calls"] = zeropp.torch.device_calls()
         summary["in_flight_peak"] = zeropp.torch.in_flight_peak()
-    if lead:
+    if lead and not losses:
+        print(
+            f"done: no step of this rank's own (taken back after the last step), validation "
+            f"{summary['val_loss']:.4f}",
+            flush=True,
+        )
+    elif lead:
         print(
             f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
             f"(last 10 steps), validation {summary['val_loss']:.4f}; "
