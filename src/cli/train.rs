@@ -90,23 +90,23 @@ fn same_model_as(resume: &std::path::Path, model: &crate::train::model::ModelCon
     let dir = crate::train::checkpoint::resolve(resume)?;
     let saved = crate::train::checkpoint::read_manifest(&dir)?.config.model;
     let (theirs, mine) = (serde_json::to_value(&saved)?, serde_json::to_value(model)?);
-    let differ: Vec<String> = crate::train::model::ModelConfig::KEYS
+    let differ: Vec<&str> = crate::train::model::ModelConfig::KEYS
         .iter()
-        .filter(|k| theirs[**k] != mine[**k])
-        .map(|k| format!("{k} {} (asked: {})", theirs[*k], mine[*k]))
+        .copied()
+        .filter(|k| theirs[*k] != mine[*k])
         .collect();
     if !differ.is_empty() {
+        let said: Vec<String> = differ
+            .iter()
+            .map(|k| format!("{k} {} (asked: {})", theirs[*k], mine[*k]))
+            .collect();
+        let flags: Vec<String> = differ.iter().map(|k| k.replace('_', "-")).collect();
         bail!(
             "{} was trained with {}: a resume keeps the checkpoint's model, so drop --{} (or \
              those keys of the config file) or start a new run",
             dir.display(),
-            differ.join(", "),
-            crate::train::model::ModelConfig::KEYS
-                .iter()
-                .filter(|k| theirs[**k] != mine[**k])
-                .map(|k| k.replace('_', "-"))
-                .collect::<Vec<_>>()
-                .join(", --")
+            said.join(", "),
+            flags.join(", --")
         );
     }
     Ok(())
