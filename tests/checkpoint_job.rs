@@ -772,6 +772,59 @@ fn a_killed_island_is_restarted_and_rejoins_from_a_live_island() {
 }
 
 #[test]
+fn an_island_dead_as_the_job_starts_is_taken_back_at_the_first_sync() {
+    // A rank's first start dies before it joins (a node failing as the job
+    // starts: SIGKILLed at once), so the others meet its restarted self
+    // first: it builds the mesh with them instead of waiting to rejoin one
+    // nobody built, they keep it out of their exchanges (a wait on it fails
+    // at once, not at --timeout), and take its island back at their first
+    // outer sync. Island 0 (rank 0, lowest of all) and island 1.
+    for victim in ["0", "1"] {
+        let d = tmp(&format!("island-dies-at-start-{victim}"));
+        let summary = d.join("s.json");
+        let started = std::time::Instant::now();
+        let o = zeropp()
+            .args(["launch", "--nodes", "2", "--ranks-per-node", "1"])
+            .args(["--islands", "2", "--restarts", "1", "--timeout", "60", "--"])
+            .args(["sh", "-c"])
+            .arg(r#"[ -z "$ZEROPP_REJOIN" ] && [ "$RANK" = "$VICTIM" ] && kill -9 $$; exec "$@""#)
+            .args(["sh", env!("CARGO_BIN_EXE_zeropp"), "train"])
+            .args(MODEL)
+            .args(["--islands", "2", "--sync-every", "5", "--steps", "400"])
+            .args(["--transport", "tcp", "--summary-json", s(&summary)])
+            .env("VICTIM", victim)
+            .output()
+            .unwrap();
+        let text = show(&o);
+        assert!(o.status.success(), "{text}");
+        assert!(
+            text.contains(&format!("rank {victim} failed with signal 9")),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("rank {victim}: rejoined after step")),
+            "{text}"
+        );
+        // Not one --timeout spent waiting on the restarted rank.
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(50),
+            "{text}"
+        );
+        let sm = json(&summary);
+        assert_eq!(sm["steps"], 400, "{sm}");
+        // At the first outer sync, or the next where its request to
+        // rejoin came after the first's agreement.
+        let back = &sm["islands"]["rejoined"];
+        assert_eq!(back[0]["island"], victim.parse::<u64>().unwrap(), "{sm}");
+        assert!(
+            [5, 10].contains(&back[0]["after_step"].as_u64().unwrap()),
+            "{sm}"
+        );
+        std::fs::remove_dir_all(d).ok();
+    }
+}
+
+#[test]
 fn of_three_islands_a_killed_one_is_lost_and_the_two_others_keep_each_other() {
     // 3 islands of one rank, syncing every 2 steps, so the kill likely
     // lands in an exchange: the island whose ring predecessor gives the

@@ -398,6 +398,8 @@ pub fn host_layout(hosts: &[(String, String)]) -> Result<HostLayout, PlacementEr
 
 #[cfg(test)]
 mod tests {
+    use bytes::Bytes;
+
     use super::*;
 
     fn hosts(names: &[&str]) -> Vec<(String, String)> {
@@ -447,6 +449,15 @@ mod tests {
         world: usize,
         claimed: impl Fn(usize) -> usize + Sync,
     ) -> Vec<Result<Joined, CommError>> {
+        join_islands(world, claimed, |_| None)
+    }
+
+    /// [`join_all`] with each rank's part in rejoins.
+    fn join_islands(
+        world: usize,
+        claimed: impl Fn(usize) -> usize + Sync,
+        rejoins: impl Fn(usize) -> Option<super::super::tcp::Rejoins> + Sync,
+    ) -> Vec<Result<Joined, CommError>> {
         let board = std::sync::Arc::new(Board {
             slots: std::sync::Mutex::new(vec![None; world]),
             filled: std::sync::Condvar::new(),
@@ -454,7 +465,7 @@ mod tests {
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
-                    let (board, claimed) = (board.clone(), &claimed);
+                    let (board, claimed, rejoins) = (board.clone(), &claimed, &rejoins);
                     s.spawn(move || {
                         let opts = JoinOptions {
                             kind: TransportKind::Tcp,
@@ -464,7 +475,7 @@ mod tests {
                             ip: IpAddr::from([127, 0, 0, 1]),
                             timeout: Duration::from_secs(20),
                             ranks_per_node: None,
-                            rejoins: None,
+                            rejoins: rejoins(rank),
                         };
                         join(&opts, serde_json::json!({ "me": rank }), &mut |m| {
                             board.exchange(rank, m)
@@ -496,6 +507,56 @@ mod tests {
             .unwrap();
         h.wait(2, Duration::from_secs(10)).unwrap();
         assert_eq!(&got[..], b"hi");
+    }
+
+    #[test]
+    fn a_rank_restarted_before_the_others_met_it_is_out_of_their_collectives_until_readmitted() {
+        // Two islands of one rank; island 1's rank is a restarted one whose
+        // first start died before the mesh was built: it builds the mesh
+        // with island 0, which meets it first as a restarted rank.
+        let joined: Vec<Joined> = join_islands(
+            2,
+            |_| 2,
+            |r| {
+                Some(super::super::tcp::Rejoins {
+                    island: r..r + 1,
+                    rejoining: false,
+                    restarted: r == 1,
+                })
+            },
+        )
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+        let (live, restarted) = (&joined[0].transport, &joined[1].transport);
+        // A collective's wait on it fails at once, naming it, instead of
+        // at the timeout (it waits to rejoin, in no collective).
+        restarted.send(0, 7, Bytes::from_static(b"x")).unwrap();
+        let started = std::time::Instant::now();
+        let e = live.recv(1, 7, Duration::from_secs(30)).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5), "{e}");
+        assert!(
+            matches!(e, CommError::PeerFailed { peer: 1, .. })
+                && e.to_string().contains("restarted"),
+            "{e}"
+        );
+        // Its request to rejoin arrives.
+        let request = super::super::group::rejoin_tag(1);
+        restarted
+            .send(0, request, Bytes::from_static(b"back"))
+            .unwrap();
+        let got = live.recv(1, request, Duration::from_secs(10)).unwrap();
+        assert_eq!(&got[..], b"back");
+        // Taken back, its collectives' messages are waited for again; the
+        // restarted rank waits on the live one as on any rank.
+        live.readmit(1);
+        restarted.send(0, 8, Bytes::from_static(b"y")).unwrap();
+        assert_eq!(&live.recv(1, 8, Duration::from_secs(10)).unwrap()[..], b"y");
+        live.send(1, 9, Bytes::from_static(b"z")).unwrap();
+        assert_eq!(
+            &restarted.recv(0, 9, Duration::from_secs(10)).unwrap()[..],
+            b"z"
+        );
     }
 
     #[test]

@@ -61,6 +61,12 @@ impl Job {
             ..facts.clone()
         };
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
+        // A restarted rank joins the mesh the others built with its earlier
+        // start; where that start died before, it builds it with them.
+        let met_before = match store.as_mut() {
+            Some(s) if facts.rejoin => s.mesh_joined_before(facts.rank)?,
+            _ => facts.rejoin,
+        };
         let opts = exchange::JoinOptions {
             kind,
             rank: facts.rank,
@@ -75,7 +81,8 @@ impl Job {
             rejoins: (facts.islands > 1 && kind == TransportKind::Tcp).then(|| {
                 super::tcp::Rejoins {
                     island: facts.island_ranks(),
-                    rejoining: facts.rejoin,
+                    rejoining: facts.rejoin && met_before,
+                    restarted: facts.rejoin,
                 }
             }),
         };
@@ -93,6 +100,9 @@ impl Job {
                 })
                 .collect()
         })?;
+        if let Some(s) = store.as_mut().filter(|_| facts.islands > 1) {
+            s.joined_mesh(facts.rank, facts.attempt)?;
+        }
         tracing::debug!(
             "rank {} joined: {} ranks on {} nodes over {kind:?}",
             facts.rank,

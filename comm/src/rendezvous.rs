@@ -408,6 +408,24 @@ pub struct TorchrunStore {
     prefix: String,
 }
 
+impl TorchrunStore {
+    /// Whether an earlier start of `rank` joined the job's mesh
+    /// ([`TorchrunStore::joined_mesh`]): a restarted rank rejoins the mesh
+    /// the others built, or, where none did, builds it with them.
+    pub fn mesh_joined_before(&mut self, rank: usize) -> Result<bool, CommError> {
+        self.store
+            .check(&[store_key(&self.prefix, &format!("built/{rank}"))])
+    }
+
+    /// Records that `rank` (its `attempt`-th start) joined the mesh.
+    pub fn joined_mesh(&mut self, rank: usize, attempt: usize) -> Result<(), CommError> {
+        self.store.set(
+            &store_key(&self.prefix, &format!("built/{rank}")),
+            attempt.to_string().as_bytes(),
+        )
+    }
+}
+
 /// Where the job's store of `zeropp launch --islands` is (ZEROPP_STORE's
 /// `host:port`).
 pub fn store_addr(store: &str) -> Result<SocketAddr, CommError> {

@@ -49,6 +49,11 @@ pub struct Rejoins {
     /// every rank it can outside its island (a rank that does not answer
     /// is counted dead) and builds its island's part of the mesh anew.
     pub rejoining: bool,
+    /// This rank is a restarted one of a lost island (rejoining, or, where
+    /// the mesh was never built, building it with the others): its hello
+    /// says so, and the ranks of the other islands keep it out of their
+    /// collectives until they take its island back.
+    pub restarted: bool,
 }
 
 struct Outgoing {
@@ -83,20 +88,31 @@ fn hello_payload(token: &str, world_size: usize) -> Vec<u8> {
     p
 }
 
+/// A hello's tag: the caller is a restarted rank of a lost island that
+/// asks to rejoin (0: a rank of the job as it started).
+const HELLO_RESTARTED: Tag = 1;
+
 fn send_hello(
     stream: &mut TcpStream,
     rank: usize,
-    token: &str,
+    options: &TcpOptions,
     world: usize,
 ) -> std::io::Result<()> {
-    let payload = hello_payload(token, world);
+    let payload = hello_payload(&options.token, world);
+    let restarted = options.rejoins.as_ref().is_some_and(|r| r.restarted);
     let header = Header {
         kind: Kind::Hello,
         source: rank as u32,
-        tag: 0,
+        tag: if restarted { HELLO_RESTARTED } else { 0 },
         len: payload.len() as u64,
     };
     wire::write_frame(stream, &header, &payload)
+}
+
+/// A checked hello: who sent it, and whether it is a restarted rank.
+struct Greeting {
+    rank: usize,
+    restarted: bool,
 }
 
 /// Reads a `Hello` and returns the caller's rank if its token and world size
@@ -106,7 +122,7 @@ fn read_hello(
     token: &str,
     world_size: usize,
     timeout: Duration,
-) -> Result<usize, HelloError> {
+) -> Result<Greeting, HelloError> {
     stream.set_read_timeout(Some(timeout))?;
     let ReadFrame::Frame(header, payload) = wire::read_frame(stream)? else {
         return Err(HelloError::Closed);
@@ -126,7 +142,10 @@ fn read_hello(
         });
     }
     stream.set_read_timeout(None)?;
-    Ok(header.source as usize)
+    Ok(Greeting {
+        rank: header.source as usize,
+        restarted: header.tag == HELLO_RESTARTED,
+    })
 }
 
 /// Connects to `peer` at `addr` and trades hellos, retrying until
@@ -137,7 +156,7 @@ fn connect_to(
     options: &TcpOptions,
     deadline: Instant,
     world_size: usize,
-) -> Result<TcpStream, CommError> {
+) -> Result<(TcpStream, bool), CommError> {
     loop {
         let mut stream = loop {
             match TcpStream::connect_timeout(addr, Duration::from_secs(5)) {
@@ -149,7 +168,7 @@ fn connect_to(
                 Err(e) => return Err(io_err(format!("rank {peer} at {addr}"))(e)),
             }
         };
-        send_hello(&mut stream, rank, &options.token, world_size)
+        send_hello(&mut stream, rank, options, world_size)
             .map_err(io_err(format!("rank {peer} at {addr}")))?;
         let remaining = deadline.saturating_duration_since(Instant::now());
         match read_hello(
@@ -158,8 +177,8 @@ fn connect_to(
             world_size,
             remaining.max(Duration::from_millis(1)),
         ) {
-            Ok(answer) if answer == peer => return Ok(stream),
-            Ok(answer) => {
+            Ok(answer) if answer.rank == peer => return Ok((stream, answer.restarted)),
+            Ok(Greeting { rank: answer, .. }) => {
                 return Err(CommError::Join(format!(
                     "the listener at {addr} answered as rank {answer}, expected rank {peer}: \
                      two ranks share one address, or the rendezvous table is wrong"
@@ -188,14 +207,15 @@ fn connect_to(
 
 /// Accepts the connections of every rank above `rank` that does not
 /// connect to it itself (`connects`: the ranks this one connected to), each
-/// checked by its hello, into `streams`, until `deadline`.
+/// checked by its hello, into `streams` (with whether the rank said it
+/// was restarted), until `deadline`.
 fn accept_higher(
     (rank, world_size): (usize, usize),
     listener: &TcpListener,
     options: &TcpOptions,
     deadline: Instant,
     connects: &dyn Fn(usize) -> bool,
-    streams: &mut [Option<TcpStream>],
+    streams: &mut [Option<(TcpStream, bool)>],
 ) -> Result<(), CommError> {
     listener
         .set_nonblocking(true)
@@ -214,18 +234,20 @@ fn accept_higher(
                     world_size,
                     remaining.max(Duration::from_millis(1)),
                 ) {
-                    Ok(peer)
-                        if peer > rank
-                            && peer < world_size
-                            && !connects(peer)
-                            && streams[peer].is_none() =>
+                    Ok(Greeting {
+                        rank: peer,
+                        restarted,
+                    }) if peer > rank
+                        && peer < world_size
+                        && !connects(peer)
+                        && streams[peer].is_none() =>
                     {
-                        send_hello(&mut stream, rank, &options.token, world_size)
+                        send_hello(&mut stream, rank, options, world_size)
                             .map_err(io_err(format!("rank {peer} at {from}")))?;
-                        streams[peer] = Some(stream);
+                        streams[peer] = Some((stream, restarted));
                         missing -= 1;
                     }
-                    Ok(peer) => tracing::warn!(
+                    Ok(Greeting { rank: peer, .. }) => tracing::warn!(
                         "refused a connection from {from}: it claims rank {peer}, which is \
                          not expected here (duplicate, lower or out of range)"
                     ),
@@ -271,7 +293,7 @@ impl TcpTransport {
             });
         }
         let deadline = Instant::now() + options.connect_timeout;
-        let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
+        let mut streams: Vec<Option<(TcpStream, bool)>> = (0..world_size).map(|_| None).collect();
 
         // A rejoining rank connects to every rank outside its island too
         // (they take restarted ranks on their acceptor thread); the ranks
@@ -293,7 +315,7 @@ impl TcpTransport {
                 deadline
             };
             match connect_to(rank, (peer, addr), options, until, world_size) {
-                Ok(stream) => streams[peer] = Some(stream),
+                Ok(connected) => streams[peer] = Some(connected),
                 Err(e) if outside => {
                     tracing::warn!("rejoining: rank {peer} at {addr} did not take us ({e})");
                     unreachable.push((
@@ -322,9 +344,26 @@ impl TcpTransport {
         let mut peers: Vec<RwLock<Option<Peer>>> = Vec::with_capacity(world_size);
         for (peer, stream) in streams.into_iter().enumerate() {
             peers.push(RwLock::new(match stream {
-                Some(stream) => Some(Self::start_peer(
-                    rank, peer, stream, &mailbox, &pool, options,
-                )?),
+                Some((stream, restarted)) => {
+                    if restarted
+                        && options
+                            .rejoins
+                            .as_ref()
+                            .is_some_and(|r| !r.island.contains(&peer))
+                    {
+                        // A rank of another island restarted before this
+                        // one first met it: it asks to rejoin, and is in
+                        // no collective until its island is taken back —
+                        // a wait on it fails at once, not at the timeout.
+                        mailbox.revive(peer);
+                        tracing::info!(
+                            "rank {peer} is a restarted rank of its island: it asks to rejoin"
+                        );
+                    }
+                    Some(Self::start_peer(
+                        rank, peer, stream, &mailbox, &pool, options,
+                    )?)
+                }
                 None => None,
             }));
         }
@@ -388,8 +427,12 @@ impl TcpTransport {
                         Duration::from_secs(10),
                     );
                     let peer = match hello {
-                        Ok(p) if p != rank && p < world_size && mailbox.is_gone(p) => p,
-                        Ok(p) => {
+                        Ok(Greeting { rank: p, .. })
+                            if p != rank && p < world_size && mailbox.is_gone(p) =>
+                        {
+                            p
+                        }
+                        Ok(Greeting { rank: p, .. }) => {
                             tracing::warn!(
                                 "refused a connection from {from} claiming rank {p}: that rank's \
                                  connection is alive"
@@ -401,7 +444,7 @@ impl TcpTransport {
                             continue;
                         }
                     };
-                    if let Err(e) = send_hello(&mut stream, rank, &options.token, world_size) {
+                    if let Err(e) = send_hello(&mut stream, rank, &options, world_size) {
                         tracing::warn!("rank {peer} reconnecting from {from}: {e}");
                         continue;
                     }

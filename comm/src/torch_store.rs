@@ -190,6 +190,23 @@ impl TorchStore {
         )))
     }
 
+    /// Whether every key is set (without waiting).
+    pub fn check(&mut self, keys: &[String]) -> Result<bool, CommError> {
+        let mut b = vec![CHECK];
+        b.extend_from_slice(&(keys.len() as u64).to_le_bytes());
+        for k in keys {
+            put_bytes(&mut b, k.as_bytes());
+        }
+        self.send(&b)?;
+        match self.read_array::<1>()?[0] {
+            READY => Ok(true),
+            NOT_READY => Ok(false),
+            other => Err(CommError::Malformed(format!(
+                "torch's store answered a check with {other}"
+            ))),
+        }
+    }
+
     /// The value of `key`, waiting up to `timeout` for it to be set.
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>, CommError> {
         self.wait(&[key.to_string()], timeout)?;

@@ -325,6 +325,40 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
     assert weights.keys() == {"0", "1"} and weights["0"] == weights["1"], weights
 
 
+@pytest.mark.parametrize("victim", [0, 2])
+def test_an_island_dead_before_the_islands_met_rejoins_at_the_first_sync(
+    tmp_path, zeropp_bin, victim
+):
+    # An island's first start dies before its ranks reach the store (a node
+    # failing as the job starts): the other island's ranks meet its
+    # restarted ranks first (and island 0's first rank would have drawn the
+    # islands' token). They make the islands' job together; the live island
+    # takes the restarted one back at its first outer sync at once — not
+    # after the timeout it would wait on ranks that ask to rejoin — and both
+    # train to the end.
+    out = tmp_path / "s.json"
+    cmd = [zeropp_bin, "launch", "--nodes", "2", "--ranks-per-node", "2"]
+    cmd += ["--islands", "2", "--restarts", "1", "--timeout", "60", "--"]
+    cmd += [sys.executable, str(WORKERS / "dies_at_start.py"), str(EXAMPLE)]
+    cmd += ["--mode", "zeropp", "--islands", "2", "--sync-every", "5", "--steps", "30"]
+    cmd += ["--pace", "0.2", "--ranks-per-node", "2", "--log-every", "1000"]
+    cmd += ["--summary-json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DIE_AT_START=str(victim))
+    p = subprocess.run(
+        cmd, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300
+    )
+    text = p.stdout
+    assert p.returncode == 0, text[-6000:]
+    assert f"rank {victim} failed with signal 9" in text, text[-6000:]
+    s = json.loads(out.read_text())
+    rejoined = [(r["island"], r["step"]) for r in s["islands"]["rejoined"]]
+    assert rejoined == [(victim // 2, 5)], s["islands"]
+    longest = {int(i): float(t) for i, t in re.findall(r"island (\d) longest step (\S+) s", text)}
+    assert set(longest) == {0, 1} and max(longest.values()) < 20, longest
+    weights = dict(re.findall(r"island (\d) weights (\S+)", text))
+    assert weights.keys() == {"0", "1"} and weights["0"] == weights["1"], weights
+
+
 def test_init_islands_refuses_what_it_cannot_run_and_says_what_to_do():
     # A restarted rank (ZEROPP_REJOIN=1) calling the job-wide
     # init_process_group would wait for ranks that never start again;

@@ -212,14 +212,17 @@ def job(transport=None, ranks_per_node=None):
 
 def _join(store, draws_token, rank_world_exchange, ranks_per_node=None, **options):
     """A zeropp ``Job`` of ``rank`` of ``world`` joined through ``store``:
-    the rank that ``draws_token`` puts the job's token there, every rank
-    reads it, and ``exchange`` publishes each rank's address; logical nodes
-    of ``ranks_per_node`` (else ZEROPP_RANKS_PER_NODE, else the hosts)."""
+    the rank that ``draws_token`` puts the job's token there (``"first"``:
+    whichever rank comes first), every rank reads it, and ``exchange``
+    publishes each rank's address; logical nodes of ``ranks_per_node``
+    (else ZEROPP_RANKS_PER_NODE, else the hosts)."""
     rank, world, exchange = rank_world_exchange
     if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
     timeout_s = _timeout_s()
-    if draws_token:
+    if draws_token == "first":
+        store.compare_set("token", "", secrets.token_hex(16))
+    elif draws_token:
         store.set("token", secrets.token_hex(16))
     token = _store_get(store, "token", timeout_s, "the zeropp job's token").decode()
     port = os.environ.get("MASTER_PORT")
@@ -417,15 +420,23 @@ def _cross_job(transport, ranks_per_node):
             "restarted island's ranks back (the islands' own collectives keep their transport)"
         )
     store = w.job_store
+    # A restarted rank joins the running job where an earlier start of it
+    # joined it; else that start died before the islands' job was made,
+    # and it makes it with the others (who meet it as a restarted rank and
+    # take its island back at their next outer sync).
+    built = f"built/{w.rank}"
     _cross = _join(
         store,
-        w.rank == 0 and w.attempt == 0,
+        # Not a given rank's: it may have died before it drew the token.
+        "first",
         (w.rank, w.world, _islands_exchange(store, w, _timeout_s())),
         transport="tcp",
         ranks_per_node=ranks_per_node,
         island=(w.index * w.size, (w.index + 1) * w.size),
-        rejoining=w.rejoining,
+        rejoining=w.rejoining and store.check([built]),
+        restarted=w.rejoining,
     )
+    store.set(built, str(w.attempt))
     return _cross
 
 
