@@ -429,11 +429,16 @@ def main(argv=None):
     # A restarted rank 0 (island 0 rejoined) goes on with the run's file.
     metrics = open(args.metrics, "a" if start else "w") if (lead and args.metrics) else None
     if lead:
+        if island_size == 1:
+            # FSDP2 over one rank gathers and reduces nothing.
+            shards = "no collective inside an island (each is one rank)"
+        elif switches:
+            shards = f"switches {json.dumps(switches)}"
+        else:
+            shards = "switches (FSDP2, PyTorch collectives)"
         print(
             f"{args.mode}: {params} parameters ({trainable} trained), {world} ranks on "
-            f"{nodes} node(s), "
-            f"switches {json.dumps(switches) if switches else '(FSDP2, PyTorch collectives)'} "
-            f"on {device.type}",
+            f"{nodes} node(s), {shards} on {device.type}",
             flush=True,
         )
     losses, times, backward_times, across, inside = [], [], [], [], []
@@ -622,7 +627,8 @@ def main(argv=None):
     elif lead:
         print(
             f"done: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f} "
-            f"(last 10 steps), validation {summary['val_loss']:.4f}; "
+            f"(last {'step' if len(tail) == 1 else f'{len(tail)} steps'}), "
+            f"validation {summary['val_loss']:.4f}; "
             f"{summary['tokens_per_s']:.0f} tokens/s",
             flush=True,
         )

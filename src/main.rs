@@ -57,7 +57,8 @@ enum Command {
     /// Sample text from a trained checkpoint's model (no Python needed).
     ///
     /// Feeds the prompt's UTF-8 bytes to the model and prints the prompt
-    /// followed by the sampled bytes (invalid UTF-8 shown as U+FFFD).
+    /// followed by the sampled bytes (invalid UTF-8 shown as U+FFFD, control
+    /// characters but newline and tab as their pictures: ␛ for ESC).
     /// Deterministic for a seed; --temperature 0 takes the most likely
     /// byte each time.
     ///
@@ -75,7 +76,8 @@ enum Command {
     ///
     /// Example: zeropp quant-error model.safetensors --bits 4 --block 256
     QuantError {
-        /// The safetensors file to measure.
+        /// The safetensors file to measure, or a directory of them (a sharded
+        /// checkpoint: every *.safetensors in it, measured together).
         file: PathBuf,
         /// Bits per value: 8, 4 or 2.
         #[arg(long, default_value_t = 8)]

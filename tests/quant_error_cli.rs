@@ -159,3 +159,34 @@ fn a_nan_weight_is_named_and_bad_flags_are_refused() {
     }
     std::fs::remove_dir_all(dir).ok();
 }
+
+#[test]
+fn a_checkpoint_directory_is_measured_shard_by_shard() {
+    // transformers saves a large model as model-0000k-of-0000n.safetensors
+    // shards beside its config: the directory is measured whole.
+    let dir = temp_dir("qe-dir");
+    let one = example(&dir);
+    let shards = dir.join("checkpoint");
+    std::fs::create_dir_all(&shards).unwrap();
+    for k in 1..=2 {
+        let name = format!("model-0000{k}-of-00002.safetensors");
+        std::fs::copy(&one, shards.join(name)).unwrap();
+    }
+    std::fs::write(shards.join("config.json"), "{}").unwrap();
+    let single = report(&one, &[]);
+    let whole = report(&shards, &[]);
+    let count = |r: &serde_json::Value| r["tensors"].as_array().unwrap().len();
+    assert_eq!(count(&whole), 2 * count(&single));
+    let bytes = |r: &serde_json::Value| r["total"]["bytes_in"].as_u64().unwrap();
+    assert_eq!(bytes(&whole), 2 * bytes(&single));
+    // A directory with none says what to pass.
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let out = zeropp(&["quant-error", empty.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no .safetensors file"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

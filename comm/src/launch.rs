@@ -527,6 +527,39 @@ fn stop(r: &mut Rank) {
     }
 }
 
+/// Refuses what the launch would ignore: no islands, restarts without
+/// islands, and a rank 0 host for a launch that starts every node here.
+fn check_islands_and_master(opts: &LaunchOptions) -> Result<()> {
+    if opts.islands == 0 {
+        return Err(options(
+            "--islands 0: the job's islands are 1 or more (1, the default: one failure stops \
+             the job)",
+        ));
+    }
+    if opts.restarts > 0 && opts.islands < 2 {
+        return Err(options(format!(
+            "--restarts {} starts a lost island's ranks again, and this launch has no islands: \
+             add --islands N (2 or more, each of whole nodes), or drop --restarts (without \
+             islands one failure stops the job)",
+            opts.restarts
+        )));
+    }
+    if let (None, Some(master)) = (opts.node_rank, &opts.master) {
+        let (host, _) = split_host_port(master)?;
+        let here = ["localhost", "127.0.0.1", "::1", "0.0.0.0", "::"];
+        if !here.contains(&host.as_str()) {
+            return Err(options(format!(
+                "--master-addr {master} without --node-rank: this launch starts all {} nodes \
+                 here, meeting on 127.0.0.1 (only the port is used); for a multi-host job run \
+                 `zeropp launch --node-rank K --master-addr {master} ...` on each host K, or \
+                 give --master-addr 127.0.0.1:PORT to pick the port",
+                opts.nodes
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Starts the ranks and waits for them. `Err` names the first rank that
 /// failed (with islands: when every island of this launch has failed).
 pub fn launch(opts: &LaunchOptions) -> Result<()> {
@@ -538,6 +571,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             "no command to launch: put it after `--`, e.g. `zeropp launch --nodes 2 --ranks-per-node 2 -- zeropp train`",
         ));
     }
+    check_islands_and_master(opts)?;
     let islands = opts.islands.max(1);
     if !opts.nodes.is_multiple_of(islands) {
         return Err(options(format!(
@@ -648,4 +682,48 @@ pub fn compute_threads(ranks: usize) -> Option<usize> {
     }
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     Some((cores / ranks.max(1)).max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(islands: usize, restarts: usize, master: Option<&str>) -> LaunchOptions {
+        LaunchOptions {
+            nodes: 2,
+            ranks_per_node: 1,
+            node_rank: None,
+            master: master.map(str::to_string),
+            timeout_s: None,
+            grace: Duration::from_secs(1),
+            rank0_terminal: false,
+            islands,
+            restarts,
+            command: vec!["true".into()],
+        }
+    }
+
+    fn refused(o: LaunchOptions) -> String {
+        launch(&o).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn what_a_launch_would_ignore_is_refused_saying_what_to_do() {
+        let e = refused(opts(0, 0, None));
+        assert!(e.contains("--islands 0") && e.contains("1 or more"), "{e}");
+        let e = refused(opts(1, 2, None));
+        assert!(
+            e.contains("--restarts 2") && e.contains("add --islands N"),
+            "{e}"
+        );
+        let e = refused(opts(1, 0, Some("10.1.2.3:29500")));
+        assert!(
+            e.contains("without --node-rank")
+                && e.contains("--node-rank K --master-addr 10.1.2.3:29500"),
+            "{e}"
+        );
+        // A local rendezvous port, and islands that restart, are taken.
+        check_islands_and_master(&opts(1, 0, Some("127.0.0.1:29511"))).unwrap();
+        check_islands_and_master(&opts(2, 1, None)).unwrap();
+    }
 }

@@ -67,8 +67,13 @@ fn widen(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) {
     }
 }
 
-/// Quantizes and measures every f32/bf16/f16 tensor of the file at `path`.
-pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<Report> {
+/// Measures the tensors of one safetensors file into `tally`.
+fn measure_file(
+    path: &Path,
+    format: QuantFormat,
+    rounding: Rounding,
+    tally: &mut Tally,
+) -> Result<()> {
     let file = File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     // SAFETY: the map is read-only and lives for this function; a file changed
     // underneath us by another process is the one hazard, as with any reader.
@@ -84,10 +89,13 @@ pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<R
     let mut names: Vec<&str> = st.names();
     names.sort_unstable();
 
-    let mut tensors = Vec::new();
-    let mut skipped = Vec::new();
-    let mut total_stats = ErrorStats::default();
-    let (mut total_in, mut total_out) = (0, 0);
+    let Tally {
+        tensors,
+        skipped,
+        stats: total_stats,
+        bytes_in: total_in,
+        bytes_out: total_out,
+    } = tally;
     let mut wide = Vec::new();
     for name in names {
         let view = st.tensor(name)?;
@@ -125,8 +133,8 @@ pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<R
         let elements: usize = view.shape().iter().product();
         let bytes_out = format.total_bytes(elements);
         total_stats.merge(&stats);
-        total_in += view.data().len();
-        total_out += bytes_out;
+        *total_in += view.data().len();
+        *total_out += bytes_out;
         tensors.push(TensorReport {
             name: name.to_string(),
             dtype: format!("{dtype:?}"),
@@ -134,6 +142,57 @@ pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<R
             figures: Figures::new(&stats, view.data().len(), bytes_out),
         });
     }
+    Ok(())
+}
+
+/// What the files measured so far hold.
+#[derive(Default)]
+struct Tally {
+    tensors: Vec<TensorReport>,
+    skipped: Vec<Skipped>,
+    stats: ErrorStats,
+    bytes_in: usize,
+    bytes_out: usize,
+}
+
+/// The safetensors files `path` names: itself, or, for a directory (a
+/// sharded checkpoint, as transformers saves one), every `*.safetensors`
+/// in it, in name order.
+fn files_of(path: &Path) -> Result<Vec<std::path::PathBuf>> {
+    if !path.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut files: Vec<_> = std::fs::read_dir(path)
+        .with_context(|| format!("cannot list {}", path.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        bail!(
+            "{} is a directory with no .safetensors file: pass a safetensors file, or the \
+             directory of a checkpoint saved as safetensors (transformers' \
+             save_pretrained(..., safe_serialization=True))",
+            path.display()
+        );
+    }
+    Ok(files)
+}
+
+/// Quantizes and measures every f32/bf16/f16 tensor of the file at `path`,
+/// or of every safetensors file of the directory at `path`.
+pub fn analyze(path: &Path, format: QuantFormat, rounding: Rounding) -> Result<Report> {
+    let mut tally = Tally::default();
+    for file in files_of(path)? {
+        measure_file(&file, format, rounding, &mut tally)?;
+    }
+    let Tally {
+        tensors,
+        skipped,
+        stats: total_stats,
+        bytes_in: total_in,
+        bytes_out: total_out,
+    } = tally;
     if tensors.is_empty() {
         bail!(
             "{} holds no f32, bf16 or f16 tensor ({} skipped); nothing to measure",

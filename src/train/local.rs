@@ -38,6 +38,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     };
     let text = toml::to_string(&cfg).context("writing the run's config")?;
     std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
+    // `auto`'s islands are chosen at join: the launcher keeps one failure
+    // domain.
+    let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
     let result = crate::launch::launch(&crate::launch::LaunchOptions {
         nodes: cfg.launch.nodes,
         ranks_per_node: cfg.launch.ranks_per_node,
@@ -46,10 +49,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         timeout_s,
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
-        // `auto`'s islands are chosen at join: the launcher keeps one
-        // failure domain.
-        islands: cfg.islands.islands.number().unwrap_or(1).max(1),
-        restarts: cfg.islands.restarts,
+        islands,
+        // Restarts rejoin islands: a job of one failure domain has none.
+        restarts: if islands > 1 { cfg.islands.restarts } else { 0 },
         command: vec![
             exe.display().to_string(),
             "train".into(),

@@ -43,8 +43,12 @@ pub struct Summary {
     pub params: usize,
     pub steps: usize,
     pub initial_loss: f32,
-    /// Mean of the last 10 steps' losses.
+    /// Mean of the last 10 steps' losses (of `final_steps`, where the
+    /// rank ran fewer).
     pub final_loss: f32,
+    /// How many steps `final_loss` averages: 10, or fewer on a short run.
+    #[serde(default = "ten")]
+    pub final_steps: usize,
     pub val_loss: f32,
     pub tokens_per_s: f64,
     pub median_step_time_s: f64,
@@ -157,11 +161,20 @@ pub struct LostIslandSummary {
     pub why: String,
 }
 
+/// A summary from before `final_steps` was written averaged 10.
+fn ten() -> usize {
+    10
+}
+
 impl Summary {
     /// What rank 0 prints at the end of a run.
     pub fn done_line(&self) -> String {
+        let last = match self.final_steps {
+            1 => "last step".to_string(),
+            n => format!("last {n} steps"),
+        };
         let mut line = format!(
-            "done: loss {:.4} -> {:.4} (last 10 steps), validation {:.4}; {:.0} tokens/s; {:.3} MB \
+            "done: loss {:.4} -> {:.4} ({last}), validation {:.4}; {:.0} tokens/s; {:.3} MB \
              across nodes and {:.3} MB inside nodes per step; peak RSS per rank {:.0}-{:.0} MB; \
              kept for ZeRO++ {:.3} MB (qwZ references {:.3}, qgZ residuals {:.3}, hpZ secondary \
              shards {:.3}); reused buffers held {:.3} MB",

@@ -245,6 +245,7 @@ impl Trainer {
             steps: self.end,
             initial_loss: r.losses.first().map_or(f32::NAN, |&(_, l)| l),
             final_loss: tail.iter().sum::<f32>() / tail.len() as f32,
+            final_steps: tail.len(),
             val_loss,
             tokens_per_s: r.tokens_per_step / median(&r.times),
             median_step_time_s: median(&r.times),
