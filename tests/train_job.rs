@@ -430,6 +430,18 @@ fn bad_input_is_a_named_error() {
         &["width 30", "heads 4"],
     );
     has(run(&["--nodes", "0"]), &["nodes"]);
+    // Data no rank can read or train on is said once, before any starts.
+    let tiny = dir.join("tiny.txt");
+    std::fs::write(&tiny, "hello\n").unwrap();
+    let missing = dir.join("missing.txt");
+    for (data, said) in [
+        (&missing, "cannot read the training data"),
+        (&tiny, "too little for 4 ranks"),
+    ] {
+        let text = run(&[&small[..], &["--data", data.to_str().unwrap()]].concat());
+        assert_eq!(text.matches(said).count(), 1, "{text}");
+        assert!(!text.contains("[rank"), "a rank started:\n{text}");
+    }
     // A malformed transport setting stops every rank with its name, on
     // both transports: (transport, variable, value, what the error says).
     let bad_env = [

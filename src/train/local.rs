@@ -19,6 +19,14 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     use std::io::IsTerminal;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static RUNS: AtomicUsize = AtomicUsize::new(0);
+    // The data each rank will read, checked once before any rank starts
+    // (else every rank says the same error).
+    if let Some(path) = cfg.run.data.as_deref() {
+        crate::train::data::Dataset::load(Some(path), cfg.run.seed)?.check(
+            cfg.launch.nodes * cfg.launch.ranks_per_node,
+            cfg.model.context,
+        )?;
+    }
     let exe = std::env::current_exe().context("locating the zeropp binary")?;
     let file = std::env::temp_dir().join(format!(
         "zeropp-train-{}-{}.toml",
