@@ -429,7 +429,7 @@ def main(argv=None):
     # A restarted rank 0 (island 0 rejoined) goes on with the run's file.
     metrics = open(args.metrics, "a" if start else "w") if (lead and args.metrics) else None
     if lead:
-        if island_size == 1:
+        if args.islands > 1 and island_size == 1:
             # FSDP2 over one rank gathers and reduces nothing.
             shards = "no collective inside an island (each is one rank)"
         elif switches:

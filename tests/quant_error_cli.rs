@@ -188,5 +188,13 @@ fn a_checkpoint_directory_is_measured_shard_by_shard() {
         !out.status.success() && err.contains("no .safetensors file"),
         "{err}"
     );
+    // A zeropp checkpoint's step directory points to its export.
+    std::fs::write(empty.join("manifest.json"), "{}").unwrap();
+    let out = zeropp(&["quant-error", empty.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("zeropp ckpt export"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -511,17 +511,16 @@ mod tests {
 
     #[test]
     fn a_rank_restarted_before_the_others_met_it_is_out_of_their_collectives_until_readmitted() {
-        // Two islands of one rank; island 1's rank is a restarted one whose
-        // first start died before the mesh was built: it builds the mesh
-        // with island 0, which meets it first as a restarted rank.
+        // Two islands of one rank; island 1's rank is a restarted one that
+        // rejoins while island 0's rank still builds the mesh (it met no
+        // earlier start of it), and so meets it first as a restarted rank.
         let joined: Vec<Joined> = join_islands(
             2,
             |_| 2,
             |r| {
                 Some(super::super::tcp::Rejoins {
                     island: r..r + 1,
-                    rejoining: false,
-                    restarted: r == 1,
+                    rejoining: r == 1,
                 })
             },
         )
@@ -531,7 +530,6 @@ mod tests {
         let (live, restarted) = (&joined[0].transport, &joined[1].transport);
         // A collective's wait on it fails at once, naming it, instead of
         // at the timeout (it waits to rejoin, in no collective).
-        restarted.send(0, 7, Bytes::from_static(b"x")).unwrap();
         let started = std::time::Instant::now();
         let e = live.recv(1, 7, Duration::from_secs(30)).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(5), "{e}");

@@ -61,12 +61,6 @@ impl Job {
             ..facts.clone()
         };
         let master = rendezvous::resolve(&facts.master_addr, facts.master_port)?;
-        // A restarted rank joins the mesh the others built with its earlier
-        // start; where that start died before, it builds it with them.
-        let met_before = match store.as_mut() {
-            Some(s) if facts.rejoin => s.mesh_joined_before(facts.rank)?,
-            _ => facts.rejoin,
-        };
         let opts = exchange::JoinOptions {
             kind,
             rank: facts.rank,
@@ -81,8 +75,7 @@ impl Job {
             rejoins: (facts.islands > 1 && kind == TransportKind::Tcp).then(|| {
                 super::tcp::Rejoins {
                     island: facts.island_ranks(),
-                    rejoining: facts.rejoin && met_before,
-                    restarted: facts.rejoin,
+                    rejoining: facts.rejoin,
                 }
             }),
         };
@@ -100,6 +93,8 @@ impl Job {
                 })
                 .collect()
         })?;
+        // A restarted rank finds the job running once a rank joined
+        // ([`rendezvous::job_is_running`]).
         if let Some(s) = store.as_mut().filter(|_| facts.islands > 1) {
             s.joined_mesh(facts.rank, facts.attempt)?;
         }

@@ -545,7 +545,8 @@ fn check_islands_and_master(opts: &LaunchOptions) -> Result<()> {
         )));
     }
     if let (None, Some(master)) = (opts.node_rank, &opts.master) {
-        let (host, _) = split_host_port(master)?;
+        let (host, _) = split_host_port(master)
+            .map_err(|_| options(format!("--master-addr {master:?}: HOST or HOST:PORT")))?;
         let here = ["localhost", "127.0.0.1", "::1", "0.0.0.0", "::"];
         if !here.contains(&host.as_str()) {
             return Err(options(format!(

@@ -409,12 +409,20 @@ pub struct TorchrunStore {
 }
 
 impl TorchrunStore {
-    /// Whether an earlier start of `rank` joined the job's mesh
-    /// ([`TorchrunStore::joined_mesh`]): a restarted rank rejoins the mesh
-    /// the others built, or, where none did, builds it with them.
-    pub fn mesh_joined_before(&mut self, rank: usize) -> Result<bool, CommError> {
-        self.store
-            .check(&[store_key(&self.prefix, &format!("built/{rank}"))])
+    /// Whether a rank outside `island` (of a job of `world` ranks) joined
+    /// the job's mesh already ([`TorchrunStore::joined_mesh`]).
+    pub fn others_joined(
+        &mut self,
+        island: std::ops::Range<usize>,
+        world: usize,
+    ) -> Result<bool, CommError> {
+        for r in (0..world).filter(|r| !island.contains(r)) {
+            let key = store_key(&self.prefix, &format!("built/{r}"));
+            if self.store.check(&[key])? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// Records that `rank` (its `attempt`-th start) joined the mesh.
@@ -423,6 +431,18 @@ impl TorchrunStore {
             &store_key(&self.prefix, &format!("built/{rank}")),
             attempt.to_string().as_bytes(),
         )
+    }
+}
+
+/// Whether a restarted rank of a lost island (`facts.rejoin`) finds a
+/// running job to rejoin: a rank of another island joined the mesh. Where
+/// none did, nobody has trained yet (the ranks join before their first
+/// step), and it starts with the others, as if its first start had not
+/// failed. Without a store (no rejoin runs there): true.
+pub fn job_is_running(facts: &RankFacts) -> Result<bool, CommError> {
+    match torch_store(facts)? {
+        Some(mut s) => s.others_joined(facts.island_ranks(), facts.world_size),
+        None => Ok(true),
     }
 }
 

@@ -48,12 +48,10 @@ pub struct Rejoins {
     /// This rank is a restarted one joining a running job: it connects to
     /// every rank it can outside its island (a rank that does not answer
     /// is counted dead) and builds its island's part of the mesh anew.
+    /// Its hellos while the mesh is built say so: a rank of another island
+    /// still building it keeps it out of its collectives until it takes
+    /// its island back.
     pub rejoining: bool,
-    /// This rank is a restarted one of a lost island (rejoining, or, where
-    /// the mesh was never built, building it with the others): its hello
-    /// says so, and the ranks of the other islands keep it out of their
-    /// collectives until they take its island back.
-    pub restarted: bool,
 }
 
 struct Outgoing {
@@ -92,14 +90,16 @@ fn hello_payload(token: &str, world_size: usize) -> Vec<u8> {
 /// asks to rejoin (0: a rank of the job as it started).
 const HELLO_RESTARTED: Tag = 1;
 
+/// Sends this rank's hello; `restarted`: it is a restarted rank building
+/// its part of the mesh ([`Rejoins::rejoining`]; a rank's answer to a later
+/// rejoiner says 0: it is a member by then).
 fn send_hello(
     stream: &mut TcpStream,
-    rank: usize,
+    (rank, restarted): (usize, bool),
     options: &TcpOptions,
     world: usize,
 ) -> std::io::Result<()> {
     let payload = hello_payload(&options.token, world);
-    let restarted = options.rejoins.as_ref().is_some_and(|r| r.restarted);
     let header = Header {
         kind: Kind::Hello,
         source: rank as u32,
@@ -107,6 +107,11 @@ fn send_hello(
         len: payload.len() as u64,
     };
     wire::write_frame(stream, &header, &payload)
+}
+
+/// Whether this rank is a restarted one rejoining a running job.
+fn rejoining(options: &TcpOptions) -> bool {
+    options.rejoins.as_ref().is_some_and(|r| r.rejoining)
 }
 
 /// A checked hello: who sent it, and whether it is a restarted rank.
@@ -168,7 +173,7 @@ fn connect_to(
                 Err(e) => return Err(io_err(format!("rank {peer} at {addr}"))(e)),
             }
         };
-        send_hello(&mut stream, rank, options, world_size)
+        send_hello(&mut stream, (rank, rejoining(options)), options, world_size)
             .map_err(io_err(format!("rank {peer} at {addr}")))?;
         let remaining = deadline.saturating_duration_since(Instant::now());
         match read_hello(
@@ -186,10 +191,7 @@ fn connect_to(
             }
             // A live rank refuses a restarted one until it has seen its
             // earlier self die: try again.
-            Err(_)
-                if options.rejoins.as_ref().is_some_and(|r| r.rejoining)
-                    && Instant::now() < deadline =>
-            {
+            Err(_) if rejoining(options) && Instant::now() < deadline => {
                 std::thread::sleep(Duration::from_millis(100));
             }
             Err(reason) => {
@@ -242,7 +244,7 @@ fn accept_higher(
                         && !connects(peer)
                         && streams[peer].is_none() =>
                     {
-                        send_hello(&mut stream, rank, options, world_size)
+                        send_hello(&mut stream, (rank, rejoining(options)), options, world_size)
                             .map_err(io_err(format!("rank {peer} at {from}")))?;
                         streams[peer] = Some((stream, restarted));
                         missing -= 1;
@@ -351,10 +353,11 @@ impl TcpTransport {
                             .as_ref()
                             .is_some_and(|r| !r.island.contains(&peer))
                     {
-                        // A rank of another island restarted before this
-                        // one first met it: it asks to rejoin, and is in
-                        // no collective until its island is taken back —
-                        // a wait on it fails at once, not at the timeout.
+                        // A restarted rank of another island, rejoining,
+                        // reached this rank while it still built the mesh:
+                        // it asks to rejoin, and is in no collective until
+                        // its island is taken back — a wait on it fails at
+                        // once, not at the timeout.
                         mailbox.revive(peer);
                         tracing::info!(
                             "rank {peer} is a restarted rank of its island: it asks to rejoin"
@@ -444,7 +447,7 @@ impl TcpTransport {
                             continue;
                         }
                     };
-                    if let Err(e) = send_hello(&mut stream, rank, &options, world_size) {
+                    if let Err(e) = send_hello(&mut stream, (rank, false), &options, world_size) {
                         tracing::warn!("rank {peer} reconnecting from {from}: {e}");
                         continue;
                     }

@@ -129,14 +129,11 @@ impl Job {
     /// job's ranks (start, end) of this rank's island, in a job of islands
     /// whose lost islands' restarted ranks rejoin it (over TCP: the live
     /// ranks take their connections later); `rejoining`: this rank is such
-    /// a restarted one, joining the mesh the others built; `restarted`
-    /// (default: `rejoining`): a restarted one, where the others may not
-    /// have built the mesh yet (it builds it with them; they keep it out of
-    /// their collectives until its island is taken back).
+    /// a restarted one.
     #[new]
     #[pyo3(signature = (rank, world_size, exchange, token, master_addr=None, master_port=None,
                         transport=None, timeout_s=300.0, ranks_per_node=None, island=None,
-                        rejoining=false, restarted=None))]
+                        rejoining=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -151,7 +148,6 @@ impl Job {
         ranks_per_node: Option<usize>,
         island: Option<(usize, usize)>,
         rejoining: bool,
-        restarted: Option<bool>,
     ) -> PyResult<Job> {
         let kind = transport_kind(transport.as_deref(), rank)?;
         if let Some((start, end)) = island {
@@ -184,7 +180,6 @@ impl Job {
             rejoins: island.map(|(start, end)| zeropp_comm::tcp::Rejoins {
                 island: start..end,
                 rejoining,
-                restarted: restarted.unwrap_or(rejoining),
             }),
         };
         let joined = join_through_store(py, &exchange, &opts)?;
@@ -195,8 +190,7 @@ impl Job {
             rank,
         };
         let transport = joined.transport.name();
-        let restarted = restarted.unwrap_or(rejoining);
-        let job = job::Joined::new(joined.transport, &joined.peers, layout, timeout, restarted)
+        let job = job::Joined::new(joined.transport, &joined.peers, layout, timeout, rejoining)
             .map_err(to_py)?;
         let comm = Arc::new(job.communicator());
         let groups = job.groups.clone();

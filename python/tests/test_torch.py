@@ -326,23 +326,22 @@ def test_a_killed_island_leaves_the_outer_sync_the_others_train_on_and_a_restart
 
 
 @pytest.mark.parametrize("victim", [0, 2])
-def test_an_island_dead_before_the_islands_met_rejoins_at_the_first_sync(
+def test_an_island_dead_before_the_islands_met_restarts_and_trains_with_them_from_the_start(
     tmp_path, zeropp_bin, victim
 ):
     # An island's first start dies before its ranks reach the store (a node
-    # failing as the job starts): the other island's ranks meet its
-    # restarted ranks first (and island 0's first rank would have drawn the
-    # islands' token). They make the islands' job together; the live island
-    # takes the restarted one back at its first outer sync at once — not
-    # after the timeout it would wait on ranks that ask to rejoin — and both
-    # train to the end.
-    out = tmp_path / "s.json"
+    # failing as the job starts; island 0's first rank would have drawn the
+    # islands' token). No island made the islands' job, so nobody has
+    # trained: the launcher restarts it and its ranks start with the others
+    # from step 0 — no rejoin to wait for, no island lost — and both
+    # islands train every step and end with one model.
+    out, metrics = tmp_path / "s.json", tmp_path / "m.jsonl"
     cmd = [zeropp_bin, "launch", "--nodes", "2", "--ranks-per-node", "2"]
     cmd += ["--islands", "2", "--restarts", "1", "--timeout", "60", "--"]
     cmd += [sys.executable, str(WORKERS / "dies_at_start.py"), str(EXAMPLE)]
     cmd += ["--mode", "zeropp", "--islands", "2", "--sync-every", "5", "--steps", "30"]
     cmd += ["--pace", "0.2", "--ranks-per-node", "2", "--log-every", "1000"]
-    cmd += ["--summary-json", str(out)]
+    cmd += ["--summary-json", str(out), "--metrics", str(metrics)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", DIE_AT_START=str(victim))
     p = subprocess.run(
         cmd, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300
@@ -350,9 +349,11 @@ def test_an_island_dead_before_the_islands_met_rejoins_at_the_first_sync(
     text = p.stdout
     assert p.returncode == 0, text[-6000:]
     assert f"rank {victim} failed with signal 9" in text, text[-6000:]
+    assert "restarting the ranks of island" in text and "rejoined after" not in text, text[-6000:]
     s = json.loads(out.read_text())
-    rejoined = [(r["island"], r["step"]) for r in s["islands"]["rejoined"]]
-    assert rejoined == [(victim // 2, 5)], s["islands"]
+    assert s["islands"]["lost"] == [] and s["islands"]["rejoined"] == [], s["islands"]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, 31)), steps
     longest = {int(i): float(t) for i, t in re.findall(r"island (\d) longest step (\S+) s", text)}
     assert set(longest) == {0, 1} and max(longest.values()) < 20, longest
     weights = dict(re.findall(r"island (\d) weights (\S+)", text))

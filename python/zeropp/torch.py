@@ -251,10 +251,22 @@ class IslandWorld:
     def __init__(self, index, count, size, rank, world, attempt, store):
         self.index, self.count, self.size = index, count, size
         self.rank, self.world, self.attempt, self.store = rank, world, attempt, store
+        self._rejoining = None
 
     @property
     def rejoining(self):
-        return self.attempt > 0
+        """A restarted island's rank that rejoins a running job: started
+        before, and a rank of another island made the islands' job already.
+        Where none did, nobody has trained yet (they make it in their
+        ``OuterSync``, before their first step): it starts with the others,
+        as if its first start had not failed. Decided once, at the first
+        ask."""
+        if self._rejoining is None:
+            outside = [r for r in range(self.world) if r // self.size != self.index]
+            self._rejoining = self.attempt > 0 and any(
+                self.job_store.check([f"built/{r}"]) for r in outside
+            )
+        return self._rejoining
 
     @property
     def job_store(self):
@@ -420,11 +432,6 @@ def _cross_job(transport, ranks_per_node):
             "restarted island's ranks back (the islands' own collectives keep their transport)"
         )
     store = w.job_store
-    # A restarted rank joins the running job where an earlier start of it
-    # joined it; else that start died before the islands' job was made,
-    # and it makes it with the others (who meet it as a restarted rank and
-    # take its island back at their next outer sync).
-    built = f"built/{w.rank}"
     _cross = _join(
         store,
         # Not a given rank's: it may have died before it drew the token.
@@ -433,10 +440,11 @@ def _cross_job(transport, ranks_per_node):
         transport="tcp",
         ranks_per_node=ranks_per_node,
         island=(w.index * w.size, (w.index + 1) * w.size),
-        rejoining=w.rejoining and store.check([built]),
-        restarted=w.rejoining,
+        rejoining=w.rejoining,
     )
-    store.set(built, str(w.attempt))
+    # A restarted rank finds the job running once a rank joined
+    # (IslandWorld.rejoining).
+    store.set(f"built/{w.rank}", str(w.attempt))
     return _cross
 
 

@@ -24,7 +24,7 @@ pub struct GenerateArgs {
 }
 
 /// Runs `zeropp generate`: prints the prompt and the sampled bytes
-/// ([`printable`]).
+/// (control characters shown as their pictures).
 pub fn run(args: GenerateArgs) -> Result<()> {
     let GenerateArgs {
         dir,

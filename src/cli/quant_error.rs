@@ -168,6 +168,14 @@ fn files_of(path: &Path) -> Result<Vec<std::path::PathBuf>> {
         .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
+    if files.is_empty() && (path.join("latest").exists() || path.join("manifest.json").exists()) {
+        bail!(
+            "{} is a zeropp checkpoint (sharded, compressed): export its model first with \
+             `zeropp ckpt export {} model.safetensors`, then measure model.safetensors",
+            path.display(),
+            path.display()
+        );
+    }
     if files.is_empty() {
         bail!(
             "{} is a directory with no .safetensors file: pass a safetensors file, or the \

@@ -170,6 +170,8 @@ impl Summary {
     /// What rank 0 prints at the end of a run.
     pub fn done_line(&self) -> String {
         let last = match self.final_steps {
+            // Restarted and taken back after the last step.
+            0 => "no step of this rank's own".to_string(),
             1 => "last step".to_string(),
             n => format!("last {n} steps"),
         };

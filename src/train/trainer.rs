@@ -71,6 +71,15 @@ impl Trainer {
         let mut facts = RankFacts::from_env()?;
         let layout = rank_layout(&facts)?;
         facts.islands = islands_of(asked, &facts)?;
+        if facts.rejoin && !crate::comm::rendezvous::job_is_running(&facts)? {
+            // Its first start failed before any island joined: nobody has
+            // trained, so it starts with the others.
+            eprintln!(
+                "rank {}: restarted before the islands met: starting with them from step 0",
+                facts.rank
+            );
+            facts.rejoin = false;
+        }
         let data = Dataset::load(asked.run.data.as_deref(), asked.run.seed)?;
         data.check(layout.world(), asked.model.context)?;
         let Connected {
