@@ -89,13 +89,6 @@ fn measure_file(
     let mut names: Vec<&str> = st.names();
     names.sort_unstable();
 
-    let Tally {
-        tensors,
-        skipped,
-        stats: total_stats,
-        bytes_in: total_in,
-        bytes_out: total_out,
-    } = tally;
     let mut wide = Vec::new();
     for name in names {
         let view = st.tensor(name)?;
@@ -106,7 +99,7 @@ fn measure_file(
             } else {
                 "not a floating-point tensor"
             };
-            skipped.push(Skipped {
+            tally.skipped.push(Skipped {
                 name: name.to_string(),
                 dtype: format!("{dtype:?}"),
                 reason: reason.into(),
@@ -132,10 +125,10 @@ fn measure_file(
         }
         let elements: usize = view.shape().iter().product();
         let bytes_out = format.total_bytes(elements);
-        total_stats.merge(&stats);
-        *total_in += view.data().len();
-        *total_out += bytes_out;
-        tensors.push(TensorReport {
+        tally.stats.merge(&stats);
+        tally.bytes_in += view.data().len();
+        tally.bytes_out += bytes_out;
+        tally.tensors.push(TensorReport {
             name: name.to_string(),
             dtype: format!("{dtype:?}"),
             shape: view.shape().to_vec(),
