@@ -255,7 +255,8 @@ section! {
         outer_delay: usize = 0,
         /// Self-launched: how many times in all a lost island's ranks are
         /// started again to rejoin the running job (from a live island's
-        /// state at its next outer sync; over TCP, with --outer-delay 0).
+        /// state at its next outer sync; over TCP; with --outer-delay above
+        /// 0 none is).
         restarts: usize = 2,
     }
 }

@@ -58,8 +58,14 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
         islands,
-        // Restarts rejoin islands: a job of one failure domain has none.
-        restarts: if islands > 1 { cfg.islands.restarts } else { 0 },
+        // Restarts rejoin islands: a job of one failure domain has none,
+        // and a streamed island is not taken back (a rejoin waits for an
+        // outer sync's exchanges).
+        restarts: if islands > 1 && cfg.islands.outer_delay == 0 {
+            cfg.islands.restarts
+        } else {
+            0
+        },
         command: vec![
             exe.display().to_string(),
             "train".into(),
