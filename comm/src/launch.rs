@@ -547,8 +547,11 @@ fn check_islands_and_master(opts: &LaunchOptions) -> Result<()> {
     if let (None, Some(master)) = (opts.node_rank, &opts.master) {
         let (host, _) = split_host_port(master)
             .map_err(|_| options(format!("--master-addr {master:?}: HOST or HOST:PORT")))?;
-        let here = ["localhost", "127.0.0.1", "::1", "0.0.0.0", "::"];
-        if !here.contains(&host.as_str()) {
+        let here = host == "localhost"
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback() || ip.is_unspecified());
+        if !here {
             return Err(options(format!(
                 "--master-addr {master} without --node-rank: this launch starts all {} nodes \
                  here, meeting on 127.0.0.1 (only the port is used); for a multi-host job run \
@@ -573,7 +576,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         ));
     }
     check_islands_and_master(opts)?;
-    let islands = opts.islands.max(1);
+    let islands = opts.islands;
     if !opts.nodes.is_multiple_of(islands) {
         return Err(options(format!(
             "{} nodes do not split into {islands} islands of whole nodes",

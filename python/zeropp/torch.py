@@ -201,7 +201,6 @@ def job(transport=None, ranks_per_node=None):
     exchange = _exchange_through(store, prefix, rank, world, _timeout_s())
     _job = _join(
         dist.PrefixStore(prefix, store),
-        rank == 0,
         (rank, world, exchange),
         transport=transport,
         ranks_per_node=ranks_per_node,
@@ -210,20 +209,17 @@ def job(transport=None, ranks_per_node=None):
     return _job
 
 
-def _join(store, draws_token, rank_world_exchange, ranks_per_node=None, **options):
+def _join(store, rank_world_exchange, ranks_per_node=None, **options):
     """A zeropp ``Job`` of ``rank`` of ``world`` joined through ``store``:
-    the rank that ``draws_token`` puts the job's token there (``"first"``:
-    whichever rank comes first), every rank reads it, and ``exchange``
-    publishes each rank's address; logical nodes of ``ranks_per_node``
-    (else ZEROPP_RANKS_PER_NODE, else the hosts)."""
+    whichever rank comes first draws the job's token there (no given rank:
+    it may have died before it drew it), every rank reads it, and
+    ``exchange`` publishes each rank's address; logical nodes of
+    ``ranks_per_node`` (else ZEROPP_RANKS_PER_NODE, else the hosts)."""
     rank, world, exchange = rank_world_exchange
     if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
     timeout_s = _timeout_s()
-    if draws_token == "first":
-        store.compare_set("token", "", secrets.token_hex(16))
-    elif draws_token:
-        store.set("token", secrets.token_hex(16))
+    store.compare_set("token", "", secrets.token_hex(16))
     token = _store_get(store, "token", timeout_s, "the zeropp job's token").decode()
     port = os.environ.get("MASTER_PORT")
     return _zeropp.Job(
@@ -434,8 +430,6 @@ def _cross_job(transport, ranks_per_node):
     store = w.job_store
     _cross = _join(
         store,
-        # Not a given rank's: it may have died before it drew the token.
-        "first",
         (w.rank, w.world, _islands_exchange(store, w, _timeout_s())),
         transport="tcp",
         ranks_per_node=ranks_per_node,

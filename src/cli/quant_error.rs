@@ -161,7 +161,7 @@ fn files_of(path: &Path) -> Result<Vec<std::path::PathBuf>> {
         .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     files.sort();
-    if files.is_empty() && (path.join("latest").exists() || path.join("manifest.json").exists()) {
+    if files.is_empty() && crate::train::checkpoint::resolve(path).is_ok() {
         bail!(
             "{} is a zeropp checkpoint (sharded, compressed): export its model first with \
              `zeropp ckpt export {} model.safetensors`, then measure model.safetensors",

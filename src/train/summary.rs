@@ -47,7 +47,6 @@ pub struct Summary {
     /// rank ran fewer).
     pub final_loss: f32,
     /// How many steps `final_loss` averages: 10, or fewer on a short run.
-    #[serde(default = "ten")]
     pub final_steps: usize,
     pub val_loss: f32,
     pub tokens_per_s: f64,
@@ -159,11 +158,6 @@ pub struct LostIslandSummary {
     pub island: usize,
     pub after_step: u64,
     pub why: String,
-}
-
-/// A summary from before `final_steps` was written averaged 10.
-fn ten() -> usize {
-    10
 }
 
 impl Summary {
