@@ -465,10 +465,18 @@ fn bad_input_is_a_named_error() {
         assert!(!o.status.success() && !text.contains("panicked"), "{text}");
         has(text, &[var, &format!("{value:?}"), says]);
     }
-    has(
-        run(&[&small[..], &["--hpz-group", "3"]].concat()),
-        &["hpZ group of 3 ranks does not divide the 2 ranks"],
-    );
+    // Switches no rank can run are said once, before any starts.
+    for (switch, said) in [
+        (
+            ["--hpz-group", "3"],
+            "hpZ group of 3 ranks does not divide the 2 ranks",
+        ),
+        (["--qwz-bits", "3"], "qwZ supports 8 or 4 bits, not 3"),
+    ] {
+        let text = run(&[&small[..], &switch[..]].concat());
+        assert_eq!(text.matches(said).count(), 1, "{text}");
+        assert!(!text.contains("[rank"), "a rank started:\n{text}");
+    }
     let missing = dir.join("missing.txt");
     let m = missing.to_str().unwrap();
     has(

@@ -27,6 +27,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
             cfg.model.context,
         )?;
     }
+    check_switches(cfg)?;
     let exe = std::env::current_exe().context("locating the zeropp binary")?;
     let file = std::env::temp_dir().join(format!(
         "zeropp-train-{}-{}.toml",
@@ -75,6 +76,27 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     });
     let _ = std::fs::remove_file(&file);
     Ok(result?)
+}
+
+/// The switches resolved as each rank will resolve them, checked once
+/// before any rank starts (else every rank says the same error): the
+/// logical nodes are this machine, so the routing plan is its topology's
+/// and no link is measured. `auto` islands are chosen at join: checked
+/// there.
+fn check_switches(cfg: &TrainConfig) -> Result<()> {
+    let Some(islands) = cfg.islands.islands.number() else {
+        return Ok(());
+    };
+    let layout = crate::zero::layout::Layout {
+        nodes: cfg.launch.nodes,
+        ranks_per_node: cfg.launch.ranks_per_node,
+        rank: 0,
+    };
+    let routing = match zeropp_topology::detect::detect(Path::new("/")) {
+        Ok(topo) => crate::zero::routing::cluster(&vec![topo; layout.nodes], layout.ranks_per_node),
+        Err(_) => Err(crate::zero::routing::RoutingError::Unpublished),
+    };
+    crate::train::trainer::resolve_switches(cfg, (layout, islands), &routing, None).map(|_| ())
 }
 
 /// The transport of a self-launched run: the one asked for (`--transport`,

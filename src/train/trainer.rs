@@ -583,22 +583,7 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     };
     let proposes = measured.is_some() && layout.nodes > 1;
     let (islands, chosen, proposed) = decide_islands(asked_islands, proposes, plan_islands)?;
-    let island = island_of(islands)?;
-    let mut wanted = wanted;
-    let mut inside = std::collections::BTreeMap::new();
-    let one_node = layout.islands_of_one_node(islands);
-    if one_node {
-        crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
-    }
-    let mut resolved = crate::zero::plan::resolve(
-        wanted,
-        &asked,
-        island,
-        routing,
-        measured.as_ref().filter(|_| !one_node),
-    )
-    .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
-    resolved.why.extend(inside);
+    let mut resolved = resolve_switches(cfg, (layout, islands), routing, measured.as_ref())?;
     if let Some(p) = proposed {
         resolved.why.insert("islands".into(), proposal(&p));
     }
@@ -643,6 +628,33 @@ fn proposal(p: &IslandsChosen) -> String {
 /// proposal where one job was asked on measured links across nodes
 /// (`proposes`; from the link measured at join, no more probing) — only a
 /// proposal: where the plan cannot make one, the run goes on as asked.
+/// The run's switches resolved for an island of `layout` split in
+/// `islands` (each shards over its own ranks; islands of one node keep
+/// their collectives plain), from the routing plan and the links
+/// `measured` at join (none for islands of one node).
+pub(crate) fn resolve_switches(
+    cfg: &TrainConfig,
+    (layout, islands): (Layout, usize),
+    routing: &Result<crate::zero::routing::ClusterView, crate::zero::routing::RoutingError>,
+    measured: Option<&Measured>,
+) -> Result<Resolved> {
+    let island = layout
+        .island(islands)
+        .map(|(_, l)| l)
+        .map_err(|e| anyhow::anyhow!("--islands: {e}"))?;
+    let (mut wanted, asked) = cfg.wanted_switches();
+    let mut inside = std::collections::BTreeMap::new();
+    let one_node = layout.islands_of_one_node(islands);
+    if one_node {
+        crate::zero::plan::inside_one_node(&mut wanted, &asked, &mut inside);
+    }
+    let measured = measured.filter(|_| !one_node);
+    let mut resolved = crate::zero::plan::resolve(wanted, &asked, island, routing, measured)
+        .map_err(|e| anyhow::anyhow!("invalid switches: {e}"))?;
+    resolved.why.extend(inside);
+    Ok(resolved)
+}
+
 fn decide_islands(
     asked: Option<usize>,
     proposes: bool,
