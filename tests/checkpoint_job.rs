@@ -154,6 +154,71 @@ fn resuming_continues_bit_identically_and_on_other_world_sizes() {
     std::fs::remove_dir_all(d).ok();
 }
 
+/// A resume goes on beside the checkpoint it came from, whatever the
+/// directory it runs in: its saves land next to that checkpoint (a copy's
+/// resume never writes into the original), the data path the first run
+/// gave relative to its own directory still reads, and the run's metrics
+/// file gains the resumed steps instead of losing the first ones.
+#[test]
+fn a_resume_saves_beside_its_checkpoint_and_appends_to_the_metrics() {
+    let d = tmp("beside");
+    std::fs::write(d.join("data.txt"), "a user's own text, ".repeat(2000)).unwrap();
+    let run = |cwd: &Path, args: &[&str]| {
+        let o = zeropp()
+            .current_dir(cwd)
+            .arg("train")
+            .args(MODEL)
+            .args(["--timeout", "60"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", show(&o));
+        show(&o)
+    };
+    let first = [
+        "--steps",
+        "12",
+        "--stop-after",
+        "6",
+        "--save-every",
+        "3",
+        "--data",
+        "data.txt",
+    ];
+    run(
+        &d,
+        &[
+            &first[..],
+            &["--checkpoint-dir", "ck", "--metrics", "m.jsonl"],
+        ]
+        .concat(),
+    );
+    let status = Command::new("cp")
+        .args(["-r", s(&d.join("ck")), s(&d.join("copy"))])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let elsewhere = d.join("elsewhere");
+    std::fs::create_dir_all(&elsewhere).unwrap();
+    let out = run(&elsewhere, &["--resume", "../copy", "--stop-after", "9"]);
+    assert!(
+        out.contains("saved checkpoint ../copy/step-00000009"),
+        "{out}"
+    );
+    let latest = |dir: &str| std::fs::read_to_string(d.join(dir).join("latest")).unwrap();
+    assert_eq!(
+        (latest("ck"), latest("copy")),
+        ("step-00000006".into(), "step-00000009".into())
+    );
+    assert!(!d.join("ck").join("step-00000009").exists());
+    // Resumed where the metrics were written: 6 steps, then 6 more.
+    run(&d, &["--resume", "ck"]);
+    let text = std::fs::read_to_string(d.join("m.jsonl")).unwrap();
+    assert_eq!(text.matches("\"header\"").count(), 2, "{text}");
+    assert_eq!(losses(&d.join("m.jsonl")).len(), 12, "{text}");
+    std::fs::remove_dir_all(d).ok();
+}
+
 /// With `--qwz-int8-references` a resume goes on bit for bit: each shard
 /// keeps its own part of the references as the receivers hold it
 /// (dequantized), and the load rounds it back to the same int8 blocks.

@@ -3,7 +3,7 @@
 //! checkpoint's settings or the defaults; then the run itself — one rank
 //! under a launcher, else the whole job on this machine, or `--compare`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 
@@ -64,10 +64,18 @@ impl TrainArgs {
                 (c.checkpoint.resume, c.run.stop_after) = (None, None);
                 // How ranks talk is this machine's choice, not the checkpoint's.
                 c.launch.transport = None;
+                // Saves go next to the checkpoint resumed from, not to the
+                // path its run named (relative to where that run started:
+                // a copy's resume would write into the original).
+                if c.checkpoint.checkpoint_dir.is_some() {
+                    let root = dir.parent().filter(|p| !p.as_os_str().is_empty());
+                    c.checkpoint.checkpoint_dir = Some(root.unwrap_or(Path::new(".")).into());
+                }
                 c
             }
             (None, None) => TrainConfig::default(),
         };
+        let data_of_the_checkpoint = c.run.data.clone().filter(|_| self.config.is_none());
         self.switches.apply(&mut c.switches);
         self.run.apply(&mut c.run);
         self.output.apply(&mut c.output);
@@ -76,6 +84,20 @@ impl TrainArgs {
         self.islands.apply(&mut c.islands);
         self.model.apply(&mut c.model);
         self.optim.apply(&mut c.optim);
+        if let Some(data) = &c.run.data {
+            if !data.exists() && c.run.data == data_of_the_checkpoint {
+                bail!(
+                    "the checkpoint's run read its training data from {}, which is not there \
+                     from here (a path relative to where that run started?): pass --data",
+                    data.display()
+                );
+            }
+            // Absolute in the checkpoints this run saves: a resume from
+            // another directory reads the same file.
+            if let Ok(absolute) = data.canonicalize() {
+                c.run.data = Some(absolute);
+            }
+        }
         c.validate()?;
         if let Some(r) = &self.checkpoint.resume {
             same_model_as(r, &c.model)?;

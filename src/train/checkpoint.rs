@@ -707,18 +707,28 @@ fn finish(
     write_synced(&latest_tmp, name.as_bytes())?;
     std::fs::rename(&latest_tmp, root.join("latest")).context("cannot update latest")?;
     sync_dir(root)?;
-    if keep > 0 {
-        let mut steps: Vec<String> = std::fs::read_dir(root)?
-            .filter_map(|e| e.ok())
-            .filter_map(|e| e.file_name().into_string().ok())
-            .filter(|n| n.starts_with("step-") && n.len() == 13)
-            .collect();
-        steps.sort();
-        let excess = steps.len().saturating_sub(keep);
-        for old in &steps[..excess] {
-            std::fs::remove_dir_all(root.join(old))
-                .with_context(|| format!("cannot prune {}", root.join(old).display()))?;
-        }
+    prune(root, name, keep)
+}
+
+/// Keeps the `keep` newest checkpoints up to `saved` (the one just saved
+/// among them; 0: all): only earlier steps are removed. Later steps in
+/// `root` are another run's (an earlier run that went further, or a branch
+/// resumed from before them): never this save's to delete — a resume from
+/// step 3 of 3, 6, 9 keeps step 3, its restore point.
+fn prune(root: &Path, saved: &str, keep: usize) -> Result<()> {
+    if keep == 0 {
+        return Ok(());
+    }
+    let mut earlier: Vec<String> = std::fs::read_dir(root)?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-") && n.len() == 13 && n.as_str() < saved)
+        .collect();
+    earlier.sort();
+    let excess = (earlier.len() + 1).saturating_sub(keep);
+    for old in &earlier[..excess] {
+        std::fs::remove_dir_all(root.join(old))
+            .with_context(|| format!("cannot prune {}", root.join(old).display()))?;
     }
     Ok(())
 }
@@ -1148,6 +1158,62 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pruning removes only steps before the one just saved: a resume from
+    /// an earlier step keeps its restore point and never deletes what it
+    /// saved, whatever later steps another run left.
+    #[test]
+    fn pruning_keeps_the_save_and_never_touches_later_steps() {
+        let root = std::env::temp_dir().join(format!("zeropp-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let steps = |names: &[&str]| {
+            for n in names {
+                std::fs::create_dir_all(root.join(n)).unwrap();
+            }
+        };
+        let left = || {
+            let mut v: Vec<String> = std::fs::read_dir(&root)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            v.sort();
+            v
+        };
+        // An earlier run saved 3, 6, 9; this one resumed from 3 and saves 4.
+        steps(&[
+            "step-00000003",
+            "step-00000006",
+            "step-00000009",
+            "step-00000004",
+        ]);
+        prune(&root, "step-00000004", 3).unwrap();
+        assert_eq!(
+            left(),
+            [
+                "step-00000003",
+                "step-00000004",
+                "step-00000006",
+                "step-00000009"
+            ]
+        );
+        prune(&root, "step-00000004", 1).unwrap();
+        assert_eq!(left(), ["step-00000004", "step-00000006", "step-00000009"]);
+        // A new run into a directory of later steps saves step 2.
+        steps(&["step-00000002"]);
+        prune(&root, "step-00000002", 1).unwrap();
+        assert!(
+            left().contains(&"step-00000002".to_string()),
+            "{:?}",
+            left()
+        );
+        // Steps in order: the newest `keep` stay; 0 keeps all.
+        steps(&["step-00000010", "step-00000011", "step-00000012"]);
+        prune(&root, "step-00000012", 0).unwrap();
+        assert_eq!(left().len(), 7);
+        prune(&root, "step-00000012", 2).unwrap();
+        assert_eq!(left(), ["step-00000011", "step-00000012"]);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     fn manifest(
         version: u32,

@@ -123,14 +123,14 @@ impl Trainer {
             layout,
             (engine.parameter_count(), transport_name, start),
         );
-        // A restarted rank 0 (its island rejoined) goes on with the run's
-        // file: a second header, then the steps after the one it rejoined
-        // after.
+        // A resumed run, or a restarted rank 0 (its island rejoined), goes
+        // on with the run's file: a second header, then the steps after
+        // the one it started from.
         let records = Records::open(
             &cfg,
             lead,
             &header,
-            (start, end, facts.rejoin),
+            (start, end, facts.rejoin || start > 0),
             tokens_per_step,
         )?;
         let checkpointer = cfg
