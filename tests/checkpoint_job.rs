@@ -854,8 +854,9 @@ fn an_island_dead_as_the_job_starts_is_restarted_and_trains_with_the_others_from
             .args(["sh", env!("CARGO_BIN_EXE_zeropp"), "train"])
             .args(MODEL)
             .args(["--islands", "2", "--sync-every", "5", "--steps", "400"])
-            .args(["--transport", "tcp", "--summary-json", s(&summary)])
+            .args(["--summary-json", s(&summary)])
             .env("VICTIM", victim)
+            .env_remove("ZEROPP_TRANSPORT")
             .output()
             .unwrap();
         let text = show(&o);
@@ -869,6 +870,9 @@ fn an_island_dead_as_the_job_starts_is_restarted_and_trains_with_the_others_from
             "{text}"
         );
         assert!(!text.contains("rejoined after step"), "{text}");
+        // No transport asked: the ranks chose TCP, which takes restarted
+        // ranks back, and said why.
+        assert!(text.contains("only TCP takes its ranks back"), "{text}");
         let sm = json(&summary);
         assert_eq!(sm["steps"], 400, "{sm}");
         // Both islands trained every step together: nothing lost, nothing

@@ -465,8 +465,24 @@ fn bad_input_is_a_named_error() {
         assert!(!o.status.success() && !text.contains("panicked"), "{text}");
         has(text, &[var, &format!("{value:?}"), says]);
     }
-    // Switches no rank can run are said once, before any starts.
+    let text = run(&["--timeout", "0"]);
+    assert_eq!(
+        text.matches("--timeout 0: a positive number").count(),
+        1,
+        "{text}"
+    );
+    // Switches no rank can run, an output that cannot be written, and a
+    // timeout that is no timeout are said once, before any rank starts
+    // (an output path after the whole run lost it).
+    let unwritable = dir.join("not-a-dir");
+    std::fs::write(&unwritable, "a file").unwrap();
+    let summary_there = unwritable.join("s.json");
     for (switch, said) in [
+        (["--plot", "curve.txt"], "name it *.png"),
+        (
+            ["--summary-json", summary_there.to_str().unwrap()],
+            "--summary-json",
+        ),
         (
             ["--hpz-group", "3"],
             "hpZ group of 3 ranks does not divide the 2 ranks",

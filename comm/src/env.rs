@@ -45,6 +45,9 @@ pub struct RankFacts {
     /// How many times this rank's island was started before
     /// (`ZEROPP_ATTEMPT`; a rejoining rank without it: 1).
     pub attempt: usize,
+    /// How many times the launcher starts a lost island again
+    /// (`ZEROPP_RESTARTS`, `zeropp launch --restarts`; 0: never).
+    pub restarts: usize,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -336,6 +339,7 @@ impl RankFacts {
         let rejoin = get("ZEROPP_REJOIN").is_some_and(|v| v == "1");
         let attempt =
             parse::<usize>(get, "ZEROPP_ATTEMPT", "start count")?.unwrap_or(usize::from(rejoin));
+        let restarts = parse::<usize>(get, "ZEROPP_RESTARTS", "restart count")?.unwrap_or(0);
         Ok(RankFacts {
             rank: p.rank,
             world_size: p.world,
@@ -352,12 +356,18 @@ impl RankFacts {
             rejoin,
             store,
             attempt,
+            restarts,
         })
     }
 
     /// Nodes in the job.
     pub fn nodes(&self) -> usize {
         self.world_size / self.local_world_size
+    }
+
+    /// Whether the launcher starts this job's lost islands again.
+    pub fn islands_restart(&self) -> bool {
+        self.islands > 1 && self.restarts > 0
     }
 
     /// The ranks of this rank's island (the whole job without islands).

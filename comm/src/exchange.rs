@@ -69,6 +69,43 @@ impl TransportKind {
     }
 }
 
+impl TransportKind {
+    /// A rank's transport: `asked` (`--transport`), else `ZEROPP_TRANSPORT`,
+    /// else TCP where the launcher starts a lost island again
+    /// (`islands_restart`: only TCP takes its ranks back), else
+    /// [`TransportKind::default_here`]; with a note for the user where the
+    /// choice is not the one asked or the usual one. UCX asked for islands
+    /// that restart is refused: their restarts could never rejoin.
+    pub fn choose(
+        asked: Option<TransportKind>,
+        islands_restart: bool,
+    ) -> Result<(TransportKind, Option<String>), CommError> {
+        let (kind, note) = match asked {
+            Some(kind) => (kind, None),
+            None if std::env::var_os("ZEROPP_TRANSPORT").is_some() => Self::from_env()?,
+            None if islands_restart => (
+                TransportKind::Tcp,
+                Some(
+                    "a lost island is started again (--restarts), and only TCP takes its \
+                     ranks back"
+                        .to_string(),
+                ),
+            ),
+            None => Self::default_here(),
+        };
+        if islands_restart && kind == TransportKind::Ucx {
+            return Err(CommError::Setting {
+                name: "the transport",
+                problem: "ucx, with islands the launcher restarts (--restarts): a restarted \
+                          island rejoins over TCP only; use tcp (the default there), or launch \
+                          without --restarts"
+                    .into(),
+            });
+        }
+        Ok((kind, note))
+    }
+}
+
 /// The error of ranks that picked different transports.
 pub(crate) fn mixed_transports(them: usize, theirs: &str, me: usize, mine: &str) -> CommError {
     CommError::Join(format!(
@@ -401,6 +438,21 @@ mod tests {
     use bytes::Bytes;
 
     use super::*;
+
+    /// Islands the launcher restarts run over TCP unless asked otherwise,
+    /// and UCX asked for them is refused: their ranks could never rejoin.
+    #[test]
+    fn islands_that_restart_take_tcp_and_refuse_ucx() {
+        if std::env::var_os("ZEROPP_TRANSPORT").is_none() {
+            let (kind, note) = TransportKind::choose(None, true).unwrap();
+            assert_eq!(kind, TransportKind::Tcp);
+            assert!(note.unwrap().contains("only TCP takes its ranks back"));
+        }
+        let e = TransportKind::choose(Some(TransportKind::Ucx), true).unwrap_err();
+        assert!(e.to_string().contains("use tcp"), "{e}");
+        let (kind, _) = TransportKind::choose(Some(TransportKind::Ucx), false).unwrap();
+        assert_eq!(kind, TransportKind::Ucx);
+    }
 
     fn hosts(names: &[&str]) -> Vec<(String, String)> {
         names

@@ -39,8 +39,8 @@ impl Job {
         facts: &RankFacts,
         extra_facts: serde_json::Value,
     ) -> Result<(Box<dyn Transport>, Vec<PeerInfo>), CommError> {
-        let (kind, why_not_ucx) = TransportKind::from_env()?;
-        if let (Some(why), 0) = (why_not_ucx, facts.rank) {
+        let (kind, why) = TransportKind::choose(None, facts.islands_restart())?;
+        if let (Some(why), 0) = (why, facts.rank) {
             eprintln!("note: using TCP between ranks: {why}");
         }
         Self::connect_over(kind, facts, extra_facts)

@@ -371,6 +371,9 @@ fn spawn(
         // How many times this rank was started before (its island's
         // restarts): a restarted island's ranks agree on it.
         cmd.env("ZEROPP_ATTEMPT", attempt.to_string());
+        // A lost island's ranks are started again: the job's transport
+        // must take them back (TCP).
+        cmd.env("ZEROPP_RESTARTS", opts.restarts.to_string());
     }
     if let Some(store) = &meeting.store {
         cmd.env("ZEROPP_STORE", store);
@@ -527,9 +530,15 @@ fn stop(r: &mut Rank) {
     }
 }
 
-/// Refuses what the launch would ignore: no islands, restarts without
-/// islands, and a rank 0 host for a launch that starts every node here.
+/// Refuses what the launch would ignore or its ranks refuse: a timeout
+/// that is none, no islands, restarts without islands, and a rank 0 host
+/// for a launch that starts every node here.
 fn check_islands_and_master(opts: &LaunchOptions) -> Result<()> {
+    if let Some(t) = opts.timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
+        return Err(options(format!(
+            "--timeout {t}: the ranks' timeout is a positive number of seconds"
+        )));
+    }
     if opts.islands == 0 {
         return Err(options(
             "--islands 0: the job's islands are 1 or more (1, the default: one failure stops \
@@ -713,6 +722,11 @@ mod tests {
 
     #[test]
     fn what_a_launch_would_ignore_is_refused_saying_what_to_do() {
+        let e = refused(LaunchOptions {
+            timeout_s: Some(0.0),
+            ..opts(1, 0, None)
+        });
+        assert!(e.contains("--timeout 0") && e.contains("positive"), "{e}");
         let e = refused(opts(0, 0, None));
         assert!(e.contains("--islands 0") && e.contains("1 or more"), "{e}");
         let e = refused(opts(1, 2, None));

@@ -137,7 +137,16 @@ fn same_model_as(resume: &std::path::Path, model: &crate::train::model::ModelCon
 /// Runs `zeropp train`.
 pub fn run(args: TrainArgs) -> Result<()> {
     let cfg = args.config()?;
-    match crate::comm::env::RankFacts::from_env() {
+    if let Some(t) = args.timeout.filter(|t| !(*t > 0.0 && t.is_finite())) {
+        bail!("--timeout {t}: a positive number of seconds");
+    }
+    let facts = crate::comm::env::RankFacts::from_env();
+    if let Err(crate::comm::env::EnvError::Missing) = facts {
+        // The whole job is on this machine: its outputs are checked once,
+        // before any rank starts.
+        trainer::prepare_outputs(&cfg)?;
+    }
+    match facts {
         Err(crate::comm::env::EnvError::Missing) if args.compare => match &args.seeds {
             Some(seeds) => {
                 crate::train::parity::measure(&cfg, &seeds.0, args.timeout)?;
@@ -165,9 +174,6 @@ pub fn run(args: TrainArgs) -> Result<()> {
                 );
             }
             if let Some(t) = args.timeout {
-                if !(t > 0.0 && t.is_finite()) {
-                    bail!("--timeout {t}: a positive number of seconds");
-                }
                 // Read with the rank's other facts as it joins.
                 // SAFETY: no other thread runs yet to read the
                 // environment concurrently.

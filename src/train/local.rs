@@ -34,22 +34,25 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         std::process::id(),
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
-    let mut cfg = cfg.clone();
-    cfg.launch.transport = if cfg.islands.islands.number().is_some_and(|n| n > 1)
-        && cfg.islands.restarts > 0
-        && cfg.launch.transport.is_none()
-        && std::env::var_os("ZEROPP_TRANSPORT").is_none()
-    {
-        // A lost island's restarted ranks rejoin over TCP.
-        Some(TransportKind::Tcp)
-    } else {
-        default_transport(cfg.launch.transport)
-    };
-    let text = toml::to_string(&cfg).context("writing the run's config")?;
-    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     // `auto`'s islands are chosen at join: the launcher keeps one failure
     // domain.
     let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
+    // Restarts rejoin islands: a job of one failure domain has none, and a
+    // streamed island is not taken back (a rejoin waits for an outer
+    // sync's exchanges).
+    let restarts = if islands > 1 && cfg.islands.outer_delay == 0 {
+        cfg.islands.restarts
+    } else {
+        0
+    };
+    let mut cfg = cfg.clone();
+    let (kind, note) = TransportKind::choose(cfg.launch.transport, islands > 1 && restarts > 0)?;
+    if let Some(why) = note {
+        eprintln!("note: using TCP between ranks: {why}");
+    }
+    cfg.launch.transport = Some(kind);
+    let text = toml::to_string(&cfg).context("writing the run's config")?;
+    std::fs::write(&file, text).with_context(|| format!("cannot write {}", file.display()))?;
     let result = crate::launch::launch(&crate::launch::LaunchOptions {
         nodes: cfg.launch.nodes,
         ranks_per_node: cfg.launch.ranks_per_node,
@@ -59,14 +62,7 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         grace: std::time::Duration::from_secs(3),
         rank0_terminal: std::io::stderr().is_terminal(),
         islands,
-        // Restarts rejoin islands: a job of one failure domain has none,
-        // and a streamed island is not taken back (a rejoin waits for an
-        // outer sync's exchanges).
-        restarts: if islands > 1 && cfg.islands.outer_delay == 0 {
-            cfg.islands.restarts
-        } else {
-            0
-        },
+        restarts,
         command: vec![
             exe.display().to_string(),
             "train".into(),
@@ -97,21 +93,6 @@ fn check_switches(cfg: &TrainConfig) -> Result<()> {
         Err(_) => Err(crate::zero::routing::RoutingError::Unpublished),
     };
     crate::train::trainer::resolve_switches(cfg, (layout, islands), &routing, None).map(|_| ())
-}
-
-/// The transport of a self-launched run: the one asked for (`--transport`,
-/// or `ZEROPP_TRANSPORT`, which the ranks read), else UCX (shared memory
-/// between the ranks of a node, TCP between nodes) when libucp loads, else
-/// TCP with a note saying how to get UCX.
-fn default_transport(asked: Option<TransportKind>) -> Option<TransportKind> {
-    if asked.is_some() || std::env::var_os("ZEROPP_TRANSPORT").is_some() {
-        return asked;
-    }
-    let (kind, why_not_ucx) = TransportKind::default_here();
-    if let Some(why) = why_not_ucx {
-        eprintln!("note: using TCP between ranks: {why}");
-    }
-    Some(kind)
 }
 
 /// `--metrics FILE` of one mode of a comparison: FILE with the mode before

@@ -13,6 +13,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 
 use crate::comm::env::RankFacts;
+use crate::comm::exchange::TransportKind;
 use crate::comm::job::Job;
 use crate::engine::{Engine, EngineConfig, StepStats};
 use crate::train::auto_islands::IslandsChosen;
@@ -92,6 +93,9 @@ impl Trainer {
         let cfg = asked.with_islands(islands);
         let islands = cfg.island_config()?;
         let lead = facts.rank == 0;
+        if lead {
+            prepare_outputs(&cfg)?;
+        }
         let transport_name = crate::comm::Transport::name(&*job.counter);
         let engine_cfg = EngineConfig {
             model: std::sync::Arc::new(cfg.model.clone()),
@@ -431,13 +435,57 @@ fn islands_summary(
     }))
 }
 
-/// The loss plot and the summary's JSON, where asked for.
+/// Checks before training that every output file can be written where
+/// asked (its directory made if missing, the plot named `.png`): a bad
+/// path is said at once, not after the run.
+pub(crate) fn prepare_outputs(cfg: &TrainConfig) -> Result<()> {
+    let o = &cfg.output;
+    if let Some(p) = &o.plot {
+        let png = p.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
+        if !png {
+            bail!(
+                "--plot {}: the plot is drawn as PNG: name it *.png",
+                p.display()
+            );
+        }
+    }
+    let files = [
+        ("--metrics", &o.metrics),
+        ("--summary-json", &o.summary_json),
+        ("--plot", &o.plot),
+    ];
+    for (flag, path) in files {
+        let Some(p) = path else { continue };
+        if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| {
+                format!("{flag} {}: cannot make {}", p.display(), dir.display())
+            })?;
+        }
+        let existed = p.exists();
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(p)
+            .with_context(|| format!("{flag} {}: cannot write there", p.display()))?;
+        if !existed {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+    Ok(())
+}
+
+/// The summary's JSON and the loss plot, where asked for (the summary
+/// first: a plot that fails loses nothing else).
 fn write_outputs(
     summary: &Summary,
     cfg: &TrainConfig,
     losses: &[(usize, f32)],
     layout: Layout,
 ) -> Result<()> {
+    if let Some(p) = &cfg.output.summary_json {
+        std::fs::write(p, serde_json::to_vec_pretty(summary)?)
+            .with_context(|| format!("cannot write {}", p.display()))?;
+    }
     if let Some(p) = &cfg.output.plot {
         let series = Series {
             name: format!("{} (validation {:.3})", summary.mode, summary.val_loss),
@@ -448,10 +496,6 @@ fn write_outputs(
             layout.nodes, layout.ranks_per_node
         );
         plot::loss_curves(p, &title, &[series])?;
-    }
-    if let Some(p) = &cfg.output.summary_json {
-        std::fs::write(p, serde_json::to_vec_pretty(summary)?)
-            .with_context(|| format!("cannot write {}", p.display()))?;
     }
     Ok(())
 }
@@ -549,7 +593,10 @@ fn connect(cfg: &TrainConfig, facts: &RankFacts, layout: Layout) -> Result<Conne
     let island = island_of(asked_islands.unwrap_or(1))?;
     let published = crate::zero::job::facts_to_publish();
     let (transport, table) = match cfg.launch.transport {
-        Some(kind) => Job::connect_over(kind, facts, published)?,
+        Some(kind) => {
+            let (kind, _) = TransportKind::choose(Some(kind), facts.islands_restart())?;
+            Job::connect_over(kind, facts, published)?
+        }
         None => Job::connect(facts, published)?,
     };
     let peers: Vec<crate::comm::exchange::Peer> = table.into_iter().map(peer_of).collect();
