@@ -465,6 +465,10 @@ fn bad_input_is_a_named_error() {
         assert!(!o.status.success() && !text.contains("panicked"), "{text}");
         has(text, &[var, &format!("{value:?}"), says]);
     }
+    has(
+        run(&[&small[..], &["--save-every", "5"]].concat()),
+        &["--save-every 5 saves into --checkpoint-dir"],
+    );
     let text = run(&["--timeout", "0"]);
     assert_eq!(
         text.matches("--timeout 0: a positive number").count(),

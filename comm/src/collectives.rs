@@ -223,13 +223,30 @@ impl Communicator {
         f: impl FnOnce(u32) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         let call = group.next_call();
-        f(call).inspect_err(|e| {
-            let notice = liveness::gave_up(self.rank(), tag(group, call, 0), e);
-            for &r in group.ranks().iter().filter(|&&r| r != self.rank()) {
-                // A rank gone takes no notice.
-                let _ = self.transport.send(r, gave_up_tag(), notice.clone());
-            }
-        })
+        f(call).inspect_err(|e| self.tell_gave_up(group, call, e))
+    }
+
+    /// Tells `group`'s other members that this rank gives up its next call
+    /// there after `e` — a failure of its own (a value that is not finite,
+    /// bad input: `CommError::GaveUp` with the reason), or one in another
+    /// group's call (the rank it blamed is blamed) — before it sent
+    /// anything in it: a member waiting on it in that call fails at once
+    /// with the reason instead of waiting its timeout for a rank that is
+    /// alive and will never send. For jobs that cannot go on after a
+    /// failure (not the islands' outer exchanges, which go on without a
+    /// lost island).
+    pub fn give_up_next(&self, group: &Group, e: &CommError) {
+        self.tell_gave_up(group, group.next_call(), e);
+    }
+
+    /// The notice that this rank gave up `group`'s `call` after `e`, to
+    /// every other member ([`liveness::gave_up`]).
+    fn tell_gave_up(&self, group: &Group, call: u32, e: &CommError) {
+        let notice = liveness::gave_up(self.rank(), tag(group, call, 0), e);
+        for &r in group.ranks().iter().filter(|&&r| r != self.rank()) {
+            // A rank gone takes no notice.
+            let _ = self.transport.send(r, gave_up_tag(), notice.clone());
+        }
     }
 
     fn wait_all(&self, sends: Vec<(usize, SendHandle)>) -> Result<(), CommError> {

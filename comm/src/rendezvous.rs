@@ -78,9 +78,11 @@ pub fn host_identity() -> String {
 pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, CommError> {
     (host, port)
         .to_socket_addrs()
-        .map_err(|e| CommError::Io {
-            what: format!("resolving {host}"),
-            source: e,
+        .map_err(|e| {
+            failure(format!(
+                "cannot resolve the host {host:?} ({e}): check the name (MASTER_ADDR, \
+                 --master-addr) and this host's DNS"
+            ))
         })?
         .next()
         .ok_or_else(|| failure(format!("{host} resolves to no address")))
@@ -513,7 +515,8 @@ pub fn rendezvous(
         };
         let listener = TcpListener::bind(bind).map_err(|e| {
             failure(format!(
-                "rank 0 cannot listen on port {}: {e}; pick a free MASTER_PORT",
+                "rank 0 cannot listen on port {}: {e}; pick a free port (MASTER_PORT, or \
+                 --master-addr HOST:PORT)",
                 facts.master_port
             ))
         })?;

@@ -568,7 +568,7 @@ impl Job {
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.job.thread, groups, f)
+        self.submit_on(&self.job.thread, (groups, true), f)
     }
 
     /// Runs `f` on the communication thread with a byte mover whose calls
@@ -578,7 +578,7 @@ impl Job {
         &self,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.job.thread, self.job.groups.clone(), f)
+        self.submit_on(&self.job.thread, (self.job.groups.clone(), false), f)
     }
 
     /// As [`Job::submit_alone`], on the thread of the islands' streamed
@@ -590,24 +590,52 @@ impl Job {
         let thread = self
             .outer
             .get_or_init(|| CommThread::new(self.comm.clone()));
-        self.submit_on(thread, self.job.groups.clone(), f)
+        self.submit_on(thread, (self.job.groups.clone(), false), f)
     }
 
+    /// Runs `f` on `thread` with a byte mover over `groups`; where
+    /// `gives_up`, a failure tells the groups' members
+    /// ([`ZeroGroups::give_up`]).
     fn submit_on(
         &self,
         thread: &CommThread,
-        groups: ZeroGroups,
+        (groups, gives_up): (ZeroGroups, bool),
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
         let counter = self.job.counter.clone();
         Op::new(
             self.job.layout.rank,
             thread.submit(move |c: &Communicator| {
-                f(&HostMover {
+                let done = f(&HostMover {
                     comm: c,
                     counter: &counter,
-                    groups,
-                })
+                    groups: groups.clone(),
+                });
+                // FSDP's collectives cannot go on after a failure: the
+                // ranks waiting on this one in its groups' next calls hear
+                // why at once (a gradient that is not finite here, or the
+                // rank a failed call blamed), not at their timeout.
+                if let (Err(e), true) = (&done, gives_up) {
+                    match e {
+                        // The rank that gave up first is named on.
+                        ZeroError::Comm(CommError::GaveUp { by, reason }) if *by != c.rank() => {
+                            let e = CommError::PeerFailed {
+                                peer: *by,
+                                reason: reason.clone(),
+                            };
+                            groups.give_up(c, &e)
+                        }
+                        ZeroError::Comm(e) => groups.give_up(c, e),
+                        own => groups.give_up(
+                            c,
+                            &CommError::GaveUp {
+                                by: c.rank(),
+                                reason: own.to_string(),
+                            },
+                        ),
+                    }
+                }
+                done
             }),
         )
     }

@@ -199,7 +199,7 @@ def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
 def test_enable_serves_models_that_fsdp2_already_sharded():
     p = ranks(WORKERS / "enable.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 17, p.stdout
+    assert len(oks) == 19, p.stdout
 
 
 def test_frozen_weights_cross_nodes_once_and_are_never_served_stale():
@@ -734,6 +734,23 @@ def test_a_rank_stopped_mid_step_is_named_by_every_other_rank(device):
         assert float(nxt[0].split()[3]) < 5, f"rank {r}: {nxt[0]}"
     # Startup, a step or two, one deadline and one inquiry.
     assert took < 60, took
+
+
+def test_a_nan_on_one_rank_is_named_by_every_other_rank_at_once():
+    # Rank 3's loss turns NaN; it raises (the gradient is not finite) and
+    # stays alive. The others, waiting on it, must not wait their timeout
+    # for a rank that will never send: they raise at once, naming it and
+    # the NaN, not a lost link.
+    world, victim = 4, 3
+    outputs, _ = run_kill_workers(world, victim, KILL_SIGNAL="nan", ZEROPP_TIMEOUT_S="60")
+    for r, (_, out, err) in enumerate(outputs):
+        said = [line for line in out.splitlines() if line.startswith("error after")]
+        assert said, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"
+        assert "finite" in said[0], f"rank {r}: {said[0]}"
+        if r == victim:
+            continue
+        assert "PeerError" in said[0] and f"rank {victim}" in said[0], f"rank {r}: {said[0]}"
+        assert float(said[0].split()[2]) < 10, f"rank {r} waited: {said[0]}"
 
 
 @pytest.mark.parametrize("stateful", [False, True])

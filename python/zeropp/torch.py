@@ -1398,7 +1398,9 @@ def fully_shard(
     communication through zeropp's transports). The switches (``qwz_bits``,
     ``hpz``, ``hpz_group``, ``qgz``, ``error_feedback``, ``qgz_intra_bits``,
     ``qgz_stochastic``, ``block``, ``qgz_block``, ``fp32_comm``, ``qwz_delta``,
-    ``qwz_refresh``, ``qgz_hadamard``, ``qgz_inter_block``) override the
+    ``qwz_refresh``, ``qgz_hadamard``, ``qgz_inter_block``,
+    ``qwz_bf16_references``, ``qwz_host_references``, ``qwz_int8_references``;
+    all of them: ``zeropp.torch.SWITCHES``) override the
     mode's; the rest comes from the routing plan and the links measured at
     join. ``mode="zeropp"`` sends int4 weight differences across nodes
     (``qwz_delta``, refreshed every ``qwz_refresh`` gathers) and rotates
@@ -1418,10 +1420,28 @@ def fully_shard(
     _check_fsdp_keywords(kwargs)
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(module, FSDPModule):
+    if not isinstance(module, torch.nn.Module):
         raise ZeroppError(
-            f"{type(module).__name__} is sharded by FSDP2 already: call "
-            "zeropp.torch.enable(model) on the sharded model instead of fully_shard again"
+            f"fully_shard takes a torch.nn.Module, not {type(module).__name__}: pass the model "
+            "(or one of its blocks)"
+        )
+    if isinstance(module, FSDPModule):
+        # FSDP2 renames the class (FSDPBlock): the user's name is its base.
+        name = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+        if getattr(module, "_zeropp_fully_sharded", False):
+            raise ZeroppError(
+                f"this {name} is sharded by zeropp.torch.fully_shard already: shard each "
+                "module once (the blocks, then the root)"
+            )
+        raise ZeroppError(
+            f"this {name} is sharded by FSDP2 already: call zeropp.torch.enable(model) on the "
+            "sharded model instead of fully_shard again"
+        )
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+    ):
+        raise ZeroppError(
+            f"ranks_per_node={ranks_per_node!r}: a whole number of ranks (or None: the hosts)"
         )
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
     mesh = kwargs.get("mesh")
@@ -1433,6 +1453,7 @@ def fully_shard(
     served.keep_secondary(kwargs["reshard_after_forward"])
     sharded = _fsdp_fully_shard(module, **kwargs)
     served.install(sharded)
+    sharded._zeropp_fully_sharded = True
     return sharded
 
 

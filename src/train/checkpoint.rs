@@ -761,8 +761,26 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         }
         return Ok(dir);
     }
+    // `zeropp train --compare --checkpoint-dir D` keeps one directory per
+    // mode inside D.
+    let mut inside: Vec<String> = std::fs::read_dir(path)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().join("latest").is_file())
+        .map(|e| e.path().display().to_string())
+        .collect();
+    inside.sort();
+    let hint = match inside.as_slice() {
+        [] => String::new(),
+        dirs => format!(
+            "; it holds checkpoint directories (a --compare run's, one per mode): {}",
+            dirs.join(", ")
+        ),
+    };
     bail!(
-        "no checkpoint at {}: expected a manifest.json (a checkpoint) or a latest file (a checkpoint directory)",
+        "no checkpoint at {}: expected a manifest.json (a checkpoint) or a latest file (a \
+         checkpoint directory){hint}",
         path.display()
     )
 }
@@ -1158,6 +1176,23 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A directory of checkpoint directories (a `--compare` run's) is not
+    /// one: the error lists them.
+    #[test]
+    fn a_directory_of_checkpoint_directories_is_named_with_them() {
+        let root = std::env::temp_dir().join(format!("zeropp-compare-ck-{}", std::process::id()));
+        for mode in ["zero3", "zeropp"] {
+            std::fs::create_dir_all(root.join(mode)).unwrap();
+            std::fs::write(root.join(mode).join("latest"), "step-00000005").unwrap();
+        }
+        let e = resolve(&root).unwrap_err().to_string();
+        assert!(
+            e.contains("a --compare run's") && e.contains("zero3") && e.contains("zeropp"),
+            "{e}"
+        );
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     /// Pruning removes only steps before the one just saved: a resume from
     /// an earlier step keeps its restore point and never deletes what it

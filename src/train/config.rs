@@ -368,8 +368,14 @@ impl TrainConfig {
         if self.launch.nodes == 0 || self.launch.ranks_per_node == 0 {
             bail!("nodes and ranks_per_node must be at least 1");
         }
+        if self.checkpoint.save_every > 0 && self.checkpoint.checkpoint_dir.is_none() {
+            bail!(
+                "--save-every {} saves into --checkpoint-dir: give one (or drop --save-every)",
+                self.checkpoint.save_every
+            );
+        }
         self.optim.check().map_err(|e| anyhow::anyhow!("{e}"))?;
-        self.check_attention_fits()?;
+        self.check_attention_fits(self.launch.ranks_per_node)?;
         self.island_config()?;
         Ok(())
     }
@@ -377,15 +383,16 @@ impl TrainConfig {
     /// The attention scores of one layer (batch × heads × context² in f32,
     /// and as many again for their softmax and its gradient) fit in this
     /// machine's memory: a context far too long is refused with what to
-    /// lower, not left to fail an allocation mid-step.
-    fn check_attention_fits(&self) -> Result<()> {
+    /// lower, not left to fail an allocation mid-step. `ranks_here`: the ranks this machine runs (a node's under a
+    /// launcher; every rank of a self-launched job).
+    pub fn check_attention_fits(&self, ranks_here: usize) -> Result<()> {
         let m = &self.model;
         let scores = (self.run.batch as u128)
             * (m.heads as u128)
             * (m.context as u128)
             * (m.context as u128)
             * 4;
-        let needed = scores * 3 * self.launch.ranks_per_node as u128;
+        let needed = scores * 3 * ranks_here as u128;
         let Some(memory) = memory_available_bytes() else {
             return Ok(());
         };
@@ -398,7 +405,7 @@ impl TrainConfig {
                 self.run.batch,
                 m.heads,
                 (scores * 3) as f64 / 1e9,
-                self.launch.ranks_per_node,
+                ranks_here,
                 memory as f64 / 1e9
             );
         }

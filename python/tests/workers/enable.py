@@ -128,6 +128,18 @@ def main():
         lambda: zt.fully_shard(m, mesh=mesh),
         "zeropp.torch.enable",
     )
+    twice = model()
+    zt.fully_shard(twice, mesh=mesh)
+    expect_error(
+        "fully_shard twice names the module's own class and says to shard once",
+        lambda: zt.fully_shard(twice, mesh=mesh),
+        "this Sequential is sharded by zeropp.torch.fully_shard already",
+    )
+    expect_error(
+        "fully_shard of what is not a module says what it takes",
+        lambda: zt.fully_shard("model", mesh=mesh),
+        "takes a torch.nn.Module, not str",
+    )
     half = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     expect_error(
         "float64 parameters cast to bf16 still need a reduce dtype zeropp moves",

@@ -3,7 +3,10 @@ named by KILL_RANK dies in the middle of the forward pass (os._exit, as a
 crash or an OOM kill would), or with KILL_SIGNAL=stop stops there (SIGSTOP:
 alive, its connections open, silent). The others must fail with an error
 naming it; with KILL_SIGNAL=stop each then tries one more step, which
-must fail at once naming it too (it prints both errors).
+must fail at once naming it too (it prints both errors). With
+KILL_SIGNAL=nan it stays alive but its loss turns NaN at step 3: it raises
+and lingers (as an ``except`` that saves a checkpoint would); the others
+must fail at once, naming it and the NaN (each prints how long it took).
 KILL_DEVICE=cuda trains on the GPU (python/gpu_tests)."""
 
 import os
@@ -34,10 +37,11 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = Data(0, rank, world)
     step = 0
+    mode = os.environ.get("KILL_SIGNAL")
 
     def die(_module, _args):
-        if step == 3 and rank == victim:
-            if os.environ.get("KILL_SIGNAL") == "stop":
+        if step == 3 and rank == victim and mode != "nan":
+            if mode == "stop":
                 print(f"rank {rank} stops now", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
             print(f"rank {rank} exits now", flush=True)
@@ -48,12 +52,24 @@ def main():
     def train_step(step):
         x, y = data.batch(step, 4, 32, device=device)
         loss = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
+        if mode == "nan" and step == 3 and rank == victim:
+            loss = loss * float("nan")
         loss.backward()
         opt.step()
         opt.zero_grad()
 
     for step in range(1000):
-        if os.environ.get("KILL_SIGNAL") != "stop":
+        if mode == "nan":
+            started = time.monotonic()
+            try:
+                train_step(step)
+            except zt.ZeroppError as e:
+                took = time.monotonic() - started
+                print(f"error after {took:.1f} s: {type(e).__name__}: {e}", flush=True)
+                if rank == victim:
+                    time.sleep(20)
+                return 1
+        elif mode != "stop":
             train_step(step)
         else:
             try:

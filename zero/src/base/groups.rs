@@ -21,6 +21,23 @@ pub struct ZeroGroups {
 }
 
 impl ZeroGroups {
+    /// Tells the members of each of these groups that this rank gives up
+    /// its next call there after `e` (its own failure, or a failed call of
+    /// one of them), before it sent anything in it
+    /// ([`zeropp_comm::Communicator::give_up_next`]): whichever call they
+    /// wait on it in fails at once with the reason, where they would wait
+    /// their timeout on a rank that is alive and never sends. The hpZ
+    /// group once where it is the node.
+    pub fn give_up(&self, comm: &zeropp_comm::Communicator, e: &CommError) {
+        let mut told: Vec<&Arc<Group>> = Vec::new();
+        for g in [&self.world, &self.node, &self.cross, &self.hpz] {
+            if !told.iter().any(|t| Arc::ptr_eq(t, g)) {
+                comm.give_up_next(g, e);
+                told.push(g);
+            }
+        }
+    }
+
     /// The groups of `l.rank`, with hpZ groups of `hpz_group` consecutive
     /// local ranks (a divisor of the ranks per node).
     pub fn new(l: &Layout, hpz_group: usize) -> Result<ZeroGroups, CommError> {

@@ -327,6 +327,7 @@ pub fn resolve_mode(
     let obj = value
         .as_object_mut()
         .ok_or_else(|| serialized("the switches do not serialize to an object".into()))?;
+    let defaults = obj.clone();
     for (k, v) in overrides {
         if !obj.contains_key(k) {
             let mut names: Vec<&String> = obj.keys().collect();
@@ -334,6 +335,15 @@ pub fn resolve_mode(
             return Err(PlanError::switch(
                 k.clone(),
                 format!("unknown switch {k:?}; zeropp's switches are {names:?}"),
+            ));
+        }
+        // Each value checked alone, so a wrong type names its switch.
+        let mut alone = defaults.clone();
+        alone.insert(k.clone(), v.clone());
+        if let Err(e) = serde_json::from_value::<Switches>(alone.into()) {
+            return Err(PlanError::switch(
+                k.clone(),
+                format!("{k}={v}: {e} (the switch's default: {})", defaults[k]),
             ));
         }
         obj.insert(k.clone(), v.clone());
@@ -627,6 +637,10 @@ pub fn gradient_formats(
     inter_block: Option<usize>,
 ) -> Result<(FirstHop, QuantFormat), PlanError> {
     let intra_bits_error = |why: String| PlanError::switch("qgz_intra_bits", why);
+    // The block is checked where it is not used too (the gradient in bf16
+    // inside the node): a value asked that no hop could take is refused.
+    QuantFormat::new(Bits::Eight, Scheme::Symmetric, block)
+        .map_err(|e| PlanError::switch("qgz_block", e.to_string()))?;
     let intra = match intra_bits {
         16 => FirstHop::Bf16,
         8 | 4 => {
@@ -1090,8 +1104,16 @@ mod tests {
             e.contains("unknown switch \"qwz\"") && e.contains("qwz_bits"),
             "{e}"
         );
+        // A wrong type names its switch, what was given and the default.
         let e = err("zeropp", r#"{"hpz": "yes"}"#).unwrap_err().to_string();
-        assert!(e.contains("wrong type"), "{e}");
+        assert!(
+            e.contains("hpz=\"yes\"") && e.contains("default: true"),
+            "{e}"
+        );
+        let e = err("zeropp", r#"{"qwz_refresh": -5}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("qwz_refresh=-5"), "{e}");
         let e = err("zeropp", r#"{"qwz_bits": 3}"#).unwrap_err();
         assert!(
             matches!(&e, PlanError::Switch { switch, .. } if switch == "qwz_bits"),
@@ -1136,6 +1158,13 @@ mod tests {
             )
         );
         assert_eq!(gradient_formats(16, 32, None).unwrap().0, FirstHop::Bf16);
+        // A block no hop could take is refused where it goes unused too.
+        for block in [0, 7] {
+            let e = gradient_formats(16, block, Some(64))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("qgz_block"), "{e}");
+        }
         let e = weight_format(2, 256).unwrap_err().to_string();
         assert!(e.contains("8 or 4 bits, not 2"), "{e}");
         let e = gradient_formats(2, 32, None).unwrap_err().to_string();
