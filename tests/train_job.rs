@@ -521,30 +521,29 @@ fn bad_input_is_a_named_error() {
         run(&["--config", toml.to_str().unwrap()]),
         &["bad.toml", "stepz"],
     );
-    // The launcher's islands and the run's `auto` disagree.
-    let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
-        .args([
-            "launch",
-            "--nodes",
-            "2",
-            "--ranks-per-node",
-            "1",
-            "--islands",
-            "2",
-            "--",
-        ])
-        .arg(env!("CARGO_BIN_EXE_zeropp"))
-        .args(["train", "--islands", "auto"])
-        .args(small)
-        .output()
-        .unwrap();
-    let text =
-        String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
-    assert!(!o.status.success() && !text.contains("panicked"), "{text}");
-    has(
-        text,
-        &["into 2 islands", "--islands auto", "launcher's count"],
-    );
+    // The launcher's islands and the run's disagree: `auto`, or the
+    // default of one synchronous job across its failure domains.
+    for (asked, said) in [
+        (&["--islands", "auto"][..], "--islands auto"),
+        (
+            &[][..],
+            "the run asks for 1 (one synchronous job: the default)",
+        ),
+    ] {
+        let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+            .args(["launch", "--nodes", "2", "--ranks-per-node", "1"])
+            .args(["--islands", "2", "--"])
+            .arg(env!("CARGO_BIN_EXE_zeropp"))
+            .arg("train")
+            .args(asked)
+            .args(small)
+            .output()
+            .unwrap();
+        let text =
+            String::from_utf8_lossy(&o.stderr).into_owned() + &String::from_utf8_lossy(&o.stdout);
+        assert!(!o.status.success() && !text.contains("panicked"), "{text}");
+        has(text, &["into 2 islands", said]);
+    }
     has(
         run(&[&small[..], &["--islands", "several"]].concat()),
         &["\"several\"", "a number, or auto"],

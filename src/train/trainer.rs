@@ -501,10 +501,22 @@ fn write_outputs(
 }
 
 /// The islands the run trains in: the run's `--islands N`, else the
-/// launcher's (`--islands auto` under a launcher that cut the job is
-/// refused: the two would disagree).
+/// launcher's (a count other than the launcher's, or `--islands auto`,
+/// under a launcher that cut the job is refused: the two would disagree).
 fn islands_of(asked: &TrainConfig, facts: &RankFacts) -> Result<usize> {
     match asked.islands.islands.number() {
+        Some(n) if facts.islands > 1 && n != facts.islands => bail!(
+            "the launcher cuts the job into {} islands (ZEROPP_ISLANDS / zeropp launch \
+             --islands), its failure domains, and the run asks for {n}{}: give the run \
+             --islands {}, or launch without --islands",
+            facts.islands,
+            if n == 1 {
+                " (one synchronous job: the default)"
+            } else {
+                ""
+            },
+            facts.islands
+        ),
         Some(n) => Ok(n.max(1)),
         None if facts.islands > 1 => bail!(
             "the launcher cuts the job into {} islands (ZEROPP_ISLANDS / zeropp launch \
