@@ -54,6 +54,25 @@ fn plan_takes_compute_from_a_run_summary_and_measures_quantization() {
     let (a, b) = (step_of(&from_file, "zero3"), step_of(&given, "zero3"));
     assert_eq!(a, b);
     assert!((0.75..0.85).contains(&a), "{a}");
+    // Without --params the run's own size goes with its compute.
+    let sized = dir.join("sized.json");
+    std::fs::write(
+        &sized,
+        r#"{"mode": "zero3", "params": 30176, "median_step_time_s": 0.01}"#,
+    )
+    .unwrap();
+    let o = zeropp(&[
+        "plan",
+        "--quant-gbps",
+        "2",
+        "--compute-from",
+        sized.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && text.contains("3.018e4 parameters"),
+        "{text}"
+    );
 
     // Without --quant-gbps the rate is measured on this CPU and printed.
     let o = zeropp(&["plan", "--compute-s", "0.6"]);

@@ -5,11 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 
-#[derive(clap::Args, Debug)]
+#[derive(clap::Args, Clone, Debug)]
 pub struct PlanArgs {
-    /// Parameters of the model (default: the built-in model, padded for 4 ranks).
-    #[arg(long, default_value_t = 138_240.0)]
-    pub params: f64,
+    /// Parameters of the model (default: the run's with --compute-from, so
+    /// its compute and its size are one model's; else the built-in model,
+    /// padded for 4 ranks: 138240).
+    #[arg(long)]
+    pub params: Option<f64>,
     #[arg(long, default_value_t = 2)]
     pub nodes: usize,
     #[arg(long, default_value_t = 2)]
@@ -101,11 +103,16 @@ pub struct PlanArgs {
 
 /// Runs `zeropp plan` with `a`.
 pub fn run(a: &PlanArgs) -> Result<()> {
-    check(a)?;
-    let compute_s = compute_per_step(a)?;
+    let params = params_of(a)?;
+    let a = &PlanArgs {
+        params: Some(params),
+        ..a.clone()
+    };
+    check(a, params)?;
+    let compute_s = compute_per_step(a, params)?;
     let quant_gbps = quantize_speed(a)?;
     let input = zeropp_zero::cost::PlanInput {
-        params: a.params,
+        params,
         nodes: a.nodes,
         ranks_per_node: a.ranks_per_node,
         intra_gbps: a.intra_gbps,
@@ -164,10 +171,10 @@ pub fn run(a: &PlanArgs) -> Result<()> {
 
 /// The plan's inputs are ones a run could have: what is not is refused
 /// naming the flag, never predicted as NaN.
-fn check(a: &PlanArgs) -> Result<()> {
+fn check(a: &PlanArgs, params: f64) -> Result<()> {
     let positive = |v: f64| v.is_finite() && v > 0.0;
     for (flag, v) in [
-        ("--params", a.params),
+        ("--params", params),
         ("--intra-gbps", a.intra_gbps),
         ("--nic-gbit", a.nic_gbit),
         ("--tokens-per-rank", a.tokens_per_rank),
@@ -226,12 +233,12 @@ fn check(a: &PlanArgs) -> Result<()> {
 
 /// The compute per step the plan is for: given, read from a run's
 /// summary, or estimated from the model's FLOPs and the device's TFLOP/s.
-fn compute_per_step(a: &PlanArgs) -> Result<f64> {
+fn compute_per_step(a: &PlanArgs, params: f64) -> Result<f64> {
     let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
         (Some(c), None, _) => c,
         (None, Some(path), _) => compute_from_summary(path)?,
         (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
-        (None, None, Some(t)) if t > 0.0 => 8.0 * a.params * a.tokens_per_rank / (t * 1e12),
+        (None, None, Some(t)) if t > 0.0 => 8.0 * params * a.tokens_per_rank / (t * 1e12),
         // The measured run's own compute.
         (None, None, None) if a.measured.is_some() => {
             compute_from_summary(a.measured.as_deref().expect("checked"))?
@@ -295,6 +302,36 @@ fn print_json(
     };
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
+}
+
+/// The model's parameters: `--params`, else the `--compute-from` run's
+/// (its compute is that model's; said in a note), else the built-in
+/// model's.
+fn params_of(a: &PlanArgs) -> Result<f64> {
+    if let Some(p) = a.params {
+        return Ok(p);
+    }
+    if let Some(path) = &a.compute_from {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the run summary {}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
+                path.display()
+            )
+        })?;
+        if let Some(p) = v
+            .get("params")
+            .and_then(|p| p.as_f64())
+            .filter(|p| *p > 0.0)
+        {
+            if !a.json {
+                println!("model: {p} parameters, the run's of {}", path.display());
+            }
+            return Ok(p);
+        }
+    }
+    Ok(138_240.0)
 }
 
 /// The compute per step of a `zeropp train --summary-json` file: its
