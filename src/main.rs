@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use tracing_subscriber::EnvFilter;
 use zeropp::cli::{bench_collectives, comm_check, example_weights, quant_error};
 use zeropp::launch;
@@ -425,7 +425,12 @@ fn main() -> ExitCode {
         // plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match run(Cli::parse()) {
+    let cmd = Cli::command().mut_subcommand("train", zeropp::cli::train::with_defaults);
+    let cli = match Cli::from_arg_matches(&cmd.get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));

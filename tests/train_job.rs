@@ -664,3 +664,27 @@ fn one_node_measures_its_links_and_says_why_each_switch_has_its_value() {
     assert_eq!(!s["switches"]["qwz_bits"].is_null(), quantized, "{s}");
     std::fs::remove_dir_all(dir).ok();
 }
+
+/// `zeropp train --help` says each setting's default, from the config's
+/// one place of defaults (a flag left out is that value).
+#[test]
+fn train_help_says_each_default() {
+    let o = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+        .args(["train", "--help"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{text}");
+    for (flag, default) in [
+        ("--steps", "[default: 200]"),
+        ("--mode", "[default: zeropp]"),
+        ("--lr", "[default: 0.003]"),
+        ("--keep", "[default: 3]"),
+    ] {
+        let at = text
+            .find(&format!("{flag} <"))
+            .unwrap_or_else(|| panic!("{text}"));
+        let entry = &text[at..][..text[at..].find("\n\n").unwrap_or(text.len() - at)];
+        assert!(entry.contains(default), "{flag}: {entry}");
+    }
+}

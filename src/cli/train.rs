@@ -106,6 +106,51 @@ impl TrainArgs {
     }
 }
 
+/// `zeropp train`'s command with each flag's default in its help (the
+/// defaults of [`TrainConfig`], one place: a flag left out is the config's
+/// value).
+pub fn with_defaults(mut cmd: clap::Command) -> clap::Command {
+    let Ok(serde_json::Value::Object(top)) = serde_json::to_value(TrainConfig::default()) else {
+        return cmd;
+    };
+    // The sections' settings are flat at the top; `model` and `optim` are
+    // tables.
+    let mut settings = Vec::new();
+    for (key, value) in top {
+        match value {
+            serde_json::Value::Object(table) => settings.extend(table),
+            value => settings.push((key, value)),
+        }
+    }
+    {
+        for (key, value) in settings {
+            let shown = match &value {
+                serde_json::Value::Null => continue,
+                serde_json::Value::String(s) => s.clone(),
+                // f32 settings, shown as written (0.003, not its f64 widening).
+                serde_json::Value::Number(n) if n.is_f64() => {
+                    format!("{}", n.as_f64().unwrap_or(0.0) as f32)
+                }
+                other => other.to_string(),
+            };
+            if !cmd.get_arguments().any(|a| a.get_id() == key.as_str()) {
+                continue;
+            }
+            cmd = cmd.mut_arg(key.as_str(), |a| {
+                let mut a = a;
+                if let Some(h) = a.get_help().map(|h| h.to_string()) {
+                    a = a.help(format!("{h} [default: {shown}]"));
+                }
+                if let Some(h) = a.get_long_help().map(|h| h.to_string()) {
+                    a = a.long_help(format!("{h} [default: {shown}]"));
+                }
+                a
+            });
+        }
+    }
+    cmd
+}
+
 /// A resume keeps the checkpoint's model: a shape asked otherwise (a flag,
 /// or a config file) is refused naming each setting that differs.
 fn same_model_as(resume: &std::path::Path, model: &crate::train::model::ModelConfig) -> Result<()> {

@@ -200,7 +200,7 @@ section! {
         checkpoint_dir: Option<PathBuf> = None,
         /// Steps between checkpoints (0: only at the end).
         save_every: usize = 0,
-        /// Checkpoints to keep (0: all; default 3).
+        /// Checkpoints to keep (0: all).
         keep: usize = 3,
         /// Continue from a checkpoint (or the latest in a checkpoint directory),
         /// with its settings unless flags or --config say otherwise. A different

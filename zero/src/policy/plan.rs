@@ -52,8 +52,10 @@ macro_rules! with_switches {
             qgz_block: usize as usize = 32,
             /// Bits of qgZ's first hop, inside the node (8 or 4, or 16: the
             /// gradient in bf16, not quantized; across nodes: 4). Default:
-            /// the routing plan's — int8, unless the hop inside the node is
-            /// about as slow per rank as the hop across.
+            /// the routing plan's — on nodes without GPUs 16 (quantizing
+            /// costs the CPUs more than the bytes it saves there); with
+            /// GPUs int8, unless the hop inside the node is about as slow
+            /// per rank as the hop across.
             qgz_intra_bits: u32 as Option<u32> = None,
             /// Unquantized traffic (weights without qwZ, gradients without
             /// qgZ) in fp32 instead of bf16: exact data parallelism, for
@@ -76,10 +78,11 @@ macro_rules! with_switches {
             /// Values per quantization block of qgZ's hop across nodes.
             /// Unset: 64 in zeropp mode, else qgz_block.
             qgz_inter_block: Option<usize> as Option<usize> = None,
-            /// qwZ's references of weight differences kept in bf16 instead
-            /// of f32 (with qwz_delta, behind the bf16 hop inside the node):
-            /// half their memory, for weights a little further from the
-            /// master's (docs/TRAINING.md measures the loss).
+            /// qwZ's references of weight differences kept in bf16 (with
+            /// qwz_delta, behind the bf16 hop inside the node) instead of
+            /// the default int8 blocks or f32: half f32's memory, for
+            /// weights a little further from the master's (docs/TRAINING.md
+            /// measures the loss).
             qwz_bf16_references: bool as bool = false,
             /// qwZ's references of weight differences (the frozen weights'
             /// cache, and hpZ's secondary shard) kept in host memory for
