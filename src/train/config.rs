@@ -312,6 +312,18 @@ impl TrainConfig {
         let table: toml::Table = toml::from_str(text)?;
         let keys = Self::keys();
         if let Some(bad) = table.keys().find(|k| !keys.contains(&k.as_str())) {
+            // A table's key written at the top says where it goes.
+            for (name, table_keys) in [
+                ("model", crate::train::model::ModelConfig::KEYS),
+                ("optim", crate::engine::optim::OptimConfig::KEYS),
+            ] {
+                if table_keys.contains(&bad.as_str()) {
+                    bail!(
+                        "setting {bad:?} belongs in the [{name}] table: write it under a \
+                         `[{name}]` line (after the top-level settings)"
+                    );
+                }
+            }
             bail!("unknown setting {bad:?}; the settings are {keys:?}");
         }
         table.clone().try_into().map_err(|e| {
@@ -320,7 +332,15 @@ impl TrainConfig {
                 let one = toml::Table::from_iter([(k.to_string(), (*v).clone())]);
                 one.try_into::<TrainConfig>().is_err()
             });
+            let said = e.to_string();
             match bad {
+                // serde's words for the types behind the settings.
+                Some((k, v)) if said.contains("untagged enum OrAuto") => {
+                    anyhow::anyhow!("setting {k:?} = {v}: a whole number, or \"auto\"")
+                }
+                Some((k, v)) if said.contains("expected struct") => anyhow::anyhow!(
+                    "setting {k:?} = {v}: a table of settings ([{k}] and its keys under it)"
+                ),
                 Some((k, _)) => anyhow::anyhow!("setting {k:?}: {e}"),
                 None => anyhow::anyhow!("{e}"),
             }
@@ -569,6 +589,13 @@ mod tests {
         );
         let e = TrainConfig::from_toml_str("[model]\nwidht = 3\n").unwrap_err();
         assert!(format!("{e:#}").contains("widht"), "{e:#}");
+        // Where a setting goes, and what it takes, in the user's words.
+        let e = TrainConfig::from_toml_str("lr = 0.1\n").unwrap_err();
+        assert!(format!("{e:#}").contains("belongs in the [optim] table"), "{e:#}");
+        let e = TrainConfig::from_toml_str("sync_every = \"sometimes\"\n").unwrap_err();
+        assert!(format!("{e:#}").contains("a whole number, or \"auto\""), "{e:#}");
+        let e = TrainConfig::from_toml_str("model = 3\n").unwrap_err();
+        assert!(format!("{e:#}").contains("a table of settings ([model]"), "{e:#}");
         let e = TrainConfig::from_toml_str("steps = \"many\"\n").unwrap_err();
         assert!(
             format!("{e:#}").contains("setting \"steps\": invalid type"),
