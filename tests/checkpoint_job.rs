@@ -476,6 +476,23 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         &|c| std::fs::remove_file(c.join("rank-00003.zst")).unwrap(),
         &["missing shard", "rank-00003.zst"],
     );
+    // A shard missing or cut short, or no step left to train, is said once
+    // by the self-launched run before any rank starts.
+    let c = d.join("missing");
+    for (args, said) in [
+        (&["--steps", "20"][..], "missing shard"),
+        (&["--steps", "3"][..], "raise --steps"),
+    ] {
+        std::fs::copy(good.join("rank-00003.zst"), c.join("rank-00003.zst")).ok();
+        if said == "missing shard" {
+            std::fs::remove_file(c.join("rank-00003.zst")).unwrap();
+        }
+        let o = train(&[args, &["--resume", s(&c)]].concat());
+        let text = show(&o);
+        assert!(!o.status.success(), "{text}");
+        assert_eq!(text.matches(said).count(), 1, "{text}");
+        assert!(!text.contains("[rank"), "a rank started:\n{text}");
+    }
     let edit = |c: &Path, f: &dyn Fn(&mut serde_json::Value)| {
         let p = c.join("manifest.json");
         let mut m: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();

@@ -867,23 +867,8 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 /// A rank of a lost island reads the shard of its place in the first
 /// island saved.
 pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard>> {
-    let rank = stand_in(m, rank)?;
-    let info = m
-        .shards
-        .iter()
-        .find(|s| s.rank == rank)
-        .ok_or_else(|| anyhow!("the checkpoint has no shard for rank {rank}"))?;
-    let path = dir.join(&info.file);
+    let (info, path) = shard_on_disk(dir, m, rank)?;
     let shown = path.display().to_string();
-    let meta =
-        std::fs::metadata(&path).with_context(|| format!("missing shard {shown} (rank {rank})"))?;
-    if meta.len() != info.bytes {
-        bail!(
-            "{shown}: {} bytes, the manifest says {} (truncated or replaced)",
-            meta.len(),
-            info.bytes
-        );
-    }
     let packed = std::fs::read(&path).with_context(|| format!("cannot read {shown}"))?;
     let crc = crc32fast::hash(&packed);
     if crc != info.crc32 {
@@ -908,6 +893,55 @@ pub fn read_shard(dir: &Path, m: &Manifest, rank: usize) -> Result<Vec<UnitShard
         );
     }
     decode_shard(&raw, &shown, m, info)
+}
+
+/// Rank `rank`'s shard (a lost island's rank: its stand-in's), there and
+/// of the size the manifest says.
+fn shard_on_disk<'m>(dir: &Path, m: &'m Manifest, rank: usize) -> Result<(&'m ShardInfo, PathBuf)> {
+    let rank = stand_in(m, rank)?;
+    let info = m
+        .shards
+        .iter()
+        .find(|s| s.rank == rank)
+        .ok_or_else(|| anyhow!("the checkpoint has no shard for rank {rank}"))?;
+    let path = dir.join(&info.file);
+    let shown = path.display().to_string();
+    let meta =
+        std::fs::metadata(&path).with_context(|| format!("missing shard {shown} (rank {rank})"))?;
+    if meta.len() != info.bytes {
+        bail!(
+            "{shown}: {} bytes, the manifest says {} (truncated or replaced)",
+            meta.len(),
+            info.bytes
+        );
+    }
+    Ok((info, path))
+}
+
+/// A resume from step `start` trains up to step `end` (the run's
+/// --stop-after or --steps): at least one step.
+pub fn steps_left(start: usize, end: usize) -> Result<()> {
+    if start >= end {
+        bail!(
+            "the checkpoint is at step {start} and this run would stop at step {end}: raise \
+             --steps (or --stop-after) to train further"
+        );
+    }
+    Ok(())
+}
+
+/// What a resume from `path` to step `end` needs, checked once before any
+/// rank starts: the manifest reads, its units are its model's, every
+/// shard is there at its size (each rank checks its checksum as it reads
+/// it), and steps are left to train.
+pub fn check_resume(path: &Path, end: usize) -> Result<()> {
+    let dir = resolve(path)?;
+    let m = read_manifest(&dir)?;
+    check_units(&dir, &m)?;
+    for rank in saved_ranks(&m)? {
+        shard_on_disk(&dir, &m, rank)?;
+    }
+    steps_left(m.step, end)
 }
 
 /// Verifies a checkpoint (`zeropp ckpt inspect`): its units are the

@@ -375,6 +375,14 @@ impl TrainConfig {
         c.qwz_int8_references = None;
     }
 
+    /// The step this run stops at: --stop-after, within --steps.
+    pub fn end_step(&self) -> usize {
+        self.run
+            .stop_after
+            .unwrap_or(self.run.steps)
+            .min(self.run.steps)
+    }
+
     pub fn validate(&self) -> Result<()> {
         self.model
             .validate()
@@ -591,11 +599,20 @@ mod tests {
         assert!(format!("{e:#}").contains("widht"), "{e:#}");
         // Where a setting goes, and what it takes, in the user's words.
         let e = TrainConfig::from_toml_str("lr = 0.1\n").unwrap_err();
-        assert!(format!("{e:#}").contains("belongs in the [optim] table"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("belongs in the [optim] table"),
+            "{e:#}"
+        );
         let e = TrainConfig::from_toml_str("sync_every = \"sometimes\"\n").unwrap_err();
-        assert!(format!("{e:#}").contains("a whole number, or \"auto\""), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("a whole number, or \"auto\""),
+            "{e:#}"
+        );
         let e = TrainConfig::from_toml_str("model = 3\n").unwrap_err();
-        assert!(format!("{e:#}").contains("a table of settings ([model]"), "{e:#}");
+        assert!(
+            format!("{e:#}").contains("a table of settings ([model]"),
+            "{e:#}"
+        );
         let e = TrainConfig::from_toml_str("steps = \"many\"\n").unwrap_err();
         assert!(
             format!("{e:#}").contains("setting \"steps\": invalid type"),

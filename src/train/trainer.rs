@@ -106,17 +106,8 @@ impl Trainer {
         };
         let mut engine = Engine::joined(&job, engine_cfg)?;
         let start = start_step(&mut engine, &cfg, &facts)?;
-        let end = cfg
-            .run
-            .stop_after
-            .unwrap_or(cfg.run.steps)
-            .min(cfg.run.steps);
-        if start >= end {
-            bail!(
-                "the checkpoint is at step {start} and this run would stop at step {end}: raise \
-                 --steps (or --stop-after) to train further"
-            );
-        }
+        let end = cfg.end_step();
+        checkpoint::steps_left(start, end)?;
         let tokens_per_step = (layout.world() * cfg.run.batch * cfg.model.context) as f64;
         if lead {
             print_start(&engine, &cfg, &resolved, transport_name, tokens_per_step)?;
