@@ -69,6 +69,13 @@ fn losses(path: &Path) -> Vec<f64> {
         .collect()
 }
 
+/// This process's umask (Linux's /proc).
+fn umask() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+    u32::from_str_radix(line["Umask:".len()..].trim(), 8).unwrap()
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -429,6 +436,11 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", show(&o));
+    // Readable by the others a new file is (a shared cluster's users
+    // load it), not owner-only.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&st).unwrap().permissions().mode();
+    assert_eq!(mode & 0o044, 0o644 & 0o044 & !umask(), "mode {mode:o}");
     let bytes = std::fs::read(&st).unwrap();
     let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
     let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).unwrap();

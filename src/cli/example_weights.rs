@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use half::{bf16, f16};
 use rand::rngs::SmallRng;
 use rand::{RngExt, SeedableRng};
@@ -119,7 +119,6 @@ pub fn write(path: &Path, layers: usize, dim: usize, seed: u64) -> Result<usize>
             ))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, None, path)
-        .with_context(|| format!("cannot write {}", path.display()))?;
+    crate::train::checkpoint::write_safetensors_views(views, None, path)?;
     Ok(tensors.len())
 }

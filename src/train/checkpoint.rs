@@ -1161,14 +1161,36 @@ pub fn write_safetensors(
             ))
         })
         .collect::<std::result::Result<Vec<_>, safetensors::SafeTensorError>>()?;
+    write_safetensors_views(views, meta, path)
+}
+
+/// `views` written to `path` as safetensors, readable as any new file of
+/// this process is (the crate's file is made owner-only: a shared
+/// cluster's users could not load an export).
+pub fn write_safetensors_views<'a>(
+    views: Vec<(String, safetensors::tensor::TensorView<'a>)>,
+    meta: Option<std::collections::HashMap<String, String>>,
+    path: &Path,
+) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
     safetensors::serialize_to_file(views, meta, path)
-        .with_context(|| format!("cannot write {}", path.display()))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    // The umask new files get (Linux says it in /proc since 4.7).
+    let umask = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("Umask:"))?;
+            u32::from_str_radix(line["Umask:".len()..].trim(), 8).ok()
+        })
+        .unwrap_or(0o022);
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask))
+        .with_context(|| format!("cannot set the permissions of {}", path.display()))
 }
 
 /// The human view of `zeropp ckpt inspect`.
 pub fn describe(dir: &Path, m: &Manifest) -> String {
     let mut s = format!(
-        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {:?}, switches {}\n  model {:?}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
+        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {}, switches {}\n  model {}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
         dir.display(),
         m.format,
         m.version,
@@ -1179,7 +1201,7 @@ pub fn describe(dir: &Path, m: &Manifest) -> String {
         m.config.switches.mode,
         serde_json::to_string(&m.switches.clone().unwrap_or_else(|| m.config.switches()))
             .unwrap_or_default(),
-        m.config.model,
+        serde_json::to_string(&m.config.model).unwrap_or_default(),
         m.config.run.seed,
         m.data_next_step,
         m.rng

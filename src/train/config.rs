@@ -26,6 +26,15 @@ pub enum Mode {
     Zeropp,
 }
 
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Mode::Zero3 => "zero3",
+            Mode::Zeropp => "zeropp",
+        })
+    }
+}
+
 /// The mode is set by its flag.
 impl Setting for Mode {
     type Flag = Mode;

@@ -173,7 +173,7 @@ pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Su
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut runs = Vec::new();
     for mode in [Mode::Zero3, Mode::Zeropp] {
-        let name = format!("{mode:?}").to_lowercase();
+        let name = mode.to_string();
         runs.push(run_mode(cfg, mode, &name, &dir, timeout_s, &|_| {})?);
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -249,12 +249,12 @@ pub(crate) fn median(v: &[f64]) -> f64 {
 
 /// The side-by-side table `--compare` prints.
 pub fn comparison_table(z3: &Summary, zpp: &Summary) -> String {
+    let last = match z3.final_steps.min(zpp.final_steps) {
+        1 => "final loss (last step)".to_string(),
+        n => format!("final loss (last {n} steps)"),
+    };
     let rows: [(&str, f64, f64); 6] = [
-        (
-            "final loss (last 10 steps)",
-            z3.final_loss as f64,
-            zpp.final_loss as f64,
-        ),
+        (last.as_str(), z3.final_loss as f64, zpp.final_loss as f64),
         ("validation loss", z3.val_loss as f64, zpp.val_loss as f64),
         (
             "median step time (s)",

@@ -311,7 +311,7 @@ fn print_start(
 ) -> Result<()> {
     let layout = engine.job_layout();
     println!(
-        "training {} parameters, {} nodes x {} ranks over {}, mode {:?}, {} steps of {} tokens",
+        "training {} parameters, {} nodes x {} ranks over {}, mode {}, {} steps of {} tokens",
         engine.parameter_count(),
         layout.nodes,
         layout.ranks_per_node,
