@@ -14,7 +14,9 @@ use zeropp_comm::scratch::{self, Returned};
 fn malformed(what: &str, expected: usize, found: usize) -> CommError {
     CommError::Malformed(format!(
         "{what}: expected {expected} bytes, found {found}; the ranks disagree on the model \
-         or the plan (run every rank with the same flags and build)"
+         or the plan (run every rank with the same flags and build), or called different \
+         collectives (a parameter that got a gradient on some ranks only, a module run on \
+         some ranks only: every rank runs the same modules each step)"
     ))
 }
 
