@@ -520,7 +520,12 @@ def main(argv=None):
             print(
                 f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
                 f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s "
-                f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step",
+                # PyTorch's own modes count no bytes.
+                (
+                    f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step"
+                    if zjob
+                    else "(bytes not counted in PyTorch's own modes)"
+                ),
                 flush=True,
             )
     # The training steps' wall time (an outer step on the way included).

@@ -652,10 +652,17 @@ _HOPS = ("intra_node", "inter_node")
 
 
 def _flat_traffic(t):
+    """The totals, and each phase's bytes and scale bytes per hop for the
+    phases the job has used (a phase that never moved a byte — HSDP's
+    all-reduce, the outer sync, frozen weights where there are none — adds
+    no entries to every log line)."""
     out = {}
     for hop in _HOPS:
         out[f"zeropp/{hop}_bytes"] = sum(t[p]["total"][hop] for p in _PHASES)
-        for p in _PHASES:
+    for p in _PHASES:
+        if not any(t[p]["total"][hop] for hop in _HOPS):
+            continue
+        for hop in _HOPS:
             out[f"zeropp/{p}/{hop}_bytes"] = t[p]["total"][hop]
             out[f"zeropp/{p}/{hop}_scale_bytes"] = t[p]["scales"][hop]
     return out
@@ -664,9 +671,10 @@ def _flat_traffic(t):
 class TrafficLog:
     """Bytes this rank sent through zeropp since the previous call, as flat
     numbers a framework's logger takes: ``zeropp/inter_node_bytes``,
-    ``zeropp/<phase>/<hop>_bytes`` and ``..._scale_bytes`` for every phase
-    (forward_gather, backward_gather, gradient, other, replicate, outer,
-    frozen) and hop (intra_node, inter_node). With Accelerate:
+    ``zeropp/intra_node_bytes``, and ``zeropp/<phase>/<hop>_bytes`` and
+    ``..._scale_bytes`` for every phase the job has used (forward_gather,
+    backward_gather, gradient, other, replicate, outer, frozen) and hop
+    (intra_node, inter_node). With Accelerate:
     ``accelerator.log(log(), step=step)``."""
 
     def __init__(self):
@@ -677,7 +685,8 @@ class TrafficLog:
         last, self._last = self._last, now
         if last is None:
             return dict(now)
-        return {k: v - last[k] for k, v in now.items()}
+        # A phase used since the last call starts from 0.
+        return {k: v - last.get(k, 0) for k, v in now.items()}
 
 
 def trainer_callback(mode=None, outer_sync=None, **enable_kwargs):
