@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator, ParallelismConfig
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-from hf_trainer_llama import recipe_llama
+from hf_trainer_llama import fsdp_needs_a_gpu_or_cpu_fsdp, recipe_llama
 
 import zeropp
 import zeropp.torch
@@ -61,6 +61,7 @@ def main():
     p.add_argument("--lora", type=int, default=0, metavar="R", help="peft LoRA of rank R")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
+    fsdp_needs_a_gpu_or_cpu_fsdp(p, args)
     torch.set_num_threads(1)
 
     plugin = FullyShardedDataParallelPlugin(

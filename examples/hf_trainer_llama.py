@@ -99,6 +99,18 @@ def recipe_llama():
     return LlamaForCausalLM(config)
 
 
+def fsdp_needs_a_gpu_or_cpu_fsdp(parser, args):
+    """The frameworks set FSDP up only on accelerators: on CPU ranks they
+    hand the job DDP (or refuse). Without a GPU, ``--cpu-fsdp`` forces
+    their FSDP2 path; say so at once instead of failing later."""
+    if not args.cpu_fsdp and not torch.cuda.is_available():
+        parser.error(
+            "no GPU here: Accelerate and the Trainer set up FSDP only on accelerators "
+            "(on CPU ranks they fall back to DDP, which zeropp does not serve); pass "
+            "--cpu-fsdp to force their FSDP2 path on CPU ranks"
+        )
+
+
 def training_arguments(args, **more):
     """The recipes' TrainingArguments: ``args.steps`` constant-rate steps
     of 4 sequences a rank, a log entry each, FSDP2 wrapping each decoder
@@ -138,6 +150,7 @@ def main():
     p.add_argument("--out", default="/tmp/zeropp-hf-trainer")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
+    fsdp_needs_a_gpu_or_cpu_fsdp(p, args)
     torch.set_num_threads(1)
 
     torch.manual_seed(args.seed)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_trainer_llama import (  # noqa: E402
     Corpus,
     CpuFsdpTrainer,
+    fsdp_needs_a_gpu_or_cpu_fsdp,
     recipe_llama,
     training_arguments,
 )
@@ -58,6 +59,7 @@ def main():
     p.add_argument("--out", default="/tmp/zeropp-hf-lora")
     p.add_argument("--summary-json", default=None)
     args = p.parse_args()
+    fsdp_needs_a_gpu_or_cpu_fsdp(p, args)
     torch.set_num_threads(1)
 
     torch.manual_seed(args.seed)

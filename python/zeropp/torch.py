@@ -1492,6 +1492,13 @@ def enable(model, *, mode="zeropp", transport=None, ranks_per_node=None, seed=0,
         raise ZeroppError(f"unknown switches {unknown}; zeropp's switches are {sorted(SWITCHES)}")
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ZeroppError(
+            "this model is wrapped in DistributedDataParallel, not sharded by FSDP2: "
+            "Accelerate and the Trainer set up FSDP only on accelerators and fall back to DDP "
+            "on CPU ranks; force their FSDP2 path there (examples/accelerate_llama.py's "
+            "--cpu-fsdp shows how), or shard with zeropp.torch.fully_shard"
+        )
     if not sharded:
         raise ZeroppError(
             "no FSDP2-sharded module in this model: shard it first "
