@@ -517,15 +517,15 @@ def main(argv=None):
             )
             metrics.flush()  # a line a step, for whoever follows the run
         if lead and ((step + 1) % args.log_every == 0 or step == 0 or step + 1 == args.steps):
+            # PyTorch's own modes count no bytes.
+            crossed = (
+                f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step"
+                if zjob
+                else "(bytes not counted in PyTorch's own modes)"
+            )
             print(
                 f"step {step + 1:>5}/{args.steps} loss {mean_loss:.4f} "
-                f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s "
-                # PyTorch's own modes count no bytes.
-                (
-                    f"{job_bytes[1] / 1e6:>8.3f} MB across nodes/step"
-                    if zjob
-                    else "(bytes not counted in PyTorch's own modes)"
-                ),
+                f"lr {sched.get_last_lr()[0]:.2e} {tokens_per_step / dt:>8.0f} tok/s {crossed}",
                 flush=True,
             )
     # The training steps' wall time (an outer step on the way included).

@@ -80,8 +80,8 @@ pub fn resolve(host: &str, port: u16) -> Result<SocketAddr, CommError> {
         .to_socket_addrs()
         .map_err(|e| {
             failure(format!(
-                "cannot resolve the host {host:?} ({e}): check the name (MASTER_ADDR, \
-                 --master-addr) and this host's DNS"
+                "cannot resolve the host {host:?} ({e}): check the name (MASTER_ADDR or \
+                 --master-addr, ZEROPP_STORE for the launcher's store) and this host's DNS"
             ))
         })?
         .next()

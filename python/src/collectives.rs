@@ -202,6 +202,7 @@ impl Job {
             ranks: (0..layout.world()).collect(),
             layout,
             groups: groups.clone(),
+            outer: false.into(),
         };
         Ok(Job {
             outer: std::sync::OnceLock::new(),
@@ -296,8 +297,10 @@ impl Job {
     /// gathers use. `agree` takes a set of ranks and returns the number
     /// every member gives that set (through the job's store). Returns the
     /// dimension's layout — (nodes, ranks per node, this rank's position) —
-    /// and this rank's node and cross group in it (global ranks).
-    #[pyo3(signature = (ranks, agree, hpz_group=None))]
+    /// and this rank's node and cross group in it (global ranks). `outer`:
+    /// the islands' dimension of an outer sync, which a failure of FSDP's
+    /// collectives does not tell (`Job::submit`).
+    #[pyo3(signature = (ranks, agree, hpz_group=None, outer=false))]
     #[allow(clippy::type_complexity)]
     fn add_mesh_dim(
         &self,
@@ -305,6 +308,7 @@ impl Job {
         ranks: Vec<usize>,
         agree: Py<PyAny>,
         hpz_group: Option<usize>,
+        outer: bool,
     ) -> PyResult<((usize, usize, usize), Vec<usize>, Vec<usize>)> {
         let mut number = |set: &[usize]| -> Result<usize, CommError> {
             agree
@@ -325,6 +329,7 @@ impl Job {
                     ranks,
                     layout,
                     groups,
+                    outer: false.into(),
                 });
                 self.dims
                     .lock()
@@ -333,6 +338,9 @@ impl Job {
                 dim
             }
         };
+        if outer {
+            dim.outer.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let l = dim.layout;
         if let Some(h) = hpz_group.filter(|&h| h > 1 && h < l.ranks_per_node) {
             if !l.ranks_per_node.is_multiple_of(h) {
@@ -568,7 +576,24 @@ impl Job {
         groups: ZeroGroups,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.job.thread, (groups, true), f)
+        let told = self.fsdp_dims_besides(&groups);
+        self.submit_on(&self.job.thread, (groups, Some(told)), f)
+    }
+
+    /// The groups of the mesh dimensions FSDP2's collectives run over,
+    /// other than `groups` (the call's own): HSDP's shard and replicate
+    /// dimensions tell each other of a failure; neither the whole job
+    /// (unless the call's own) nor an outer sync's islands are told.
+    fn fsdp_dims_besides(&self, groups: &ZeroGroups) -> Vec<ZeroGroups> {
+        let Ok(dims) = self.dims.lock() else {
+            return Vec::new();
+        };
+        dims.iter()
+            .skip(1)
+            .filter(|d| !d.outer.load(std::sync::atomic::Ordering::Relaxed))
+            .filter(|d| d.groups.world.ranks() != groups.world.ranks())
+            .map(|d| d.groups.clone())
+            .collect()
     }
 
     /// Runs `f` on the communication thread with a byte mover whose calls
@@ -578,7 +603,7 @@ impl Job {
         &self,
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
-        self.submit_on(&self.job.thread, (self.job.groups.clone(), false), f)
+        self.submit_on(&self.job.thread, (self.job.groups.clone(), None), f)
     }
 
     /// As [`Job::submit_alone`], on the thread of the islands' streamed
@@ -590,16 +615,16 @@ impl Job {
         let thread = self
             .outer
             .get_or_init(|| CommThread::new(self.comm.clone()));
-        self.submit_on(thread, (self.job.groups.clone(), false), f)
+        self.submit_on(thread, (self.job.groups.clone(), None), f)
     }
 
-    /// Runs `f` on `thread` with a byte mover over `groups`; where
-    /// `gives_up`, a failure tells the groups' members
-    /// ([`ZeroGroups::give_up`]).
+    /// Runs `f` on `thread` with a byte mover over `groups`; with `told`
+    /// (FSDP's collectives), a failure tells the members of `groups` and of
+    /// `told` ([`ZeroGroups::give_up`]).
     fn submit_on(
         &self,
         thread: &CommThread,
-        (groups, gives_up): (ZeroGroups, bool),
+        (groups, told): (ZeroGroups, Option<Vec<ZeroGroups>>),
         f: impl FnOnce(&HostMover<'_>) -> Result<(), ZeroError> + Send + 'static,
     ) -> Op {
         let counter = self.job.counter.clone();
@@ -615,24 +640,30 @@ impl Job {
                 // ranks waiting on this one in its groups' next calls hear
                 // why at once (a gradient that is not finite here, or the
                 // rank a failed call blamed), not at their timeout.
-                if let (Err(e), true) = (&done, gives_up) {
-                    match e {
-                        // The rank that gave up first is named on.
+                if let (Err(e), Some(told)) = (&done, &told) {
+                    let (forwarded, own);
+                    let e = match e {
+                        // The rank that gave up first is named on (the comm
+                        // layer's own notices blame no one for a GaveUp:
+                        // there an island that broke is not a rank's fault).
                         ZeroError::Comm(CommError::GaveUp { by, reason }) if *by != c.rank() => {
-                            let e = CommError::PeerFailed {
+                            forwarded = CommError::PeerFailed {
                                 peer: *by,
                                 reason: reason.clone(),
                             };
-                            groups.give_up(c, &e)
+                            &forwarded
                         }
-                        ZeroError::Comm(e) => groups.give_up(c, e),
-                        own => groups.give_up(
-                            c,
-                            &CommError::GaveUp {
+                        ZeroError::Comm(e) => e,
+                        other => {
+                            own = CommError::GaveUp {
                                 by: c.rank(),
-                                reason: own.to_string(),
-                            },
-                        ),
+                                reason: other.to_string(),
+                            };
+                            &own
+                        }
+                    };
+                    for g in std::iter::once(&groups).chain(told) {
+                        g.give_up(c, e);
                     }
                 }
                 done
@@ -772,6 +803,9 @@ struct MeshDim {
     ranks: Vec<usize>,
     layout: Layout,
     groups: ZeroGroups,
+    /// The islands' dimension of an outer sync: its exchanges go on
+    /// without a lost island, so a failure elsewhere never tells it.
+    outer: std::sync::atomic::AtomicBool,
 }
 
 /// `plan::resolve_mode` of a JSON object of overrides, as JSON.

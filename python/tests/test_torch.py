@@ -199,7 +199,7 @@ def test_the_collectives_as_fsdp2_calls_them_and_bad_input():
 def test_enable_serves_models_that_fsdp2_already_sharded():
     p = ranks(WORKERS / "enable.py")
     oks = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
-    assert len(oks) == 19, p.stdout
+    assert len(oks) == 20, p.stdout
 
 
 def test_frozen_weights_cross_nodes_once_and_are_never_served_stale():
@@ -736,13 +736,17 @@ def test_a_rank_stopped_mid_step_is_named_by_every_other_rank(device):
     assert took < 60, took
 
 
-def test_a_nan_on_one_rank_is_named_by_every_other_rank_at_once():
+@pytest.mark.parametrize("mesh", ["", "hsdp"], ids=["1d", "hsdp"])
+def test_a_nan_on_one_rank_is_named_by_every_other_rank_at_once(mesh):
     # Rank 3's loss turns NaN; it raises (the gradient is not finite) and
     # stays alive. The others, waiting on it, must not wait their timeout
     # for a rank that will never send: they raise at once, naming it and
-    # the NaN, not a lost link.
+    # the NaN, not a lost link — on HSDP's mesh the other replica too,
+    # waiting in the all-reduce across replicas.
     world, victim = 4, 3
-    outputs, _ = run_kill_workers(world, victim, KILL_SIGNAL="nan", ZEROPP_TIMEOUT_S="60")
+    outputs, _ = run_kill_workers(
+        world, victim, KILL_SIGNAL="nan", ZEROPP_TIMEOUT_S="60", KILL_MESH=mesh
+    )
     for r, (_, out, err) in enumerate(outputs):
         said = [line for line in out.splitlines() if line.startswith("error after")]
         assert said, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"

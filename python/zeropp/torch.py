@@ -187,6 +187,12 @@ def job(transport=None, ranks_per_node=None):
         )
     if ranks_per_node is None and os.environ.get("ZEROPP_RANKS_PER_NODE"):
         ranks_per_node = int(os.environ["ZEROPP_RANKS_PER_NODE"])
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+    ):
+        raise ZeroppError(
+            f"ranks_per_node={ranks_per_node!r}: a whole number of ranks (or None: the hosts)"
+        )
     options = (transport, ranks_per_node)
     if _job is not None:
         if options != _job_options and options != (None, None):
@@ -1007,6 +1013,15 @@ class _ServedReplicateGroup:
         # Islands (OuterSync on this mesh): each replica is an island whose
         # gradient stays its own; the islands meet only in outer syncs.
         self._zeropp_islands = False
+        # torch's own questions about the group (get_backend, get_rank: the
+        # c10d logger asks them when a collective raises, and otherwise
+        # replaces the error with "not initialized in the world group map")
+        # get the served group's answers. destroy_process_group shuts down
+        # only the groups it named, and clears these maps.
+        world = dist.distributed_c10d._world
+        for table in (world.pg_map, world.pg_group_ranks):
+            if pg in table:
+                table[self] = table[pg]
 
     def __getattr__(self, name):
         return getattr(self._zeropp_served, name)
@@ -1188,10 +1203,12 @@ def _agree(ranks):
     return _agree_through(dist.PrefixStore("zeropp/job0", store))(ranks)
 
 
-def _add_mesh_dim(zjob, ranks, hpz_group=None):
+def _add_mesh_dim(zjob, ranks, hpz_group=None, outer=False):
     """Registers the mesh dimension over ``ranks`` with the job (and the
-    device path): its (nodes, ranks per node, this rank's position)."""
-    layout, node, cross = zjob.add_mesh_dim(ranks, _agree, hpz_group=hpz_group)
+    device path): its (nodes, ranks per node, this rank's position).
+    ``outer``: an outer sync's islands, whose exchanges go on without a
+    lost island."""
+    layout, node, cross = zjob.add_mesh_dim(ranks, _agree, hpz_group=hpz_group, outer=outer)
     _mesh_dims[tuple(ranks)] = (layout, node, cross)
     return layout
 
@@ -1446,12 +1463,7 @@ def fully_shard(
             f"this {name} is sharded by FSDP2 already: call zeropp.torch.enable(model) on the "
             "sharded model instead of fully_shard again"
         )
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-    ):
-        raise ZeroppError(
-            f"ranks_per_node={ranks_per_node!r}: a whole number of ranks (or None: the hosts)"
-        )
+
     zjob = job(transport=transport, ranks_per_node=ranks_per_node)
     mesh = kwargs.get("mesh")
     shard_pg, replicate_pg = _mesh_groups(mesh)
@@ -1690,7 +1702,7 @@ class OuterSync:
             self.job = job(transport=transport, ranks_per_node=ranks_per_node)
             self.ranks = _group_ranks(mesh.get_group(0))
             self.island = mesh.get_local_rank(0)
-            _add_mesh_dim(self.job, self.ranks)
+            _add_mesh_dim(self.job, self.ranks, outer=True)
             self._island_group = mesh.get_group(1)
         else:
             # Each island its own torch world; the islands sync over a
@@ -1699,7 +1711,7 @@ class OuterSync:
             place = mesh.get_local_rank(0)
             self.ranks = [i * worlds.size + place for i in range(worlds.count)]
             self.island = worlds.index
-            self.job.add_mesh_dim(self.ranks, _agree_through(worlds.job_store))
+            self.job.add_mesh_dim(self.ranks, _agree_through(worlds.job_store), outer=True)
             self._island_group = mesh.get_group(0)
         self._flags_device = mesh.device_type
         self._worlds = worlds

@@ -75,7 +75,11 @@ impl TrainArgs {
             }
             (None, None) => TrainConfig::default(),
         };
-        let data_of_the_checkpoint = c.run.data.clone().filter(|_| self.config.is_none());
+        let data_of_the_checkpoint = c
+            .run
+            .data
+            .clone()
+            .filter(|_| self.config.is_none() && self.run.data.is_none());
         self.switches.apply(&mut c.switches);
         self.run.apply(&mut c.run);
         self.output.apply(&mut c.output);
@@ -93,8 +97,8 @@ impl TrainArgs {
                 );
             }
             // Absolute in the checkpoints this run saves: a resume from
-            // another directory reads the same file.
-            if let Ok(absolute) = data.canonicalize() {
+            // another directory reads the same file (by the name given).
+            if let Ok(absolute) = std::path::absolute(data) {
                 c.run.data = Some(absolute);
             }
         }

@@ -930,15 +930,22 @@ pub fn steps_left(start: usize, end: usize) -> Result<()> {
     Ok(())
 }
 
-/// What a resume from `path` to step `end` needs, checked once before any
-/// rank starts: the manifest reads, its units are its model's, every
-/// shard is there at its size (each rank checks its checksum as it reads
-/// it), and steps are left to train.
-pub fn check_resume(path: &Path, end: usize) -> Result<()> {
+/// What a resume from `path` to step `end` on `world` ranks in `islands`
+/// islands needs, checked once before any rank starts: the manifest
+/// reads, its units are its model's, the shards the ranks will read are
+/// there at their size (each rank checks the checksum as it reads), and
+/// steps are left to train. The same world and islands read every saved
+/// shard; any other re-cuts island 0's places ([`state_for`]).
+pub fn check_resume(path: &Path, end: usize, (world, islands): (usize, usize)) -> Result<()> {
     let dir = resolve(path)?;
     let m = read_manifest(&dir)?;
     check_units(&dir, &m)?;
-    for rank in saved_ranks(&m)? {
+    let read: Vec<usize> = if m.world_size == world && islands_of(&m) == islands {
+        saved_ranks(&m)?.collect()
+    } else {
+        (0..island_size(&m)?).collect()
+    };
+    for rank in read {
         shard_on_disk(&dir, &m, rank)?;
     }
     steps_left(m.step, end)
@@ -1175,16 +1182,21 @@ pub fn write_safetensors_views<'a>(
     use std::os::unix::fs::PermissionsExt;
     safetensors::serialize_to_file(views, meta, path)
         .with_context(|| format!("cannot write {}", path.display()))?;
-    // The umask new files get (Linux says it in /proc since 4.7).
+    // The umask new files get (Linux says it in /proc since 4.7; where it
+    // does not, the file stays as the crate made it).
     let umask = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
             let line = s.lines().find(|l| l.starts_with("Umask:"))?;
             u32::from_str_radix(line["Umask:".len()..].trim(), 8).ok()
-        })
-        .unwrap_or(0o022);
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask))
-        .with_context(|| format!("cannot set the permissions of {}", path.display()))
+        });
+    match umask {
+        Some(umask) => {
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666 & !umask))
+                .with_context(|| format!("cannot set the permissions of {}", path.display()))
+        }
+        None => Ok(()),
+    }
 }
 
 /// The human view of `zeropp ckpt inspect`.

@@ -337,20 +337,21 @@ impl TrainConfig {
         }
         table.clone().try_into().map_err(|e| {
             // Flattened sections lose the key in serde's message: find it.
-            let bad = table.iter().find(|(k, v)| {
-                let one = toml::Table::from_iter([(k.to_string(), (*v).clone())]);
-                one.try_into::<TrainConfig>().is_err()
+            let bad = table.iter().find_map(|(k, v)| {
+                let one = toml::Table::from_iter([(k.to_string(), v.clone())]);
+                one.try_into::<TrainConfig>()
+                    .err()
+                    .map(|e| (k, v, e.to_string()))
             });
-            let said = e.to_string();
             match bad {
                 // serde's words for the types behind the settings.
-                Some((k, v)) if said.contains("untagged enum OrAuto") => {
+                Some((k, v, said)) if said.contains("untagged enum OrAuto") => {
                     anyhow::anyhow!("setting {k:?} = {v}: a whole number, or \"auto\"")
                 }
-                Some((k, v)) if said.contains("expected struct") => anyhow::anyhow!(
+                Some((k, v, said)) if said.contains("expected struct") => anyhow::anyhow!(
                     "setting {k:?} = {v}: a table of settings ([{k}] and its keys under it)"
                 ),
-                Some((k, _)) => anyhow::anyhow!("setting {k:?}: {e}"),
+                Some((k, _, said)) => anyhow::anyhow!("setting {k:?}: {said}"),
                 None => anyhow::anyhow!("{e}"),
             }
         })

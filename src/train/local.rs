@@ -30,7 +30,9 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     check_switches(cfg)?;
     cfg.check_attention_fits(cfg.launch.nodes * cfg.launch.ranks_per_node)?;
     if let Some(path) = &cfg.checkpoint.resume {
-        crate::train::checkpoint::check_resume(path, cfg.end_step())?;
+        let world = cfg.launch.nodes * cfg.launch.ranks_per_node;
+        let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
+        crate::train::checkpoint::check_resume(path, cfg.end_step(), (world, islands))?;
     }
     let exe = std::env::current_exe().context("locating the zeropp binary")?;
     let file = std::env::temp_dir().join(format!(

@@ -673,11 +673,6 @@ fn proposal(p: &IslandsChosen) -> String {
     )
 }
 
-/// How many islands the run trains as: `asked` (None: `auto`, the plan's
-/// choice, `plan(true)` probing the seams), and the `auto` choice and a
-/// proposal where one job was asked on measured links across nodes
-/// (`proposes`; from the link measured at join, no more probing) — only a
-/// proposal: where the plan cannot make one, the run goes on as asked.
 /// The run's switches resolved for an island of `layout` split in
 /// `islands` (each shards over its own ranks; islands of one node keep
 /// their collectives plain), from the routing plan and the links
@@ -705,6 +700,11 @@ pub(crate) fn resolve_switches(
     Ok(resolved)
 }
 
+/// How many islands the run trains as: `asked` (None: `auto`, the plan's
+/// choice, `plan(true)` probing the seams), and the `auto` choice and a
+/// proposal where one job was asked on measured links across nodes
+/// (`proposes`; from the link measured at join, no more probing) — only a
+/// proposal: where the plan cannot make one, the run goes on as asked.
 fn decide_islands(
     asked: Option<usize>,
     proposes: bool,

@@ -135,6 +135,12 @@ def main():
         lambda: zt.fully_shard(twice, mesh=mesh),
         "this Sequential is sharded by zeropp.torch.fully_shard already",
     )
+    ddp = torch.nn.parallel.DistributedDataParallel(model())
+    expect_error(
+        "enable on a DDP model (a framework's fallback on CPU ranks) says so",
+        lambda: zt.enable(ddp),
+        "wrapped in DistributedDataParallel",
+    )
     expect_error(
         "fully_shard of what is not a module says what it takes",
         lambda: zt.fully_shard("model", mesh=mesh),

@@ -6,7 +6,8 @@ naming it; with KILL_SIGNAL=stop each then tries one more step, which
 must fail at once naming it too (it prints both errors). With
 KILL_SIGNAL=nan it stays alive but its loss turns NaN at step 3: it raises
 and lingers (as an ``except`` that saves a checkpoint would); the others
-must fail at once, naming it and the NaN (each prints how long it took).
+must fail at once, naming it and the NaN (each prints how long it took);
+KILL_MESH=hsdp shards over HSDP's 2-D mesh.
 KILL_DEVICE=cuda trains on the GPU (python/gpu_tests)."""
 
 import os
@@ -31,6 +32,11 @@ def main():
     torch.manual_seed(0)
     model = GPT(64, 2, 4, 32).to(device)
     mesh = job_mesh(device)
+    if os.environ.get("KILL_MESH") == "hsdp":
+        # HSDP: replicas of 2 ranks (the shard dimension inside a node).
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
     for b in model.blocks:
         zt.fully_shard(b, ranks_per_node=2, mesh=mesh)
     zt.fully_shard(model, ranks_per_node=2, mesh=mesh)

@@ -346,7 +346,12 @@ pub fn resolve_mode(
         if let Err(e) = serde_json::from_value::<Switches>(alone.into()) {
             return Err(PlanError::switch(
                 k.clone(),
-                format!("{k}={v}: {e} (the switch's default: {})", defaults[k]),
+                match &defaults[k] {
+                    serde_json::Value::Null => {
+                        format!("{k}={v}: {e} (unset, it is the routing plan's to choose)")
+                    }
+                    default => format!("{k}={v}: {e} (the switch's default: {default})"),
+                },
             ));
         }
         obj.insert(k.clone(), v.clone());
