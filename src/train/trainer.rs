@@ -321,6 +321,13 @@ fn print_start(
         tokens_per_step
     );
     println!("switches: {}", serde_json::to_string(&resolved.switches)?);
+    if cfg.optim.warmup_steps > cfg.run.steps {
+        println!(
+            "note: --warmup-steps {} is more than --steps {}: the learning rate never reaches its \
+             peak (--lr {}); lower --warmup-steps for a short run",
+            cfg.optim.warmup_steps, cfg.run.steps, cfg.optim.lr
+        );
+    }
     if let Some((c, _)) = engine.islands() {
         let every = if c.auto && engine.island_schedule().is_some_and(|s| s.2.is_none()) {
             format!("{} steps, then the H measured there (auto)", c.sync_every)

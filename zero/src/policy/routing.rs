@@ -346,9 +346,14 @@ impl RoutingPlan {
     pub fn render(&self) -> String {
         let mut s = format!("{} nodes x {} ranks\n", self.nodes, self.ranks_per_node);
         for h in &self.hops {
+            // A NIC whose speed the machine does not say.
+            let speed = match h.gbps_per_rank {
+                g if g > 0.0 => format!("~{g:>7.1} GB/s per rank"),
+                _ => "speed unknown         ".to_string(),
+            };
             s += &format!(
-                "  hop {:<16} groups of {:<3} {:<20} ~{:>7.1} GB/s per rank  ({})\n",
-                h.name, h.group_size, h.transport, h.gbps_per_rank, h.why
+                "  hop {:<16} groups of {:<3} {:<20} {speed}  ({})\n",
+                h.name, h.group_size, h.transport, h.why
             );
         }
         s += &format!("  hpZ group: {} ranks ({})\n", self.hpz_group, self.hpz_why);
