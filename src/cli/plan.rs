@@ -304,6 +304,18 @@ fn print_json(
     Ok(())
 }
 
+/// A `zeropp train --summary-json` file's JSON.
+fn read_summary(path: &std::path::Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the run summary {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| {
+        format!(
+            "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
+            path.display()
+        )
+    })
+}
+
 /// The model's parameters: `--params`, else the `--compute-from` run's
 /// (its compute is that model's; said in a note), else the built-in
 /// model's.
@@ -312,14 +324,7 @@ fn params_of(a: &PlanArgs) -> Result<f64> {
         return Ok(p);
     }
     if let Some(path) = &a.compute_from {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("reading the run summary {}", path.display()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
-            format!(
-                "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
-                path.display()
-            )
-        })?;
+        let v = read_summary(path)?;
         if let Some(p) = v
             .get("params")
             .and_then(|p| p.as_f64())
@@ -338,14 +343,7 @@ fn params_of(a: &PlanArgs) -> Result<f64> {
 /// median compute, or, in summaries from before it was recorded, its
 /// median step (the compute when that run was ZeRO-3 on a fast link).
 fn compute_from_summary(path: &std::path::Path) -> Result<f64> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading the run summary {}", path.display()))?;
-    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| {
-        format!(
-            "{} is not a run summary (JSON written by `zeropp train --summary-json`)",
-            path.display()
-        )
-    })?;
+    let v = read_summary(path)?;
     // The run's own work per step (its step less its waits on
     // communication), where the summary has it.
     if let Some(c) = v

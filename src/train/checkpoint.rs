@@ -763,14 +763,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     }
     // `zeropp train --compare --checkpoint-dir D` keeps one directory per
     // mode inside D.
-    let mut inside: Vec<String> = std::fs::read_dir(path)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().join("latest").is_file())
-        .map(|e| e.path().display().to_string())
+    let inside: Vec<String> = dirs_holding(path, "latest")
+        .iter()
+        .map(|d| d.display().to_string())
         .collect();
-    inside.sort();
     let hint = match inside.as_slice() {
         [] => String::new(),
         dirs => format!(
@@ -785,17 +781,28 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     )
 }
 
-/// The checkpoints beside a `latest` that names none, newest first, as a
-/// hint to resume one of them (empty when there is none).
-fn others_here(root: &Path) -> String {
-    let mut steps: Vec<String> = std::fs::read_dir(root)
+/// The directories inside `root` that hold `file`, by name.
+fn dirs_holding(root: &Path, file: &str) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root)
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| e.path().join("manifest.json").is_file())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .map(|e| e.path())
+        .filter(|d| d.join(file).is_file())
         .collect();
-    steps.sort_unstable_by(|a, b| b.cmp(a));
+    dirs.sort();
+    dirs
+}
+
+/// The checkpoints beside a `latest` that names none, newest first, as a
+/// hint to resume one of them (empty when there is none).
+fn others_here(root: &Path) -> String {
+    let steps: Vec<String> = dirs_holding(root, "manifest.json")
+        .iter()
+        .rev()
+        .filter_map(|d| d.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
     match steps.first() {
         None => String::new(),
         Some(newest) => format!(

@@ -608,26 +608,18 @@ mod tests {
         let e = TrainConfig::from_toml_str("[model]\nwidht = 3\n").unwrap_err();
         assert!(format!("{e:#}").contains("widht"), "{e:#}");
         // Where a setting goes, and what it takes, in the user's words.
-        let e = TrainConfig::from_toml_str("lr = 0.1\n").unwrap_err();
-        assert!(
-            format!("{e:#}").contains("belongs in the [optim] table"),
-            "{e:#}"
-        );
-        let e = TrainConfig::from_toml_str("sync_every = \"sometimes\"\n").unwrap_err();
-        assert!(
-            format!("{e:#}").contains("a whole number, or \"auto\""),
-            "{e:#}"
-        );
-        let e = TrainConfig::from_toml_str("model = 3\n").unwrap_err();
-        assert!(
-            format!("{e:#}").contains("a table of settings ([model]"),
-            "{e:#}"
-        );
-        let e = TrainConfig::from_toml_str("steps = \"many\"\n").unwrap_err();
-        assert!(
-            format!("{e:#}").contains("setting \"steps\": invalid type"),
-            "{e:#}"
-        );
+        for (text, said) in [
+            ("lr = 0.1\n", "belongs in the [optim] table"),
+            (
+                "sync_every = \"sometimes\"\n",
+                "a whole number, or \"auto\"",
+            ),
+            ("model = 3\n", "a table of settings ([model]"),
+            ("steps = \"many\"\n", "setting \"steps\": invalid type"),
+        ] {
+            let e = TrainConfig::from_toml_str(text).unwrap_err();
+            assert!(format!("{e:#}").contains(said), "{text}: {e:#}");
+        }
     }
 
     #[test]
