@@ -126,31 +126,29 @@ pub fn with_defaults(mut cmd: clap::Command) -> clap::Command {
             value => settings.push((key, value)),
         }
     }
-    {
-        for (key, value) in settings {
-            let shown = match &value {
-                serde_json::Value::Null => continue,
-                serde_json::Value::String(s) => s.clone(),
-                // f32 settings, shown as written (0.003, not its f64 widening).
-                serde_json::Value::Number(n) if n.is_f64() => {
-                    format!("{}", n.as_f64().unwrap_or(0.0) as f32)
-                }
-                other => other.to_string(),
-            };
-            if !cmd.get_arguments().any(|a| a.get_id() == key.as_str()) {
-                continue;
+    for (key, value) in settings {
+        let shown = match &value {
+            serde_json::Value::Null => continue,
+            serde_json::Value::String(s) => s.clone(),
+            // f32 settings, shown as written (0.003, not its f64 widening).
+            serde_json::Value::Number(n) if n.is_f64() => {
+                format!("{}", n.as_f64().unwrap_or(0.0) as f32)
             }
-            cmd = cmd.mut_arg(key.as_str(), |a| {
-                let mut a = a;
-                if let Some(h) = a.get_help().map(|h| h.to_string()) {
-                    a = a.help(format!("{h} [default: {shown}]"));
-                }
-                if let Some(h) = a.get_long_help().map(|h| h.to_string()) {
-                    a = a.long_help(format!("{h} [default: {shown}]"));
-                }
-                a
-            });
+            other => other.to_string(),
+        };
+        if !cmd.get_arguments().any(|a| a.get_id() == key.as_str()) {
+            continue;
         }
+        cmd = cmd.mut_arg(key.as_str(), |a| {
+            let mut a = a;
+            if let Some(h) = a.get_help().map(|h| h.to_string()) {
+                a = a.help(format!("{h} [default: {shown}]"));
+            }
+            if let Some(h) = a.get_long_help().map(|h| h.to_string()) {
+                a = a.long_help(format!("{h} [default: {shown}]"));
+            }
+            a
+        });
     }
     cmd
 }

@@ -19,19 +19,20 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
     use std::io::IsTerminal;
     use std::sync::atomic::{AtomicUsize, Ordering};
     static RUNS: AtomicUsize = AtomicUsize::new(0);
-    // The data each rank will read, checked once before any rank starts
-    // (else every rank says the same error).
+    // The ranks on this machine, and the islands (`auto`'s are chosen at
+    // join: the launcher keeps one failure domain).
+    let world = cfg.launch.nodes * cfg.launch.ranks_per_node;
+    let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
+    // What every rank would refuse, checked once before any rank starts
+    // (else every rank says the same error): the data, the switches, the
+    // attention's memory, the checkpoint resumed.
     if let Some(path) = cfg.run.data.as_deref() {
-        crate::train::data::Dataset::load(Some(path), cfg.run.seed)?.check(
-            cfg.launch.nodes * cfg.launch.ranks_per_node,
-            cfg.model.context,
-        )?;
+        crate::train::data::Dataset::load(Some(path), cfg.run.seed)?
+            .check(world, cfg.model.context)?;
     }
     check_switches(cfg)?;
-    cfg.check_attention_fits(cfg.launch.nodes * cfg.launch.ranks_per_node)?;
+    cfg.check_attention_fits(world)?;
     if let Some(path) = &cfg.checkpoint.resume {
-        let world = cfg.launch.nodes * cfg.launch.ranks_per_node;
-        let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
         crate::train::checkpoint::check_resume(path, cfg.end_step(), (world, islands))?;
     }
     let exe = std::env::current_exe().context("locating the zeropp binary")?;
@@ -40,9 +41,6 @@ pub fn launch_local(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<()> {
         std::process::id(),
         RUNS.fetch_add(1, Ordering::Relaxed)
     ));
-    // `auto`'s islands are chosen at join: the launcher keeps one failure
-    // domain.
-    let islands = cfg.islands.islands.number().unwrap_or(1).max(1);
     // Restarts rejoin islands: a job of one failure domain has none, and a
     // streamed island is not taken back (a rejoin waits for an outer
     // sync's exchanges).
