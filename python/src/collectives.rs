@@ -641,30 +641,11 @@ impl Job {
                 // why at once (a gradient that is not finite here, or the
                 // rank a failed call blamed), not at their timeout.
                 if let (Err(e), Some(told)) = (&done, &told) {
-                    let (forwarded, own);
-                    let e = match e {
-                        // The rank that gave up first is named on (the comm
-                        // layer's own notices blame no one for a GaveUp:
-                        // there an island that broke is not a rank's fault).
-                        ZeroError::Comm(CommError::GaveUp { by, reason }) if *by != c.rank() => {
-                            forwarded = CommError::PeerFailed {
-                                peer: *by,
-                                reason: reason.clone(),
-                            };
-                            &forwarded
+                    e.with_notice(c.rank(), |e| {
+                        for g in std::iter::once(&groups).chain(told) {
+                            g.give_up(c, e);
                         }
-                        ZeroError::Comm(e) => e,
-                        other => {
-                            own = CommError::GaveUp {
-                                by: c.rank(),
-                                reason: other.to_string(),
-                            };
-                            &own
-                        }
-                    };
-                    for g in std::iter::once(&groups).chain(told) {
-                        g.give_up(c, e);
-                    }
+                    });
                 }
                 done
             }),

@@ -71,6 +71,30 @@ impl ZeroError {
             _ => None,
         }
     }
+
+    /// `tell` with the notice rank `me` gives the members of its groups
+    /// after this failure of one of its collectives, for jobs that cannot
+    /// go on after one (FSDP's collectives, on the host or a device): a
+    /// failure of its own (a value that is not finite, bad input) is
+    /// `me` giving up; a notice it heard names on the rank that gave up
+    /// first (the comm layer's own notices blame no one for a `GaveUp`:
+    /// there an island that broke is not a rank's fault); a lost peer is
+    /// blamed as this rank blamed it.
+    pub fn with_notice<R>(&self, me: usize, tell: impl FnOnce(&CommError) -> R) -> R {
+        match self {
+            ZeroError::Comm(CommError::GaveUp { by, reason }) if *by != me => {
+                tell(&CommError::PeerFailed {
+                    peer: *by,
+                    reason: reason.clone(),
+                })
+            }
+            ZeroError::Comm(e) => tell(e),
+            other => tell(&CommError::GaveUp {
+                by: me,
+                reason: other.to_string(),
+            }),
+        }
+    }
 }
 
 /// `map_err` for a quantizer failure while doing `what`.

@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use zeropp_comm::CommError;
 use zeropp_cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, DriverError, sys,
 };
@@ -800,6 +801,10 @@ impl Device for Gpu {
     fn abort(comm: &NcclComm) {
         comm.abort();
     }
+
+    /// NCCL carries no notice: a peer waiting in a kernel on this rank is
+    /// ended by its own watchdog at the job's deadline.
+    fn give_up(&self, _comm: &NcclComm, _e: &CommError) {}
 
     unsafe fn use_stream(&mut self, stream: usize, comms: &Comms<NcclComm>) {
         // SAFETY: the caller's promise.

@@ -8,6 +8,7 @@
 
 use std::time::Duration;
 
+use zeropp_comm::CommError;
 use zeropp_cuda::GpuElement;
 
 use crate::error::ZeroError;
@@ -62,6 +63,12 @@ pub trait Device {
     /// Ends `comm` after a failure: its work stops holding the stream and
     /// none waits for the dead at exit.
     fn abort(comm: &Self::Comm);
+
+    /// Tells the other members of `comm` that this rank gives up its next
+    /// call there after `e` (a failure of its own, or one it heard of),
+    /// so that one waiting on it fails at once instead of at its deadline
+    /// ([`ZeroError::with_notice`] makes `e`).
+    fn give_up(&self, comm: &Self::Comm, e: &CommError);
 
     /// The device and `comms` queue their work on `stream` from now on.
     ///

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use zeropp_comm::collectives::CommThread;
-use zeropp_comm::{Communicator, Group};
+use zeropp_comm::{CommError, Communicator, Group};
 
 use crate::ZeroGroups;
 use crate::devices::{Comms, Device};
@@ -403,6 +403,12 @@ impl Device for EmulatedDevice {
     /// The host transports end a collective with a dead peer themselves
     /// (their deadline); nothing holds a stream.
     fn abort(_comm: &Arc<Group>) {}
+
+    /// The host path's notice, in the group's next call
+    /// ([`Communicator::give_up_next`]).
+    fn give_up(&self, comm: &Arc<Group>, e: &CommError) {
+        self.comm.give_up_next(comm, e);
+    }
 
     unsafe fn use_stream(&mut self, _stream: usize, _comms: &Comms<Arc<Group>>) {}
 

@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use zeropp_comm::Transport;
+use zeropp_comm::{CommError, Transport};
 use zeropp_cuda::device::DeviceQuantizedChunks;
 use zeropp_cuda::{CudaError, GpuElement};
 use zeropp_quant::{QuantizedChunks, Rounding};
@@ -587,9 +587,11 @@ impl<D: Device> DeviceJob<D> {
     }
 
     /// `call` on the device and every dimension's communicators, all on
-    /// the caller's `stream`; its failure ends the job as
-    /// [`DeviceJob::failed`] says (communicators aborted where a peer is
-    /// at fault).
+    /// the caller's `stream`; on its failure the members of every group
+    /// this rank has joined hear that it gave up its next call there (the
+    /// ranks waiting on it fail at once, as on the host path), and the job
+    /// ends as [`DeviceJob::failed`] says (communicators aborted where a
+    /// peer is at fault).
     ///
     /// # Safety
     /// As [`Device::use_stream`].
@@ -601,7 +603,14 @@ impl<D: Device> DeviceJob<D> {
         self.on_side(|side| {
             // SAFETY: the caller's promise.
             let (device, dims) = unsafe { side.on_stream(stream) }?;
-            call(device, dims).map_err(|e| self.failed(Some(dims), e))
+            call(device, dims).map_err(|e| {
+                e.with_notice(self.layout.rank, |notice| {
+                    for c in dims {
+                        c.all().for_each(|comm| device.give_up(comm, notice));
+                    }
+                });
+                self.failed(Some(dims), e)
+            })
         })
     }
 
@@ -622,9 +631,14 @@ impl<D: Device> DeviceJob<D> {
     /// it (NCCL itself cannot say). Another device failure may still be a
     /// peer's death in disguise: it names the dead when one is known.
     fn failed(&self, dims: Option<&[Comms<D::Comm>]>, e: ZeroError) -> ZeroError {
-        let m = match e {
-            ZeroError::Device(CudaError::Peer(m)) => m,
-            e if e.is_peer_failure() => e.to_string(),
+        // A peer known to have failed or given up is named already; a
+        // lost connection or a timeout may be a third rank's death.
+        let (m, named) = match e {
+            ZeroError::Device(CudaError::Peer(m)) => (m, false),
+            ZeroError::Comm(CommError::PeerFailed { .. } | CommError::GaveUp { .. }) => {
+                (e.to_string(), true)
+            }
+            e if e.is_peer_failure() => (e.to_string(), false),
             ZeroError::Device(e) => {
                 return match self.counter.first_death() {
                     Some((rank, why)) => ZeroError::Device(CudaError::Peer(format!(
@@ -640,6 +654,9 @@ impl<D: Device> DeviceJob<D> {
         }
         let deadline = Instant::now() + NAME_THE_DEAD;
         let m = loop {
+            if named {
+                break m;
+            }
             match self.counter.first_death() {
                 Some((rank, _)) if m.contains(&format!("rank {rank} failed")) => break m,
                 Some((rank, why)) => break format!("rank {rank} failed: {why}; {m}"),
@@ -1282,6 +1299,56 @@ mod tests {
         });
         for e in &got {
             assert!(e.contains("finite"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_nan_on_one_rank_is_named_by_every_other_rank_at_once() {
+        // Rank 3's gradient holds a NaN: its qgZ reduce-scatter fails
+        // before it sends anything, and it lingers (as an `except` that
+        // saves a checkpoint would). The others, waiting on it, hear why
+        // at once instead of at their deadline.
+        let timeout = Duration::from_secs(20);
+        let got = on_world(2, 2, timeout, move |r| {
+            let job = Arc::new(emulated_job_within(&r, timeout));
+            let rank = r.layout.rank;
+            let mut grad = values(rank, LEN);
+            if rank == 3 {
+                grad[7] = f32::NAN;
+            }
+            let world: Vec<usize> = (0..r.layout.world()).collect();
+            let mut feedback = DeviceFeedback::default();
+            let call = move |job: &DeviceJob<EmulatedDevice>| {
+                let mut out = vec![0f32; grad.len() / world.len()];
+                let c = DeviceScatter {
+                    out: out.as_mut_ptr() as u64,
+                    inp: grad.as_ptr() as u64,
+                    numel: grad.len(),
+                    ranks: &world,
+                    stream: 0,
+                    reduction: Reduction::Mean,
+                    wire: qgz_wire(),
+                    rounding: Rounding::NearestEven,
+                    feedback: Some(&mut feedback),
+                };
+                // SAFETY: `grad` holds `numel` values, `out` a W-th.
+                unsafe { job.reduce_scatter::<f32>(c) }
+            };
+            let started = Instant::now();
+            // SAFETY: the buffers live in the call.
+            let work = unsafe { job.launch(0, call) }.unwrap();
+            let e = unsafe { work.wait(0) }.unwrap_err();
+            let took = started.elapsed();
+            if rank == 3 {
+                std::thread::sleep(Duration::from_secs(6));
+            }
+            (e.is_peer_failure(), e.to_string(), took)
+        });
+        let (peer, own, _) = &got[3];
+        assert!(!peer && own.contains("finite"), "{own}");
+        for (peer, e, took) in &got[..3] {
+            assert!(*peer && e.contains("rank 3") && e.contains("finite"), "{e}");
+            assert!(*took < Duration::from_secs(2), "waited {took:?}: {e}");
         }
     }
 
