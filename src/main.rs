@@ -304,7 +304,8 @@ fn run(cli: Cli) -> Result<()> {
             node_rank,
             master: master_addr,
             timeout_s: timeout,
-            grace: std::time::Duration::from_secs_f64(grace.max(0.0)),
+            grace: zeropp::comm::env::seconds(grace)
+                .ok_or_else(|| anyhow::anyhow!("--grace {grace}: a number of seconds, 0 to 1e9"))?,
             rank0_terminal: false,
             islands,
             restarts,
@@ -313,7 +314,16 @@ fn run(cli: Cli) -> Result<()> {
         Command::CommCheck {
             sizes,
             loop_seconds,
-        } => comm_check::run(&sizes, loop_seconds.map(std::time::Duration::from_secs_f64))?,
+        } => {
+            let limit = loop_seconds
+                .map(|s| {
+                    zeropp::comm::env::wait_limit(s).ok_or_else(|| {
+                        anyhow::anyhow!("--loop-seconds {s}: {}", zeropp::comm::env::WAIT_LIMIT)
+                    })
+                })
+                .transpose()?;
+            comm_check::run(&sizes, limit)?
+        }
         Command::Bench(BenchCommand::Collectives { sizes, iters }) => {
             bench_collectives::run(&sizes, iters.max(1))?
         }

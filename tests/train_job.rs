@@ -469,12 +469,16 @@ fn bad_input_is_a_named_error() {
         run(&[&small[..], &["--save-every", "5"]].concat()),
         &["--save-every 5 saves into --checkpoint-dir"],
     );
-    let text = run(&["--timeout", "0"]);
-    assert_eq!(
-        text.matches("--timeout 0: a positive number").count(),
-        1,
-        "{text}"
-    );
+    for t in ["0", "1e30"] {
+        let text = run(&["--timeout", t]);
+        assert_eq!(
+            text.matches(": a positive number of seconds, at most 1e9")
+                .count(),
+            1,
+            "{text}"
+        );
+        assert!(!text.contains("panicked"), "{text}");
+    }
     // Switches no rank can run, an output that cannot be written, and a
     // timeout that is no timeout are said once, before any rank starts
     // (an output path after the whole run lost it).

@@ -264,14 +264,30 @@ fn master(
     Ok((master_addr, master_port))
 }
 
+/// What a network wait's limit must be (`--timeout`, `ZEROPP_TIMEOUT_S`,
+/// `timeout_s=`).
+pub const WAIT_LIMIT: &str = "a positive number of seconds, at most 1e9";
+
+/// `s` seconds, where that is a time a wait can add to now: finite, not
+/// negative, at most 1e9 (31 years; `Instant + Duration` panics past what
+/// the clock holds).
+pub fn seconds(s: f64) -> Option<Duration> {
+    Duration::try_from_secs_f64(s).ok().filter(|_| s <= 1e9)
+}
+
+/// A network wait's limit of `s` seconds, where that is one ([`seconds`],
+/// not zero); the one rule for every place a user gives it.
+pub fn wait_limit(s: f64) -> Option<Duration> {
+    seconds(s).filter(|d| !d.is_zero())
+}
+
 /// Every network wait's limit: `ZEROPP_TIMEOUT_S`, else the default.
 fn timeout(get: &dyn Fn(&str) -> Option<String>) -> Result<Duration, EnvError> {
     match parse::<f64>(get, "ZEROPP_TIMEOUT_S", "number of seconds")? {
-        Some(s) if s > 0.0 && s.is_finite() => Ok(Duration::from_secs_f64(s)),
-        Some(s) => Err(EnvError::Invalid {
+        Some(s) => wait_limit(s).ok_or_else(|| EnvError::Invalid {
             name: "ZEROPP_TIMEOUT_S".into(),
             value: s.to_string(),
-            what: "positive number of seconds",
+            what: &WAIT_LIMIT[2..],
         }),
         None => Ok(DEFAULT_TIMEOUT),
     }
@@ -581,6 +597,13 @@ mod tests {
         assert!(with(&[("RANK", "1"), ("LOCAL_RANK", "2")]).contains("local rank 2"));
         assert!(with(&[("RANK", "x")]).contains("RANK=\"x\""));
         assert!(with(&[("RANK", "1"), ("ZEROPP_TIMEOUT_S", "-1")]).contains("ZEROPP_TIMEOUT_S"));
+        // Past what a clock holds: refused, not a panic at the first wait.
+        assert!(with(&[("RANK", "1"), ("ZEROPP_TIMEOUT_S", "1e30")]).contains("at most 1e9"));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e30] {
+            assert_eq!(wait_limit(bad), None, "{bad}");
+        }
+        assert_eq!(wait_limit(0.5), Some(Duration::from_millis(500)));
+        assert_eq!(seconds(0.0), Some(Duration::ZERO));
         let odd = facts(&[
             ("RANK", "0"),
             ("WORLD_SIZE", "6"),

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use rand::RngExt;
 
-use crate::env::{DEFAULT_PORT, split_host_port};
+use crate::env::{DEFAULT_PORT, DEFAULT_TIMEOUT, WAIT_LIMIT, split_host_port, wait_limit};
 use crate::torch_store::{HELD, HELD_SILENCE, StoreServer, TorchStore};
 
 /// Why a launch did not run its ranks to success.
@@ -534,9 +534,9 @@ fn stop(r: &mut Rank) {
 /// that is none, no islands, restarts without islands, and a rank 0 host
 /// for a launch that starts every node here.
 fn check_islands_and_master(opts: &LaunchOptions) -> Result<()> {
-    if let Some(t) = opts.timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
+    if let Some(t) = opts.timeout_s.filter(|&t| wait_limit(t).is_none()) {
         return Err(options(format!(
-            "--timeout {t}: the ranks' timeout is a positive number of seconds"
+            "--timeout {t}: the ranks' timeout is {WAIT_LIMIT}"
         )));
     }
     if opts.islands == 0 {
@@ -596,13 +596,13 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let last_words = meeting.last_words.clone();
     let (store, server) = job_store(opts, &meeting)?;
     meeting.store = store;
-    // The ranks' timeout: --timeout, else ZEROPP_TIMEOUT_S, else 60 s.
-    let timeout = Duration::from_secs_f64(
-        opts.timeout_s
-            .or_else(|| std::env::var("ZEROPP_TIMEOUT_S").ok()?.parse().ok())
-            .filter(|t: &f64| t.is_finite() && *t > 0.0)
-            .unwrap_or(60.0),
-    );
+    // The ranks' timeout: --timeout, else ZEROPP_TIMEOUT_S, else the
+    // default.
+    let timeout = opts
+        .timeout_s
+        .or_else(|| std::env::var("ZEROPP_TIMEOUT_S").ok()?.parse().ok())
+        .and_then(wait_limit)
+        .unwrap_or(DEFAULT_TIMEOUT);
     if let (Some(k), Some(store)) = (opts.node_rank.filter(|&k| k > 0), &meeting.store) {
         hold_store(store, k, &meeting.token, timeout);
     }
@@ -727,6 +727,11 @@ mod tests {
             ..opts(1, 0, None)
         });
         assert!(e.contains("--timeout 0") && e.contains("positive"), "{e}");
+        let e = refused(LaunchOptions {
+            timeout_s: Some(1e30),
+            ..opts(1, 0, None)
+        });
+        assert!(e.contains("at most 1e9"), "{e}");
         let e = refused(opts(0, 0, None));
         assert!(e.contains("--islands 0") && e.contains("1 or more"), "{e}");
         let e = refused(opts(1, 2, None));

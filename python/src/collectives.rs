@@ -164,10 +164,12 @@ impl Job {
                 ));
             }
         }
-        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
-            return Err(invalid(format!("timeout_s={timeout_s}: must be positive")));
-        }
-        let timeout = Duration::from_secs_f64(timeout_s);
+        let timeout = zeropp_comm::env::wait_limit(timeout_s).ok_or_else(|| {
+            invalid(format!(
+                "timeout_s={timeout_s}: {}",
+                zeropp_comm::env::WAIT_LIMIT
+            ))
+        })?;
         zeropp_comm::scratch::budget_from_env().map_err(to_py)?;
         let opts = JoinOptions {
             kind,

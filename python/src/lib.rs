@@ -150,6 +150,24 @@ fn switch_names() -> Vec<String> {
         .collect()
 }
 
+/// The seconds `value` says, as a network wait's limit (the library's one
+/// rule, `zeropp_comm::env::wait_limit`); refused naming `name` otherwise.
+#[pyfunction]
+fn wait_limit(name: &str, value: &str) -> PyResult<f64> {
+    value
+        .trim()
+        .parse::<f64>()
+        .ok()
+        .and_then(zeropp_comm::env::wait_limit)
+        .map(|d| d.as_secs_f64())
+        .ok_or_else(|| {
+            invalid(format!(
+                "{name}={value:?}: {}",
+                zeropp_comm::env::WAIT_LIMIT
+            ))
+        })
+}
+
 /// `zeropp train`'s built-in corpus (simple English sentences from a small
 /// grammar; bytes are tokens): `n` bytes for `seed`.
 #[pyfunction]
@@ -180,6 +198,7 @@ fn _zeropp(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(builtin_corpus, m)?)?;
     m.add_function(wrap_pyfunction!(switch_names, m)?)?;
     m.add_function(wrap_pyfunction!(scratch_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_limit, m)?)?;
     quant::register(m)?;
     collectives::register(m)?;
     cuda::register(m)?;

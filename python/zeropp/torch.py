@@ -140,14 +140,7 @@ def _prefetch_depth():
 
 
 def _timeout_s():
-    raw = os.environ.get("ZEROPP_TIMEOUT_S", "300")
-    try:
-        t = float(raw)
-    except ValueError:
-        raise ZeroppError(f"ZEROPP_TIMEOUT_S={raw!r}: expected seconds") from None
-    if not t > 0:
-        raise ZeroppError(f"ZEROPP_TIMEOUT_S={raw!r}: must be positive")
-    return t
+    return _zeropp.wait_limit("ZEROPP_TIMEOUT_S", os.environ.get("ZEROPP_TIMEOUT_S", "300"))
 
 
 def _exchange_through(store, prefix, rank, world, timeout_s):

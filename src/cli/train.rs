@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Result, bail};
 
+use crate::comm::env::{WAIT_LIMIT, wait_limit};
 use crate::engine::optim::OptimArgs;
 use crate::train::config::{
     CheckpointArgs, IslandsArgs, LaunchArgs, OutputArgs, RunArgs, SwitchArgs, TrainConfig,
@@ -184,8 +185,8 @@ fn same_model_as(resume: &std::path::Path, model: &crate::train::model::ModelCon
 /// Runs `zeropp train`.
 pub fn run(args: TrainArgs) -> Result<()> {
     let cfg = args.config()?;
-    if let Some(t) = args.timeout.filter(|t| !(*t > 0.0 && t.is_finite())) {
-        bail!("--timeout {t}: a positive number of seconds");
+    if let Some(t) = args.timeout.filter(|&t| wait_limit(t).is_none()) {
+        bail!("--timeout {t}: {WAIT_LIMIT}");
     }
     let facts = crate::comm::env::RankFacts::from_env();
     if let Err(crate::comm::env::EnvError::Missing) = facts {

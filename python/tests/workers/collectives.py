@@ -255,6 +255,15 @@ def main():
         ),
         "CPU tensors",
     )
+    # A job's timeout is refused where it is none, or past what a clock adds
+    # (an OverflowError at the first wait): the library's one rule.
+    for bad in ("0", "-5", "inf", "1e30", "soon"):
+        expect_error(
+            f"ZEROPP_TIMEOUT_S={bad} is refused",
+            lambda bad=bad: _zeropp.wait_limit("ZEROPP_TIMEOUT_S", bad),
+            "ZEROPP_TIMEOUT_S",
+        )
+    check("a timeout of 2.5 s is taken", _zeropp.wait_limit("ZEROPP_TIMEOUT_S", "2.5") == 2.5)
     # The CUDA path: opening device 0 works where there is one, and is an
     # error that names the driver where there is none (never a panic).
     status = zeropp.cuda_status()
