@@ -102,7 +102,7 @@ fn plan_takes_compute_from_a_run_summary_and_measures_quantization() {
     );
 
     // Bad input: a file that is not a summary, one that is missing, both
-    // compute flags, a rate that is not positive.
+    // compute flags, a rate that is not positive, a mistyped exponent.
     let bad = dir.join("bad.json");
     std::fs::write(&bad, r#"{"mode": "zero3"}"#).unwrap();
     for (args, want) in [
@@ -129,6 +129,10 @@ fn plan_takes_compute_from_a_run_summary_and_measures_quantization() {
             "--quant-gbps must be a positive",
         ),
         (vec!["plan"], "give the compute per step"),
+        (
+            vec!["plan", "--compute-s", "1", "--params", "1e30"],
+            "at most 1e15 parameters",
+        ),
     ] {
         let o = zeropp(&args);
         let err = String::from_utf8_lossy(&o.stderr);

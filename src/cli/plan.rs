@@ -184,6 +184,11 @@ fn check(a: &PlanArgs, params: f64) -> Result<()> {
             bail!("{flag} {v}: must be a positive number");
         }
     }
+    // Past any model (10^15 parameters, 4 PB of f32 weights): a mistyped
+    // exponent, whose plan would print 10^21-second steps.
+    if params > 1e15 {
+        bail!("--params {params:e}: at most 1e15 parameters (7e9 is a 7B model)");
+    }
     for (flag, v) in [
         ("--nodes", a.nodes),
         ("--ranks-per-node", a.ranks_per_node),
