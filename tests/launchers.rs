@@ -31,7 +31,7 @@ fn assert_trained_one_node_of_four(launcher: &str, out: &Output) {
         out.status.success(),
         "{launcher} failed:\n{stdout}\n{stderr}"
     );
-    assert!(stdout.contains("1 nodes x 4 ranks"), "{stdout}");
+    assert!(stdout.contains("1 node x 4 ranks"), "{stdout}");
     assert!(
         stdout.contains("step     3/3") && stdout.contains("done: loss"),
         "{stdout}"

@@ -595,7 +595,7 @@ fn bad_input_is_a_named_error() {
         &[
             "within 2s",
             "--nodes and --ranks-per-node",
-            "1 node(s) x 2 ranks",
+            "1 node x 2 ranks",
         ],
     );
     assert!(

@@ -29,6 +29,24 @@ use std::time::Duration;
 use bytes::Bytes;
 
 pub use collectives::Communicator;
+
+/// `n` `noun`s in words: "1 rank", "4 ranks".
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// A job's shape in words: "1 node x 4 ranks", "2 nodes x 1 rank".
+pub fn shape(nodes: usize, ranks_per_node: usize) -> String {
+    format!(
+        "{} x {}",
+        count(nodes, "node"),
+        count(ranks_per_node, "rank")
+    )
+}
 pub use group::{Group, GroupKind};
 
 /// Identifies a message between two ranks; collectives derive tags from the

@@ -150,7 +150,10 @@ fn render_run_switches(r: &crate::zero::plan::Resolved) -> String {
     };
     out += &format!("  qwZ: {weights}\n");
     let hpz = match (s.hpz, s.hpz_group) {
-        (true, Some(h)) => format!("secondary shards over groups of {h} ranks"),
+        (true, Some(h)) => format!(
+            "secondary shards over groups of {}",
+            crate::comm::count(h, "rank")
+        ),
         (true, None) => "secondary shards over the node".into(),
         (false, _) => "off".into(),
     };

@@ -217,8 +217,9 @@ pub fn run(args: TrainArgs) -> Result<()> {
             {
                 eprintln!(
                     "note: --nodes and --ranks-per-node lay out the ranks zeropp train launches \
-                     itself; under {} the job is the launcher's: {nodes} node(s) x {} ranks",
-                    facts.launcher, facts.local_world_size
+                     itself; under {} the job is the launcher's: {}",
+                    facts.launcher,
+                    crate::comm::shape(nodes, facts.local_world_size)
                 );
             }
             if let Some(t) = args.timeout {

@@ -845,11 +845,10 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     };
     if m.world_size != m.nodes * m.ranks_per_node || m.shards.len() != saved.len() {
         bail!(
-            "{}: {} shards for {} nodes x {} ranks (world size {}{})",
+            "{}: {} shards for {} (world size {}{})",
             path.display(),
             m.shards.len(),
-            m.nodes,
-            m.ranks_per_node,
+            crate::comm::shape(m.nodes, m.ranks_per_node),
             m.world_size,
             if m.lost_islands.is_empty() {
                 String::new()
@@ -1209,13 +1208,12 @@ pub fn write_safetensors_views<'a>(
 /// The human view of `zeropp ckpt inspect`.
 pub fn describe(dir: &Path, m: &Manifest) -> String {
     let mut s = format!(
-        "checkpoint {}\n  format {} v{}, step {}, {} nodes x {} ranks (world {})\n  mode {}, switches {}\n  model {}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
+        "checkpoint {}\n  format {} v{}, step {}, {} (world {})\n  mode {}, switches {}\n  model {}\n  seed {}, next data step {}\n  rng: {}\n  units:\n",
         dir.display(),
         m.format,
         m.version,
         m.step,
-        m.nodes,
-        m.ranks_per_node,
+        crate::comm::shape(m.nodes, m.ranks_per_node),
         m.world_size,
         m.config.switches.mode,
         serde_json::to_string(&m.switches.clone().unwrap_or_else(|| m.config.switches()))

@@ -193,9 +193,8 @@ pub fn compare(cfg: &TrainConfig, timeout_s: Option<f64>) -> Result<(Summary, Su
             })
             .collect();
         let title = format!(
-            "ZeRO-3 vs ZeRO++, {} nodes x {} ranks",
-            z3.nodes,
-            z3.world_size / z3.nodes.max(1)
+            "ZeRO-3 vs ZeRO++, {}",
+            crate::comm::shape(z3.nodes, z3.world_size / z3.nodes.max(1))
         );
         plot::loss_curves(p, &title, &series)?;
     }

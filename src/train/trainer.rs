@@ -311,10 +311,9 @@ fn print_start(
 ) -> Result<()> {
     let layout = engine.job_layout();
     println!(
-        "training {} parameters, {} nodes x {} ranks over {}, mode {}, {} steps of {} tokens",
+        "training {} parameters, {} over {}, mode {}, {} steps of {} tokens",
         engine.parameter_count(),
-        layout.nodes,
-        layout.ranks_per_node,
+        crate::comm::shape(layout.nodes, layout.ranks_per_node),
         transport_name.to_uppercase(),
         cfg.switches.mode,
         cfg.run.steps,
@@ -490,8 +489,8 @@ fn write_outputs(
             points: step_points(losses),
         };
         let title = format!(
-            "training loss, {} nodes x {} ranks",
-            layout.nodes, layout.ranks_per_node
+            "training loss, {}",
+            crate::comm::shape(layout.nodes, layout.ranks_per_node)
         );
         plot::loss_curves(p, &title, &[series])?;
     }
@@ -747,7 +746,8 @@ fn print_plan(
     println!("{}", routing_report(routing));
     if let (true, Some(h)) = (switches.hpz, switches.hpz_group) {
         println!(
-            "engine: hpZ secondary shards over groups of {h} ranks ({})",
+            "engine: hpZ secondary shards over groups of {} ({})",
+            crate::comm::count(h, "rank"),
             resolved.why["hpz_group"]
         );
     }
@@ -785,10 +785,10 @@ fn resume(engine: &mut Engine, path: &Path, lead: bool) -> Result<usize> {
     }
     if lead {
         println!(
-            "resumed from {} at step {} (saved on {} ranks, running on {})",
+            "resumed from {} at step {} (saved on {}, running on {})",
             dir.display(),
             m.step,
-            m.world_size,
+            crate::comm::count(m.world_size, "rank"),
             layout.world()
         );
     }

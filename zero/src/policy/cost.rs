@@ -663,10 +663,9 @@ pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
     let preds = input.compare();
     let zero3 = input.predict(config("zero3"));
     let mut s = format!(
-        "{:.3e} parameters, {} nodes x {} ranks, {:.1} GB/s inside, {} x {} Gbit/s per node across, compute {:.3} s/step\n\n",
+        "{:.3e} parameters, {}, {:.1} GB/s inside, {} x {} Gbit/s per node across, compute {:.3} s/step\n\n",
         input.params,
-        input.nodes,
-        input.ranks_per_node,
+        zeropp_comm::shape(input.nodes, input.ranks_per_node),
         input.intra_gbps,
         input.nics_per_node,
         input.nic_gbit,

@@ -344,7 +344,7 @@ fn transport_env(rdma: bool, names: &[String]) -> Vec<(String, String)> {
 
 impl RoutingPlan {
     pub fn render(&self) -> String {
-        let mut s = format!("{} nodes x {} ranks\n", self.nodes, self.ranks_per_node);
+        let mut s = format!("{}\n", zeropp_comm::shape(self.nodes, self.ranks_per_node));
         for h in &self.hops {
             // A NIC whose speed the machine does not say.
             let speed = match h.gbps_per_rank {
