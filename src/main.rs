@@ -444,7 +444,12 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {}", error_chain(&e));
-            ExitCode::FAILURE
+            // Stopped by a signal: the shell's convention, 128 + its number.
+            let signal = e.chain().find_map(|c| match c.downcast_ref() {
+                Some(launch::LaunchError::Interrupted { signal }) => Some(*signal),
+                _ => None,
+            });
+            signal.map_or(ExitCode::FAILURE, |s| ExitCode::from(128 + s as u8))
         }
     }
 }

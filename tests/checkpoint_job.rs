@@ -392,7 +392,7 @@ fn streamed_islands_resume_bit_identically_with_an_exchange_under_way() {
         "2",
     ];
     let (out, _, _, ck) = whole_and_resumed_at_6(&d, &islands);
-    assert!(out.contains("2 fragment(s)"), "{out}");
+    assert!(out.contains("2 fragments"), "{out}");
     let manifest = json(&ck.join("step-00000006").join("manifest.json"));
     let in_flight = manifest["shards"][0]["outer"]
         .as_array()

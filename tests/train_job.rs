@@ -692,3 +692,51 @@ fn train_help_says_each_default() {
         assert!(entry.contains(default), "{flag}: {entry}");
     }
 }
+
+/// Ctrl-C, `kill` or a scheduler's SIGTERM stops a self-launched run: its
+/// ranks are stopped (none runs on), its own files go, and it exits as a
+/// process stopped by that signal would (128 + its number).
+#[test]
+fn a_run_stopped_by_a_signal_stops_its_ranks_and_cleans_up() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_zeropp"))
+            .args(["train", "--steps", "100000", "--log-every", "1"])
+            .args(["--width", "32", "--layers", "1", "--heads", "2"])
+            .args(["--context", "32", "--batch", "4", "--timeout", "60"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let config = std::env::temp_dir().join(format!("zeropp-train-{}-0.toml", child.id()));
+        // Training: its first step is logged.
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.starts_with("[rank 0] step ") {
+            line.clear();
+            assert!(out.read_line(&mut line).unwrap() > 0, "no step logged");
+        }
+        assert!(config.exists(), "{}", config.display());
+        // SAFETY: signalling the child we started.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let o = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(128 + signal), "{name}: {err}");
+        assert!(
+            err.contains(&format!("stopped by {name}")) && err.contains("ranks were stopped"),
+            "{err}"
+        );
+        assert!(!config.exists(), "{name} left {}", config.display());
+        // No rank runs on: each was started with that config.
+        let ranks = Command::new("pgrep")
+            .args(["-f", &config.display().to_string()])
+            .output()
+            .unwrap();
+        assert!(
+            ranks.stdout.is_empty(),
+            "{name}: ranks still running: {}",
+            String::from_utf8_lossy(&ranks.stdout)
+        );
+    }
+}

@@ -34,6 +34,10 @@ pub enum LaunchError {
         #[source]
         source: std::io::Error,
     },
+    /// The launcher was asked to stop (Ctrl-C, `kill`, a scheduler's
+    /// SIGTERM); its ranks were stopped.
+    #[error("stopped by {}: the ranks were stopped", signal_name(*signal))]
+    Interrupted { signal: i32 },
     /// The first rank that failed; the others were stopped.
     #[error("rank {rank} failed with {status}{said}; the other ranks were stopped")]
     RankFailed {
@@ -46,6 +50,87 @@ pub enum LaunchError {
 }
 
 type Result<T> = std::result::Result<T, LaunchError>;
+
+/// A signal's name, for the few a launcher is stopped with.
+fn signal_name(signal: i32) -> &'static str {
+    match signal {
+        libc::SIGINT => "SIGINT (Ctrl-C)",
+        libc::SIGTERM => "SIGTERM",
+        libc::SIGHUP => "SIGHUP (the terminal closed)",
+        _ => "a signal",
+    }
+}
+
+/// The signal that asked this launcher to stop (0: none yet), set by
+/// [`on_stop_signal`].
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    STOP_SIGNAL.store(signal, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// From now on SIGINT, SIGTERM and SIGHUP ask the launcher to stop its
+/// ranks (it would otherwise die at once, its ranks killed with it, and a
+/// self-launch's files left behind).
+fn catch_stop_signals() {
+    STOP_SIGNAL.store(0, std::sync::atomic::Ordering::SeqCst);
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores into an atomic (async-signal-
+        // safe); the sigaction is fully initialised.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_stop_signal as *const () as libc::sighandler_t;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(signal, &action, std::ptr::null_mut());
+        }
+    }
+}
+
+/// The signals [`catch_stop_signals`] caught end the process again.
+fn default_stop_signals() {
+    for signal in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: restoring the default disposition.
+        unsafe {
+            libc::signal(signal, libc::SIG_DFL);
+        }
+    }
+}
+
+/// The signal that asked the launcher to stop, if one did.
+fn stop_signal() -> Option<i32> {
+    Some(STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst)).filter(|&s| s != 0)
+}
+
+/// Asked to stop: every running rank gets SIGTERM (a Python rank its
+/// `finally` blocks, a `zeropp train` rank its default exit), and `grace`
+/// to exit before it is killed; a second signal kills them at once.
+fn stop_all(ranks: &mut [Rank], grace: Duration, signal: i32) -> LaunchError {
+    for r in ranks.iter().filter(|r| r.status.is_none()) {
+        // SAFETY: signalling a process group we created; ESRCH is harmless.
+        unsafe {
+            libc::kill(-(r.child.id() as i32), libc::SIGTERM);
+        }
+    }
+    STOP_SIGNAL.store(0, std::sync::atomic::Ordering::SeqCst);
+    let until = Instant::now() + grace;
+    while Instant::now() < until && stop_signal().is_none() {
+        let mut running = 0;
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            match r.child.try_wait() {
+                Ok(Some(status)) => r.status = Some(status),
+                _ => running += 1,
+            }
+        }
+        if running == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for r in ranks.iter_mut() {
+        stop(r);
+    }
+    LaunchError::Interrupted { signal }
+}
 
 fn options(msg: impl Into<String>) -> LaunchError {
     LaunchError::Options(msg.into())
@@ -447,6 +532,9 @@ fn supervise(
     let mut failures: Vec<Failure> = Vec::new();
     let seen = |list: &[Failure], island: usize| list.iter().any(|f| f.island == island);
     loop {
+        if let Some(signal) = stop_signal() {
+            return Err(stop_all(ranks, grace, signal));
+        }
         for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
             let waited = r.child.try_wait().map_err(|source| LaunchError::Io {
                 what: "waiting for a rank",
@@ -612,6 +700,7 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let threads = compute_threads(meeting.local_nodes.len() * opts.ranks_per_node);
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
+    catch_stop_signals();
     for node in meeting.local_nodes.clone() {
         for local in 0..opts.ranks_per_node {
             ranks.push(spawn(
@@ -640,12 +729,20 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
             *attempt,
         )
     };
-    let failures = supervise(
+    let supervised = supervise(
         &mut ranks,
         opts.grace,
         per_island,
         (opts.restarts, &mut respawn),
-    )?;
+    );
+    default_stop_signals();
+    if supervised.is_err() {
+        // The ranks' last lines (stopped, or the cause) reach the user.
+        for f in forwarders.drain(..) {
+            let _ = f.join();
+        }
+    }
+    let failures = supervised?;
     if let (Some(0), Some(server)) = (opts.node_rank, &server) {
         keep_store_up(server, opts.nodes, &meeting.token, timeout);
     }

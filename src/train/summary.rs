@@ -193,13 +193,13 @@ impl Summary {
         );
         if let Some(i) = &self.islands {
             line += &format!(
-                "; islands: {} of {} ranks, {} exchanges of {} fragment(s) (every {} steps, \
-                 landing {} steps later; {:.2} s waited), {:.3} MB across islands in all, outer \
-                 state {:.3} MB per rank; {:.3} s per step with the syncs",
+                "; islands: {} of {}, {} exchanges of {} (every {} steps, landing {} steps \
+                 later; {:.2} s waited), {:.3} MB across islands in all, outer state {:.3} MB \
+                 per rank; {:.3} s per step with the syncs",
                 i.count,
-                i.ranks_per_island,
+                crate::comm::count(i.ranks_per_island, "rank"),
                 i.exchanges,
-                i.fragments,
+                crate::comm::count(i.fragments, "fragment"),
                 i.sync_every,
                 i.delay,
                 i.waited_s,

@@ -409,8 +409,10 @@ fn islands_summary(
         why: format!(
             "an exchange of the whole model took {whole_s:.3} s on rank 0 and an inner step \
              {inner_s:.3} s: H >= {hides} hides the exchange behind the inner steps (this run: \
-             H = {}, {} fragment(s), landing {} steps later)",
-            c.sync_every, fragments, c.delay
+             H = {}, {}, landing {} steps later)",
+            c.sync_every,
+            crate::comm::count(fragments, "fragment"),
+            c.delay
         ),
         outer_bits: cfg.islands.outer_bits,
         outer_bytes: job[0] as f64,
@@ -1093,8 +1095,8 @@ fn routing_report(
     match routing {
         Ok(view) => {
             let mut s = format!(
-                "topology: {} node(s) on {}",
-                view.hosts.len(),
+                "topology: {} on {}",
+                crate::comm::count(view.hosts.len(), "node"),
                 view.hosts.join(", ")
             );
             if !view.differences.is_empty() {

@@ -528,10 +528,10 @@ impl PlanInput {
             )
         } else {
             format!(
-                "{} islands of {} node(s): predicted {:.4} s a step against the synchronous \
-                 job's {synchronous:.4} s ({:.2}x faster)",
+                "{} islands of {}: predicted {:.4} s a step against the synchronous job's \
+                 {synchronous:.4} s ({:.2}x faster)",
                 chosen.islands,
-                self.nodes / chosen.islands,
+                zeropp_comm::count(self.nodes / chosen.islands, "node"),
                 chosen.step_s,
                 synchronous / chosen.step_s
             )
@@ -603,10 +603,10 @@ pub fn render_islands(input: &PlanInput, preds: &[IslandsPrediction]) -> String 
     };
     let sync = input.compare().into_iter().next().expect("configurations");
     let mut s = format!(
-        "\nislands: {} of {} node(s); an island's step {:.4} s ({}), one exchange of the whole \
+        "\nislands: {} of {}; an island's step {:.4} s ({}), one exchange of the whole \
          model {:.4} s ({:.3} MB per node); synchronous on the whole job: {:.4} s ({})\n",
         first.islands,
-        input.nodes / first.islands,
+        zeropp_comm::count(input.nodes / first.islands, "node"),
         first.inner_step_s,
         first.inner_config,
         first.exchange_s,

@@ -195,15 +195,16 @@ pub fn plan(t: &Topology, nodes: usize, g: usize) -> Result<RoutingPlan, Routing
             gbps_per_rank: inter_per_rank,
             why: if node_gbps > 0.0 {
                 format!(
-                    "{} NIC(s), {:.1} GB/s per node shared by {g} ranks",
-                    pool.len(),
-                    node_gbps
+                    "{}, {:.1} GB/s per node shared by {}",
+                    zeropp_comm::count(pool.len(), "NIC"),
+                    node_gbps,
+                    zeropp_comm::count(g, "rank")
                 )
             } else {
                 format!(
-                    "{} NIC(s) whose speed the kernel does not report (virtual NICs often \
-                     do not): assumed slow",
-                    pool.len()
+                    "{} whose speed the kernel does not report (virtual NICs often do not): \
+                     assumed slow",
+                    zeropp_comm::count(pool.len(), "NIC")
                 )
             },
         });
