@@ -80,10 +80,21 @@ impl TransportKind {
         asked: Option<TransportKind>,
         islands_restart: bool,
     ) -> Result<(TransportKind, Option<String>), CommError> {
-        let (kind, note) = match asked {
-            Some(kind) => (kind, None),
-            None if std::env::var_os("ZEROPP_TRANSPORT").is_some() => Self::from_env()?,
-            None if islands_restart => (
+        let from_env = std::env::var_os("ZEROPP_TRANSPORT").map(|_| Self::from_env());
+        Self::choose_from(asked, from_env, islands_restart)
+    }
+
+    /// [`TransportKind::choose`] with `ZEROPP_TRANSPORT`'s choice, where
+    /// it is set, given.
+    fn choose_from(
+        asked: Option<TransportKind>,
+        from_env: Option<Result<(TransportKind, Option<String>), CommError>>,
+        islands_restart: bool,
+    ) -> Result<(TransportKind, Option<String>), CommError> {
+        let (kind, note) = match (asked, from_env) {
+            (Some(kind), _) => (kind, None),
+            (None, Some(chosen)) => chosen?,
+            (None, None) if islands_restart => (
                 TransportKind::Tcp,
                 Some(
                     "a lost island is started again (--restarts), and only TCP takes its \
@@ -91,7 +102,7 @@ impl TransportKind {
                         .to_string(),
                 ),
             ),
-            None => Self::default_here(),
+            (None, None) => Self::default_here(),
         };
         if islands_restart && kind == TransportKind::Ucx {
             return Err(CommError::Setting {
@@ -443,11 +454,13 @@ mod tests {
     /// and UCX asked for them is refused: their ranks could never rejoin.
     #[test]
     fn islands_that_restart_take_tcp_and_refuse_ucx() {
-        if std::env::var_os("ZEROPP_TRANSPORT").is_none() {
-            let (kind, note) = TransportKind::choose(None, true).unwrap();
-            assert_eq!(kind, TransportKind::Tcp);
-            assert!(note.unwrap().contains("only TCP takes its ranks back"));
-        }
+        let (kind, note) = TransportKind::choose_from(None, None, true).unwrap();
+        assert_eq!(kind, TransportKind::Tcp);
+        assert!(note.unwrap().contains("only TCP takes its ranks back"));
+        // ZEROPP_TRANSPORT=ucx is asked too.
+        let ucx = Some(Ok((TransportKind::Ucx, None)));
+        let e = TransportKind::choose_from(None, ucx, true).unwrap_err();
+        assert!(e.to_string().contains("use tcp"), "{e}");
         let e = TransportKind::choose(Some(TransportKind::Ucx), true).unwrap_err();
         assert!(e.to_string().contains("use tcp"), "{e}");
         let (kind, _) = TransportKind::choose(Some(TransportKind::Ucx), false).unwrap();
