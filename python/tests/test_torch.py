@@ -761,6 +761,8 @@ def test_a_nan_on_one_rank_is_named_by_every_other_rank_at_once(mesh, device):
         assert said, f"rank {r}:\n{out[-2000:]}\n{err[-3000:]}"
         assert "finite" in said[0], f"rank {r}: {said[0]}"
         if r == victim:
+            # Its own error names the parameter whose gradient holds it.
+            assert "in the gradient of parameter '" in said[0], said[0]
             continue
         assert "PeerError" in said[0] and f"rank {victim}" in said[0], f"rank {r}: {said[0]}"
         assert float(said[0].split()[2]) < 5, f"rank {r} waited: {said[0]}"

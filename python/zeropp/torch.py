@@ -787,12 +787,15 @@ class _Work(dist.Work):
     (``device`` given) its wait makes the caller's current stream wait for
     the collective: on CUDA the host goes on."""
 
-    def __init__(self, op, *tensors, kind="all_gather", device=None):
+    def __init__(self, op, *tensors, kind="all_gather", device=None, explain=None):
         super().__init__()
         self._op = op
         self._tensors = tensors
         self._device = device
         self._kind = kind
+        # Where a value that is not finite came from, said with this rank's
+        # own error (a reduce-scatter's parameter group).
+        self._explain = explain
         count = _in_flight.setdefault(kind, [0, 0])
         count[0] += 1
         count[1] = max(count[1], count[0])
@@ -801,11 +804,21 @@ class _Work(dist.Work):
         if self._kind is not None:
             _in_flight[self._kind][0] -= 1
             self._kind = None
-        if self._device is None:
-            self._op.wait()
-        else:
-            self._op.wait(_stream(self._device))
-        self._tensors = ()
+        explain, self._explain = self._explain, None
+        try:
+            if self._device is None:
+                self._op.wait()
+            else:
+                self._op.wait(_stream(self._device))
+        except PeerError:
+            raise
+        except ZeroppError as e:
+            where = explain() if explain is not None and "not finite" in str(e) else None
+            if where is None:
+                raise
+            raise ZeroppError(f"{e}; {where}") from e
+        finally:
+            self._tensors = ()
         return True
 
     def is_completed(self):
@@ -815,12 +828,12 @@ class _Work(dist.Work):
         return self.is_completed()
 
 
-def _device_work(op, async_op, tensors, kind):
+def _device_work(op, async_op, tensors, kind, explain=None):
     """The device path's answer to FSDP2: ``op`` (the device job's Work) is
     in flight on the device, launched in the order of the caller's stream
     (on the emulated device, its one queue); the Work's ``wait`` makes the
     stream current then wait for it."""
-    work = _Work(op, *tensors, kind=kind, device=tensors[0].device)
+    work = _Work(op, *tensors, kind=kind, device=tensors[0].device, explain=explain)
     if async_op:
         return work
     work.wait()
@@ -1064,6 +1077,34 @@ def _serve_replicate(mesh_info):
     return pg
 
 
+def _first_non_finite(input_tensor, world, groups):
+    """Which parameter's gradient holds the first value of ``input_tensor``
+    (FSDP2's reduce-scatter input: ``world`` rows, each the padded shards of
+    the group's gradients one after the other) that is not finite, with how
+    many there are; None where there is none to name."""
+    flat = input_tensor.detach().reshape(-1)
+    bad = (~torch.isfinite(flat)).nonzero()
+    if bad.numel() == 0 or world < 1:
+        return None
+    first = int(bad[0])
+    value = flat[first].item()
+    row = flat.numel() // world
+    offset = first % row
+    count = f"{bad.numel()} of the {flat.numel()} gradient values reduced here are NaN or Inf"
+    # The group whose gradients fill the row (FSDP2 sends those with one).
+    for g in groups:
+        params = [p for p in g.fsdp_params if p.sharded_param.requires_grad]
+        sizes = [p.padded_sharded_param_size.numel() for p in params]
+        if sum(sizes) != row:
+            continue
+        for p, n in zip(params, sizes, strict=True):
+            if offset < n:
+                name = getattr(p, "_param_fqn", None) or p._module_info.param_name
+                return f"the first ({value}) is in the gradient of parameter {name!r}; {count}"
+            offset -= n
+    return count
+
+
 class ZeroppReduceScatter(ReduceScatter):
     """FSDP2's gradient reduce-scatter through zeropp: qgZ (two hops,
     quantized, f32 sums, error feedback held here, per parameter group) or
@@ -1086,13 +1127,26 @@ class ZeroppReduceScatter(ReduceScatter):
     def allocate(self, size, *, dtype, device):
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def watch_groups(self, groups):
+        """The FSDP2 parameter groups this reduce-scatter serves
+        (FSDPParamGroup): a gradient that is not finite is said with the
+        parameter it belongs to."""
+        self._groups = list(groups)
+
+    def _explain(self, input_tensor, world):
+        """What says, once this call failed on a value that is not finite,
+        which parameter's gradient holds the first one."""
+        groups = getattr(self, "_groups", ())
+        return lambda: _first_non_finite(input_tensor, world, groups)
+
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         mean = _mean(op, "reduce-scatter")
+        explain = self._explain(input_tensor, group.size())
         if _on_device(output_tensor):
             op, tensors = self._cuda(output_tensor, input_tensor, group, mean)
             if self.replicate is not None:
                 _next_all_reduce[0] = (output_tensor, self.replicate)
-            return _device_work(op, async_op, tensors, "reduce_scatter")
+            return _device_work(op, async_op, tensors, "reduce_scatter", explain)
         work = _Work(
             self._job.reduce_scatter(
                 host_bytes(output_tensor, "reduce-scatter output"),
@@ -1105,6 +1159,7 @@ class ZeroppReduceScatter(ReduceScatter):
             output_tensor,
             input_tensor,
             kind="reduce_scatter",
+            explain=explain,
         )
         if self.replicate is not None:
             _next_all_reduce[0] = (output_tensor, self.replicate)
@@ -1396,6 +1451,7 @@ class _Served:
         )
         module.set_custom_all_gather(ag)
         module.set_custom_reduce_scatter(rs)
+        rs.watch_groups(module._get_fsdp_state()._fsdp_param_groups)
         _ForwardOrder.install(module)
         if self.replicate is not None:
             for group in module._get_fsdp_state()._fsdp_param_groups:
