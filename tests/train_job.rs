@@ -693,14 +693,19 @@ fn train_help_says_each_default() {
     }
 }
 
-/// Ctrl-C, `kill` or a scheduler's SIGTERM stops a self-launched run: its
-/// ranks are stopped (none runs on), its own files go, and it exits as a
-/// process stopped by that signal would (128 + its number).
+/// Ctrl-C, `kill` or a scheduler's SIGTERM stops a self-launched run, and
+/// so does the reader of its output going away (`| head`): its ranks are
+/// stopped (none runs on), its own files go, and it exits as a process
+/// stopped by that signal would (128 + its number).
 #[test]
 fn a_run_stopped_by_a_signal_stops_its_ranks_and_cleans_up() {
     use std::io::{BufRead, BufReader};
     use std::process::Stdio;
-    for (signal, name) in [(libc::SIGTERM, "SIGTERM"), (libc::SIGINT, "SIGINT")] {
+    for (signal, name) in [
+        (libc::SIGTERM, "SIGTERM"),
+        (libc::SIGINT, "SIGINT"),
+        (libc::SIGPIPE, "SIGPIPE"),
+    ] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_zeropp"))
             .args(["train", "--steps", "100000", "--log-every", "1"])
             .args(["--width", "32", "--layers", "1", "--heads", "2"])
@@ -718,8 +723,12 @@ fn a_run_stopped_by_a_signal_stops_its_ranks_and_cleans_up() {
             assert!(out.read_line(&mut line).unwrap() > 0, "no step logged");
         }
         assert!(config.exists(), "{}", config.display());
-        // SAFETY: signalling the child we started.
-        unsafe { libc::kill(child.id() as i32, signal) };
+        if signal == libc::SIGPIPE {
+            drop(out);
+        } else {
+            // SAFETY: signalling the child we started.
+            unsafe { libc::kill(child.id() as i32, signal) };
+        }
         let o = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(128 + signal), "{name}: {err}");

@@ -57,6 +57,7 @@ fn signal_name(signal: i32) -> &'static str {
         libc::SIGINT => "SIGINT (Ctrl-C)",
         libc::SIGTERM => "SIGTERM",
         libc::SIGHUP => "SIGHUP (the terminal closed)",
+        libc::SIGPIPE => "SIGPIPE (the reader of its output went away)",
         _ => "a signal",
     }
 }
@@ -212,7 +213,18 @@ fn forward(
                     words.insert(rank, text.trim().to_string());
                 }
             } else {
-                let _ = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+                let written = writeln!(std::io::stdout().lock(), "[rank {rank}] {text}");
+                if written.is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) {
+                    // The reader of our output went away (`| head`): stop,
+                    // as a process killed by SIGPIPE would, not train on
+                    // unseen (the rank's output is still drained).
+                    let _ = STOP_SIGNAL.compare_exchange(
+                        0,
+                        libc::SIGPIPE,
+                        std::sync::atomic::Ordering::SeqCst,
+                        std::sync::atomic::Ordering::SeqCst,
+                    );
+                }
             }
         }
     })
