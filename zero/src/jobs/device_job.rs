@@ -1269,32 +1269,39 @@ mod tests {
         }
     }
 
+    /// A qgZ reduce-scatter of `grad` over the world, launched on the
+    /// job's queue (a value that is not finite is found there, after the
+    /// launch returned).
+    fn launch_qgz_scatter(job: &Arc<DeviceJob<EmulatedDevice>>, grad: Vec<f32>) -> EmulatedWork {
+        let world: Vec<usize> = (0..job.layout().world()).collect();
+        let mut feedback = DeviceFeedback::default();
+        let call = move |job: &DeviceJob<EmulatedDevice>| {
+            let mut out = vec![0f32; grad.len() / world.len()];
+            let c = DeviceScatter {
+                out: out.as_mut_ptr() as u64,
+                inp: grad.as_ptr() as u64,
+                numel: grad.len(),
+                ranks: &world,
+                stream: 0,
+                reduction: Reduction::Mean,
+                wire: qgz_wire(),
+                rounding: Rounding::NearestEven,
+                feedback: Some(&mut feedback),
+            };
+            // SAFETY: `grad` holds `numel` values, `out` a W-th.
+            unsafe { job.reduce_scatter::<f32>(c) }
+        };
+        // SAFETY: the buffers live in the call.
+        unsafe { job.launch(0, call) }.expect("launched: a NaN is not seen yet")
+    }
+
     #[test]
     fn an_error_found_after_the_call_returned_surfaces_at_wait() {
         let got = on_world(2, 2, Duration::from_secs(10), |r| {
             let job = Arc::new(emulated_job(&r));
             let mut grad = values(r.layout.rank, LEN);
             grad[7] = f32::NAN;
-            let world: Vec<usize> = (0..r.layout.world()).collect();
-            let mut feedback = DeviceFeedback::default();
-            let call = move |job: &DeviceJob<EmulatedDevice>| {
-                let mut out = vec![0f32; grad.len() / world.len()];
-                let c = DeviceScatter {
-                    out: out.as_mut_ptr() as u64,
-                    inp: grad.as_ptr() as u64,
-                    numel: grad.len(),
-                    ranks: &world,
-                    stream: 0,
-                    reduction: Reduction::Mean,
-                    wire: qgz_wire(),
-                    rounding: Rounding::NearestEven,
-                    feedback: Some(&mut feedback),
-                };
-                // SAFETY: `grad` holds `numel` values, `out` a W-th.
-                unsafe { job.reduce_scatter::<f32>(c) }
-            };
-            // SAFETY: the buffers live in the call.
-            let work = unsafe { job.launch(0, call) }.expect("launched: the NaN is not seen yet");
+            let work = launch_qgz_scatter(&job, grad);
             unsafe { work.wait(0) }.unwrap_err().to_string()
         });
         for e in &got {
@@ -1316,27 +1323,8 @@ mod tests {
             if rank == 3 {
                 grad[7] = f32::NAN;
             }
-            let world: Vec<usize> = (0..r.layout.world()).collect();
-            let mut feedback = DeviceFeedback::default();
-            let call = move |job: &DeviceJob<EmulatedDevice>| {
-                let mut out = vec![0f32; grad.len() / world.len()];
-                let c = DeviceScatter {
-                    out: out.as_mut_ptr() as u64,
-                    inp: grad.as_ptr() as u64,
-                    numel: grad.len(),
-                    ranks: &world,
-                    stream: 0,
-                    reduction: Reduction::Mean,
-                    wire: qgz_wire(),
-                    rounding: Rounding::NearestEven,
-                    feedback: Some(&mut feedback),
-                };
-                // SAFETY: `grad` holds `numel` values, `out` a W-th.
-                unsafe { job.reduce_scatter::<f32>(c) }
-            };
             let started = Instant::now();
-            // SAFETY: the buffers live in the call.
-            let work = unsafe { job.launch(0, call) }.unwrap();
+            let work = launch_qgz_scatter(&job, grad);
             let e = unsafe { work.wait(0) }.unwrap_err();
             let took = started.elapsed();
             if rank == 3 {
