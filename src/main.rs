@@ -240,7 +240,13 @@ enum RoundingArg {
 fn run(cli: Cli) -> Result<()> {
     if matches!(
         cli.command,
-        Command::Topo(_) | Command::Ckpt(_) | Command::Generate(_)
+        Command::Topo(_)
+            | Command::Ckpt(_)
+            | Command::Generate(_)
+            | Command::Plan(_)
+            | Command::QuantError { .. }
+            | Command::Cuda(_)
+            | Command::ExampleWeights { .. }
     ) {
         // Report-only commands: a closed pipe (`| head`) ends them quietly,
         // as it does any Unix tool. (Commands that talk to peers keep Rust's

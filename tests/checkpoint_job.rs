@@ -542,6 +542,35 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
         &["rank-00000.zst", "the manifest implies"],
     );
 
+    // An export into the checkpoint it reads would replace its files (its
+    // manifest, `latest`); one into another model's directory would leave
+    // that model's shards beside it: refused, the checkpoint intact.
+    let stale = d.join("stale");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(stale.join("model-00001-of-00002.safetensors"), b"x").unwrap();
+    for (out, format, said) in [
+        (
+            good.join("manifest.json"),
+            "zeropp",
+            "is inside the checkpoint",
+        ),
+        (ck.join("latest"), "zeropp", "is inside the checkpoint"),
+        (ck.join("hf"), "hf", "is inside the checkpoint"),
+        (stale.clone(), "hf", "model-00001-of-00002.safetensors"),
+    ] {
+        let o = zeropp()
+            .args(["ckpt", "export", s(&ck), s(&out), "--format", format])
+            .output()
+            .unwrap();
+        assert!(
+            !o.status.success() && show(&o).contains(said),
+            "{}",
+            show(&o)
+        );
+    }
+    let o = inspect(&ck);
+    assert!(o.status.success(), "{}", show(&o));
+
     // A manifest whose units are not its model's: inspect says so, and no
     // export writes tensors under names (or sizes) the model does not have.
     let c = d.join("renamed-unit");

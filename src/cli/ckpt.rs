@@ -1,9 +1,9 @@
 //! `zeropp ckpt`: inspect and verify a checkpoint, run its model on text,
 //! export it (zeropp's safetensors or a Hugging Face GPT-2).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::{Subcommand, ValueEnum};
 
 #[derive(Subcommand, Debug)]
@@ -60,6 +60,67 @@ pub enum ExportFormat {
     Hf,
 }
 
+/// Refuses an export that would write into the checkpoint it reads (step
+/// directory `step`, and the directory of checkpoints holding it, whose
+/// `latest` says which is newest): it would replace the checkpoint's own
+/// files. A directory export (`files`: the names it writes) is refused
+/// where `out` holds anything else, which a loader would read beside it
+/// (another model's shards and index).
+fn check_export_out(step: &Path, out: &Path, files: Option<&[&str]>) -> Result<()> {
+    let real = |p: &Path| -> Option<PathBuf> {
+        // The nearest part of `p` that exists, resolved, and the rest.
+        let abs = std::path::absolute(p).ok()?;
+        let mut head = abs.as_path();
+        let mut rest = Vec::new();
+        loop {
+            if let Ok(r) = head.canonicalize() {
+                return Some(rest.iter().rev().fold(r, |acc, part| acc.join(part)));
+            }
+            rest.push(head.file_name()?.to_owned());
+            head = head.parent()?;
+        }
+    };
+    let (Some(out_real), Some(step_real)) = (real(out), real(step)) else {
+        return Ok(());
+    };
+    let root = step_real
+        .parent()
+        .filter(|p| p.join("latest").is_file())
+        .map(Path::to_path_buf);
+    for inside in root.iter().chain(std::iter::once(&step_real)) {
+        if out_real.starts_with(inside) {
+            bail!(
+                "{} is inside the checkpoint {}: the export would replace its files; write it \
+                 outside (e.g. {})",
+                out.display(),
+                inside.display(),
+                inside
+                    .parent()
+                    .unwrap_or(Path::new("."))
+                    .join(out.file_name().unwrap_or("export".as_ref()))
+                    .display()
+            );
+        }
+    }
+    if let (Some(files), Ok(entries)) = (files, std::fs::read_dir(out)) {
+        let mut others: Vec<String> = entries
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| !files.contains(&n.as_str()))
+            .collect();
+        if !others.is_empty() {
+            others.sort();
+            bail!(
+                "{} already holds other files ({}): a loader would read them beside the export \
+                 (another model's shards or index); export to a new or empty directory",
+                out.display(),
+                others.join(", ")
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Runs `zeropp ckpt`.
 pub fn run(command: CkptCommand) -> Result<()> {
     match command {
@@ -82,6 +143,7 @@ pub fn run(command: CkptCommand) -> Result<()> {
             format: ExportFormat::Zeropp,
         } => {
             let dir = crate::train::checkpoint::resolve(&dir)?;
+            check_export_out(&dir, &out, None)?;
             let m = crate::train::checkpoint::read_manifest(&dir)?;
             let n = crate::train::checkpoint::export(&dir, &m, &out)?;
             println!("wrote {n} tensors of step {} to {}", m.step, out.display());
@@ -91,6 +153,8 @@ pub fn run(command: CkptCommand) -> Result<()> {
             out,
             format: ExportFormat::Hf,
         } => {
+            let resolved = crate::train::checkpoint::resolve(&dir)?;
+            check_export_out(&resolved, &out, Some(crate::train::hf::FILES))?;
             let (n, step) = crate::train::hf::export_dir(&dir, &out)?;
             println!(
                 "wrote a GPT-2 of {n} tensors (step {step}) to {}: \

@@ -131,6 +131,14 @@ pub fn tokenizer_json() -> serde_json::Value {
 
 /// Writes checkpoint `dir` as a GPT-2 directory `out` (created; files in it
 /// replaced). Returns the number of tensors written.
+/// The files [`export`] writes into its directory.
+pub const FILES: &[&str] = &[
+    "model.safetensors",
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+];
+
 pub fn export(dir: &Path, m: &Manifest, out: &Path) -> Result<usize> {
     let c = &m.config.model;
     if c.vocab > 256 {
