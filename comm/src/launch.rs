@@ -62,6 +62,9 @@ fn signal_name(signal: i32) -> &'static str {
     }
 }
 
+/// The most ranks one launch starts on its machine.
+const MAX_RANKS_HERE: usize = 1024;
+
 /// The signal that asked this launcher to stop (0: none yet), set by
 /// [`on_stop_signal`].
 static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
@@ -693,6 +696,14 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
         )));
     }
     let mut meeting = meeting(opts)?;
+    let here = meeting.local_nodes.len() * opts.ranks_per_node;
+    if here > MAX_RANKS_HERE {
+        return Err(options(format!(
+            "this launch would start {here} ranks on this machine; it starts at most \
+             {MAX_RANKS_HERE} (one a GPU or a few cores is the usual): lower --ranks-per-node, or \
+             start each node's ranks on its own host with --node-rank"
+        )));
+    }
     let last_words = meeting.last_words.clone();
     let (store, server) = job_store(opts, &meeting)?;
     meeting.store = store;
@@ -713,17 +724,29 @@ pub fn launch(opts: &LaunchOptions) -> Result<()> {
     let mut ranks = Vec::new();
     let mut forwarders = Vec::new();
     catch_stop_signals();
-    for node in meeting.local_nodes.clone() {
-        for local in 0..opts.ranks_per_node {
-            ranks.push(spawn(
-                opts,
-                &meeting,
-                (node, local),
-                threads,
-                &mut forwarders,
-                0,
-            )?);
-        }
+    // A signal while the ranks start stops those started; so does a rank
+    // that cannot start.
+    let started = meeting
+        .local_nodes
+        .clone()
+        .flat_map(|node| (0..opts.ranks_per_node).map(move |local| (node, local)))
+        .try_for_each(|at| match stop_signal() {
+            Some(signal) => Err(LaunchError::Interrupted { signal }),
+            None => {
+                ranks.push(spawn(opts, &meeting, at, threads, &mut forwarders, 0)?);
+                Ok(())
+            }
+        });
+    if let Err(e) = started {
+        let e = match e {
+            LaunchError::Interrupted { signal } => stop_all(&mut ranks, opts.grace, signal),
+            e => {
+                ranks.iter_mut().for_each(stop);
+                e
+            }
+        };
+        default_stop_signals();
+        return Err(e);
     }
     let per_island = (islands > 1).then_some(opts.nodes / islands * opts.ranks_per_node);
     let mut starts = std::collections::HashMap::new();
@@ -841,6 +864,14 @@ mod tests {
             ..opts(1, 0, None)
         });
         assert!(e.contains("at most 1e9"), "{e}");
+        let e = refused(LaunchOptions {
+            ranks_per_node: 5000,
+            ..opts(1, 0, None)
+        });
+        assert!(
+            e.contains("ranks on this machine") && e.contains("at most 1024"),
+            "{e}"
+        );
         let e = refused(opts(0, 0, None));
         assert!(e.contains("--islands 0") && e.contains("1 or more"), "{e}");
         let e = refused(opts(1, 2, None));
