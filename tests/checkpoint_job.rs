@@ -677,12 +677,22 @@ fn a_save_that_fails_for_lack_of_space_leaves_the_previous_checkpoint_usable() {
     assert!(!ck.join("step-00000020").exists());
     let o = inspect(&ck);
     assert!(o.status.success(), "{}", show(&o));
-    // And resuming from it still works.
+    // And resuming from it still works; its save removes what interrupted
+    // saves left, of any step (one of another run's step 99 too).
+    let other = ck.join(".tmp-step-00000099");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("rank-00000.zst"), b"partial").unwrap();
     train_ok(&["--resume", s(&ck)]);
     assert_eq!(
         std::fs::read_to_string(ck.join("latest")).unwrap(),
         "step-00000020"
     );
+    let left: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.starts_with(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     std::fs::remove_dir_all(d).ok();
 }
 

@@ -592,12 +592,19 @@ pub fn save(
     }
 }
 
-/// An empty temporary directory `tmp` under `root` (a leftover from a
-/// crash removed).
+/// An empty temporary directory `tmp` under `root`; the leftovers of saves
+/// a crash interrupted (any `.tmp-step-*`, as large as a checkpoint) are
+/// removed.
 fn prepare(root: &Path, tmp: &Path) -> Result<()> {
     std::fs::create_dir_all(root).with_context(|| format!("cannot create {}", root.display()))?;
-    if tmp.exists() {
-        std::fs::remove_dir_all(tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+    let leftovers = std::fs::read_dir(root)
+        .with_context(|| format!("cannot read {}", root.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".tmp-step-"))
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()));
+    for e in leftovers {
+        let p = e.path();
+        std::fs::remove_dir_all(&p).with_context(|| format!("cannot remove {}", p.display()))?;
     }
     std::fs::create_dir(tmp).with_context(|| format!("cannot create {}", tmp.display()))
 }
