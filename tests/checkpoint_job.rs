@@ -570,6 +570,21 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
     }
     let o = inspect(&ck);
     assert!(o.status.success(), "{}", show(&o));
+    // A new run into it would mix its saves with these and prune them.
+    let o = zeropp()
+        .args(["train", "--steps", "4", "--checkpoint-dir", s(&ck)])
+        .output()
+        .unwrap();
+    assert!(
+        !o.status.success() && show(&o).contains("holds an earlier run's checkpoints"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        show(&o).contains(&format!("--resume {}", ck.display())),
+        "{}",
+        show(&o)
+    );
 
     // A manifest whose units are not its model's: inspect says so, and no
     // export writes tensors under names (or sizes) the model does not have.

@@ -192,7 +192,7 @@ pub fn run(args: TrainArgs) -> Result<()> {
     if let Err(crate::comm::env::EnvError::Missing) = facts {
         // The whole job is on this machine: its outputs are checked once,
         // before any rank starts.
-        trainer::prepare_outputs(&cfg)?;
+        trainer::prepare_outputs(&cfg, false)?;
     }
     match facts {
         Err(crate::comm::env::EnvError::Missing) if args.compare => match &args.seeds {

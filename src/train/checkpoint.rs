@@ -801,6 +801,29 @@ fn dirs_holding(root: &Path, file: &str) -> Vec<PathBuf> {
     dirs
 }
 
+/// Refuses a run that starts afresh (not a resume) in a checkpoint
+/// directory holding an earlier run's checkpoints: its saves would mix
+/// with them (a step of the same number replaced, `latest` moved between
+/// runs) and its pruning remove them.
+pub fn check_fresh_dir(root: &Path) -> Result<()> {
+    let steps: Vec<String> = dirs_holding(root, "manifest.json")
+        .iter()
+        .filter_map(|d| d.file_name())
+        .map(|n| n.to_string_lossy().into_owned())
+        .collect();
+    let Some(newest) = steps.last() else {
+        return Ok(());
+    };
+    bail!(
+        "--checkpoint-dir {}: it holds an earlier run's checkpoints ({}); continue that run with \
+         --resume {} (its newest: {newest}), or give this run a directory of its own (or remove \
+         them)",
+        root.display(),
+        steps.join(", "),
+        root.display()
+    )
+}
+
 /// The checkpoints beside a `latest` that names none, newest first, as a
 /// hint to resume one of them (empty when there is none).
 fn others_here(root: &Path) -> String {

@@ -94,7 +94,7 @@ impl Trainer {
         let islands = cfg.island_config()?;
         let lead = facts.rank == 0;
         if lead {
-            prepare_outputs(&cfg)?;
+            prepare_outputs(&cfg, facts.rejoin)?;
         }
         let transport_name = crate::comm::Transport::name(&*job.counter);
         let engine_cfg = EngineConfig {
@@ -435,9 +435,15 @@ fn islands_summary(
 }
 
 /// Checks before training that every output file can be written where
-/// asked (its directory made if missing, the plot named `.png`): a bad
-/// path is said at once, not after the run.
-pub(crate) fn prepare_outputs(cfg: &TrainConfig) -> Result<()> {
+/// asked (its directory made if missing, the plot named `.png`), and that a
+/// run starting afresh (not a resume, nor a restarted island rejoining:
+/// `rejoin`) has a checkpoint directory of its own: a bad path is said at
+/// once, not after the run.
+pub(crate) fn prepare_outputs(cfg: &TrainConfig, rejoin: bool) -> Result<()> {
+    let ck = &cfg.checkpoint;
+    if let (Some(dir), None, false) = (&ck.checkpoint_dir, &ck.resume, rejoin) {
+        crate::train::checkpoint::check_fresh_dir(dir)?;
+    }
     let o = &cfg.output;
     if let Some(p) = &o.plot {
         let png = p.extension().is_some_and(|e| e.eq_ignore_ascii_case("png"));
