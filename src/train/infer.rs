@@ -105,6 +105,22 @@ impl Model {
         top_k: usize,
         seed: u64,
     ) -> Result<Vec<u8>> {
+        self.generate_each(prompt, new_tokens, (temperature, top_k, seed), &mut |_| {
+            Ok(())
+        })
+    }
+
+    /// [`Model::generate`], handing each byte to `each` as it is sampled
+    /// (a caller that prints them shows the text as it grows; an error
+    /// from `each` stops the generation). The model sees the last
+    /// `context` bytes of the prompt and what followed.
+    pub fn generate_each(
+        &self,
+        prompt: &[u8],
+        new_tokens: usize,
+        (temperature, top_k, seed): (f64, usize, u64),
+        each: &mut dyn FnMut(u8) -> Result<()>,
+    ) -> Result<Vec<u8>> {
         if prompt.is_empty() {
             bail!("the prompt is empty: give at least one byte of text");
         }
@@ -124,6 +140,7 @@ impl Model {
                 sample(&last.to_vec1::<f32>()?, temperature, top_k, &mut rng)
             };
             ids.push(next);
+            each(next as u8)?;
         }
         Ok(ids[prompt.len()..].iter().map(|&i| i as u8).collect())
     }
