@@ -640,7 +640,16 @@ fn damaged_or_mismatched_checkpoints_are_named_errors() {
     let o = inspect(&root);
     assert!(!o.status.success());
     assert!(
-        show(&o).contains("checkpoints here: step-00000010 (resume one by its path"),
+        show(&o).contains("checkpoints here: step-00000010 (name one by its path"),
+        "{}",
+        show(&o)
+    );
+    // No latest at all: the same.
+    std::fs::remove_file(root.join("latest")).unwrap();
+    let o = inspect(&root);
+    assert!(!o.status.success());
+    assert!(
+        show(&o).contains("checkpoints here: step-00000010"),
         "{}",
         show(&o)
     );

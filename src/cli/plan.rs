@@ -240,10 +240,18 @@ fn check(a: &PlanArgs, params: f64) -> Result<()> {
 /// summary, or estimated from the model's FLOPs and the device's TFLOP/s.
 fn compute_per_step(a: &PlanArgs, params: f64) -> Result<f64> {
     let compute_s = match (a.compute_s, &a.compute_from, a.tflops) {
-        (Some(c), None, _) => c,
-        (None, Some(path), _) => compute_from_summary(path)?,
         (Some(_), Some(_), _) => bail!("give --compute-s or --compute-from, not both"),
-        (None, None, Some(t)) if t > 0.0 => 8.0 * params * a.tokens_per_rank / (t * 1e12),
+        (Some(_), None, Some(_)) | (None, Some(_), Some(_)) => {
+            bail!(
+                "--tflops estimates the compute that --compute-s or --compute-from gives: give one"
+            )
+        }
+        (Some(c), None, None) => c,
+        (None, Some(path), None) => compute_from_summary(path)?,
+        (None, None, Some(t)) if t > 0.0 && t.is_finite() => {
+            8.0 * params * a.tokens_per_rank / (t * 1e12)
+        }
+        (None, None, Some(t)) => bail!("--tflops {t}: a positive rate (TFLOP/s per rank)"),
         // The measured run's own compute.
         (None, None, None) if a.measured.is_some() => {
             compute_from_summary(a.measured.as_deref().expect("checked"))?

@@ -775,7 +775,8 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         .map(|d| d.display().to_string())
         .collect();
     let hint = match inside.as_slice() {
-        [] => String::new(),
+        // Checkpoints whose `latest` is gone are still whole.
+        [] => others_here(path),
         dirs => format!(
             "; it holds checkpoint directories (a --compare run's, one per mode): {}",
             dirs.join(", ")
@@ -836,7 +837,7 @@ fn others_here(root: &Path) -> String {
     match steps.first() {
         None => String::new(),
         Some(newest) => format!(
-            "; checkpoints here: {} (resume one by its path: --resume {})",
+            "; checkpoints here: {} (name one by its path, e.g. {})",
             steps.join(", "),
             root.join(newest).display()
         ),

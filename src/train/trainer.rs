@@ -334,10 +334,10 @@ fn print_start(
             format!("{} steps", c.sync_every)
         };
         println!(
-            "islands: {} of {} ranks, each sharding over its own; outer sync every {every} ({}, \
+            "islands: {} of {}, each sharding over its own; outer sync every {every} ({}, \
              Nesterov lr {} momentum {})",
             c.count,
-            engine.plan().layout.world(),
+            crate::comm::count(engine.plan().layout.world(), "rank"),
             if c.quantized.is_some() {
                 "int4 with error feedback"
             } else {

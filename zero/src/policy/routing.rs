@@ -357,7 +357,11 @@ impl RoutingPlan {
                 h.name, h.group_size, h.transport, h.why
             );
         }
-        s += &format!("  hpZ group: {} ranks ({})\n", self.hpz_group, self.hpz_why);
+        s += &format!(
+            "  hpZ group: {} ({})\n",
+            zeropp_comm::count(self.hpz_group, "rank"),
+            self.hpz_why
+        );
         let name = |bits: u32| match bits {
             16 => "bf16".to_string(),
             b => format!("int{b}"),
