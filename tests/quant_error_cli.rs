@@ -146,7 +146,7 @@ fn a_nan_weight_is_named_and_bad_flags_are_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("layer.weight") && err.contains("element 777"),
+        err.contains("nan.safetensors: tensor 'layer.weight'") && err.contains("element 777"),
         "{err}"
     );
 

@@ -122,7 +122,7 @@ pub enum QuantError {
         value: f32,
     },
     #[error(
-        "block {block} spans [{min}, {max}], a range that overflows f32; \
+        "block {block} spans [{min:e}, {max:e}], a range that overflows f32; \
          use the symmetric scheme for this tensor"
     )]
     RangeOverflow { block: usize, min: f32, max: f32 },

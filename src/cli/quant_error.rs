@@ -113,11 +113,12 @@ fn measure_file(
             let q = QuantizedTensor::quantize(&wide, format, rounding.for_part(s)).map_err(
                 |e| match e {
                     zeropp_quant::QuantError::NonFinite { index, value, .. } => anyhow::anyhow!(
-                        "tensor '{name}': element {} is {value}; a checkpoint with NaN or \
+                        "{}: tensor '{name}': element {} is {value}; a checkpoint with NaN or \
                          Inf weights cannot be quantized — check the run that wrote it",
+                        path.display(),
                         s * SEGMENT + index
                     ),
-                    other => anyhow::anyhow!("tensor '{name}': {other}"),
+                    other => anyhow::anyhow!("{}: tensor '{name}': {other}", path.display()),
                 },
             )?;
             let back: Vec<f32> = q.dequantize()?;
