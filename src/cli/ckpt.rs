@@ -12,6 +12,7 @@ pub enum CkptCommand {
     /// checksum, contents). DIR is a checkpoint or a checkpoint directory
     /// (its latest). Exits non-zero naming the bad file.
     Inspect {
+        /// A checkpoint, or a checkpoint directory (its latest).
         dir: PathBuf,
         /// Print the manifest as JSON instead.
         #[arg(long)]
@@ -27,7 +28,9 @@ pub enum CkptCommand {
     ///
     /// Example: zeropp ckpt export ckpt/ gpt2-out --format hf
     Export {
+        /// A checkpoint, or a checkpoint directory (its latest).
         dir: PathBuf,
+        /// The safetensors file to write (--format hf: the directory).
         out: PathBuf,
         #[arg(long, value_enum, default_value_t = ExportFormat::Zeropp)]
         format: ExportFormat,
@@ -39,6 +42,7 @@ pub enum CkptCommand {
     ///
     /// Example: zeropp ckpt eval ckpt/ --text "to be or not" --json
     Eval {
+        /// A checkpoint, or a checkpoint directory (its latest).
         dir: PathBuf,
         /// Text to run, as UTF-8 bytes; repeat for a batch (same byte length).
         #[arg(long, required = true)]

@@ -12,8 +12,10 @@ pub struct PlanArgs {
     /// padded for 4 ranks: 138240).
     #[arg(long)]
     pub params: Option<f64>,
+    /// Nodes (hosts, or groups of ranks behind one NIC) of the job.
     #[arg(long, default_value_t = 2)]
     pub nodes: usize,
+    /// Ranks (GPUs) per node.
     #[arg(long, default_value_t = 2)]
     pub ranks_per_node: usize,
     /// Bandwidth one rank sees inside a node, GB/s (NVLink, PCIe, memory).
@@ -25,6 +27,7 @@ pub struct PlanArgs {
     /// the flow's own behaviour take a share.
     #[arg(long, default_value_t = 1.0)]
     pub nic_gbit: f64,
+    /// NICs per node, each of --nic-gbit.
     #[arg(long, default_value_t = 1)]
     pub nics_per_node: usize,
     /// Latency per message, microseconds.
@@ -55,8 +58,11 @@ pub struct PlanArgs {
     /// Units the model is gathered in.
     #[arg(long, default_value_t = 4)]
     pub units: usize,
+    /// Values per block of qwZ's quantized weights (--block of zeropp
+    /// train).
     #[arg(long, default_value_t = 256.0)]
     pub block: f64,
+    /// Values per block of qgZ's quantized gradient hop inside the node.
     #[arg(long, default_value_t = 32.0)]
     pub qgz_block: f64,
     /// Bits of qgZ's first hop, inside the node, 16 for bf16 (zeropp
@@ -91,12 +97,16 @@ pub struct PlanArgs {
     /// The H values the islands table compares.
     #[arg(long, value_delimiter = ',', default_value = "10,20,50,100")]
     pub sync_every: Vec<usize>,
-    /// Streamed islands: fragments, and the inner steps each exchange may
-    /// run behind (0: waited for).
+    /// Streamed islands: the fragments the model's outer exchange is cut
+    /// into, each exchanged at its own step.
     #[arg(long, default_value_t = 1)]
     pub outer_fragments: usize,
+    /// Streamed islands: the inner steps each exchange may run behind (0:
+    /// waited for).
     #[arg(long, default_value_t = 0)]
     pub outer_delay: usize,
+    /// Print the predictions as JSON (with --islands, an object that also
+    /// holds the islands' table).
     #[arg(long)]
     pub json: bool,
 }

@@ -36,8 +36,10 @@ pub enum TopoAction {
     /// classes with estimated bandwidth, hpZ group, qgZ bits per hop, each
     /// rank's NIC and the NCCL/UCX environment, with the reason for each.
     Plan {
+        /// Nodes like this one in the job (N).
         #[arg(long)]
         nodes: usize,
+        /// Ranks (GPUs) per node (G).
         #[arg(long)]
         ranks_per_node: usize,
     },

@@ -712,7 +712,7 @@ pub fn render(input: &PlanInput, tokens_per_step: f64) -> String {
     if c.weight_bits == 4 && !c.beyond {
         let int4 = input.predict(config("zeropp"));
         s += &format!(
-            "int4 weights themselves carry about 16x the rounding error of int8 (check yours with `zeropp quant-error FILE --bits 4`); as differences (--mode zeropp, at loss parity) they would give {:.2}x\n",
+            "int4 weights themselves carry about 18x the rounding error of int8 (127/7 levels) (check yours with `zeropp quant-error FILE --bits 4`); as differences (--mode zeropp, at loss parity) they would give {:.2}x\n",
             zero3.step_s / int4.step_s
         );
     }
