@@ -84,6 +84,8 @@ fn catch_stop_signals() {
         unsafe {
             let mut action: libc::sigaction = std::mem::zeroed();
             action.sa_sigaction = on_stop_signal as *const () as libc::sighandler_t;
+            // The launcher's threads' reads, accepts and waits go on.
+            action.sa_flags = libc::SA_RESTART;
             libc::sigemptyset(&mut action.sa_mask);
             libc::sigaction(signal, &action, std::ptr::null_mut());
         }
